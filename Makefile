@@ -1,0 +1,43 @@
+# Two user-facing targets: `make demo` and `make test`. Everything else is plumbing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TIER2  := .tier2/mcore019
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint tier1 tier2 install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# Second megatron tier: megatron-core 0.19.2 declares Python>=3.12, but its wheel runs on 3.11.
+# It lives in its own folder, put first on PYTHONPATH only for the tier-2 test run.
+$(TIER2)/.installed: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(TIER2) megatron-core==0.19.2 'triton==3.7.*'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/miles-lora-ckpt demo
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+tier1: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+tier2: $(TIER2)/.installed
+	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m megatron $(PYTEST_ARGS)
+
+test: lint tier1 tier2
+
+clean:
+	rm -rf $(VENV) .tier2 build *.egg-info .pytest_cache

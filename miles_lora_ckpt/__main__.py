@@ -1,0 +1,7 @@
+"""`python -m miles_lora_ckpt` is the `miles-lora-ckpt` command."""
+
+import sys
+
+from miles_lora_ckpt.cli import main
+
+sys.exit(main())

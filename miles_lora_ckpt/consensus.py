@@ -1,0 +1,127 @@
+"""Rank-aligned failure consensus over a gloo group.
+
+Code that can fail runs inside `attempt(...)`, which never raises: it returns an `Outcome`. Every
+rank then calls `consensus.agree(phase, outcome)`, one collective in which each rank contributes
+its outcome; if any rank failed, every rank raises the same `CheckpointError` naming the failing
+ranks and their first errors. So no rank ever skips a collective its peers entered. A peer that
+died or hangs turns into an error after the group's timeout instead of an endless wait.
+
+Payloads travel as JSON in uint8 tensors (gloo works on CPU and survives a poisoned NCCL
+communicator); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from miles_lora_ckpt.errors import CheckpointError, RankFailure
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one rank's guarded step produced: a JSON-able value, or the first error."""
+
+    ok: bool
+    value: Any = None
+    error: str | None = None
+
+    @staticmethod
+    def success(value: Any = None) -> Outcome:
+        return Outcome(ok=True, value=value)
+
+
+def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
+    """Run `fn` and capture its result or its exception; never raises an Exception."""
+    try:
+        return Outcome.success(fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - every error must reach the consensus
+        return Outcome(ok=False, error=describe_exception(exc))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """`Type: message` plus the innermost frame, short enough to print once per rank."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+class Consensus:
+    """Agreement among all ranks of one process group (or a single process when world is 1)."""
+
+    def __init__(self, group: Any = None, *, rank: int = 0, world_size: int = 1):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def single_process(cls) -> Consensus:
+        return cls(None, rank=0, world_size=1)
+
+    @classmethod
+    def for_world(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> Consensus:
+        """A consensus over every rank of the initialised default group, on a fresh gloo group.
+
+        Collective: every rank must call it at the same point (it creates a process group).
+        Without torch.distributed initialised it is the single-process consensus.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls.single_process()
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(group, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+    # ------------------------------------------------------------------ collectives
+
+    def agree(self, phase: str, outcome: Outcome) -> list[Any]:
+        """Collective. Raise `CheckpointError` on every rank if any rank failed `phase`.
+
+        Returns every rank's value, indexed by rank, on every rank.
+        """
+        mine = {"ok": outcome.ok, "value": outcome.value, "error": outcome.error}
+        everyone = self._all_gather_json(phase, mine)
+        failures = [RankFailure(r, o["error"]) for r, o in enumerate(everyone) if not o["ok"]]
+        if failures:
+            raise CheckpointError(phase, failures)
+        return [o["value"] for o in everyone]
+
+    def agree_same(self, phase: str, outcome: Outcome) -> Any:
+        """Like `agree`, and every rank's value must also be identical; returns that value."""
+        values = self.agree(phase, outcome)
+        distinct = {json.dumps(v, sort_keys=True) for v in values}
+        if len(distinct) > 1:
+            detail = [RankFailure(r, f"has {json.dumps(v, sort_keys=True)}") for r, v in enumerate(values)]
+            raise CheckpointError(f"{phase} (ranks disagree)", detail)
+        return values[0]
+
+    def broadcast_text(self, phase: str, text: str, src: int = 0) -> str:
+        """Collective. Every rank returns `src`'s text."""
+        return self.agree(phase, Outcome.success(text if self.rank == src else None))[src]
+
+    def _all_gather_json(self, phase: str, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [json.loads(json.dumps(obj))]
+        import torch
+        import torch.distributed as dist
+
+        payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.group)
+            longest = int(max(s.item() for s in sizes))
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: payload.numel()] = payload
+            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(gathered, padded, group=self.group)
+        except Exception as exc:  # a dead or hung peer: gloo reports it after the timeout
+            raise CheckpointError(
+                phase, [RankFailure(self.rank, f"collective failed, a peer died or timed out: {exc}")]
+            ) from exc
+        return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]

@@ -1,0 +1,205 @@
+"""Start a job of real OS worker processes joined by a gloo process group, and collect their results.
+
+The parent side imports only the standard library: torch and megatron are imported in the workers.
+Payload and results travel as JSON files (never pickle); each rank's stdout and stderr go to one
+log file whose tail comes back in its ``RankResult``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_TAIL_CHARS = 6000
+_POLL_S = 0.05
+
+
+@dataclass
+class RankResult:
+    """What one rank of a job left behind.
+
+    ``exitcode`` is negative when the rank died by a signal (``-9`` for SIGKILL, also after a
+    timeout). ``error`` is the worker's traceback text, or a launcher note when the rank left no
+    result file. ``stderr_tail`` holds the end of the rank's interleaved stdout and stderr.
+    """
+
+    rank: int
+    exitcode: int | None
+    result: dict | None
+    error: str | None
+    stderr_tail: str
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when the rank exited 0 and reported no error."""
+        return self.exitcode == 0 and self.error is None
+
+
+def run_workers(
+    world_size: int,
+    target: str,
+    payload: dict,
+    *,
+    timeout_s: float = 300,
+    sys_path: tuple[str, ...] | list[str] = (),
+    env: dict[str, str] | None = None,
+    scratch_dir: str | os.PathLike | None = None,
+    failure_grace_s: float = 30.0,
+) -> list[RankResult]:
+    """Run ``target`` ("module:function") as ``function(payload, ctx)`` on ``world_size`` ranks.
+
+    Each rank is a fresh ``python -m miles_lora_ckpt.sim.worker`` process with RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT set; the worker joins a gloo group, installs the CPU intercepts and
+    calls the function. ``sys_path`` entries are prepended to the worker's ``sys.path``; ``env``
+    adds environment variables. ``ctx.scratch_dir`` is ``scratch_dir`` (shared by all ranks), or a
+    temporary folder removed after the job. Once a rank fails, the others get ``failure_grace_s``
+    to finish; at ``timeout_s`` every rank still running is killed and marked ``timed_out``.
+    """
+    job_dir = Path(tempfile.mkdtemp(prefix="miles-sim-job-"))
+    try:
+        scratch = Path(scratch_dir) if scratch_dir is not None else job_dir / "scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        (job_dir / "payload.json").write_text(json.dumps(payload))
+        port = _free_port()
+        procs = [
+            _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env, timeout_s)
+            for rank in range(world_size)
+        ]
+        timed_out = _wait_all(procs, timeout_s, failure_grace_s)
+        return [_collect(job_dir, rank, proc, rank in timed_out) for rank, proc in enumerate(procs)]
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def check_all(results: list[RankResult]) -> list[dict]:
+    """Return every rank's result, or raise ``RuntimeError`` with the error text of each failed rank."""
+    failed = [r for r in results if not r.ok]
+    if not failed:
+        return [r.result for r in results]
+    reports = [
+        f"--- rank {r.rank}: exitcode={r.exitcode} timed_out={r.timed_out}\n{r.error}\n"
+        f"--- rank {r.rank} output tail:\n{r.stderr_tail}"
+        for r in failed
+    ]
+    raise RuntimeError(f"{len(failed)} of {len(results)} ranks failed\n" + "\n".join(reports))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
+    child = dict(os.environ)
+    child.update(extra or {})
+    # Appended, not prepended: a megatron tier put first on PYTHONPATH must stay first.
+    paths = [p for p in child.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(_REPO_ROOT)]
+    child.update(
+        PYTHONPATH=os.pathsep.join(paths),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    return child
+
+
+def _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env, timeout_s):
+    spec = {
+        "rank": rank,
+        "world_size": world_size,
+        "target": target,
+        "payload_path": str(job_dir / "payload.json"),
+        "result_path": str(job_dir / f"result-{rank}.json"),
+        "scratch_dir": str(scratch),
+        "sys_path": [str(p) for p in sys_path],
+        "timeout_s": timeout_s,
+    }
+    spec_path = job_dir / f"spec-{rank}.json"
+    spec_path.write_text(json.dumps(spec))
+    with open(job_dir / f"rank-{rank}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "miles_lora_ckpt.sim.worker", str(spec_path)],
+            env=_worker_env(rank, world_size, port, env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so a kill reaches its children too
+        )
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float, failure_grace_s: float) -> set[int]:
+    """Wait for every rank; return the ranks killed at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return set()
+        if any(c not in (None, 0) for c in codes):
+            deadline = min(deadline, time.monotonic() + failure_grace_s)
+        time.sleep(_POLL_S)
+    killed = {rank for rank, p in enumerate(procs) if p.poll() is None}
+    for rank in killed:
+        _kill_group(procs[rank])
+    return killed
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _collect(job_dir: Path, rank: int, proc: subprocess.Popen, timed_out: bool) -> RankResult:
+    tail = _tail(job_dir / f"rank-{rank}.log")
+    report = _read_json(job_dir / f"result-{rank}.json")
+    error = report.get("error") if report else None
+    if timed_out:
+        error = f"timed out: killed by the launcher (exitcode {proc.returncode})\n" + (error or "")
+    elif report is None:
+        error = _no_result_note(proc.returncode)
+    return RankResult(
+        rank=rank,
+        exitcode=proc.returncode,
+        result=report.get("result") if report else None,
+        error=error,
+        stderr_tail=tail,
+        timed_out=timed_out,
+    )
+
+
+def _no_result_note(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"rank died by signal {signal.Signals(-exitcode).name} and left no result"
+    return f"rank exited with code {exitcode} and left no result"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _tail(path: Path) -> str:
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    return text[-_TAIL_CHARS:]
