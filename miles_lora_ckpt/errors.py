@@ -25,14 +25,14 @@ class CheckpointError(RuntimeError):
     def __init__(self, phase: str, failures: list[RankFailure]):
         self.phase = phase
         self.failures = sorted(failures, key=lambda f: f.rank)
-        ranks = [f.rank for f in self.failures]
+        ranks = self.failed_ranks
         lines = [f"checkpoint phase '{phase}' failed on rank(s) {ranks}:"]
         lines += [f"  rank {f.rank}: {f.error}" for f in self.failures]
         super().__init__("\n".join(lines))
 
     @property
     def failed_ranks(self) -> list[int]:
-        return [f.rank for f in self.failures]
+        return sorted({f.rank for f in self.failures})
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,11 @@ class Topology:
     def model_parallel_differences(self, other: Topology) -> list[str]:
         """Axes other than DP (and world) whose sizes differ: these forbid an exact restore."""
         axes = ("tp", "pp", "ep", "etp", "cp", "vpp")
-        return [f"{a}: {getattr(self, a)} -> {getattr(other, a)}" for a in axes if getattr(self, a) != getattr(other, a)]
+        return [
+            f"{a}: {getattr(self, a)} -> {getattr(other, a)}"
+            for a in axes
+            if getattr(self, a) != getattr(other, a)
+        ]
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def to_json_bytes(self) -> bytes:
-        body = self._body()
-        body["manifest_digest"] = digest_bytes(_canonical(body))
-        return json.dumps(body, indent=1, sort_keys=True).encode()
+        return seal_manifest(self._body())
 
     def _body(self) -> dict:
         return {
@@ -156,7 +158,7 @@ class Manifest:
         claimed = body.pop("manifest_digest", None)
         if claimed is None:
             raise ValueError("no manifest_digest")
-        if digest_bytes(_canonical(body)) != claimed:
+        if manifest_digest(body) != claimed:
             raise ValueError("manifest self-digest mismatch (edited or corrupted)")
         if body.get("format") != FORMAT_NAME:
             raise ValueError(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
@@ -177,5 +179,12 @@ class Manifest:
             raise ValueError(f"malformed manifest field ({exc!r})") from None
 
 
-def _canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+def manifest_digest(body: dict) -> str:
+    """Digest of a manifest body (without its `manifest_digest` key), over canonical JSON."""
+    return digest_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def seal_manifest(body: dict) -> bytes:
+    """The bytes of `manifest.json` for `body`: the body plus its self-digest."""
+    sealed = dict(body, manifest_digest=manifest_digest(body))
+    return json.dumps(sealed, indent=1, sort_keys=True).encode()

@@ -48,8 +48,12 @@ class StagingWriter:
         self.rank = rank
         self.records: dict[str, FileRecord] = {}
 
-    def write_tensors(self, relpath: str, tensors, *, metadata: dict[str, str] | None = None, finite: bool = True):
-        self._record(relpath, storage.save_tensors(self._target(relpath), tensors, metadata=metadata, finite=finite))
+    def write_tensors(
+        self, relpath: str, tensors, *, metadata: dict[str, str] | None = None, finite: bool = True
+    ):
+        self._record(
+            relpath, storage.save_tensors(self._target(relpath), tensors, metadata=metadata, finite=finite)
+        )
 
     def write_json(self, relpath: str, obj) -> None:
         self._record(relpath, storage.write_json(self._target(relpath), obj))
@@ -161,7 +165,11 @@ def _commit(staging: Path, final: Path, manifest: Manifest, records_by_rank: lis
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
     storage.fsync_dir(final.parent)
-    tracker = {"generation_dir": final.name, "generation": manifest.generation, "iteration": manifest.iteration}
+    tracker = {
+        "generation_dir": final.name,
+        "generation": manifest.generation,
+        "iteration": manifest.iteration,
+    }
     storage.write_json(final.parent / TRACKER, tracker)
     storage.fsync_dir(final.parent)
     faults.point("after-publish", rank)
@@ -201,7 +209,9 @@ class OpenedGeneration:
 FilesFn = Callable[[Manifest], list[str]]
 
 
-def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn) -> OpenedGeneration:
+def open_generation(
+    consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn
+) -> OpenedGeneration:
     """Collective. Resolve `path` (a save root or one generation) and read this rank's files.
 
     Every rank reads `files_for_rank(manifest)` with size, digest and header checks; the files no
@@ -210,7 +220,8 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     explicit generation that is damaged fails. Mutates nothing.
     """
     rank, world = consensus.rank, consensus.world_size
-    # resolve: the coordinator lists the candidates, newest first
+    # resolve: every rank must ask for the same thing; the coordinator lists candidates, newest first
+    consensus.agree_same("resolve", Outcome.success(str(path)))
     listing = attempt(_list_candidates, Path(path)) if rank == 0 else Outcome.success()
     candidates, is_root = consensus.agree("resolve", listing)[0]
     damage: list[RankFailure] = []
@@ -241,10 +252,10 @@ def _list_candidates(path: Path) -> tuple[list[str], bool]:
 def _plan_reads(candidate: Path, files_for_rank: FilesFn) -> dict:
     gen = check_structure(candidate)
     if not gen.intact:
-        return {"files": [], "problems": [f"{candidate.name}/{p.file}: {p.reason}" for p in gen.problems]}
+        return {"files": [], "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
     wanted = sorted(files_for_rank(gen.manifest))
     missing = [
-        f"{candidate.name}/{rel}: required by the loader but not in the manifest (torn or foreign generation)"
+        f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
         for rel in wanted
         if rel not in gen.manifest.files
     ]
@@ -261,5 +272,5 @@ def _read_share(rank: int, world: int, candidate: Path, wanted: list[list[str]])
         try:
             buffers[rel] = check_file_content(candidate, rel, manifest.files[rel])
         except (OSError, ValueError) as exc:
-            problems.append(f"{candidate.name}/{rel}: {exc}")
+            problems.append(f"{candidate / rel}: {exc}")
     return {rel: buffers[rel] for rel in wanted[rank] if rel in buffers}, problems

@@ -125,7 +125,11 @@ def read_json(path: Path, record: FileRecord | None = None):
 
 
 def save_tensors(
-    path: Path, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None, finite: bool = False
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    metadata: dict[str, str] | None = None,
+    finite: bool = False,
 ) -> FileRecord:
     """Stream `tensors` into a safetensors file without building it in memory first.
 
@@ -166,7 +170,9 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(tensor.sum(dtype=_torch().float64).item())
 
 
-def parse_safetensors_header(buf: bytes | bytearray) -> tuple[dict[str, str], dict[str, tuple[str, list[int], int, int]]]:
+def parse_safetensors_header(
+    buf: bytes | bytearray,
+) -> tuple[dict[str, str], dict[str, tuple[str, list[int], int, int]]]:
     """Strictly parse a safetensors buffer's header.
 
     Returns `(metadata, {name: (dtype_tag, shape, begin, end)})` with offsets absolute in `buf`.

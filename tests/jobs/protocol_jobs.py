@@ -1,0 +1,158 @@
+"""Worker functions for the multi-rank protocol tests (run inside sim.launch workers, no megatron)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from miles_lora_ckpt import faults
+from miles_lora_ckpt.consensus import Consensus
+from miles_lora_ckpt.errors import CheckpointError
+from miles_lora_ckpt.layout import TRACKER, Topology
+from miles_lora_ckpt.protocol import open_generation, save_generation
+from miles_lora_ckpt.verify import verify_generation
+
+
+def rank_file(rank: int) -> str:
+    return f"shards/rank{rank:03d}.safetensors"
+
+
+def rank_tensors(rank: int, iteration: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * iteration + rank)
+    return {"w": torch.randn(64, 8, generator=gen), "m": torch.randn(33, generator=gen).bfloat16()}
+
+
+def _save(consensus: Consensus, root: Path, iteration: int):
+    def write(writer):
+        writer.write_tensors(rank_file(consensus.rank), rank_tensors(consensus.rank, iteration))
+        writer.write_tensors(
+            f"shards/second{consensus.rank:03d}.safetensors", {"x": torch.ones(3) * iteration}
+        )
+        if consensus.rank == 0:
+            writer.write_json("meta/common.json", {"iteration": iteration})
+
+    topo = Topology(world=consensus.world_size, dp=consensus.world_size)
+    return save_generation(
+        consensus, root, iteration=iteration, saver="test", topology=topo, write_files=write, keep=3
+    )
+
+
+def _load(consensus: Consensus, root: Path) -> tuple[int, bool]:
+    opened = open_generation(consensus, root, lambda m: [rank_file(consensus.rank)])
+    got = opened.tensors(rank_file(consensus.rank))
+    want = rank_tensors(consensus.rank, opened.manifest.iteration)
+    same = all(torch.equal(got[k], want[k]) for k in want)
+    return opened.manifest.iteration, same
+
+
+def _tracker(root: Path) -> str | None:
+    path = root / TRACKER
+    return path.read_text() if path.exists() else None
+
+
+def raise_matrix(payload: dict, ctx) -> dict:
+    """Every save phase on every rank raises once; returns what each attempt looked like here."""
+    consensus = Consensus.for_world(timeout_s=payload.get("timeout_s", 60))
+    root = Path(payload["root"])
+    iteration = 1
+    _save(consensus, root, iteration)
+    cases = []
+    for phase in faults.SAVE_PHASES:
+        for failing in range(ctx.world_size):
+            before = _tracker(root)
+            if ctx.rank == failing:
+                faults.arm(phase, failing, "raise")
+            started = time.monotonic()
+            try:
+                _save(consensus, root, iteration + 1)
+                error = None
+            except CheckpointError as exc:
+                error = {"phase": exc.phase, "ranks": exc.failed_ranks, "text": str(exc)}
+            faults.disarm()
+            elapsed = time.monotonic() - started
+            after = _tracker(root)
+            # the previous (or, after publish, the new) generation must load on every rank
+            loaded_iteration, same = _load(consensus, root)
+            iteration += 1 if phase == "after-publish" else 0
+            cases.append(
+                {
+                    "phase": phase,
+                    "failing": failing,
+                    "error": error,
+                    "tracker_unchanged": before == after,
+                    "loaded_iteration": loaded_iteration,
+                    "expected_iteration": iteration,
+                    "content_ok": same,
+                    "seconds": elapsed,
+                }
+            )
+            # a later save succeeds
+            iteration += 1
+            _save(consensus, root, iteration)
+    # load-side faults: one rank fails before reading
+    load_errors = []
+    for failing in range(ctx.world_size):
+        if ctx.rank == failing:
+            faults.arm("before-read", failing, "raise")
+        try:
+            _load(consensus, root)
+            load_errors.append(None)
+        except CheckpointError as exc:
+            load_errors.append({"phase": exc.phase, "ranks": exc.failed_ranks})
+        faults.disarm()
+    return {"cases": cases, "load_errors": load_errors, "final_iteration": iteration}
+
+
+def kill_once(payload: dict, ctx) -> dict:
+    """Two good saves, then a third during which `payload['rank']` SIGKILLs itself at a phase."""
+    consensus = Consensus.for_world(timeout_s=payload.get("timeout_s", 20))
+    root = Path(payload["root"])
+    _save(consensus, root, 1)
+    _save(consensus, root, 2)
+    if ctx.rank == payload["rank"]:
+        faults.arm(payload["phase"], ctx.rank, "kill")
+    started = time.monotonic()
+    try:
+        _save(consensus, root, 3)
+        outcome = "saved"
+    except CheckpointError as exc:
+        outcome = f"CheckpointError: {exc}"
+    return {"outcome": outcome, "seconds": time.monotonic() - started}
+
+
+def hang_peer(payload: dict, ctx) -> dict:
+    """Rank 1 stalls past the consensus timeout; everybody must get a CheckpointError, not hang."""
+    consensus = Consensus.for_world(timeout_s=payload["timeout_s"])
+    root = Path(payload["root"])
+    if ctx.rank == 1:
+        time.sleep(payload["stall_s"])
+    started = time.monotonic()
+    try:
+        _save(consensus, root, 1)
+        outcome = "saved"
+    except CheckpointError as exc:
+        outcome = f"CheckpointError: {exc}"
+    return {"outcome": outcome, "seconds": time.monotonic() - started}
+
+
+def disagreeing_generations(payload: dict, ctx) -> dict:
+    """Each rank is pointed at a different generation: loading must fail on all ranks."""
+    consensus = Consensus.for_world(timeout_s=30)
+    root = Path(payload["root"])
+    _save(consensus, root, 10)
+    _save(consensus, root, 11)
+    gens = sorted(p for p in root.iterdir() if p.name.startswith("gen-"))
+    # rank-local choice, as stock Miles does it: every rank verifies "its" generation
+    mine = gens[ctx.rank % len(gens)]
+    try:
+        opened = open_generation(consensus, mine if ctx.rank == 0 else root, lambda m: [rank_file(ctx.rank)])
+        return {"iteration": opened.manifest.iteration, "ok": verify_generation(opened.path).intact}
+    except CheckpointError as exc:
+        return {"error": str(exc)}
+
+
+def pid(payload: dict, ctx) -> dict:
+    return {"pid": os.getpid()}

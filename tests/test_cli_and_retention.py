@@ -1,0 +1,124 @@
+"""Operator tools on a real save root: inspect, ls, gc, and retention rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from miles_lora_ckpt.cli import main as cli
+from miles_lora_ckpt.consensus import Consensus
+from miles_lora_ckpt.layout import TRACKER, Topology
+from miles_lora_ckpt.protocol import save_generation
+from miles_lora_ckpt.retention import prune
+
+
+def save(root, iteration, keep=None):
+    def write(writer):
+        writer.write_tensors("a.safetensors", {"w": torch.full((4,), float(iteration))})
+
+    return save_generation(
+        Consensus.single_process(),
+        root,
+        iteration=iteration,
+        saver="test",
+        topology=Topology(world=1, tp=1),
+        write_files=write,
+        metadata={"note": "hello"},
+        keep=keep,
+    )
+
+
+def test_inspect_json_has_the_documented_keys(tmp_path, capsys):
+    gen = save(tmp_path, 3)
+    assert cli(["inspect", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == str(gen.resolve())
+    assert info["iteration"] == 3 and info["generation"] == gen.name.split("-")[-1]
+    assert info["topology"]["tp"] == 1 and set(info["topology"]) >= {
+        "world",
+        "tp",
+        "pp",
+        "ep",
+        "etp",
+        "dp",
+        "cp",
+        "vpp",
+    }
+    assert set(info["files"]) == {"a.safetensors"} and info["files"]["a.safetensors"]["digest"].startswith(
+        "xxh3_128:"
+    )
+    assert info["metadata"] == {"note": "hello"}
+
+
+def test_ls_shows_states_and_tracker(tmp_path, capsys):
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    (tmp_path / ".staging-00000000000000aa").mkdir()
+    damaged = save(tmp_path, 3)
+    (damaged / "a.safetensors").unlink()
+    assert cli(["ls", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    states = {row["name"]: row["state"] for row in listing["entries"]}
+    assert states[newest.name] == "committed" and states[damaged.name] == "damaged"
+    assert states[".staging-00000000000000aa"] == "staging"
+    assert listing["tracker"] == damaged.name
+    assert cli(["ls", str(tmp_path)]) == 0
+    assert "<- tracker" in capsys.readouterr().out
+
+
+def test_save_keep_prunes_old_generations_and_staging(tmp_path):
+    for iteration in range(1, 6):
+        save(tmp_path, iteration, keep=2)
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith("gen-"))
+    assert [int(n.split("-")[1]) for n in names] == [4, 5]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_gc_never_removes_the_tracked_generation_and_honours_dry_run(tmp_path, capsys):
+    gens = [save(tmp_path, i) for i in range(1, 5)]
+    tracker = json.loads((tmp_path / TRACKER).read_text())
+    # point the tracker at an old generation (e.g. an operator rolled back)
+    tracker["generation_dir"] = gens[0].name
+    (tmp_path / TRACKER).write_text(json.dumps(tracker))
+    staging = tmp_path / ".staging-00000000000000bb"
+    staging.mkdir()
+    assert cli(["gc", str(tmp_path), "--keep", "1", "--dry-run", "--staging-min-age", "0"]) == 0
+    assert "would remove 3 directories" in capsys.readouterr().out
+    assert len(os.listdir(tmp_path)) == 6
+    assert cli(["gc", str(tmp_path), "--keep", "1", "--staging-min-age", "3600"]) == 0
+    left = sorted(os.listdir(tmp_path))
+    assert gens[0].name in left and gens[3].name in left and staging.name in left
+    assert gens[1].name not in left and gens[2].name not in left
+    os.utime(staging, (time.time() - 7200, time.time() - 7200))
+    removed = prune(tmp_path, keep=1, staging_min_age_s=3600)
+    assert removed == [staging]
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert cli(["verify", str(tmp_path / "missing")]) == 2
+    (tmp_path / "plain").mkdir()
+    assert cli(["verify", str(tmp_path / "plain")]) == 2
+    assert cli(["verify"]) == 2
+    assert cli(["gc", str(tmp_path), "--keep", "0"]) == 2
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "adapter_megatron_rank0.pt").write_bytes(b"x")
+    assert cli(["verify", str(legacy)]) == 2
+    assert "legacy Miles adapter directory" in capsys.readouterr().err
+
+
+def test_console_script_help_and_version():
+    out = subprocess.run(
+        [sys.executable, "-m", "miles_lora_ckpt", "--help"], capture_output=True, text=True, check=True
+    )
+    for command in ("verify", "inspect", "ls", "gc"):
+        assert command in out.stdout
+    version = subprocess.run(
+        [sys.executable, "-m", "miles_lora_ckpt", "--version"], capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.startswith("miles-lora-ckpt ")
