@@ -36,6 +36,10 @@ class Outcome:
     def success(value: Any = None) -> Outcome:
         return Outcome(ok=True, value=value)
 
+    def map(self, fn: Callable[[Any], Any]) -> Outcome:
+        """The same outcome with `fn(value)` as value (e.g. the JSON-able part to agree on)."""
+        return Outcome.success(fn(self.value)) if self.ok else self
+
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
     """Run `fn` and capture its result or its exception; never raises an Exception."""

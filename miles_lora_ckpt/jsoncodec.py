@@ -1,0 +1,58 @@
+"""Lossless JSON for the non-tensor parts of optimizer and scheduler state.
+
+JSON has no tuples and no tensors; optimizer param groups have both (`betas`, 0-d `step`). They
+are tagged on the way out and restored on the way in, so a round trip gives back equal objects.
+Anything else that is not plain JSON is refused loudly instead of being pickled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_TUPLE, _SCALAR = "__tuple__", "__scalar_tensor__"
+
+
+def to_json(obj: Any, where: str = "state") -> Any:
+    if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
+        return obj
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            return {"__float__": repr(obj)}
+        return obj
+    if isinstance(obj, tuple):
+        return {_TUPLE: [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        for key in obj:
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: key {key!r} is not a string")
+        return {k: to_json(v, f"{where}.{k}") for k, v in obj.items()}
+    if _is_scalar_tensor(obj):
+        return {_SCALAR: obj.item(), "dtype": str(obj.dtype).removeprefix("torch.")}
+    raise TypeError(f"{where}: {type(obj).__name__} cannot be stored as JSON")
+
+
+def from_json(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [from_json(v) for v in obj]
+    if isinstance(obj, dict):
+        if set(obj) == {_TUPLE}:
+            return tuple(from_json(v) for v in obj[_TUPLE])
+        if set(obj) == {"__float__"}:
+            return float(obj["__float__"])
+        if set(obj) == {_SCALAR, "dtype"}:
+            import torch
+
+            return torch.tensor(obj[_SCALAR], dtype=getattr(torch, obj["dtype"]))
+        return {k: from_json(v) for k, v in obj.items()}
+    return obj
+
+
+def _is_scalar_tensor(obj: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(obj, torch.Tensor) and obj.dim() == 0

@@ -1,0 +1,74 @@
+"""Adapter weights: which parameters they are and how they map to files.
+
+Names follow Miles' rule for Megatron-side adapters (`lora_` in the name, or `.adapter.` with
+`linear_in`/`linear_out`), with the wrapper prefixes (`module.`) removed and the virtual-pipeline
+chunk index in front (`chunk0.decoder.layers.0...`), so chunks never collide. Dense adapters are
+replicated over DP/CP/EP and stored once per (TP, PP) coordinate; expert adapters
+(`param.allreduce == False`) once per (PP, EP, expert-TP) coordinate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_lora_ckpt.megatron.topology import Coordinates
+
+
+def is_adapter_param_name(name: str) -> bool:
+    return "lora_" in name or (".adapter." in name and ("linear_in" in name or "linear_out" in name))
+
+
+def adapter_params(model) -> dict[str, torch.nn.Parameter]:
+    """`{chunk-qualified name: parameter}` of every adapter parameter of every model chunk."""
+    chunks = model if isinstance(model, list | tuple) else [model]
+    params = {}
+    for index, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            if is_adapter_param_name(name):
+                params[f"chunk{index}.{_strip_wrappers(name)}"] = param
+    return params
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+def dense_file(coords: Coordinates) -> str:
+    return f"adapter/dense_{coords.dense_key}.safetensors"
+
+
+def expert_file(coords: Coordinates) -> str:
+    return f"adapter/expert_{coords.expert_key}.safetensors"
+
+
+def split_by_kind(params: dict[str, torch.nn.Parameter]) -> tuple[dict, dict]:
+    dense = {n: p for n, p in params.items() if not is_expert(p)}
+    expert = {n: p for n, p in params.items() if is_expert(p)}
+    return dense, expert
+
+
+def preflight_adapter(params: dict[str, torch.nn.Parameter], saved: dict[str, torch.Tensor], file: str) -> None:
+    """Names, shapes and dtypes must match exactly, and every value be finite. Raises ValueError."""
+    missing, unexpected = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{file}: adapter names differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, param in params.items():
+        tensor = saved[name]
+        if tensor.shape != param.shape or tensor.dtype != param.dtype:
+            raise ValueError(
+                f"{file}: {name} is {tensor.dtype}{list(tensor.shape)}, the model has {param.dtype}{list(param.shape)}"
+            )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{file}: {name} holds NaN or Inf")
+
+
+def copy_into(params: dict[str, torch.nn.Parameter], saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in params.items():
+            param.data.copy_(saved[name])
