@@ -41,9 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(metavar="COMMAND")
 
-    verify = sub.add_parser(
-        "verify", help="check that a generation (or a save root's newest) is committed and intact"
-    )
+    verify = sub.add_parser("verify", help="check that a generation (or a save root's newest) is committed and intact")
     verify.add_argument(
         "path", help="a save root (its newest intact generation is checked) or one generation directory"
     )
@@ -60,9 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(handler=cmd_ls)
 
-    gc = sub.add_parser(
-        "gc", help="keep the newest N intact generations, remove the rest and abandoned staging"
-    )
+    gc = sub.add_parser("gc", help="keep the newest N intact generations, remove the rest and abandoned staging")
     gc.add_argument("root", help="a save root")
     gc.add_argument("--keep", type=int, required=True, help="how many intact generations to keep (>= 1)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
@@ -81,18 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_lazy_subcommands(sub) -> None:
     """Subcommands whose modules import torch/megatron only when they run."""
-    try:
-        from miles_lora_ckpt import bench
-    except ImportError:
-        bench = None
-    if bench is not None:
-        bench.add_parser(sub)
-    try:
-        from miles_lora_ckpt import demo
-    except ImportError:
-        demo = None
-    if demo is not None:
-        demo.add_parser(sub)
+    from miles_lora_ckpt import demo
+
+    demo.add_parser(sub)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -134,9 +121,7 @@ def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
     prefix = "" if gen_path.resolve() == given.resolve() else f"{gen_path.name}/"
     for problem in problems:
         rel = problem.file if problem.file != "." else gen_path.name
-        print(
-            f"ERROR {prefix if problem.file != '.' else ''}{rel}: {problem.reason}", file=stream or sys.stdout
-        )
+        print(f"ERROR {prefix if problem.file != '.' else ''}{rel}: {problem.reason}", file=stream or sys.stdout)
 
 
 def cmd_inspect(args) -> int:
@@ -215,9 +200,7 @@ def cmd_gc(args) -> int:
         return EXIT_USAGE
     if not is_save_root(Path(args.root)):
         raise NotACheckpoint(f"{args.root} is not a save root")
-    removed = prune(
-        Path(args.root), keep=args.keep, staging_min_age_s=args.staging_min_age, dry_run=args.dry_run
-    )
+    removed = prune(Path(args.root), keep=args.keep, staging_min_age_s=args.staging_min_age, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")

@@ -136,6 +136,8 @@ def _write_rank_files(staging: Path, rank: int, write_files: WriteFn) -> dict:
     faults.point("before-write", rank)
     writer = StagingWriter(staging, rank)
     write_files(writer)
+    if not writer.records:
+        faults.point("mid-write", rank)  # a rank with nothing to write still passes every phase
     writer.sync_dirs()
     faults.point("after-write", rank)
     return {rel: rec.to_dict() for rel, rec in writer.records.items()}

@@ -7,7 +7,6 @@ a refusal before any model or optimizer is touched.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -15,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from damage import edit_manifest, reseal_file
 
 from miles_lora_ckpt.cli import main as cli
 from miles_lora_ckpt.consensus import Consensus
 from miles_lora_ckpt.errors import CheckpointError
-from miles_lora_ckpt.layout import MANIFEST, Topology, seal_manifest
+from miles_lora_ckpt.layout import MANIFEST, Topology
 from miles_lora_ckpt.protocol import open_generation, save_generation
 
 ADAPTER = "adapter/tp00_pp00.safetensors"
@@ -43,25 +43,10 @@ def make_generation(root: Path, iteration: int = 7) -> Path:
     )
 
 
-def edit_manifest(gen: Path, change) -> None:
-    body = json.loads((gen / MANIFEST).read_text())
-    body.pop("manifest_digest")
-    change(body)
-    (gen / MANIFEST).write_bytes(seal_manifest(body))
-
-
 def flip_byte(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x40
     path.write_bytes(bytes(data))
-
-
-def reseal_file(gen: Path, rel: str, data: bytes) -> None:
-    """Replace a file and make the manifest agree with it (a consistent-looking forgery)."""
-    from miles_lora_ckpt.digest import digest_bytes
-
-    (gen / rel).write_bytes(data)
-    edit_manifest(gen, lambda b: b["files"][rel].update(bytes=len(data), digest=digest_bytes(data)))
 
 
 def tensor_file_with(value: float) -> bytes:

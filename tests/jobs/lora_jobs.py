@@ -37,16 +37,31 @@ def reference(config: SimConfig, steps: int) -> tuple[list[float], dict]:
     return losses, digests
 
 
-def save_then_resume(config: SimConfig, steps: int, save_at: int, root: Path, consensus: Consensus) -> dict:
+def save_then_resume(
+    config: SimConfig, steps: int, save_at: int, root: Path, consensus: Consensus, load_optim: bool = True
+) -> dict:
     run = build_run(config)
     first = run_steps(run, 0, save_at)
-    save_lora_checkpoint(run.model, Args(), root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler,
-                         iteration=save_at, consensus=consensus)
+    save_lora_checkpoint(
+        run.model,
+        Args(),
+        root,
+        optimizer=run.optimizer,
+        opt_param_scheduler=run.scheduler,
+        iteration=save_at,
+        consensus=consensus,
+    )
     run_steps(run, save_at, save_at + 1)  # the interrupted run goes on a little before it dies
     teardown(run)
     resumed = build_run(config)
-    result = load_lora_checkpoint(resumed.model, root, optimizer=resumed.optimizer,
-                                  opt_param_scheduler=resumed.scheduler, consensus=consensus)
+    result = load_lora_checkpoint(
+        resumed.model,
+        root,
+        optimizer=resumed.optimizer,
+        opt_param_scheduler=resumed.scheduler,
+        consensus=consensus,
+        load_optim=load_optim,
+    )
     rest = run_steps(resumed, result.iteration, steps)
     digests = snapshot_digests(snapshot(resumed))
     teardown(resumed)
@@ -54,19 +69,24 @@ def save_then_resume(config: SimConfig, steps: int, save_at: int, root: Path, co
 
 
 def resume_matrix(payload: dict, ctx) -> dict:
-    """For each config: uninterrupted reference vs save at k, crash, resume; first mismatch per config."""
+    """For each case: uninterrupted reference vs save at k, crash, resume; first mismatch per case.
+
+    A case is `{"config": SimConfig dict, "save_at": k}`, plus `"load_optim": false` for a negative
+    control (resume without optimizer state must NOT be bit-exact, or the comparison is blind).
+    """
     consensus = Consensus.for_world(timeout_s=120)
     out = {}
-    for index, config_dict in enumerate(payload["configs"]):
-        config = SimConfig.from_dict(config_dict)
-        name = f"{config.dtype}/{config.adapters}/w{config.world_size}"
+    for index, case in enumerate(payload["cases"]):
+        config = SimConfig.from_dict(case["config"])
+        load_optim = case.get("load_optim", True)
+        name = f"{config.dtype}/{config.adapters}/w{config.world_size}/save@{case['save_at']}"
+        name += "" if load_optim else "/no-optim-control"
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
-        got = save_then_resume(config, payload["steps"], payload["save_at"], root, consensus)
+        got = save_then_resume(config, payload["steps"], case["save_at"], root, consensus, load_optim)
         out[name] = {
             "loss_mismatch": None if got["losses"] == ref_losses else [ref_losses, got["losses"]],
             "first_difference": compare_digests(ref_digests, got["digests"]),
-            "tensors_compared": len(ref_digests),
             "names": sorted(ref_digests),
             "result": got["result"],
         }
@@ -80,11 +100,127 @@ def try_load(payload: dict, ctx) -> dict:
     run_steps(run, 0, payload.get("pre_steps", 0))
     before = snapshot_digests(snapshot(run))
     try:
-        result = load_lora_checkpoint(run.model, payload["path"], optimizer=run.optimizer,
-                                      opt_param_scheduler=run.scheduler, consensus=consensus)
+        result = load_lora_checkpoint(
+            run.model, payload["path"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+        )
         error = None
     except CheckpointError as exc:
         result, error = None, str(exc)
     after = snapshot_digests(snapshot(run))
-    return {"error": error, "unchanged": compare_digests(before, after) is None,
-            "result": result.__dict__ if result else None}
+    return {
+        "error": error,
+        "unchanged": compare_digests(before, after) is None,
+        "result": result.__dict__ if result else None,
+    }
+
+
+def train_and_save(payload: dict, ctx) -> dict:
+    """Train `steps` steps and save into `root` (optionally also `save_before_step0` first)."""
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    paths = []
+    if payload.get("save_before_first_step"):
+        paths.append(
+            save_lora_checkpoint(
+                run.model,
+                Args(),
+                payload["root"],
+                optimizer=run.optimizer,
+                opt_param_scheduler=run.scheduler,
+                iteration=0,
+                consensus=consensus,
+            )
+        )
+    run_steps(run, 0, payload["steps"])
+    for _ in range(payload.get("saves", 1)):
+        paths.append(
+            save_lora_checkpoint(
+                run.model,
+                Args(),
+                payload["root"],
+                optimizer=run.optimizer,
+                opt_param_scheduler=run.scheduler,
+                iteration=payload["steps"],
+                consensus=consensus,
+            )
+        )
+    return {"paths": paths, "digests": snapshot_digests(snapshot(run))}
+
+
+def try_loads(payload: dict, ctx) -> dict:
+    """One run (trained `pre_steps`) tries to load each case path; report errors and bit-identity."""
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    run_steps(run, 0, payload.get("pre_steps", 1))
+    outcomes = {}
+    for name, path in payload["cases"].items():
+        if isinstance(path, list):
+            path = path[ctx.rank]
+        before = snapshot_digests(snapshot(run))
+        try:
+            result = load_lora_checkpoint(
+                run.model,
+                path,
+                optimizer=run.optimizer,
+                opt_param_scheduler=run.scheduler,
+                consensus=consensus,
+                **payload.get("load_kwargs", {}),
+            )
+            error = None
+        except CheckpointError as exc:
+            result, error = None, str(exc)
+        after = snapshot_digests(snapshot(run))
+        outcomes[name] = {
+            "error": error,
+            "changed": compare_digests(before, after),
+            "result": result.__dict__ if result else None,
+        }
+    return outcomes
+
+
+def gathered_world_state(run) -> dict:
+    """Each DP root's world tensors of every child, as the saver would write them."""
+    import torch
+
+    from miles_lora_ckpt.megatron import optimizer_state as ostate
+
+    out = {}
+    for index, child in enumerate(ostate.optimizer_children(run.optimizer)):
+        if ostate.is_stub(child):
+            continue
+        keys = ostate.resolve_state_keys(child)
+        world = ostate.gather_to_dp_root(child, ostate.local_shards(child, keys))
+        for name, tensor in (world or {}).items():
+            out[f"child{index}.{name}"] = tensor
+    del torch
+    return out
+
+
+def elastic_load(payload: dict, ctx) -> dict:
+    """Load a checkpoint saved at another DP size and compare the regathered state bit for bit."""
+    from miles_lora_ckpt import storage
+    from miles_lora_ckpt.megatron.topology import current_coordinates
+    from miles_lora_ckpt.single_lora import optimizer_file
+
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    result = load_lora_checkpoint(
+        run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+    )
+    gathered = gathered_world_state(run)
+    key = current_coordinates().model_parallel_key
+    compared, differing = 0, []
+    for name, tensor in gathered.items():
+        index = int(name.split(".")[0].removeprefix("child"))
+        saved, _ = storage.load_tensors(Path(result.path) / optimizer_file(index, key))
+        compared += 1
+        if not tensor.equal(saved[name.split(".", 1)[1]]):
+            differing.append(name)
+    loss = train_step(run, result.iteration)  # and training goes on at the new DP size
+    return {
+        "compared": compared,
+        "differing": differing,
+        "names": sorted(gathered),
+        "loss": loss,
+        "result": result.__dict__,
+    }

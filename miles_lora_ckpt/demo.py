@@ -1,0 +1,266 @@
+"""`miles-lora-ckpt demo`: interrupt a real megatron LoRA run mid-save, resume it, prove bit-exactness.
+
+Runs on CPU: each phase is a job of N real processes joined by gloo, each building the tiny LoRA
+model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
+
+    reference  an uninterrupted run of --steps steps -> DIR/reference.json (losses, tensor digests)
+    train      a fresh run saving every --save-every steps into DIR/ckpt; with --crash-at, rank
+               --crash-rank SIGKILLs itself at that protocol phase of the last save
+    resume     fresh processes resume from DIR/ckpt (newest intact generation; none: from step 0),
+               train to --steps and compare every tensor with DIR/reference.json
+    all        reference, train with a crash in the middle of a save, resume (the default)
+
+The last line is `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <first differing tensor>` (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from miles_lora_ckpt.faults import SAVE_PHASES
+
+OPTIMIZERS = ("adam",)
+
+
+def add_parser(subparsers) -> None:
+    demo = subparsers.add_parser(
+        "demo",
+        help="crash a real megatron LoRA run mid-save on CPU, resume it, check it is bit-exact",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--workdir", default="demo-work", help="where reference.json and ckpt/ go (default ./demo-work)")
+    demo.add_argument("--world-size", type=int, default=2, help="worker processes (data-parallel ranks; default 2)")
+    demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model parameter dtype (default bf16)")
+    demo.add_argument(
+        "--adapters",
+        choices=("dense", "expert-only", "mixed"),
+        default="mixed",
+        help="which linears carry LoRA; expert-only gives megatron a stub dense optimizer (default mixed)",
+    )
+    demo.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="inner optimizer (default adam)")
+    demo.add_argument("--steps", type=int, default=8, help="training steps of the whole run (default 8)")
+    demo.add_argument("--save-every", type=int, default=2, help="save after every K steps, before --steps (default 2)")
+    demo.add_argument(
+        "--phase", choices=("all", "reference", "train", "resume"), default="all", help="what to run (default all)"
+    )
+    demo.add_argument(
+        "--crash-at",
+        choices=SAVE_PHASES,
+        default=None,
+        help="protocol phase at which --crash-rank SIGKILLs itself during the last save "
+        "(default with --phase all: mid-write)",
+    )
+    demo.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (default: the last rank)")
+    demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
+    demo.set_defaults(handler=run_demo)
+
+
+# =========================================================================== parent side
+
+
+def run_demo(args) -> int:
+    if args.save_every < 1 or args.steps <= args.save_every:
+        print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    # the workers turn this into a SimConfig (the parent never imports megatron)
+    config = {
+        "world_size": args.world_size,
+        "dtype": args.dtype,
+        "adapters": args.adapters,
+        "optimizer": args.optimizer,
+    }
+    crash_at = args.crash_at or ("mid-write" if args.phase == "all" else None)
+    crash_rank = args.world_size - 1 if args.crash_rank is None else args.crash_rank
+    if not 0 <= crash_rank < args.world_size:
+        print(f"ERROR --crash-rank must be in [0, {args.world_size})", file=sys.stderr)
+        return 2
+    print(
+        f"demo: {args.world_size} ranks, {args.dtype}, {args.adapters} adapters, {args.optimizer}, "
+        f"{args.steps} steps, save every {args.save_every}, workdir {workdir}"
+    )
+    status = 0
+    if args.phase in ("all", "reference"):
+        _phase_reference(workdir, config, args)
+    if args.phase in ("all", "train"):
+        _phase_train(workdir, config, args, crash_at, crash_rank)
+    if args.phase in ("all", "resume"):
+        status = _phase_resume(workdir, config, args)
+    elif args.phase == "reference":
+        print("RESULT: reference written")
+    else:
+        print("RESULT: trained")
+    return status
+
+
+def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:
+    from miles_lora_ckpt.sim.launch import run_workers
+
+    started = time.monotonic()
+    results = run_workers(config["world_size"], f"miles_lora_ckpt.demo:{name}", payload, timeout_s=args.timeout)
+    return results, time.monotonic() - started
+
+
+def _phase_reference(workdir: Path, config: dict, args) -> None:
+    from miles_lora_ckpt.sim.launch import check_all
+
+    results, seconds = _job("reference_job", config, {"config": config, "steps": args.steps}, args)
+    per_rank = check_all(results)
+    reference = {
+        "config": config,
+        "steps": args.steps,
+        "losses": per_rank[0]["losses"],
+        "digests": {str(r): res["digests"] for r, res in enumerate(per_rank)},
+    }
+    (workdir / "reference.json").write_text(json.dumps(reference, indent=1))
+    print(f"reference: {args.steps} uninterrupted steps in {seconds:.1f}s -> {workdir / 'reference.json'}")
+
+
+def _phase_train(workdir: Path, config: dict, args, crash_at: str | None, crash_rank: int) -> None:
+    import shutil
+
+    ckpt = workdir / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    payload = {
+        "config": config,
+        "steps": args.steps,
+        "save_every": args.save_every,
+        "root": str(ckpt),
+        "crash_at": crash_at,
+        "crash_rank": crash_rank,
+    }
+    results, seconds = _job("train_job", config, payload, args)
+    saves = [it for it in range(args.save_every, args.steps, args.save_every)]
+    print(f"train: saves planned after steps {saves} into {ckpt} ({seconds:.1f}s)")
+    for result in results:
+        if result.ok:
+            print(f"  rank {result.rank}: {result.result['summary']}")
+        elif result.exitcode is not None and result.exitcode < 0:
+            print(f"  rank {result.rank}: killed by signal {-result.exitcode} (crash injected at {crash_at})")
+        else:
+            print(f"  rank {result.rank}: failed: {(result.error or '').strip().splitlines()[-1:]}")
+    if crash_at is None and not all(r.ok for r in results):
+        raise SystemExit("train phase failed without an injected crash:\n" + "\n".join(r.error or "" for r in results))
+
+
+def _phase_resume(workdir: Path, config: dict, args) -> int:
+    from miles_lora_ckpt.sim.launch import check_all
+
+    reference = json.loads((workdir / "reference.json").read_text())
+    if reference["config"] != config:
+        print("ERROR reference.json was made with another configuration; rerun --phase reference", file=sys.stderr)
+        return 2
+    payload = {"config": config, "steps": reference["steps"], "root": str(workdir / "ckpt")}
+    results, seconds = _job("resume_job", config, payload, args)
+    per_rank = check_all(results)
+    restored = per_rank[0]["restored"]
+    print(f"resume: {restored['summary']} ({seconds:.1f}s)")
+    start = restored["iteration"] or 0
+    print(f"{'step':>4}  {'reference loss':>16}  {'resumed loss':>16}  same")
+    for step, ref_loss in enumerate(reference["losses"]):
+        got = per_rank[0]["losses"].get(str(step))
+        same = "" if got is None else ("yes" if got == ref_loss else "NO")
+        shown = "(restored)" if got is None else f"{got:.10f}"
+        print(f"{step:>4}  {ref_loss:>16.10f}  {shown:>16}  {same}")
+    mismatch = _first_mismatch(reference, per_rank, start)
+    compared = sum(len(d) for d in reference["digests"].values())
+    if mismatch is None:
+        print(
+            f"compared {compared} tensors on {len(per_rank)} ranks (adapter, fp32 masters, every moment, "
+            "steps, scheduler) and every resumed loss"
+        )
+        print("RESULT: bit-exact")
+        return 0
+    print(f"RESULT: MISMATCH {mismatch}")
+    return 1
+
+
+def _first_mismatch(reference: dict, per_rank: list[dict], start: int) -> str | None:
+    for step in range(start, reference["steps"]):
+        if per_rank[0]["losses"].get(str(step)) != reference["losses"][step]:
+            return f"loss@step{step}"
+    for rank, result in enumerate(per_rank):
+        expected = reference["digests"][str(rank)]
+        for name in sorted(set(expected) | set(result["digests"])):
+            if expected.get(name) != result["digests"].get(name):
+                return f"rank{rank}:{name}"
+    return None
+
+
+# =========================================================================== worker side
+
+
+def reference_job(payload: dict, ctx) -> dict:
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
+    from miles_lora_ckpt.sim.train import build_run, train_step
+
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    losses = [train_step(run, step) for step in range(payload["steps"])]
+    return {"losses": losses, "digests": snapshot_digests(snapshot(run))}
+
+
+def train_job(payload: dict, ctx) -> dict:
+    from miles_lora_ckpt import faults
+    from miles_lora_ckpt.consensus import Consensus
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.single_lora import save_lora_checkpoint
+
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
+    written = []
+    for step in range(payload["steps"]):
+        train_step(run, step)
+        iteration = step + 1
+        if iteration not in saves:
+            continue
+        if iteration == saves[-1] and payload["crash_at"] and ctx.rank == payload["crash_rank"]:
+            faults.arm(payload["crash_at"], ctx.rank, "kill")
+        path = save_lora_checkpoint(
+            run.model,
+            _DemoArgs(),
+            payload["root"],
+            optimizer=run.optimizer,
+            opt_param_scheduler=run.scheduler,
+            iteration=iteration,
+            consensus=consensus,
+        )
+        written.append(Path(path).name)
+    return {"summary": f"saved {', '.join(written)}"}
+
+
+def resume_job(payload: dict, ctx) -> dict:
+    from miles_lora_ckpt.consensus import Consensus
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
+    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.single_lora import load_lora_checkpoint
+
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    result = load_lora_checkpoint(
+        run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+    )
+    start = result.iteration or 0
+    losses = {str(step): train_step(run, step) for step in range(start, payload["steps"])}
+    if result.loaded:
+        what = ["adapter"] + (["fp32 masters + moments"] if result.optimizer_restored else [])
+        what += ["scheduler"] if result.scheduler_restored else []
+        summary = f"restored {', '.join(what)} from {Path(result.path).name} (iteration {result.iteration})"
+    else:
+        summary = "no committed generation: starting from step 0"
+    restored = {"iteration": result.iteration, "summary": summary}
+    return {"losses": losses, "digests": snapshot_digests(snapshot(run)), "restored": restored}
+
+
+class _DemoArgs:
+    lora_rank = 4
+    lora_alpha = 4.0
