@@ -128,6 +128,4 @@ class Consensus:
             raise CheckpointError(
                 phase, [RankFailure(self.rank, f"collective failed, a peer died or timed out: {exc}")]
             ) from exc
-        return [
-            json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)
-        ]
+        return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]

@@ -90,9 +90,7 @@ class Topology:
         """Axes other than DP (and world) whose sizes differ: these forbid an exact restore."""
         axes = ("tp", "pp", "ep", "etp", "cp", "vpp")
         return [
-            f"{a}: {getattr(self, a)} -> {getattr(other, a)}"
-            for a in axes
-            if getattr(self, a) != getattr(other, a)
+            f"{a}: {getattr(self, a)} -> {getattr(other, a)}" for a in axes if getattr(self, a) != getattr(other, a)
         ]
 
 

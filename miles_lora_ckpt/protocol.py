@@ -4,8 +4,9 @@ Save, read top to bottom as phases::
 
     prepare   coordinator picks a fresh attempt id, makes `.staging-<id>`     -> agree
     write     every rank writes its own files into the staging directory      -> agree (gathers file records)
-    commit    coordinator writes manifest.json last, renames staging to
-              gen-<iter>-<id> (one atomic rename), replaces the tracker       -> agree
+    commit    coordinator writes manifest.json last, inside the staging dir   -> agree
+    publish   coordinator renames staging to gen-<iter>-<id> (one atomic
+              rename), then replaces the tracker                              -> agree
     retain    coordinator prunes old generations (never raises: it runs after the last collective)
 
 Load: the coordinator lists candidate generations; for each, every rank reads (and digest-checks)
@@ -48,12 +49,8 @@ class StagingWriter:
         self.rank = rank
         self.records: dict[str, FileRecord] = {}
 
-    def write_tensors(
-        self, relpath: str, tensors, *, metadata: dict[str, str] | None = None, finite: bool = True
-    ):
-        self._record(
-            relpath, storage.save_tensors(self._target(relpath), tensors, metadata=metadata, finite=finite)
-        )
+    def write_tensors(self, relpath: str, tensors, *, metadata: dict[str, str] | None = None, finite: bool = True):
+        self._record(relpath, storage.save_tensors(self._target(relpath), tensors, metadata=metadata, finite=finite))
 
     def write_json(self, relpath: str, obj) -> None:
         self._record(relpath, storage.write_json(self._target(relpath), obj))
@@ -107,7 +104,7 @@ def save_generation(
     # write: each rank its own files
     records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, rank, write_files))
 
-    # commit: manifest last, then one rename and the tracker
+    # commit: the coordinator writes the manifest last, still inside the staging directory
     manifest = Manifest(
         generation=attempt_id,
         iteration=iteration,
@@ -116,9 +113,13 @@ def save_generation(
         files={},
         metadata=metadata or {},
     )
+    commit = _write_manifest if coordinator else _bystander(COMMIT_FAULTS)
+    consensus.agree("commit", attempt(commit, staging, manifest, records_by_rank, rank))
+
+    # publish: one atomic rename makes the generation visible, then the tracker names it
     final = root / generation_dir_name(iteration, attempt_id)
-    commit = _commit if coordinator else _commit_bystander
-    consensus.agree("commit", attempt(commit, staging, final, manifest, records_by_rank, rank))
+    publish = _publish if coordinator else _bystander(PUBLISH_FAULTS)
+    consensus.agree("publish", attempt(publish, staging, final, manifest, rank))
 
     # retain: after the last collective, so it must not raise
     if coordinator and keep is not None:
@@ -143,13 +144,21 @@ def _write_rank_files(staging: Path, rank: int, write_files: WriteFn) -> dict:
     return {rel: rec.to_dict() for rel, rec in writer.records.items()}
 
 
-def _commit_bystander(staging, final, manifest, records_by_rank, rank) -> None:
-    # Non-coordinators do no commit work, but every fault phase can fire on every rank.
-    for phase in ("after-consensus", "mid-manifest", "before-publish", "after-publish"):
-        faults.point(phase, rank)
+COMMIT_FAULTS = ("after-consensus", "mid-manifest", "before-publish")
+PUBLISH_FAULTS = ("after-publish",)
 
 
-def _commit(staging: Path, final: Path, manifest: Manifest, records_by_rank: list[dict], rank: int) -> None:
+def _bystander(phases: tuple[str, ...]):
+    """Non-coordinators do no commit or publish work, but every fault phase can fire on every rank."""
+
+    def run(*args) -> None:
+        for phase in phases:
+            faults.point(phase, args[-1])
+
+    return run
+
+
+def _write_manifest(staging: Path, manifest: Manifest, records_by_rank: list[dict], rank: int) -> None:
     faults.point("after-consensus", rank)
     manifest.files = _merge_records(records_by_rank)
     body = manifest.to_json_bytes()
@@ -163,15 +172,14 @@ def _commit(staging: Path, final: Path, manifest: Manifest, records_by_rank: lis
     storage.write_file_atomic(staging / MANIFEST, manifest_chunks())
     storage.fsync_dir(staging)
     faults.point("before-publish", rank)
+
+
+def _publish(staging: Path, final: Path, manifest: Manifest, rank: int) -> None:
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
     storage.fsync_dir(final.parent)
-    tracker = {
-        "generation_dir": final.name,
-        "generation": manifest.generation,
-        "iteration": manifest.iteration,
-    }
+    tracker = {"generation_dir": final.name, "generation": manifest.generation, "iteration": manifest.iteration}
     storage.write_json(final.parent / TRACKER, tracker)
     storage.fsync_dir(final.parent)
     faults.point("after-publish", rank)
@@ -211,9 +219,7 @@ class OpenedGeneration:
 FilesFn = Callable[[Manifest], list[str]]
 
 
-def open_generation(
-    consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn
-) -> OpenedGeneration:
+def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn) -> OpenedGeneration:
     """Collective. Resolve `path` (a save root or one generation) and read this rank's files.
 
     Every rank reads `files_for_rank(manifest)` with size, digest and header checks; the files no
@@ -233,9 +239,9 @@ def open_generation(
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
         if not problems:
             # read: own files plus a share of the unclaimed ones; agree on what was found
+            # (damage found in a file is a verdict; any other error fails the load on every rank)
             local = attempt(_read_share, rank, world, candidate, [plan["files"] for plan in plans])
-            found = local.value[1] if local.ok else [local.error]
-            verdicts = consensus.agree("verify", Outcome.success(found))
+            verdicts = consensus.agree("read", local.map(lambda read: read[1]))
             problems = [RankFailure(r, p) for r, v in enumerate(verdicts) for p in v]
             if not problems:
                 return OpenedGeneration(candidate, check_structure(candidate).manifest, local.value[0])

@@ -39,11 +39,7 @@ def plan_prune(root: Path, *, keep: int, staging_min_age_s: float = 0.0) -> list
         if entry.state in ("staging", "deleting"):
             if entry.state == "deleting" or now - path.stat().st_mtime >= staging_min_age_s:
                 doomed.append(path)
-        elif (
-            entry.name not in kept
-            and oldest_kept
-            and (entry.iteration, entry.created_unix_ns or 0) < oldest_kept
-        ):
+        elif entry.name not in kept and oldest_kept and (entry.iteration, entry.created_unix_ns or 0) < oldest_kept:
             doomed.append(path)
     return doomed
 

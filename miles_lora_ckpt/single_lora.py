@@ -592,7 +592,9 @@ def _read_legacy_shard(model, path: Path, rank: int):
     candidates = [path / f"adapter_megatron_rank{rank}.pt", path / f"adapter_megatron_tp{coords.tp}_pp{coords.pp}.pt"]
     file = next((c for c in candidates if c.exists()), None)
     if file is None:
-        raise FileNotFoundError(f"no legacy adapter shard for rank {rank} in {path} (tried {[c.name for c in candidates]})")
+        raise FileNotFoundError(
+            f"no legacy adapter shard for rank {rank} in {path} (tried {[c.name for c in candidates]})"
+        )
     if _chunk_count(model) != 1:
         raise ValueError("legacy Miles adapters have no chunk index: cannot warm-start a virtual-pipeline model")
     raw = torch.load(file, map_location="cpu", weights_only=True)

@@ -244,9 +244,7 @@ def tensors_from_buffer(
     return tensors
 
 
-def load_tensors(
-    path: Path, record: FileRecord | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_tensors(path: Path, record: FileRecord | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read, verify (size, digest, header, finiteness if the record asks) and map a safetensors file."""
     buf = read_file_verified(path, record)
     metadata, entries = parse_safetensors_header(buf)

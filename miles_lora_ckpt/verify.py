@@ -129,9 +129,7 @@ def _listing_problems(gen_dir: Path, files: dict[str, FileRecord]) -> list[Probl
             continue
         size = (gen_dir / rel).stat().st_size
         if size != record.bytes:
-            problems.append(
-                Problem(rel, f"size is {size} bytes, manifest says {record.bytes} (truncated or grown)")
-            )
+            problems.append(Problem(rel, f"size is {size} bytes, manifest says {record.bytes} (truncated or grown)"))
     return problems
 
 
@@ -198,9 +196,7 @@ def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
             gen = verify_generation(root / name) if content else check_structure(root / name)
             created = gen.manifest.created_unix_ns if gen.manifest else None
             problems = [Problem(f"{name}/{p.file}", p.reason) for p in gen.problems]
-            entries.append(
-                RootEntry(name, "committed" if gen.intact else "damaged", parsed[0], created, problems)
-            )
+            entries.append(RootEntry(name, "committed" if gen.intact else "damaged", parsed[0], created, problems))
     return sorted(entries, key=lambda e: (e.iteration or -1, e.created_unix_ns or 0, e.name), reverse=True)
 
 
@@ -224,23 +220,15 @@ def committed_candidates(path: Path) -> tuple[list[Path], bool]:
     if not path.exists():
         raise NotACheckpoint(f"{path} does not exist")
     if is_staging_dir_name(path.name):
-        raise GenerationDamaged(
-            str(path), [Problem(".", "uncommitted staging directory (in progress or abandoned)")]
-        )
+        raise GenerationDamaged(str(path), [Problem(".", "uncommitted staging directory (in progress or abandoned)")])
     if is_generation_dir(path):
         return [path], False
     if not is_save_root(path):
-        kind = (
-            "a legacy Miles adapter directory (no manifest)"
-            if is_legacy_miles_dir(path)
-            else "not a checkpoint"
-        )
+        kind = "a legacy Miles adapter directory (no manifest)" if is_legacy_miles_dir(path) else "not a checkpoint"
         raise NotACheckpoint(f"{path} is {kind}")
     names = [e.name for e in scan_root(path) if e.state in ("committed", "damaged")]
     if not names:
-        raise GenerationDamaged(
-            str(path), [Problem(".", "save root has no committed generation (only staging)")]
-        )
+        raise GenerationDamaged(str(path), [Problem(".", "save root has no committed generation (only staging)")])
     return [path / n for n in names], True
 
 

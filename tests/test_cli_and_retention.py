@@ -49,9 +49,7 @@ def test_inspect_json_has_the_documented_keys(tmp_path, capsys):
         "cp",
         "vpp",
     }
-    assert set(info["files"]) == {"a.safetensors"} and info["files"]["a.safetensors"]["digest"].startswith(
-        "xxh3_128:"
-    )
+    assert set(info["files"]) == {"a.safetensors"} and info["files"]["a.safetensors"]["digest"].startswith("xxh3_128:")
     assert info["metadata"] == {"note": "hello"}
 
 
@@ -118,7 +116,5 @@ def test_console_script_help_and_version():
     )
     for command in ("verify", "inspect", "ls", "gc"):
         assert command in out.stdout
-    version = subprocess.run(
-        [sys.executable, "-m", "miles_lora_ckpt", "--version"], capture_output=True, text=True
-    )
+    version = subprocess.run([sys.executable, "-m", "miles_lora_ckpt", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("miles-lora-ckpt ")

@@ -93,9 +93,7 @@ CASES = {
     ),
     "renamed file": (lambda g, t: os.rename(g / ADAPTER, g / "adapter/tp01_pp00.safetensors"), ADAPTER),
     "edited manifest (digest not resealed)": (
-        lambda g, t: (g / MANIFEST).write_text(
-            (g / MANIFEST).read_text().replace('"iteration": 7', '"iteration": 8')
-        ),
+        lambda g, t: (g / MANIFEST).write_text((g / MANIFEST).read_text().replace('"iteration": 7', '"iteration": 8')),
         MANIFEST,
     ),
     "truncated manifest": (
@@ -103,9 +101,7 @@ CASES = {
         MANIFEST,
     ),
     "resealed manifest with a wrong size": (
-        lambda g, t: edit_manifest(
-            g, lambda b: b["files"][OPTIM].update(bytes=b["files"][OPTIM]["bytes"] + 4)
-        ),
+        lambda g, t: edit_manifest(g, lambda b: b["files"][OPTIM].update(bytes=b["files"][OPTIM]["bytes"] + 4)),
         OPTIM,
     ),
     "resealed manifest with a wrong digest": (
@@ -130,9 +126,7 @@ CASES = {
     ),
     "symlinked directory": (lambda g, t: (g / "linkdir").symlink_to(t, target_is_directory=True), "linkdir"),
     "manifest path escaping with ..": (
-        lambda g, t: edit_manifest(
-            g, lambda b: b["files"].__setitem__("../escape.json", b["files"].pop(STATE))
-        ),
+        lambda g, t: edit_manifest(g, lambda b: b["files"].__setitem__("../escape.json", b["files"].pop(STATE))),
         "../escape.json",
     ),
     "absolute path in manifest": (

@@ -51,9 +51,7 @@ def _offences(source: str) -> list[str]:
 
 
 def test_scanner_catches_what_it_must():
-    bad = (
-        "import pickle, torch\npickle.load(f)\ntorch.load(p)\ntorch.load(p, weights_only=False)\neval('1')\n"
-    )
+    bad = "import pickle, torch\npickle.load(f)\ntorch.load(p)\ntorch.load(p, weights_only=False)\neval('1')\n"
     assert len(_offences(bad)) == 4
     assert _offences("torch.load(p, map_location='cpu', weights_only=True)\n") == []
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from damage import drop_file, edit_manifest, reseal_file, rewrite_tensors, torch_pickle_bytes
+from jobs_paths import JOBS
 
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.sim.model import SimConfig
@@ -25,12 +26,12 @@ def cfg(world: int, dtype: str = "bf16", adapters: str = "mixed", **extra) -> di
     return SimConfig(world_size=world, dtype=dtype, adapters=adapters, **extra).to_dict()
 
 
-def run(world, target, payload, jobs_dir, **kwargs):
-    return check_all(run_workers(world, f"lora_jobs:{target}", payload, sys_path=[jobs_dir], timeout_s=400, **kwargs))
+def run(world, target, payload):
+    return check_all(run_workers(world, f"lora_jobs:{target}", payload, sys_path=[JOBS], timeout_s=400))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_resume_matrix_is_bit_exact(world, jobs_dir):
+def test_resume_matrix_is_bit_exact(world):
     cases = [
         {"config": cfg(world, dtype, adapters), "save_at": 2}
         for dtype in ("bf16", "fp32")
@@ -39,7 +40,7 @@ def test_resume_matrix_is_bit_exact(world, jobs_dir):
     if world == 2:
         cases.append({"config": cfg(world, "bf16", "mixed"), "save_at": 0})  # before the first step
         cases.append({"config": cfg(world, "bf16", "mixed"), "save_at": 2, "load_optim": False})
-    results = run(world, "resume_matrix", {"cases": cases, "steps": STEPS}, jobs_dir)
+    results = run(world, "resume_matrix", {"cases": cases, "steps": STEPS})
     for rank, per_case in enumerate(results):
         assert len(per_case) == len(cases)
         for name, case in per_case.items():
@@ -60,17 +61,14 @@ def test_resume_matrix_is_bit_exact(world, jobs_dir):
 
 
 @pytest.mark.parametrize("saved_world, loaded_world", [(2, 4), (4, 2)])
-def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, tmp_path, jobs_dir):
+def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, tmp_path):
     root = tmp_path / "ckpt"
     run(
         saved_world,
         "train_and_save",
         {"config": cfg(saved_world, "bf16", "mixed"), "root": str(root), "steps": 3},
-        jobs_dir,
     )
-    results = run(
-        loaded_world, "elastic_load", {"config": cfg(loaded_world, "bf16", "mixed"), "root": str(root)}, jobs_dir
-    )
+    results = run(loaded_world, "elastic_load", {"config": cfg(loaded_world, "bf16", "mixed"), "root": str(root)})
     roots = [r for r in results if r["compared"]]
     assert roots, "no DP root compared anything"
     compared = sorted(n for r in roots for n in r["names"])
@@ -81,17 +79,10 @@ def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, tmp_path, jo
 
 
 @pytest.fixture(scope="module")
-def saved_root(tmp_path_factory, jobs_dir_module):
+def saved_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("neg") / "ckpt"
-    results = run(2, "train_and_save", {"config": cfg(2), "root": str(root), "steps": 2, "saves": 2}, jobs_dir_module)
+    results = run(2, "train_and_save", {"config": cfg(2), "root": str(root), "steps": 2, "saves": 2})
     return root, results[0]["paths"]
-
-
-@pytest.fixture(scope="module")
-def jobs_dir_module():
-    from conftest import JOBS_DIR
-
-    return JOBS_DIR
 
 
 def _copy_generation(gen: str, dest) -> str:
@@ -100,7 +91,7 @@ def _copy_generation(gen: str, dest) -> str:
     return str(target)
 
 
-def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path, jobs_dir):
+def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path):
     root, (older, newer) = saved_root
     optim = "optimizer/child0_tp000_pp000_ep000_etp000.safetensors"
     cases = {}
@@ -138,7 +129,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         ),
     )
     cases["iterations differ across ranks"] = [older, newer]
-    outcomes = run(2, "try_loads", {"config": cfg(2), "cases": cases, "pre_steps": 1}, jobs_dir)
+    outcomes = run(2, "try_loads", {"config": cfg(2), "cases": cases, "pre_steps": 1})
     expected_words = {
         "invalid state structure": "exp_avg_sq",
         "wrong numel": "buf0.exp_avg",
@@ -159,7 +150,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert word in errors[0], (name, errors[0])
         assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
     # the undamaged generations still load afterwards, in the same processes
-    sane = run(2, "try_loads", {"config": cfg(2), "cases": {"newest": str(root)}}, jobs_dir)
+    sane = run(2, "try_loads", {"config": cfg(2), "cases": {"newest": str(root)}})
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
 
 
@@ -171,18 +162,18 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         ("checkpoint without stub, run with one", cfg(2, adapters="expert-only"), "child layout differs"),
     ],
 )
-def test_layout_changes_are_refused(saved_root, jobs_dir, name, run_config, word):
+def test_layout_changes_are_refused(saved_root, name, run_config, word):
     root, _ = saved_root
-    outcomes = run(2, "try_loads", {"config": run_config, "cases": {name: str(root)}}, jobs_dir)
+    outcomes = run(2, "try_loads", {"config": run_config, "cases": {name: str(root)}})
     for o in outcomes:
         assert o[name]["error"] and word in o[name]["error"], o[name]["error"]
         assert o[name]["changed"] is None
 
 
-def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler(saved_root, jobs_dir):
+def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler(saved_root):
     root, _ = saved_root
     outcomes = run(
-        2, "try_loads", {"config": cfg(2), "cases": {"root": str(root)}, "load_kwargs": {"load_optim": False}}, jobs_dir
+        2, "try_loads", {"config": cfg(2), "cases": {"root": str(root)}, "load_kwargs": {"load_optim": False}}
     )
     for o in outcomes:
         result = o["root"]["result"]

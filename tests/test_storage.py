@@ -71,9 +71,7 @@ def test_atomic_write_leaves_no_temp_and_failure_leaves_nothing(tmp_path):
 
 def test_save_refuses_non_finite_when_asked(tmp_path):
     with pytest.raises(ValueError, match="NaN or Inf"):
-        storage.save_tensors(
-            tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("nan")])}, finite=True
-        )
+        storage.save_tensors(tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("nan")])}, finite=True)
     storage.save_tensors(tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("inf")])}, finite=False)
 
 

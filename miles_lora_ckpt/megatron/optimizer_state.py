@@ -83,9 +83,7 @@ def _actual_state_keys(child) -> tuple[str, ...]:
         for main_param in group["params"]:
             state = inner.state.get(main_param)
             if state:
-                return tuple(
-                    k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == main_param.shape
-                )
+                return tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == main_param.shape)
     return ()
 
 
@@ -95,7 +93,9 @@ def has_state(child) -> bool:
 
 
 def local_param_count(child) -> int:
-    return sum(len(bucket["param_map"]) for maps in child.gbuf_ranges for buckets in maps.values() for bucket in buckets)
+    return sum(
+        len(bucket["param_map"]) for maps in child.gbuf_ranges for buckets in maps.values() for bucket in buckets
+    )
 
 
 # --------------------------------------------------------------------------- layout
@@ -212,13 +212,17 @@ def split_for_scatter(child, keys: tuple[str, ...], payload: dict[str, torch.Ten
         chunks = {}
         for key in (MASTER_KEY, *keys):
             world = torch.zeros(layout.world_numel, dtype=torch.float32)
-            world[: layout.numel_unpadded] = payload[f"buf{layout.buffer_index}.{key}"][start : start + layout.numel_unpadded]
+            world[: layout.numel_unpadded] = payload[f"buf{layout.buffer_index}.{key}"][
+                start : start + layout.numel_unpadded
+            ]
             chunks[key] = list(world.chunk(dp_size))
         plan.append(chunks)
     return plan
 
 
-def scatter_from_dp_root(child, keys: tuple[str, ...], plan: list[dict[str, list]] | None) -> list[dict[str, torch.Tensor]]:
+def scatter_from_dp_root(
+    child, keys: tuple[str, ...], plan: list[dict[str, list]] | None
+) -> list[dict[str, torch.Tensor]]:
     """Collective over the child's gloo DP group: every rank receives its shard of every bucket."""
     group = child.data_parallel_group_gloo
     dp_size = group.size()

@@ -18,19 +18,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+WORKER_ENV = "MILES_LORA_CKPT_SIM_WORKER"  # set by sim.launch for its worker processes only
 
 _installed = False
 _device_mode: TorchFunctionMode | None = None
 
 
 def install() -> None:
-    """Activate every interception in this process; a second call does nothing."""
+    """Activate every interception in this harness worker process; a second call does nothing.
+
+    Raises ``RuntimeError`` outside a worker started by ``sim.launch.run_workers``.
+    """
     global _installed, _device_mode
     if _installed:
         return
+    if os.environ.get(WORKER_ENV) != "1":
+        raise RuntimeError(f"cpu_intercepts.install() runs only in harness workers ({WORKER_ENV}=1)")
     import megatron.core  # noqa: F401  (patch targets must exist before we patch them)
 
     _install_torch_cuda_shims()
@@ -44,6 +52,17 @@ def install() -> None:
 def active() -> bool:
     """True once ``install()`` ran in this process and the device mode is pushed."""
     return _installed and _device_mode is not None
+
+
+def enter_device_mode_in_this_thread() -> None:
+    """Push the device mode in another thread: torch function modes are per thread.
+
+    ``install()`` pushes it in its own thread only; a worker thread that runs megatron code (an
+    async checkpoint writer, say) calls this first.
+    """
+    if not _installed:
+        raise RuntimeError("cpu_intercepts.install() has not run in this process")
+    _CpuDeviceMode().__enter__()
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,7 +170,8 @@ def _cpu_set_rng_state(new_state, device="cuda"):
 
 
 def _cpu_manual_seed(seed):
-    torch.manual_seed(seed)
+    # Not torch.manual_seed: that one calls torch.cuda.manual_seed_all, i.e. this shim.
+    torch.default_generator.manual_seed(int(seed))
 
 
 def _install_torch_cuda_shims() -> None:

@@ -28,9 +28,10 @@ _POLL_S = 0.05
 class RankResult:
     """What one rank of a job left behind.
 
-    ``exitcode`` is negative when the rank died by a signal (``-9`` for SIGKILL, also after a
-    timeout). ``error`` is the worker's traceback text, or a launcher note when the rank left no
-    result file. ``stderr_tail`` holds the end of the rank's interleaved stdout and stderr.
+    ``exitcode`` is negative when the rank died by a signal (``-9`` for SIGKILL, also when the
+    launcher killed it). ``error`` is the worker's traceback text, or a launcher note: the rank left
+    no result file, it was killed at the timeout (``timed_out``), or it was killed because another
+    rank had failed and the grace period ran out. ``stderr_tail`` holds the end of the rank's interleaved stdout and stderr.
     """
 
     rank: int
@@ -56,6 +57,7 @@ def run_workers(
     env: dict[str, str] | None = None,
     scratch_dir: str | os.PathLike | None = None,
     failure_grace_s: float = 30.0,
+    megatron: bool = True,
 ) -> list[RankResult]:
     """Run ``target`` ("module:function") as ``function(payload, ctx)`` on ``world_size`` ranks.
 
@@ -65,6 +67,8 @@ def run_workers(
     adds environment variables. ``ctx.scratch_dir`` is ``scratch_dir`` (shared by all ranks), or a
     temporary folder removed after the job. Once a rank fails, the others get ``failure_grace_s``
     to finish; at ``timeout_s`` every rank still running is killed and marked ``timed_out``.
+    With ``megatron=False`` the worker neither imports megatron nor installs the intercepts (jobs
+    that only need gloo and torch start in about a second).
     """
     job_dir = Path(tempfile.mkdtemp(prefix="miles-sim-job-"))
     try:
@@ -72,12 +76,18 @@ def run_workers(
         scratch.mkdir(parents=True, exist_ok=True)
         (job_dir / "payload.json").write_text(json.dumps(payload))
         port = _free_port()
-        procs = [
-            _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env, timeout_s)
-            for rank in range(world_size)
-        ]
-        timed_out = _wait_all(procs, timeout_s, failure_grace_s)
-        return [_collect(job_dir, rank, proc, rank in timed_out) for rank, proc in enumerate(procs)]
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world_size):
+                procs.append(
+                    _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env, timeout_s, megatron)
+                )
+            killed = _wait_all(procs, timeout_s, failure_grace_s)
+        except BaseException:  # e.g. Ctrl-C in pytest: leave no orphaned worker behind
+            for proc in procs:
+                _kill_group(proc)
+            raise
+        return [_collect(job_dir, rank, proc, killed.get(rank)) for rank, proc in enumerate(procs)]
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 
@@ -115,11 +125,12 @@ def _worker_env(rank: int, world_size: int, port: int, extra: dict[str, str] | N
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
+        MILES_LORA_CKPT_SIM_WORKER="1",  # cpu_intercepts.WORKER_ENV; install() refuses without it
     )
     return child
 
 
-def _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env, timeout_s):
+def _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env, timeout_s, megatron):
     spec = {
         "rank": rank,
         "world_size": world_size,
@@ -129,6 +140,7 @@ def _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env,
         "scratch_dir": str(scratch),
         "sys_path": [str(p) for p in sys_path],
         "timeout_s": timeout_s,
+        "megatron": megatron,
     }
     spec_path = job_dir / f"spec-{rank}.json"
     spec_path.write_text(json.dumps(spec))
@@ -142,36 +154,42 @@ def _start_rank(job_dir, rank, world_size, target, port, scratch, sys_path, env,
         )
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float, failure_grace_s: float) -> set[int]:
-    """Wait for every rank; return the ranks killed at the deadline."""
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float, failure_grace_s: float) -> dict[int, str]:
+    """Wait for every rank; return the ranks the launcher had to kill, with the reason."""
     deadline = time.monotonic() + timeout_s
+    reason = f"timed out: killed by the launcher after {timeout_s} s"
+    grace_started = False
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return set()
-        if any(c not in (None, 0) for c in codes):
-            deadline = min(deadline, time.monotonic() + failure_grace_s)
+            return {}
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed and not grace_started and time.monotonic() + failure_grace_s < deadline:
+            deadline = time.monotonic() + failure_grace_s
+            reason = f"killed by the launcher {failure_grace_s} s after rank {failed[0]} failed"
+        grace_started = grace_started or bool(failed)
         time.sleep(_POLL_S)
-    killed = {rank for rank, p in enumerate(procs) if p.poll() is None}
+    killed = {rank: reason for rank, p in enumerate(procs) if p.poll() is None}
     for rank in killed:
         _kill_group(procs[rank])
     return killed
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
 
 
-def _collect(job_dir: Path, rank: int, proc: subprocess.Popen, timed_out: bool) -> RankResult:
+def _collect(job_dir: Path, rank: int, proc: subprocess.Popen, kill_reason: str | None) -> RankResult:
     tail = _tail(job_dir / f"rank-{rank}.log")
     report = _read_json(job_dir / f"result-{rank}.json")
     error = report.get("error") if report else None
-    if timed_out:
-        error = f"timed out: killed by the launcher (exitcode {proc.returncode})\n" + (error or "")
+    if kill_reason:
+        error = kill_reason + (f"\n{error}" if error else "")
     elif report is None:
         error = _no_result_note(proc.returncode)
     return RankResult(
@@ -180,7 +198,7 @@ def _collect(job_dir: Path, rank: int, proc: subprocess.Popen, timed_out: bool) 
         result=report.get("result") if report else None,
         error=error,
         stderr_tail=tail,
-        timed_out=timed_out,
+        timed_out=bool(kill_reason) and kill_reason.startswith("timed out"),
     )
 
 

@@ -37,10 +37,11 @@ def _run(spec: dict) -> object:
     import torch
     import torch.distributed as dist
 
-    from miles_lora_ckpt.sim import cpu_intercepts
-
     torch.set_num_threads(1)
-    cpu_intercepts.install()
+    if spec.get("megatron", True):
+        from miles_lora_ckpt.sim import cpu_intercepts
+
+        cpu_intercepts.install()
     dist.init_process_group(
         "gloo",
         rank=spec["rank"],

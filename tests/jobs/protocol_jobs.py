@@ -28,16 +28,12 @@ def rank_tensors(rank: int, iteration: int) -> dict[str, torch.Tensor]:
 def _save(consensus: Consensus, root: Path, iteration: int):
     def write(writer):
         writer.write_tensors(rank_file(consensus.rank), rank_tensors(consensus.rank, iteration))
-        writer.write_tensors(
-            f"shards/second{consensus.rank:03d}.safetensors", {"x": torch.ones(3) * iteration}
-        )
+        writer.write_tensors(f"shards/second{consensus.rank:03d}.safetensors", {"x": torch.ones(3) * iteration})
         if consensus.rank == 0:
             writer.write_json("meta/common.json", {"iteration": iteration})
 
     topo = Topology(world=consensus.world_size, dp=consensus.world_size)
-    return save_generation(
-        consensus, root, iteration=iteration, saver="test", topology=topo, write_files=write, keep=3
-    )
+    return save_generation(consensus, root, iteration=iteration, saver="test", topology=topo, write_files=write, keep=3)
 
 
 def _load(consensus: Consensus, root: Path) -> tuple[int, bool]:

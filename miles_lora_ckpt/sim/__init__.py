@@ -1,0 +1,17 @@
+"""CPU test harness: the real megatron-core DistributedOptimizer in gloo worker processes.
+
+Only the demo, the benchmarks and the tests import this package; production code never does.
+
+- ``launch``: ``run_workers`` / ``check_all`` / ``RankResult`` (standard library only, re-exported here).
+- ``worker``: the per-rank entry point and ``WorkerContext``.
+- ``cpu_intercepts``: every device interception and megatron fallback-path fix; ``install()``.
+- ``model``: ``SimConfig`` and the tiny LoRA model.
+- ``train``: ``build_run`` / ``train_step`` / ``teardown`` / ``SimRun``.
+- ``snapshot``: ``snapshot`` / ``snapshot_digests`` / ``compare_snapshots``.
+
+The modules that import torch or megatron are not imported here, so the launching side stays light.
+"""
+
+from miles_lora_ckpt.sim.launch import RankResult, check_all, run_workers
+
+__all__ = ["RankResult", "check_all", "run_workers"]

@@ -1,0 +1,231 @@
+"""A tiny LoRA-style megatron model for the CPU harness, and the config that describes a run.
+
+Every layer has frozen base linears (megatron ``ColumnParallelLinear`` / ``RowParallelLinear``)
+and trainable adapter factors named ``lora_A`` / ``lora_B``, e.g.
+``layers.0.linear_qkv.lora_A.weight``. Adapters on ``mlp.experts.*`` are expert-parallel
+(``param.allreduce = False``), so megatron builds a separate expert optimizer for them.
+
+TP=2 works on CPU on megatron-core 0.16.1 and 0.19.2: the megatron layers are built with
+``use_cpu_initialization=True``, which initialises the full weight and keeps this rank's slice,
+so every weight is a function of (seed, parameter name) only, whatever the TP or DP size.
+In a column-parallel linear the ``lora_A`` factor is replicated and ``lora_B`` is split with the
+base output; in a row-parallel linear ``lora_A`` is split with the base input and ``lora_B`` is
+replicated (the usual Megatron LoRA layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ADAPTER_KINDS = ("dense", "expert-only", "mixed")
+
+
+@dataclass
+class SimConfig:
+    """Everything that defines a harness run; two equal configs give bit-identical runs."""
+
+    world_size: int = 2
+    tp: int = 1
+    dtype: str = "bf16"
+    adapters: str = "dense"
+    optimizer: str = "adam"
+    seed: int = 1234
+    num_layers: int = 2
+    hidden: int = 16
+    ffn_hidden: int = 32
+    lora_rank: int = 4
+    lora_alpha: float = 4.0
+    micro_batch: int = 4
+    lr: float = 1e-2
+    min_lr: float = 1e-3
+    lr_warmup_iters: int = 2
+    train_iters: int = 10
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+    def __post_init__(self):
+        if self.tp not in (1, 2) or self.world_size % self.tp:
+            raise ValueError(f"tp must be 1 or 2 and divide world_size, got tp={self.tp}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.adapters not in ADAPTER_KINDS:
+            raise ValueError(f"adapters must be one of {ADAPTER_KINDS}, got {self.adapters!r}")
+        if self.optimizer != "adam":
+            raise ValueError(f"only optimizer='adam' is supported, got {self.optimizer!r}")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size."""
+        return self.world_size // self.tp
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The model parameters' dtype."""
+        return DTYPES[self.dtype]
+
+    @property
+    def dense_adapters(self) -> bool:
+        """Whether the dense (attention-like) linears carry adapters."""
+        return self.adapters in ("dense", "mixed")
+
+    @property
+    def expert_adapters(self) -> bool:
+        """Whether the expert linears carry (expert-parallel) adapters."""
+        return self.adapters in ("expert-only", "mixed")
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict; ``from_dict(to_dict())`` gives an equal config."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SimConfig:
+        """Build a config from ``to_dict()`` output; unknown keys are an error."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown SimConfig keys: {sorted(unknown)}")
+        return cls(**data)
+
+
+def seeded_init(seed: int, name: str, std: float):
+    """An ``init_method`` that fills a tensor from (seed, name) only: never from the rank."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    generator_seed = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+    def init(tensor: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(generator_seed)
+        values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * std
+        with torch.no_grad():
+            return tensor.copy_(values)
+
+    return init
+
+
+def transformer_config(config: SimConfig) -> TransformerConfig:
+    """The megatron config that the layers, Float16Module and DDP read."""
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden,
+        ffn_hidden_size=config.ffn_hidden,
+        num_attention_heads=2,
+        tensor_model_parallel_size=config.tp,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=config.torch_dtype,
+        bf16=config.dtype == "bf16",
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+    )
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen megatron base linear plus ``scale * lora_B(lora_A(x))``.
+
+    ``parallel="column"`` maps hidden -> ffn_hidden (output split over TP); ``"row"`` maps back
+    (input split over TP, output all-reduced).
+    """
+
+    def __init__(self, mcfg, config: SimConfig, name: str, parallel: str, *, adapter: bool, expert: bool):
+        super().__init__()
+        sizes = (config.hidden, config.ffn_hidden) if parallel == "column" else (config.ffn_hidden, config.hidden)
+        self.parallel = parallel
+        self.scale = config.lora_alpha / config.lora_rank
+        self.base_layer = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.base_layer")
+        self.base_layer.weight.requires_grad_(False)
+        self.lora_A = self.lora_B = None
+        if adapter:
+            self._add_adapter(mcfg, config, name, *sizes)
+        if adapter and expert:
+            for param in (self.lora_A.weight, self.lora_B.weight):
+                param.allreduce = False  # megatron's mark for expert-parallel params
+
+    def _add_adapter(self, mcfg, config: SimConfig, name: str, in_size: int, out_size: int):
+        rank, seed = config.lora_rank, config.seed
+        if self.parallel == "column":  # A replicated, B split like the base output
+            self.lora_A = _replicated_linear(in_size, rank, seed, f"{name}.lora_A")
+            self.lora_B = _megatron_linear(mcfg, "column", rank, out_size, seed, f"{name}.lora_B")
+        else:  # A split like the base input, B replicated
+            self.lora_A = _megatron_linear(mcfg, "row", in_size, rank, seed, f"{name}.lora_A")
+            self.lora_B = _replicated_linear(rank, out_size, seed, f"{name}.lora_B")
+
+    def forward(self, x):
+        out, _ = self.base_layer(x)
+        if self.lora_A is None:
+            return out
+        if self.parallel == "column":
+            delta, _ = self.lora_B(self.lora_A(x))
+        else:
+            low_rank, _ = self.lora_A(x)
+            delta = self.lora_B(low_rank)
+        return out + self.scale * delta
+
+
+def _init_std(name: str, in_size: int) -> float:
+    # Base and lora_A keep activations O(1); lora_B is small but NOT zero, so adapters matter at step 0.
+    return (0.1 if ".lora_B" in name else 0.5 if ".base_layer" in name else 1.0) / math.sqrt(in_size)
+
+
+def _megatron_linear(mcfg, parallel, in_size, out_size, seed, name):
+    init = seeded_init(seed, f"{name}.weight", std=_init_std(name, in_size))
+    # is_expert stays False: megatron's expert layers leave TP communication to a MoE token
+    # dispatcher (explicit_expert_comm), which this model does not have. The expert adapters are
+    # expert-parallel for DDP and the optimizer through ``param.allreduce = False`` alone.
+    common = dict(config=mcfg, init_method=init, bias=False)
+    if parallel == "column":
+        return tensor_parallel.ColumnParallelLinear(in_size, out_size, gather_output=False, **common)
+    return tensor_parallel.RowParallelLinear(in_size, out_size, input_is_parallel=True, skip_bias_add=False, **common)
+
+
+def _replicated_linear(in_size, out_size, seed, name):
+    layer = torch.nn.Linear(in_size, out_size, bias=False)
+    seeded_init(seed, f"{name}.weight", std=_init_std(name, in_size))(layer.weight)
+    return layer
+
+
+def _up_down(x, up, down):
+    return x + down(torch.nn.functional.gelu(up(x)))
+
+
+class SimLayer(torch.nn.Module):
+    """A dense block (``linear_qkv`` -> ``linear_proj``) then an expert block (``mlp.experts.*``)."""
+
+    def __init__(self, mcfg, config: SimConfig, index: int):
+        super().__init__()
+        prefix = f"layers.{index}"
+        dense = dict(adapter=config.dense_adapters, expert=False)
+        expert = dict(adapter=config.expert_adapters, expert=True)
+        self.linear_qkv = LoraLinear(mcfg, config, f"{prefix}.linear_qkv", "column", **dense)
+        self.linear_proj = LoraLinear(mcfg, config, f"{prefix}.linear_proj", "row", **dense)
+        experts = {
+            "linear_fc1": LoraLinear(mcfg, config, f"{prefix}.mlp.experts.linear_fc1", "column", **expert),
+            "linear_fc2": LoraLinear(mcfg, config, f"{prefix}.mlp.experts.linear_fc2", "row", **expert),
+        }
+        self.mlp = torch.nn.ModuleDict({"experts": torch.nn.ModuleDict(experts)})
+
+    def forward(self, x):
+        x = _up_down(x, self.linear_qkv, self.linear_proj)
+        experts = self.mlp["experts"]
+        return _up_down(x, experts["linear_fc1"], experts["linear_fc2"])
+
+
+class SimLoraModel(MegatronModule):
+    """The whole tiny model: ``num_layers`` SimLayers on a [batch, hidden] input."""
+
+    def __init__(self, mcfg: TransformerConfig, config: SimConfig):
+        super().__init__(config=mcfg)
+        self.layers = torch.nn.ModuleList(SimLayer(mcfg, config, i) for i in range(config.num_layers))
+
+    def set_input_tensor(self, input_tensor):
+        """Pipeline hook megatron wrappers forward to; the harness has no pipeline."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

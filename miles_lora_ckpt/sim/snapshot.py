@@ -1,0 +1,108 @@
+"""Capture, digest and compare every local tensor that defines a run's training state on one rank.
+
+Snapshot names (``child`` is the index in ``ChainedOptimizer.chained_optimizers``; ``name`` is a
+parameter name of the unwrapped model, e.g. ``layers.0.linear_qkv.lora_A.weight``):
+
+* ``param/{name}``: the trainable (adapter) parameter, full local tensor, model dtype.
+* ``opt{child}/master/{name}``: this rank's fp32 master shard of that parameter (1-D; only for
+  parameters whose DP shard on this rank is non-empty). For fp32 models it is a view of the
+  parameter; for bf16 a separate fp32 tensor.
+* ``opt{child}/state/{name}/{key}``: each tensor the inner torch optimizer holds for that shard
+  (``exp_avg``, ``exp_avg_sq``, ``step`` for AdamW), whatever keys it really has.
+* ``opt{child}/grad_scaler/{key}``: grad-scaler tensors, when there is a grad scaler.
+* ``scheduler``: the scheduler's state_dict as JSON in a uint8 tensor.
+
+Stub children (``is_stub_optimizer``) hold no state and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+
+def snapshot(run) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of every training-state tensor of this rank, keyed by stable names."""
+    names = {param: name for name, param in run.inner_model.named_parameters()}
+    snap = {f"param/{name}": _copy(p) for name, p in run.inner_model.named_parameters() if p.requires_grad}
+    for index, child in enumerate(run.optimizer.chained_optimizers):
+        if not getattr(child, "is_stub_optimizer", False):
+            snap.update(_child_state(f"opt{index}", child, names))
+    snap["scheduler"] = _json_tensor(run.scheduler.state_dict())
+    return snap
+
+
+def master_and_state(child, model_param: torch.nn.Parameter) -> tuple[torch.Tensor, dict] | None:
+    """The fp32 master shard and inner-optimizer state of ``model_param`` in a DistributedOptimizer.
+
+    ``None`` when this rank's DP shard holds no element of the parameter.
+    """
+    if model_param not in child.model_param_group_index_map:
+        return None
+    group_index, group_order = child.model_param_group_index_map[model_param]
+    main_param = child.optimizer.param_groups[group_index]["params"][group_order]
+    return main_param, child.optimizer.state.get(main_param, {})
+
+
+def _child_state(prefix: str, child, names: dict) -> dict[str, torch.Tensor]:
+    snap = {}
+    for model_param in child.model_param_group_index_map:
+        master, state = master_and_state(child, model_param)
+        name = names[model_param]
+        snap[f"{prefix}/master/{name}"] = _copy(master)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                snap[f"{prefix}/state/{name}/{key}"] = _copy(value)
+    if getattr(child, "grad_scaler", None) is not None:
+        for key, value in child.grad_scaler.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                snap[f"{prefix}/grad_scaler/{key}"] = _copy(value)
+    return snap
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _json_tensor(value) -> torch.Tensor:
+    encoded = json.dumps(value, sort_keys=True).encode()
+    return torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor's values (NaN-safe: compares bit patterns, not numbers)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 hex of dtype, shape and bytes."""
+    digest = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    digest.update(tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+def snapshot_digests(snap: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: tensor_digest}`` for a snapshot: JSON-able, for job results."""
+    return {name: tensor_digest(tensor) for name, tensor in sorted(snap.items())}
+
+
+def compare_snapshots(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
+    """The first name (sorted) whose tensor differs bitwise, or is in only one snapshot; else None."""
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            return name
+        x, y = a[name], b[name]
+        if x.dtype != y.dtype or x.shape != y.shape or tensor_bytes(x) != tensor_bytes(y):
+            return name
+    return None
+
+
+def compare_digests(a: dict[str, str], b: dict[str, str]) -> str | None:
+    """Like ``compare_snapshots`` for two ``snapshot_digests`` results."""
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            return name
+    return None

@@ -1,0 +1,94 @@
+"""The checkpoint protocol across real processes: injected exceptions, real SIGKILLs, dead peers.
+
+Workers are plain gloo processes (no megatron), so each job starts in about two seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from jobs_paths import JOBS
+
+from miles_lora_ckpt.cli import main as cli
+from miles_lora_ckpt.consensus import Consensus
+from miles_lora_ckpt.faults import SAVE_PHASES
+from miles_lora_ckpt.protocol import open_generation, save_generation
+from miles_lora_ckpt.sim.launch import check_all, run_workers
+
+pytestmark = pytest.mark.multirank
+
+COMMIT_PHASES = ("after-consensus", "mid-manifest", "before-publish")
+
+
+def jobs(world, target, payload, **kwargs):
+    return run_workers(world, f"protocol_jobs:{target}", payload, sys_path=[JOBS], megatron=False, **kwargs)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_phase_on_every_rank_raises_the_same_error_everywhere(world, tmp_path):
+    results = check_all(jobs(world, "raise_matrix", {"root": str(tmp_path / "root"), "timeout_s": 30}))
+    cases = [r["cases"] for r in results]
+    assert len(cases[0]) == len(SAVE_PHASES) * world
+    for index, case in enumerate(cases[0]):
+        phase, failing = case["phase"], case["failing"]
+        expected_phase = "publish" if phase == "after-publish" else "commit" if phase in COMMIT_PHASES else "write"
+        for rank_cases in cases:
+            mine = rank_cases[index]
+            assert mine["error"] is not None, (phase, failing)
+            assert mine["error"]["text"] == case["error"]["text"]  # identical on every rank
+            assert mine["error"]["phase"] == expected_phase and mine["error"]["ranks"] == [failing]
+            assert f"injected fault at phase '{phase}' on rank {failing}" in mine["error"]["text"]
+            assert mine["seconds"] < 30
+            assert mine["content_ok"] and mine["loaded_iteration"] == mine["expected_iteration"]
+            # the previous generation and the tracker are untouched unless the fault came after publishing
+            assert mine["tracker_unchanged"] == (phase != "after-publish"), (phase, failing)
+    for result in results:
+        assert [e["ranks"] for e in result["load_errors"]] == [[r] for r in range(world)]
+        assert all(e["phase"] == "read" for e in result["load_errors"])
+    # and after all that, the root holds only intact generations
+    assert cli(["verify", str(tmp_path / "root"), "--all"]) == 0
+
+
+@pytest.mark.parametrize("phase_index", range(len(SAVE_PHASES)))
+def test_sigkill_at_each_phase_leaves_a_loadable_root(phase_index, tmp_path):
+    phase = SAVE_PHASES[phase_index]
+    world = 2 if phase_index % 2 else 3
+    killed = phase_index % world
+    root = tmp_path / "root"
+    results = jobs(world, "kill_once", {"root": str(root), "phase": phase, "rank": killed, "timeout_s": 20})
+    assert results[killed].exitcode == -9, results[killed]
+    for result in results:
+        if result.rank != killed:
+            assert result.ok, result.error
+            assert result.result["outcome"].startswith("CheckpointError"), result.result
+            assert result.result["seconds"] < 25
+    published = phase == "after-publish"  # only then did the rename happen
+    # the newest committed generation verifies and loads; staging leftovers are never read
+    assert cli(["verify", str(root)]) == 0
+    opened = open_generation(Consensus.single_process(), root, lambda m: [f"shards/rank{killed:03d}.safetensors"])
+    assert opened.path.name.startswith("gen-")
+    assert opened.manifest.iteration == (3 if published else 2)
+    # and a later save succeeds
+    save_generation(
+        Consensus.single_process(),
+        root,
+        iteration=4,
+        saver="test",
+        topology=opened.manifest.topology,
+        write_files=lambda w: w.write_json("x.json", {}),
+        keep=2,
+    )
+    assert cli(["verify", str(root)]) == 0
+
+
+def test_a_hung_peer_becomes_an_error_after_the_timeout(tmp_path):
+    results = jobs(2, "hang_peer", {"root": str(tmp_path / "root"), "timeout_s": 3, "stall_s": 8}, timeout_s=60)
+    assert all(r.ok for r in results), [r.error for r in results]
+    first = results[0].result
+    assert first["outcome"].startswith("CheckpointError") and "timed out" in first["outcome"]
+    assert first["seconds"] < 8  # it did not wait for the stalled peer
+    assert results[1].result["outcome"].startswith("CheckpointError")
+
+
+def test_ranks_asking_for_different_generations_fail_together(tmp_path):
+    results = check_all(jobs(2, "disagreeing_generations", {"root": str(tmp_path / "root")}))
+    assert all("ranks disagree" in r["error"] for r in results), results
