@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ADAPTER_KINDS = ("dense", "expert-only", "mixed")
+OPTIMIZERS = ("adam", "lion")  # lion: see sim/lion.py
 
 
 @dataclass
@@ -58,8 +59,8 @@ class SimConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.adapters not in ADAPTER_KINDS:
             raise ValueError(f"adapters must be one of {ADAPTER_KINDS}, got {self.adapters!r}")
-        if self.optimizer != "adam":
-            raise ValueError(f"only optimizer='adam' is supported, got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
     @property
     def dp(self) -> int:

@@ -21,6 +21,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from miles_lora_ckpt.sim.lion import swap_in_lion
 from miles_lora_ckpt.sim.model import SimConfig, SimLoraModel, transformer_config
 
 
@@ -51,6 +52,8 @@ def build_run(config: SimConfig) -> SimRun:
         module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
     ddp = DistributedDataParallel(config=mcfg, ddp_config=_ddp_config(), module=module)
     optimizer = get_megatron_optimizer(_optimizer_config(config), [ddp])
+    if config.optimizer == "lion":
+        swap_in_lion(optimizer)  # megatron cannot build its own Lion here; see sim/lion.py
     return SimRun(config=config, model=[ddp], optimizer=optimizer, scheduler=_scheduler(config, optimizer))
 
 
@@ -83,7 +86,7 @@ def _ddp_config() -> DistributedDataParallelConfig:
 
 def _optimizer_config(config: SimConfig) -> OptimizerConfig:
     return OptimizerConfig(
-        optimizer=config.optimizer,
+        optimizer="adam",  # a Lion run swaps the inner optimizer afterwards
         lr=config.lr,
         min_lr=config.min_lr,
         weight_decay=config.weight_decay,

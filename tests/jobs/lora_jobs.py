@@ -79,7 +79,7 @@ def resume_matrix(payload: dict, ctx) -> dict:
     for index, case in enumerate(payload["cases"]):
         config = SimConfig.from_dict(case["config"])
         load_optim = case.get("load_optim", True)
-        name = f"{config.dtype}/{config.adapters}/w{config.world_size}/save@{case['save_at']}"
+        name = f"{config.optimizer}/{config.dtype}/{config.adapters}/w{config.world_size}/save@{case['save_at']}"
         name += "" if load_optim else "/no-optim-control"
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
@@ -88,6 +88,7 @@ def resume_matrix(payload: dict, ctx) -> dict:
             "loss_mismatch": None if got["losses"] == ref_losses else [ref_losses, got["losses"]],
             "first_difference": compare_digests(ref_digests, got["digests"]),
             "names": sorted(ref_digests),
+            "optimizer": config.optimizer,
             "result": got["result"],
         }
     return out
@@ -224,3 +225,29 @@ def elastic_load(payload: dict, ctx) -> dict:
         "loss": loss,
         "result": result.__dict__,
     }
+
+
+def native_lion_round_trip(payload: dict, ctx) -> dict:
+    """Build megatron's own Lion (get_megatron_optimizer(optimizer='lion')); skip if it cannot."""
+    from miles_lora_ckpt.megatron.optimizer_state import optimizer_children, resolve_state_keys
+    from miles_lora_ckpt.sim import train
+
+    original = train._optimizer_config
+
+    def lion_config(config):
+        built = original(config)
+        built.optimizer = "lion"
+        return built
+
+    train._optimizer_config = lion_config
+    config = SimConfig.from_dict(payload["config"])
+    try:
+        build_run(config)
+    except Exception as exc:  # noqa: BLE001 - reported as a skip reason
+        return {"skip": f"megatron cannot build its own Lion here: {type(exc).__name__}: {exc}"}
+    consensus = Consensus.for_world(timeout_s=60)
+    ref_losses, ref_digests = reference(config, 4)
+    got = save_then_resume(config, 4, 2, Path(payload["root"]), consensus)
+    run = build_run(config)
+    keys = [list(resolve_state_keys(c)) for c in optimizer_children(run.optimizer) if c.optimizer is not None]
+    return {"first_difference": compare_digests(ref_digests, got["digests"]), "keys": keys[0]}

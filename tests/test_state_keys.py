@@ -1,0 +1,106 @@
+"""Which tensor state keys each optimizer child keeps: Adam, AdamW, Lion, Muon + its scalar optimizer.
+
+The children here are stand-ins (`FakeChild`) holding a real torch optimizer's state, because the
+real DistributedOptimizer cannot be built without a process group; the end-to-end tests in
+test_single_lora.py use the real one. The 0.19 case uses megatron's own `optimizer_state_keys`
+property where the installed megatron-core has it (tier 2), and is skipped on 0.16.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles_lora_ckpt.megatron.optimizer_state import resolve_state_keys
+from miles_lora_ckpt.sim.lion import Lion
+
+ADAM = ("exp_avg", "exp_avg_sq")
+LION = ("exp_avg",)
+
+
+class FakeChild:
+    """The attributes of a DistributedOptimizer child that key resolution reads (0.16: no property)."""
+
+    def __init__(self, inner, optimizer="adam", muon_scalar_optimizer=None):
+        self.optimizer = inner
+        self.config = SimpleNamespace(optimizer=optimizer)
+        if muon_scalar_optimizer is not None:
+            self.config.muon_scalar_optimizer = muon_scalar_optimizer
+
+
+def stepped(optimizer_class, **kwargs):
+    param = torch.nn.Parameter(torch.ones(4))
+    inner = optimizer_class([param], lr=0.1, **kwargs)
+    param.grad = torch.ones(4)
+    inner.step()
+    return inner
+
+
+def fresh(optimizer_class):
+    return optimizer_class([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "inner, name, scalar, expected",
+    [
+        (stepped(torch.optim.Adam), "adam", None, ADAM),
+        (stepped(torch.optim.AdamW), "adam", None, ADAM),
+        (stepped(Lion), "lion", None, LION),
+        (fresh(torch.optim.AdamW), "adam", None, ADAM),  # not stepped yet: from the config
+        (fresh(Lion), "lion", None, LION),
+        (fresh(torch.optim.AdamW), "muon", "adam", ADAM),  # Muon's scalar child keeps its scalar optimizer's keys
+        (fresh(Lion), "muon", "lion", LION),
+        (stepped(Lion), "muon", "lion", LION),
+        (stepped(torch.optim.AdamW, amsgrad=True), "adam", None, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    ],
+    ids=[
+        "adam",
+        "adamw",
+        "lion",
+        "adamw-fresh",
+        "lion-fresh",
+        "muon+adam",
+        "muon+lion",
+        "muon+lion-stepped",
+        "adamw-amsgrad",
+    ],
+)
+def test_fallback_resolution_016(inner, name, scalar, expected):
+    assert set(resolve_state_keys(FakeChild(inner, name, scalar))) == set(expected)
+
+
+def _megatron_property():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    prop = getattr(DistributedOptimizer, "optimizer_state_keys", None)
+    if not isinstance(prop, property):
+        pytest.skip("this megatron-core has no DistributedOptimizer.optimizer_state_keys (0.16); tier 2 runs it")
+    return prop
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize(
+    "inner, name, scalar, expected",
+    [
+        (stepped(torch.optim.Adam), "adam", None, ADAM),
+        (stepped(torch.optim.AdamW), "adam", None, ADAM),
+        (stepped(Lion), "lion", None, LION),
+        (fresh(torch.optim.AdamW), "muon", "adam", ADAM),
+        (fresh(Lion), "muon", "lion", LION),
+    ],
+    ids=["adam", "adamw", "lion", "muon+adam", "muon+lion"],
+)
+def test_megatron_property_019(inner, name, scalar, expected):
+    child_class = type("ChildWithMegatronProperty", (FakeChild,), {"optimizer_state_keys": _megatron_property()})
+    child = child_class(inner, name, scalar if scalar else "adam")
+    assert tuple(resolve_state_keys(child)) == expected
+
+
+@pytest.mark.megatron
+def test_property_that_disagrees_with_the_real_state_is_refused():
+    child_class = type("ChildWithMegatronProperty", (FakeChild,), {"optimizer_state_keys": _megatron_property()})
+    child = child_class(stepped(torch.optim.AdamW), "lion")  # says Lion, holds Adam's two moments
+    with pytest.raises(ValueError, match="refusing to checkpoint a subset"):
+        resolve_state_keys(child)
