@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_lazy_subcommands(sub) -> None:
     """Subcommands whose modules import torch/megatron only when they run."""
-    from miles_lora_ckpt import demo
+    from miles_lora_ckpt import bench, demo
 
+    bench.add_parser(sub)
     demo.add_parser(sub)
 
 

@@ -42,7 +42,12 @@ def add_parser(subparsers) -> None:
         default="mixed",
         help="which linears carry LoRA; expert-only gives megatron a stub dense optimizer (default mixed)",
     )
-    demo.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="inner optimizer; lion is a single-moment optimizer (default adam)")
+    demo.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="inner optimizer; lion is a single-moment optimizer (default adam)",
+    )
     demo.add_argument("--steps", type=int, default=8, help="training steps of the whole run (default 8)")
     demo.add_argument("--save-every", type=int, default=2, help="save after every K steps, before --steps (default 2)")
     demo.add_argument(

@@ -114,7 +114,7 @@ def test_console_script_help_and_version():
     out = subprocess.run(
         [sys.executable, "-m", "miles_lora_ckpt", "--help"], capture_output=True, text=True, check=True
     )
-    for command in ("verify", "inspect", "ls", "gc"):
-        assert command in out.stdout
+    for command in ("verify", "inspect", "ls", "gc", "bench", "demo"):
+        assert f"\n    {command} " in out.stdout, command
     version = subprocess.run([sys.executable, "-m", "miles_lora_ckpt", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("miles-lora-ckpt ")
