@@ -136,7 +136,9 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         ),
     )
     cases["iterations differ across ranks"] = [older, newer]
-    outcomes = run(2, "try_loads", {"config": cfg(2), "cases": cases, "pre_steps": 1})
+    cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
+    failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
+    outcomes = run(2, "try_loads", {"config": cfg(2), "cases": cases, "pre_steps": 1, "faults": failing})
     expected_words = {
         "invalid state structure": "exp_avg_sq",
         "wrong numel": "buf0.exp_avg",
@@ -148,6 +150,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "pickle payload": "not safetensors",
         "adapter shape changed": "adapter",
         "iterations differ across ranks": "ranks disagree",
+        "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
     }
     assert set(expected_words) == set(cases)
     for name, word in expected_words.items():

@@ -25,11 +25,11 @@ def adapter_params(model) -> dict[str, torch.nn.Parameter]:
     for index, chunk in enumerate(chunks):
         for name, param in chunk.named_parameters():
             if is_adapter_param_name(name):
-                params[f"chunk{index}.{_strip_wrappers(name)}"] = param
+                params[f"chunk{index}.{strip_wrappers(name)}"] = param
     return params
 
 
-def _strip_wrappers(name: str) -> str:
+def strip_wrappers(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module.") :]
     return name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles_lora_ckpt import faults
 from miles_lora_ckpt.consensus import Consensus
 from miles_lora_ckpt.errors import CheckpointError
 from miles_lora_ckpt.sim.model import SimConfig
@@ -158,6 +159,9 @@ def try_loads(payload: dict, ctx) -> dict:
         if isinstance(path, list):
             path = path[ctx.rank]
         before = snapshot_digests(snapshot(run))
+        phase, failing = payload.get("faults", {}).get(name, (None, None))
+        if phase is not None and ctx.rank == failing:
+            faults.arm(phase, failing, "raise")
         try:
             result = load_lora_checkpoint(
                 run.model,

@@ -1,0 +1,354 @@
+"""Single-LoRA resume: verify, preflight, then restore adapter, masters, moments and scheduler.
+
+Collective; reads as phases::
+
+    classify path -> agree -> plan -> agree -> protocol.open_generation (verify, agree)
+    -> preflight -> agree -> apply adapter, allocate optimizer state -> agree
+    -> scatter -> agree -> install and check -> agree -> scheduler, master refresh -> agree
+
+Nothing changes before the preflight agreement; if any later phase fails on any rank, every rank
+rolls its model, optimizer and scheduler back to the bytes they held before the load (megatron.undo).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_lora_ckpt import faults
+from miles_lora_ckpt.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.errors import CheckpointError
+from miles_lora_ckpt.jsoncodec import from_json
+from miles_lora_ckpt.layout import Manifest, Topology
+from miles_lora_ckpt.legacy_miles import warm_start_legacy
+from miles_lora_ckpt.lora_common import (
+    SAVER,
+    TRAINING_STATE,
+    LoadResult,
+    chunk_count,
+    describe_rank,
+    optimizer_file,
+)
+from miles_lora_ckpt.megatron import adapter_shards as shards
+from miles_lora_ckpt.megatron import optimizer_state as ostate
+from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
+from miles_lora_ckpt.megatron.topology import Coordinates, current_topology
+from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.protocol import open_generation
+from miles_lora_ckpt.verify import committed_candidates, is_legacy_miles_dir
+
+log = logging.getLogger(__name__)
+
+
+def load_lora_adapter(model, adapter_path, *, optimizer=None, opt_param_scheduler=None) -> tuple[bool, int | None]:
+    """Miles' signature. Collective. Returns `(loaded, iteration)`; see `load_lora_checkpoint`."""
+    result = load_lora_checkpoint(model, adapter_path, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler)
+    return result.loaded, result.iteration
+
+
+def load_lora_checkpoint(
+    model,
+    path: str | os.PathLike,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    consensus: Consensus | None = None,
+    load_optim: bool = True,
+    weights_only: bool = False,
+    scheduler_increment_per_iteration: int | None = None,
+) -> LoadResult:
+    """Collective. Restore the newest intact generation under `path` (or `path` itself).
+
+    - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
+      DP size may differ from the save, TP/PP/EP/ETP/VPP/CP and the optimizer child layout may not.
+    - `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter
+      only, refresh the masters from it and reposition the scheduler from the iteration.
+    - A stock Miles adapter directory warm-starts the adapter weights only, with a warning.
+    - A missing path, or a save root with no committed generation yet, loads nothing.
+    Any problem raises the same CheckpointError on every rank before model or optimizer change.
+    """
+    consensus = consensus or Consensus.for_world()
+    # classify: the coordinator decides what `path` is; everybody follows
+    consensus.agree_same("classify", Outcome.success(str(path)))
+    kind = consensus.agree("classify", attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success())[0]
+    if kind in ("missing", "empty-root"):
+        why = "does not exist" if kind == "missing" else "has no committed generation yet"
+        log.warning("LoRA checkpoint %s %s: starting from the initial adapter", path, why)
+        return LoadResult(False, None, "none", warnings=[f"{path} {why}"])
+    if kind == "legacy-miles":
+        return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
+
+    # plan: who holds what, so every rank can find its child's DP root coordinates
+    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
+    request = LoadRequest(
+        model, optimizer, opt_param_scheduler, plans, consensus.rank, load_optim and not weights_only, weights_only
+    )
+
+    # verify: all ranks agree on one generation and read their own files, digest-checked
+    opened = open_generation(consensus, path, request.files_for_rank)
+
+    # preflight: every check against this rank's model and optimizer; nothing changes yet
+    plan = attempt(request.preflight, opened)
+    consensus.agree_same("preflight", plan.map(lambda p: p.summary))
+
+    # record: what this rank holds now, so that a failure in any later phase rolls every rank back
+    undo = attempt(_capture_undo, request, plan.value)
+    consensus.agree("record", undo.map(lambda _: None))
+    try:
+        # apply: adapter weights, and optimizer state allocated for the children being restored
+        consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value))
+
+        # scatter: collectives only; each DP root sends every rank its shard
+        received = attempt(_scatter_children, request, plan.value)
+        consensus.agree("scatter", received.map(lambda _: None))
+
+        # install: copy shards into masters and moments, read them back bit for bit
+        consensus.agree("install", attempt(_install_children, request, plan.value, received.value))
+
+        # finish: scheduler, and masters refreshed where none were restored
+        finished = attempt(_finish, request, plan.value, opened.path, scheduler_increment_per_iteration)
+        consensus.agree("finish", finished.map(lambda _: None))
+    except CheckpointError:
+        undo.value.restore()
+        raise
+    return finished.value
+
+
+def _classify(path: Path) -> str:
+    if not path.exists():
+        return "missing"
+    try:
+        committed_candidates(path)
+    except Exception as exc:  # noqa: BLE001 - classification only; open_generation reports damage
+        if is_legacy_miles_dir(path):
+            return "legacy-miles"
+        if "no committed generation" in str(exc):
+            return "empty-root"
+        raise
+    return "generation"
+
+
+@dataclass
+class LoadPlan:
+    """Everything preflight read and checked, ready to apply."""
+
+    iteration: int
+    adapter: list[tuple[dict, dict]]  # (params, saved tensors)
+    restore_children: dict[int, dict]  # index -> {"keys", "state", "payload" (DP root only)}
+    fresh_children: list[int]  # active children whose masters are refreshed from the adapter
+    scheduler: dict | None
+    saved_num_steps: int | None
+    summary: dict
+
+
+@dataclass
+class LoadRequest:
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    plans: list[dict]
+    rank: int
+    restore_optimizer: bool
+    weights_only: bool
+
+    @property
+    def coords(self) -> Coordinates:
+        return Coordinates(**self.plans[self.rank]["coords"])
+
+    def children(self) -> list:
+        return ostate.optimizer_children(self.optimizer) if self.optimizer is not None else []
+
+    def active(self) -> list[int]:
+        return [c["index"] for c in self.plans[self.rank]["children"]]
+
+    def files_for_rank(self, manifest: Manifest) -> list[str]:
+        _check_topology(manifest, current_topology(chunk_count(self.model)))
+        dense, expert = shards.split_by_kind(shards.adapter_params(self.model))
+        files = [TRAINING_STATE]
+        files += [shards.dense_file(self.coords)] if dense else []
+        files += [shards.expert_file(self.coords)] if expert else []
+        if self._optimizer_in(manifest):
+            stepped = set(manifest.metadata.get("stepped_children", []))
+            for index in self.active():
+                if index in stepped and self._dp_rank(index) == 0:
+                    files.append(optimizer_file(index, self.coords.model_parallel_key))
+        return files
+
+    def _optimizer_in(self, manifest: Manifest) -> bool:
+        return self.restore_optimizer and self.optimizer is not None and manifest.metadata.get("optimizer_saved", False)
+
+    def _dp_rank(self, index: int) -> int:
+        return next(c["dp_rank"] for c in self.plans[self.rank]["children"] if c["index"] == index)
+
+    def _dp_root_key(self, index: int) -> str:
+        group = self.children()[index].data_parallel_group_gloo
+        import torch.distributed as dist
+
+        root = dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0
+        return Coordinates(**self.plans[root]["coords"]).model_parallel_key
+
+    def preflight(self, opened) -> LoadPlan:
+        manifest = opened.manifest
+        if manifest.saver != SAVER:
+            raise ValueError(f"{opened.path} was written by saver {manifest.saver!r}, not {SAVER!r}")
+        state = opened.json(TRAINING_STATE)
+        if state.get("iteration") != manifest.iteration:
+            raise ValueError(f"{TRAINING_STATE}: iteration {state.get('iteration')} != manifest {manifest.iteration}")
+        adapter = self._preflight_adapter(opened)
+        restore, fresh = {}, []
+        if self._optimizer_in(manifest):
+            self._check_child_layout(manifest)
+            stepped = set(manifest.metadata.get("stepped_children", []))
+            for index in self.active():
+                if index not in stepped:
+                    fresh.append(index)
+                    continue
+                restore[index] = self._preflight_child(opened, state, index)
+        elif self.optimizer is not None:
+            fresh = self.active()
+        scheduler = state.get("scheduler") if self._optimizer_in(manifest) else None
+        saved_steps = (state.get("scheduler") or {}).get("num_steps")
+        summary = {
+            "generation": manifest.generation,
+            "iteration": manifest.iteration,
+            "optimizer": bool(restore),
+            "scheduler": scheduler is not None and self.scheduler is not None,
+        }
+        return LoadPlan(manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary)
+
+    def _preflight_adapter(self, opened) -> list[tuple[dict, dict]]:
+        params = shards.adapter_params(self.model)
+        if not params:
+            raise ValueError("the model has no adapter parameters (names with 'lora_' or '.adapter.')")
+        dense, expert = shards.split_by_kind(params)
+        checked = []
+        for group, file in ((dense, shards.dense_file(self.coords)), (expert, shards.expert_file(self.coords))):
+            if group:
+                saved = opened.tensors(file)
+                shards.preflight_adapter(group, saved, file)
+                checked.append((group, saved))
+        return checked
+
+    def _check_child_layout(self, manifest: Manifest) -> None:
+        recorded = manifest.metadata.get("active_children", {}).get(self.coords.model_parallel_key)
+        mine = self.active()
+        if recorded is None:
+            raise ValueError(f"checkpoint records no optimizer children for {self.coords.model_parallel_key}")
+        if sorted(recorded) != sorted(mine):
+            raise ValueError(
+                f"optimizer child layout differs at {self.coords.model_parallel_key}: checkpoint has active "
+                f"children {sorted(recorded)}, this run has {sorted(mine)} (a stub child on one side only?)"
+            )
+
+    def _preflight_child(self, opened, state: dict, index: int) -> dict:
+        child = self.children()[index]
+        saved_keys = tuple(opened.manifest.metadata["state_keys"][str(index)])
+        keys = ostate.resolve_state_keys(child)
+        if set(saved_keys) != set(keys):
+            raise ValueError(
+                f"optimizer child {index}: checkpoint holds state {list(saved_keys)}, this run's optimizer "
+                f"keeps {list(keys)} (different optimizer?); load with weights_only=True to warm-start"
+            )
+        root_key = self._dp_root_key(index)
+        child_state = state.get("optimizer_children", {}).get(f"{index}:{root_key}")
+        if child_state is None:
+            raise ValueError(f"{TRAINING_STATE}: no optimizer state for child {index} at {root_key}")
+        entry = {"keys": saved_keys, "state": child_state, "payload": None}
+        if self._dp_rank(index) == 0:
+            file = optimizer_file(index, self.coords.model_parallel_key)
+            payload = opened.tensors(file)
+            numels = opened.manifest.metadata["numel_unpadded"][str(index)][self.coords.model_parallel_key]
+            try:
+                ostate.preflight_payload(child, saved_keys, payload, numels)
+            except ValueError as exc:
+                raise ValueError(f"{file}: {exc}") from None
+            entry["payload"] = payload
+        return entry
+
+
+def _check_topology(manifest: Manifest, current: Topology) -> None:
+    differences = manifest.topology.model_parallel_differences(current)
+    if differences:
+        raise ValueError(
+            "exact restore needs the same model-parallel layout; checkpoint -> this run differs in "
+            + ", ".join(differences)
+            + " (only the data-parallel size may change)"
+        )
+
+
+def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
+    children = request.children()
+    touched = [children[i] for i in sorted(set(plan.restore_children) | set(plan.fresh_children))]
+    return UndoRecord.capture(shards.adapter_params(request.model).values(), touched, request.scheduler)
+
+
+def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan) -> None:
+    faults.point("after-preflight", request.rank)
+    for params, saved in plan.adapter:
+        shards.copy_into(params, saved)
+    children = request.children()
+    for index, entry in plan.restore_children.items():
+        child = children[index]
+        had = {id(p): set(s) for p, s in child.optimizer.state.items()}
+        child.load_state_dict(from_json(entry["state"]))
+        _drop_planted_keys(child, entry["keys"], had)
+
+
+def _drop_planted_keys(child, keys: tuple[str, ...], had: dict) -> None:
+    # megatron 0.16's load_state_dict plants an uninitialised `exp_avg_sq` even for one-moment
+    # optimizers; keep only what the optimizer really uses (and what it had before).
+    for main_param, state in child.optimizer.state.items():
+        for key in [k for k in state if k not in keys and k != "step" and k not in had.get(id(main_param), ())]:
+            del state[key]
+
+
+def _scatter_children(request: LoadRequest, plan: LoadPlan) -> dict[int, list]:
+    received = {}
+    children = request.children()
+    for index, entry in sorted(plan.restore_children.items()):
+        child = children[index]
+        split = ostate.split_for_scatter(child, entry["keys"], entry["payload"]) if entry["payload"] else None
+        received[index] = ostate.scatter_from_dp_root(child, entry["keys"], split)
+    return received
+
+
+def _install_children(request: LoadRequest, plan: LoadPlan, received: dict[int, list]) -> None:
+    children = request.children()
+    for index, entry in sorted(plan.restore_children.items()):
+        ostate.install_shards(children[index], entry["keys"], received[index])
+        ostate.check_installed(children[index], entry["keys"], received[index])
+
+
+def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | None) -> LoadResult:
+    children = request.children()
+    for index in plan.fresh_children:
+        children[index].reload_model_params()
+    result = LoadResult(
+        loaded=True,
+        iteration=plan.iteration,
+        source="generation",
+        path=str(path),
+        adapter_restored=True,
+        optimizer_restored=bool(plan.restore_children),
+        masters_refreshed=bool(plan.fresh_children),
+    )
+    if request.scheduler is not None:
+        if plan.scheduler is not None:
+            restore_scheduler(request.scheduler, plan.scheduler)
+            result.scheduler_restored = True
+        else:
+            step = increment or _increment_from_saved(plan)
+            reposition_scheduler(request.scheduler, plan.iteration, step)
+            result.warnings.append(f"scheduler repositioned to iteration {plan.iteration} x {step}")
+    if request.optimizer is not None and not result.optimizer_restored:
+        result.warnings.append("optimizer moments not restored (fresh optimizer state, masters refreshed)")
+    return result
+
+
+def _increment_from_saved(plan: LoadPlan) -> int:
+    if plan.saved_num_steps and plan.iteration:
+        return max(1, plan.saved_num_steps // plan.iteration)
+    return 1
