@@ -13,6 +13,7 @@ communicator); nothing is pickled.
 from __future__ import annotations
 
 import json
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 from miles_lora_ckpt.errors import CheckpointError, RankFailure
 
 DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "MILES_LORA_CKPT_TIMEOUT_S"  # seconds a rank waits for a peer before failing
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,17 @@ class Consensus:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         return cls(group, rank=dist.get_rank(), world_size=dist.get_world_size())
 
+    @classmethod
+    def default(cls) -> Consensus:
+        """The process-wide world consensus, made on first use (so first use is collective).
+
+        Its timeout is `$MILES_LORA_CKPT_TIMEOUT_S` seconds (default 600).
+        """
+        global _DEFAULT
+        if _DEFAULT is None:
+            _DEFAULT = cls.for_world(float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+        return _DEFAULT
+
     # ------------------------------------------------------------------ collectives
 
     def agree(self, phase: str, outcome: Outcome) -> list[Any]:
@@ -129,3 +142,6 @@ class Consensus:
                 phase, [RankFailure(self.rank, f"collective failed, a peer died or timed out: {exc}")]
             ) from exc
         return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
+
+
+_DEFAULT: Consensus | None = None

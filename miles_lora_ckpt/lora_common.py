@@ -39,14 +39,12 @@ def describe_rank(model, optimizer) -> dict:
         for index, child in enumerate(ostate.optimizer_children(optimizer)):
             if ostate.is_stub(child):
                 continue
-            group = child.data_parallel_group_gloo
-            if group is None:
-                raise ValueError(f"optimizer child {index} has no gloo DP group (gloo process groups disabled?)")
+            group = child.data_parallel_group_gloo  # None with gloo groups disabled: checked when needed
             children.append(
                 {
                     "index": index,
-                    "dp_rank": group.rank(),
-                    "dp_size": group.size(),
+                    "dp_rank": group.rank() if group is not None else None,
+                    "dp_size": group.size() if group is not None else None,
                     "has_params": ostate.local_param_count(child) > 0,
                     "has_state": ostate.has_state(child),
                     "keys": list(ostate.resolve_state_keys(child)),

@@ -70,7 +70,7 @@ def load_lora_checkpoint(
     - A missing path, or a save root with no committed generation yet, loads nothing.
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
-    consensus = consensus or Consensus.for_world()
+    consensus = consensus or Consensus.default()
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
     kind = consensus.agree("classify", attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success())[0]

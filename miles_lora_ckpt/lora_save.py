@@ -39,13 +39,13 @@ def save_lora_checkpoint(
     With `args.no_save_optim` (or no optimizer) only the adapter and the iteration are saved.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
-    consensus = consensus or Consensus.for_world()
+    consensus = consensus or Consensus.default()
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
 
     # plan: every rank says what it holds; everybody sees every rank's answer
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer if save_optim else None))
-    layout = SaveLayout.from_plans(plans)
+    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
+    layout = SaveLayout.from_plans(plans, save_optim)
 
     # optimizer, local: this rank's shard of every saved child, and DP roots' non-tensor state
     prepared = attempt(_prepare_optimizer_state, optimizer, layout)
@@ -90,7 +90,7 @@ class SaveLayout:
     keys: dict[int, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def from_plans(cls, plans: list[dict]) -> SaveLayout:
+    def from_plans(cls, plans: list[dict], save_optim: bool) -> SaveLayout:
         layout = cls(plans)
         for rank, plan in enumerate(plans):
             coords = Coordinates(**plan["coords"])
@@ -100,7 +100,7 @@ class SaveLayout:
                 layout.expert_writers.setdefault(coords.expert_key, rank)
             for child in plan["children"]:
                 index = child["index"]
-                if child["has_state"]:
+                if child["has_state"] and save_optim:
                     layout.stepped[index] = True
                 layout.stepped.setdefault(index, False)
                 layout.keys.setdefault(index, child["keys"])
@@ -113,7 +113,7 @@ class SaveLayout:
         active = {}
         for plan in self.plans:
             key = Coordinates(**plan["coords"]).model_parallel_key
-            active[key] = [c["index"] for c in plan["children"]] if save_optim else []
+            active[key] = [c["index"] for c in plan["children"]]  # recorded even without optimizer state
         numels = {}
         for plan in self.plans:
             for child in plan["children"]:
@@ -154,6 +154,8 @@ def _prepare_optimizer_state(optimizer, layout: SaveLayout) -> PreparedOptimizer
     for index, child in enumerate(ostate.optimizer_children(optimizer)):
         if ostate.is_stub(child) or not layout.saves_child(index):
             continue
+        if child.data_parallel_group_gloo is None:
+            raise ValueError(f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups")
         if ostate.local_param_count(child) > 0 and not ostate.has_state(child):
             raise ValueError(f"optimizer child {index} has stepped on other ranks but has no state here")
         prepared.shards[index] = ostate.local_shards(child, tuple(layout.keys[index]))

@@ -19,10 +19,10 @@ log = logging.getLogger(__name__)
 
 
 def plan_prune(root: Path, *, keep: int, staging_min_age_s: float = 0.0) -> list[Path]:
-    """The directories a prune would remove, oldest generations last.
+    """The directories a prune would remove.
 
-    Keeps the newest `keep` intact generations, the tracker's generation, and every damaged
-    generation newer than the oldest one kept (left for an operator to look at). Staging
+    Keeps the newest `keep` intact generations (by commit time), the tracker's generation, and
+    every damaged generation newer than the oldest one kept (left for an operator to look at). Staging
     directories younger than `staging_min_age_s` are kept too (an attempt may be in progress).
     """
     if keep < 1:
@@ -31,7 +31,7 @@ def plan_prune(root: Path, *, keep: int, staging_min_age_s: float = 0.0) -> list
     entries = scan_root(root)
     intact = [e for e in entries if e.state == "committed"]
     kept = {e.name for e in intact[:keep]} | {read_tracker(root)}
-    oldest_kept = min((e.iteration, e.created_unix_ns or 0) for e in intact[:keep]) if intact else None
+    oldest_kept = min(e.created_unix_ns for e in intact[:keep]) if intact else None
     doomed = []
     now = time.time()
     for entry in entries:
@@ -39,7 +39,7 @@ def plan_prune(root: Path, *, keep: int, staging_min_age_s: float = 0.0) -> list
         if entry.state in ("staging", "deleting"):
             if entry.state == "deleting" or now - path.stat().st_mtime >= staging_min_age_s:
                 doomed.append(path)
-        elif entry.name not in kept and oldest_kept and (entry.iteration, entry.created_unix_ns or 0) < oldest_kept:
+        elif entry.name not in kept and oldest_kept is not None and entry.created_unix_ns < oldest_kept:
             doomed.append(path)
     return doomed
 

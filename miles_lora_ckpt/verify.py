@@ -184,7 +184,7 @@ def is_legacy_miles_dir(path: Path) -> bool:
 
 
 def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
-    """Every generation, staging and deleting directory of `root`, newest first."""
+    """Every generation, staging and deleting directory of `root`, newest commit first."""
     root = Path(root)
     entries = []
     for name in sorted(os.listdir(root)):
@@ -194,10 +194,17 @@ def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
             entries.append(RootEntry(name, "deleting", None))
         elif (parsed := parse_generation_dir_name(name)) is not None:
             gen = verify_generation(root / name) if content else check_structure(root / name)
-            created = gen.manifest.created_unix_ns if gen.manifest else None
+            # a damaged generation without a readable manifest is dated by its directory
+            created = gen.manifest.created_unix_ns if gen.manifest else (root / name).stat().st_mtime_ns
             problems = [Problem(f"{name}/{p.file}", p.reason) for p in gen.problems]
             entries.append(RootEntry(name, "committed" if gen.intact else "damaged", parsed[0], created, problems))
-    return sorted(entries, key=lambda e: (e.iteration or -1, e.created_unix_ns or 0, e.name), reverse=True)
+    return sorted(entries, key=_newest_first_key, reverse=True)
+
+
+def _newest_first_key(entry: RootEntry) -> tuple:
+    # Commit order, not iteration: a run restarted from an older generation commits lower
+    # iterations after higher ones, and its newest commit is the one to resume from.
+    return (entry.created_unix_ns or 0, entry.iteration or -1, entry.name)
 
 
 def read_tracker(root: Path) -> str | None:

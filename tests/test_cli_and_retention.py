@@ -118,3 +118,11 @@ def test_console_script_help_and_version():
         assert f"\n    {command} " in out.stdout, command
     version = subprocess.run([sys.executable, "-m", "miles_lora_ckpt", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("miles-lora-ckpt ")
+
+
+def test_a_run_restarted_from_an_older_generation_resumes_from_its_newest_commit(tmp_path, capsys):
+    save(tmp_path, 10)
+    restarted = save(tmp_path, 6)  # an operator resumed from iteration 5 and saved again
+    assert cli(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(restarted.resolve())
+    assert json.loads((tmp_path / TRACKER).read_text())["generation_dir"] == restarted.name

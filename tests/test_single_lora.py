@@ -226,3 +226,13 @@ def test_megatron_own_lion_when_it_can_be_built(tmp_path):
         pytest.skip(probe[0]["skip"])
     for result in probe:
         assert result["first_difference"] is None and result["keys"] == ["exp_avg"]
+
+
+def test_stock_miles_adapter_directory_warm_starts_the_adapter_only(tmp_path):
+    results = run(2, "legacy_warm_start", {"config": cfg(2), "dir": str(tmp_path / "legacy")})
+    for r in results:
+        result = r["result"]
+        assert result["source"] == "legacy-miles" and result["loaded"] and result["iteration"] == 2
+        assert r["same_adapter"] and r["masters_match_adapter"]
+        assert not result["optimizer_restored"] and not result["scheduler_restored"]
+        assert "NOT restored" in result["warnings"][0] and "optimizer moments" in result["warnings"][0]

@@ -255,3 +255,45 @@ def native_lion_round_trip(payload: dict, ctx) -> dict:
     run = build_run(config)
     keys = [list(resolve_state_keys(c)) for c in optimizer_children(run.optimizer) if c.optimizer is not None]
     return {"first_difference": compare_digests(ref_digests, got["digests"]), "keys": keys[0]}
+
+
+def legacy_warm_start(payload: dict, ctx) -> dict:
+    """Write a stock-Miles adapter directory (torch.save per global rank), warm-start from it."""
+    import torch
+
+    from miles_lora_ckpt.megatron.adapter_shards import is_adapter_param_name
+
+    config = SimConfig.from_dict(payload["config"])
+    trained = build_run(config)
+    run_steps(trained, 0, 2)
+    legacy = Path(payload["dir"])
+    legacy.mkdir(parents=True, exist_ok=True)
+    # what stock Miles writes: {wrapped-chunk name: tensor} per global rank, and pickled training state
+    adapter = {n: p.data.cpu() for n, p in trained.model[0].named_parameters() if is_adapter_param_name(n)}
+    torch.save(adapter, legacy / f"adapter_megatron_rank{ctx.rank}.pt")
+    torch.save({"iteration": 2, "optimizer": {"param_groups": []}}, legacy / f"training_state_rank{ctx.rank}.pt")
+    teardown(trained)
+
+    consensus = Consensus.for_world(timeout_s=60)
+    fresh = build_run(config)
+    result = load_lora_checkpoint(
+        fresh.model, legacy, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
+    )
+    loaded = {n: p for n, p in fresh.model[0].named_parameters() if is_adapter_param_name(n)}
+    same_adapter = sorted(adapter) == sorted(loaded) and all(torch.equal(adapter[n], loaded[n]) for n in adapter)
+    return {"result": result.__dict__, "same_adapter": same_adapter, "masters_match_adapter": _masters_match(fresh)}
+
+
+def _masters_match(run) -> bool:
+    """Every fp32 master shard equals float() of its (loaded) model parameter slice."""
+    from miles_lora_ckpt.megatron import optimizer_state as ostate
+
+    for child in ostate.optimizer_children(run.optimizer):
+        if ostate.is_stub(child):
+            continue
+        for model_param, (group, order) in child.model_param_group_index_map.items():
+            master = child.optimizer.param_groups[group]["params"][order]
+            span = child._get_model_param_range_map(model_param)["param"]
+            if not master.detach().view(-1).equal(model_param.detach().view(-1)[span.start : span.end].float()):
+                return False
+    return True
