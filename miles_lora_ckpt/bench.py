@@ -1,7 +1,7 @@
 """`miles-lora-ckpt bench`: the protocol against the physical limit and its peers, side by side.
 
 W real processes (gloo) each hold S/W MiB of adapter- and optimizer-like tensors. Each repeat runs,
-interleaved and barrier to barrier on every rank:
+interleaved (in an order rotated from repeat to repeat) and barrier to barrier on every rank:
 
     raw save    plain write + fsync of the same bytes (the physical limit)
     protocol    save_generation: stage, digest, fsync, agree, manifest, atomic publish
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="time protocol save/load against raw I/O, torch.save and DCP")
     bench.add_argument("--size-mib", type=int, default=256, help="total tensor bytes over all ranks, MiB (default 256)")
     bench.add_argument("--world-size", type=int, default=2, help="worker processes (default 2)")
-    bench.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are reported (default 5)")
+    bench.add_argument("--repeats", type=int, default=8, help="interleaved repeats; medians are reported (default 8)")
     bench.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed after)")
     bench.add_argument("--json", action="store_true", help="print the medians as JSON before the RATIO line")
     bench.set_defaults(handler=run_bench)
@@ -105,7 +105,12 @@ def bench_job(payload: dict, ctx) -> dict:
             "raw_load": lambda w=work: _raw_load(w, ctx.rank),
             "protocol_load": lambda w=work: _protocol_load(consensus, w, ctx.rank),
         }
-        for phase, step in steps.items():
+        # rotate the order of the saves (and of the loads) each repeat: no phase always runs
+        # right after another's deletions or writeback
+        saves, loads = list(steps)[:4], list(steps)[4:]
+        order = saves[repeat % 4 :] + saves[: repeat % 4] + loads[repeat % 2 :] + loads[: repeat % 2]
+        for phase in order:
+            step = steps[phase]
             dist.barrier()
             started = time.perf_counter()
             step()

@@ -118,10 +118,6 @@ class Consensus:
             raise CheckpointError(f"{phase} (ranks disagree)", detail)
         return values[0]
 
-    def broadcast_text(self, phase: str, text: str, src: int = 0) -> str:
-        """Collective. Every rank returns `src`'s text."""
-        return self.agree(phase, Outcome.success(text if self.rank == src else None))[src]
-
     def _all_gather_json(self, phase: str, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [json.loads(json.dumps(obj))]

@@ -96,10 +96,10 @@ def save_generation(
     root, rank = Path(root), consensus.rank
     coordinator = rank == 0
 
-    # prepare: one attempt id for everybody, and a staging directory nobody used before
-    attempt_id = consensus.broadcast_text("prepare", new_attempt_id() if coordinator else "")
+    # prepare: the coordinator picks a fresh attempt id and makes its staging directory
+    prepared = attempt(_make_staging, root) if coordinator else Outcome.success()
+    attempt_id = consensus.agree("prepare", prepared)[0]
     staging = root / staging_dir_name(attempt_id)
-    consensus.agree("prepare", attempt(_make_staging, staging) if coordinator else Outcome.success())
 
     # write: each rank its own files
     records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, rank, write_files))
@@ -127,10 +127,12 @@ def save_generation(
     return final
 
 
-def _make_staging(staging: Path) -> None:
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    staging.mkdir()  # fails if it exists: an attempt directory is never reused
-    storage.fsync_dir(staging.parent)
+def _make_staging(root: Path) -> str:
+    # No fsync here: a staging directory lost in a crash is just an attempt that never happened.
+    attempt_id = new_attempt_id()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / staging_dir_name(attempt_id)).mkdir()  # fails if it exists: never reused
+    return attempt_id
 
 
 def _write_rank_files(staging: Path, rank: int, write_files: WriteFn) -> dict:
@@ -178,10 +180,9 @@ def _publish(staging: Path, final: Path, manifest: Manifest, rank: int) -> None:
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
-    storage.fsync_dir(final.parent)
     tracker = {"generation_dir": final.name, "generation": manifest.generation, "iteration": manifest.iteration}
     storage.write_json(final.parent / TRACKER, tracker)
-    storage.fsync_dir(final.parent)
+    storage.fsync_dir(final.parent)  # makes the rename and the tracker durable together
     faults.point("after-publish", rank)
 
 

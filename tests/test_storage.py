@@ -106,3 +106,16 @@ def test_digest_mismatch_is_reported(tmp_path):
     (tmp_path / "d.json").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="digest mismatch"):
         storage.read_file_verified(tmp_path / "d.json", record)
+
+
+def test_finiteness_check_is_exact_even_when_a_sum_overflows(tmp_path):
+    huge = torch.full((8,), 3.0e38)  # finite values whose float32 sum overflows
+    storage.save_tensors(tmp_path / "h.safetensors", {"w": huge}, finite=True)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = huge.clone()
+        tensor[3] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            storage.save_tensors(tmp_path / "x.safetensors", {"w": tensor}, finite=True)
+    mixed = torch.tensor([float("inf"), float("-inf")])  # the sum is NaN, still caught
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        storage.save_tensors(tmp_path / "y.safetensors", {"w": mixed}, finite=True)
