@@ -55,5 +55,9 @@ class GenerationDamaged(Exception):
         super().__init__(f"{path} is damaged: " + "; ".join(str(p) for p in problems))
 
 
+class NothingCommitted(GenerationDamaged):
+    """A save root holds staging directories but no committed generation (yet)."""
+
+
 class NotACheckpoint(Exception):
     """A path holds neither a committed generation nor a save root."""

@@ -13,34 +13,50 @@ from pathlib import Path
 import torch
 
 from miles_lora_ckpt.consensus import Consensus, attempt
+from miles_lora_ckpt.errors import CheckpointError
 from miles_lora_ckpt.lora_common import LoadResult, chunk_count
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler
 from miles_lora_ckpt.megatron.topology import current_coordinates
+from miles_lora_ckpt.megatron.undo import UndoRecord
 
 log = logging.getLogger(__name__)
 
 
 def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, scheduler) -> LoadResult:
-    """Stock Miles `adapter_megatron_rank*.pt`: adapter weights only, read with weights_only=True."""
-    read = attempt(_read_legacy_shard, model, path, consensus.rank)
-    iterations = consensus.agree("legacy-preflight", read.map(lambda r: r[1]))
-    consensus.agree("legacy-apply", attempt(_apply_legacy, model, optimizer, read.value[0] if read.ok else None))
-    iteration = iterations[0] if len(set(iterations)) == 1 else None
+    """Collective. Stock Miles `adapter_megatron_rank*.pt`: adapter weights only (weights_only=True)."""
+    children = [c for c in ostate.optimizer_children(optimizer) if not ostate.is_stub(c)] if optimizer else []
+    # read and preflight: every rank its own shard (and a copy of what it holds now, to undo);
+    # all ranks must agree on the iteration
+    read = attempt(_read_legacy_shard, model, path, consensus.rank, children, scheduler)
+    iteration = consensus.agree_same("legacy-preflight", read.map(lambda r: r[1]))
+    saved, _, undo = read.value
+
+    # apply, undone on every rank if it fails on any
+    try:
+        consensus.agree("legacy-apply", attempt(_apply_legacy, model, children, scheduler, saved, iteration))
+    except CheckpointError:
+        undo.restore()
+        raise
     message = (
         f"{path} is a stock Miles adapter directory: restored the adapter weights only; NOT restored: "
         "fp32 master weights (refreshed from the adapter), optimizer moments, scheduler state"
+        + (f" (repositioned to iteration {iteration})" if scheduler is not None and iteration else "")
     )
     log.warning(message)
-    result = LoadResult(True, iteration, "legacy-miles", str(path), adapter_restored=True, warnings=[message])
-    result.masters_refreshed = optimizer is not None
-    if scheduler is not None and iteration:
-        reposition_scheduler(scheduler, iteration, 1)
-    return result
+    return LoadResult(
+        True,
+        iteration,
+        "legacy-miles",
+        str(path),
+        adapter_restored=True,
+        masters_refreshed=bool(children),
+        warnings=[message],
+    )
 
 
-def _read_legacy_shard(model, path: Path, rank: int):
+def _read_legacy_shard(model, path: Path, rank: int, children: list, scheduler):
     coords = current_coordinates()
     candidates = [path / f"adapter_megatron_rank{rank}.pt", path / f"adapter_megatron_tp{coords.tp}_pp{coords.pp}.pt"]
     file = next((c for c in candidates if c.exists()), None)
@@ -58,7 +74,8 @@ def _read_legacy_shard(model, path: Path, rank: int):
     }
     params = shards.adapter_params(model)
     shards.preflight_adapter(params, saved, str(file))
-    return saved, _legacy_iteration(path, rank)
+    undo = UndoRecord.capture(params.values(), children, scheduler)
+    return saved, _legacy_iteration(path, rank), undo
 
 
 def _legacy_iteration(path: Path, rank: int) -> int | None:
@@ -71,9 +88,9 @@ def _legacy_iteration(path: Path, rank: int) -> int | None:
         return None
 
 
-def _apply_legacy(model, optimizer, saved: dict) -> None:
+def _apply_legacy(model, children: list, scheduler, saved: dict, iteration: int | None) -> None:
     shards.copy_into(shards.adapter_params(model), saved)
-    if optimizer is not None:
-        for child in ostate.optimizer_children(optimizer):
-            if not ostate.is_stub(child):
-                child.reload_model_params()
+    for child in children:
+        child.reload_model_params()  # masters from the loaded adapter, or step 1 would undo it
+    if scheduler is not None and iteration:
+        reposition_scheduler(scheduler, iteration, 1)

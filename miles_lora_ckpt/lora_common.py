@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
-from miles_lora_ckpt.megatron.topology import current_coordinates
+from miles_lora_ckpt.megatron.topology import current_coordinates, current_topology
 
 SAVER = "single-lora"
 TRAINING_STATE = "training_state.json"
@@ -53,6 +53,7 @@ def describe_rank(model, optimizer) -> dict:
             )
     return {
         "coords": coords.to_dict(),
+        "topology": current_topology(chunk_count(model)).to_dict(),
         "dense": sorted(dense),
         "expert": sorted(expert),
         "children": children,

@@ -20,7 +20,7 @@ from typing import Any
 
 from miles_lora_ckpt import faults
 from miles_lora_ckpt.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.errors import CheckpointError
+from miles_lora_ckpt.errors import CheckpointError, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.jsoncodec import from_json
 from miles_lora_ckpt.layout import Manifest, Topology
 from miles_lora_ckpt.legacy_miles import warm_start_legacy
@@ -28,14 +28,13 @@ from miles_lora_ckpt.lora_common import (
     SAVER,
     TRAINING_STATE,
     LoadResult,
-    chunk_count,
     describe_rank,
     optimizer_file,
 )
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
-from miles_lora_ckpt.megatron.topology import Coordinates, current_topology
+from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
 from miles_lora_ckpt.protocol import open_generation
 from miles_lora_ckpt.verify import committed_candidates, is_legacy_miles_dir
@@ -118,15 +117,16 @@ def load_lora_checkpoint(
 
 
 def _classify(path: Path) -> str:
+    """missing | empty-root | legacy-miles | generation; raises when `path` is none of those."""
     if not path.exists():
         return "missing"
     try:
         committed_candidates(path)
-    except Exception as exc:  # noqa: BLE001 - classification only; open_generation reports damage
+    except NothingCommitted:
+        return "empty-root"
+    except NotACheckpoint:
         if is_legacy_miles_dir(path):
             return "legacy-miles"
-        if "no committed generation" in str(exc):
-            return "empty-root"
         raise
     return "generation"
 
@@ -165,7 +165,7 @@ class LoadRequest:
         return [c["index"] for c in self.plans[self.rank]["children"]]
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
-        _check_topology(manifest, current_topology(chunk_count(self.model)))
+        _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
         dense, expert = shards.split_by_kind(shards.adapter_params(self.model))
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []

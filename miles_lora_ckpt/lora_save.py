@@ -14,11 +14,12 @@ from typing import Any
 
 from miles_lora_ckpt.consensus import Consensus, attempt
 from miles_lora_ckpt.jsoncodec import to_json
-from miles_lora_ckpt.lora_common import SAVER, TRAINING_STATE, chunk_count, describe_rank, optimizer_file
+from miles_lora_ckpt.layout import Topology
+from miles_lora_ckpt.lora_common import SAVER, TRAINING_STATE, describe_rank, optimizer_file
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
-from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, current_topology
+from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
 from miles_lora_ckpt.protocol import StagingWriter, save_generation
 
 
@@ -43,7 +44,8 @@ def save_lora_checkpoint(
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
 
-    # plan: every rank says what it holds; everybody sees every rank's answer
+    # plan: every rank says what it holds; everybody sees every rank's answer (and derives the
+    # same layout from the same answers, so nothing below can fail on one rank only)
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
     layout = SaveLayout.from_plans(plans, save_optim)
 
@@ -55,15 +57,15 @@ def save_lora_checkpoint(
     gathered = attempt(_gather_children, optimizer, prepared.value.shards if prepared.ok else {})
     consensus.agree("optimizer-gather", gathered.map(lambda _: None))
 
-    training_state = {
-        "iteration": iteration,
-        "scheduler": scheduler_state(opt_param_scheduler) if save_optim else None,
-        "optimizer_children": {k: v for states in child_states for k, v in states.items()},
-    }
-
+    # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
         _write_rank_files(writer, model, layout, consensus.rank, gathered.value)
         if consensus.rank == 0:
+            training_state = {
+                "iteration": iteration,
+                "scheduler": scheduler_state(opt_param_scheduler) if save_optim else None,
+                "optimizer_children": {k: v for states in child_states for k, v in states.items()},
+            }
             writer.write_json(TRAINING_STATE, training_state)
 
     generation = save_generation(
@@ -71,7 +73,7 @@ def save_lora_checkpoint(
         save_dir,
         iteration=iteration,
         saver=SAVER,
-        topology=current_topology(chunk_count(model)),
+        topology=Topology.from_dict(plans[0]["topology"]),
         write_files=write_files,
         metadata=layout.metadata(save_optim, opt_param_scheduler, args),
         keep=keep,

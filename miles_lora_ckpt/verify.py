@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from miles_lora_ckpt import storage
-from miles_lora_ckpt.errors import GenerationDamaged, NotACheckpoint, Problem
+from miles_lora_ckpt.errors import GenerationDamaged, NotACheckpoint, NothingCommitted, Problem
 from miles_lora_ckpt.layout import (
     MANIFEST,
     TRACKER,
@@ -235,7 +235,7 @@ def committed_candidates(path: Path) -> tuple[list[Path], bool]:
         raise NotACheckpoint(f"{path} is {kind}")
     names = [e.name for e in scan_root(path) if e.state in ("committed", "damaged")]
     if not names:
-        raise GenerationDamaged(str(path), [Problem(".", "save root has no committed generation (only staging)")])
+        raise NothingCommitted(str(path), [Problem(".", "save root has no committed generation (only staging)")])
     return [path / n for n in names], True
 
 

@@ -30,6 +30,24 @@ def run_steps(run, start: int, stop: int) -> list[float]:
     return [train_step(run, step) for step in range(start, stop)]
 
 
+def save(run, root, iteration: int, consensus: Consensus) -> str:
+    return save_lora_checkpoint(
+        run.model,
+        Args(),
+        root,
+        optimizer=run.optimizer,
+        opt_param_scheduler=run.scheduler,
+        iteration=iteration,
+        consensus=consensus,
+    )
+
+
+def load(run, path, consensus: Consensus, **kwargs):
+    return load_lora_checkpoint(
+        run.model, path, optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus, **kwargs
+    )
+
+
 def reference(config: SimConfig, steps: int) -> tuple[list[float], dict]:
     run = build_run(config)
     losses = run_steps(run, 0, steps)
@@ -43,26 +61,11 @@ def save_then_resume(
 ) -> dict:
     run = build_run(config)
     first = run_steps(run, 0, save_at)
-    save_lora_checkpoint(
-        run.model,
-        Args(),
-        root,
-        optimizer=run.optimizer,
-        opt_param_scheduler=run.scheduler,
-        iteration=save_at,
-        consensus=consensus,
-    )
+    save(run, root, save_at, consensus)
     run_steps(run, save_at, save_at + 1)  # the interrupted run goes on a little before it dies
     teardown(run)
     resumed = build_run(config)
-    result = load_lora_checkpoint(
-        resumed.model,
-        root,
-        optimizer=resumed.optimizer,
-        opt_param_scheduler=resumed.scheduler,
-        consensus=consensus,
-        load_optim=load_optim,
-    )
+    result = load(resumed, root, consensus, load_optim=load_optim)
     rest = run_steps(resumed, result.iteration, steps)
     digests = snapshot_digests(snapshot(resumed))
     teardown(resumed)
@@ -95,57 +98,12 @@ def resume_matrix(payload: dict, ctx) -> dict:
     return out
 
 
-def try_load(payload: dict, ctx) -> dict:
-    """Load `payload['path']` into a fresh run; report the error and whether anything changed."""
-    consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
-    run_steps(run, 0, payload.get("pre_steps", 0))
-    before = snapshot_digests(snapshot(run))
-    try:
-        result = load_lora_checkpoint(
-            run.model, payload["path"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
-        )
-        error = None
-    except CheckpointError as exc:
-        result, error = None, str(exc)
-    after = snapshot_digests(snapshot(run))
-    return {
-        "error": error,
-        "unchanged": compare_digests(before, after) is None,
-        "result": result.__dict__ if result else None,
-    }
-
-
 def train_and_save(payload: dict, ctx) -> dict:
-    """Train `steps` steps and save into `root` (optionally also `save_before_step0` first)."""
+    """Train `steps` steps, then save into `root` (`saves` times, default once)."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
-    paths = []
-    if payload.get("save_before_first_step"):
-        paths.append(
-            save_lora_checkpoint(
-                run.model,
-                Args(),
-                payload["root"],
-                optimizer=run.optimizer,
-                opt_param_scheduler=run.scheduler,
-                iteration=0,
-                consensus=consensus,
-            )
-        )
     run_steps(run, 0, payload["steps"])
-    for _ in range(payload.get("saves", 1)):
-        paths.append(
-            save_lora_checkpoint(
-                run.model,
-                Args(),
-                payload["root"],
-                optimizer=run.optimizer,
-                opt_param_scheduler=run.scheduler,
-                iteration=payload["steps"],
-                consensus=consensus,
-            )
-        )
+    paths = [save(run, payload["root"], payload["steps"], consensus) for _ in range(payload.get("saves", 1))]
     return {"paths": paths, "digests": snapshot_digests(snapshot(run))}
 
 
@@ -163,14 +121,7 @@ def try_loads(payload: dict, ctx) -> dict:
         if phase is not None and ctx.rank == failing:
             faults.arm(phase, failing, "raise")
         try:
-            result = load_lora_checkpoint(
-                run.model,
-                path,
-                optimizer=run.optimizer,
-                opt_param_scheduler=run.scheduler,
-                consensus=consensus,
-                **payload.get("load_kwargs", {}),
-            )
+            result = load(run, path, consensus, **payload.get("load_kwargs", {}))
             error = None
         except CheckpointError as exc:
             result, error = None, str(exc)
@@ -209,9 +160,7 @@ def elastic_load(payload: dict, ctx) -> dict:
 
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
-    result = load_lora_checkpoint(
-        run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
-    )
+    result = load(run, payload["root"], consensus)
     gathered = gathered_world_state(run)
     key = current_coordinates().model_parallel_key
     compared, differing = 0, []
@@ -276,9 +225,7 @@ def legacy_warm_start(payload: dict, ctx) -> dict:
 
     consensus = Consensus.for_world(timeout_s=60)
     fresh = build_run(config)
-    result = load_lora_checkpoint(
-        fresh.model, legacy, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
-    )
+    result = load(fresh, legacy, consensus)
     loaded = {n: p for n, p in fresh.model[0].named_parameters() if is_adapter_param_name(n)}
     same_adapter = sorted(adapter) == sorted(loaded) and all(torch.equal(adapter[n], loaded[n]) for n in adapter)
     return {"result": result.__dict__, "same_adapter": same_adapter, "masters_match_adapter": _masters_match(fresh)}

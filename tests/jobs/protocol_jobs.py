@@ -110,13 +110,7 @@ def kill_once(payload: dict, ctx) -> dict:
     _save(consensus, root, 2)
     if ctx.rank == payload["rank"]:
         faults.arm(payload["phase"], ctx.rank, "kill")
-    started = time.monotonic()
-    try:
-        _save(consensus, root, 3)
-        outcome = "saved"
-    except CheckpointError as exc:
-        outcome = f"CheckpointError: {exc}"
-    return {"outcome": outcome, "seconds": time.monotonic() - started}
+    return _timed_save(consensus, root, 3)
 
 
 def hang_peer(payload: dict, ctx) -> dict:
@@ -125,9 +119,14 @@ def hang_peer(payload: dict, ctx) -> dict:
     root = Path(payload["root"])
     if ctx.rank == 1:
         time.sleep(payload["stall_s"])
+    return _timed_save(consensus, root, 1)
+
+
+def _timed_save(consensus: Consensus, root: Path, iteration: int) -> dict:
+    """Save once; report "saved" or the CheckpointError text, and how long it took."""
     started = time.monotonic()
     try:
-        _save(consensus, root, 1)
+        _save(consensus, root, iteration)
         outcome = "saved"
     except CheckpointError as exc:
         outcome = f"CheckpointError: {exc}"
