@@ -41,10 +41,6 @@ def is_stub(child) -> bool:
     return bool(getattr(child, "is_stub_optimizer", False)) or getattr(child, "optimizer", None) is None
 
 
-def active_child_indices(optimizer) -> list[int]:
-    return [i for i, child in enumerate(optimizer_children(optimizer)) if not is_stub(child)]
-
-
 # --------------------------------------------------------------------------- state keys
 
 
