@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -35,6 +35,7 @@ class SimConfig:
 
     world_size: int = 2
     tp: int = 1
+    ep: int = 1  # expert-parallel size: each EP rank holds its own experts (and expert adapters)
     dtype: str = "bf16"
     adapters: str = "dense"
     optimizer: str = "adam"
@@ -55,6 +56,8 @@ class SimConfig:
     def __post_init__(self):
         if self.tp not in (1, 2) or self.world_size % self.tp:
             raise ValueError(f"tp must be 1 or 2 and divide world_size, got tp={self.tp}")
+        if self.ep < 1 or self.world_size % (self.ep * self.tp):
+            raise ValueError(f"ep*tp must divide world_size, got ep={self.ep} tp={self.tp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.adapters not in ADAPTER_KINDS:
@@ -138,6 +141,8 @@ class LoraLinear(torch.nn.Module):
         sizes = (config.hidden, config.ffn_hidden) if parallel == "column" else (config.ffn_hidden, config.hidden)
         self.parallel = parallel
         self.scale = config.lora_alpha / config.lora_rank
+        if expert and config.ep > 1:  # distinct experts on each expert-parallel rank
+            name = f"{name}@ep{parallel_state.get_expert_model_parallel_rank()}"
         self.base_layer = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.base_layer")
         self.base_layer.weight.requires_grad_(False)
         self.lora_A = self.lora_B = None

@@ -69,10 +69,14 @@ def _ensure_model_parallel(config: SimConfig) -> None:
     if dist.get_world_size() != config.world_size:
         raise ValueError(f"config.world_size={config.world_size}, job world size {dist.get_world_size()}")
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == config.tp:
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if current == (config.tp, config.ep):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp, expert_model_parallel_size=config.ep)
 
 
 def _ddp_config() -> DistributedDataParallelConfig:

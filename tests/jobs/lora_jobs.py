@@ -83,7 +83,12 @@ def resume_matrix(payload: dict, ctx) -> dict:
     for index, case in enumerate(payload["cases"]):
         config = SimConfig.from_dict(case["config"])
         load_optim = case.get("load_optim", True)
-        name = f"{config.optimizer}/{config.dtype}/{config.adapters}/w{config.world_size}/save@{case['save_at']}"
+        layout = (
+            f"w{config.world_size}"
+            + (f"-tp{config.tp}" if config.tp > 1 else "")
+            + (f"-ep{config.ep}" if config.ep > 1 else "")
+        )
+        name = f"{config.optimizer}/{config.dtype}/{config.adapters}/{layout}/save@{case['save_at']}"
         name += "" if load_optim else "/no-optim-control"
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
