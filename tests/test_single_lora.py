@@ -37,12 +37,14 @@ def test_resume_matrix_is_bit_exact(world):
         for dtype in ("bf16", "fp32")
         for adapters in ("dense", "expert-only", "mixed")
     ]
-    if world == 2:  # expert parallel: each EP rank writes its own expert adapter and optimizer shard
+    if world == 2:  # expert parallel and pipeline stages: files per EP and per PP coordinate
         cases.append({"config": cfg(world, "bf16", "mixed", ep=2), "save_at": 2})
-    if world == 4:  # tensor parallel, alone and with expert parallel
+        cases.append({"config": cfg(world, "bf16", "mixed", pp=2), "save_at": 2})
+    if world == 4:  # tensor parallel, alone and with expert parallel; pipeline with expert parallel
         cases += [
             {"config": cfg(world, "fp32", "mixed", tp=2), "save_at": 2},
             {"config": cfg(world, "bf16", "mixed", tp=2, ep=2), "save_at": 2},
+            {"config": cfg(world, "bf16", "mixed", pp=2, ep=2), "save_at": 2},
         ]
     if world in (2, 3):  # Lion: one moment, through megatron's buffers, shards and DP groups
         cases += [
@@ -74,16 +76,18 @@ def test_resume_matrix_is_bit_exact(world):
                 assert case["result"]["optimizer_restored"] and case["result"]["scheduler_restored"], name
 
 
-@pytest.mark.parametrize("saved_world, loaded_world, ep", [(2, 4, 1), (4, 2, 1), (2, 4, 2)])
-def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, ep, tmp_path):
+@pytest.mark.parametrize(
+    "saved_world, loaded_world, layout", [(2, 4, {}), (4, 2, {}), (2, 4, {"ep": 2}), (2, 4, {"pp": 2})]
+)
+def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, layout, tmp_path):
     root = tmp_path / "ckpt"
     run(
         saved_world,
         "train_and_save",
-        {"config": cfg(saved_world, "bf16", "mixed", ep=ep), "root": str(root), "steps": 3},
+        {"config": cfg(saved_world, "bf16", "mixed", **layout), "root": str(root), "steps": 3},
     )
     results = run(
-        loaded_world, "elastic_load", {"config": cfg(loaded_world, "bf16", "mixed", ep=ep), "root": str(root)}
+        loaded_world, "elastic_load", {"config": cfg(loaded_world, "bf16", "mixed", **layout), "root": str(root)}
     )
     roots = [r for r in results if r["compared"]]
     assert roots, "no DP root compared anything"
@@ -178,6 +182,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     [
         ("tp change", cfg(2, tp=2), "tp: 1 -> 2"),
         ("ep change", cfg(2, ep=2), "ep: 1 -> 2"),
+        ("pp change", cfg(2, pp=2), "pp: 1 -> 2"),
         # the mixed checkpoint has a real dense child; an expert-only run has a stub there
         ("checkpoint without stub, run with one", cfg(2, adapters="expert-only"), "child layout differs"),
     ],

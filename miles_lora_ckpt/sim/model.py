@@ -36,6 +36,7 @@ class SimConfig:
     world_size: int = 2
     tp: int = 1
     ep: int = 1  # expert-parallel size: each EP rank holds its own experts (and expert adapters)
+    pp: int = 1  # pipeline stages: each holds num_layers/pp layers and trains on a local loss
     dtype: str = "bf16"
     adapters: str = "dense"
     optimizer: str = "adam"
@@ -56,8 +57,10 @@ class SimConfig:
     def __post_init__(self):
         if self.tp not in (1, 2) or self.world_size % self.tp:
             raise ValueError(f"tp must be 1 or 2 and divide world_size, got tp={self.tp}")
-        if self.ep < 1 or self.world_size % (self.ep * self.tp):
-            raise ValueError(f"ep*tp must divide world_size, got ep={self.ep} tp={self.tp}")
+        if self.pp < 1 or self.num_layers % self.pp or self.world_size % (self.pp * self.tp):
+            raise ValueError(f"pp must divide num_layers and world_size/tp, got pp={self.pp}")
+        if self.ep < 1 or (self.world_size // self.pp) % (self.ep * self.tp):
+            raise ValueError(f"ep*tp must divide world_size/pp, got ep={self.ep} tp={self.tp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.adapters not in ADAPTER_KINDS:
@@ -68,7 +71,7 @@ class SimConfig:
     @property
     def dp(self) -> int:
         """Data-parallel size."""
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -120,6 +123,8 @@ def transformer_config(config: SimConfig) -> TransformerConfig:
         ffn_hidden_size=config.ffn_hidden,
         num_attention_heads=2,
         tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        pipeline_dtype=config.torch_dtype,
         use_cpu_initialization=True,
         perform_initialization=True,
         params_dtype=config.torch_dtype,
@@ -226,10 +231,17 @@ class SimLoraModel(MegatronModule):
 
     def __init__(self, mcfg: TransformerConfig, config: SimConfig):
         super().__init__(config=mcfg)
-        self.layers = torch.nn.ModuleList(SimLayer(mcfg, config, i) for i in range(config.num_layers))
+        # This pipeline stage's layers: numbered locally (as megatron names them), seeded globally.
+        per_stage = config.num_layers // config.pp
+        first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+        self.layers = torch.nn.ModuleList(SimLayer(mcfg, config, first + i) for i in range(per_stage))
+        # What megatron's finalize_model_grads asks a pipelined model: no tied embeddings here.
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.share_embeddings_and_output_weights = False
 
     def set_input_tensor(self, input_tensor):
-        """Pipeline hook megatron wrappers forward to; the harness has no pipeline."""
+        """Pipeline hook megatron wrappers forward to; stages here train on local losses instead."""
 
     def forward(self, x):
         for layer in self.layers:

@@ -71,12 +71,17 @@ def _ensure_model_parallel(config: SimConfig) -> None:
     if parallel_state.model_parallel_is_initialized():
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
         )
-        if current == (config.tp, config.ep):
+        if current == (config.tp, config.pp, config.ep):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp, expert_model_parallel_size=config.ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        expert_model_parallel_size=config.ep,
+    )
 
 
 def _ddp_config() -> DistributedDataParallelConfig:
@@ -131,7 +136,12 @@ def train_step(run: SimRun, step: int) -> float:
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    inputs, target = batch(run.config, step, parallel_state.get_data_parallel_rank())
+    # With pipeline stages, each stage trains on its own local data and loss (no activations are
+    # sent between stages: the harness needs per-stage optimizers, not a pipelined schedule).
+    stream = parallel_state.get_data_parallel_rank() + 1000 * parallel_state.get_pipeline_model_parallel_rank()
+    inputs, target = batch(run.config, step, stream)
+    if not parallel_state.is_pipeline_first_stage():  # Float16Module casts inputs on stage 0 only
+        inputs = inputs.to(run.config.torch_dtype)
     output = run.model[0](inputs)
     loss = torch.nn.functional.mse_loss(output.float(), target)
     loss.backward()

@@ -83,11 +83,8 @@ def resume_matrix(payload: dict, ctx) -> dict:
     for index, case in enumerate(payload["cases"]):
         config = SimConfig.from_dict(case["config"])
         load_optim = case.get("load_optim", True)
-        layout = (
-            f"w{config.world_size}"
-            + (f"-tp{config.tp}" if config.tp > 1 else "")
-            + (f"-ep{config.ep}" if config.ep > 1 else "")
-        )
+        axes = (("tp", config.tp), ("pp", config.pp), ("ep", config.ep))
+        layout = f"w{config.world_size}" + "".join(f"-{axis}{size}" for axis, size in axes if size > 1)
         name = f"{config.optimizer}/{config.dtype}/{config.adapters}/{layout}/save@{case['save_at']}"
         name += "" if load_optim else "/no-optim-control"
         ref_losses, ref_digests = reference(config, payload["steps"])
