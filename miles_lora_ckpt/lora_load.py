@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from miles_lora_ckpt import faults
 from miles_lora_ckpt.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.errors import CheckpointError, NotACheckpoint, NothingCommitted
@@ -82,9 +84,7 @@ def load_lora_checkpoint(
 
     # plan: who holds what, so every rank can find its child's DP root coordinates
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
-    request = LoadRequest(
-        model, optimizer, opt_param_scheduler, plans, consensus.rank, load_optim and not weights_only, weights_only
-    )
+    request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, load_optim and not weights_only)
 
     # verify: all ranks agree on one generation and read their own files, digest-checked
     opened = open_generation(consensus, path, request.files_for_rank)
@@ -151,8 +151,7 @@ class LoadRequest:
     scheduler: Any
     plans: list[dict]
     rank: int
-    restore_optimizer: bool
-    weights_only: bool
+    restore_optimizer: bool  # False for load_optim=False or weights_only=True
 
     @property
     def coords(self) -> Coordinates:
@@ -185,8 +184,6 @@ class LoadRequest:
 
     def _dp_root_key(self, index: int) -> str:
         group = self.children()[index].data_parallel_group_gloo
-        import torch.distributed as dist
-
         root = dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0
         return Coordinates(**self.plans[root]["coords"]).model_parallel_key
 
