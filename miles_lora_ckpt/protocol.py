@@ -36,7 +36,7 @@ from miles_lora_ckpt.layout import (
     new_attempt_id,
     staging_dir_name,
 )
-from miles_lora_ckpt.verify import check_file_content, check_structure, committed_candidates
+from miles_lora_ckpt.verify import Generation, check_file_content, check_structure, committed_candidates
 
 log = logging.getLogger(__name__)
 
@@ -235,17 +235,19 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     candidates, is_root = consensus.agree("resolve", listing)[0]
     damage: list[RankFailure] = []
     for candidate in map(Path, candidates):
-        # plan: every rank checks the structure and names the files it needs
-        plans = consensus.agree("resolve", attempt(_plan_reads, candidate, files_for_rank))
+        # plan: every rank checks the structure (once) and names the files it needs
+        planned = attempt(_plan_reads, candidate, files_for_rank)
+        plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
         if not problems:
             # read: own files plus a share of the unclaimed ones; agree on what was found
             # (damage found in a file is a verdict; any other error fails the load on every rank)
-            local = attempt(_read_share, rank, world, candidate, [plan["files"] for plan in plans])
+            manifest = planned.value[0].manifest
+            local = attempt(_read_share, rank, world, candidate, manifest, [plan["files"] for plan in plans])
             verdicts = consensus.agree("read", local.map(lambda read: read[1]))
             problems = [RankFailure(r, p) for r, v in enumerate(verdicts) for p in v]
             if not problems:
-                return OpenedGeneration(candidate, check_structure(candidate).manifest, local.value[0])
+                return OpenedGeneration(candidate, manifest, local.value[0])
         damage += problems
         if not is_root:
             break
@@ -258,23 +260,23 @@ def _list_candidates(path: Path) -> tuple[list[str], bool]:
     return [str(c) for c in candidates], is_root
 
 
-def _plan_reads(candidate: Path, files_for_rank: FilesFn) -> dict:
+def _plan_reads(candidate: Path, files_for_rank: FilesFn) -> tuple[Generation, dict]:
+    """The checked structure (kept on this rank) and the JSON plan every rank agrees on."""
     gen = check_structure(candidate)
     if not gen.intact:
-        return {"files": [], "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
+        return gen, {"files": [], "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
     wanted = sorted(files_for_rank(gen.manifest))
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
         for rel in wanted
         if rel not in gen.manifest.files
     ]
-    return {"files": wanted, "problems": missing}
+    return gen, {"files": wanted, "problems": missing}
 
 
-def _read_share(rank: int, world: int, candidate: Path, wanted: list[list[str]]):
+def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, wanted: list[list[str]]):
     """Read this rank's files and its round-robin share of the unclaimed ones."""
     faults.point("before-read", rank)
-    manifest = check_structure(candidate).manifest
     unclaimed = sorted(set(manifest.files) - {rel for files in wanted for rel in files})
     buffers, problems = {}, []
     for rel in list(wanted[rank]) + unclaimed[rank::world]:

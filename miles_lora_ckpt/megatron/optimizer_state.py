@@ -134,7 +134,8 @@ def _param_maps(child, layout: BucketLayout) -> dict:
     return next(iter(maps.values()))[layout.bucket_index]["param_map"]
 
 
-def _main_and_state(child, model_param) -> tuple[torch.Tensor, dict]:
+def main_and_state(child, model_param) -> tuple[torch.Tensor, dict]:
+    """The fp32 master shard of `model_param` held on this rank and its inner-optimizer state."""
     group_index, group_order = child.model_param_group_index_map[model_param]
     main_param = child.optimizer.param_groups[group_index]["params"][group_order]
     return main_param, child.optimizer.state.get(main_param, {})
@@ -150,7 +151,7 @@ def local_shards(child, keys: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
     for layout in bucket_layouts(child):
         bucket = {k: torch.zeros(layout.local_numel(dp_size), dtype=torch.float32) for k in (MASTER_KEY, *keys)}
         for model_param, ranges in _param_maps(child, layout).items():
-            main_param, state = _main_and_state(child, model_param)
+            main_param, state = main_and_state(child, model_param)
             start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
             bucket[MASTER_KEY][start:end].copy_(main_param.detach().view(-1))
             for key in keys:
@@ -239,7 +240,7 @@ def install_shards(child, keys: tuple[str, ...], shards: list[dict[str, torch.Te
     with torch.no_grad():
         for layout, bucket in zip(bucket_layouts(child), shards, strict=True):
             for model_param, ranges in _param_maps(child, layout).items():
-                main_param, state = _main_and_state(child, model_param)
+                main_param, state = main_and_state(child, model_param)
                 start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
                 main_param.view(-1).copy_(bucket[MASTER_KEY][start:end])
                 for key in keys:
@@ -256,7 +257,7 @@ def check_installed(child, keys: tuple[str, ...], shards: list[dict[str, torch.T
     """
     for layout, bucket in zip(bucket_layouts(child), shards, strict=True):
         for model_param, ranges in _param_maps(child, layout).items():
-            main_param, state = _main_and_state(child, model_param)
+            main_param, state = main_and_state(child, model_param)
             start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
             for key, tensor in [(MASTER_KEY, main_param), *[(k, state.get(k)) for k in keys]]:
                 if tensor is None or not torch.equal(tensor.detach().view(-1), bucket[key][start:end]):

@@ -22,6 +22,8 @@ import json
 
 import torch
 
+from miles_lora_ckpt.megatron.optimizer_state import main_and_state
+
 
 def snapshot(run) -> dict[str, torch.Tensor]:
     """Detached CPU copies of every training-state tensor of this rank, keyed by stable names."""
@@ -34,22 +36,10 @@ def snapshot(run) -> dict[str, torch.Tensor]:
     return snap
 
 
-def master_and_state(child, model_param: torch.nn.Parameter) -> tuple[torch.Tensor, dict] | None:
-    """The fp32 master shard and inner-optimizer state of ``model_param`` in a DistributedOptimizer.
-
-    ``None`` when this rank's DP shard holds no element of the parameter.
-    """
-    if model_param not in child.model_param_group_index_map:
-        return None
-    group_index, group_order = child.model_param_group_index_map[model_param]
-    main_param = child.optimizer.param_groups[group_index]["params"][group_order]
-    return main_param, child.optimizer.state.get(main_param, {})
-
-
 def _child_state(prefix: str, child, names: dict) -> dict[str, torch.Tensor]:
     snap = {}
     for model_param in child.model_param_group_index_map:
-        master, state = master_and_state(child, model_param)
+        master, state = main_and_state(child, model_param)
         name = names[model_param]
         snap[f"{prefix}/master/{name}"] = _copy(master)
         for key, value in state.items():

@@ -21,9 +21,10 @@ import time
 import megatron.core
 import torch
 
+from miles_lora_ckpt.megatron.optimizer_state import main_and_state
 from miles_lora_ckpt.sim import cpu_intercepts
 from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.snapshot import compare_snapshots, master_and_state, snapshot, snapshot_digests
+from miles_lora_ckpt.sim.snapshot import compare_snapshots, snapshot, snapshot_digests
 from miles_lora_ckpt.sim.train import build_run, teardown, train_step
 
 
@@ -108,7 +109,7 @@ def _fallback_bugs(args: dict, ctx) -> dict:
 def _bug1(child) -> dict:
     """Setting a param's state from a dp-zero-like payload, which has no 'step'."""
     model_param = next(iter(child.model_param_group_index_map))
-    master, state = master_and_state(child, model_param)
+    master, state = main_and_state(child, model_param)
     payload = {"param": master.clone(), **{k: v.clone() for k, v in state.items() if k != "step"}}
     unpatched = type(child)._set_main_param_and_optimizer_states.__wrapped__
     return {

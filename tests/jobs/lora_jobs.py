@@ -240,8 +240,8 @@ def _masters_match(run) -> bool:
     for child in ostate.optimizer_children(run.optimizer):
         if ostate.is_stub(child):
             continue
-        for model_param, (group, order) in child.model_param_group_index_map.items():
-            master = child.optimizer.param_groups[group]["params"][order]
+        for model_param in child.model_param_group_index_map:
+            master, _ = ostate.main_and_state(child, model_param)
             span = child._get_model_param_range_map(model_param)["param"]
             if not master.detach().view(-1).equal(model_param.detach().view(-1)[span.start : span.end].float()):
                 return False
