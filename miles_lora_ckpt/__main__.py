@@ -2,6 +2,6 @@
 
 import sys
 
-from miles_lora_ckpt.cli import main
+from miles_lora_ckpt.tools.cli import main
 
 sys.exit(main())

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt import storage
-from miles_lora_ckpt.digest import digest_bytes
-from miles_lora_ckpt.layout import MANIFEST, seal_manifest
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.digest import digest_bytes
+from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
 
 
 def edit_manifest(gen: Path, change) -> None:

@@ -10,11 +10,11 @@ import time
 
 import torch
 
-from miles_lora_ckpt.cli import main as cli
-from miles_lora_ckpt.consensus import Consensus
-from miles_lora_ckpt.layout import TRACKER, Topology
-from miles_lora_ckpt.protocol import save_generation
-from miles_lora_ckpt.retention import prune
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.layout import TRACKER, Topology
+from miles_lora_ckpt.core.protocol import save_generation
+from miles_lora_ckpt.core.retention import prune
+from miles_lora_ckpt.tools.cli import main as cli
 
 
 def save(root, iteration, keep=None):

@@ -16,11 +16,11 @@ import pytest
 import torch
 from damage import edit_manifest, reseal_file
 
-from miles_lora_ckpt.cli import main as cli
-from miles_lora_ckpt.consensus import Consensus
-from miles_lora_ckpt.errors import CheckpointError
-from miles_lora_ckpt.layout import MANIFEST, Topology
-from miles_lora_ckpt.protocol import open_generation, save_generation
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.core.layout import MANIFEST, Topology
+from miles_lora_ckpt.core.protocol import open_generation, save_generation
+from miles_lora_ckpt.tools.cli import main as cli
 
 ADAPTER = "adapter/tp00_pp00.safetensors"
 OPTIM = "optim/child0.safetensors"
@@ -52,7 +52,7 @@ def flip_byte(path: Path, offset: int) -> None:
 def tensor_file_with(value: float) -> bytes:
     import tempfile
 
-    from miles_lora_ckpt import storage
+    from miles_lora_ckpt.core import storage
 
     with tempfile.TemporaryDirectory() as tmp:
         storage.save_tensors(

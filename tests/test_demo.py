@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_lora_ckpt.cli import main as cli
+from miles_lora_ckpt.tools.cli import main as cli
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 

@@ -73,7 +73,7 @@ sys.meta_path.insert(0, Block())
 
 def test_package_and_cli_work_without_megatron_peft_transformers(tmp_path):
     code = BLOCKER + (
-        "import miles_lora_ckpt, miles_lora_ckpt.cli as c, torch.distributed as d\n"
+        "import miles_lora_ckpt, miles_lora_ckpt.tools.cli as c, torch.distributed as d\n"
         "assert not d.is_initialized()\n"
         "assert c.main(['--help']) == 0\n"
         f"assert c.main(['verify', {str(tmp_path)!r}]) == 2\n"

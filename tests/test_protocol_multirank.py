@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.cli import main as cli
-from miles_lora_ckpt.consensus import Consensus
-from miles_lora_ckpt.faults import SAVE_PHASES
-from miles_lora_ckpt.protocol import open_generation, save_generation
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.faults import SAVE_PHASES
+from miles_lora_ckpt.core.protocol import open_generation, save_generation
 from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt.tools.cli import main as cli
 
 pytestmark = pytest.mark.multirank
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_lora_ckpt.startup import UnsupportedConfiguration, validate_startup
+from miles_lora_ckpt.integration.startup import UnsupportedConfiguration, validate_startup
 
 
 def test_good_args_pass():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lora_ckpt import storage
-from miles_lora_ckpt.digest import digest_bytes
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.digest import digest_bytes
 
 DTYPES = [
     torch.float32,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_lora_ckpt.jsoncodec import from_json, to_json
+from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.adapter_shards import adapter_params, is_adapter_param_name, split_by_kind
 
 

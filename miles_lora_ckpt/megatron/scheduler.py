@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles_lora_ckpt.jsoncodec import from_json, to_json
+from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 
 
 def scheduler_state(scheduler) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from miles_lora_ckpt.layout import Topology
+from miles_lora_ckpt.core.layout import Topology
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles_lora_ckpt import faults
-from miles_lora_ckpt.consensus import Consensus
-from miles_lora_ckpt.errors import CheckpointError
+from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
 from miles_lora_ckpt.sim.model import SimConfig
 from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
 from miles_lora_ckpt.sim.train import build_run, teardown, train_step
-from miles_lora_ckpt.single_lora import load_lora_checkpoint, save_lora_checkpoint
 
 
 class Args:
@@ -156,9 +156,9 @@ def gathered_world_state(run) -> dict:
 
 def elastic_load(payload: dict, ctx) -> dict:
     """Load a checkpoint saved at another DP size and compare the regathered state bit for bit."""
-    from miles_lora_ckpt import storage
+    from miles_lora_ckpt.core import storage
     from miles_lora_ckpt.megatron.topology import current_coordinates
-    from miles_lora_ckpt.single_lora import optimizer_file
+    from miles_lora_ckpt.savers.single_lora import optimizer_file
 
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt import faults
-from miles_lora_ckpt.consensus import Consensus
-from miles_lora_ckpt.errors import CheckpointError
-from miles_lora_ckpt.layout import TRACKER, Topology
-from miles_lora_ckpt.protocol import open_generation, save_generation
-from miles_lora_ckpt.verify import verify_generation
+from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.core.layout import TRACKER, Topology
+from miles_lora_ckpt.core.protocol import open_generation, save_generation
+from miles_lora_ckpt.core.verify import verify_generation
 
 
 def rank_file(rank: int) -> str:

@@ -20,26 +20,26 @@ from typing import Any
 
 import torch.distributed as dist
 
-from miles_lora_ckpt import faults
-from miles_lora_ckpt.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.errors import CheckpointError, NotACheckpoint, NothingCommitted
-from miles_lora_ckpt.jsoncodec import from_json
-from miles_lora_ckpt.layout import Manifest, Topology
-from miles_lora_ckpt.legacy_miles import warm_start_legacy
-from miles_lora_ckpt.lora_common import (
+from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.core.errors import CheckpointError, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.jsoncodec import from_json
+from miles_lora_ckpt.core.layout import Manifest, Topology
+from miles_lora_ckpt.core.protocol import open_generation
+from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_dir
+from miles_lora_ckpt.megatron import adapter_shards as shards
+from miles_lora_ckpt.megatron import optimizer_state as ostate
+from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
+from miles_lora_ckpt.megatron.topology import Coordinates
+from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
     TRAINING_STATE,
     LoadResult,
     describe_rank,
     optimizer_file,
 )
-from miles_lora_ckpt.megatron import adapter_shards as shards
-from miles_lora_ckpt.megatron import optimizer_state as ostate
-from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
-from miles_lora_ckpt.megatron.topology import Coordinates
-from miles_lora_ckpt.megatron.undo import UndoRecord
-from miles_lora_ckpt.protocol import open_generation
-from miles_lora_ckpt.verify import committed_candidates, is_legacy_miles_dir
+from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.faults import SAVE_PHASES
+from miles_lora_ckpt.core.faults import SAVE_PHASES
 
 OPTIMIZERS = ("adam", "lion")
 
@@ -108,7 +108,7 @@ def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:
     from miles_lora_ckpt.sim.launch import run_workers
 
     started = time.monotonic()
-    results = run_workers(config["world_size"], f"miles_lora_ckpt.demo:{name}", payload, timeout_s=args.timeout)
+    results = run_workers(config["world_size"], f"miles_lora_ckpt.tools.demo:{name}", payload, timeout_s=args.timeout)
     return results, time.monotonic() - started
 
 
@@ -212,11 +212,11 @@ def reference_job(payload: dict, ctx) -> dict:
 
 
 def train_job(payload: dict, ctx) -> dict:
-    from miles_lora_ckpt import faults
-    from miles_lora_ckpt.consensus import Consensus
+    from miles_lora_ckpt.core import faults
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
     from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.sim.train import build_run, train_step
-    from miles_lora_ckpt.single_lora import save_lora_checkpoint
 
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
@@ -243,11 +243,11 @@ def train_job(payload: dict, ctx) -> dict:
 
 
 def resume_job(payload: dict, ctx) -> dict:
-    from miles_lora_ckpt.consensus import Consensus
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
     from miles_lora_ckpt.sim.train import build_run, train_step
-    from miles_lora_ckpt.single_lora import load_lora_checkpoint
 
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from miles_lora_ckpt.errors import CheckpointError, RankFailure
+from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
 
 DEFAULT_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "MILES_LORA_CKPT_TIMEOUT_S"  # seconds a rank waits for a peer before failing

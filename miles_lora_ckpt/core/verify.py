@@ -13,9 +13,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from miles_lora_ckpt import storage
-from miles_lora_ckpt.errors import GenerationDamaged, NotACheckpoint, NothingCommitted, Problem
-from miles_lora_ckpt.layout import (
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint, NothingCommitted, Problem
+from miles_lora_ckpt.core.layout import (
     MANIFEST,
     TRACKER,
     FileRecord,

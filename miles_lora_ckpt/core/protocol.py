@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_lora_ckpt import faults, retention, storage
-from miles_lora_ckpt.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.errors import CheckpointError, RankFailure
-from miles_lora_ckpt.layout import (
+from miles_lora_ckpt.core import faults, retention, storage
+from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
+from miles_lora_ckpt.core.layout import (
     MANIFEST,
     TRACKER,
     FileRecord,
@@ -36,7 +36,7 @@ from miles_lora_ckpt.layout import (
     new_attempt_id,
     staging_dir_name,
 )
-from miles_lora_ckpt.verify import Generation, check_file_content, check_structure, committed_candidates
+from miles_lora_ckpt.core.verify import Generation, check_file_content, check_structure, committed_candidates
 
 log = logging.getLogger(__name__)
 

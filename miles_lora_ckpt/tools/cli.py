@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from miles_lora_ckpt import __version__
-from miles_lora_ckpt.errors import GenerationDamaged, NotACheckpoint
+from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_lazy_subcommands(sub) -> None:
     """Subcommands whose modules import torch/megatron only when they run."""
-    from miles_lora_ckpt import bench, demo
+    from miles_lora_ckpt.tools import bench, demo
 
     bench.add_parser(sub)
     demo.add_parser(sub)
@@ -87,7 +87,7 @@ def _add_lazy_subcommands(sub) -> None:
 
 
 def cmd_verify(args) -> int:
-    from miles_lora_ckpt.verify import committed_candidates, resolve, verify_generation
+    from miles_lora_ckpt.core.verify import committed_candidates, resolve, verify_generation
 
     path = Path(args.path)
     try:
@@ -126,7 +126,7 @@ def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from miles_lora_ckpt.verify import resolve
+    from miles_lora_ckpt.core.verify import resolve
 
     try:
         gen, skipped = resolve(Path(args.path))
@@ -163,7 +163,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from miles_lora_ckpt.verify import is_save_root, read_tracker, scan_root
+    from miles_lora_ckpt.core.verify import is_save_root, read_tracker, scan_root
 
     root = Path(args.root)
     if not is_save_root(root):
@@ -193,8 +193,8 @@ def cmd_ls(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from miles_lora_ckpt.retention import prune
-    from miles_lora_ckpt.verify import is_save_root
+    from miles_lora_ckpt.core.retention import prune
+    from miles_lora_ckpt.core.verify import is_save_root
 
     if args.keep < 1:
         print("ERROR --keep must be at least 1", file=sys.stderr)

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.consensus import Consensus, attempt
-from miles_lora_ckpt.errors import CheckpointError
-from miles_lora_ckpt.lora_common import LoadResult, chunk_count
+from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.single_lora.common import LoadResult, chunk_count
 
 log = logging.getLogger(__name__)
 

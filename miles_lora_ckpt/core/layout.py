@@ -23,7 +23,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from miles_lora_ckpt.digest import digest_bytes
+from miles_lora_ckpt.core.digest import digest_bytes
 
 FORMAT_NAME = "miles-lora-ckpt"
 FORMAT_VERSION = 1

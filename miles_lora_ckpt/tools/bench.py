@@ -46,7 +46,7 @@ def run_bench(args) -> int:
     payload = {"dir": str(base), "size_mib": args.size_mib, "repeats": args.repeats}
     try:
         results = run_workers(
-            args.world_size, "miles_lora_ckpt.bench:bench_job", payload, timeout_s=1800, megatron=False
+            args.world_size, "miles_lora_ckpt.tools.bench:bench_job", payload, timeout_s=1800, megatron=False
         )
         timings = check_all(results)[0]["timings"]
     finally:
@@ -88,7 +88,7 @@ def bench_tensors(rank: int, size_mib: int, world: int) -> dict:
 def bench_job(payload: dict, ctx) -> dict:
     import torch.distributed as dist
 
-    from miles_lora_ckpt.consensus import Consensus
+    from miles_lora_ckpt.core.consensus import Consensus
 
     base = Path(payload["dir"])
     consensus = Consensus.for_world(timeout_s=600)
@@ -145,7 +145,7 @@ def _drop_cache(path: Path) -> None:
 
 
 def _raw_save(work: Path, rank: int, chunks) -> None:
-    from miles_lora_ckpt.storage import fsync_dir
+    from miles_lora_ckpt.core.storage import fsync_dir
 
     (work / "raw").mkdir(parents=True, exist_ok=True)
     path = work / "raw" / f"rank{rank}.bin"
@@ -165,8 +165,8 @@ def _raw_load(work: Path, rank: int) -> None:
 
 
 def _protocol_save(consensus, work: Path, rank: int, tensors: dict) -> None:
-    from miles_lora_ckpt.layout import Topology
-    from miles_lora_ckpt.protocol import save_generation
+    from miles_lora_ckpt.core.layout import Topology
+    from miles_lora_ckpt.core.protocol import save_generation
 
     save_generation(
         consensus,
@@ -179,7 +179,7 @@ def _protocol_save(consensus, work: Path, rank: int, tensors: dict) -> None:
 
 
 def _protocol_load(consensus, work: Path, rank: int) -> None:
-    from miles_lora_ckpt.protocol import open_generation
+    from miles_lora_ckpt.core.protocol import open_generation
 
     root = work / "protocol"
     for gen in root.glob("gen-*"):

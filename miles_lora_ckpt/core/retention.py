@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.verify import read_tracker, scan_root
+from miles_lora_ckpt.core.verify import read_tracker, scan_root
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_lora_ckpt.consensus import Consensus, attempt
-from miles_lora_ckpt.jsoncodec import to_json
-from miles_lora_ckpt.layout import Topology
-from miles_lora_ckpt.lora_common import SAVER, TRAINING_STATE, describe_rank, optimizer_file
+from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.core.jsoncodec import to_json
+from miles_lora_ckpt.core.layout import Topology
+from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
-from miles_lora_ckpt.protocol import StagingWriter, save_generation
+from miles_lora_ckpt.savers.single_lora.common import SAVER, TRAINING_STATE, describe_rank, optimizer_file
 
 
 def save_lora_checkpoint(

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles_lora_ckpt.digest import StreamingDigest
-from miles_lora_ckpt.layout import FileRecord
+from miles_lora_ckpt.core.digest import StreamingDigest
+from miles_lora_ckpt.core.layout import FileRecord
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""Miles integration: the shapes of Miles this plugin binds to, and checks made before training."""

@@ -1,0 +1,4 @@
+"""Savers: what a checkpoint of each kind holds, written and read through `core.protocol`.
+
+- `single_lora`: one adapter with its fp32 masters, every moment and the scheduler.
+"""

@@ -1,0 +1,20 @@
+"""The Miles-shaped single-LoRA API: `save_lora_checkpoint`, `load_lora_adapter`, `load_lora_checkpoint`.
+
+Same signatures as Miles' `lora_utils` functions, so the Miles hooks only have to register them.
+All are collective: every rank calls them. Saving lives in `save`, resuming in `load`,
+the stock-Miles warm start in `legacy_miles`; file names and the result type in `common`.
+"""
+
+from miles_lora_ckpt.savers.single_lora.common import SAVER, TRAINING_STATE, LoadResult, optimizer_file
+from miles_lora_ckpt.savers.single_lora.load import load_lora_adapter, load_lora_checkpoint
+from miles_lora_ckpt.savers.single_lora.save import save_lora_checkpoint
+
+__all__ = [
+    "SAVER",
+    "TRAINING_STATE",
+    "LoadResult",
+    "load_lora_adapter",
+    "load_lora_checkpoint",
+    "optimizer_file",
+    "save_lora_checkpoint",
+]
