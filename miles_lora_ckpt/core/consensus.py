@@ -13,17 +13,16 @@ communicator); nothing is pickled.
 from __future__ import annotations
 
 import json
-import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
 
-DEFAULT_TIMEOUT_S = 600.0
-TIMEOUT_ENV = "MILES_LORA_CKPT_TIMEOUT_S"  # seconds a rank waits for a peer before failing
+DEFAULT_TIMEOUT_S = settings.Settings.consensus_timeout_s
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,11 @@ class Consensus:
     def default(cls) -> Consensus:
         """The process-wide world consensus, made on first use (so first use is collective).
 
-        Its timeout is `$MILES_LORA_CKPT_TIMEOUT_S` seconds (default 600).
+        Its timeout is the `consensus_timeout_s` setting (`$MILES_LORA_CKPT_TIMEOUT_S`, default 600).
         """
         global _DEFAULT
         if _DEFAULT is None:
-            _DEFAULT = cls.for_world(float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+            _DEFAULT = cls.for_world(settings.current().consensus_timeout_s)
         return _DEFAULT
 
     # ------------------------------------------------------------------ collectives
