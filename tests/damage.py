@@ -34,12 +34,13 @@ def reseal_file(gen: Path, rel: str, data: bytes, *, finite: bool | None = None)
 
 
 def rewrite_tensors(gen: Path, rel: str, change, *, finite: bool | None = None) -> None:
-    """Load a safetensors file of the generation, `change(dict)` it, write it back resealed."""
-    tensors, _ = storage.load_tensors(gen / rel)
+    """Load a safetensors file of the generation, `change(dict)` it, write it back resealed (with
+    its own metadata, so its generation stamp still matches: only the tensors are forged)."""
+    tensors, metadata = storage.load_tensors(gen / rel)
     tensors = {k: v.clone() for k, v in tensors.items()}
     change(tensors)
     with tempfile.TemporaryDirectory() as tmp:
-        storage.save_tensors(Path(tmp) / "x.safetensors", tensors)
+        storage.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata=metadata)
         reseal_file(gen, rel, (Path(tmp) / "x.safetensors").read_bytes(), finite=finite)
 
 
@@ -53,3 +54,35 @@ def torch_pickle_bytes() -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         torch.save({"param": torch.ones(3)}, Path(tmp) / "p.pt")
         return (Path(tmp) / "p.pt").read_bytes()
+
+
+def swap_files(gen: Path, first: str, second: str) -> None:
+    """Exchange two files and reseal the manifest to match (a swap only the stamps reveal)."""
+    a, b = (gen / first).read_bytes(), (gen / second).read_bytes()
+    reseal_file(gen, first, b)
+    reseal_file(gen, second, a)
+
+
+def edit_training_state(gen: Path, change, rel: str = "training_state.json") -> None:
+    """Apply `change(state)` to a JSON training state and reseal it (a forged, consistent state)."""
+    state = json.loads((gen / rel).read_text())
+    change(state)
+    reseal_file(gen, rel, json.dumps(state).encode())
+
+
+def set_param_group(state: dict, **values) -> None:
+    """Set hyperparameters in the first param group of the first optimizer child of a training state."""
+    child = next(iter(state["optimizer_children"].values()))
+    groups = _find_param_groups(child)
+    groups[0].update(values)
+
+
+def _find_param_groups(node):
+    if isinstance(node, dict):
+        if isinstance(node.get("param_groups"), list):
+            return node["param_groups"]
+        for value in node.values():
+            found = _find_param_groups(value)
+            if found is not None:
+                return found
+    return None
