@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import tempfile
 from pathlib import Path
 
@@ -13,12 +14,17 @@ from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
 
 
-def edit_manifest(gen: Path, change) -> None:
-    """Apply `change(body)` to the manifest and reseal it (a consistent-looking manifest)."""
+def edit_manifest(gen: Path, change, *, keep_signature: bool = True) -> None:
+    """Apply `change(body)` to the manifest and reseal it (a consistent-looking manifest), as a
+    forger without the signing key would: a signature is kept as it was (or dropped)."""
     body = json.loads((gen / MANIFEST).read_text())
     body.pop("manifest_digest")
+    signature = body.pop("signature", None)
     change(body)
-    (gen / MANIFEST).write_bytes(seal_manifest(body))
+    sealed = json.loads(seal_manifest(body))
+    if signature is not None and keep_signature:
+        sealed["signature"] = signature
+    (gen / MANIFEST).write_text(json.dumps(sealed, indent=1, sort_keys=True))
 
 
 def reseal_file(gen: Path, rel: str, data: bytes, *, finite: bool | None = None) -> None:
@@ -86,3 +92,33 @@ def _find_param_groups(node):
             if found is not None:
                 return found
     return None
+
+
+def rewrite_header(gen: Path, rel: str, change) -> None:
+    """Rewrite a safetensors file's header (`change(header)` edits the dict in place, or returns raw
+    header bytes) keeping its data, and reseal it: a forgery only the header checks can catch."""
+    raw = (gen / rel).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    replaced = change(header)
+    header_bytes = replaced if isinstance(replaced, bytes) else json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    reseal_file(gen, rel, struct.pack("<Q", len(header_bytes)) + header_bytes + raw[8 + length :])
+
+
+def write_manifest_text(gen: Path, change, raw_values: dict[str, str]) -> None:
+    """Write a manifest whose JSON text carries raw values (e.g. `1e999`) where `change(body)` put the
+    placeholders named in `raw_values`; a self-digest is added over that text."""
+    body = json.loads((gen / MANIFEST).read_text())
+    body.pop("manifest_digest")
+    change(body)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    for placeholder, raw in raw_values.items():
+        text = text.replace(json.dumps(placeholder), raw)
+    digest = digest_bytes(text.encode())
+    (gen / MANIFEST).write_text(text[:-1] + f',"manifest_digest":"{digest}"}}')
+
+
+def nested(depth: int) -> bytes:
+    """JSON nested `depth` levels deep."""
+    return b"[" * depth + b"]" * depth

@@ -83,7 +83,7 @@ def plan_prune(
             break
         if entry.state != "damaged" and _content_ok(root / entry.name, entry, key, trusted):
             kept.append(entry)
-    plan = PrunePlan([], [e.name for e in kept])
+    plan = PrunePlan([], [e.name for e in kept], list(view.warnings))
     if not kept:
         plan.notes.append("no generation passed content verification: no generation removed")
     else:

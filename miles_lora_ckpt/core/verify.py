@@ -44,6 +44,10 @@ from miles_lora_ckpt.core.layout import (
 )
 
 LEGACY_MARKERS = ("adapter_megatron_rank", "training_state_rank", "adapter_megatron_tp")
+V1_WITH_KEY = (
+    "format v1 generations are unsigned, but a signing key is configured: to convert it, load it with no key "
+    "configured and save it again with the key (the save writes a signed format v2 generation)"
+)
 
 
 @dataclass
@@ -98,8 +102,9 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     except Exception as exc:  # noqa: BLE001
         return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
     problems = []
-    unsigned = signing.problem(manifest.signature, manifest.sealed_body, key)
-    if unsigned:
+    if key is not None and manifest.format_version < 2:
+        problems.append(Problem(MANIFEST, V1_WITH_KEY))
+    elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
         problems.append(Problem(MANIFEST, unsigned))
     problems += _name_problems(gen_dir, manifest)
     try:
