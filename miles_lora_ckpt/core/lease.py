@@ -117,6 +117,7 @@ _lock = threading.Lock()
 _held: dict[str, tuple[int, float]] = {}  # root -> (pid, timeout_s) of the leases this process holds
 _me_cache: dict[int, Holder] = {}
 _heartbeat: threading.Thread | None = None
+_wake = threading.Event()  # set when a lease is registered: the heartbeat recomputes its period
 
 
 def me() -> Holder:
@@ -356,9 +357,10 @@ def _register(root: Path, timeout_s: float) -> None:
     global _heartbeat
     with _lock:
         _held[str(root)] = (os.getpid(), timeout_s)
-        if _heartbeat is None or not _heartbeat.is_alive() or _heartbeat.ident is None:
+        if _heartbeat is None or not _heartbeat.is_alive():
             _heartbeat = threading.Thread(target=_renew_forever, name="miles-lora-ckpt-lease", daemon=True)
             _heartbeat.start()
+    _wake.set()
 
 
 def _unregister(root: Path) -> None:
@@ -372,7 +374,9 @@ def _renew_forever() -> None:
         with _lock:
             held = dict(_held)
         timeouts = [timeout for owner, timeout in held.values() if owner == pid]
-        time.sleep(min(timeouts, default=settings.current().lease_timeout_s) / 4)
+        if _wake.wait(min(timeouts, default=settings.current().lease_timeout_s) / 4):
+            _wake.clear()
+            continue
         for root in held:
             if not holds(Path(root)):
                 continue

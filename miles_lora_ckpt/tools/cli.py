@@ -49,7 +49,7 @@ def _run(argv: list[str]) -> int:
     from miles_lora_ckpt.core import settings
     from miles_lora_ckpt.core.signing import SigningKeyError
 
-    parser = build_parser()
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
@@ -68,6 +68,17 @@ def _run(argv: list[str]) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"ERROR {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+_PARSER: argparse.ArgumentParser | None = None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser, built once per process (building it costs more than most commands)."""
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = build_parser()
+    return _PARSER
 
 
 def build_parser() -> argparse.ArgumentParser:
