@@ -779,6 +779,8 @@ def _(tmp, capsys):
     shutil.copy(gen / MANIFEST, tmp / MANIFEST)
     code, out, err = run_cli(capsys, "verify", str(tmp))
     assert code == 0 and gen.name in out and f"{tmp / MANIFEST}: a stray manifest.json in a save root" in err
+    code, _, err = run_cli(capsys, "ls", str(tmp))
+    assert code == 0 and f"{tmp / MANIFEST}: a stray manifest.json in a save root" in err
     assert load(tmp).path == gen
 
 

@@ -44,6 +44,9 @@ from miles_lora_ckpt.core.layout import (
 )
 
 LEGACY_MARKERS = ("adapter_megatron_rank", "training_state_rank", "adapter_megatron_tp")
+STRAY_MANIFEST = (
+    "a stray manifest.json in a save root, ignored (a generation's manifest belongs inside its gen-* directory)"
+)
 V1_WITH_KEY = (
     "format v1 generations are unsigned, but a signing key is configured: to convert it, load it with no key "
     "configured and save it again with the key (the save writes a signed format v2 generation)"
@@ -293,7 +296,8 @@ def view_root(root: Path, *, content: bool = False, key: Any = signing.FROM_SETT
     deleting entry of `root`, in commit order, with the tracker cross-checked."""
     root, key = Path(root), signing.resolve(key)
     generations, others = [], []
-    for name in sorted(os.listdir(root)):
+    names = sorted(os.listdir(root))
+    for name in names:
         if is_staging_dir_name(name):
             others.append(RootEntry(name, "staging", None))
         elif name.startswith(DELETING_PREFIX):
@@ -303,6 +307,8 @@ def view_root(root: Path, *, content: bool = False, key: Any = signing.FROM_SETT
             generations.append(_entry(name, parsed[0], gen, content))
     generations.sort(key=lambda e: e.order, reverse=True)
     tracker, warnings = _cross_check_tracker(root, generations)
+    if MANIFEST in names:
+        warnings.insert(0, f"{root / MANIFEST}: {STRAY_MANIFEST}")
     return RootView(root, generations + others, tracker, warnings)
 
 
@@ -410,17 +416,10 @@ def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidat
     names = os.listdir(path)
     if _has_root_markers(names):
         view = view_root(path, key=key)
-        warnings = list(view.warnings)
-        if MANIFEST in names:
-            warnings.insert(
-                0,
-                f"{path / MANIFEST}: a stray manifest.json in a save root, ignored (a generation's manifest "
-                "belongs inside its gen-* directory)",
-            )
         generations = view.generations()
         if not generations:
             raise NothingCommitted(str(path), [Problem(".", "save root has no committed generation (only staging)")])
-        return Candidates([path / e.name for e in generations], True, warnings)
+        return Candidates([path / e.name for e in generations], True, view.warnings)
     if MANIFEST in names:
         return Candidates([path], False)
     kind = "a legacy Miles adapter directory (no manifest)" if is_legacy_miles_dir(path) else "not a checkpoint"

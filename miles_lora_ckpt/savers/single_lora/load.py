@@ -179,6 +179,8 @@ class LoadRequest:
         return [c["index"] for c in self.plans[self.rank]["children"]]
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
+        if manifest.saver != SAVER:
+            raise ValueError(f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}")
         _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
         dense, expert = shards.split_by_kind(shards.adapter_params(self.model))
         files = [TRAINING_STATE]
