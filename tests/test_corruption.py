@@ -40,7 +40,7 @@ from damage import (
 
 from miles_lora_ckpt.core import lease, settings, storage
 from miles_lora_ckpt.core.consensus import Consensus
-from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint
 from miles_lora_ckpt.core.layout import LEASE, MANIFEST, TRACKER, Topology
 from miles_lora_ckpt.core.protocol import open_generation, save_generation
 from miles_lora_ckpt.tools.cli import main as cli
@@ -508,22 +508,16 @@ def damaged(request, tmp_path):
     return gen, named_file, options
 
 
-def test_verify_exits_1_and_names_the_file(damaged, capsys):
+def test_verify_exits_1_naming_the_file_and_loading_refuses(damaged, capsys):
     gen, named_file, options = damaged
     started = time.monotonic()
     with _checking(options):
         assert cli(["verify", str(gen)]) == 1
-    out = capsys.readouterr()
-    assert f"ERROR {named_file}:" in out.out, out
-    assert "Traceback" not in out.out + out.err and "INTERNAL ERROR" not in out.err
-    assert time.monotonic() - started < 10
-
-
-def test_loading_refuses(damaged):
-    gen, named_file, options = damaged
-    started = time.monotonic()
-    with _checking(options), pytest.raises(CheckpointError) as info:
-        load(gen)
+        out = capsys.readouterr()
+        assert f"ERROR {named_file}:" in out.out, out
+        assert "Traceback" not in out.out + out.err and "INTERNAL ERROR" not in out.err
+        with pytest.raises(CheckpointError) as info:
+            load(gen)
     assert named_file in str(info.value), str(info.value)
     assert time.monotonic() - started < 10
 
@@ -881,6 +875,26 @@ def _(tmp, capsys):
             Consensus.single_process(), tmp, iteration=2, saver="test", topology=Topology(), write_files=write
         )
     assert [p.name for p in tmp.glob("gen-*")] == [p.name for p in tmp.glob("gen-000000001-*")]
+
+
+@root_case("exceptions", "a manifest the loader cannot plan for is skipped; an incompatible one fails the load")
+def _(tmp, capsys):
+    older = make_generation(tmp, 1)
+    newest = make_generation(tmp, 2)
+
+    def files(manifest):
+        if manifest.iteration == 2:
+            return [ADAPTER] + manifest.metadata["stepped_children"]  # a key this manifest lacks
+        return [ADAPTER]
+
+    opened = open_generation(Consensus.single_process(), tmp, files)
+    assert opened.path == older and any(newest.name in w and "KeyError" in w for w in opened.warnings)
+
+    def incompatible(manifest):
+        raise IncompatibleCheckpoint("exact restore needs the same model-parallel layout (tp: 1 -> 2)")
+
+    with pytest.raises(CheckpointError, match=r"tp: 1 -> 2"):
+        open_generation(Consensus.single_process(), tmp, incompatible)
 
 
 @root_case("exceptions", "a forged sequence cannot wedge later saves silently")

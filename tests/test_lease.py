@@ -58,7 +58,7 @@ def test_a_lease_names_its_holder_is_idempotent_and_released(tmp_path):
     assert body["holder"]["pid"] == os.getpid() and body["holder"]["run"] == "run-7" and body["timeout_s"] == 30.0
     assert body["holder"]["host"] and body["acquired_unix_s"] > 0
     state = lease.read_state(tmp_path)
-    assert state.live and state.holder == lease.me() and f"pid {os.getpid()}" in state.describe()
+    assert state.live and state.holder.token == lease.me().token and f"pid {os.getpid()}" in state.describe()
     assert lease.holds(tmp_path)
     lease.release(tmp_path)
     assert not (tmp_path / LEASE).exists() and not lease.holds(tmp_path)
@@ -90,7 +90,7 @@ def test_a_stale_lease_is_taken_over_and_its_old_holder_finds_out(tmp_path):
     state = lease.read_state(tmp_path)
     assert not state.live and "not renewed for" in state.stale_reason
     lease.acquire(tmp_path)
-    assert lease.read_state(tmp_path).holder == lease.me()
+    assert lease.read_state(tmp_path).holder.token == lease.me().token
     lease.release(tmp_path)
 
 
@@ -122,7 +122,7 @@ def test_a_fork_does_not_release_its_parents_lease_at_exit(tmp_path):
         lease._release_all_at_exit()
         os._exit(0)
     os.waitpid(pid, 0)
-    assert lease.read_state(tmp_path).holder == lease.me()
+    assert lease.read_state(tmp_path).holder.token == lease.me().token
     lease.release(tmp_path)
 
 

@@ -115,18 +115,19 @@ class LeaseState:
 
 _lock = threading.Lock()
 _held: dict[str, tuple[int, float]] = {}  # root -> (pid, timeout_s) of the leases this process holds
-_me_cache: dict[int, Holder] = {}
+_identity: dict[int, tuple[str, str, str]] = {}  # pid -> (host, token, boot id) of this process
 _heartbeat: threading.Thread | None = None
 _wake = threading.Event()  # set when a lease is registered: the heartbeat recomputes its period
 
 
 def me() -> Holder:
-    """This process as a lease holder (a new token after a fork)."""
+    """This process as a lease holder (a new token after a fork; the run id as currently set)."""
     pid = os.getpid()
-    if pid not in _me_cache:
-        _me_cache.clear()
-        _me_cache[pid] = Holder(socket.gethostname(), pid, settings.current().run_id, secrets.token_hex(8), _boot_id())
-    return _me_cache[pid]
+    if pid not in _identity:
+        _identity.clear()
+        _identity[pid] = (socket.gethostname(), secrets.token_hex(8), _boot_id())
+    host, token, boot_id = _identity[pid]
+    return Holder(host, pid, settings.current().run_id, token, boot_id)
 
 
 def acquire(root: Path) -> None:

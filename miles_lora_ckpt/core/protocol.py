@@ -32,7 +32,7 @@ from pathlib import Path
 
 from miles_lora_ckpt.core import faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
+from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
 from miles_lora_ckpt.core.layout import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -316,7 +316,7 @@ class OpenedGeneration:
         return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
-FilesFn = Callable[[Manifest], list[str]]
+FilesFn = Callable[[Manifest], list[str]]  # raises IncompatibleCheckpoint to refuse, anything else: damage
 
 
 def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn) -> OpenedGeneration:
@@ -324,8 +324,9 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
 
     Every rank reads `files_for_rank(manifest)` with every content check; the files no rank asked
     for are verified round-robin, so every listed byte is checked exactly once. All ranks agree on
-    one generation; a root falls back past damaged generations with a warning, an explicit
-    generation that is damaged fails. Mutates nothing.
+    one generation; a root falls back past damaged generations with a warning (an error raised by
+    `files_for_rank` is damage too, except `IncompatibleCheckpoint`, which fails the load), an
+    explicit generation that is damaged fails. Mutates nothing.
     """
     rank, world = consensus.rank, consensus.world_size
     # resolve: every rank asks for the same thing and loads its signing key; the coordinator lists
@@ -374,7 +375,12 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
     gen = check_structure(candidate, key=key)
     if not gen.intact:
         return gen, {"files": [], "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
-    wanted = sorted(files_for_rank(gen.manifest))
+    try:
+        wanted = sorted(files_for_rank(gen.manifest))
+    except IncompatibleCheckpoint:
+        raise  # intact but not for this run: the load fails, it never falls back to an older generation
+    except Exception as exc:  # noqa: BLE001 - anything else wrong with what the manifest says is damage
+        return gen, {"files": [], "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
         for rel in wanted

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
@@ -180,7 +180,9 @@ class LoadRequest:
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
         if manifest.saver != SAVER:
-            raise ValueError(f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}")
+            raise IncompatibleCheckpoint(
+                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}"
+            )
         _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
         dense, expert = shards.split_by_kind(shards.adapter_params(self.model))
         files = [TRAINING_STATE]
@@ -316,7 +318,7 @@ class LoadRequest:
 def _check_topology(manifest: Manifest, current: Topology) -> None:
     differences = manifest.topology.model_parallel_differences(current)
     if differences:
-        raise ValueError(
+        raise IncompatibleCheckpoint(
             "exact restore needs the same model-parallel layout; checkpoint -> this run differs in "
             + ", ".join(differences)
             + " (only the data-parallel size may change)"
