@@ -18,7 +18,8 @@ present with its size and digest and nothing else is there.
 
 The manifest is read through a table of fields (`FIELDS`), each with its reader (a bounded check
 that raises ValueError naming the field), its writer and the first format version that has it.
-To add a field: give `Manifest` an attribute with a default, and add one `ManifestField` line.
+To add a field: give `Manifest` an attribute with a default, and add one `ManifestField` line
+(`optional=True` if generations without it must still be read).
 """
 
 from __future__ import annotations
@@ -180,12 +181,17 @@ def _write_files(files: dict[str, FileRecord]) -> dict:
 
 @dataclass(frozen=True)
 class ManifestField:
-    """One top-level field of the manifest: how it is read (and checked), written, and since when."""
+    """One top-level field of the manifest: how it is read (and checked), written, and since when.
+
+    An `optional` field may be absent (the `Manifest` attribute's default is used, and a None
+    value is not written); any other field of the manifest's version must be present.
+    """
 
     name: str
     read: Callable[[Any, str], Any]
     write: Callable[[Any], Any] = lambda value: value
     since: int = 1
+    optional: bool = False
 
 
 FIELDS: tuple[ManifestField, ...] = (
@@ -228,8 +234,9 @@ class Manifest:
     def _body(self) -> dict:
         body: dict = {"format": FORMAT_NAME, "format_version": self.format_version}
         for spec in FIELDS:
-            if self.format_version >= spec.since:
-                body[spec.name] = spec.write(getattr(self, spec.name))
+            value = getattr(self, spec.name)
+            if self.format_version >= spec.since and not (spec.optional and value is None):
+                body[spec.name] = spec.write(value)
         return body
 
     def role_of(self, relpath: str) -> str | None:
@@ -258,15 +265,12 @@ class Manifest:
             raise ValueError(
                 f"unsupported format_version {bounded.show(version)} (this version reads {list(READABLE_FORMAT_VERSIONS)})"
             )
-        expected = {"format", "format_version"} | {spec.name for spec in FIELDS if version >= spec.since}
-        missing, unknown = sorted(expected - set(body)), sorted(set(body) - expected)
+        known = {spec.name: spec for spec in FIELDS if version >= spec.since}
+        missing = sorted(name for name, spec in known.items() if name not in body and not spec.optional)
+        unknown = sorted(set(body) - set(known) - {"format", "format_version"})
         if missing or unknown:
             raise ValueError(f"format v{version} manifest: missing fields {missing}, unknown fields {unknown}")
-        values = {
-            spec.name: spec.read(body[spec.name], f"manifest field {spec.name}")
-            for spec in FIELDS
-            if version >= spec.since
-        }
+        values = {name: spec.read(body[name], f"manifest field {name}") for name, spec in known.items() if name in body}
         if signature is not None:
             signing.check_shape(signature)
         return cls(**values, format_version=version, signature=signature, sealed_body=canonical)

@@ -139,13 +139,14 @@ def acquire(root: Path) -> None:
         if _create(root, holder, timeout_s):
             _register(root, timeout_s)
             return
-        state = read_state(root)
-        if state is None:
-            continue  # it vanished between our create and our read: try again
-        if state.holder is not None and state.holder.token == holder.token:
+        state = read_state(root, judge=False)
+        if state is not None and state.holder is not None and state.holder.token == holder.token:
             _renew(root, holder)
             _register(root, timeout_s)
             return
+        state = read_state(root)  # another writer's (or unreadable): is it stale?
+        if state is None:
+            continue  # it vanished meanwhile: try the create again
         if state.live:
             raise LeaseHeld(_refusal(root, state))
         _take_over(root, state)
@@ -166,6 +167,9 @@ def release(root: Path) -> None:
     """Give the lease of `root` up (only if it is still ours)."""
     root = Path(root)
     _unregister(root)
+    state = read_state(root, judge=False)
+    if state is None or state.holder is None or state.holder.token != me().token:
+        return  # not ours (any more): leave it alone
     moved = _move_aside(root)
     if moved is None:
         return
