@@ -211,9 +211,7 @@ class LoadRequest:
         return Coordinates(**self.plans[root]["coords"]).model_parallel_key
 
     def preflight(self, opened) -> LoadPlan:
-        manifest = opened.manifest
-        if manifest.saver != SAVER:
-            raise ValueError(f"{opened.path} was written by saver {manifest.saver!r}, not {SAVER!r}")
+        manifest = opened.manifest  # its saver and topology were checked by files_for_rank
         # the training state's invariants were checked as it was read (core.training_state)
         check_binding(opened, TRAINING_STATE, TRAINING_STATE_BINDING)
         state = opened.json(TRAINING_STATE)
@@ -249,9 +247,9 @@ class LoadRequest:
             rel for rel in manifest.files if rel.startswith("optimizer/") or manifest.role_of(rel) == "optimizer"
         )
         if listed or saved_metadata(manifest, "stepped_children"):
+            first = (listed or ["stepped_children"])[0]
             raise ValueError(
-                f"the manifest says optimizer_saved is false, yet lists optimizer state ({(listed or ['stepped_children'])[0]}): "
-                "an edited manifest?"
+                f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?"
             )
         if self.optimizer is None or not self.restore_optimizer:
             return []
