@@ -78,3 +78,26 @@ def test_a_layout_change_names_each_axis():
     staged = Topology(world=2, pp=2, vpp=2)
     assert staged.model_parallel_differences(Topology(world=2, pp=2)) == ["vpp: 2 -> 1 (virtual pipeline chunks)"]
     assert Topology(world=2, dp=2).model_parallel_differences(Topology(world=4, dp=4)) == []  # DP alone may change
+
+
+@pytest.mark.parametrize(
+    "flags, layout, dp",
+    [
+        ([], dict(tp=1, pp=1, ep=1, cp=1, vpp=1, num_layers=2), 2),
+        (["--cp", "2", "--world-size", "4"], dict(cp=2), 2),
+        (["--vpp", "2", "--pp", "2"], dict(pp=2, vpp=2, num_layers=4), 1),
+        (["--tp", "2", "--ep", "2", "--world-size", "4"], dict(tp=2, ep=2), 2),
+        (["--pp", "2", "--ep", "2", "--world-size", "4"], dict(pp=2, ep=2), 2),
+    ],
+)
+def test_demo_layout_flags_reach_the_workers_config(flags, layout, dp, tmp_path, monkeypatch, capsys):
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.tools import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "_phase_reference", lambda workdir, config, args: seen.append(config))
+    assert cli(["demo", "--workdir", str(tmp_path), "--phase", "reference", *flags]) == 0
+    (config,) = seen
+    assert {k: config[k] for k in layout} == layout
+    assert SimConfig.from_dict(config).dp == dp  # what every worker builds from it
+    assert f"dp{dp}" in capsys.readouterr().out
