@@ -250,10 +250,10 @@ class SimLoraModel(MegatronModule):
         first = get_transformer_layer_offset(mcfg, vp_stage=vp_stage)
         self.layers = torch.nn.ModuleList(SimLayer(mcfg, config, first + i) for i in range(per_chunk))
         self.vp_stage = vp_stage
-        last_chunk = vp_stage is None or vp_stage == config.vpp - 1
+        chunk = 0 if vp_stage is None else vp_stage
         # What megatron's finalize_model_grads asks a pipelined model: no tied embeddings here.
-        self.pre_process = parallel_state.is_pipeline_first_stage() and not vp_stage
-        self.post_process = parallel_state.is_pipeline_last_stage() and last_chunk
+        self.pre_process = parallel_state.is_pipeline_first_stage() and chunk == 0
+        self.post_process = parallel_state.is_pipeline_last_stage() and chunk == config.vpp - 1
         self.share_embeddings_and_output_weights = False
 
     def set_input_tensor(self, input_tensor):

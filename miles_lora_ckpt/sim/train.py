@@ -173,18 +173,10 @@ def local_batch(config: SimConfig, step: int, vp_stage: int) -> tuple[torch.Tens
     pipelined schedule). TP ranks of a replica see the same data; CP ranks of a replica see the
     same sequences and each keeps its own positions (megatron's load-balanced split).
     """
-    stream = "/".join(
-        str(x)
-        for x in (
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_rank(),
-            vp_stage,
-        )
-    )
-    inputs, target = batch(config, step, stream)
-    keep = torch.tensor(
-        cp_positions(config.seq_length, config.cp, parallel_state.get_context_parallel_rank()), dtype=torch.long
-    )
+    dp, pp = parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    inputs, target = batch(config, step, f"dp{dp}/pp{pp}/vp{vp_stage}")
+    positions = cp_positions(config.seq_length, config.cp, parallel_state.get_context_parallel_rank())
+    keep = torch.tensor(positions, dtype=torch.long)
     return inputs.index_select(0, keep), target.index_select(0, keep)
 
 
