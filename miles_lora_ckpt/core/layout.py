@@ -121,11 +121,26 @@ class Topology:
         return cls(**data)
 
     def model_parallel_differences(self, other: Topology) -> list[str]:
-        """Axes other than DP (and world) whose sizes differ: these forbid an exact restore."""
-        axes = ("tp", "pp", "ep", "etp", "cp", "vpp")
+        """Axes other than DP (and world) whose sizes differ, e.g. ``"cp: 2 -> 1 (context parallel)"``.
+
+        Each forbids an exact restore: they change which adapter shards and optimizer buckets a
+        rank holds (``cp`` and ``vpp`` included: a DP-size change alone is allowed).
+        """
         return [
-            f"{a}: {getattr(self, a)} -> {getattr(other, a)}" for a in axes if getattr(self, a) != getattr(other, a)
+            f"{axis}: {getattr(self, axis)} -> {getattr(other, axis)} ({meaning})"
+            for axis, meaning in MODEL_PARALLEL_AXES.items()
+            if getattr(self, axis) != getattr(other, axis)
         ]
+
+
+MODEL_PARALLEL_AXES = {
+    "tp": "tensor parallel",
+    "pp": "pipeline stages",
+    "ep": "expert parallel",
+    "etp": "expert tensor parallel",
+    "cp": "context parallel",
+    "vpp": "virtual pipeline chunks",
+}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Capture, digest and compare every local tensor that defines a run's training state on one rank.
 
 Snapshot names (``child`` is the index in ``ChainedOptimizer.chained_optimizers``; ``name`` is a
-parameter name of the unwrapped model, e.g. ``layers.0.linear_qkv.lora_A.weight``):
+parameter name of the unwrapped model, e.g. ``layers.0.linear_qkv.lora_A.weight``; with several
+model chunks (virtual pipeline) it carries the chunk, ``chunk1.layers.0.linear_qkv.lora_A.weight``,
+so every chunk's adapter, masters and moments are in the snapshot):
 
 * ``param/{name}``: the trainable (adapter) parameter, full local tensor, model dtype.
 * ``opt{child}/master/{name}``: this rank's fp32 master shard of that parameter (1-D; only for
@@ -27,8 +29,9 @@ from miles_lora_ckpt.megatron.optimizer_state import main_and_state
 
 def snapshot(run) -> dict[str, torch.Tensor]:
     """Detached CPU copies of every training-state tensor of this rank, keyed by stable names."""
-    names = {param: name for name, param in run.inner_model.named_parameters()}
-    snap = {f"param/{name}": _copy(p) for name, p in run.inner_model.named_parameters() if p.requires_grad}
+    named = list(run.named_parameters())
+    names = {param: name for name, param in named}
+    snap = {f"param/{name}": _copy(p) for name, p in named if p.requires_grad}
     for index, child in enumerate(run.optimizer.chained_optimizers):
         if not getattr(child, "is_stub_optimizer", False):
             snap.update(_child_state(f"opt{index}", child, names))

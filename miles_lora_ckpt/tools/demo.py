@@ -10,8 +10,18 @@ model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
                train to --steps and compare every tensor with DIR/reference.json
     all        reference, train with a crash in the middle of a save, resume (the default)
 
+Parallel layout: --tp, --pp, --ep, --cp and --vpp compose with --world-size as in megatron
+(world = tp * cp * dp * pp; the optimizer shards over dp * cp). --vpp needs --pp >= 2 and gives
+every rank --vpp model chunks; the model gets the fewest layers (at least 2) that give each of the
+pp * vpp chunks the same number. Examples:
+
+    miles-lora-ckpt demo --cp 2 --world-size 4           context parallel 2, data parallel 2
+    miles-lora-ckpt demo --vpp 2 --pp 2 --world-size 2   two pipeline stages, two chunks each
+    miles-lora-ckpt demo --tp 2 --ep 2 --world-size 4    tensor and expert parallel
+
 The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
-`RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint.
+`RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint; a usage error (an
+invalid layout included) prints `ERROR ...` and exits 2.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import time
 from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
+from miles_lora_ckpt.sim.layout import check_layout, layers_for
 
 OPTIMIZERS = ("adam", "lion")
 
@@ -35,7 +46,27 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--workdir", default="demo-work", help="where reference.json and ckpt/ go (default ./demo-work)")
-    demo.add_argument("--world-size", type=int, default=2, help="worker processes (data-parallel ranks; default 2)")
+    demo.add_argument(
+        "--world-size", type=int, default=2, help="worker processes; data parallel = world / (tp*cp*pp) (default 2)"
+    )
+    layout = demo.add_argument_group("parallel layout (megatron's, composed with --world-size)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size: 1 or 2 (default 1)")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline stages, each on a local loss (default 1)")
+    layout.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size: each EP rank its own experts (default 1)"
+    )
+    layout.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: each CP rank trains on its part of the sequence (default 1)",
+    )
+    layout.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual-pipeline chunks per stage, each with its own DDP; needs --pp >= 2 (default 1)",
+    )
     demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model parameter dtype (default bf16)")
     demo.add_argument(
         "--adapters",
@@ -73,23 +104,34 @@ def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
         return 2
-    workdir = Path(args.workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
     # the workers turn this into a SimConfig (the parent never imports megatron)
     config = {
         "world_size": args.world_size,
+        "tp": args.tp,
+        "pp": args.pp,
+        "ep": args.ep,
+        "cp": args.cp,
+        "vpp": args.vpp,
+        "num_layers": layers_for(args.pp, args.vpp),
         "dtype": args.dtype,
         "adapters": args.adapters,
         "optimizer": args.optimizer,
     }
+    try:
+        check_layout(**{k: config[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
+    except ValueError as exc:
+        print(f"ERROR invalid layout: {exc}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
     crash_at = args.crash_at or ("mid-write" if args.phase == "all" else None)
     crash_rank = args.world_size - 1 if args.crash_rank is None else args.crash_rank
     if not 0 <= crash_rank < args.world_size:
         print(f"ERROR --crash-rank must be in [0, {args.world_size})", file=sys.stderr)
         return 2
     print(
-        f"demo: {args.world_size} ranks, {args.dtype}, {args.adapters} adapters, {args.optimizer}, "
-        f"{args.steps} steps, save every {args.save_every}, workdir {workdir}"
+        f"demo: {args.world_size} ranks ({describe_layout(config)}), {args.dtype}, {args.adapters} adapters, "
+        f"{args.optimizer}, {args.steps} steps, save every {args.save_every}, workdir {workdir}"
     )
     status = 0
     if args.phase in ("all", "reference"):
@@ -103,6 +145,12 @@ def run_demo(args) -> int:
     else:
         print("RESULT: trained")
     return status
+
+
+def describe_layout(config: dict) -> str:
+    """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived."""
+    dp = config["world_size"] // (config["tp"] * config["cp"] * config["pp"])
+    return " ".join(f"{axis}{config[axis]}" for axis in ("tp", "pp", "vpp", "ep", "cp")) + f" dp{dp}"
 
 
 def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:

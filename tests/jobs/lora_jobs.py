@@ -7,6 +7,7 @@ for an empty DP shard; see miles_lora_ckpt/sim/cpu_intercepts.py.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from miles_lora_ckpt.core import faults
@@ -83,10 +84,11 @@ def resume_matrix(payload: dict, ctx) -> dict:
     for index, case in enumerate(payload["cases"]):
         config = SimConfig.from_dict(case["config"])
         load_optim = case.get("load_optim", True)
-        axes = (("tp", config.tp), ("pp", config.pp), ("ep", config.ep))
+        axes = (("tp", config.tp), ("pp", config.pp), ("vpp", config.vpp), ("ep", config.ep), ("cp", config.cp))
         layout = f"w{config.world_size}" + "".join(f"-{axis}{size}" for axis, size in axes if size > 1)
         name = f"{config.optimizer}/{config.dtype}/{config.adapters}/{layout}/save@{case['save_at']}"
         name += "" if load_optim else "/no-optim-control"
+        started = time.monotonic()
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
         got = save_then_resume(config, payload["steps"], case["save_at"], root, consensus, load_optim)
@@ -96,6 +98,7 @@ def resume_matrix(payload: dict, ctx) -> dict:
             "names": sorted(ref_digests),
             "optimizer": config.optimizer,
             "result": got["result"],
+            "seconds": round(time.monotonic() - started, 2),
         }
     return out
 
@@ -159,6 +162,60 @@ def _capture_warnings() -> list[str]:
     return records
 
 
+def layouts_job(payload: dict, ctx) -> dict:
+    """Layout changes between save and resume, many cases in one job, in three parts:
+
+    * `"elastic"`: `[{"name", "config", "root"}]`: load a checkpoint saved at another DP size (by an
+      earlier job) and compare the regathered optimizer state with the saved bits;
+    * `"saves"`: `{label: config}`: train 2 steps and save into `<root>/<label>` (returned in `roots`);
+    * `"tries"`: `[{"name", "from": label, "config"}]`: a run of `config`, trained one step, tries
+      to load the save `label`; reports the error (or None) and the first tensor that changed.
+    """
+    consensus = Consensus.for_world(timeout_s=120)
+    elastic = {case["name"]: _elastic_check(case, consensus) for case in payload.get("elastic", [])}
+    roots = {}
+    for label, config in payload.get("saves", {}).items():
+        run = build_run(SimConfig.from_dict(config))
+        run_steps(run, 0, 2)
+        roots[label] = str(Path(payload["root"]) / label)
+        save(run, roots[label], 2, consensus)
+        teardown(run)
+    tries = {}
+    for case in payload.get("tries", []):
+        run = build_run(SimConfig.from_dict(case["config"]))
+        run_steps(run, 0, 1)
+        before = snapshot_digests(snapshot(run))
+        try:
+            load(run, roots[case["from"]], consensus)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        tries[case["name"]] = {"error": error, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
+        teardown(run)
+    return {"elastic": elastic, "roots": roots, "tries": tries}
+
+
+def _elastic_check(case: dict, consensus: Consensus) -> dict:
+    """Load `case["root"]` into a run of `case["config"]`; compare each DP root's regathered state."""
+    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.megatron.topology import current_coordinates
+    from miles_lora_ckpt.savers.single_lora import optimizer_file
+
+    run = build_run(SimConfig.from_dict(case["config"]))
+    result = load(run, case["root"], consensus)
+    gathered = gathered_world_state(run)
+    key = current_coordinates().model_parallel_key
+    differing = []
+    for name, tensor in gathered.items():
+        index = int(name.split(".")[0].removeprefix("child"))
+        saved, _ = storage.load_tensors(Path(result.path) / optimizer_file(index, key))
+        if not tensor.equal(saved[name.split(".", 1)[1]]):
+            differing.append(name)
+    loss = train_step(run, result.iteration)  # and training goes on at the new DP size
+    teardown(run)
+    return {"differing": differing, "names": sorted(gathered), "loss": loss, "result": result.__dict__}
+
+
 def gathered_world_state(run) -> dict:
     """Each DP root's world tensors of every child, as the saver would write them."""
     import torch
@@ -175,34 +232,6 @@ def gathered_world_state(run) -> dict:
             out[f"child{index}.{name}"] = tensor
     del torch
     return out
-
-
-def elastic_load(payload: dict, ctx) -> dict:
-    """Load a checkpoint saved at another DP size and compare the regathered state bit for bit."""
-    from miles_lora_ckpt.core import storage
-    from miles_lora_ckpt.megatron.topology import current_coordinates
-    from miles_lora_ckpt.savers.single_lora import optimizer_file
-
-    consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
-    result = load(run, payload["root"], consensus)
-    gathered = gathered_world_state(run)
-    key = current_coordinates().model_parallel_key
-    compared, differing = 0, []
-    for name, tensor in gathered.items():
-        index = int(name.split(".")[0].removeprefix("child"))
-        saved, _ = storage.load_tensors(Path(result.path) / optimizer_file(index, key))
-        compared += 1
-        if not tensor.equal(saved[name.split(".", 1)[1]]):
-            differing.append(name)
-    loss = train_step(run, result.iteration)  # and training goes on at the new DP size
-    return {
-        "compared": compared,
-        "differing": differing,
-        "names": sorted(gathered),
-        "loss": loss,
-        "result": result.__dict__,
-    }
 
 
 def native_lion_round_trip(payload: dict, ctx) -> dict:

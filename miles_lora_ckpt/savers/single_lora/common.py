@@ -4,10 +4,11 @@ A generation written by the single-LoRA saver holds (paths relative to it)::
 
     training_state.json                                   iteration, scheduler, per-child optimizer
                                                           param groups (JSON), written by rank 0
-    adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP)
+    adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP), all chunks
     adapter/expert_pp000_ep000_etp000.safetensors         expert adapter shard per (PP, EP, ETP)
     optimizer/child1_tp000_pp000_ep000_etp000.safetensors fp32 masters + every moment of one child,
-                                                          per model-parallel coordinate of its DP root
+                                                          per model-parallel coordinate of the root of
+                                                          its gloo DP group (DP x CP for dense children)
 """
 
 from __future__ import annotations
