@@ -84,7 +84,8 @@ def test_a_refused_load_ends_with_result_error(tmp_path, capsys):
         topology=Topology(),
         write_files=lambda writer: writer.write_json("notes.json", {}),
     )
-    config = {"world_size": 1, "dtype": "bf16", "adapters": "dense", "optimizer": "adam"}
+    config = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "vpp": 1, "num_layers": 2}
+    config |= {"dtype": "bf16", "adapters": "dense", "optimizer": "adam"}
     reference = {"config": config, "steps": 3, "losses": [0.0, 0.0, 0.0], "digests": {"0": {}}}
     (tmp_path / "reference.json").write_text(json.dumps(reference))
     args = ["demo", "--workdir", str(tmp_path), "--world-size", "1", "--adapters", "dense", "--steps", "3"]

@@ -302,7 +302,7 @@ def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_
     from miles_lora_ckpt.core.verify import resolve
 
     roots = layouts_w2[0]["roots"]
-    manifest = resolve(Path(roots["cp2"]))[0].manifest
+    manifest = resolve(Path(roots["cp2"])).generation.manifest
     assert manifest.topology.to_dict() == {"world": 2, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "dp": 1, "cp": 2, "vpp": 1}
     assert sorted(manifest.files) == [
         "adapter/dense_tp000_pp000.safetensors",
@@ -312,7 +312,7 @@ def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_
         "training_state.json",
     ]
     # VPP=2 on two stages: one adapter file per stage holding both chunks, one optimizer file per stage
-    manifest = resolve(Path(roots["vpp2"]))[0].manifest
+    manifest = resolve(Path(roots["vpp2"])).generation.manifest
     assert (manifest.topology.pp, manifest.topology.vpp, manifest.topology.dp) == (2, 2, 1)
     assert sorted(f for f in manifest.files if f.startswith("adapter/dense")) == [
         "adapter/dense_tp000_pp000.safetensors",
