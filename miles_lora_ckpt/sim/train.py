@@ -131,8 +131,11 @@ def batch(config: SimConfig, step: int, dp_rank: int) -> tuple[torch.Tensor, tor
     return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
 
 
-def train_step(run: SimRun, step: int) -> float:
-    """One training iteration as megatron's train_step runs it; returns the DP-mean loss."""
+def train_step(run: SimRun, step: int, *, scheduler_increment: int = 1) -> float:
+    """One training iteration as megatron's train_step runs it; returns the DP-mean loss.
+
+    The scheduler advances by `scheduler_increment` (Miles counts samples: its global batch size).
+    """
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
@@ -148,7 +151,7 @@ def train_step(run: SimRun, step: int) -> float:
     finalize_model_grads(run.model)  # DP reduce-scatter of grads (finish_grad_sync per chunk)
     update_successful, _grad_norm, _zeros = run.optimizer.step()
     if update_successful:
-        run.scheduler.step(increment=1)
+        run.scheduler.step(increment=scheduler_increment)
     return _global_mean(loss)
 
 
