@@ -10,6 +10,9 @@ model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
                train to --steps and compare every tensor with DIR/reference.json
     all        reference, train with a crash in the middle of a save, resume (the default)
 
+With --via miles the same three phases run a Miles launch command with the plugin's init hook
+through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`).
+
 The last line is `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <first differing tensor>` (exit 1).
 """
 
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
+from miles_lora_ckpt.tools import demo_miles
 
 OPTIMIZERS = ("adam", "lion")
 
@@ -62,6 +66,7 @@ def add_parser(subparsers) -> None:
     )
     demo.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (default: the last rank)")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
+    demo_miles.add_arguments(demo)
     demo.set_defaults(handler=run_demo)
 
 
@@ -71,6 +76,11 @@ def add_parser(subparsers) -> None:
 def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
+        return 2
+    if args.via == "miles":
+        return demo_miles.run(args)
+    if args.without_plugin:
+        print("ERROR --without-plugin needs --via miles", file=sys.stderr)
         return 2
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,10 @@ driver's probe, and may SIGKILL one rank during one save (`payload["crash"]`):
 
     {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write"} | None, "send_ckpt": false}
 
+`phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; stock Miles' save has
+`before-write`, `mid-write` and `after-write`), or `between-saves`: right after rollout `rollout`
+trained, before its save.
+
 Each rank returns: the start rollout, the rollouts trained and their losses by global step, digests
 of every training-state tensor after init, at each save and at the end (`sim.snapshot`), whether
 the fp32 masters equal the adapter after init, the scheduler's step count after init, the adapter
@@ -15,6 +19,8 @@ digests of ref / old-actor loads, and what the plugin installed (when it is inst
 
 from __future__ import annotations
 
+import os
+import signal
 import traceback
 
 from miles_lora_ckpt.sim.miles_standin.common import driver
@@ -37,13 +43,23 @@ class _Observer(driver.Probe):
         self.report["rollouts"].append(rollout_id)
         for step_id, loss in enumerate(losses):
             self.report["losses"][str(rollout_id * per + step_id)] = loss
+        if self._crashes_at(rollout_id, "between-saves"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def before_save(self, actor, rollout_id: int) -> None:
-        crash = self.crash
-        if crash and crash["rollout"] == rollout_id and crash["rank"] == self.rank:
+        if self._crashes_at(rollout_id) and self.crash["phase"] != "between-saves":
             from miles_lora_ckpt.core import faults
 
-            faults.arm(crash["phase"], self.rank, "kill")
+            faults.arm(self.crash["phase"], self.rank, "kill")
+
+    def _crashes_at(self, rollout_id: int, phase: str | None = None) -> bool:
+        crash = self.crash
+        return (
+            bool(crash)
+            and crash["rollout"] == rollout_id
+            and crash["rank"] == self.rank
+            and phase in (None, crash["phase"])
+        )
 
     def after_save(self, actor, rollout_id: int) -> None:
         self.report["at_save"][str(rollout_id)] = _digests(actor)

@@ -6,18 +6,17 @@ every step count in samples, §2.2). `train_one_step` is one optimizer step of a
 function of (seed, global step, DP rank), so a resumed run sees the data an uninterrupted one saw.
 `load_hf_base` stands in for the bridge-mode base-model load (`_load_checkpoint_hf`): the "HF
 checkpoint" is a directory with a `config.json`, and the base weights are the run's seeded ones.
+The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
+torch alone, as Miles' `lora_utils` does (contract §8).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.train import SimRun, build_run, train_step
-
 DENSE_TARGETS = ("linear_qkv", "linear_proj")
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
-_RUNS: dict[int, SimRun] = {}
+_RUNS: dict = {}  # id(model list) -> sim.train.SimRun
 
 
 def adapter_kind(target_modules: str | None) -> str:
@@ -30,8 +29,11 @@ def adapter_kind(target_modules: str | None) -> str:
     return "mixed" if dense and expert else ("dense" if dense else "expert-only")
 
 
-def sim_config(args) -> SimConfig:
+def sim_config(args):
+    """Miles' flags as the harness's `SimConfig`."""
     import torch.distributed as dist
+
+    from miles_lora_ckpt.sim.model import SimConfig
 
     if args.lora_rank <= 0:
         raise ValueError("the Miles stand-in simulates LoRA runs only: pass --lora-rank")
@@ -67,13 +69,15 @@ def initialize_model_parallel(args) -> None:
 
 def setup_model_and_optimizer(args, role: str = "actor"):
     """`(model, optimizer, opt_param_scheduler)` as Miles' setup_model_and_optimizer returns them."""
+    from miles_lora_ckpt.sim.train import build_run
+
     run = build_run(sim_config(args))
     run.scheduler = miles_scheduler(args, run.optimizer)
     _RUNS[id(run.model)] = run
     return run.model, run.optimizer, run.scheduler
 
 
-def run_of(model) -> SimRun:
+def run_of(model):
     """The harness run behind a model list (for train steps and snapshots)."""
     return _RUNS[id(model)]
 
@@ -114,6 +118,8 @@ def miles_scheduler(args, optimizer):
 
 def train_one_step(args, rollout_id: int, step_id: int, model, optimizer, opt_param_scheduler) -> float:
     """Miles' train_one_step: zero grads, forward/backward, optimizer step, scheduler += samples."""
+    from miles_lora_ckpt.sim.train import train_step
+
     run = run_of(model)
     if run.optimizer is not optimizer or run.scheduler is not opt_param_scheduler:
         raise RuntimeError("train_one_step got an optimizer or scheduler its model was not built with")
