@@ -207,7 +207,7 @@ def _coerce_file_value(key: Key, raw: object, where: str) -> object:
     if key.kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)
     if isinstance(raw, bool) != (key.kind is bool) or not isinstance(raw, key.kind):
-        raise ConfigError(f"{where}: {key.name} must be a {key.kind.__name__}, got {raw!r}")
+        raise ConfigError(f"{where}: {key.name} must be of type {key.kind.__name__}, got {raw!r}")
     return raw
 
 

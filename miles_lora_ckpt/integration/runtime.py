@@ -25,6 +25,7 @@ class Runtime:
     scheduler_pin: dict | None = None  # scheduler state a plugin load decided; re-applied after Miles' step
     fresh_start: bool = False  # the actor's load found nothing to resume (or --finetune): start at rollout 0
     validated_optimizers: set[int] = field(default_factory=set)  # id() of optimizers startup-checked
+    initial_adapter: dict | None = None  # the actor's adapter before a resume (for ref/teacher loads)
     bindings: list[str] = field(default_factory=list)  # "module.name" of every rebound name
 
 

@@ -7,7 +7,9 @@ original's signature, so one factory serves every shape (a keyword `load_optimiz
 
     save_checkpoint_with_lora   a committed generation under the save root + Megatron's tracker
     save_lora_checkpoint        the same API for other callers (`--save-hf` writes an adapter generation)
-    load_checkpoint             resume: Miles' base load, then the newest generation (see resume.py)
+    load_checkpoint             resume: Miles' base load, then the newest generation (see resume.py);
+                                ref/teacher loads start from the adapter the first launch had, not the
+                                resumed one, so a resumed run sees the reference an uninterrupted run saw
     load_lora_adapter           `--lora-adapter-path` (initial adapter; ref/teacher loads): weights only
     load_training_state         refuses: Miles' version unpickles, and nothing of ours calls it
     initialize_model_and_optimizer  scheduler stepped once; start rollout from the loaded generation
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.integration import resume, runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration, validate_startup
+from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler, scheduler_state
 from miles_lora_ckpt.savers import single_lora as saver
 
@@ -150,7 +153,9 @@ def load_checkpoint(original: Callable, target) -> Callable:
             _validate_optimizer(optimizer)
         root = resume.plugin_root(rt.config, getattr(rt.args, "load", None))
         if root is None:
-            return original(*args, **kwargs)  # fresh run (or ref/teacher load): Miles' own path
+            if optimizer is None and rt.initial_adapter is not None:
+                _put_initial_adapter(rt, model)  # ref/teacher: what the first launch's load saw
+            return original(*args, **kwargs)  # a fresh run, or a ref/teacher load: Miles' own path
         flags = resume.LoadFlags.from_args(rt.args)
         with resume.overridden(rt.args, resume.base_load_overrides(rt.args)):
             _, flops = original(*args, **kwargs)  # the base model, as on a first launch
@@ -179,6 +184,8 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
         log.warning("miles-lora-ckpt: %s has no committed generation yet: starting from rollout 0", root)
         rt.fresh_start = with_optimizer
         return 0
+    if with_optimizer:  # the adapter as Miles built it: ref and teacher loads start from it, as before
+        rt.initial_adapter = {name: p.detach().cpu().clone() for name, p in shards.adapter_params(model).items()}
     restore_optimizer = with_optimizer and not flags.finetune
     result = saver.load_lora_checkpoint(
         model,
@@ -204,6 +211,13 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
         rt.fresh_start = True  # --finetune: the adapter only, and the rollout counter starts over
         return 0
     return int(result.iteration)
+
+
+def _put_initial_adapter(rt, model) -> None:
+    params = shards.adapter_params(model)
+    if sorted(params) != sorted(rt.initial_adapter):
+        raise UnsupportedConfiguration("a ref/teacher load got a model whose adapter differs from the actor's")
+    shards.copy_into(params, rt.initial_adapter)
 
 
 def load_lora_adapter(original: Callable, target) -> Callable:

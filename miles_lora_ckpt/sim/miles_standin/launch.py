@@ -47,6 +47,8 @@ class _Observer(driver.Probe):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def before_save(self, actor, rollout_id: int) -> None:
+        # what this save is about to write (a save changes no training state), kept even if it fails
+        self.report["at_save"][str(rollout_id)] = _digests(actor)
         if self._crashes_at(rollout_id) and self.crash["phase"] != "between-saves":
             from miles_lora_ckpt.core import faults
 
@@ -62,7 +64,7 @@ class _Observer(driver.Probe):
         )
 
     def after_save(self, actor, rollout_id: int) -> None:
-        self.report["at_save"][str(rollout_id)] = _digests(actor)
+        self.report.setdefault("saved", []).append(rollout_id)
 
 
 def launch_job(payload: dict, ctx) -> dict:
