@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from jobs_paths import JOBS
 
 sys.path.insert(0, JOBS)
+
+
+@pytest.fixture(scope="session")
+def prewarmed():
+    """One pre-warmed fork launcher (sim.prewarmed) for every test that launches the Miles stand-in."""
+    from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
+
+    with PrewarmedLauncher() as launcher:
+        yield launcher

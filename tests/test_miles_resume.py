@@ -18,7 +18,6 @@ from jobs_paths import JOBS
 
 from miles_lora_ckpt.core.verify import resolve, verify_generation
 from miles_lora_ckpt.sim.miles_standin import shape_path
-from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
@@ -28,10 +27,9 @@ TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_
 ROLLOUTS = 4  # x 2 optimizer steps; saves after every rollout; the crash is in the save of rollout 2
 
 
-@pytest.fixture(scope="module")
-def launcher():
-    with PrewarmedLauncher() as started:
-        yield started
+@pytest.fixture
+def launcher(prewarmed):
+    return prewarmed
 
 
 class Run:
@@ -200,6 +198,15 @@ def test_no_load_optim_restores_the_adapter_refreshes_masters_keeps_fresh_moment
         assert after["masters_match_adapter"], rank  # masters refreshed from the adapter
         assert after["moments"] == [], rank  # fresh moments
         assert after["scheduler_num_steps"] == 2 * 8, rank  # (rollout 1 + 1) x 8 samples per rollout
+
+    finetuned = ok(run.launch(run.command("--finetune")))  # the newest generation is rollout 3 now
+    for rank, got in enumerate(finetuned):
+        after = got["after_init"]
+        assert got["start_rollout_id"] == 0 and got["rollouts"] == list(range(ROLLOUTS)), rank
+        assert after["masters_match_adapter"] and after["moments"] == [] and after["scheduler_num_steps"] == 0, rank
+        if rank == 0:
+            final = resumed[0]["final"]
+            assert all(after["digests"][n] == final[n] for n in final if n.startswith("param/"))
 
 
 def test_refusals_are_loud_collective_and_name_the_flag(launcher, tmp_path):

@@ -110,10 +110,12 @@ def test_real_miles_matches_a_known_shape():
     """Real Miles' LoRA module matches a known shape, and the plugin can bind to it in a fresh process.
 
     Where Megatron-LM is missing (a CPU box), checkpoint.py and model.py cannot import: only the
-    LoRA module's own targets are checked then (contract §10.4), and binding is planned for them.
+    LoRA module's own targets are checked then (contract §10.4), and binding is planned for them
+    (their consumers are rebound where they imported).
     """
     code = (
         "import json\n"
+        "from dataclasses import replace\n"
         "from miles_lora_ckpt.integration import bindings\n"
         "from miles_lora_ckpt.integration.shapes import SHAPES, Shape, shape_differences\n"
         "out = {}\n"
@@ -122,7 +124,10 @@ def test_real_miles_matches_a_known_shape():
         "    lora = [d for d in diffs if d.module == shape.lora_module]\n"
         "    other = [d for d in diffs if d.module != shape.lora_module and 'cannot be imported' not in d.found]\n"
         "    if not lora and not other:\n"
-        "        targets = tuple(t for t in shape.targets if t.module == shape.lora_module)\n"
+        "        targets = tuple(\n"
+        "            replace(t, consumers=(), late_consumers=t.consumers + t.late_consumers)\n"
+        "            for t in shape.targets if t.module == shape.lora_module\n"
+        "        )\n"
         "        partial = Shape(shape.name, shape.description, shape.lora_module, shape.gloo_flag, targets)\n"
         "        out[shape.name] = [b.where for b in bindings.plan(partial).bindings]\n"
         "print(json.dumps(out))\n"

@@ -23,6 +23,7 @@ The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0)
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -344,5 +345,5 @@ def _last_line(text: str | None) -> str:
     if not lines:
         return "(no message)"
     start = max((i for i, line in enumerate(lines) if line[:1].isalpha() and ": " in line), default=len(lines) - 1)
-    summary = " ".join(line.strip() for line in lines[start:])
+    summary = re.sub(r"^[\w.]+\.(\w+): ", r"\1: ", " ".join(line.strip() for line in lines[start:]))
     return summary if len(summary) <= 240 else summary[:237] + "..."
