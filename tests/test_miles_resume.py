@@ -96,6 +96,8 @@ def assert_resumed_exactly(reference, crashed, resumed, *, resumed_at: int) -> N
         assert got["start_rollout_id"] == resumed_at, (rank, got["start_rollout_id"])
         assert got["rollouts"] == list(range(resumed_at, ROLLOUTS)), (rank, got["rollouts"])
         saved = (crashed[rank].result or {}).get("at_save", {}).get(str(resumed_at - 1))
+        if resumed_at == 0:  # nothing was committed: the relaunch starts as the reference started
+            saved = ref["after_init"]["digests"]
         if saved is not None:
             assert got["after_init"]["digests"] == saved, _first_difference(saved, got["after_init"]["digests"])
             compared += 1
@@ -243,15 +245,21 @@ def test_refusals_are_loud_collective_and_name_the_flag(launcher, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "phase, rank, resumed_at",
-    [("before-write", 0, 2), ("before-publish", 1, 2), ("after-publish", 0, 3), ("between-saves", 1, 2)],
+    "phase, rank, rollout, resumed_at",
+    [
+        ("before-write", 0, 2, 2),
+        ("before-publish", 1, 2, 2),
+        ("after-publish", 0, 2, 3),
+        ("between-saves", 1, 2, 2),
+        ("mid-write", 1, 0, 0),  # in the first save: nothing committed, the relaunch starts at rollout 0
+    ],
 )
 def test_killed_at_any_point_the_same_command_resumes_from_the_newest_commit(
-    launcher, tmp_path, phase, rank, resumed_at
+    launcher, tmp_path, phase, rank, rollout, resumed_at
 ):
     run = Run(launcher, tmp_path, "positional-args-pr", 2, "mixed", "bf16")
     reference = _reference_for(run)
-    crashed = run.launch(run.command(), crash={"rollout": 2, "rank": rank, "phase": phase})
+    crashed = run.launch(run.command(), crash={"rollout": rollout, "rank": rank, "phase": phase})
     assert crashed[rank].exitcode == -9
     resumed = ok(run.launch(run.command()))
     assert_resumed_exactly(reference, crashed, resumed, resumed_at=resumed_at)

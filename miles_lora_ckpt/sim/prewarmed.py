@@ -191,7 +191,7 @@ def _child(request: dict, rank: int, port: int) -> None:
     code = 1
     job_dir = Path(request["job_dir"])
     try:
-        os.setsid()
+        # the child stays in the server's process group: killing the server's group leaves no orphan
         log = os.open(job_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -262,7 +262,7 @@ def _wait_all(pids: dict[int, int], timeout_s: float, grace_s: float) -> tuple[d
     killed = {rank: reason for rank in pids if rank not in codes}
     for rank in killed:
         try:
-            os.killpg(pids[rank], signal.SIGKILL)
+            os.kill(pids[rank], signal.SIGKILL)
         except ProcessLookupError:
             pass
         _, status = os.waitpid(pids[rank], 0)
