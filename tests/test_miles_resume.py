@@ -273,3 +273,27 @@ def _reference_for(run: Run):
     if key not in _REFERENCES:
         _REFERENCES[key] = run.reference()
     return _REFERENCES[key]
+
+
+def test_initial_adapter_and_scheduler_flags_keep_their_meaning(launcher, tmp_path):
+    donor = Run(launcher, tmp_path / "donor", "lora-package-2026-09", 2, "mixed", "bf16")
+    trained = ok(donor.launch(donor.command()))
+
+    # --lora-adapter-path: the initial adapter of a fresh run (here another run's save root), for
+    # the actor (weights, masters refreshed, fresh moments and scheduler, rollout 0) and the ref model
+    extra = ["--use-kl-loss", "--ref-load", "{hf}", "--lora-adapter-path", str(donor.save / "lora")]
+    fresh = Run(launcher, tmp_path / "warm", "lora-package-2026-09", 2, "mixed", "bf16", extra)
+    started = ok(fresh.launch(fresh.command()))
+    for rank, got in enumerate(started):
+        after = got["after_init"]
+        assert got["start_rollout_id"] == 0 and after["masters_match_adapter"] and after["moments"] == [], rank
+        assert after["scheduler_num_steps"] == 0, rank
+        params = {n: d for n, d in trained[rank]["final"].items() if n.startswith("param/")}
+        assert all(after["digests"][n] == d for n, d in params.items()), rank
+        assert sorted(got["tags"]["ref"].values()) == sorted(params.values()), rank
+
+    # a changed schedule is refused on resume (megatron's check) unless --use-checkpoint-opt-param-scheduler
+    errors = failed(donor.launch(donor.command("--lr", "0.02")))
+    assert all("do not match" in e and "add --use-checkpoint-opt-param-scheduler" in e for e in errors)
+    resumed = ok(donor.launch(donor.command("--lr", "0.02", "--use-checkpoint-opt-param-scheduler")))
+    assert all(r["start_rollout_id"] == ROLLOUTS and r["after_init"]["scheduler_num_steps"] == 32 for r in resumed)

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.integration import resume, runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration, validate_startup
 from miles_lora_ckpt.megatron import adapter_shards as shards
@@ -187,14 +188,23 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
     if with_optimizer:  # the adapter as Miles built it: ref and teacher loads start from it, as before
         rt.initial_adapter = {name: p.detach().cpu().clone() for name, p in shards.adapter_params(model).items()}
     restore_optimizer = with_optimizer and not flags.finetune
-    result = saver.load_lora_checkpoint(
-        model,
-        path,
-        optimizer=optimizer,
-        opt_param_scheduler=scheduler if restore_optimizer else None,
-        load_optim=not flags.no_load_optim,
-        weights_only=flags.finetune or not with_optimizer,
-    )
+    try:
+        result = saver.load_lora_checkpoint(
+            model,
+            path,
+            optimizer=optimizer,
+            opt_param_scheduler=scheduler if restore_optimizer else None,
+            load_optim=not flags.no_load_optim,
+            weights_only=flags.finetune or not with_optimizer,
+        )
+    except CheckpointError as exc:  # raised on every rank alike; model and optimizer were rolled back
+        if "OptimizerParamScheduler" not in str(exc):
+            raise
+        raise resume.ResumeRefused(
+            f"{exc}\nThe command's learning-rate schedule differs from the checkpoint's: add "
+            "--use-checkpoint-opt-param-scheduler (continue the saved schedule) or --override-opt-param-scheduler "
+            "(use the command's), or relaunch the original command"
+        ) from exc
     for warning in result.warnings:
         log.warning("miles-lora-ckpt: %s", warning)
     if not result.loaded:
