@@ -53,8 +53,8 @@ def _is_lora_model(model) -> bool:
     return bool(lora.is_lora_model(model))
 
 
-def _rank0_decides(phase: str, fn: Callable, *args):
-    """Run `fn` on rank 0 only; every rank gets its value, or the same error."""
+def _agree_on_rank0(phase: str, fn: Callable, *args):
+    """Collective: `fn` runs on rank 0 only; every rank gets its value, or raises the same error."""
     consensus = Consensus.default()
     outcome = attempt(fn, *args) if consensus.rank == 0 else Outcome.success()
     return consensus.agree(phase, outcome)[0]
@@ -85,7 +85,7 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
             iteration=iteration,
             keep=rt.config["save.keep"] or None,
         )
-        _rank0_decides("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration)
+        _agree_on_rank0("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration)
         rt.saved[iteration] = generation
         log.info("miles-lora-ckpt: committed %s (rollout %d)", generation, iteration)
         return None
@@ -151,7 +151,7 @@ def load_checkpoint(original: Callable, target) -> Callable:
         if _in_memory(call["checkpointing_context"]) and _is_lora_model(model):
             raise UnsupportedConfiguration(_IN_MEMORY_REFUSAL)
         if optimizer is not None:
-            _validate_optimizer(optimizer)
+            _agree_optimizer_supported(optimizer)
         root = resume.plugin_root(rt.config, getattr(rt.args, "load", None))
         if root is None:
             if optimizer is None and rt.initial_adapter is not None:
@@ -166,7 +166,8 @@ def load_checkpoint(original: Callable, target) -> Callable:
     return replacement
 
 
-def _validate_optimizer(optimizer) -> None:
+def _agree_optimizer_supported(optimizer) -> None:
+    """Collective: `validate_startup` on the built optimizer, once per optimizer."""
     rt = runtime.current()
     if id(optimizer) in rt.validated_optimizers:
         return
@@ -176,8 +177,9 @@ def _validate_optimizer(optimizer) -> None:
 
 
 def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.LoadFlags) -> int:
+    """Collective: plan (rank 0 picks the generation) -> agree -> load -> scheduler position."""
     with_optimizer = optimizer is not None
-    path = _rank0_decides(
+    path = _agree_on_rank0(
         "miles-resume-plan",
         lambda: resume.choose_generation(rt.config, root, flags, with_optimizer=with_optimizer),
     )
@@ -267,7 +269,7 @@ def initialize_model_and_optimizer(original: Callable, target) -> Callable:
         rt.scheduler_pin, rt.fresh_start = None, False
         model, optimizer, scheduler, iteration = original(*args, **kwargs)
         if optimizer is not None:
-            _validate_optimizer(optimizer)
+            _agree_optimizer_supported(optimizer)
         if rt.scheduler_pin is not None and scheduler is not None:
             scheduler.num_steps = 0  # undo Miles' step(iteration * global_batch_size) on top of it
             restore_scheduler(scheduler, rt.scheduler_pin)
