@@ -22,20 +22,18 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=240)
 
 
-def test_miles_is_not_importable_outside_the_harness():
-    code = (
-        "import importlib.util, sys\n"
-        "import miles_lora_ckpt, miles_lora_ckpt.sim.miles_standin as s, miles_lora_ckpt.integration.install\n"
-        "assert importlib.util.find_spec('miles') is None, importlib.util.find_spec('miles')\n"
-        "assert not any(p.startswith(str(s.__path__[0])) for p in sys.path)\n"
-        "try:\n    import miles\nexcept ModuleNotFoundError:\n    print('refused')\n"
-    )
-    result = run_python(code)
-    assert result.returncode == 0 and result.stdout.strip() == "refused", result.stderr
-
-
-DETECT_EACH = """
-import json, sys
+PROBE = """
+import importlib.util, json, sys
+import miles_lora_ckpt, miles_lora_ckpt.sim.miles_standin as standin, miles_lora_ckpt.integration.install
+outside = {
+    "find_spec": repr(importlib.util.find_spec("miles")),
+    "on_path": [p for p in sys.path if p.startswith(standin.__path__[0])],
+}
+try:
+    import miles
+    outside["import"] = miles.__file__
+except ModuleNotFoundError:
+    outside["import"] = "refused"
 from miles_lora_ckpt.integration.shapes import detect_shape
 from miles_lora_ckpt.sim.miles_standin import SHAPES, shape_path
 found = {}
@@ -46,16 +44,24 @@ for name in SHAPES:
     import miles.backends.megatron_utils.actor  # what Miles has imported when it calls the init hook
     found[name] = [detect_shape().name, miles.__file__]
     sys.path.pop(0)
-print(json.dumps(found))
+print(json.dumps({"outside": outside, "found": found}))
 """
 
 
-def test_each_stand_in_tree_is_detected_as_its_shape():
-    result = run_python(DETECT_EACH)
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    result = run_python(PROBE)
     assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_miles_is_not_importable_outside_the_harness(probe):
+    assert probe["outside"] == {"find_spec": "None", "on_path": [], "import": "refused"}
+
+
+def test_each_stand_in_tree_is_detected_as_its_shape(probe):
     for name in SHAPES:
-        detected, where = found[name]
+        detected, where = probe["found"][name]
         assert detected == name and where.startswith(shape_path(name))
 
 
