@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.core.verify import resolve, verify_generation
+from miles_lora_ckpt.core.verify import committed_candidates, verify_generation
 from miles_lora_ckpt.sim.miles_standin import shape_path
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
@@ -154,7 +154,8 @@ def _check_save_hf_and_post_save_hook(run: Run) -> None:
         assert record["hf_checkpoint_dir"] == str(run.dir / "hf-out" / str(rollout))
         hf_dir = run.dir / "hf-out" / str(rollout)
         assert (hf_dir / ".complete").exists()
-        adapter, _ = resolve(hf_dir / "adapter")  # an adapter-only generation, verified
+        newest = committed_candidates(hf_dir / "adapter")[0][0]
+        adapter = verify_generation(newest)  # an adapter-only generation, verified
         assert adapter.intact and not adapter.manifest.metadata["optimizer_saved"]
 
 

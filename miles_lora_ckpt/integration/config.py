@@ -9,7 +9,8 @@ which wins over the file::
 Precedence, per key: environment variable, then the file, then the default. Every value is checked
 at startup; an error names the key and where its value came from. `KEYS` is the whole schema: a
 new setting is one `Key(...)` line (and a line in the README table). Keys marked `core=` configure
-`miles_lora_ckpt.core.settings` (process-wide protocol settings) through `apply_core_settings`.
+`miles_lora_ckpt.core.settings` (process-wide protocol settings) through `apply_core_settings`;
+every core setting has such a key, or is listed in `ENV_ONLY_CORE_SETTINGS` (secrets: no file).
 
 File shape (TOML; YAML nests the same tables)::
 
@@ -55,7 +56,7 @@ class Key:
     choices: tuple = ()
     minimum: float | None = None
     positive: bool = False
-    path_component: bool = False  # a single directory name: no '/', not '.' or '..'
+    path_component: bool = False  # a single, non-empty directory name: no '/', not '.' or '..'
     core: str | None = None  # the core.settings name this key sets
 
 
@@ -112,6 +113,8 @@ KEYS: tuple[Key, ...] = (
     ),
 )
 KEYS_BY_NAME = {key.name: key for key in KEYS}
+# core.settings names deliberately left out of the file (secrets): environment variables only
+ENV_ONLY_CORE_SETTINGS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -232,8 +235,6 @@ def _check(key: Key, value: object, where: str) -> object:
         raise ConfigError(f"{where}: {key.name} must be at least {key.minimum}, got {value!r}")
     if key.positive and not value > 0:
         raise ConfigError(f"{where}: {key.name} must be positive, got {value!r}")
-    if key.kind is str and not value:
-        raise ConfigError(f"{where}: {key.name} must not be empty")
-    if key.path_component and ("/" in value or value in (".", "..")):
+    if key.path_component and (not value or "/" in value or value in (".", "..")):
         raise ConfigError(f"{where}: {key.name} must be one directory name, got {value!r}")
     return value
