@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from jobs_paths import JOBS
 
 sys.path.insert(0, JOBS)
@@ -23,3 +24,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def prewarmed():
+    """One pre-warmed fork launcher (sim.prewarmed) for every test that launches the Miles stand-in."""
+    from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
+
+    with PrewarmedLauncher() as launcher:
+        yield launcher

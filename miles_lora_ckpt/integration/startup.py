@@ -1,9 +1,13 @@
 """Reject, before training starts, configurations whose LoRA checkpoints could not be saved.
 
 Better to fail at step 0 with the flag to change than at the first save, hours in.
+`validate_startup` checks what any caller of the savers needs (args and, once built, the
+optimizer); `validate_miles_launch` adds what a Miles launch with the init hook needs.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from miles_lora_ckpt.megatron.optimizer_state import is_stub, optimizer_children
 
@@ -23,8 +27,11 @@ def validate_startup(args=None, optimizer=None) -> None:
 def _arg_problems(args) -> list[str]:
     problems = []
     uses_distopt = getattr(args, "use_distributed_optimizer", False)
-    gloo_off = getattr(args, "disable_gloo_process_groups", False) or not getattr(
-        args, "enable_gloo_process_groups", True
+    # megatron's switch is `enable_gloo_process_groups`, renamed `use_gloo_process_groups` (contract §10.1)
+    gloo_off = (
+        getattr(args, "disable_gloo_process_groups", False)
+        or not getattr(args, "enable_gloo_process_groups", True)
+        or not getattr(args, "use_gloo_process_groups", True)
     )
     if uses_distopt and gloo_off:
         problems.append(
@@ -58,4 +65,40 @@ def _optimizer_problems(optimizer) -> list[str]:
             problems.append(f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups")
         elif getattr(getattr(child, "config", None), "use_precision_aware_optimizer", False):
             problems.append(f"optimizer child {index} is precision-aware: drop --use-precision-aware-optimizer")
+    return problems
+
+
+def validate_miles_launch(args, config) -> None:
+    """The init hook's checks: `validate_startup`'s plus what a Miles launch adds. Raises with every problem."""
+    problems = _arg_problems(args) + _miles_problems(args, config)
+    if problems:
+        raise UnsupportedConfiguration("miles-lora-ckpt cannot checkpoint this run:\n  - " + "\n  - ".join(problems))
+
+
+def _miles_problems(args, config) -> list[str]:
+    from miles_lora_ckpt.integration.resume import save_root
+
+    problems = []
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        problems.append(
+            "--non-persistent-ckpt-type local (Miles' in-memory fault-tolerance checkpoint) cannot hold a LoRA "
+            "optimizer state (stock Miles loses it silently): drop the flag; a relaunch resumes from disk"
+        )
+    if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
+        problems.append(
+            "--multi-lora-n-adapters: multi-LoRA runs are not covered by this version of miles-lora-ckpt; "
+            "remove --custom-megatron-init-path for them"
+        )
+    if getattr(args, "stream_optimizer_state_to_disk", False):
+        problems.append("--stream-optimizer-state-to-disk keeps the optimizer state outside the optimizer: drop it")
+    if config["export.peft"]:
+        problems.append("export.peft = true: PEFT export is not available in this version: set it to false")
+    adapter, save = getattr(args, "lora_adapter_path", None), getattr(args, "save", None)
+    if adapter and save:
+        adapter_path, root = Path(adapter).resolve(), save_root(config, save).resolve()
+        if adapter_path == Path(save).resolve() or adapter_path == root or root in adapter_path.parents:
+            problems.append(
+                f"--lora-adapter-path {adapter} points into --save: the plugin resumes from --load by itself; "
+                "--lora-adapter-path names the initial adapter only (drop it, or point it at that adapter)"
+            )
     return problems

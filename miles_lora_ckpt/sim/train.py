@@ -180,12 +180,13 @@ def local_batch(config: SimConfig, step: int, vp_stage: int) -> tuple[torch.Tens
     return inputs.index_select(0, keep), target.index_select(0, keep)
 
 
-def train_step(run: SimRun, step: int) -> float:
+def train_step(run: SimRun, step: int, *, scheduler_increment: int = 1) -> float:
     """One training iteration as megatron's train_step runs it; returns the mean loss over ranks.
 
     Each chunk's loss is the mean over this rank's tokens; megatron's DDP averages grads over the
     data-and-context-parallel group, so the update follows the mean over every token of every
-    replica, whatever the CP size.
+    replica, whatever the CP size. The scheduler advances by `scheduler_increment` (Miles counts
+    samples: its global batch size).
     """
     for chunk in run.model:
         chunk.zero_grad_buffer()
@@ -199,7 +200,7 @@ def train_step(run: SimRun, step: int) -> float:
     finalize_model_grads(run.model)  # DP x CP reduce-scatter of grads (finish_grad_sync per chunk)
     update_successful, _grad_norm, _zeros = run.optimizer.step()
     if update_successful:
-        run.scheduler.step(increment=1)
+        run.scheduler.step(increment=scheduler_increment)
     return _global_mean(loss)
 
 

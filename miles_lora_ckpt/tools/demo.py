@@ -19,6 +19,9 @@ pp * vpp chunks the same number. Examples:
     miles-lora-ckpt demo --vpp 2 --pp 2 --world-size 2   two pipeline stages, two chunks each
     miles-lora-ckpt demo --tp 2 --ep 2 --world-size 4    tensor and expert parallel
 
+With --via miles the same three phases run a Miles launch command with the plugin's init hook
+through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`).
+
 The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
 `RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint; a usage error (an
 invalid layout included) prints `ERROR ...` and exits 2.
@@ -34,6 +37,7 @@ from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
+from miles_lora_ckpt.tools import demo_miles
 
 OPTIMIZERS = ("adam", "lion")
 
@@ -94,6 +98,7 @@ def add_parser(subparsers) -> None:
     )
     demo.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (default: the last rank)")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
+    demo_miles.add_arguments(demo)
     demo.set_defaults(handler=run_demo)
 
 
@@ -103,6 +108,11 @@ def add_parser(subparsers) -> None:
 def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
+        return 2
+    if args.via == "miles":
+        return demo_miles.run(args)
+    if args.without_plugin:
+        print("ERROR --without-plugin needs --via miles", file=sys.stderr)
         return 2
     # the workers turn this into a SimConfig (the parent never imports megatron)
     config = {
