@@ -64,3 +64,18 @@ def test_phases_run_separately_and_a_tampered_reference_is_named(prewarmed, tmp_
     assert run(prewarmed, [*base, "--phase", "resume"]) == 1
     lines, _ = output(capsys)
     assert lines[-1] == f"RESULT: MISMATCH rank1:{name}"
+
+
+def test_layout_flags_become_megatrons_parallel_size_flags(tmp_path, capsys):
+    """--tp/--pp/--ep/--cp/--vpp reach the stand-in as Megatron's flags; an invalid layout exits 2."""
+    parse = build_parser().parse_args
+    args = parse(["demo", "--via", "miles", "--workdir", str(tmp_path), "--world-size", "4", "--cp", "2"])
+    flags = demo_miles.Scenario(args).training_flags()
+    assert flags[flags.index("--context-parallel-size") + 1] == "2"
+    assert "--tensor-model-parallel-size" not in flags  # sizes of 1 stay implicit, as in a user's command
+    args = parse(["demo", "--via", "miles", "--workdir", str(tmp_path), "--world-size", "2", "--pp", "2", "--vpp", "2"])
+    flags = demo_miles.Scenario(args).training_flags()
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
+    assert flags[flags.index("--virtual-pipeline-model-parallel-size") + 1] == "2"
+    assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), "--world-size", "3", "--tp", "2"]) == 2
+    assert "ERROR invalid layout" in capsys.readouterr().err
