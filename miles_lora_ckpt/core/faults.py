@@ -24,7 +24,10 @@ SAVE_PHASES = (
     "after-publish",
 )
 LOAD_PHASES = ("before-read", "after-preflight")
-PHASES = SAVE_PHASES + LOAD_PHASES
+# PEFT export (savers/peft_export): staging creation, the collective Bridge export, the coordinator's
+# write (and between its two files), the atomic publish
+PEFT_PHASES = ("peft-staging", "peft-export", "peft-write", "peft-mid-write", "peft-publish")
+PHASES = SAVE_PHASES + LOAD_PHASES + PEFT_PHASES
 ACTIONS = ("raise", "kill")
 ENV_VAR = "MILES_LORA_CKPT_FAULT"
 

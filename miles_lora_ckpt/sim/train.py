@@ -46,8 +46,7 @@ def build_run(config: SimConfig) -> SimRun:
     _ensure_model_parallel(config)
     # As megatron's initialize does; the weights themselves come from seeded_init, never this RNG.
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-    mcfg = transformer_config(config)
-    module = SimLoraModel(mcfg, config)
+    mcfg, module = _build_module(config)
     if config.dtype == "bf16":
         module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
     ddp = DistributedDataParallel(config=mcfg, ddp_config=_ddp_config(), module=module)
@@ -55,6 +54,25 @@ def build_run(config: SimConfig) -> SimRun:
     if config.optimizer == "lion":
         swap_in_lion(optimizer)  # megatron cannot build its own Lion here; see sim/lion.py
     return SimRun(config=config, model=[ddp], optimizer=optimizer, scheduler=_scheduler(config, optimizer))
+
+
+def config_from_dict(data: dict):
+    """A `SimConfig`, or a `Qwen2SimConfig` when `data["model"] == "qwen2"` (the PEFT export model)."""
+    if data.get("model") == "qwen2":
+        from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+
+        return Qwen2SimConfig.from_dict(data)
+    return SimConfig.from_dict(data)
+
+
+def _build_module(config) -> tuple:
+    if getattr(config, "model", None) == "qwen2":
+        from miles_lora_ckpt.sim.qwen2_model import SimQwen2Model
+
+        mcfg = config.transformer_config()
+        return mcfg, SimQwen2Model(mcfg, config)
+    mcfg = transformer_config(config)
+    return mcfg, SimLoraModel(mcfg, config)
 
 
 def teardown(run: SimRun | None = None) -> None:

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "
-        "prune, benchmark and demonstrate.",
+        "prune, benchmark and demonstrate; export HF PEFT adapters and check that PEFT loads them.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(metavar="COMMAND")
@@ -77,10 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_lazy_subcommands(sub) -> None:
     """Subcommands whose modules import torch/megatron only when they run."""
-    from miles_lora_ckpt.tools import bench, demo
+    from miles_lora_ckpt.tools import bench, demo, peft_tools
 
     bench.add_parser(sub)
     demo.add_parser(sub)
+    peft_tools.add_parsers(sub)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -107,6 +108,8 @@ def cmd_verify(args) -> int:
     status = EXIT_OK
     for gen in generations:
         if gen.intact:
+            gen.problems += _peft_problems(gen)
+        if gen.intact:
             m = gen.manifest
             size = sum(r.bytes for r in m.files.values())
             print(
@@ -116,6 +119,13 @@ def cmd_verify(args) -> int:
             _print_problems(gen.path, path, gen.problems)
             status = EXIT_DAMAGED
     return status
+
+
+def _peft_problems(gen) -> list:
+    """A PEFT adapter in the generation (an export's, or a checkpoint's `peft/`) must also load in PEFT."""
+    from miles_lora_ckpt.savers.peft_export.format import generation_problems
+
+    return generation_problems(gen.path, gen.manifest.files)
 
 
 def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:

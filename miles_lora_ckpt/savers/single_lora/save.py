@@ -2,7 +2,8 @@
 
 Collective; reads as phases::
 
-    plan -> agree -> local optimizer shards -> agree -> gather to DP roots -> agree
+    plan -> agree -> [PEFT export: plan, bind, collective export, self-check, each agreed]
+    -> local optimizer shards -> agree -> gather to DP roots -> agree
     -> protocol.save_generation (prepare -> write -> commit -> publish, each agreed)
 """
 
@@ -20,6 +21,7 @@ from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
+from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, prepare_peft_files
 from miles_lora_ckpt.savers.single_lora.common import SAVER, TRAINING_STATE, describe_rank, optimizer_file
 
 
@@ -33,11 +35,14 @@ def save_lora_checkpoint(
     iteration: int | None = None,
     consensus: Consensus | None = None,
     keep: int | None = None,
+    peft: PeftExport | None = None,
 ) -> str:
     """Collective. Save adapter, optimizer parameter state and scheduler as one new generation.
 
     `save_dir` is the save root (see `layout`); returns the committed generation directory.
     With `args.no_save_optim` (or no optimizer) only the adapter and the iteration are saved.
+    With `peft`, the generation also holds `peft/` (an HF PEFT adapter directory exported through
+    Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
     consensus = consensus or Consensus.default()
@@ -48,6 +53,9 @@ def save_lora_checkpoint(
     # same layout from the same answers, so nothing below can fail on one rank only)
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
     layout = SaveLayout.from_plans(plans, save_optim)
+
+    # PEFT export (optional): collective Bridge export and self-check, agreed before any file is written
+    peft_files = prepare_peft_files(model, peft, consensus) if peft is not None else None
 
     # optimizer, local: this rank's shard of every saved child, and DP roots' non-tensor state
     prepared = attempt(_prepare_optimizer_state, optimizer, layout)
@@ -67,6 +75,12 @@ def save_lora_checkpoint(
                 "optimizer_children": {k: v for states in child_states for k, v in states.items()},
             }
             writer.write_json(TRAINING_STATE, training_state)
+        if peft_files is not None and consensus.rank == 0:
+            peft_files.write(writer, GENERATION_SUBDIR)
+
+    metadata = layout.metadata(save_optim, opt_param_scheduler, args)
+    if peft_files is not None:
+        metadata["peft"] = peft_files.summary()
 
     generation = save_generation(
         consensus,
@@ -75,7 +89,7 @@ def save_lora_checkpoint(
         saver=SAVER,
         topology=Topology.from_dict(plans[0]["topology"]),
         write_files=write_files,
-        metadata=layout.metadata(save_optim, opt_param_scheduler, args),
+        metadata=metadata,
         keep=keep,
     )
     return str(generation)

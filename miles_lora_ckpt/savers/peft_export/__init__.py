@@ -1,0 +1,40 @@
+"""PEFT export: HF PEFT adapter directories published through the protocol, converted by Megatron-Bridge.
+
+- `export`: the phases. `export_peft` (standalone export root for serving), `prepare_peft_files` +
+  `PeftFiles.write` (an export inside a checkpoint generation, `peft/`), `PeftExport` (what
+  `save_lora_checkpoint(..., peft=...)` takes), `StaticSource` (weights already in HF names).
+- `format`: the PEFT file format, our conversion helpers, PEFT's matching rules and the self-check.
+- `offline`: export a committed generation without a live model (`miles-lora-ckpt export-peft`).
+
+The live source is `miles_lora_ckpt.megatron.bridge_export.BridgeSource` (re-exported here).
+"""
+
+from miles_lora_ckpt.megatron.bridge_export import BridgeSource, ExportedWeight
+from miles_lora_ckpt.savers.peft_export.export import (
+    EXPORT_SAVER,
+    GENERATION_SUBDIR,
+    LATEST,
+    PeftExport,
+    PeftFiles,
+    StaticSource,
+    export_peft,
+    prepare_peft_files,
+)
+from miles_lora_ckpt.savers.peft_export.format import CONFIG_NAME, WEIGHTS_NAME, LoraSpec, check_peft_dir
+
+__all__ = [
+    "CONFIG_NAME",
+    "EXPORT_SAVER",
+    "GENERATION_SUBDIR",
+    "LATEST",
+    "WEIGHTS_NAME",
+    "BridgeSource",
+    "ExportedWeight",
+    "LoraSpec",
+    "PeftExport",
+    "PeftFiles",
+    "StaticSource",
+    "check_peft_dir",
+    "export_peft",
+    "prepare_peft_files",
+]
