@@ -41,7 +41,7 @@ def test_production_code_never_imports_the_harness():
 @pytest.mark.multirank
 def test_inside_a_worker_the_double_installs_names_itself_and_uninstalls():
     variants = ["nvidia", "fork"]
-    job = run_workers(1, "peft_jobs:double_isolation", {"variants": variants}, sys_path=[JOBS], megatron=False)
+    job = run_workers(1, "peft_gloo_jobs:double_isolation", {"variants": variants}, sys_path=[JOBS], megatron=False)
     for variant, seen in check_all(job)[0].items():
         assert seen["spec_before"] is False
         assert seen["class"] == {"nvidia": "AutoBridgeDouble", "fork": "ForkAutoBridgeDouble"}[variant]

@@ -188,39 +188,3 @@ def _model_without_adapters(config) -> _Run:
 
     bare = replace(config, adapters="none")
     return _Run([SimQwen2Model(bare.transformer_config(), bare)], bare)
-
-
-def double_isolation(payload: dict, ctx) -> dict:
-    """Inside a (megatron-free) harness worker: the double installs, names itself, uninstalls."""
-    import importlib
-
-    out = {}
-    for variant in payload["variants"]:
-        before = importlib.util.find_spec("megatron.bridge") is not None
-        auto_bridge = bridge_double.install(variant=variant)
-        mb = importlib.import_module("megatron.bridge")
-        peft_bridge = importlib.import_module("megatron.bridge.models.conversion.peft_bridge")
-        seen = {
-            "spec_before": before,
-            "class": mb.AutoBridge.__name__,
-            "is_double": getattr(mb, "IS_TEST_DOUBLE", False),
-            "doc": mb.__doc__,
-            "helpers": peft_bridge.__name__,
-            "same": auto_bridge is mb.AutoBridge,
-        }
-        bridge_double.install(variant=variant, peft_helpers=False)
-        seen["without_helpers"] = _importable("megatron.bridge.models.conversion.peft_bridge")
-        bridge_double.uninstall()
-        seen["after_uninstall"] = _importable("megatron.bridge")
-        out[variant] = seen
-    return out
-
-
-def _importable(name: str) -> str:
-    import importlib
-
-    try:
-        importlib.import_module(name)
-        return "importable"
-    except ImportError:
-        return "gone"
