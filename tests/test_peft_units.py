@@ -429,3 +429,28 @@ def test_peft_files_write_weights_before_the_config(tmp_path):
     assert order == ["peft/" + WEIGHTS_NAME, "peft/" + CONFIG_NAME]
     assert "peft-mid-write" in faults.PEFT_PHASES and set(faults.PEFT_PHASES) <= set(faults.PHASES)
     assert "exclude_adapter_base_prefixes" not in inspect.signature(bx.BridgeSource.export).parameters
+
+
+def test_a_slot_export_slices_each_weight_to_the_slot_rank_through_the_source():
+    """What multi-LoRA does per slot: padded factors cut to the slot's rank, errors after draining."""
+    padded = []
+    for w in weights():
+        pad = [4, w.weight.shape[1]] if "lora_A" in w.param_name else [w.weight.shape[0], 4]
+        grown = torch.zeros(pad)
+        grown[: w.weight.shape[0], : w.weight.shape[1]] = w.weight
+        padded.append((w.param_name, grown))
+    cut = lambda w: ExportedWeight(w.param_name, fmt.slice_to_rank(w.param_name, w.weight, R))  # noqa: E731
+    bridge = FakeBridge(padded)
+    source = bx.BridgeSource(bridge, transform=cut)
+    source.prepare()
+    sliced = source.export(None)
+    assert [w.weight.shape for w in sliced] == [w.weight.shape for w in weights()]
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(sliced, weights(), strict=True))
+    assert convert(sliced).config["r"] == R
+    padded[3] = (padded[3][0], padded[3][1] + 1.0)  # a slot whose padding is not zero
+    bridge = FakeBridge(padded)
+    source = bx.BridgeSource(bridge, transform=cut)
+    source.prepare()
+    with pytest.raises(ValueError, match="non-zero values beyond rank 2"):
+        source.export(None)
+    assert bridge.consumed == len(padded)

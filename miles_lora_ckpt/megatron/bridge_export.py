@@ -125,8 +125,10 @@ class BridgeSource:
     `prepare()` is rank-local (builds `AutoBridge.from_hf_pretrained(hf_checkpoint)` unless a bridge
     was given, binds the export's options by signature) and may fail: callers agree on it before any
     rank enters the collective `export()`. `model_context(model)` wraps the export (Miles passes
-    its `patch_megatron_model`). `export_options` are required keywords (e.g.
-    `exclude_adapter_base_prefixes`): an installed Bridge without one is refused, not ignored.
+    its `patch_megatron_model`; multi-LoRA also selects the slot there). `transform(weight)` maps
+    each exported weight (multi-LoRA slices it to the slot's rank); its errors, like any per-item
+    error, are raised only after the iteration completed. `export_options` are required keywords
+    (e.g. `exclude_adapter_base_prefixes`): an installed Bridge without one is refused, not ignored.
     """
 
     kind = "megatron-bridge"
@@ -138,6 +140,7 @@ class BridgeSource:
         hf_checkpoint: str | None = None,
         trust_remote_code: bool = True,
         model_context: Callable[[Any], Any] | None = None,
+        transform: Callable[[ExportedWeight], ExportedWeight] | None = None,
         export_options: dict[str, Any] | None = None,
     ):
         if bridge is None and hf_checkpoint is None:
@@ -146,6 +149,7 @@ class BridgeSource:
         self.hf_checkpoint = hf_checkpoint
         self.trust_remote_code = trust_remote_code
         self.model_context = model_context
+        self.transform = transform
         self.export_options = dict(export_options or {})
         self._kwargs: dict[str, Any] | None = None
 
@@ -179,6 +183,8 @@ class BridgeSource:
                     continue  # keep draining: the peers are in the same collectives
                 try:
                     weight = normalize_item(item)
+                    if self.transform is not None:
+                        weight = self.transform(weight)
                     if on_item is not None:
                         on_item(index, weight)
                     weights.append(weight)

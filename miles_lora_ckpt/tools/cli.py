@@ -1,6 +1,8 @@
 """`miles-lora-ckpt`: operator tools. Runs on a login node: no megatron, Miles or GPU needed.
 
-Exit codes (verify): 0 intact, 1 damaged / torn / uncommitted, 2 not a checkpoint or usage error.
+Exit codes (verify): 0 intact, 1 damaged / torn / uncommitted (or a PEFT adapter in it that PEFT
+would load wrongly), 2 not a checkpoint or usage error. `verify-peft` and `export-peft` live in
+`peft_tools` (torch, transformers and peft are imported only when they run).
 """
 
 from __future__ import annotations

@@ -110,6 +110,12 @@ class PeftExport:
         source = BridgeSource(hf_checkpoint=args.hf_checkpoint, model_context=model_context)
         return cls(source=source, lora=fmt.LoraSpec.from_miles_args(args))
 
+    def publish(self, model, out_root, *, iteration: int, consensus: Consensus | None = None, keep=None) -> Path:
+        """Collective. `export_peft` of this source and spec into the export root `out_root`."""
+        return export_peft(
+            model, out_root, source=self.source, lora=self.lora, iteration=iteration, consensus=consensus, keep=keep
+        )
+
 
 @dataclass
 class PeftFiles:

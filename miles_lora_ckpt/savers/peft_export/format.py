@@ -130,6 +130,19 @@ def rank_for(module: str, r: int, rank_pattern: Mapping[str, int]) -> int:
     return r
 
 
+def slice_to_rank(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """A LoRA factor padded to a larger rank, cut to `rank` (multi-LoRA slots share padded buffers):
+    `lora_A` [.., R, in] keeps its first `rank` rows, `lora_B` [.., out, R] its first `rank` columns.
+    Raises ValueError when the cut-off part is not zero (the slot's rank would be wrong)."""
+    _, which = split_lora_name(unprefixed(name))
+    dim = tensor.ndim - 2 if which == "A" else tensor.ndim - 1
+    if tensor.shape[dim] < rank:
+        raise ValueError(f"{name}: rank dimension {tensor.shape[dim]} is smaller than the slot's rank {rank}")
+    if bool(tensor.narrow(dim, rank, tensor.shape[dim] - rank).any()):
+        raise ValueError(f"{name}: non-zero values beyond rank {rank}; refusing to cut them off")
+    return tensor.narrow(dim, 0, rank).contiguous()
+
+
 # --------------------------------------------------------------------------- our conversion helpers
 
 
