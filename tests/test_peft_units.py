@@ -311,7 +311,10 @@ def test_export_root_publishes_readable_files_and_latest(tmp_path):
     second = export(root, iteration=2, keep=1)
     assert os.readlink(root / LATEST) == second.name and not first.exists()
     assert json.loads((root / TRACKER).read_text())["generation_dir"] == second.name
-    assert cli(["verify", str(root)]) == 0
+    assert cli(["verify", str(root)]) == 0 and cli(["verify", str(root / LATEST)]) == 0
+    (root / "escape").symlink_to(tmp_path)  # a symlink elsewhere is not followed
+    os.replace(root / "escape", root / LATEST)
+    assert cli(["verify", str(root / LATEST)]) != 0
 
 
 @pytest.mark.parametrize("phase", faults.PEFT_PHASES)
@@ -329,7 +332,7 @@ def test_a_fault_at_each_phase_leaves_the_previous_export_intact(phase, tmp_path
     assert os.readlink(root / LATEST) == first.name and cli(["verify", str(root)]) == 0
 
 
-def test_an_empty_or_refused_export_leaves_no_directory(tmp_path):
+def test_an_empty_or_refused_export_leaves_no_staging_and_no_generation(tmp_path):
     with pytest.raises(CheckpointError, match="no adapter weights"):
         export(tmp_path / "empty", items=[])
     assert os.listdir(tmp_path / "empty") == []  # the staging directory was removed

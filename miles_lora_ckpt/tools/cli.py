@@ -92,7 +92,7 @@ def _add_lazy_subcommands(sub) -> None:
 def cmd_verify(args) -> int:
     from miles_lora_ckpt.core.verify import committed_candidates, resolve, verify_generation
 
-    path = Path(args.path)
+    path = _follow_latest(Path(args.path))
     try:
         if args.all:
             candidates, _ = committed_candidates(path)
@@ -123,6 +123,15 @@ def cmd_verify(args) -> int:
     return status
 
 
+def _follow_latest(path: Path) -> Path:
+    """An export root's `latest` symlink stands for the generation it names (a sibling, nothing else)."""
+    if path.name == "latest" and path.is_symlink():
+        target = path.resolve()
+        if target.parent == path.parent.resolve():
+            return target
+    return path
+
+
 def _peft_problems(gen) -> list:
     """A PEFT adapter in the generation (an export's, or a checkpoint's `peft/`) must also load in PEFT."""
     from miles_lora_ckpt.savers.peft_export.format import generation_problems
@@ -141,7 +150,7 @@ def cmd_inspect(args) -> int:
     from miles_lora_ckpt.core.verify import resolve
 
     try:
-        gen, skipped = resolve(Path(args.path))
+        gen, skipped = resolve(_follow_latest(Path(args.path)))
     except GenerationDamaged as exc:
         _print_problems(Path(exc.path), Path(args.path), exc.problems)
         return EXIT_DAMAGED
