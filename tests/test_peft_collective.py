@@ -35,5 +35,5 @@ def test_every_phase_on_every_rank_of_three_and_a_kill_inside_the_export(tmp_pat
     assert len(survivors[0]["cases"]) == 3 * len(PEFT_PHASES)
     for survivor in survivors:  # the export's own collective saw the dead peer; no rank hung
         killed = survivor["killed"]
-        assert killed["phase"] == "peft-export" and killed["seconds"] < 25, killed
+        assert killed["phase"] == "peft-export" and killed["seconds"] < 40, killed  # the timeout bounds it
     assert cli(["verify", str(root), "--all"]) == 0

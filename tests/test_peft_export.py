@@ -205,7 +205,7 @@ def test_a_retry_at_another_topology_never_publishes_the_crashed_attempts_files(
     assert crashed[0].exitcode == -9  # rank 0 died after writing the weights file into its staging
     survivor = crashed[1].result
     assert survivor["phase"] == "peft-write" and "a peer died or timed out" in survivor["error"]
-    assert survivor["seconds"] < 15
+    assert survivor["seconds"] < 30  # bounded by the consensus timeout (15 s), usually at once
     stale = [p for p in root.iterdir() if p.name.startswith(".staging-")]
     assert len(stale) == 1 and sorted(os.listdir(stale[0])) == [WEIGHTS_NAME]  # the weights alone
     retried = Path(story["results"][0]["cases"]["pp2"]["retry"])
