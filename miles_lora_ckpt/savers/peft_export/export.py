@@ -215,10 +215,10 @@ def export_peft(
 
         # export: every rank iterates Bridge's collective export fully; all must hold the same adapter
         exported = attempt(_export, source, model, rank)
-        _refuse_inconsistent(consensus.agree("peft-export", exported.map(_content_summary)))
+        _refuse_inconsistent(consensus.agree("peft-export", exported.map(lambda e: e[1])))
 
         # check: convert to PEFT keys and config, and prove PEFT loads exactly that
-        files = attempt(convert_and_check, exported.value, lora, coverage, source, config)
+        files = attempt(convert_and_check, exported.value[0], lora, coverage, source, config)
         consensus.agree("peft-check", files.map(lambda f: len(f.state)))
 
         # write: the coordinator writes both files, then the manifest, into staging
@@ -226,7 +226,7 @@ def export_peft(
             generation=attempt_id,
             iteration=iteration,
             saver=EXPORT_SAVER,
-            topology=topology or _current_topology(model, consensus.world_size),
+            topology=topology or _plan_topology(plans, consensus.world_size),
             files={},
             metadata={},
         )
@@ -316,8 +316,8 @@ def prepare_peft_files(model, export: PeftExport, consensus: Consensus) -> PeftF
     coverage = _refuse_empty(plans, consensus.world_size)
     consensus.agree("peft-setup", attempt(_setup_source, export.source, rank))
     exported = attempt(_export, export.source, model, rank)
-    _refuse_inconsistent(consensus.agree("peft-export", exported.map(_content_summary)))
-    files = attempt(convert_and_check, exported.value, export.lora, coverage, export.source)
+    _refuse_inconsistent(consensus.agree("peft-export", exported.map(lambda e: e[1])))
+    files = attempt(convert_and_check, exported.value[0], export.lora, coverage, export.source)
     consensus.agree("peft-check", files.map(lambda f: len(f.state)))
     return files.value
 
@@ -333,14 +333,15 @@ def _setup_source(source: AdapterSource, rank: int) -> None:
 def _describe_adapters(model) -> dict:
     """This rank's Megatron-side adapter modules (chunk-qualified, stage-local names) and stage."""
     if model is None:
-        return {"pp": 0, "modules": [], "num_layers": None}
+        return {"pp": 0, "modules": [], "num_layers": None, "topology": None}
     from miles_lora_ckpt.megatron.adapter_shards import adapter_params
-    from miles_lora_ckpt.megatron.topology import current_coordinates
+    from miles_lora_ckpt.megatron.topology import current_coordinates, current_topology
 
     modules = sorted({_module_of(name) for name in adapter_params(model)})
     chunks = model if isinstance(model, list | tuple) else [model]
     num_layers = getattr(getattr(chunks[0], "config", None), "num_layers", None) if chunks else None
-    return {"pp": current_coordinates().pp, "modules": modules, "num_layers": num_layers}
+    topology = current_topology(len(chunks)).to_dict()
+    return {"pp": current_coordinates().pp, "modules": modules, "num_layers": num_layers, "topology": topology}
 
 
 def _module_of(param_name: str) -> str:
@@ -359,7 +360,9 @@ def _refuse_empty(plans: list[dict], world: int) -> Coverage:
     return coverage
 
 
-def _export(source: AdapterSource, model, rank: int) -> list[ExportedWeight]:
+def _export(source: AdapterSource, model, rank: int) -> tuple[list[ExportedWeight], dict]:
+    """This rank's export and the summary all ranks compare (computed here, inside the guard)."""
+
     def on_item(index: int, weight: ExportedWeight) -> None:
         if index == 0:
             faults.point("peft-export", rank)
@@ -367,7 +370,7 @@ def _export(source: AdapterSource, model, rank: int) -> list[ExportedWeight]:
     weights = source.export(model, on_item)
     if not weights:
         faults.point("peft-export", rank)  # an empty export still passes the fault point
-    return weights
+    return weights, _content_summary(weights)
 
 
 def _content_summary(weights: list[ExportedWeight]) -> dict:
@@ -481,12 +484,10 @@ def _check_coverage(modules: list[str], coverage: Coverage) -> None:
         raise ValueError("partial adapter export: " + "; ".join(problems))
 
 
-def _current_topology(model, world: int) -> Topology:
-    if model is None:
+def _plan_topology(plans: list[dict], world: int) -> Topology:
+    if plans[0]["topology"] is None:
         return Topology(world=world, dp=world)
-    from miles_lora_ckpt.megatron.topology import current_topology
-
-    return current_topology(len(model) if isinstance(model, list | tuple) else 1)
+    return Topology.from_dict(plans[0]["topology"])
 
 
 def _uint8():
