@@ -14,7 +14,7 @@ import torch
 from miles_lora_ckpt.megatron import bridge_export as bx
 from miles_lora_ckpt.savers.peft_export import ExportedWeight, LoraSpec, StaticSource
 from miles_lora_ckpt.savers.peft_export import format as fmt
-from miles_lora_ckpt.savers.peft_export.export import convert_and_check
+from miles_lora_ckpt.savers.peft_export.convert import convert_and_check
 
 pytestmark = pytest.mark.bridge
 REASON = bx.import_error()

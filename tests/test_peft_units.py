@@ -29,7 +29,7 @@ from miles_lora_ckpt.savers.peft_export import (
     export_peft,
 )
 from miles_lora_ckpt.savers.peft_export import format as fmt
-from miles_lora_ckpt.savers.peft_export.export import Coverage, PeftFiles, convert_and_check
+from miles_lora_ckpt.savers.peft_export.convert import Coverage, PeftFiles, convert_and_check
 from miles_lora_ckpt.tools.cli import main as cli
 
 H, R = 8, 2

@@ -2,7 +2,9 @@
 
 - `export`: the phases. `export_peft` (standalone export root for serving), `prepare_peft_files` +
   `PeftFiles.write` (an export inside a checkpoint generation, `peft/`), `PeftExport` (what
-  `save_lora_checkpoint(..., peft=...)` takes), `StaticSource` (weights already in HF names).
+  `save_lora_checkpoint(..., peft=...)` takes).
+- `convert`: sources (`AdapterSource`, `StaticSource` for weights already in HF names), conversion
+  to PEFT keys and config, coverage (partial adapters), `PeftFiles`.
 - `format`: the PEFT file format, our conversion helpers, PEFT's matching rules and the self-check.
 - `offline`: export a committed generation without a live model (`miles-lora-ckpt export-peft`).
 
@@ -10,13 +12,12 @@ The live source is `miles_lora_ckpt.megatron.bridge_export.BridgeSource` (re-exp
 """
 
 from miles_lora_ckpt.megatron.bridge_export import BridgeSource, ExportedWeight
+from miles_lora_ckpt.savers.peft_export.convert import PeftFiles, StaticSource
 from miles_lora_ckpt.savers.peft_export.export import (
     EXPORT_SAVER,
     GENERATION_SUBDIR,
     LATEST,
     PeftExport,
-    PeftFiles,
-    StaticSource,
     export_peft,
     prepare_peft_files,
 )

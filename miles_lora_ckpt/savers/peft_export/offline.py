@@ -28,7 +28,8 @@ from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.verify import check_file_content, resolve
 from miles_lora_ckpt.megatron.bridge_export import ExportedWeight
 from miles_lora_ckpt.savers.peft_export import format as fmt
-from miles_lora_ckpt.savers.peft_export.export import GENERATION_SUBDIR, StaticSource, export_peft
+from miles_lora_ckpt.savers.peft_export.convert import StaticSource
+from miles_lora_ckpt.savers.peft_export.export import GENERATION_SUBDIR, export_peft
 
 _SHARD_RE = re.compile(r"^adapter/dense_tp(\d+)_pp(\d+)\.safetensors$")
 _NAME_RE = re.compile(
