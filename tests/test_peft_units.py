@@ -298,11 +298,19 @@ def export(root, items=None, iteration=1, **kwargs) -> Path:
 
 def test_export_root_publishes_readable_files_and_latest(tmp_path):
     root = tmp_path / "exports"
-    first = export(root, iteration=1)
+    umask = os.umask(0o022)  # the usual umask: a server running as another user can read the adapter
+    try:
+        first = export(root, iteration=1)
+        from safetensors.torch import save_file
+
+        save_file({"x": torch.zeros(1)}, str(tmp_path / "library.safetensors"))
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "library.safetensors").stat().st_mode & 0o777 == 0o600  # what we must not do
     assert sorted(os.listdir(first)) == sorted([CONFIG_NAME, MANIFEST, WEIGHTS_NAME])
     assert (root / LATEST).resolve() == first.resolve() and os.readlink(root / LATEST) == first.name
     for name in (CONFIG_NAME, WEIGHTS_NAME):
-        assert (first / name).stat().st_mode & 0o044 == 0o044  # group/other readable, unlike safetensors' 0600
+        assert (first / name).stat().st_mode & 0o777 == 0o644, name
     from safetensors import safe_open
 
     with safe_open(str(first / WEIGHTS_NAME), "pt") as handle:

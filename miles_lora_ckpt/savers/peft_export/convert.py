@@ -69,7 +69,8 @@ class PeftFiles:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def write(self, writer: StagingWriter, prefix: str = "") -> None:
-        """Write both files into a staging directory (weights first: a config never goes alone)."""
+        """Write both files into a staging directory (weights first: a config never goes alone).
+        Their mode follows the umask like any file's (0644 under 022), not safetensors' fixed 0600."""
         writer.write_tensors(prefix + fmt.WEIGHTS_NAME, self.state, metadata=fmt.SAFETENSORS_METADATA, finite=True)
         faults.point("peft-mid-write", writer.rank)
         writer.write_json(prefix + fmt.CONFIG_NAME, self.config)
