@@ -11,7 +11,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from damage import drop_file, edit_manifest, reseal_file, rewrite_tensors, torch_pickle_bytes
+from damage import (
+    drop_file,
+    edit_manifest,
+    edit_training_state,
+    reseal_file,
+    rewrite_tensors,
+    set_param_group,
+    swap_files,
+    torch_pickle_bytes,
+)
 from jobs_paths import JOBS
 
 from miles_lora_ckpt.sim.launch import check_all, run_workers
@@ -101,7 +110,14 @@ def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, layout, tmp_
 @pytest.fixture(scope="module")
 def saved_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("neg") / "ckpt"
-    results = run(2, "train_and_save", {"config": cfg(2), "root": str(root), "steps": 2, "saves": 2})
+    payload = {
+        "config": cfg(2),
+        "root": str(root),
+        "steps": 2,
+        "saves": 2,
+        "no_optim_root": str(root.parent / "no-optim"),
+    }
+    results = run(2, "train_and_save", payload)
     return root, results[0]["paths"]
 
 
@@ -114,6 +130,7 @@ def _copy_generation(gen: str, dest) -> str:
 def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path):
     root, (older, newer) = saved_root
     optim = "optimizer/child0_tp000_pp000_ep000_etp000.safetensors"
+    optim1 = "optimizer/child1_tp000_pp000_ep000_etp000.safetensors"
     cases = {}
 
     def case(name, damage):
@@ -148,6 +165,21 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             lambda t: t.update({k: v[:1] for k, v in list(t.items())[:1]}),
         ),
     )
+    # semantic binding and training-state invariants: self-consistent (resealed) but wrong
+    case("optimizer file of another generation", lambda g: reseal_file(g, optim, (Path(older) / optim).read_bytes()))
+    case("optimizer files swapped between children", lambda g: swap_files(g, optim, optim1))
+    case(
+        "eps NaN through the JSON codec",
+        lambda g: edit_training_state(g, lambda s: set_param_group(s, eps={"__float__": "nan"})),
+    )
+    case(
+        "negative scheduler num_steps", lambda g: edit_training_state(g, lambda s: s["scheduler"].update(num_steps=-1))
+    )
+    case(
+        "optimizer_saved false with optimizer files",
+        lambda g: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
+    )
+    case("missing metadata key", lambda g: edit_manifest(g, lambda b: b["metadata"].pop("state_keys")))
     cases["iterations differ across ranks"] = [older, newer]
     cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
     failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
@@ -163,6 +195,12 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "pickle payload": "not safetensors",
         "adapter shape changed": "adapter",
         "iterations differ across ranks": "ranks disagree",
+        "optimizer file of another generation": f"{optim}: the file says it is [generation {Path(older).name[-16:]}",
+        "optimizer files swapped between children": f"{optim}: the file says it is [generation",
+        "eps NaN through the JSON codec": "param_groups[0].eps is 'nan' (not finite)",
+        "negative scheduler num_steps": "scheduler.num_steps is -1",
+        "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",
+        "missing metadata key": "manifest metadata has no 'state_keys'",
         "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
     }
     assert set(expected_words) == set(cases)
@@ -172,9 +210,16 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert errors[0] == errors[1], (name, errors)  # the same CheckpointError on every rank
         assert word in errors[0], (name, errors[0])
         assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
-    # the undamaged generations still load afterwards, in the same processes
-    sane = run(2, "try_loads", {"config": cfg(2), "cases": {"newest": str(root)}})
+    # the undamaged generations still load afterwards, in the same processes; a checkpoint saved
+    # without optimizer state loads with a warning that reaches the log
+    no_optim = root.parent / "no-optim"
+    sane = run(2, "try_loads", {"config": cfg(2), "cases": {"newest": str(root), "no-optim": str(no_optim)}})
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
+    for o in sane:
+        result = o["no-optim"]["result"]
+        assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
+        warning = next(w for w in result["warnings"] if "holds no optimizer state" in w)
+        assert any(warning in line for line in o["no-optim"]["logged"]), o["no-optim"]["logged"]
 
 
 @pytest.mark.parametrize(

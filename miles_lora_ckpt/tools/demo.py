@@ -10,7 +10,8 @@ model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
                train to --steps and compare every tensor with DIR/reference.json
     all        reference, train with a crash in the middle of a save, resume (the default)
 
-The last line is `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <first differing tensor>` (exit 1).
+The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
+`RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint.
 """
 
 from __future__ import annotations
@@ -208,6 +209,9 @@ def _phase_resume(workdir: Path, config: dict, args) -> int:
     payload = {"config": config, "steps": reference["steps"], "root": str(workdir / "ckpt")}
     results, seconds = _job("resume_job", config, payload, args)
     per_rank = check_all(results)
+    if "refused" in per_rank[0]:
+        print(f"RESULT: ERROR {per_rank[0]['refused']}")
+        return 1
     restored = per_rank[0]["restored"]
     print(f"resume: {restored['summary']} ({seconds:.1f}s)")
     start = restored["iteration"] or 0
@@ -287,15 +291,19 @@ def train_job(payload: dict, ctx) -> dict:
 
 def resume_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.errors import CheckpointError
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
     from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
 
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(config_from_dict(payload["config"]))
-    result = load_lora_checkpoint(
-        run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
-    )
+    try:
+        result = load_lora_checkpoint(
+            run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+        )
+    except CheckpointError as exc:  # the same refusal on every rank: reported as one line
+        return {"refused": " ".join(line.strip() for line in str(exc).splitlines())}
     start = result.iteration or 0
     losses = {str(step): train_step(run, step) for step in range(start, payload["steps"])}
     if result.loaded:

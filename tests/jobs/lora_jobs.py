@@ -30,10 +30,10 @@ def run_steps(run, start: int, stop: int) -> list[float]:
     return [train_step(run, step) for step in range(start, stop)]
 
 
-def save(run, root, iteration: int, consensus: Consensus) -> str:
+def save(run, root, iteration: int, consensus: Consensus, args=None) -> str:
     return save_lora_checkpoint(
         run.model,
-        Args(),
+        args or Args(),
         root,
         optimizer=run.optimizer,
         opt_param_scheduler=run.scheduler,
@@ -101,11 +101,16 @@ def resume_matrix(payload: dict, ctx) -> dict:
 
 
 def train_and_save(payload: dict, ctx) -> dict:
-    """Train `steps` steps, then save into `root` (`saves` times, default once)."""
+    """Train `steps` steps, then save into `root` (`saves` times, default once), and into
+    `no_optim_root` (if given) once more as `--no-save-optim` would."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
     run_steps(run, 0, payload["steps"])
     paths = [save(run, payload["root"], payload["steps"], consensus) for _ in range(payload.get("saves", 1))]
+    if payload.get("no_optim_root"):
+        no_optim = Args()
+        no_optim.no_save_optim = True
+        save(run, payload["no_optim_root"], payload["steps"], consensus, no_optim)
     return {"paths": paths, "digests": snapshot_digests(snapshot(run))}
 
 
@@ -115,7 +120,9 @@ def try_loads(payload: dict, ctx) -> dict:
     run = build_run(SimConfig.from_dict(payload["config"]))
     run_steps(run, 0, payload.get("pre_steps", 1))
     outcomes = {}
+    logged = _capture_warnings()
     for name, path in payload["cases"].items():
+        logged.clear()
         if isinstance(path, list):
             path = path[ctx.rank]
         before = snapshot_digests(snapshot(run))
@@ -132,8 +139,24 @@ def try_loads(payload: dict, ctx) -> dict:
             "error": error,
             "changed": compare_digests(before, after),
             "result": result.__dict__ if result else None,
+            "logged": list(logged),
         }
     return outcomes
+
+
+def _capture_warnings() -> list[str]:
+    """Every WARNING the package logs from now on in this process, as text."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("miles_lora_ckpt")
+    logger.addHandler(Keep(logging.WARNING))
+    return records
 
 
 def gathered_world_state(run) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.topology import current_coordinates, current_topology
@@ -24,6 +25,40 @@ TRAINING_STATE = "training_state.json"
 
 def optimizer_file(child_index: int, coordinate_key: str) -> str:
     return f"optimizer/child{child_index}_{coordinate_key}.safetensors"
+
+
+# What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on load.
+TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
+
+
+def adapter_binding(kind: str, coordinate_key: str) -> dict[str, str]:
+    """`kind` is "dense" (coordinate: TP, PP) or "expert" (coordinate: PP, EP, expert TP)."""
+    return {"role": f"{kind}-adapter", "coordinate": coordinate_key}
+
+
+def optimizer_binding(child_index: int, coordinate_key: str) -> dict[str, str]:
+    return {"role": "optimizer", "coordinate": coordinate_key, "child": str(child_index)}
+
+
+def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
+    """The manifest must bind `relpath` to what this rank expects there (format v2; v1 has no
+    bindings: a v1 file swapped or copied is caught only by the manifest's digests)."""
+    if opened.manifest.format_version < 2:
+        return
+    found = opened.binding(relpath)
+    if found != expected:
+        raise ValueError(f"{relpath}: the manifest binds it to {found or 'nothing'}, expected {expected}")
+
+
+def saved_metadata(manifest, *keys):
+    """`manifest.metadata[k1][k2]...`, or a ValueError naming the missing key."""
+    value = manifest.metadata
+    for depth, key in enumerate(keys):
+        if not isinstance(value, dict) or key not in value:
+            path = ".".join(str(k) for k in keys[: depth + 1])
+            raise ValueError(f"manifest metadata has no {path!r} (written by another saver or version, or edited)")
+        value = value[key]
+    return value
 
 
 def chunk_count(model) -> int:

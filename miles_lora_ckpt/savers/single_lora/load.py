@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
@@ -35,9 +35,14 @@ from miles_lora_ckpt.megatron.undo import UndoRecord
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
     TRAINING_STATE,
+    TRAINING_STATE_BINDING,
     LoadResult,
+    adapter_binding,
+    check_binding,
     describe_rank,
+    optimizer_binding,
     optimizer_file,
+    saved_metadata,
 )
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
 
@@ -72,21 +77,30 @@ def load_lora_checkpoint(
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
     consensus = consensus or Consensus.default()
+    restore_optimizer = load_optim and not weights_only
+    result = _load(
+        consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, scheduler_increment_per_iteration
+    )
+    for warning in result.warnings:  # every load warning reaches the log (the result has them too)
+        log.warning("LoRA checkpoint %s: %s", path, warning)
+    return result
+
+
+def _load(consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
     kind = consensus.agree("classify", attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success())[0]
     if kind in ("missing", "empty-root"):
         why = "does not exist" if kind == "missing" else "has no committed generation yet"
-        log.warning("LoRA checkpoint %s %s: starting from the initial adapter", path, why)
-        return LoadResult(False, None, "none", warnings=[f"{path} {why}"])
+        return LoadResult(False, None, "none", warnings=[f"{path} {why}: starting from the initial adapter"])
     if kind == "legacy-miles":
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
 
     # plan: who holds what, so every rank can find its child's DP root coordinates
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
-    request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, load_optim and not weights_only)
+    request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer)
 
-    # verify: all ranks agree on one generation and read their own files, digest-checked
+    # verify: all ranks agree on one generation and read their own files, every content rule checked
     opened = open_generation(consensus, path, request.files_for_rank)
 
     # preflight: every check against this rank's model and optimizer; nothing changes yet
@@ -108,7 +122,7 @@ def load_lora_checkpoint(
         consensus.agree("install", attempt(_install_children, request, plan.value, received.value))
 
         # finish: scheduler, and masters refreshed where none were restored
-        finished = attempt(_finish, request, plan.value, opened.path, scheduler_increment_per_iteration)
+        finished = attempt(_finish, request, plan.value, opened, increment)
         consensus.agree("finish", finished.map(lambda _: None))
     except CheckpointError:
         undo.value.restore()
@@ -142,6 +156,7 @@ class LoadPlan:
     scheduler: dict | None
     saved_num_steps: int | None
     summary: dict
+    warnings: list[str]
 
 
 @dataclass
@@ -164,20 +179,28 @@ class LoadRequest:
         return [c["index"] for c in self.plans[self.rank]["children"]]
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
+        if manifest.saver != SAVER:
+            raise IncompatibleCheckpoint(
+                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}"
+            )
         _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
         dense, expert = shards.split_by_kind(shards.adapter_params(self.model))
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []
         files += [shards.expert_file(self.coords)] if expert else []
         if self._optimizer_in(manifest):
-            stepped = set(manifest.metadata.get("stepped_children", []))
+            stepped = set(saved_metadata(manifest, "stepped_children"))
             for index in self.active():
                 if index in stepped and self._dp_rank(index) == 0:
                     files.append(optimizer_file(index, self.coords.model_parallel_key))
         return files
 
     def _optimizer_in(self, manifest: Manifest) -> bool:
-        return self.restore_optimizer and self.optimizer is not None and manifest.metadata.get("optimizer_saved", False)
+        return (
+            self.restore_optimizer
+            and self.optimizer is not None
+            and saved_metadata(manifest, "optimizer_saved") is True
+        )
 
     def _dp_rank(self, index: int) -> int:
         return next(c["dp_rank"] for c in self.plans[self.rank]["children"] if c["index"] == index)
@@ -188,17 +211,16 @@ class LoadRequest:
         return Coordinates(**self.plans[root]["coords"]).model_parallel_key
 
     def preflight(self, opened) -> LoadPlan:
-        manifest = opened.manifest
-        if manifest.saver != SAVER:
-            raise ValueError(f"{opened.path} was written by saver {manifest.saver!r}, not {SAVER!r}")
+        manifest = opened.manifest  # its saver and topology were checked by files_for_rank
+        # the training state's invariants were checked as it was read (core.training_state)
+        check_binding(opened, TRAINING_STATE, TRAINING_STATE_BINDING)
         state = opened.json(TRAINING_STATE)
-        if state.get("iteration") != manifest.iteration:
-            raise ValueError(f"{TRAINING_STATE}: iteration {state.get('iteration')} != manifest {manifest.iteration}")
+        warnings = self._check_optimizer_claim(manifest)
         adapter = self._preflight_adapter(opened)
         restore, fresh = {}, []
         if self._optimizer_in(manifest):
             self._check_child_layout(manifest)
-            stepped = set(manifest.metadata.get("stepped_children", []))
+            stepped = set(saved_metadata(manifest, "stepped_children"))
             for index in self.active():
                 if index not in stepped:
                     fresh.append(index)
@@ -214,7 +236,27 @@ class LoadRequest:
             "optimizer": bool(restore),
             "scheduler": scheduler is not None and self.scheduler is not None,
         }
-        return LoadPlan(manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary)
+        return LoadPlan(manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary, warnings)
+
+    def _check_optimizer_claim(self, manifest: Manifest) -> list[str]:
+        """`optimizer_saved: false` must mean no optimizer files (else the manifest was edited), and
+        loading such a checkpoint into a run with an optimizer says so."""
+        if saved_metadata(manifest, "optimizer_saved") is True:
+            return []
+        listed = sorted(
+            rel for rel in manifest.files if rel.startswith("optimizer/") or manifest.role_of(rel) == "optimizer"
+        )
+        if listed or saved_metadata(manifest, "stepped_children"):
+            first = (listed or ["stepped_children"])[0]
+            raise ValueError(
+                f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?"
+            )
+        if self.optimizer is None or not self.restore_optimizer:
+            return []
+        return [
+            "the checkpoint holds no optimizer state (saved with no_save_optim): optimizer moments start "
+            "fresh and the fp32 masters are refreshed from the adapter"
+        ]
 
     def _preflight_adapter(self, opened) -> list[tuple[dict, dict]]:
         params = shards.adapter_params(self.model)
@@ -222,15 +264,19 @@ class LoadRequest:
             raise ValueError("the model has no adapter parameters (names with 'lora_' or '.adapter.')")
         dense, expert = shards.split_by_kind(params)
         checked = []
-        for group, file in ((dense, shards.dense_file(self.coords)), (expert, shards.expert_file(self.coords))):
+        for kind, group, file, key in (
+            ("dense", dense, shards.dense_file(self.coords), self.coords.dense_key),
+            ("expert", expert, shards.expert_file(self.coords), self.coords.expert_key),
+        ):
             if group:
+                check_binding(opened, file, adapter_binding(kind, key))
                 saved = opened.tensors(file)
                 shards.preflight_adapter(group, saved, file)
                 checked.append((group, saved))
         return checked
 
     def _check_child_layout(self, manifest: Manifest) -> None:
-        recorded = manifest.metadata.get("active_children", {}).get(self.coords.model_parallel_key)
+        recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
         mine = self.active()
         if recorded is None:
             raise ValueError(f"checkpoint records no optimizer children for {self.coords.model_parallel_key}")
@@ -242,7 +288,7 @@ class LoadRequest:
 
     def _preflight_child(self, opened, state: dict, index: int) -> dict:
         child = self.children()[index]
-        saved_keys = tuple(opened.manifest.metadata["state_keys"][str(index)])
+        saved_keys = tuple(saved_metadata(opened.manifest, "state_keys", str(index)))
         keys = ostate.resolve_state_keys(child)
         if set(saved_keys) != set(keys):
             raise ValueError(
@@ -256,8 +302,9 @@ class LoadRequest:
         entry = {"keys": saved_keys, "state": child_state, "payload": None}
         if self._dp_rank(index) == 0:
             file = optimizer_file(index, self.coords.model_parallel_key)
+            check_binding(opened, file, optimizer_binding(index, self.coords.model_parallel_key))
             payload = opened.tensors(file)
-            numels = opened.manifest.metadata["numel_unpadded"][str(index)][self.coords.model_parallel_key]
+            numels = saved_metadata(opened.manifest, "numel_unpadded", str(index), self.coords.model_parallel_key)
             try:
                 ostate.preflight_payload(child, saved_keys, payload, numels)
             except ValueError as exc:
@@ -269,7 +316,7 @@ class LoadRequest:
 def _check_topology(manifest: Manifest, current: Topology) -> None:
     differences = manifest.topology.model_parallel_differences(current)
     if differences:
-        raise ValueError(
+        raise IncompatibleCheckpoint(
             "exact restore needs the same model-parallel layout; checkpoint -> this run differs in "
             + ", ".join(differences)
             + " (only the data-parallel size may change)"
@@ -319,7 +366,7 @@ def _install_children(request: LoadRequest, plan: LoadPlan, received: dict[int, 
         ostate.check_installed(children[index], entry["keys"], received[index])
 
 
-def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | None) -> LoadResult:
+def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None) -> LoadResult:
     children = request.children()
     for index in plan.fresh_children:
         children[index].reload_model_params()
@@ -327,10 +374,11 @@ def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | N
         loaded=True,
         iteration=plan.iteration,
         source="generation",
-        path=str(path),
+        path=str(opened.path),
         adapter_restored=True,
         optimizer_restored=bool(plan.restore_children),
         masters_refreshed=bool(plan.fresh_children),
+        warnings=[*opened.warnings, *plan.warnings],
     )
     if request.scheduler is not None:
         if plan.scheduler is not None:
@@ -340,7 +388,7 @@ def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | N
             step = increment or _increment_from_saved(plan)
             reposition_scheduler(request.scheduler, plan.iteration, step)
             result.warnings.append(f"scheduler repositioned to iteration {plan.iteration} x {step}")
-    if request.optimizer is not None and not result.optimizer_restored:
+    if request.optimizer is not None and not result.optimizer_restored and not plan.warnings:
         result.warnings.append("optimizer moments not restored (fresh optimizer state, masters refreshed)")
     return result
 

@@ -22,7 +22,15 @@ from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
 from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, prepare_peft_files
-from miles_lora_ckpt.savers.single_lora.common import SAVER, TRAINING_STATE, describe_rank, optimizer_file
+from miles_lora_ckpt.savers.single_lora.common import (
+    SAVER,
+    TRAINING_STATE,
+    TRAINING_STATE_BINDING,
+    adapter_binding,
+    describe_rank,
+    optimizer_binding,
+    optimizer_file,
+)
 
 
 def save_lora_checkpoint(
@@ -71,10 +79,11 @@ def save_lora_checkpoint(
         if consensus.rank == 0:
             training_state = {
                 "iteration": iteration,
+                "generation": writer.generation,
                 "scheduler": scheduler_state(opt_param_scheduler) if save_optim else None,
                 "optimizer_children": {k: v for states in child_states for k, v in states.items()},
             }
-            writer.write_json(TRAINING_STATE, training_state)
+            writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
         if peft_files is not None and consensus.rank == 0:
             peft_files.write(writer, GENERATION_SUBDIR)
 
@@ -195,8 +204,11 @@ def _write_rank_files(writer: StagingWriter, model, layout: SaveLayout, rank: in
     coords = Coordinates(**layout.plans[rank]["coords"])
     dense, expert = shards.split_by_kind(shards.adapter_params(model))
     if dense and layout.dense_writers[coords.dense_key] == rank:
-        writer.write_tensors(shards.dense_file(coords), {n: p.detach() for n, p in dense.items()})
+        tensors = {n: p.detach() for n, p in dense.items()}
+        writer.write_tensors(shards.dense_file(coords), tensors, binding=adapter_binding("dense", coords.dense_key))
     if expert and layout.expert_writers[coords.expert_key] == rank:
-        writer.write_tensors(shards.expert_file(coords), {n: p.detach() for n, p in expert.items()})
+        tensors = {n: p.detach() for n, p in expert.items()}
+        writer.write_tensors(shards.expert_file(coords), tensors, binding=adapter_binding("expert", coords.expert_key))
     for index, world in sorted(payloads.items()):
-        writer.write_tensors(optimizer_file(index, coords.model_parallel_key), world)
+        binding = optimizer_binding(index, coords.model_parallel_key)
+        writer.write_tensors(optimizer_file(index, coords.model_parallel_key), world, binding=binding)
