@@ -23,11 +23,14 @@ SAVE_PHASES = (
     "before-publish",
     "after-publish",
 )
+# The prepare phase of a save, on every rank (on the coordinator: its staging directory exists).
+# Kept out of SAVE_PHASES, which the protocol's multi-rank matrices and `demo --crash-at` walk.
+PREPARE_PHASES = ("after-prepare",)
 LOAD_PHASES = ("before-read", "after-preflight")
 # PEFT export (savers/peft_export): staging creation, the collective Bridge export, the coordinator's
 # write (and between its two files), the atomic publish
 PEFT_PHASES = ("peft-staging", "peft-export", "peft-write", "peft-mid-write", "peft-publish")
-PHASES = SAVE_PHASES + LOAD_PHASES + PEFT_PHASES
+PHASES = SAVE_PHASES + PREPARE_PHASES + LOAD_PHASES + PEFT_PHASES
 ACTIONS = ("raise", "kill")
 ENV_VAR = "MILES_LORA_CKPT_FAULT"
 
