@@ -20,9 +20,9 @@ import torch
 from jobs_paths import JOBS
 from peft_reference import base_logits, hf_deltas, peft_deltas, peft_logits, reference_logits
 
-from miles_lora_ckpt.core.faults import PEFT_PHASES
+from miles_lora_ckpt.core.layout import TRACKER
 from miles_lora_ckpt.core.storage import load_tensors
-from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, LATEST, WEIGHTS_NAME
+from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, FAULT_PHASES, LATEST, WEIGHTS_NAME
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 from miles_lora_ckpt.tools.cli import main as cli
@@ -34,12 +34,17 @@ CASES = {
     "tp2": Qwen2SimConfig(world_size=2, tp=2),
     "pp2": Qwen2SimConfig(world_size=2, pp=2),  # another topology: it also retries the crashed export
 }
-PHASE_SEEN_AS = {
-    "peft-staging": "peft-setup",
+PHASE_SEEN_AS = {  # the phase every rank's CheckpointError names, for a fault armed at each phase of the export
+    "peft-setup": "peft-setup",
+    "after-prepare": "prepare",
     "peft-export": "peft-export",
-    "peft-write": "peft-write",
-    "peft-mid-write": "peft-write",
-    "peft-publish": "peft-publish",
+    "before-write": "write",
+    "mid-write": "write",
+    "after-write": "write",
+    "after-consensus": "commit",
+    "mid-manifest": "commit",
+    "before-publish": "commit",
+    "after-publish": "publish",
 }
 INPUT_IDS = torch.tensor([[3, 17, 42, 99, 5, 64, 1, 127], [8, 8, 120, 33, 71, 2, 0, 55]])
 BOUND = 1e-9  # relative to the logits' scale (fp64; HF's RMSNorm rounds through fp32, both sides alike)
@@ -156,7 +161,7 @@ def test_both_bridge_shapes_and_both_helper_paths_write_the_same_adapter(story):
 
 def test_a_fault_at_each_phase_on_each_rank_fails_every_rank_alike_and_changes_nothing(story):
     matrices = [r["cases"]["tp2"]["failures"]["matrix"] for r in story["results"]]
-    assert len(matrices[0]) == len(PEFT_PHASES) * 2
+    assert sorted(PHASE_SEEN_AS) == sorted(FAULT_PHASES) and len(matrices[0]) == len(FAULT_PHASES) * 2
     for index, case in enumerate(matrices[0]):
         phase, failing = case["phase_armed"], case["failing"]
         for matrix in matrices:
@@ -165,11 +170,11 @@ def test_a_fault_at_each_phase_on_each_rank_fails_every_rank_alike_and_changes_n
             assert f"injected fault at phase '{phase}' on rank {failing}" in mine["error"]
             assert mine["phase"] == PHASE_SEEN_AS[phase] and mine["ranks"] == [failing], (phase, failing, mine)
             assert mine["removed"] == [], (phase, failing)  # the previous export stays intact
-            if phase == "peft-publish" and failing != 0:
-                # a peer failed after the write was agreed everywhere: the coordinator published a
-                # complete export; every rank still learns of the failure
+            if phase == "after-publish":
+                # the coordinator had published a complete export (the commit was agreed everywhere);
+                # every rank still learns of the failure
                 assert len(mine["added"]) == 1 and mine["added"][0].startswith("gen-000000099-"), mine
-                assert mine["latest_moved"] and mine["touched"] == [LATEST, "latest_generation.json"]
+                assert mine["latest_moved"] and mine["touched"] == [LATEST, TRACKER]
             else:  # nothing new, no staging left behind, tracker and latest untouched
                 assert mine["added"] == mine["touched"] == [] and not mine["latest_moved"], (phase, failing, mine)
             assert mine["seconds"] < 20
@@ -177,7 +182,7 @@ def test_a_fault_at_each_phase_on_each_rank_fails_every_rank_alike_and_changes_n
         failures = result["cases"]["tp2"]["failures"]
         in_generation = failures["in_generation"]
         assert in_generation["phase"] == "peft-export" and in_generation["ranks"] == [1]
-        assert in_generation["unchanged"]  # the checkpoint save failed as a whole, before its staging
+        assert in_generation["unchanged"]  # the checkpoint save failed as a whole; its staging was removed
     work = story["work"] / "tp2"
     assert cli(["verify", str(work / "exports"), "--all"]) == 0
     assert cli(["verify", str(work / "ckpt"), "--all"]) == 0
@@ -204,7 +209,7 @@ def test_a_retry_at_another_topology_never_publishes_the_crashed_attempts_files(
     crashed = story["crashed"]
     assert crashed[0].exitcode == -9  # rank 0 died after writing the weights file into its staging
     survivor = crashed[1].result
-    assert survivor["phase"] == "peft-write" and "a peer died or timed out" in survivor["error"]
+    assert survivor["phase"] == "write" and "a peer died or timed out" in survivor["error"]
     assert survivor["seconds"] < 30  # bounded by the consensus timeout (15 s), usually at once
     stale = [p for p in root.iterdir() if p.name.startswith(".staging-")]
     assert len(stale) == 1 and sorted(os.listdir(stale[0])) == [WEIGHTS_NAME]  # the weights alone

@@ -15,11 +15,12 @@ import torch
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.core.layout import MANIFEST, TRACKER, Topology
+from miles_lora_ckpt.core.layout import LEASE, MANIFEST, TRACKER, Topology
 from miles_lora_ckpt.core.protocol import save_generation
 from miles_lora_ckpt.megatron import bridge_export as bx
 from miles_lora_ckpt.savers.peft_export import (
     CONFIG_NAME,
+    FAULT_PHASES,
     LATEST,
     WEIGHTS_NAME,
     ExportedWeight,
@@ -313,43 +314,68 @@ def test_export_root_publishes_readable_files_and_latest(tmp_path):
         assert (first / name).stat().st_mode & 0o777 == 0o644, name
     from safetensors import safe_open
 
-    with safe_open(str(first / WEIGHTS_NAME), "pt") as handle:
-        assert handle.metadata() == {"format": "pt"} and len(list(handle.keys())) == 28
+    manifest = json.loads((first / MANIFEST).read_text())
+    with safe_open(str(first / WEIGHTS_NAME), "pt") as handle:  # PEFT's `format: pt`, and the protocol's stamp
+        assert handle.metadata() == {
+            "format": "pt",
+            "generation": manifest["generation"],
+            "file": WEIGHTS_NAME,
+            **fmt.WEIGHTS_BINDING,
+        }
+        assert len(list(handle.keys())) == 28
+    # an export root is a save root under the format v2 rules: sequence, bindings, tracker, lease
+    assert manifest["format_version"] == 2 and manifest["sequence"] == 1 and manifest["saver"] == "peft-export"
+    assert manifest["files"][WEIGHTS_NAME]["binding"] == fmt.WEIGHTS_BINDING
+    assert manifest["files"][CONFIG_NAME]["binding"] == fmt.CONFIG_BINDING
     assert check_peft_dir(first) == []
     second = export(root, iteration=2, keep=1)
     assert os.readlink(root / LATEST) == second.name and not first.exists()
-    assert json.loads((root / TRACKER).read_text())["generation_dir"] == second.name
+    tracker = json.loads((root / TRACKER).read_text())
+    assert tracker["generation_dir"] == second.name and tracker["sequence"] == 2
+    assert json.loads((root / LEASE).read_text())["holder"]["pid"] == os.getpid()
     assert cli(["verify", str(root)]) == 0 and cli(["verify", str(root / LATEST)]) == 0
     (root / "escape").symlink_to(tmp_path)  # a symlink elsewhere is not followed
     os.replace(root / "escape", root / LATEST)
     assert cli(["verify", str(root / LATEST)]) != 0
 
 
-@pytest.mark.parametrize("phase", faults.PEFT_PHASES)
+def entries(root: Path) -> dict[str, int]:
+    """The root's entries and mtimes, without the writer lease (renewed in the background)."""
+    return {p.name: p.lstat().st_mtime_ns for p in root.iterdir() if not p.name.startswith(LEASE)}
+
+
+@pytest.mark.parametrize("phase", FAULT_PHASES)
 def test_a_fault_at_each_phase_leaves_the_previous_export_intact(phase, tmp_path):
     root = tmp_path / "exports"
     first = export(root, iteration=1)
-    before = {p.name: p.stat().st_mtime_ns for p in root.iterdir()}
+    before = entries(root)
     faults.arm(phase, 0)
     try:
         with pytest.raises(CheckpointError, match=f"injected fault at phase '{phase}' on rank 0"):
             export(root, iteration=2)
     finally:
         faults.disarm()
-    assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == before  # no staging left, nothing new
-    assert os.readlink(root / LATEST) == first.name and cli(["verify", str(root)]) == 0
+    after = entries(root)
+    if phase == "after-publish":  # fires after the coordinator published: complete, and named by latest
+        (added,) = set(after) - set(before)
+        assert added.startswith("gen-000000002-") and os.readlink(root / LATEST) == added
+        assert sorted(n for n in before if before[n] != after[n]) == sorted([LATEST, TRACKER])
+    else:
+        assert after == before  # no staging left, nothing new, tracker and latest untouched
+        assert os.readlink(root / LATEST) == first.name
+    assert cli(["verify", str(root), "--all"]) == 0
 
 
 def test_an_empty_or_refused_export_leaves_no_staging_and_no_generation(tmp_path):
     with pytest.raises(CheckpointError, match="no adapter weights"):
         export(tmp_path / "empty", items=[])
-    assert os.listdir(tmp_path / "empty") == []  # the staging directory was removed
+    assert list(entries(tmp_path / "empty")) == []  # the staging directory was removed (the lease stays ours)
     root = tmp_path / "fused"
     export(root, iteration=1)
     stack = [ExportedWeight("model.layers.0.mlp.experts.gate_up_proj.lora_A.weight", torch.zeros(4, R, H))]
     with pytest.raises(CheckpointError, match="fused 3-D expert stack"):
         export(root, items=stack, iteration=2)
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+    assert sorted(n for n in entries(root) if n.startswith(".")) == []
 
 
 def test_verify_checks_exports_and_a_checkpoints_peft_dir(tmp_path, capsys):
@@ -375,6 +401,49 @@ def test_verify_checks_exports_and_a_checkpoints_peft_dir(tmp_path, capsys):
     reseal(ckpt, "peft/" + CONFIG_NAME, None)
     assert cli(["verify", str(ckpt)]) == 1
     assert "peft/adapter_config.json: missing: a PEFT adapter needs both files" in capsys.readouterr().out
+
+
+def test_both_placements_follow_the_v2_rules_lease_signature_and_stamps(tmp_path, capsys):
+    """What the export gets from the protocol: one writer per root, optional signing, stamped files."""
+    import shutil
+
+    from miles_lora_ckpt.core import lease, settings
+
+    root = tmp_path / "exports"
+    key = "peft-signing-key-0123456789abcdef"
+    with settings.overridden(hmac_key=key):
+        first = export(root, iteration=1)
+        capsys.readouterr()
+        assert cli(["verify", str(root / LATEST)]) == 0 and "signed (verified)" in capsys.readouterr().out
+    assert cli(["--hmac-key-file", str(tmp_path / "missing.key"), "verify", str(root)]) == 2
+    # another live writer holds the export root: refused at prepare, before the export runs
+    lease.release(root)
+    holder = {"host": "other-host", "pid": 4242, "run": "b", "token": "00ff00ff00ff00ff", "boot_id": "x"}
+    (root / LEASE).write_text(json.dumps({"format": "miles-lora-ckpt-lease", "holder": holder, "timeout_s": 60.0}))
+    before = entries(root)
+    exported = []
+    source = StaticSource(weights(seed=2))
+    source.export = lambda model, on_item=None: exported.append(1) or []
+    with pytest.raises(CheckpointError, match="(?s)phase 'prepare'.*has another writer.*other-host pid 4242"):
+        export_peft(None, root, source=source, lora=LORA, iteration=2, consensus=Consensus.single_process())
+    assert entries(root) == before and exported == []
+    (root / LEASE).unlink()
+    # a checkpoint's peft/ weights swapped for an export's (same bytes in the manifest's eyes): the stamp says so
+    files = convert(weights(seed=1))
+    ckpt = save_generation(
+        Consensus.single_process(),
+        tmp_path / "ckpt",
+        iteration=3,
+        saver="test",
+        topology=Topology(),
+        write_files=lambda w: files.write(w, "peft/"),
+    )
+    shutil.copy(first / WEIGHTS_NAME, tmp_path / "stolen")
+    reseal(ckpt, "peft/" + WEIGHTS_NAME, (tmp_path / "stolen").read_bytes())
+    capsys.readouterr()
+    assert cli(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert "peft/adapter_model.safetensors" in out and "copied from another generation" in out
 
 
 def reseal(gen: Path, rel: str, content: bytes | None) -> None:
@@ -434,11 +503,13 @@ def test_peft_files_write_weights_before_the_config(tmp_path):
     writer = SimpleNamespace(
         rank=0,
         write_tensors=lambda rel, *a, **k: order.append(rel),
-        write_json=lambda rel, obj: order.append(rel),
+        write_json=lambda rel, obj, **k: order.append(rel),
     )
     files.write(writer, "peft/")
     assert order == ["peft/" + WEIGHTS_NAME, "peft/" + CONFIG_NAME]
-    assert "peft-mid-write" in faults.PEFT_PHASES and set(faults.PEFT_PHASES) <= set(faults.PHASES)
+    # the protocol's mid-write fires after a rank's first file: here between the weights and the config
+    assert set(FAULT_PHASES) <= set(faults.PHASES) and set(faults.PEFT_PHASES) < set(FAULT_PHASES)
+    assert FAULT_PHASES.index("after-prepare") < FAULT_PHASES.index("peft-export") < FAULT_PHASES.index("mid-write")
     assert "exclude_adapter_base_prefixes" not in inspect.signature(bx.BridgeSource.export).parameters
 
 

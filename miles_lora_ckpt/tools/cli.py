@@ -22,7 +22,8 @@ EXIT_CODES = """\
 exit codes:
   0    OK (verify: intact; ls and inspect: listed; gc: done)
   1    damaged, torn or uncommitted: one "ERROR <file>: <reason>" line per problem (verify,
-       inspect); gc: an entry could not be removed, or no generation passed content verification
+       inspect; verify also for a PEFT adapter in it that PEFT would load wrongly); gc: an entry
+       could not be removed, or no generation passed content verification
   2    not a checkpoint, usage error, or unusable configuration (e.g. the signing key)
   3    internal error: a bug in miles-lora-ckpt (rerun with --debug for its traceback; please report it)
   130  interrupted
@@ -221,8 +222,11 @@ def _sequence(manifest) -> str:
 
 
 def _follow_latest(path: Path) -> Path:
-    """An export root's `latest` symlink stands for the generation it names (a sibling, nothing else)."""
-    if path.name == "latest" and path.is_symlink():
+    """A root's `latest` symlink (see `layout.LATEST`) stands for the generation it names (a sibling,
+    nothing else)."""
+    from miles_lora_ckpt.core.layout import LATEST
+
+    if path.name == LATEST and path.is_symlink():
         target = path.resolve()
         if target.parent == path.parent.resolve():
             return target

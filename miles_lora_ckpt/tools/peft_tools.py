@@ -95,7 +95,7 @@ def resolve_adapter_dir(path: Path) -> Path:
         return path
     if (path / LATEST / CONFIG_NAME).is_file():
         return path / LATEST
-    gen, _ = resolve(path, content=False)
+    gen = resolve(path, content=False).generation
     for candidate in (gen.path, gen.path / GENERATION_SUBDIR):
         if (candidate / CONFIG_NAME).is_file():
             return candidate

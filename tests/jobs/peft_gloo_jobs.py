@@ -12,7 +12,8 @@ import torch.distributed as dist
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, export_peft
+from miles_lora_ckpt.core.layout import LEASE
+from miles_lora_ckpt.savers.peft_export import FAULT_PHASES, BridgeSource, LoraSpec, export_peft
 from miles_lora_ckpt.sim import bridge_double
 
 
@@ -41,18 +42,19 @@ def _export(root, iteration, consensus):
 
 
 def _listing(root: Path) -> dict:
+    """The root's entries and mtimes, without the writer lease (its holder renews it in the background)."""
     dist.barrier()  # the coordinator removes a failed attempt's staging after the last collective
-    return {p.name: p.lstat().st_mtime_ns for p in sorted(root.iterdir())}
+    return {p.name: p.lstat().st_mtime_ns for p in sorted(root.iterdir()) if not p.name.startswith(LEASE)}
 
 
 def collective_matrix(payload: dict, ctx) -> dict:
-    """A good export; then a raise at every PEFT phase on every rank; last, one rank SIGKILLs itself
-    inside the collective export (the others must fail, not hang)."""
+    """A good export; then a raise at every phase an export passes (FAULT_PHASES) on every rank; last,
+    one rank SIGKILLs itself inside the collective export (the others must fail, not hang)."""
     consensus = Consensus.for_world(timeout_s=payload["timeout_s"])
     root = Path(payload["root"])
     _export(root, 1, consensus)
     cases = []
-    for phase in faults.PEFT_PHASES:
+    for phase in FAULT_PHASES:
         for failing in range(ctx.world_size):
             before = _listing(root)
             if ctx.rank == failing:
@@ -62,9 +64,8 @@ def collective_matrix(payload: dict, ctx) -> dict:
             after = _listing(root)
             cases[-1]["added"] = sorted(set(after) - set(before))
             cases[-1]["removed"] = sorted(set(before) - set(after))
-            if cases[-1]["added"]:  # a bystander's publish fault: the export was published; keep going
-                root_latest = os.readlink(root / "latest")
-                cases[-1]["latest"] = root_latest
+            cases[-1]["touched"] = sorted(n for n in set(before) & set(after) if before[n] != after[n])
+            cases[-1]["latest"] = os.readlink(root / "latest")  # after-publish: the new export, complete
     if ctx.rank == payload["kill_rank"]:
         faults.arm("peft-export", ctx.rank, "kill")
     killed = _timed(_export, root, 3, consensus)

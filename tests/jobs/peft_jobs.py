@@ -11,7 +11,8 @@ from pathlib import Path
 from miles_lora_ckpt.core import faults, storage
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport, export_peft
+from miles_lora_ckpt.core.layout import LEASE
+from miles_lora_ckpt.savers.peft_export import FAULT_PHASES, BridgeSource, LoraSpec, PeftExport, export_peft
 from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
 from miles_lora_ckpt.sim import bridge_double
 from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown, train_step
@@ -42,10 +43,13 @@ def export(run, root, hf, iteration, consensus, src=None) -> str:
 
 
 def listing(root: Path) -> dict:
+    """The root's entries and mtimes, without the writer lease (its holder renews it in the background)."""
     import torch.distributed as dist
 
     dist.barrier()  # the coordinator removes a failed attempt's staging after the last collective
-    return {p.name: p.lstat().st_mtime_ns for p in sorted(root.iterdir())} if root.exists() else {}
+    if not root.exists():
+        return {}
+    return {p.name: p.lstat().st_mtime_ns for p in sorted(root.iterdir()) if not p.name.startswith(LEASE)}
 
 
 def attempt(fn, *args, **kwargs) -> dict:
@@ -71,14 +75,15 @@ def dump_megatron_adapter(run, path: Path, rank: int) -> None:
 
 
 def crash_mid_write(payload: dict, ctx) -> dict:
-    """A good export, then one where rank 0 SIGKILLs itself after writing the weights file."""
+    """A good export, then one where rank 0 SIGKILLs itself after writing the weights file (the
+    protocol's mid-write: after a rank's first file)."""
     consensus = Consensus.for_world(timeout_s=payload["timeout_s"])
     run = build_run(config_from_dict(payload["config"]))
     train_step(run, 0)
     root, hf = Path(payload["root"]), payload["hf"]
     export(run, root, hf, 1, consensus)
     if ctx.rank == 0:
-        faults.arm("peft-mid-write", 0, "kill")
+        faults.arm("mid-write", 0, "kill")
     train_step(run, 1)
     return attempt(export, run, root, hf, 2, consensus)
 
@@ -129,7 +134,7 @@ def save(run, root, iteration, consensus, peft) -> str:
 def failure_scenarios(run, config, where: Path, hf: str, consensus, ctx) -> dict:
     root = where / "exports"
     matrix = []
-    for phase in faults.PEFT_PHASES:
+    for phase in FAULT_PHASES:
         for failing in range(ctx.world_size):
             before, latest = listing(root), os.readlink(root / "latest")
             if ctx.rank == failing:
@@ -145,7 +150,8 @@ def failure_scenarios(run, config, where: Path, hf: str, consensus, ctx) -> dict
             outcome |= {"added": sorted(set(after) - set(before)), "removed": sorted(set(before) - set(after))}
             outcome |= {"touched": sorted(n for n in set(before) & set(after) if before[n] != after[n])}
             matrix.append(outcome)
-    # inside a checkpoint save: the export fails on one rank, so the whole save fails everywhere
+    # inside a checkpoint save: the export fails on one rank, so the whole save fails everywhere (and
+    # its staging directory is removed)
     ckpt = where / "ckpt"
     before = listing(ckpt)
     if ctx.rank == 1:

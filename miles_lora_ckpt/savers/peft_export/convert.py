@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.protocol import StagingWriter
 from miles_lora_ckpt.megatron.bridge_export import ExportedWeight, PeftHelpers
 from miles_lora_ckpt.savers.peft_export import format as fmt
@@ -69,11 +68,18 @@ class PeftFiles:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def write(self, writer: StagingWriter, prefix: str = "") -> None:
-        """Write both files into a staging directory (weights first: a config never goes alone).
-        Their mode follows the umask like any file's (0644 under 022), not safetensors' fixed 0600."""
-        writer.write_tensors(prefix + fmt.WEIGHTS_NAME, self.state, metadata=fmt.SAFETENSORS_METADATA, finite=True)
-        faults.point("peft-mid-write", writer.rank)
-        writer.write_json(prefix + fmt.CONFIG_NAME, self.config)
+        """Write both files into a staging directory (weights first: a config never goes alone), each
+        bound to its role (`fmt.WEIGHTS_BINDING`, `fmt.CONFIG_BINDING`); the weights also carry the
+        protocol's stamp next to `format: pt`. Their mode follows the umask like any file's (0644
+        under 022), not safetensors' fixed 0600."""
+        writer.write_tensors(
+            prefix + fmt.WEIGHTS_NAME,
+            self.state,
+            metadata=fmt.SAFETENSORS_METADATA,
+            binding=fmt.WEIGHTS_BINDING,
+            finite=True,
+        )
+        writer.write_json(prefix + fmt.CONFIG_NAME, self.config, binding=fmt.CONFIG_BINDING)
 
     def summary(self) -> dict[str, Any]:
         """What the manifest's metadata records about the export."""

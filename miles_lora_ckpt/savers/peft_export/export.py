@@ -4,58 +4,54 @@ Standalone export root (`export_peft`, for serving), one collective call, read t
 
     plan     every rank describes its Megatron-side adapters; an empty adapter is
              refused here, before anything exists on disk                           -> agree
-    setup    the coordinator makes a fresh `.staging-<id>` (never reused); every rank
-             prepares the source (binds Bridge) so no rank enters Bridge's collectives
-             alone                                                                  -> agree
-    export   every rank iterates the collective Bridge export fully, in the same order
-                                                                                    -> agree (content must match)
-    check    every rank converts to PEFT keys and config and self-checks it;
+    bind     every rank prepares the source (binds Bridge), so no rank enters
+             Bridge's collectives alone                                             -> agree
+    then `core.protocol.save_generation`, whose phases are the export's:
+    prepare  the coordinator takes the root's writer lease, numbers the export and
+             makes a fresh `.staging-<id>` (never reused)                           -> agree
+    produce  export: every rank iterates the collective Bridge export fully, in the
+             same order                                      -> agree (content must match on every rank)
+             check: every rank converts to PEFT keys and config and self-checks it;
              partial adapters are refused                                           -> agree
-    write    the coordinator writes adapter_model.safetensors, adapter_config.json,
-             then manifest.json into the staging directory                          -> agree
+    write    the coordinator writes adapter_model.safetensors, then
+             adapter_config.json, into the staging directory (stamped, bound)       -> agree
+    commit   the coordinator writes manifest.json (signed when a key is set)         -> agree
     publish  the coordinator renames staging to gen-<iter>-<id> (one atomic rename),
              then points the tracker and the `latest` symlink at it                 -> agree
+    retain   with `keep`, the root is pruned to its newest N content-verified exports
 
-Inside a checkpoint generation (`prepare_peft_files`, then `PeftFiles.write` in the generation's
-write phase): plan, setup (the source only), export and check run before the generation's own
-phases; `peft/` is listed in the generation's manifest and commits and publishes with it.
+Inside a checkpoint generation (`save_lora_checkpoint(..., peft=PeftExport(...))`): the same
+`plan_export` (plan, bind) and the same `ExportStep` as the save's produce step; the coordinator
+writes `peft/` in the generation's write phase, listed in its manifest, committed and published
+with it.
 
 What is converted and checked, and how, lives in `convert`; this module holds only the phases.
-A failed attempt raises the same `CheckpointError` on every rank, removes its own staging directory
-when it can (a killed one is left for `gc`; it is never read nor published: attempt ids are unique),
-and leaves the previous export, the tracker and `latest` untouched.
+A failed attempt raises the same `CheckpointError` on every rank and removes its staging directory
+(a killed one is left for `gc`; it is never read nor published: attempt ids are unique), and
+leaves the previous export, the tracker and `latest` untouched.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import faults, retention, storage
+from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.digest import StreamingDigest
 from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
-from miles_lora_ckpt.core.layout import (
-    MANIFEST,
-    TRACKER,
-    Manifest,
-    Topology,
-    generation_dir_name,
-    new_attempt_id,
-    staging_dir_name,
-)
-from miles_lora_ckpt.core.protocol import StagingWriter
+from miles_lora_ckpt.core.layout import Topology
+from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
 from miles_lora_ckpt.megatron.bridge_export import BridgeSource, ExportedWeight
 from miles_lora_ckpt.savers.peft_export import format as fmt
 from miles_lora_ckpt.savers.peft_export.convert import AdapterSource, Coverage, PeftFiles, convert_and_check
 
 EXPORT_SAVER = "peft-export"
-LATEST = "latest"  # symlink in an export root to the newest published adapter directory
 GENERATION_SUBDIR = "peft/"  # where a checkpoint generation holds its export
+# The fault phases an export passes, in order (`MILES_LORA_CKPT_FAULT`, see core.faults)
+FAULT_PHASES = ("peft-setup", *faults.PREPARE_PHASES, "peft-export", *faults.SAVE_PHASES)
 
 
 @dataclass(frozen=True)
@@ -99,137 +95,91 @@ def export_peft(
     loadable as is by `PeftModel.from_pretrained(base, path)`. `model` is Miles' list of chunks
     (None for a `StaticSource`). `keep` prunes the root to its newest N exports afterwards.
     `config` republishes a committed export's own `adapter_config.json` (still self-checked)
-    instead of building one.
+    instead of building one. The export root is a save root like any other: one writer at a time
+    (its lease), exports ordered by sequence, signed when a key is configured.
     Raises the same CheckpointError on every rank if anything fails anywhere; the previous export
     is then untouched.
     """
     consensus = consensus or Consensus.default()
-    root, rank = Path(out_root), consensus.rank
-    coordinator = rank == 0
+
+    # plan, bind: agreed before anything exists on disk
+    step = plan_export(model, source, lora, consensus, config=config)
+
+    # prepare -> produce (export, check) -> write -> commit -> publish (and `latest`), each agreed
+    return save_generation(
+        consensus,
+        out_root,
+        iteration=iteration,
+        saver=EXPORT_SAVER,
+        topology=topology or step.topology,
+        produce=step.produce,
+        write_files=step.write,
+        keep=keep,
+        link_latest=True,
+    )
+
+
+# =========================================================================== the export as steps of a save
+
+
+def plan_export(
+    model,
+    source: AdapterSource,
+    lora: fmt.LoraSpec,
+    consensus: Consensus,
+    *,
+    prefix: str = "",
+    config: dict | None = None,
+) -> ExportStep:
+    """Collective. Plan (an empty adapter is refused on every rank) and bind the source, each agreed.
+
+    Returns the step a save runs: `save_generation(..., produce=step.produce, write_files=step.write)`
+    (a saver writing its own files too calls `step.write(writer)` from its `write_files`). `prefix`
+    is where the two files go inside the generation (`GENERATION_SUBDIR` in a checkpoint).
+    """
+    rank = consensus.rank
 
     # plan: every rank says what adapter it holds; an empty adapter is refused before anything exists
     plans = consensus.agree("peft-plan", attempt(_describe_adapters, model))
     coverage = _refuse_empty(plans, consensus.world_size) if model is not None else None
 
-    # setup: a fresh staging directory (coordinator) and a bound source (every rank), agreed together
-    staged = attempt(_setup, root, source, rank, coordinator)
-    staging = root / staging_dir_name(staged.value) if coordinator and staged.ok else None
-    try:
-        attempt_id = consensus.agree("peft-setup", staged)[0]
-        staging = root / staging_dir_name(attempt_id)
+    # bind: every rank prepares the source, so no rank enters Bridge's collectives alone
+    consensus.agree("peft-setup", attempt(_bind_source, source, rank))
+    return ExportStep(model, source, lora, coverage, _plan_topology(plans, consensus.world_size), prefix, config)
+
+
+@dataclass
+class ExportStep:
+    """The PEFT export inside one generation's save: `produce` (collective, between the save's
+    prepare and write phases) and `write` (the coordinator's two files)."""
+
+    model: Any
+    source: AdapterSource
+    lora: fmt.LoraSpec
+    coverage: Coverage | None
+    topology: Topology
+    prefix: str = ""
+    config: dict | None = None
+    files: PeftFiles | None = None  # after `produce`: identical on every rank
+
+    def produce(self, consensus: Consensus) -> dict:
+        """Collective. Export and check, each agreed; returns the manifest's `peft` metadata."""
+        rank = consensus.rank
 
         # export: every rank iterates Bridge's collective export fully; all must hold the same adapter
-        exported = attempt(_export, source, model, rank)
+        exported = attempt(_export, self.source, self.model, rank)
         _refuse_inconsistent(consensus.agree("peft-export", exported.map(lambda e: e[1])))
 
         # check: convert to PEFT keys and config, and prove PEFT loads exactly that
-        files = attempt(convert_and_check, exported.value[0], lora, coverage, source, config)
+        files = attempt(convert_and_check, exported.value[0], self.lora, self.coverage, self.source, self.config)
         consensus.agree("peft-check", files.map(lambda f: len(f.state)))
+        self.files = files.value
+        return {"peft": self.files.summary()}
 
-        # write: the coordinator writes both files, then the manifest, into staging
-        manifest = Manifest(
-            generation=attempt_id,
-            iteration=iteration,
-            saver=EXPORT_SAVER,
-            topology=topology or _plan_topology(plans, consensus.world_size),
-            files={},
-            metadata={},
-        )
-        write = _write if coordinator else _bystander(("peft-write", "peft-mid-write"))
-        consensus.agree("peft-write", attempt(write, staging, files.value, manifest, rank))
-
-        # publish: one atomic rename, then the tracker and `latest` name it
-        final = root / generation_dir_name(iteration, attempt_id)
-        publish = _publish if coordinator else _bystander(("peft-publish",))
-        consensus.agree("peft-publish", attempt(publish, staging, final, manifest, rank))
-    except CheckpointError:
-        if coordinator and staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)  # nothing was published from it
-        raise
-
-    # retain: after the last collective, so it must not raise
-    if coordinator and keep is not None:
-        retention.prune_quietly(root, keep=keep)
-    return final
-
-
-def _setup(root: Path, source: AdapterSource, rank: int, coordinator: bool) -> str | None:
-    faults.point("peft-staging", rank)
-    attempt_id = None
-    if coordinator:
-        attempt_id = new_attempt_id()
-        root.mkdir(parents=True, exist_ok=True)
-        (root / staging_dir_name(attempt_id)).mkdir()  # fails if it exists: never reused
-    try:
-        source.prepare()
-    except BaseException:
-        if attempt_id is not None:
-            shutil.rmtree(root / staging_dir_name(attempt_id), ignore_errors=True)
-        raise
-    return attempt_id
-
-
-def _write(staging: Path, files: PeftFiles, manifest: Manifest, rank: int) -> None:
-    faults.point("peft-write", rank)
-    writer = StagingWriter(staging, rank)
-    files.write(writer)
-    manifest.files = writer.records
-    manifest.metadata = {"peft": files.summary()}
-    storage.write_file_atomic(staging / MANIFEST, [manifest.to_json_bytes()])
-    storage.fsync_dir(staging)
-
-
-def _publish(staging: Path, final: Path, manifest: Manifest, rank: int) -> None:
-    faults.point("peft-publish", rank)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists")
-    os.rename(staging, final)
-    tracker = {"generation_dir": final.name, "generation": manifest.generation, "iteration": manifest.iteration}
-    storage.write_json(final.parent / TRACKER, tracker)
-    _point_latest(final.parent, final.name)
-    storage.fsync_dir(final.parent)  # the rename, the tracker and `latest` become durable together
-
-
-def _point_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
-    os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
-    try:
-        os.replace(tmp, root / LATEST)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _bystander(phases: tuple[str, ...]):
-    """Non-coordinators write nothing, but every fault phase can fire on every rank."""
-
-    def run(*args) -> None:
-        for phase in phases:
-            faults.point(phase, args[-1])
-
-    return run
-
-
-# =========================================================================== inside a checkpoint generation
-
-
-def prepare_peft_files(model, export: PeftExport, consensus: Consensus) -> PeftFiles:
-    """Collective. Plan, prepare the source, export and check, each agreed; returns what the
-    coordinator writes with `PeftFiles.write(writer, GENERATION_SUBDIR)` in the generation's write phase."""
-    rank = consensus.rank
-    plans = consensus.agree("peft-plan", attempt(_describe_adapters, model))
-    coverage = _refuse_empty(plans, consensus.world_size)
-    consensus.agree("peft-setup", attempt(_setup_source, export.source, rank))
-    exported = attempt(_export, export.source, model, rank)
-    _refuse_inconsistent(consensus.agree("peft-export", exported.map(lambda e: e[1])))
-    files = attempt(convert_and_check, exported.value[0], export.lora, coverage, export.source)
-    consensus.agree("peft-check", files.map(lambda f: len(f.state)))
-    return files.value
-
-
-def _setup_source(source: AdapterSource, rank: int) -> None:
-    faults.point("peft-staging", rank)
-    source.prepare()
+    def write(self, writer: StagingWriter) -> None:
+        """The coordinator writes both files (weights first); the other ranks write nothing."""
+        if writer.rank == 0:
+            self.files.write(writer, self.prefix)
 
 
 # =========================================================================== steps every rank runs
@@ -247,6 +197,11 @@ def _describe_adapters(model) -> dict:
     num_layers = getattr(getattr(chunks[0], "config", None), "num_layers", None) if chunks else None
     topology = current_topology(len(chunks)).to_dict()
     return {"pp": current_coordinates().pp, "modules": modules, "num_layers": num_layers, "topology": topology}
+
+
+def _bind_source(source: AdapterSource, rank: int) -> None:
+    faults.point("peft-setup", rank)
+    source.prepare()
 
 
 def _module_of(param_name: str) -> str:

@@ -39,6 +39,9 @@ CONFIG_NAME = "adapter_config.json"
 KEY_PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 SAFETENSORS_METADATA = {"format": "pt"}  # what transformers/PEFT write; readers may check it
+# What each file is in a generation's manifest (format v2; the weights carry it in their metadata too)
+WEIGHTS_BINDING = {"role": "peft-adapter-weights"}
+CONFIG_BINDING = {"role": "peft-adapter-config"}
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
 _FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
 

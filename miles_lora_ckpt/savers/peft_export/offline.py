@@ -53,7 +53,7 @@ def export_generation(
 ) -> Path:
     """Export the generation `path` stands for (a save root's newest intact one, or one generation)
     into the export root `out_root`; returns the published adapter directory."""
-    gen, _ = resolve(Path(path))
+    gen = resolve(Path(path)).generation  # verified: every byte, under the loader's rules
     manifest = gen.manifest
     weights_rel, config_rel = GENERATION_SUBDIR + fmt.WEIGHTS_NAME, GENERATION_SUBDIR + fmt.CONFIG_NAME
     if weights_rel in manifest.files and config_rel in manifest.files:
@@ -89,10 +89,10 @@ def export_generation(
 
 
 def _committed_export(gen_dir: Path, manifest, weights_rel: str, config_rel: str):
-    buf = check_file_content(gen_dir, weights_rel, manifest.files[weights_rel])
-    _, entries = storage.parse_safetensors_header(buf)
-    state = storage.tensors_from_buffer(buf, entries, require_finite=True)
-    config = storage.parse_json(check_file_content(gen_dir, config_rel, manifest.files[config_rel]))
+    state = check_file_content(gen_dir, weights_rel, manifest).tensors()  # digest, stamp, binding, finiteness
+    config = check_file_content(gen_dir, config_rel, manifest).value
+    if not isinstance(config, dict):
+        raise OfflineExportError(f"{gen_dir / config_rel}: not a JSON object")
     weights = [ExportedWeight(fmt.unprefixed(key), tensor.clone()) for key, tensor in sorted(state.items())]
     return weights, config
 
@@ -146,12 +146,10 @@ def convert_shards(gen_dir: Path, manifest, base: Path, lora_alpha: float | None
 
 def _read_shards(gen_dir: Path, manifest) -> dict[tuple[int, int], dict]:
     shards = {}
-    for rel, record in sorted(manifest.files.items()):
+    for rel in sorted(manifest.files):
         match = _SHARD_RE.match(rel)
         if match:
-            buf = check_file_content(gen_dir, rel, record)
-            _, entries = storage.parse_safetensors_header(buf)
-            shards[(int(match.group(1)), int(match.group(2)))] = storage.tensors_from_buffer(buf, entries)
+            shards[(int(match.group(1)), int(match.group(2)))] = check_file_content(gen_dir, rel, manifest).tensors()
     return shards
 
 

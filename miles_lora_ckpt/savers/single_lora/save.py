@@ -2,9 +2,10 @@
 
 Collective; reads as phases::
 
-    plan -> agree -> [PEFT export: plan, bind, collective export, self-check, each agreed]
+    plan -> agree -> [PEFT export: plan, bind, each agreed]
     -> local optimizer shards -> agree -> gather to DP roots -> agree
-    -> protocol.save_generation (prepare -> write -> commit -> publish, each agreed)
+    -> protocol.save_generation (prepare -> [produce: PEFT export, self-check, each agreed]
+                                 -> write -> commit -> publish, each agreed)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
-from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, prepare_peft_files
+from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, plan_export
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
     TRAINING_STATE,
@@ -62,8 +63,10 @@ def save_lora_checkpoint(
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
     layout = SaveLayout.from_plans(plans, save_optim)
 
-    # PEFT export (optional): collective Bridge export and self-check, agreed before any file is written
-    peft_files = prepare_peft_files(model, peft, consensus) if peft is not None else None
+    # PEFT export (optional): plan and bind now; the collective export runs as the save's produce step
+    peft_step = None
+    if peft is not None:
+        peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=GENERATION_SUBDIR)
 
     # optimizer, local: this rank's shard of every saved child, and DP roots' non-tensor state
     prepared = attempt(_prepare_optimizer_state, optimizer, layout)
@@ -84,12 +87,8 @@ def save_lora_checkpoint(
                 "optimizer_children": {k: v for states in child_states for k, v in states.items()},
             }
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
-        if peft_files is not None and consensus.rank == 0:
-            peft_files.write(writer, GENERATION_SUBDIR)
-
-    metadata = layout.metadata(save_optim, opt_param_scheduler, args)
-    if peft_files is not None:
-        metadata["peft"] = peft_files.summary()
+        if peft_step is not None:
+            peft_step.write(writer)
 
     generation = save_generation(
         consensus,
@@ -98,8 +97,9 @@ def save_lora_checkpoint(
         saver=SAVER,
         topology=Topology.from_dict(plans[0]["topology"]),
         write_files=write_files,
-        metadata=metadata,
+        metadata=layout.metadata(save_optim, opt_param_scheduler, args),
         keep=keep,
+        produce=peft_step.produce if peft_step is not None else None,
     )
     return str(generation)
 
