@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from miles_lora_ckpt.tools.cli import main as cli
@@ -66,6 +68,26 @@ def test_phases_run_separately_and_a_mismatch_is_reported(tmp_path, capsys):
     assert cli([*base, "--phase", "resume"]) == 1
     line, _ = last_line(capsys)
     assert line == f"RESULT: MISMATCH rank0:{name}"
+
+
+@pytest.mark.peft
+@pytest.mark.skipif(
+    os.environ.get("MILES_LORA_CKPT_TIER") == "mcore-0.19",
+    reason="tier 2 covers the PEFT export path in test_peft_export.py; the demo flag runs on tier 1",
+)
+def test_export_peft_demo_writes_a_loadable_adapter_next_to_the_checkpoint(tmp_path, capsys):
+    args = ["demo", "--workdir", str(tmp_path), "--export-peft", "--steps", "5"]
+    assert cli(args) == 0
+    line, out = last_line(capsys)
+    assert line == "PEFT: loadable (0 missing, 0 unexpected)"
+    assert "RESULT: bit-exact" in out and "(iteration 2)" in out
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-base")).config.model_type == "qwen2"
+    assert (tmp_path / "peft" / "latest" / "adapter_model.safetensors").is_file()
+    generations = sorted((tmp_path / "ckpt").glob("gen-*"))
+    assert generations and all((g / "peft" / "adapter_config.json").is_file() for g in generations)
+    assert cli(["verify-peft", str(tmp_path / "ckpt"), "--base", str(tmp_path / "hf-base")]) == 0
 
 
 def test_a_refused_load_ends_with_result_error(tmp_path, capsys):

@@ -23,8 +23,15 @@ SAVE_PHASES = (
     "before-publish",
     "after-publish",
 )
+# The prepare phase of a save, on every rank (on the coordinator: its staging directory exists).
+# Kept out of SAVE_PHASES, which the protocol's multi-rank matrices and `demo --crash-at` walk.
+PREPARE_PHASES = ("after-prepare",)
 LOAD_PHASES = ("before-read", "after-preflight")
-PHASES = SAVE_PHASES + LOAD_PHASES
+# PEFT export (savers/peft_export), before and inside its collective produce step: binding the
+# source (Megatron-Bridge) on every rank, and the collective Bridge export. Its staging, write,
+# commit and publish are the protocol's (PREPARE_PHASES, SAVE_PHASES).
+PEFT_PHASES = ("peft-setup", "peft-export")
+PHASES = SAVE_PHASES + PREPARE_PHASES + LOAD_PHASES + PEFT_PHASES
 ACTIONS = ("raise", "kill")
 ENV_VAR = "MILES_LORA_CKPT_FAULT"
 

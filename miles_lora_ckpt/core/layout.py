@@ -10,6 +10,8 @@ A save root holds::
         ...                              the saver's files (safetensors tensors, JSON metadata)
       .staging-7c0d1e2f3a4b5c6d/         an attempt in progress, or abandoned by a crash
       .deleting-gen-.../                 a generation being removed by retention
+      latest -> gen-000000010-3f2a...    optional relative symlink to the newest published generation
+                                         (`save_generation(link_latest=True)`, e.g. a PEFT export root)
 
 A staging name starts with a dot and never matches `gen-*` nor Miles' `iter_NNNNNNN`, so no reader
 (ours or Miles') can take it for a checkpoint. A generation directory is committed when it is named
@@ -40,6 +42,7 @@ FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TRACKER = "latest_generation.json"
+LATEST = "latest"  # optional symlink to the newest published generation (replaced atomically)
 LEASE = ".writer-lease.json"
 GENERATION_PREFIX = "gen-"
 STAGING_PREFIX = ".staging-"

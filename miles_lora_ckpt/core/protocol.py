@@ -6,13 +6,20 @@ Save, read top to bottom as phases::
               refused here, before anything is written), numbers the
               generation (sequence = 1 + the highest in the root), picks a
               fresh attempt id and makes `.staging-<id>`                       -> agree
+    produce   (optional) the caller's collective step, on every rank, e.g. a
+              collective export whose result the coordinator writes next;
+              it agrees each of its own steps                                  -> agree(s)
     write     every rank writes its own files into the staging directory,
               each tensor file stamped with generation, path and binding     -> agree (gathers file records)
     commit    coordinator writes manifest.json last, inside the staging dir
               (signed when a key is configured)                              -> agree
     publish   coordinator checks it still holds the lease, renames staging
-              to gen-<iter>-<id> (one atomic rename), replaces the tracker   -> agree
+              to gen-<iter>-<id> (one atomic rename), replaces the tracker
+              (and, on request, the `latest` symlink)                          -> agree
     retain    coordinator prunes old generations (never raises: it runs after the last collective)
+
+A failed attempt raises the same CheckpointError on every rank, and the coordinator removes its
+own staging directory (one left by a killed process is never read, and retention removes it).
 
 Load: the coordinator lists candidate generations in commit order (tracker disagreements become
 warnings); for each, every rank checks its structure, reads (and checks, see
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +43,7 @@ from miles_lora_ckpt.core import faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
 from miles_lora_ckpt.core.layout import (
+    LATEST,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_SEQUENCE,
@@ -118,6 +128,7 @@ def _checked_binding(binding: dict[str, str] | None) -> dict[str, str]:
 
 
 WriteFn = Callable[[StagingWriter], None]
+ProduceFn = Callable[[Consensus], dict | None]
 
 
 def save_generation(
@@ -130,43 +141,66 @@ def save_generation(
     write_files: WriteFn,
     metadata: dict | None = None,
     keep: int | None = None,
+    produce: ProduceFn | None = None,
+    link_latest: bool = False,
 ) -> Path:
     """Collective. Write one generation of `root` through all phases; returns its directory.
 
     `write_files(writer)` runs on every rank and writes that rank's files (possibly none).
     `metadata` (JSON) goes into the manifest; `keep` prunes to the newest N generations afterwards.
+
+    `produce(consensus)`, when given, is the caller's own collective step: it runs on every rank
+    after prepare was agreed (the lease is held, the staging directory exists) and before the
+    write phase, e.g. a collective export that `write_files` then writes. It must pass every
+    failure through `consensus.agree` (so that it raises the same CheckpointError on every rank)
+    and may return manifest metadata to add to `metadata` (the coordinator's is recorded; a key in
+    both is an error).
+    `link_latest`: the publish also points the relative symlink `<root>/latest` at the new
+    generation (replaced atomically, durable with the rename and the tracker), for readers that
+    want a fixed path (e.g. a PEFT export root that serves adapters); a `latest` that is not a
+    symlink is refused at prepare.
+
     Raises the same CheckpointError on every rank if any rank fails any phase (another writer
-    holding the root's lease included); the previous generation and the tracker are then untouched.
+    holding the root's lease included); the previous generation, the tracker and `latest` are then
+    untouched, and the attempt's staging directory is removed.
     """
     root, rank = Path(root), consensus.rank
     coordinator = rank == 0
 
     # prepare: the coordinator takes the lease, numbers the generation, makes its staging directory
-    prepared = attempt(_prepare, root) if coordinator else Outcome.success(_Prepared("", 0, None))
-    attempt_id, sequence = consensus.agree("prepare", prepared.map(lambda p: [p.attempt_id, p.sequence]))[0]
-    staging = root / staging_dir_name(attempt_id)
+    prepared = attempt(_prepare if coordinator else _prepare_bystander, root, link_latest, rank)
+    try:
+        attempt_id, sequence = consensus.agree("prepare", prepared.map(lambda p: [p.attempt_id, p.sequence]))[0]
+        staging, key = root / staging_dir_name(attempt_id), prepared.value.key  # the key: coordinator only
 
-    # write: each rank its own files
-    records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, attempt_id, rank, write_files))
+        # produce (optional): the caller's collective step, each of its steps agreed by itself
+        produced = produce(consensus) if produce is not None else None
 
-    # commit: the coordinator writes the manifest last, still inside the staging directory
-    manifest = Manifest(
-        generation=attempt_id,
-        iteration=iteration,
-        saver=saver,
-        topology=topology,
-        files={},
-        metadata=metadata or {},
-        sequence=sequence,
-    )
-    commit = _write_manifest if coordinator else _bystander(COMMIT_FAULTS)
-    consensus.agree("commit", attempt(commit, staging, manifest, records_by_rank, prepared.value.key, rank))
+        # write: each rank its own files
+        records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, attempt_id, rank, write_files))
 
-    # publish: still the lease holder? then one atomic rename makes the generation visible, and the
-    # tracker names it
-    final = root / generation_dir_name(iteration, attempt_id)
-    publish = _publish if coordinator else _bystander(PUBLISH_FAULTS)
-    consensus.agree("publish", attempt(publish, staging, final, manifest, rank))
+        # commit: the coordinator writes the manifest last, still inside the staging directory
+        manifest = Manifest(
+            generation=attempt_id,
+            iteration=iteration,
+            saver=saver,
+            topology=topology,
+            files={},
+            metadata=metadata or {},
+            sequence=sequence,
+        )
+        commit = _write_manifest if coordinator else _bystander(COMMIT_FAULTS)
+        consensus.agree("commit", attempt(commit, staging, manifest, records_by_rank, produced, key, rank))
+
+        # publish: still the lease holder? then one atomic rename makes the generation visible, and
+        # the tracker (and `latest`) name it
+        final = root / generation_dir_name(iteration, attempt_id)
+        publish = _publish if coordinator else _bystander(PUBLISH_FAULTS)
+        consensus.agree("publish", attempt(publish, staging, final, manifest, link_latest, rank))
+    except BaseException:
+        if coordinator and prepared.ok:  # nothing was published from it (or it is gone: renamed)
+            _discard(root / staging_dir_name(prepared.value.attempt_id))
+        raise
 
     # retain: after the last collective, so it must not raise
     if coordinator and keep is not None:
@@ -181,15 +215,33 @@ class _Prepared:
     key: signing.SigningKey | None  # stays on the coordinator
 
 
-def _prepare(root: Path) -> _Prepared:
+def _prepare(root: Path, link_latest: bool, rank: int) -> _Prepared:
     # No fsync of the staging directory: one lost in a crash is an attempt that never happened.
     key = signing.configured_key()
     root.mkdir(parents=True, exist_ok=True)
+    if link_latest and os.path.lexists(root / LATEST) and not os.path.islink(root / LATEST):
+        raise ValueError(f"{root / LATEST} is not a symlink; refusing to replace it with one")
     lease.acquire(root)
     sequence = next_sequence(root, key)
     attempt_id = new_attempt_id()
-    (root / staging_dir_name(attempt_id)).mkdir()  # fails if it exists: never reused
+    staging = root / staging_dir_name(attempt_id)
+    staging.mkdir()  # fails if it exists: never reused
+    try:
+        faults.point("after-prepare", rank)
+    except BaseException:
+        _discard(staging)  # its id never reached the other ranks: nobody else would remove it
+        raise
     return _Prepared(attempt_id, sequence, key)
+
+
+def _prepare_bystander(root: Path, link_latest: bool, rank: int) -> _Prepared:
+    faults.point("after-prepare", rank)  # nothing to prepare here, but the fault phase fires on every rank
+    return _Prepared("", 0, None)
+
+
+def _discard(staging: Path) -> None:
+    """Remove a failed attempt's staging directory, best effort (never follows a link)."""
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
@@ -248,10 +300,16 @@ def _bystander(phases: tuple[str, ...]):
 
 
 def _write_manifest(
-    staging: Path, manifest: Manifest, records_by_rank: list[dict], key: signing.SigningKey | None, rank: int
+    staging: Path,
+    manifest: Manifest,
+    records_by_rank: list[dict],
+    produced: dict | None,
+    key: signing.SigningKey | None,
+    rank: int,
 ) -> None:
     faults.point("after-consensus", rank)
     manifest.files = _merge_records(records_by_rank)
+    manifest.metadata = _merge_metadata(manifest.metadata, produced)
     body = manifest.to_json_bytes(key)
     half = len(body) // 2
 
@@ -265,15 +323,38 @@ def _write_manifest(
     faults.point("before-publish", rank)
 
 
-def _publish(staging: Path, final: Path, manifest: Manifest, rank: int) -> None:
+def _publish(staging: Path, final: Path, manifest: Manifest, link_latest: bool, rank: int) -> None:
     lease.confirm(final.parent)  # lost it (stalled past the timeout)? then the root is another writer's
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
     tracker = Tracker(final.name, manifest.generation, manifest.iteration, manifest.sequence)
     storage.write_json(final.parent / TRACKER, tracker.to_dict())
-    storage.fsync_dir(final.parent)  # makes the rename and the tracker durable together
+    if link_latest:
+        _point_latest(final.parent, final.name)
+    storage.fsync_dir(final.parent)  # makes the rename, the tracker and `latest` durable together
     faults.point("after-publish", rank)
+
+
+def _point_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
+    os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
+    try:
+        os.replace(tmp, root / LATEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _merge_metadata(metadata: dict, produced: dict | None) -> dict:
+    if produced is None:
+        return metadata
+    if not isinstance(produced, dict):
+        raise TypeError(f"the produce step returned {type(produced).__name__}, not a metadata dict (or None)")
+    clash = sorted(set(metadata) & set(produced))
+    if clash:
+        raise ValueError(f"metadata keys {clash} given both by the caller and by its produce step")
+    return {**metadata, **produced}
 
 
 def _merge_records(records_by_rank: list[dict]) -> dict[str, FileRecord]:

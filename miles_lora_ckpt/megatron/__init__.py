@@ -4,4 +4,5 @@
 - `adapter_shards`: which parameters are adapters, one file per model-parallel coordinate.
 - `optimizer_state`: fp32 masters and every moment of each DistributedOptimizer child.
 - `scheduler`: OptimizerParamScheduler state as JSON.
+- `bridge_export`: Megatron-Bridge's collective adapter export (`BridgeSource`), imported lazily.
 """

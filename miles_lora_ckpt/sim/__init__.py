@@ -10,6 +10,9 @@ Only the demo, the benchmarks and the tests import this package; production code
 - ``model``: ``SimConfig`` and the tiny LoRA model.
 - ``train``: ``build_run`` / ``train_step`` / ``teardown`` / ``SimRun``.
 - ``snapshot``: ``snapshot`` / ``snapshot_digests`` / ``compare_snapshots``.
+- ``qwen2_model``: ``Qwen2SimConfig`` and a Qwen2-shaped model with Bridge-style LoRA (PEFT export).
+- ``hf_base``: the matching tiny HF ``Qwen2ForCausalLM``, built from a config (no hub).
+- ``bridge_double``: a test double of Megatron-Bridge's adapter export (``install()`` in workers only).
 
 The modules that import torch or megatron are not imported here, so the launching side stays light.
 """

@@ -74,10 +74,9 @@ def build_run(config: SimConfig) -> SimRun:
 
 def _build_model_chunks(config: SimConfig) -> list:
     """As megatron's ``get_model``: one chunk per virtual stage, each in its own Float16Module and DDP."""
-    mcfg = transformer_config(config)
     chunks = []
     for index in range(config.vpp):
-        module = SimLoraModel(mcfg, config, vp_stage=index if config.vpp > 1 else None)
+        mcfg, module = _build_module(config, vp_stage=index if config.vpp > 1 else None)
         if config.dtype == "bf16":
             module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
         # megatron turns bucketing off from the second chunk on (its communication overlaps anyway)
@@ -85,6 +84,26 @@ def _build_model_chunks(config: SimConfig) -> list:
             DistributedDataParallel(config=mcfg, ddp_config=_ddp_config(), module=module, disable_bucketing=index > 0)
         )
     return chunks
+
+
+def config_from_dict(data: dict):
+    """A `SimConfig`, or a `Qwen2SimConfig` when `data["model"] == "qwen2"` (the PEFT export model)."""
+    if data.get("model") == "qwen2":
+        from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+
+        return Qwen2SimConfig.from_dict(data)
+    return SimConfig.from_dict(data)
+
+
+def _build_module(config, vp_stage: int | None) -> tuple:
+    """`(megatron config, module)` of one model chunk: the tiny LoRA model, or the Qwen2-shaped one."""
+    if getattr(config, "model", None) == "qwen2":
+        from miles_lora_ckpt.sim.qwen2_model import SimQwen2Model
+
+        mcfg = config.transformer_config()
+        return mcfg, SimQwen2Model(mcfg, config)
+    mcfg = transformer_config(config)
+    return mcfg, SimLoraModel(mcfg, config, vp_stage=vp_stage)
 
 
 def teardown(run: SimRun | None = None) -> None:

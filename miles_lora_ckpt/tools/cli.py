@@ -1,7 +1,9 @@
 """`miles-lora-ckpt`: operator tools. Runs on a login node: no megatron, Miles or GPU needed.
 
 The command never prints a traceback: every failure is one `ERROR ...` line and an exit code
-(`--debug` adds the traceback of an internal error). See `EXIT_CODES`.
+(`--debug` adds the traceback of an internal error). See `EXIT_CODES`. `verify` also fails a
+generation holding a PEFT adapter that PEFT would load wrongly. `verify-peft` and `export-peft`
+live in `peft_tools` (torch, transformers and peft are imported only when they run).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ EXIT_CODES = """\
 exit codes:
   0    OK (verify: intact; ls and inspect: listed; gc: done)
   1    damaged, torn or uncommitted: one "ERROR <file>: <reason>" line per problem (verify,
-       inspect); gc: an entry could not be removed, or no generation passed content verification
+       inspect; verify also for a PEFT adapter in it that PEFT would load wrongly); gc: an entry
+       could not be removed, or no generation passed content verification
   2    not a checkpoint, usage error, or unusable configuration (e.g. the signing key)
   3    internal error: a bug in miles-lora-ckpt (rerun with --debug for its traceback; please report it)
   130  interrupted
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "
-        "prune, benchmark and demonstrate.",
+        "prune, benchmark and demonstrate; export HF PEFT adapters and check that PEFT loads them.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -166,10 +169,11 @@ def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
 
 def _add_lazy_subcommands(sub) -> None:
     """Subcommands whose modules import torch/megatron only when they run."""
-    from miles_lora_ckpt.tools import bench, demo
+    from miles_lora_ckpt.tools import bench, demo, peft_tools
 
     bench.add_parser(sub)
     demo.add_parser(sub)
+    peft_tools.add_parsers(sub)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -179,7 +183,7 @@ def cmd_verify(args) -> int:
     from miles_lora_ckpt.core import signing
     from miles_lora_ckpt.core.verify import find_candidates, resolve, verify_generation
 
-    path, key = Path(args.path), signing.configured_key()
+    path, key = _follow_latest(Path(args.path)), signing.configured_key()
     try:
         if args.all:
             candidates = find_candidates(path, key=key)
@@ -199,6 +203,8 @@ def cmd_verify(args) -> int:
     status = EXIT_OK
     for gen in generations:
         if gen.intact:
+            gen.problems += _peft_problems(gen)
+        if gen.intact:
             m = gen.manifest
             size = sum(r.bytes for r in m.files.values())
             print(
@@ -215,6 +221,25 @@ def _sequence(manifest) -> str:
     return f"sequence {manifest.sequence}" if manifest.sequence is not None else "(format v1: no sequence)"
 
 
+def _follow_latest(path: Path) -> Path:
+    """A root's `latest` symlink (see `layout.LATEST`) stands for the generation it names (a sibling,
+    nothing else)."""
+    from miles_lora_ckpt.core.layout import LATEST
+
+    if path.name == LATEST and path.is_symlink():
+        target = path.resolve()
+        if target.parent == path.parent.resolve():
+            return target
+    return path
+
+
+def _peft_problems(gen) -> list:
+    """A PEFT adapter in the generation (an export's, or a checkpoint's `peft/`) must also load in PEFT."""
+    from miles_lora_ckpt.savers.peft_export.format import generation_problems
+
+    return generation_problems(gen.path, gen.manifest.files)
+
+
 def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
     prefix = "" if gen_path.resolve() == given.resolve() else f"{gen_path.name}/"
     for problem in problems:
@@ -228,7 +253,7 @@ def cmd_inspect(args) -> int:
 
     key = signing.configured_key()
     try:
-        resolution = resolve(Path(args.path), key=key)
+        resolution = resolve(_follow_latest(Path(args.path)), key=key)
     except GenerationDamaged as exc:
         _print_problems(Path(exc.path), Path(args.path), exc.problems)
         return EXIT_DAMAGED

@@ -99,6 +99,13 @@ def add_parser(subparsers) -> None:
     demo.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (default: the last rank)")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
     demo_miles.add_arguments(demo)
+    demo.add_argument(
+        "--export-peft",
+        action="store_true",
+        help="run the Qwen2-shaped model (TP=2 on an even world) with every save holding peft/, publish the "
+        "resumed adapter into DIR/peft/ (an export root: DIR/peft/latest), write the HF base to DIR/hf-base/ "
+        "and load both with the real PEFT",
+    )
     demo.set_defaults(handler=run_demo)
 
 
@@ -143,6 +150,8 @@ def run_demo(args) -> int:
         f"demo: {args.world_size} ranks ({describe_layout(config)}), {args.dtype}, {args.adapters} adapters, "
         f"{args.optimizer}, {args.steps} steps, save every {args.save_every}, workdir {workdir}"
     )
+    if args.export_peft:
+        _peft_setup(workdir, config)
     status = 0
     if args.phase in ("all", "reference"):
         _phase_reference(workdir, config, args)
@@ -154,6 +163,8 @@ def run_demo(args) -> int:
         print("RESULT: reference written")
     else:
         print("RESULT: trained")
+    if args.export_peft and args.phase in ("all", "resume") and status == 0:
+        status = _peft_report(workdir)
     return status
 
 
@@ -161,6 +172,39 @@ def describe_layout(config: dict) -> str:
     """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived."""
     dp = config["world_size"] // (config["tp"] * config["cp"] * config["pp"])
     return " ".join(f"{axis}{config[axis]}" for axis in ("tp", "pp", "vpp", "ep", "cp")) + f" dp{dp}"
+
+
+def _peft_setup(workdir: Path, config: dict) -> None:
+    """--export-peft: the Qwen2-shaped model (its adapters map onto a real HF Qwen2), and its HF base."""
+    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+
+    config.update(model="qwen2", adapters="all", tp=2 if config["world_size"] % 2 == 0 else 1)
+    hf_base = workdir / "hf-base"
+    if not (hf_base / "config.json").is_file():
+        build_tiny_qwen2(hf_base, _qwen2_hf_kwargs())
+    print(
+        f"demo: --export-peft: Qwen2-shaped model, tp={config['tp']}, HF base {hf_base}, PEFT exports via the Bridge double"
+    )
+
+
+def _qwen2_hf_kwargs() -> dict:
+    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+
+    return Qwen2SimConfig().hf_config_kwargs()  # the model's shapes do not depend on its topology
+
+
+def _peft_report(workdir: Path) -> int:
+    """Load DIR/peft/latest onto DIR/hf-base with the real PEFT; every checkpoint's peft/ verifies too."""
+    from miles_lora_ckpt.tools.cli import main as cli
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    report = load_report(workdir / "peft" / "latest", workdir / "hf-base")
+    print(
+        f"peft: {workdir / 'peft'} (latest -> {(workdir / 'peft' / 'latest').resolve().name}), HF base {workdir / 'hf-base'}"
+    )
+    verified = cli(["verify", str(workdir / "ckpt")]) == 0 and cli(["verify", str(workdir / "peft")]) == 0
+    print(report.headline())
+    return 0 if report.ok and verified else 1
 
 
 def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:
@@ -264,11 +308,10 @@ def _first_mismatch(reference: dict, per_rank: list[dict], start: int) -> str | 
 
 
 def reference_job(payload: dict, ctx) -> dict:
-    from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
 
-    run = build_run(SimConfig.from_dict(payload["config"]))
+    run = build_run(config_from_dict(payload["config"]))
     losses = [train_step(run, step) for step in range(payload["steps"])]
     return {"losses": losses, "digests": snapshot_digests(snapshot(run))}
 
@@ -277,11 +320,10 @@ def train_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core import faults
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
-    from miles_lora_ckpt.sim.model import SimConfig
-    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
 
     consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
+    run = build_run(config_from_dict(payload["config"]))
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
     written = []
     for step in range(payload["steps"]):
@@ -293,12 +335,13 @@ def train_job(payload: dict, ctx) -> dict:
             faults.arm(payload["crash_at"], ctx.rank, "kill")
         path = save_lora_checkpoint(
             run.model,
-            _DemoArgs(),
+            _DemoArgs(run.config),
             payload["root"],
             optimizer=run.optimizer,
             opt_param_scheduler=run.scheduler,
             iteration=iteration,
             consensus=consensus,
+            peft=_peft_export(run.config, payload),
         )
         written.append(Path(path).name)
     return {"summary": f"saved {', '.join(written)}"}
@@ -308,12 +351,11 @@ def resume_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.core.errors import CheckpointError
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
-    from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
 
     consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
+    run = build_run(config_from_dict(payload["config"]))
     try:
         result = load_lora_checkpoint(
             run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
@@ -329,9 +371,39 @@ def resume_job(payload: dict, ctx) -> dict:
     else:
         summary = "no committed generation: starting from step 0"
     restored = {"iteration": result.iteration, "summary": summary}
-    return {"losses": losses, "digests": snapshot_digests(snapshot(run)), "restored": restored}
+    digests = snapshot_digests(snapshot(run))
+    _publish_peft(run, payload, consensus)
+    return {"losses": losses, "digests": digests, "restored": restored}
 
 
 class _DemoArgs:
-    lora_rank = 4
-    lora_alpha = 4.0
+    """The few Miles args the saver reads."""
+
+    def __init__(self, config=None):
+        self.lora_rank = getattr(config, "lora_rank", 4)
+        self.lora_alpha = getattr(config, "lora_alpha", 4.0)
+
+
+def _peft_export(config, payload: dict):
+    """--export-peft (the Qwen2-shaped model): every save exports peft/ through the Bridge double."""
+    if getattr(config, "model", None) != "qwen2":
+        return None
+    from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport
+    from miles_lora_ckpt.sim import bridge_double
+
+    bridge_double.install()
+    hf_base = Path(payload["root"]).parent / "hf-base"
+    lora = LoraSpec(r=config.lora_rank, alpha=config.lora_alpha, base_model_name_or_path=str(hf_base))
+    return PeftExport(source=BridgeSource(hf_checkpoint=str(hf_base)), lora=lora)
+
+
+def _publish_peft(run, payload: dict, consensus) -> None:
+    """--export-peft: the resumed run publishes its adapter into the export root DIR/peft."""
+    from miles_lora_ckpt.savers.peft_export import export_peft
+
+    spec = _peft_export(run.config, payload)
+    if spec is not None:
+        root = Path(payload["root"]).parent / "peft"
+        export_peft(
+            run.model, root, source=spec.source, lora=spec.lora, iteration=payload["steps"], consensus=consensus
+        )

@@ -2,8 +2,10 @@
 
 Collective; reads as phases::
 
-    plan -> agree -> local optimizer shards -> agree -> gather to DP roots -> agree
-    -> protocol.save_generation (prepare -> write -> commit -> publish, each agreed)
+    plan -> agree -> [PEFT export: plan, bind, each agreed]
+    -> local optimizer shards -> agree -> gather to DP roots -> agree
+    -> protocol.save_generation (prepare -> [produce: PEFT export, self-check, each agreed]
+                                 -> write -> commit -> publish, each agreed)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import optimizer_state as ostate
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
+from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, plan_export
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
     TRAINING_STATE,
@@ -41,11 +44,14 @@ def save_lora_checkpoint(
     iteration: int | None = None,
     consensus: Consensus | None = None,
     keep: int | None = None,
+    peft: PeftExport | None = None,
 ) -> str:
     """Collective. Save adapter, optimizer parameter state and scheduler as one new generation.
 
     `save_dir` is the save root (see `layout`); returns the committed generation directory.
     With `args.no_save_optim` (or no optimizer) only the adapter and the iteration are saved.
+    With `peft`, the generation also holds `peft/` (an HF PEFT adapter directory exported through
+    Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
     consensus = consensus or Consensus.default()
@@ -56,6 +62,11 @@ def save_lora_checkpoint(
     # same layout from the same answers, so nothing below can fail on one rank only)
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
     layout = SaveLayout.from_plans(plans, save_optim)
+
+    # PEFT export (optional): plan and bind now; the collective export runs as the save's produce step
+    peft_step = None
+    if peft is not None:
+        peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=GENERATION_SUBDIR)
 
     # optimizer, local: this rank's shard of every saved child, and DP roots' non-tensor state
     prepared = attempt(_prepare_optimizer_state, optimizer, layout)
@@ -76,6 +87,8 @@ def save_lora_checkpoint(
                 "optimizer_children": {k: v for states in child_states for k, v in states.items()},
             }
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
+        if peft_step is not None:
+            peft_step.write(writer)
 
     generation = save_generation(
         consensus,
@@ -86,6 +99,7 @@ def save_lora_checkpoint(
         write_files=write_files,
         metadata=layout.metadata(save_optim, opt_param_scheduler, args),
         keep=keep,
+        produce=peft_step.produce if peft_step is not None else None,
     )
     return str(generation)
 

@@ -1,0 +1,198 @@
+"""Thin adapter to Megatron-Bridge's adapter export. Imports `megatron.bridge` lazily, never at import.
+
+Bridge converts Megatron-side LoRA weights to HF names; the plugin owns every barrier around it (see
+`savers/peft_export`). What this module knows about Bridge (contract §10.3, bridge-and-peft.md):
+
+- `AutoBridge.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy, collective
+  generator: every rank must iterate it fully and in the same order. NVIDIA builds yield two-item
+  named tuples `(param_name, weight)`; the fork Miles installs yields three items
+  `(hf_name, weight, megatron_name)`. Both are accepted; optional parameters
+  (`show_progress`, `exclude_adapter_base_prefixes`, `expand_shared_outer`) are passed only when the
+  installed signature has them.
+- `megatron.bridge.models.conversion.peft_bridge` has four pure helpers in recent builds
+  (`convert_adapter_weights_to_peft_state`, `infer_target_modules_from_adapter_weights`,
+  `infer_rank_pattern_from_adapter_weights`, `build_adapter_config_dict`); `peft_helpers()` returns
+  those whose signatures it recognises, and the exporter uses its own for the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BRIDGE_MODULE = "megatron.bridge"
+HELPERS_MODULE = "megatron.bridge.models.conversion.peft_bridge"
+
+
+@dataclass(frozen=True)
+class ExportedWeight:
+    """One adapter tensor as Bridge yields it; field names match Bridge's `HFWeightTuple`."""
+
+    param_name: str  # HF name, e.g. model.layers.0.self_attn.q_proj.lora_A.weight
+    weight: Any  # torch.Tensor
+    megatron_name: str | None = None  # the fork's third item
+
+
+def normalize_item(item: Any) -> ExportedWeight:
+    """Accept a named tuple with `param_name`/`weight`, or a plain 2- or 3-item tuple."""
+    import torch
+
+    if hasattr(item, "param_name") and hasattr(item, "weight"):
+        name, weight, megatron_name = item.param_name, item.weight, getattr(item, "megatron_name", None)
+    elif isinstance(item, tuple | list) and len(item) in (2, 3):
+        name, weight = item[0], item[1]
+        megatron_name = item[2] if len(item) == 3 else None
+    else:
+        size = len(item) if isinstance(item, tuple | list) else "no"
+        raise TypeError(
+            f"Bridge's export yielded {type(item).__name__} with {size} items; expected (name, weight) "
+            "or (name, weight, megatron_name)"
+        )
+    if not isinstance(name, str) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"Bridge's export yielded ({type(name).__name__}, {type(weight).__name__}), not (str, Tensor)")
+    if megatron_name is not None and not isinstance(megatron_name, str):
+        megatron_name = str(megatron_name)
+    return ExportedWeight(name, weight, megatron_name)
+
+
+def bind_options(fn: Callable, *, required: dict[str, Any], optional: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for `fn`: every `required` one (TypeError naming it when the installed
+    signature lacks it) and the `optional` ones its signature has."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    missing = [name for name in required if name not in params and not takes_any]
+    if missing:
+        raise TypeError(
+            f"the installed Megatron-Bridge {getattr(fn, '__qualname__', fn)}{inspect.signature(fn)} has no "
+            f"parameter {', '.join(missing)}"
+        )
+    return dict(required) | {k: v for k, v in optional.items() if k in params}
+
+
+def import_error() -> str | None:
+    """None when `megatron.bridge` imports here, else why not (for skips and error messages)."""
+    try:
+        importlib.import_module(BRIDGE_MODULE)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass(frozen=True)
+class PeftHelpers:
+    """Bridge's `peft_bridge` conversion helpers that the installed build has (None: use ours)."""
+
+    convert: Callable | None = None  # (weights) -> (state, module names, target_parameters)
+    target_modules: Callable | None = None  # (names) -> [short module names]
+    rank_pattern: Callable | None = None  # (weights, *, default_rank) -> {module: rank}
+    build_config: Callable | None = None  # (peft_config, target_modules, ...) -> dict
+    build_config_options: tuple[str, ...] = ()  # which optional keywords build_config takes
+
+
+_HELPER_SIGNATURES = {
+    "convert": ("convert_adapter_weights_to_peft_state", ("adapter_weights",)),
+    "target_modules": ("infer_target_modules_from_adapter_weights", ("adapter_weight_names",)),
+    "rank_pattern": ("infer_rank_pattern_from_adapter_weights", ("adapter_weights", "default_rank")),
+    "build_config": ("build_adapter_config_dict", ("peft_config", "target_modules")),
+}
+
+
+def peft_helpers() -> PeftHelpers:
+    """The installed Bridge's helpers whose signatures match the documented ones; none if no Bridge."""
+    try:
+        module = importlib.import_module(HELPERS_MODULE)
+    except Exception:  # noqa: BLE001 - no Bridge, or an old one: our own helpers are used
+        return PeftHelpers()
+    found: dict[str, Any] = {}
+    for field, (name, wanted) in _HELPER_SIGNATURES.items():
+        fn = getattr(module, name, None)
+        if callable(fn) and all(p in inspect.signature(fn).parameters for p in wanted):
+            found[field] = fn
+    if "build_config" in found:
+        params = inspect.signature(found["build_config"]).parameters
+        options = ("target_parameters", "base_model_name_or_path", "rank_pattern")
+        found["build_config_options"] = tuple(o for o in options if o in params)
+    return PeftHelpers(**found)
+
+
+class BridgeSource:
+    """Adapter weights from Megatron-Bridge's collective `export_adapter_weights`.
+
+    `prepare()` is rank-local (builds `AutoBridge.from_hf_pretrained(hf_checkpoint)` unless a bridge
+    was given, binds the export's options by signature) and may fail: callers agree on it before any
+    rank enters the collective `export()`. `model_context(model)` wraps the export (Miles passes
+    its `patch_megatron_model`; multi-LoRA also selects the slot there). `transform(weight)` maps
+    each exported weight (multi-LoRA slices it to the slot's rank); its errors, like any per-item
+    error, are raised only after the iteration completed. `export_options` are required keywords
+    (e.g. `exclude_adapter_base_prefixes`): an installed Bridge without one is refused, not ignored.
+    """
+
+    kind = "megatron-bridge"
+
+    def __init__(
+        self,
+        bridge: Any = None,
+        *,
+        hf_checkpoint: str | None = None,
+        trust_remote_code: bool = True,
+        model_context: Callable[[Any], Any] | None = None,
+        transform: Callable[[ExportedWeight], ExportedWeight] | None = None,
+        export_options: dict[str, Any] | None = None,
+    ):
+        if bridge is None and hf_checkpoint is None:
+            raise ValueError("BridgeSource needs a bridge or an hf_checkpoint to build one from")
+        self.bridge = bridge
+        self.hf_checkpoint = hf_checkpoint
+        self.trust_remote_code = trust_remote_code
+        self.model_context = model_context
+        self.transform = transform
+        self.export_options = dict(export_options or {})
+        self._kwargs: dict[str, Any] | None = None
+
+    def prepare(self) -> None:
+        """Rank-local set-up; no collectives. Raises when Bridge is missing or does not fit."""
+        if self.bridge is None:
+            auto_bridge = importlib.import_module(BRIDGE_MODULE).AutoBridge
+            self.bridge = auto_bridge.from_hf_pretrained(self.hf_checkpoint, trust_remote_code=self.trust_remote_code)
+        export = getattr(self.bridge, "export_adapter_weights", None)
+        if not callable(export):
+            raise TypeError(f"{type(self.bridge).__name__} has no export_adapter_weights (Megatron-Bridge too old?)")
+        self._kwargs = bind_options(
+            export, required=self.export_options, optional={"cpu": True, "show_progress": False}
+        )
+
+    def export(self, model, on_item: Callable[[int, ExportedWeight], None] | None = None) -> list[ExportedWeight]:
+        """Collective. Iterate Bridge's export fully on this rank; return every weight.
+
+        An error in handling one item (normalising it, `on_item`) does not stop the iteration, so this
+        rank keeps taking part in Bridge's gathers; the first such error is raised at the end. An
+        error raised by Bridge itself ends its generator and is raised as is.
+        """
+        if self._kwargs is None:
+            raise RuntimeError("BridgeSource.export() before prepare()")
+        weights: list[ExportedWeight] = []
+        first_error: Exception | None = None
+        context = self.model_context(model) if self.model_context else contextlib.nullcontext()
+        with context:
+            for index, item in enumerate(self.bridge.export_adapter_weights(model, **self._kwargs)):
+                if first_error is not None:
+                    continue  # keep draining: the peers are in the same collectives
+                try:
+                    weight = normalize_item(item)
+                    if self.transform is not None:
+                        weight = self.transform(weight)
+                    if on_item is not None:
+                        on_item(index, weight)
+                    weights.append(weight)
+                except Exception as exc:  # noqa: BLE001 - raised after the iteration completes
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+        return weights
+
+    def conversion_helpers(self) -> PeftHelpers:
+        return peft_helpers()

@@ -1,0 +1,93 @@
+"""A TEST DOUBLE of Megatron-Bridge's adapter export, for the CPU harness. It is not Megatron-Bridge.
+
+Megatron-Bridge cannot be installed here (bridge-and-peft.md), so the PEFT export path is driven
+through this double, written from Bridge's documented contract and nothing else:
+
+- `AutoBridgeDouble.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy,
+  collective generator: pipeline stages exchange what they hold, tensor-parallel shards of every
+  adapter tensor are all-gathered over the TP group (gloo here), the owning stage broadcasts to the
+  others, and every rank yields the same full tensors in the same order. Fused QKV is split into
+  `q_proj`/`k_proj`/`v_proj` (one shared `lora_A`), fused fc1 into `gate_proj`/`up_proj`.
+  NVIDIA's shape yields `(param_name, weight)` named tuples; the fork's (`ForkAutoBridgeDouble`)
+  yields `(hf_name, weight, megatron_name)` and has the fork's narrower signature.
+- `peft_bridge`: the four documented pure conversion helpers.
+
+`install()` puts the double into `sys.modules` as `megatron.bridge` (with
+`megatron.bridge.models.conversion.peft_bridge` unless `peft_helpers=False`), and only inside a
+harness worker process (`sim.launch` sets `MILES_LORA_CKPT_SIM_WORKER=1`) where no real Bridge
+imports; anywhere else it raises. Production code never imports this package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+from miles_lora_ckpt.sim.bridge_double import peft_bridge
+from miles_lora_ckpt.sim.bridge_double.export import VARIANTS, AutoBridgeDouble, ForkAutoBridgeDouble
+
+__all__ = ["VARIANTS", "AutoBridgeDouble", "ForkAutoBridgeDouble", "install", "installed", "uninstall"]
+
+WORKER_ENV = "MILES_LORA_CKPT_SIM_WORKER"  # the same flag cpu_intercepts.install() requires
+_NAMES = (
+    "megatron.bridge",
+    "megatron.bridge.models",
+    "megatron.bridge.models.conversion",
+    "megatron.bridge.models.conversion.peft_bridge",
+)
+
+
+def install(*, variant: str = "nvidia", peft_helpers: bool = True) -> type:
+    """Make `import megatron.bridge` give the double in this harness worker; returns its AutoBridge.
+
+    `variant`: "nvidia" (two-item named tuples, NVIDIA main's signature) or "fork" (three-item
+    tuples, the fork's signature). `peft_helpers=False` models a Bridge without `peft_bridge`.
+    Raises RuntimeError outside a harness worker, or where a real `megatron.bridge` is importable.
+    """
+    if os.environ.get(WORKER_ENV) != "1":
+        raise RuntimeError(f"the Bridge double installs only inside harness workers ({WORKER_ENV}=1)")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    if not installed():
+        uninstall()
+        if importlib.util.find_spec("megatron.bridge") is not None:
+            raise RuntimeError("a real megatron.bridge is importable here; the double will not shadow it")
+    import megatron
+
+    auto_bridge = VARIANTS[variant]
+    root = types.ModuleType("megatron.bridge", "Megatron-Bridge TEST DOUBLE (miles_lora_ckpt.sim.bridge_double)")
+    root.AutoBridge = auto_bridge
+    root.IS_TEST_DOUBLE = True
+    models = types.ModuleType("megatron.bridge.models")
+    conversion = types.ModuleType("megatron.bridge.models.conversion")
+    root.models, models.conversion = models, conversion
+    modules = {
+        "megatron.bridge": root,
+        "megatron.bridge.models": models,
+        "megatron.bridge.models.conversion": conversion,
+    }
+    if peft_helpers:
+        conversion.peft_bridge = peft_bridge
+        modules["megatron.bridge.models.conversion.peft_bridge"] = peft_bridge
+    uninstall()
+    sys.modules.update(modules)
+    megatron.bridge = root
+    return auto_bridge
+
+
+def installed() -> bool:
+    """True when `megatron.bridge` in this process is the double."""
+    return getattr(sys.modules.get("megatron.bridge"), "IS_TEST_DOUBLE", False) is True
+
+
+def uninstall() -> None:
+    """Remove the double from `sys.modules` (a no-op when it is not installed)."""
+    if "megatron.bridge" in sys.modules and not installed():
+        return  # a real Bridge: not ours to remove
+    for name in _NAMES:
+        sys.modules.pop(name, None)
+    megatron = sys.modules.get("megatron")
+    if megatron is not None and getattr(getattr(megatron, "bridge", None), "IS_TEST_DOUBLE", False):
+        del megatron.bridge

@@ -1,0 +1,50 @@
+"""The Bridge double is a harness part: importable as `megatron.bridge` only inside harness workers
+that install it, never in the test process, never from production code."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from jobs_paths import JOBS
+
+from miles_lora_ckpt.sim import bridge_double
+from miles_lora_ckpt.sim.launch import check_all, run_workers
+
+PACKAGE = Path(__file__).resolve().parents[1] / "miles_lora_ckpt"
+
+
+def test_the_double_refuses_to_install_outside_a_harness_worker(monkeypatch):
+    monkeypatch.delenv(bridge_double.WORKER_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="only inside harness workers"):
+        bridge_double.install()
+    assert "megatron.bridge" not in sys.modules and not bridge_double.installed()
+    assert importlib.util.find_spec("megatron.bridge") is None  # no Bridge here, real or double
+
+
+def test_production_code_never_imports_the_harness():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("sim/") or rel in ("tools/demo.py", "tools/bench.py"):
+            continue  # the harness itself, and the two tools that drive it
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{rel}: {n}" for n in names if n.startswith("miles_lora_ckpt.sim")]
+    assert offenders == []
+
+
+@pytest.mark.multirank
+def test_inside_a_worker_the_double_installs_names_itself_and_uninstalls():
+    variants = ["nvidia", "fork"]
+    job = run_workers(1, "peft_gloo_jobs:double_isolation", {"variants": variants}, sys_path=[JOBS], megatron=False)
+    for variant, seen in check_all(job)[0].items():
+        assert seen["spec_before"] is False
+        assert seen["class"] == {"nvidia": "AutoBridgeDouble", "fork": "ForkAutoBridgeDouble"}[variant]
+        assert seen["is_double"] is True and "TEST DOUBLE" in seen["doc"] and seen["same"]
+        assert seen["helpers"] == "miles_lora_ckpt.sim.bridge_double.peft_bridge"
+        assert seen["after_uninstall"] == "gone" and seen["without_helpers"] == "gone"

@@ -1,0 +1,280 @@
+"""PEFT export end to end: a Qwen2-shaped megatron model trained with LoRA through the real
+DistributedOptimizer (TP=2, and PP=2), exported through the Bridge double, loaded by the real HF PEFT
+onto a real HF Qwen2 built from a config (no hub), checked against an fp64 reference computed from
+the raw Megatron-side adapter shards. Also: faults at every phase on every rank, partial, inconsistent
+and empty adapters, the retry hazard, `verify`, `verify-peft` and `export-peft`.
+
+Two megatron jobs run once for the module (a crashed export, then the story); PEFT and transformers
+are imported once, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from jobs_paths import JOBS
+from peft_reference import base_logits, hf_deltas, peft_deltas, peft_logits, reference_logits
+
+from miles_lora_ckpt.core.layout import TRACKER
+from miles_lora_ckpt.core.storage import load_tensors
+from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, FAULT_PHASES, LATEST, WEIGHTS_NAME
+from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+from miles_lora_ckpt.tools.cli import main as cli
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.peft]
+
+STEPS = 2
+CASES = {
+    "tp2": Qwen2SimConfig(world_size=2, tp=2),
+    "pp2": Qwen2SimConfig(world_size=2, pp=2),  # another topology: it also retries the crashed export
+}
+PHASE_SEEN_AS = {  # the phase every rank's CheckpointError names, for a fault armed at each phase of the export
+    "peft-setup": "peft-setup",
+    "after-prepare": "prepare",
+    "peft-export": "peft-export",
+    "before-write": "write",
+    "mid-write": "write",
+    "after-write": "write",
+    "after-consensus": "commit",
+    "mid-manifest": "commit",
+    "before-publish": "commit",
+    "after-publish": "publish",
+}
+INPUT_IDS = torch.tensor([[3, 17, 42, 99, 5, 64, 1, 127], [8, 8, 120, 33, 71, 2, 0, 55]])
+BOUND = 1e-9  # relative to the logits' scale (fp64; HF's RMSNorm rounds through fp32, both sides alike)
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+
+    work = tmp_path_factory.mktemp("peft")
+    hf = build_tiny_qwen2(work / "hf-base", CASES["tp2"].hf_config_kwargs(), seed=7)
+    retry_root = work / "retry-exports"
+    crashed = run_workers(
+        2,
+        "peft_jobs:crash_mid_write",
+        {"config": CASES["tp2"].to_dict(), "hf": str(hf), "root": str(retry_root), "timeout_s": 15},
+        sys_path=[JOBS],
+        timeout_s=300,
+    )
+    cases = [
+        {"name": "tp2", "config": CASES["tp2"].to_dict(), "failures": True},
+        {"name": "pp2", "config": CASES["pp2"].to_dict(), "retry_root": str(retry_root)},
+    ]
+    payload = {"hf": str(hf), "scratch": str(work), "cases": cases, "steps": STEPS}
+    results = check_all(run_workers(2, "peft_jobs:export_story", payload, sys_path=[JOBS], timeout_s=400))
+    return {"work": work, "hf": hf, "crashed": crashed, "results": results, "retry_root": retry_root}
+
+
+def tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    return load_tensors(Path(adapter_dir) / WEIGHTS_NAME)[0]
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def logits_error(adapter_dir: Path, hf: Path, reference: torch.Tensor) -> tuple[float, object]:
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    report = load_report(adapter_dir, hf)
+    assert report.ok, report.headline()
+    got = peft_logits(report.model, INPUT_IDS)
+    return float((got - reference).abs().max() / reference.abs().max()), report
+
+
+def test_exports_load_in_peft_and_match_the_fp64_reference(story):
+    hf = story["hf"]
+    base = base_logits(hf, INPUT_IDS)
+    for name, config in CASES.items():
+        result = story["results"][0]["cases"][name]
+        assert all(r["cases"][name]["export"] == result["export"] for r in story["results"])  # one export
+        reference = reference_logits(hf, hf_deltas(story["work"] / name / "mshards", config), INPUT_IDS)
+        assert float((base - reference).abs().max() / reference.abs().max()) > 1e-3  # the adapter matters
+        placements = {
+            "export root (NVIDIA shape, Bridge helpers)": Path(result["export"]),
+            "export root (fork shape, our helpers)": Path(result["fork"]),
+            "checkpoint generation peft/": Path(result["ckpt"]) / "peft",
+        }
+        deltas = hf_deltas(story["work"] / name / "mshards", config)
+        for where, adapter_dir in placements.items():
+            error, report = logits_error(adapter_dir, hf, reference)
+            assert error < BOUND, (name, where, error)
+            assert report.loaded_tensors == 28 and report.missing == report.unexpected == [], where
+            # and module by module: the delta PEFT applies is the Megatron-side one (bf16 factors: exact in fp64)
+            applied = peft_deltas(report.model)
+            assert sorted(applied) == sorted(deltas), where
+            assert all(torch.equal(applied[m], deltas[m]) for m in deltas), where
+
+
+def test_a_wrong_split_would_be_caught_by_the_same_bound(story, tmp_path):
+    """Negative controls: k/v swapped, and fc1 split without minding the TP=2 shards."""
+    hf, config = story["hf"], CASES["tp2"]
+    export_dir = Path(story["results"][0]["cases"]["tp2"]["export"])
+    reference = reference_logits(hf, hf_deltas(story["work"] / "tp2" / "mshards", config), INPUT_IDS)
+    state = tensors(export_dir)
+    key = "base_model.model.model.layers.{}.{}.lora_B.weight"
+    swapped = dict(state)
+    swapped[key.format(0, "self_attn.k_proj")] = state[key.format(0, "self_attn.v_proj")]
+    swapped[key.format(0, "self_attn.v_proj")] = state[key.format(0, "self_attn.k_proj")]
+    naive = dict(state)
+    for layer in range(config.num_layers):  # the gathered fc1 as Megatron holds it: [g0; u0; g1; u1]
+        gate, up = state[key.format(layer, "mlp.gate_proj")], state[key.format(layer, "mlp.up_proj")]
+        shards = [torch.cat([g, u]) for g, u in zip(gate.chunk(2), up.chunk(2), strict=True)]
+        naive[key.format(layer, "mlp.gate_proj")], naive[key.format(layer, "mlp.up_proj")] = torch.cat(shards).chunk(2)
+    from safetensors.torch import save_file
+
+    for name, damaged in (("swapped", swapped), ("naive-fc1", naive)):
+        target = tmp_path / name
+        target.mkdir()
+        shutil.copy(export_dir / CONFIG_NAME, target / CONFIG_NAME)
+        save_file(
+            {k: v.contiguous() for k, v in damaged.items()}, str(target / WEIGHTS_NAME), metadata={"format": "pt"}
+        )
+        error, _ = logits_error(target, hf, reference)
+        assert error > 1e-4, (name, error)
+
+
+def test_both_bridge_shapes_and_both_helper_paths_write_the_same_adapter(story):
+    for name in CASES:
+        result = story["results"][0]["cases"][name]
+        nvidia, fork = Path(result["export"]), Path(result["fork"])
+        assert same_tensors(tensors(nvidia), tensors(fork))
+        assert (nvidia / CONFIG_NAME).read_bytes() == (fork / CONFIG_NAME).read_bytes()
+        helpers = {
+            path: json.loads((path / "manifest.json").read_text())["metadata"]["peft"]["bridge_helpers"]
+            for path in (nvidia, fork)
+        }
+        assert helpers == {nvidia: ["convert", "target_modules", "rank_pattern", "build_config"], fork: []}
+        assert same_tensors(tensors(nvidia), tensors(Path(result["ckpt"]) / "peft"))
+        config = json.loads((nvidia / CONFIG_NAME).read_text())
+        assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["rank_pattern"] == {}
+
+
+def test_a_fault_at_each_phase_on_each_rank_fails_every_rank_alike_and_changes_nothing(story):
+    matrices = [r["cases"]["tp2"]["failures"]["matrix"] for r in story["results"]]
+    assert sorted(PHASE_SEEN_AS) == sorted(FAULT_PHASES) and len(matrices[0]) == len(FAULT_PHASES) * 2
+    for index, case in enumerate(matrices[0]):
+        phase, failing = case["phase_armed"], case["failing"]
+        for matrix in matrices:
+            mine = matrix[index]
+            assert mine["error"] == case["error"] and mine["error"] is not None, (phase, failing)
+            assert f"injected fault at phase '{phase}' on rank {failing}" in mine["error"]
+            assert mine["phase"] == PHASE_SEEN_AS[phase] and mine["ranks"] == [failing], (phase, failing, mine)
+            assert mine["removed"] == [], (phase, failing)  # the previous export stays intact
+            if phase == "after-publish":
+                # the coordinator had published a complete export (the commit was agreed everywhere);
+                # every rank still learns of the failure
+                assert len(mine["added"]) == 1 and mine["added"][0].startswith("gen-000000099-"), mine
+                assert mine["latest_moved"] and mine["touched"] == [LATEST, TRACKER]
+            else:  # nothing new, no staging left behind, tracker and latest untouched
+                assert mine["added"] == mine["touched"] == [] and not mine["latest_moved"], (phase, failing, mine)
+            assert mine["seconds"] < 20
+    for result in story["results"]:
+        failures = result["cases"]["tp2"]["failures"]
+        in_generation = failures["in_generation"]
+        assert in_generation["phase"] == "peft-export" and in_generation["ranks"] == [1]
+        assert in_generation["unchanged"]  # the checkpoint save failed as a whole; its staging was removed
+    work = story["work"] / "tp2"
+    assert cli(["verify", str(work / "exports"), "--all"]) == 0
+    assert cli(["verify", str(work / "ckpt"), "--all"]) == 0
+
+
+def test_partial_inconsistent_and_empty_adapters_are_refused_on_every_rank(story):
+    per_rank = [r["cases"]["tp2"]["failures"] for r in story["results"]]
+    for failures in per_rank:
+        assert failures["partial"]["phase"] == "peft-check" and failures["partial"]["ranks"] == [0, 1]
+        assert "partial adapter export" in failures["partial"]["error"]
+        assert "layer 1 lacks ['model.layers.*.mlp.down_proj']" in failures["partial"]["error"]
+        inconsistent = failures["inconsistent"]
+        assert inconsistent["phase"] == "peft-export (ranks disagree)" and inconsistent["ranks"] == [1]
+        assert "rank 1: exported 27 tensors" in inconsistent["error"] and "rank 0 exported 28" in inconsistent["error"]
+        assert failures["refused_unchanged"]
+        empty = failures["empty"]
+        assert empty["phase"] == "peft-plan" and empty["ranks"] == [0, 1] and "no adapter parameters" in empty["error"]
+        assert empty["root_exists"] is False
+    assert per_rank[0]["partial"]["error"] == per_rank[1]["partial"]["error"]
+
+
+def test_a_retry_at_another_topology_never_publishes_the_crashed_attempts_files(story):
+    root = story["retry_root"]
+    crashed = story["crashed"]
+    assert crashed[0].exitcode == -9  # rank 0 died after writing the weights file into its staging
+    survivor = crashed[1].result
+    assert survivor["phase"] == "write" and "a peer died or timed out" in survivor["error"]
+    assert survivor["seconds"] < 30  # bounded by the consensus timeout (15 s), usually at once
+    stale = [p for p in root.iterdir() if p.name.startswith(".staging-")]
+    assert len(stale) == 1 and sorted(os.listdir(stale[0])) == [WEIGHTS_NAME]  # the weights alone
+    retried = Path(story["results"][0]["cases"]["pp2"]["retry"])
+    assert os.readlink(root / LATEST) == retried.name and retried.name.startswith("gen-000000003-")
+    assert sorted(os.listdir(retried)) == sorted([CONFIG_NAME, WEIGHTS_NAME, "manifest.json"])
+    published = tensors(retried)
+    assert same_tensors(published, tensors(Path(story["results"][0]["cases"]["pp2"]["export"])))
+    assert not same_tensors(published, tensors(stale[0]))  # the stale attempt held other values
+    assert cli(["verify", str(root), "--all"]) == 0
+    assert cli(["gc", str(root), "--keep", "5", "--staging-min-age", "0"]) == 0
+    assert not stale[0].exists() and retried.exists()
+
+
+def test_verify_peft_reports_loadable_adapters_and_names_what_peft_would_get_wrong(story, tmp_path, capsys):
+    hf, work = str(story["hf"]), story["work"] / "tp2"
+    capsys.readouterr()
+    for adapter in (work / "exports", work / "exports" / LATEST, work / "ckpt"):
+        assert cli(["verify-peft", str(adapter), "--base", hf]) == 0, adapter
+        assert capsys.readouterr().out.strip().endswith("PEFT: loadable (0 missing, 0 unexpected)")
+    # keys renamed: PEFT would drop them silently and keep B = 0 where they belonged
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(work / "exports" / LATEST / CONFIG_NAME, renamed / CONFIG_NAME)
+    state = {
+        k.replace("layers.1.mlp.up_proj", "layers.1.mlp.upp_proj"): v
+        for k, v in tensors(work / "exports" / LATEST).items()
+    }
+    from safetensors.torch import save_file
+
+    save_file(state, str(renamed / WEIGHTS_NAME), metadata={"format": "pt"})
+    assert cli(["verify-peft", str(renamed), "--base", hf]) == 1
+    out = capsys.readouterr().out
+    assert "PEFT: NOT loadable (2 missing, 2 unexpected)" in out
+    assert "missing: base_model.model.model.layers.1.mlp.up_proj.lora_A.default.weight" in out
+    assert "unexpected: base_model.model.model.layers.1.mlp.upp_proj.lora_B.default.weight" in out
+    # a rank that disagrees with the config: PEFT builds r=4 modules, the file holds r=3
+    short = tmp_path / "short"
+    short.mkdir()
+    shutil.copy(work / "exports" / LATEST / CONFIG_NAME, short / CONFIG_NAME)
+    state = tensors(work / "exports" / LATEST)
+    state["base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"] = torch.zeros(3, 64, dtype=torch.bfloat16)
+    save_file(state, str(short / WEIGHTS_NAME), metadata={"format": "pt"})
+    assert cli(["verify-peft", str(short), "--base", hf]) == 1
+    out = capsys.readouterr().out
+    assert "PEFT: NOT loadable (0 missing, 0 unexpected, 1 mismatched)" in out
+    assert "PEFT gives this module rank 4" in out  # our header check says it before PEFT does
+    assert cli(["verify-peft", str(tmp_path / "nothing"), "--base", hf]) == 2
+
+
+def test_export_peft_offline_equals_the_live_bridge_export(story, tmp_path, capsys):
+    hf = str(story["hf"])
+    for name in CASES:
+        work = story["work"] / name
+        live = tensors(work / "exports" / LATEST)
+        # a generation without peft/: its Megatron shards are converted offline (needs the base's config)
+        out = tmp_path / f"{name}-offline"
+        assert cli(["export-peft", str(work / "plain"), "--out", str(out), "--base", hf]) == 0
+        assert same_tensors(tensors(out / LATEST), live), name
+        assert cli(["verify-peft", str(out), "--base", hf]) == 0
+        # a generation with peft/: republished as it is
+        again = tmp_path / f"{name}-republished"
+        assert cli(["export-peft", str(work / "ckpt"), "--out", str(again)]) == 0
+        assert same_tensors(tensors(again / LATEST), live)
+        assert (again / LATEST / CONFIG_NAME).read_bytes() == (work / "exports" / LATEST / CONFIG_NAME).read_bytes()
+    capsys.readouterr()
+    assert cli(["export-peft", str(story["work"] / "tp2" / "plain"), "--out", str(tmp_path / "x")]) == 1
+    assert "pass --base HF_MODEL_DIR" in capsys.readouterr().err
