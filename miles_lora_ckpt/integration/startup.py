@@ -1,11 +1,14 @@
 """Reject, before training starts, configurations whose LoRA checkpoints could not be saved.
 
-Better to fail at step 0 with the flag to change than at the first save, hours in.
+Better to fail at step 0 with the flag to change than at the first save, hours in. Supported
+optimizer children (`megatron.optimizer_children`): DistributedOptimizer (with its gloo DP group),
+Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a LayerWiseDistributedOptimizer,
+with whatever inner optimizer megatron builds (Adam, Lion, Muon and its scalar optimizer, ...).
 """
 
 from __future__ import annotations
 
-from miles_lora_ckpt.megatron.optimizer_state import is_stub, optimizer_children
+from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED, SUPPORTED_CLASSES, leaf_children
 
 
 class UnsupportedConfiguration(ValueError):
@@ -43,19 +46,26 @@ def _arg_problems(args) -> list[str]:
 
 def _optimizer_problems(optimizer) -> list[str]:
     problems = []
-    for index, child in enumerate(optimizer_children(optimizer)):
-        if is_stub(child):
+    for child in leaf_children(optimizer):
+        if child.is_stub:
             continue
-        name = type(child).__name__
-        if getattr(child, "_nvme_state_store", None) is not None:
+        index, opt, name = child.index, child.optimizer, child.class_name
+        inner = type(getattr(opt, "optimizer", None)).__name__
+        if getattr(opt, "_nvme_state_store", None) is not None:
             problems.append(f"optimizer child {index} streams its state to NVMe; Miles forbids that with LoRA too")
-        elif not all(hasattr(child, attr) for attr in ("gbuf_ranges", "model_param_group_index_map")):
+        elif name not in SUPPORTED_CLASSES or (name == DISTRIBUTED and child.layer_wise):
             problems.append(
-                f"optimizer child {index} is a {name}, not megatron's DistributedOptimizer: "
-                "add --use-distributed-optimizer"
+                f"optimizer child {index} is a {name} (inner {inner}): supported are DistributedOptimizer, "
+                "Float16OptimizerWithFloat16Params and FP32Optimizer (alone or under a LayerWiseDistributedOptimizer)"
             )
-        elif getattr(child, "data_parallel_group_gloo", None) is None:
-            problems.append(f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups")
-        elif getattr(getattr(child, "config", None), "use_precision_aware_optimizer", False):
+        elif inner == "HybridDeviceOptimizer":
+            problems.append(f"optimizer child {index} offloads to the CPU: drop --optimizer-cpu-offload")
+        elif getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
             problems.append(f"optimizer child {index} is precision-aware: drop --use-precision-aware-optimizer")
+        elif name == DISTRIBUTED and getattr(opt, "data_parallel_group_gloo", None) is None:
+            problems.append(
+                f"optimizer child {index} (DistributedOptimizer) has no gloo DP group: drop "
+                "--disable-gloo-process-groups (for layer-wise Muon, build DDP without the distributed optimizer, "
+                "as Miles does, so megatron puts every parameter under the LayerWise optimizer)"
+            )
     return problems
