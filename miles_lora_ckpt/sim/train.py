@@ -1,9 +1,9 @@
 """Build a Miles-like megatron training run on the tiny LoRA model, and step it deterministically.
 
 The run is assembled from the real megatron-core pieces Miles uses: ``Float16Module`` (bf16),
-``DistributedDataParallel`` with the distributed optimizer, ``get_megatron_optimizer`` (always a
-``ChainedOptimizer``: a dense child, plus an expert child when expert adapters exist) and an
-``OptimizerParamScheduler``. Call only inside a harness worker (``cpu_intercepts.install()`` done
+``DistributedDataParallel``, ``get_megatron_optimizer`` (a ``ChainedOptimizer``: with the
+distributed optimizer a dense child, plus an expert child when expert adapters exist; the other
+kinds of children are built in ``sim/optimizers.py``) and an ``OptimizerParamScheduler``. Call only inside a harness worker (``cpu_intercepts.install()`` done
 and a default process group up).
 """
 
@@ -15,14 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
-from miles_lora_ckpt.sim.lion import swap_in_lion
 from miles_lora_ckpt.sim.model import SimConfig, SimLoraModel, transformer_config
+from miles_lora_ckpt.sim.optimizers import build_optimizer, ddp_config
 
 
 @dataclass
@@ -42,7 +41,10 @@ class SimRun:
 
 
 def build_run(config: SimConfig) -> SimRun:
-    """Initialise model parallelism if needed and build model, optimizer and scheduler."""
+    """Initialise model parallelism if needed and build model, optimizer and scheduler.
+
+    Raises ``sim.optimizers.NotBuildable`` when the running megatron-core cannot build the optimizer.
+    """
     _ensure_model_parallel(config)
     # As megatron's initialize does; the weights themselves come from seeded_init, never this RNG.
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
@@ -50,10 +52,8 @@ def build_run(config: SimConfig) -> SimRun:
     module = SimLoraModel(mcfg, config)
     if config.dtype == "bf16":
         module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
-    ddp = DistributedDataParallel(config=mcfg, ddp_config=_ddp_config(), module=module)
-    optimizer = get_megatron_optimizer(_optimizer_config(config), [ddp])
-    if config.optimizer == "lion":
-        swap_in_lion(optimizer)  # megatron cannot build its own Lion here; see sim/lion.py
+    ddp = DistributedDataParallel(config=mcfg, ddp_config=ddp_config(config), module=module)
+    optimizer = build_optimizer(config, [ddp], module.module if isinstance(module, Float16Module) else module)
     return SimRun(config=config, model=[ddp], optimizer=optimizer, scheduler=_scheduler(config, optimizer))
 
 
@@ -81,28 +81,6 @@ def _ensure_model_parallel(config: SimConfig) -> None:
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         expert_model_parallel_size=config.ep,
-    )
-
-
-def _ddp_config() -> DistributedDataParallelConfig:
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
-        use_distributed_optimizer=True,
-    )
-
-
-def _optimizer_config(config: SimConfig) -> OptimizerConfig:
-    return OptimizerConfig(
-        optimizer="adam",  # a Lion run swaps the inner optimizer afterwards
-        lr=config.lr,
-        min_lr=config.min_lr,
-        weight_decay=config.weight_decay,
-        bf16=config.dtype == "bf16",
-        params_dtype=config.torch_dtype,
-        use_distributed_optimizer=True,
-        clip_grad=config.clip_grad,
     )
 
 
