@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import pytest
 
 from miles_lora_ckpt.tools.cli import main as cli
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
+
+MEGATRON = version("megatron-core")
+OWN_LION_AND_MUON = not MEGATRON.startswith("0.16")  # the 0.19.2 tier, with emerging-optimizers
 
 
 def last_line(capsys) -> tuple[str, str]:
@@ -23,6 +28,7 @@ def test_default_demo_crashes_mid_save_and_resumes_bit_exact(tmp_path, capsys):
 
 
 def test_lion_demo_with_a_coordinator_crash_before_publish(tmp_path, capsys):
+    """megatron's own Lion (0.19.2 tier); megatron-core 0.16.1 has none: the demo says so, exit 2."""
     args = [
         "demo",
         "--workdir",
@@ -38,9 +44,24 @@ def test_lion_demo_with_a_coordinator_crash_before_publish(tmp_path, capsys):
         "--steps",
         "6",
     ]
-    assert cli(args) == 0
+    code = cli(args)
     line, out = last_line(capsys)
-    assert line == "RESULT: bit-exact" and "(iteration 2)" in out
+    if not OWN_LION_AND_MUON:
+        assert code == 2 and line.startswith("RESULT: not run") and f"megatron-core {MEGATRON} has no Lion" in line
+        return
+    assert code == 0 and line == "RESULT: bit-exact" and "(iteration 2)" in out
+    assert "Float16OptimizerWithFloat16Params(emerging_optimizers.scalar_optimizers.lion.Lion)" in out
+
+
+def test_muon_demo_is_bit_exact_with_megatrons_own_muon(tmp_path, capsys):
+    code = cli(["demo", "--workdir", str(tmp_path), "--optimizer", "muon"])
+    line, out = last_line(capsys)
+    if not OWN_LION_AND_MUON:
+        assert code == 2 and line.startswith("RESULT: not run") and "cannot build Muon" in line
+        return
+    assert code == 0 and line == "RESULT: bit-exact", out
+    assert "TensorParallelMuon" in out and "torch.optim.adamw.AdamW" in out  # Muon, and its Adam scalar optimizer
+    assert "killed by signal 9 (crash injected at mid-write)" in out
 
 
 def test_crash_in_the_only_save_resumes_from_step_zero_and_says_so(tmp_path, capsys):

@@ -46,7 +46,8 @@ def test_resume_matrix_is_bit_exact(world):
             {"config": cfg(world, "bf16", "mixed", tp=2, ep=2), "save_at": 2},
             {"config": cfg(world, "bf16", "mixed", pp=2, ep=2), "save_at": 2},
         ]
-    if world in (2, 3):  # Lion: one moment, through megatron's buffers, shards and DP groups
+    if world in (2, 3):  # Lion: one moment (megatron 0.16: the harness's Lion in DistributedOptimizer
+        # children; 0.19: megatron's own, in Float16/FP32 children: see test_optimizer_children.py)
         cases += [
             {"config": cfg(world, dtype, adapters, optimizer="lion"), "save_at": 2}
             for dtype, adapters in (("bf16", "mixed"), ("fp32", "dense"))
@@ -69,7 +70,7 @@ def test_resume_matrix_is_bit_exact(world):
             lion = case["optimizer"] == "lion"
             assert any("/master/" in n for n in names) and any(n.endswith("/exp_avg") for n in names), name
             assert any(n.endswith("/exp_avg_sq") for n in names) != lion, name
-            assert any(n.endswith("/step") for n in names) and "scheduler" in names, name
+            assert "scheduler" in names and (lion or any(n.endswith("/step") for n in names)), name
             if "save@0" in name:
                 assert case["result"]["optimizer_restored"] is False and case["result"]["masters_refreshed"]
             else:
@@ -207,18 +208,21 @@ def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler
 
 
 def test_optimizer_mismatch_is_refused_unless_weights_only(saved_root, tmp_path):
+    """Adam <-> Lion with megatron's default children (0.16: both DistributedOptimizer; 0.19: Lion is
+    a Float16 child). test_optimizer_children.py covers every other mismatch."""
     adam_root, _ = saved_root
     lion_root = tmp_path / "lion"
     run(2, "train_and_save", {"config": cfg(2, optimizer="lion"), "root": str(lion_root), "steps": 2})
     into_lion = run(2, "try_loads", {"config": cfg(2, optimizer="lion"), "cases": {"adam->lion": str(adam_root)}})
     into_adam = run(2, "try_loads", {"config": cfg(2), "cases": {"lion->adam": str(lion_root)}})
     for outcome, name, saved, running in (
-        (into_lion, "adam->lion", ADAM_KEYS, LION_KEYS),
-        (into_adam, "lion->adam", LION_KEYS, ADAM_KEYS),
+        (into_lion, "adam->lion", "adam", "lion"),
+        (into_adam, "lion->adam", "lion", "adam"),
     ):
         for o in outcome:
             error = o[name]["error"]
-            assert error and f"checkpoint holds state {saved}" in error and f"keeps {running}" in error, error
+            assert error and (f"of {saved}," in error or f"over {saved}," in error), error
+            assert f"({running})" in error or f"over {running} " in error, error
             assert o[name]["changed"] is None
     warm = run(
         2,
@@ -228,19 +232,6 @@ def test_optimizer_mismatch_is_refused_unless_weights_only(saved_root, tmp_path)
     for o in warm:
         result = o["warm"]["result"]
         assert result["adapter_restored"] and not result["optimizer_restored"] and result["masters_refreshed"]
-
-
-ADAM_KEYS, LION_KEYS = "['exp_avg', 'exp_avg_sq']", "['exp_avg']"
-
-
-def test_megatron_own_lion_when_it_can_be_built(tmp_path):
-    """Here megatron cannot build Lion (emerging-optimizers is not installable): this test skips,
-    and runs the Lion round trip with megatron's own optimizer wherever it can."""
-    probe = run(2, "native_lion_round_trip", {"config": cfg(2), "root": str(tmp_path / "ckpt")})
-    if probe[0].get("skip"):
-        pytest.skip(probe[0]["skip"])
-    for result in probe:
-        assert result["first_difference"] is None and result["keys"] == ["exp_avg"]
 
 
 def test_stock_miles_adapter_directory_warm_starts_the_adapter_only(tmp_path):

@@ -15,10 +15,12 @@ class UnsupportedConfiguration(ValueError):
     """The run is configured in a way this plugin cannot checkpoint; the message says what to change."""
 
 
-def validate_startup(args=None, optimizer=None) -> None:
-    """Check Miles/Megatron args (a Namespace) and, once built, the optimizer. Raises with every problem."""
+def validate_startup(args=None, optimizer=None, model=None) -> None:
+    """Check Miles/Megatron args (a Namespace) and, once built, the optimizer and the model chunks
+    (DDP-wrapped, as Miles holds them). Raises with every problem."""
     problems = _arg_problems(args) if args is not None else []
     problems += _optimizer_problems(optimizer) if optimizer is not None else []
+    problems += _replica_problems(model, optimizer) if model is not None and optimizer is not None else []
     if problems:
         raise UnsupportedConfiguration("miles-lora-ckpt cannot checkpoint this run:\n  - " + "\n  - ".join(problems))
 
@@ -69,3 +71,26 @@ def _optimizer_problems(optimizer) -> list[str]:
                 "as Miles does, so megatron puts every parameter under the LayerWise optimizer)"
             )
     return problems
+
+
+def _replica_problems(model, optimizer) -> list[str]:
+    """Non-distributed children while DDP reduce-scatters: every DP rank steps different gradients.
+
+    megatron 0.19 builds Lion and Muon as Float16/FP32 children even with --use-distributed-optimizer,
+    while DDP built for the distributed optimizer reduces each gradient only on its own shard: the DP
+    replicas of masters and moments drift apart (and the saver refuses to pick one of them).
+    """
+    chunks = model if isinstance(model, list | tuple) else [model]
+    if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        return []
+    replicated = [
+        c for c in leaf_children(optimizer) if not c.is_stub and not c.layer_wise and c.class_name != DISTRIBUTED
+    ]
+    if not replicated:
+        return []
+    names = sorted({f"{c.class_name} ({type(getattr(c.optimizer, 'optimizer', None)).__name__})" for c in replicated})
+    return [
+        f"megatron built non-distributed optimizer children {names} while DDP reduce-scatters gradients for a "
+        "distributed optimizer: every DP rank would step on its own partial gradients; build DDP with "
+        "use_distributed_optimizer=False for this optimizer (Miles does for Muon)"
+    ]

@@ -1,7 +1,13 @@
 """`miles-lora-ckpt demo`: interrupt a real megatron LoRA run mid-save, resume it, prove bit-exactness.
 
 Runs on CPU: each phase is a job of N real processes joined by gloo, each building the tiny LoRA
-model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
+model of `miles_lora_ckpt.sim` with the optimizer megatron-core's own get_megatron_optimizer
+builds: a DistributedOptimizer for Adam; Float16 (bf16) or FP32 children for Lion and Muon (Muon
+with a trainable bias on every lora_B, which its --muon-scalar optimizer steps); a
+LayerWiseDistributedOptimizer with --layer-wise, or one slot per layer group with --slots (Miles'
+multi-LoRA chain). Lion and Muon need megatron-core 0.19 with emerging-optimizers (the 0.19.2 tier
+of `make test`: `make demo-tier2 ARGS="--optimizer muon"`); where the running megatron cannot
+build the optimizer, the demo says why and exits 2.
 
     reference  an uninterrupted run of --steps steps -> DIR/reference.json (losses, tensor digests)
     train      a fresh run saving every --save-every steps into DIR/ckpt; with --crash-at, rank
@@ -10,7 +16,8 @@ model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
                train to --steps and compare every tensor with DIR/reference.json
     all        reference, train with a crash in the middle of a save, resume (the default)
 
-The last line is `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <first differing tensor>` (exit 1).
+The last line is `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <first differing tensor>` (exit 1);
+exit 2: a usage error, or an optimizer the running megatron-core cannot build.
 """
 
 from __future__ import annotations
@@ -23,7 +30,11 @@ from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 
-OPTIMIZERS = ("adam", "lion")
+OPTIMIZERS = ("adam", "lion", "muon")
+
+
+class _NotBuildable(Exception):
+    """A worker reported that the running megatron-core cannot build the optimizer."""
 
 
 def add_parser(subparsers) -> None:
@@ -46,7 +57,33 @@ def add_parser(subparsers) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default="adam",
-        help="inner optimizer; lion is a single-moment optimizer (default adam)",
+        help="the optimizer megatron builds: adam (two moments), lion (one), muon (a momentum buffer for "
+        "matrices, --muon-scalar for the biases); lion and muon need megatron-core 0.19 (default adam)",
+    )
+    demo.add_argument(
+        "--muon-scalar",
+        choices=("adam", "lion"),
+        default="adam",
+        help="megatron's muon_scalar_optimizer: what Muon gives non-matrix parameters (default adam)",
+    )
+    demo.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DistributedOptimizer children (DDP reduce-scatters) or, with --no-distributed-optimizer, "
+        "Float16/FP32 children (DDP all-reduces); default: what megatron builds for the optimizer",
+    )
+    demo.add_argument(
+        "--layer-wise",
+        action="store_true",
+        help="a LayerWiseDistributedOptimizer: whole parameters sharded over the ranks (megatron's for Muon, "
+        "Miles' multi-LoRA construction for Adam and Lion)",
+    )
+    demo.add_argument(
+        "--slots",
+        type=int,
+        default=1,
+        help="per-slot children under one LayerWise chain, as Miles' multi-LoRA builds them (default 1)",
     )
     demo.add_argument("--steps", type=int, default=8, help="training steps of the whole run (default 8)")
     demo.add_argument("--save-every", type=int, default=2, help="save after every K steps, before --steps (default 2)")
@@ -72,6 +109,12 @@ def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
         return 2
+    if args.slots not in (1, 2):
+        print("ERROR --slots must be 1 or 2 (the demo model has two layers, dealt to the slots)", file=sys.stderr)
+        return 2
+    if (args.layer_wise or args.slots > 1) and args.distributed_optimizer:
+        print("ERROR --layer-wise and --slots shard whole parameters: drop --distributed-optimizer", file=sys.stderr)
+        return 2
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     # the workers turn this into a SimConfig (the parent never imports megatron)
@@ -80,27 +123,44 @@ def run_demo(args) -> int:
         "dtype": args.dtype,
         "adapters": args.adapters,
         "optimizer": args.optimizer,
+        "muon_scalar": args.muon_scalar,
+        "distributed": args.distributed_optimizer,
+        "layer_wise": args.layer_wise,
+        "slots": args.slots,
+        "adapter_bias": args.optimizer == "muon",  # something for Muon's scalar optimizer to step
     }
     crash_at = args.crash_at or ("mid-write" if args.phase == "all" else None)
     crash_rank = args.world_size - 1 if args.crash_rank is None else args.crash_rank
     if not 0 <= crash_rank < args.world_size:
         print(f"ERROR --crash-rank must be in [0, {args.world_size})", file=sys.stderr)
         return 2
+    optimizer = args.optimizer + (f" (scalar: {args.muon_scalar})" if args.optimizer == "muon" else "")
+    optimizer += " layer-wise" if args.layer_wise else ""
+    optimizer += f" {args.slots} slots" if args.slots > 1 else ""
     print(
-        f"demo: {args.world_size} ranks, {args.dtype}, {args.adapters} adapters, {args.optimizer}, "
+        f"demo: {args.world_size} ranks, {args.dtype}, {args.adapters} adapters, {optimizer}, "
         f"{args.steps} steps, save every {args.save_every}, workdir {workdir}"
     )
     status = 0
-    if args.phase in ("all", "reference"):
-        _phase_reference(workdir, config, args)
-    if args.phase in ("all", "train"):
-        _phase_train(workdir, config, args, crash_at, crash_rank)
-    if args.phase in ("all", "resume"):
-        status = _phase_resume(workdir, config, args)
-    elif args.phase == "reference":
-        print("RESULT: reference written")
-    else:
-        print("RESULT: trained")
+    try:
+        if args.phase in ("all", "reference"):
+            _phase_reference(workdir, config, args)
+        if args.phase in ("all", "train"):
+            _phase_train(workdir, config, args, crash_at, crash_rank)
+        if args.phase in ("all", "resume"):
+            status = _phase_resume(workdir, config, args)
+        elif args.phase == "reference":
+            print("RESULT: reference written")
+        else:
+            print("RESULT: trained")
+    except _NotBuildable as exc:
+        print(f"ERROR cannot run this demo here: {exc}", file=sys.stderr)
+        print(
+            "megatron-core 0.19.2 with emerging-optimizers builds its own Lion and Muon: after `make test`, "
+            'run `make demo-tier2 ARGS="<these flags>"`'
+        )
+        print(f"RESULT: not run ({exc})")
+        return 2
     return status
 
 
@@ -109,6 +169,9 @@ def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:
 
     started = time.monotonic()
     results = run_workers(config["world_size"], f"miles_lora_ckpt.tools.demo:{name}", payload, timeout_s=args.timeout)
+    for result in results:
+        if result.ok and "not_buildable" in result.result:
+            raise _NotBuildable(result.result["not_buildable"])
     return results, time.monotonic() - started
 
 
@@ -124,6 +187,7 @@ def _phase_reference(workdir: Path, config: dict, args) -> None:
         "digests": {str(r): res["digests"] for r, res in enumerate(per_rank)},
     }
     (workdir / "reference.json").write_text(json.dumps(reference, indent=1))
+    print(f"optimizer: {per_rank[0]['optimizer']}")
     print(f"reference: {args.steps} uninterrupted steps in {seconds:.1f}s -> {workdir / 'reference.json'}")
 
 
@@ -201,25 +265,57 @@ def _first_mismatch(reference: dict, per_rank: list[dict], start: int) -> str | 
 # =========================================================================== worker side
 
 
-def reference_job(payload: dict, ctx) -> dict:
+def _build(payload: dict):
+    """The run, or `{"not_buildable": reason}` where megatron itself cannot build the optimizer."""
     from miles_lora_ckpt.sim.model import SimConfig
-    from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.sim.optimizers import NotBuildable, why_not_buildable
+    from miles_lora_ckpt.sim.train import build_run
 
-    run = build_run(SimConfig.from_dict(payload["config"]))
+    config = SimConfig.from_dict(payload["config"])
+    reason = why_not_buildable(config, harness_lion=False)  # the demo shows megatron's own optimizers
+    try:
+        if reason:
+            raise NotBuildable(reason)
+        return build_run(config), None
+    except NotBuildable as exc:
+        return None, {"not_buildable": str(exc)}
+
+
+def _describe_optimizer(run) -> str:
+    from importlib.metadata import version
+
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    names = []
+    for child in leaf_children(run.optimizer):
+        if not child.is_stub:
+            inner = type(child.optimizer.optimizer)
+            where = " under LayerWiseDistributedOptimizer" if child.layer_wise else ""
+            names.append(f"{child.class_name}({inner.__module__}.{inner.__name__}){where}")
+    return f"megatron-core {version('megatron-core')} built " + ", ".join(names)
+
+
+def reference_job(payload: dict, ctx) -> dict:
+    from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
+    from miles_lora_ckpt.sim.train import train_step
+
+    run, refused = _build(payload)
+    if refused:
+        return refused
     losses = [train_step(run, step) for step in range(payload["steps"])]
-    return {"losses": losses, "digests": snapshot_digests(snapshot(run))}
+    return {"losses": losses, "digests": snapshot_digests(snapshot(run)), "optimizer": _describe_optimizer(run)}
 
 
 def train_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core import faults
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
-    from miles_lora_ckpt.sim.model import SimConfig
-    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.sim.train import train_step
 
+    run, refused = _build(payload)
+    if refused:
+        return refused
     consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
     written = []
     for step in range(payload["steps"]):
@@ -245,12 +341,13 @@ def train_job(payload: dict, ctx) -> dict:
 def resume_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
-    from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import build_run, train_step
+    from miles_lora_ckpt.sim.train import train_step
 
+    run, refused = _build(payload)
+    if refused:
+        return refused
     consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
     result = load_lora_checkpoint(
         run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
     )

@@ -21,7 +21,7 @@ import time
 import megatron.core
 import torch
 
-from miles_lora_ckpt.megatron.optimizer_state import main_and_state
+from miles_lora_ckpt.megatron.optimizer_children.distributed import main_and_state
 from miles_lora_ckpt.sim import cpu_intercepts
 from miles_lora_ckpt.sim.model import SimConfig
 from miles_lora_ckpt.sim.snapshot import compare_snapshots, snapshot, snapshot_digests

@@ -111,8 +111,8 @@ def plan(descriptions: list[list[dict]], ranks: list[Coordinates], save_optim: b
             for rank, desc in present:
                 if desc[field] != first[field]:
                     raise ValueError(
-                        f"optimizer child {index} is a {first[field]} on rank {first_rank} and a {desc[field]} on "
-                        f"rank {rank}: ranks must build the same chain"
+                        f"optimizer child {index}: {field} {first[field]!r} on rank {first_rank}, {desc[field]!r} "
+                        f"on rank {rank}: every rank must build the same chain"
                     )
         stateful = [(rank, d) for rank, d in present if d["has_state"]]
         keys = stateful[0][1]["keys"] if stateful else first["keys"]

@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ class LoadRequest:
     def coords(self) -> Coordinates:
         return Coordinates(**self.plans[self.rank]["coords"])
 
-    @property
+    @cached_property
     def view(self) -> RankView:
         return rank_view(self.model, self.plans, self.rank)
 
