@@ -25,7 +25,7 @@ def coords(rank: int, dp: int, ep: int = 0) -> Coordinates:
 
 def described(entries: dict[str, int], digest: str | None = None) -> dict:
     return {
-        "entries": {e: {"group": g, "state": ["exp_avg"]} for e, g in entries.items()},
+        "entries": {e: {"group": g} for e, g in entries.items()},
         "groups": 2,
         "replica_digest": digest,
     }
@@ -127,3 +127,12 @@ def test_a_child_unlike_the_saved_one_is_refused(running, words):
         chain.check_against(saved, [[running]], 0, dp_changed=False, saved_selection=[0])
     assert words in str(info.value)
     chain.check_against(saved, [[child(0)]], 0, dp_changed=True)  # every family restores at another DP size
+
+
+def test_a_family_that_cannot_change_dp_size_is_refused_when_it_changes(monkeypatch):
+    """Every family megatron builds for LoRA restores at another DP size; one that could not says so."""
+    saved = chain.plan([[child(0)]], [coords(0, 0)], save_optim=True)
+    monkeypatch.setattr(float16.FAMILY, "dp_elastic", False)
+    chain.check_against(saved, [[child(0)]], 0, dp_changed=False)
+    with pytest.raises(ValueError, match=r"child 0 \(replicated\) cannot be restored exactly at another data-parallel"):
+        chain.check_against(saved, [[child(0)]], 0, dp_changed=True)

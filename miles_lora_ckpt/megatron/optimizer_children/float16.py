@@ -73,7 +73,9 @@ def _tensor_keys(state: dict) -> list[str]:
 class _Restore:
     groups: list[dict]  # hyperparameters per param group (no parameter lists)
     grad_scaler: dict | None
-    params: list[tuple[torch.Tensor, torch.Tensor, dict]] = field(default_factory=list)  # (main, master, state)
+    params: list[tuple[int, torch.Tensor, torch.Tensor, dict]] = field(
+        default_factory=list
+    )  # group, main, master, state
 
 
 class WholeParameterFamily:
@@ -93,7 +95,7 @@ class WholeParameterFamily:
             if id(model_param) not in names:
                 raise ValueError(f"optimizer child {child.index} steps a tensor that is not a model parameter")
             entry = entry_name(coords, model_param, names[id(model_param)])
-            entries[entry] = {"group": group, "state": _tensor_keys(state)}
+            entries[entry] = {"group": group}
             if saving and self.replicated:
                 for tensor in [main, *(state[k] for k in _tensor_keys(state))]:
                     digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -229,9 +231,11 @@ class WholeParameterFamily:
                     f"optimizer child {child.index}: {entry} is in param group {group}, the checkpoint has it in "
                     f"group {saved['group']}"
                 )
-            tensors = files.setdefault(saved["file"], read.tensors(saved["file"]))
+            if saved["file"] not in files:
+                files[saved["file"]] = _by_parameter(read.tensors(saved["file"]))
             try:
-                restore.params.append((main, *_entry_tensors(tensors, name, main, read.keys)))
+                found = dict(files[saved["file"]].get(name, {}))
+                restore.params.append((group, main, *_entry_tensors(found, name, main, read.keys)))
             except ValueError as exc:
                 raise ValueError(f"{saved['file']}: {exc}") from None
         return restore
@@ -246,14 +250,16 @@ class WholeParameterFamily:
         opt = child.optimizer
         inner = opt.optimizer
         with torch.no_grad():
-            for main, master, state in restore.params:
+            for group, main, master, state in restore.params:
                 main.copy_(master)
-                inner.state[main] = {key: _placed(tensor, main, inner) for key, tensor in state.items()}
+                inner.state[main] = {
+                    key: _placed(tensor, main, inner.param_groups[group]) for key, tensor in state.items()
+                }
             for group, saved in zip(inner.param_groups, restore.groups, strict=True):
                 group.update(saved)
         if restore.grad_scaler is not None and getattr(opt, "grad_scaler", None) is not None:
             opt.grad_scaler.load_state_dict(from_json(restore.grad_scaler))
-        for main, master, state in restore.params:  # read back: nothing was dropped or aliased
+        for _, main, master, state in restore.params:  # read back: nothing was dropped or aliased
             live = inner.state.get(main, {})
             if not _same(main, master) or set(live) != set(state):
                 raise ValueError(f"optimizer child {child.index}: a master or its state keys did not arrive intact")
@@ -262,10 +268,17 @@ class WholeParameterFamily:
                     raise ValueError(f"optimizer child {child.index}: optimizer state {key!r} did not arrive intact")
 
 
-def _entry_tensors(tensors: dict, name: str, main: torch.Tensor, keys: tuple[str, ...]) -> tuple:
-    """The master and state of one parameter from its file, checked against the live master."""
-    prefix = f"{name}."
-    found = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix) and "." not in k[len(prefix) :]}
+def _by_parameter(tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """`{name.key: tensor}` of one file as `{name: {key: tensor}}` (keys never hold a dot)."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for full, tensor in tensors.items():
+        name, _, key = full.rpartition(".")
+        grouped.setdefault(name, {})[key] = tensor
+    return grouped
+
+
+def _entry_tensors(found: dict, name: str, main: torch.Tensor, keys: tuple[str, ...]) -> tuple:
+    """The master and state of one parameter (`{key: tensor}` from its file), checked against the live master."""
     master = found.pop(MASTER_KEY, None)
     if master is None:
         raise ValueError(f"no master {name}.{MASTER_KEY}")
@@ -284,10 +297,9 @@ def _entry_tensors(tensors: dict, name: str, main: torch.Tensor, keys: tuple[str
     return master, found
 
 
-def _placed(tensor: torch.Tensor, main: torch.Tensor, inner) -> torch.Tensor:
+def _placed(tensor: torch.Tensor, main: torch.Tensor, group: dict) -> torch.Tensor:
     # Per-element state lives with the parameter; 0-d state (a torch optimizer's `step`) on the CPU
     # unless the optimizer is capturable or fused, as torch allocates it.
-    group = next((g for g in inner.param_groups if any(p is main for p in g["params"])), {})
     on_device = tensor.dim() > 0 or group.get("capturable") or group.get("fused")
     return tensor.to(device=main.device if on_device else "cpu", copy=True)
 
