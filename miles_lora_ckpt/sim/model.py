@@ -5,6 +5,9 @@ and trainable adapter factors named ``lora_A`` / ``lora_B``, e.g.
 ``layers.0.linear_qkv.lora_A.weight``. Adapters on ``mlp.experts.*`` are expert-parallel
 (``param.allreduce = False``), so megatron builds a separate expert optimizer for them.
 
+With ``adapter_bias`` every ``lora_B`` also has a trainable bias (zero at start): a 1-D parameter,
+which Muon hands to its scalar optimizer (Adam or Lion) while it keeps the matrices.
+
 TP=2 works on CPU on megatron-core 0.16.1 and 0.19.2: the megatron layers are built with
 ``use_cpu_initialization=True``, which initialises the full weight and keeps this rank's slice,
 so every weight is a function of (seed, parameter name) only, whatever the TP or DP size.
