@@ -13,6 +13,9 @@ Two kinds of items live here, and nothing else in the package patches torch or m
   size and slices back. Tests of layer-wise chains rely on it and say so.
 * ``install_typing_override``: Python 3.11 lacks ``typing.override``, which emerging-optimizers
   (megatron 0.19's Lion and Muon) imports.
+* Speed only: ``torch.compile`` is off in harness workers. emerging-optimizers compiles Lion's update
+  function with inductor, which on CPU costs seconds per process and per new shape; run eagerly, it
+  is the same function, and every run it is compared with runs the same way.
 
 Nothing is active at import. ``install()`` activates everything in the calling process (and the
 device mode in the calling thread); it is idempotent and is called only by harness workers
@@ -51,6 +54,7 @@ def install() -> None:
     _install_megatron_rng_shims()
     _install_fallback_path_fixes()
     _install_layer_wise_gloo_allgather()
+    _run_compiled_functions_eagerly()
     _device_mode = _CpuDeviceMode()
     _device_mode.__enter__()  # stays pushed for the life of the worker (modes are per thread)
     _installed = True
@@ -320,6 +324,13 @@ def _step_zero_when_state_empty(original, dopt_module):
             del inner.state_dict
 
     return state_dict
+
+
+def _run_compiled_functions_eagerly() -> None:
+    """torch.compile'd functions (emerging-optimizers' Lion update) run as plain Python here."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
 
 
 # --------------------------------------------------------------------------------------------
