@@ -125,5 +125,6 @@ def test_emerging_lion_and_muon_keys_and_kinds():
         assert optimizer_kind(child) == kind
         assert tuple(resolve_state_keys(child)) == keys  # before any step: from the kind
         param.grad = torch.ones(4, 4)
-        inner.step()
+        with torch._dynamo.config.patch(disable=True):  # its Lion update is torch.compile'd: seconds on CPU
+            inner.step()
         assert tuple(resolve_state_keys(child)) == keys  # after: what it really holds
