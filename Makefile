@@ -7,7 +7,7 @@ TIER2  := .tier2/mcore019
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 test lint tier1 tier2 install clean
+.PHONY: demo demo-tier2 test test-long lint tier1 tier2 install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m megatron $(PYTEST_ARGS)
 
 test: lint tier1 tier2
+
+# The long fuzz runs (tens of thousands of examples); not part of `make test`.
+test-long: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .tier2 build *.egg-info .pytest_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import tempfile
 from pathlib import Path
 
@@ -13,12 +14,17 @@ from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
 
 
-def edit_manifest(gen: Path, change) -> None:
-    """Apply `change(body)` to the manifest and reseal it (a consistent-looking manifest)."""
+def edit_manifest(gen: Path, change, *, keep_signature: bool = True) -> None:
+    """Apply `change(body)` to the manifest and reseal it (a consistent-looking manifest), as a
+    forger without the signing key would: a signature is kept as it was (or dropped)."""
     body = json.loads((gen / MANIFEST).read_text())
     body.pop("manifest_digest")
+    signature = body.pop("signature", None)
     change(body)
-    (gen / MANIFEST).write_bytes(seal_manifest(body))
+    sealed = json.loads(seal_manifest(body))
+    if signature is not None and keep_signature:
+        sealed["signature"] = signature
+    (gen / MANIFEST).write_text(json.dumps(sealed, indent=1, sort_keys=True))
 
 
 def reseal_file(gen: Path, rel: str, data: bytes, *, finite: bool | None = None) -> None:
@@ -34,12 +40,13 @@ def reseal_file(gen: Path, rel: str, data: bytes, *, finite: bool | None = None)
 
 
 def rewrite_tensors(gen: Path, rel: str, change, *, finite: bool | None = None) -> None:
-    """Load a safetensors file of the generation, `change(dict)` it, write it back resealed."""
-    tensors, _ = storage.load_tensors(gen / rel)
+    """Load a safetensors file of the generation, `change(dict)` it, write it back resealed (with
+    its own metadata, so its generation stamp still matches: only the tensors are forged)."""
+    tensors, metadata = storage.load_tensors(gen / rel)
     tensors = {k: v.clone() for k, v in tensors.items()}
     change(tensors)
     with tempfile.TemporaryDirectory() as tmp:
-        storage.save_tensors(Path(tmp) / "x.safetensors", tensors)
+        storage.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata=metadata)
         reseal_file(gen, rel, (Path(tmp) / "x.safetensors").read_bytes(), finite=finite)
 
 
@@ -53,3 +60,65 @@ def torch_pickle_bytes() -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         torch.save({"param": torch.ones(3)}, Path(tmp) / "p.pt")
         return (Path(tmp) / "p.pt").read_bytes()
+
+
+def swap_files(gen: Path, first: str, second: str) -> None:
+    """Exchange two files and reseal the manifest to match (a swap only the stamps reveal)."""
+    a, b = (gen / first).read_bytes(), (gen / second).read_bytes()
+    reseal_file(gen, first, b)
+    reseal_file(gen, second, a)
+
+
+def edit_training_state(gen: Path, change, rel: str = "training_state.json") -> None:
+    """Apply `change(state)` to a JSON training state and reseal it (a forged, consistent state)."""
+    state = json.loads((gen / rel).read_text())
+    change(state)
+    reseal_file(gen, rel, json.dumps(state).encode())
+
+
+def set_param_group(state: dict, **values) -> None:
+    """Set hyperparameters in the first param group of the first optimizer child of a training state."""
+    child = next(iter(state["optimizer_children"].values()))
+    groups = _find_param_groups(child)
+    groups[0].update(values)
+
+
+def _find_param_groups(node):
+    if isinstance(node, dict):
+        if isinstance(node.get("param_groups"), list):
+            return node["param_groups"]
+        for value in node.values():
+            found = _find_param_groups(value)
+            if found is not None:
+                return found
+    return None
+
+
+def rewrite_header(gen: Path, rel: str, change) -> None:
+    """Rewrite a safetensors file's header (`change(header)` edits the dict in place, or returns raw
+    header bytes) keeping its data, and reseal it: a forgery only the header checks can catch."""
+    raw = (gen / rel).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    replaced = change(header)
+    header_bytes = replaced if isinstance(replaced, bytes) else json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    reseal_file(gen, rel, struct.pack("<Q", len(header_bytes)) + header_bytes + raw[8 + length :])
+
+
+def write_manifest_text(gen: Path, change, raw_values: dict[str, str]) -> None:
+    """Write a manifest whose JSON text carries raw values (e.g. `1e999`) where `change(body)` put the
+    placeholders named in `raw_values`; a self-digest is added over that text."""
+    body = json.loads((gen / MANIFEST).read_text())
+    body.pop("manifest_digest")
+    change(body)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    for placeholder, raw in raw_values.items():
+        text = text.replace(json.dumps(placeholder), raw)
+    digest = digest_bytes(text.encode())
+    (gen / MANIFEST).write_text(text[:-1] + f',"manifest_digest":"{digest}"}}')
+
+
+def nested(depth: int) -> bytes:
+    """JSON nested `depth` levels deep."""
+    return b"[" * depth + b"]" * depth

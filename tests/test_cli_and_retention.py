@@ -10,8 +10,9 @@ import time
 
 import torch
 
+from miles_lora_ckpt.core import lease
 from miles_lora_ckpt.core.consensus import Consensus
-from miles_lora_ckpt.core.layout import TRACKER, Topology
+from miles_lora_ckpt.core.layout import LEASE, TRACKER, Topology
 from miles_lora_ckpt.core.protocol import save_generation
 from miles_lora_ckpt.core.retention import prune
 from miles_lora_ckpt.tools.cli import main as cli
@@ -62,11 +63,19 @@ def test_ls_shows_states_and_tracker(tmp_path, capsys):
     assert cli(["ls", str(tmp_path), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     states = {row["name"]: row["state"] for row in listing["entries"]}
-    assert states[newest.name] == "committed" and states[damaged.name] == "damaged"
+    assert states[newest.name] == "intact" and states[damaged.name] == "damaged"
     assert states[".staging-00000000000000aa"] == "staging"
-    assert listing["tracker"] == damaged.name
+    assert listing["tracker"] == damaged.name and listing["content_checked"] is True
+    assert [row["sequence"] for row in listing["entries"][:3]] == [3, 2, 1]
+    assert listing["lease"]["live"] and f"pid {os.getpid()}" in listing["lease"]["description"]
     assert cli(["ls", str(tmp_path)]) == 0
-    assert "<- tracker" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "<- tracker" in out and "writer lease: held by host" in out
+    assert cli(["ls", str(tmp_path), "--fast", "--json"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["content_checked"] is False and fast["entries"][1]["state"] == "committed"
+    assert cli(["ls", str(tmp_path), "--fast"]) == 0
+    assert "content NOT checked (--fast)" in capsys.readouterr().out
 
 
 def test_save_keep_prunes_old_generations_and_staging(tmp_path):
@@ -74,7 +83,7 @@ def test_save_keep_prunes_old_generations_and_staging(tmp_path):
         save(tmp_path, iteration, keep=2)
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith("gen-"))
     assert [int(n.split("-")[1]) for n in names] == [4, 5]
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == [LEASE]
 
 
 def test_gc_never_removes_the_tracked_generation_and_honours_dry_run(tmp_path, capsys):
@@ -86,15 +95,18 @@ def test_gc_never_removes_the_tracked_generation_and_honours_dry_run(tmp_path, c
     staging = tmp_path / ".staging-00000000000000bb"
     staging.mkdir()
     assert cli(["gc", str(tmp_path), "--keep", "1", "--dry-run", "--staging-min-age", "0"]) == 0
-    assert "would remove 3 directories" in capsys.readouterr().out
-    assert len(os.listdir(tmp_path)) == 6
+    out = capsys.readouterr().out
+    assert "would remove 2 directories" in out  # the staging directory: this process holds a live lease
+    assert "staging director(ies) left alone" in out
+    assert len(os.listdir(tmp_path)) == 7
     assert cli(["gc", str(tmp_path), "--keep", "1", "--staging-min-age", "3600"]) == 0
     left = sorted(os.listdir(tmp_path))
     assert gens[0].name in left and gens[3].name in left and staging.name in left
     assert gens[1].name not in left and gens[2].name not in left
+    lease.release(tmp_path)  # no live writer any more: old staging directories may go
+    assert prune(tmp_path, keep=1, staging_min_age_s=3600).removed == []
     os.utime(staging, (time.time() - 7200, time.time() - 7200))
-    removed = prune(tmp_path, keep=1, staging_min_age_s=3600)
-    assert removed == [staging]
+    assert prune(tmp_path, keep=1, staging_min_age_s=3600).removed == [staging]
 
 
 def test_cli_exit_codes(tmp_path, capsys):

@@ -87,3 +87,30 @@ def test_phases_run_separately_and_a_mismatch_is_reported(tmp_path, capsys):
     assert cli([*base, "--phase", "resume"]) == 1
     line, _ = last_line(capsys)
     assert line == f"RESULT: MISMATCH rank0:{name}"
+
+
+def test_a_refused_load_ends_with_result_error(tmp_path, capsys):
+    """A checkpoint the resume must refuse (written by another saver): the demo says so, last."""
+    import json
+
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.layout import Topology
+    from miles_lora_ckpt.core.protocol import save_generation
+
+    save_generation(
+        Consensus.single_process(),
+        tmp_path / "ckpt",
+        iteration=2,
+        saver="another-saver",
+        topology=Topology(),
+        write_files=lambda writer: writer.write_json("notes.json", {}),
+    )
+    config = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "vpp": 1, "num_layers": 2}
+    config |= {"dtype": "bf16", "adapters": "dense", "optimizer": "adam"}
+    reference = {"config": config, "steps": 3, "losses": [0.0, 0.0, 0.0], "digests": {"0": {}}}
+    (tmp_path / "reference.json").write_text(json.dumps(reference))
+    args = ["demo", "--workdir", str(tmp_path), "--world-size", "1", "--adapters", "dense", "--steps", "3"]
+    assert cli([*args, "--phase", "resume"]) == 1
+    line, _ = last_line(capsys)
+    assert line.startswith("RESULT: ERROR checkpoint phase 'resolve' failed on rank(s) [0]:"), line
+    assert "was written by saver 'another-saver', not 'single-lora'" in line

@@ -2,8 +2,8 @@
 
 Spawning workers is the expensive part (each imports torch and megatron), so the megatron tests
 share three batched jobs, one per world size, each run once per module by a fixture:
-W=2 (determinism, stub, fallback fixes, compare), W=4 (determinism incl. TP=2) and W=3
-(padding-only DP shard, mixed adapters). Job functions live in tests/jobs/harness_jobs.py.
+W=2 (determinism, stub, fallback fixes, compare, CP=2 and VPP=2), W=4 (determinism incl. TP=2,
+CP=2 with DP=2) and W=3 (padding-only DP shard, mixed adapters). Job functions live in tests/jobs/harness_jobs.py.
 
 Tests that depend on a fix from sim/cpu_intercepts.py say so: ``resume`` needs fixes 1 and 2,
 ``padding`` needs fix 3.
@@ -34,6 +34,8 @@ DETERMINISM_SPECS = [{"dtype": d, "adapters": a} for d in ("bf16", "fp32") for a
 TP2_SPEC = {"dtype": "bf16", "adapters": "mixed", "tp": 2}
 RESUME_SPECS = [{"dtype": "bf16", "adapters": "mixed"}, {"dtype": "fp32", "adapters": "dense"}]
 PADDING_SPEC = {"dtype": "fp32", "num_layers": 1, "hidden": 8, "ffn_hidden": 8, "lora_rank": 2}
+CP2_SPEC = {"dtype": "bf16", "adapters": "mixed", "cp": 2}  # W=2: DP=1; W=4: DP=2
+VPP2_SPEC = {"dtype": "bf16", "adapters": "mixed", "pp": 2, "vpp": 2, "num_layers": 4}
 
 
 def spec_key(spec: dict) -> str:
@@ -55,13 +57,20 @@ def w2() -> list[dict]:
             "fallback_bugs": {"spec": {"dtype": "bf16"}},
             "resume": {"specs": RESUME_SPECS, "steps_before": 2, "steps_after": 2},
             "compare_selfcheck": {},
+            "layouts": {"steps": STEPS, "specs": [CP2_SPEC, VPP2_SPEC]},
         },
     )
 
 
 @pytest.fixture(scope="module")
 def w4() -> list[dict]:
-    return run_job(4, {"determinism": {"steps": STEPS, "specs": [*DETERMINISM_SPECS, TP2_SPEC]}})
+    return run_job(
+        4,
+        {
+            "determinism": {"steps": STEPS, "specs": [*DETERMINISM_SPECS, TP2_SPEC]},
+            "layouts": {"steps": STEPS, "specs": [CP2_SPEC]},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +204,53 @@ def test_padding_only_dp_shard_state_dict_needs_fix_3(w3):
         assert p["inner_state_len"] == 0
         assert p["unpatched_state_dict_error"].startswith("AssertionError"), p
     assert all(p["state_dict_error"] is None for p in padding)
+
+
+# ------------------------------------------------------------------------------ CP and VPP layouts
+
+
+def layout_results(ranks: list[dict], spec: dict) -> list[dict]:
+    return [rank["layouts"][spec_key(spec)] for rank in ranks]
+
+
+@pytest.mark.parametrize("job", ["w2", "w4"])
+def test_context_parallel_ranks_train_their_own_part_and_reduce_over_dp_x_cp(job, request):
+    ranks = request.getfixturevalue(job)
+    world = len(ranks)
+    results = layout_results(ranks, CP2_SPEC)
+    assert_deterministic([{"determinism": {spec_key(CP2_SPEC): r["builds"]}} for r in results], [CP2_SPEC])
+    facts = [r["facts"] for r in results]
+    # each CP rank keeps its own positions of the same sequences: disjoint, together all of them
+    assert [f["positions"] for f in facts if f["cp_rank"] == 0] == [[0, 3]] * (world // 2)
+    assert [f["positions"] for f in facts if f["cp_rank"] == 1] == [[1, 2]] * (world // 2)
+    assert len({f["input_digests"][0] for f in facts}) == world  # no two ranks see the same tokens
+    # grads reduce, and the optimizer shards, over the data-and-context group: every rank here
+    for f in facts:
+        assert f["cp_size"] == 2
+        assert f["dp_cp_ranks"] == list(range(world))
+        assert f["grad_reduce_ranks"] == [f["dp_cp_ranks"]] and f["dense_child_dp_ranks"] == f["dp_cp_ranks"]
+    # so the adapter replicas stay identical although each rank trained on other tokens
+    finals = [{n: d for n, d in r["builds"][0]["final"].items() if n.startswith("param/")} for r in results]
+    assert finals[0] and all(f == finals[0] for f in finals)
+
+
+def test_virtual_pipeline_builds_chunks_as_megatrons_get_model(w2):
+    results = layout_results(w2, VPP2_SPEC)
+    assert_deterministic([{"determinism": {spec_key(VPP2_SPEC): r["builds"]}} for r in results], [VPP2_SPEC])
+    for rank, result in enumerate(results):
+        facts = result["facts"]
+        assert facts["vpp_world"] == 2 and facts["chunks"] == 2 and facts["distinct_ddps"] == 2
+        assert facts["chunk_vp_stage"] == [0, 1] and facts["chunk_buffers"] == [1, 1]
+        assert facts["dense_child_buffers"] == 2  # one optimizer over both chunks' grad buffers
+        # megatron's interleaving with 4 layers on 2 stages: stage 0 holds layers 0 and 2
+        assert facts["chunk_layers"] == [[rank], [rank + 2]]
+        # every chunk's adapter, fp32 masters and moments are in the snapshot
+        final = result["builds"][0]["final"]
+        expected = {f"chunk{c}.{name}" for c in (0, 1) for name in expected_param_names("mixed", num_layers=1)}
+        assert {n.removeprefix("param/") for n in final if n.startswith("param/")} == expected
+        masters = {n.split("/master/")[1] for n in final if "/master/" in n}
+        assert masters == expected
+        assert all(f"{n.replace('/master/', '/state/')}/exp_avg_sq" in final for n in final if "/master/" in n)
 
 
 # ------------------------------------------------------------------------------ fallback fixes

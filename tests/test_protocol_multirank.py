@@ -5,6 +5,9 @@ Workers are plain gloo processes (no megatron), so each job starts in about two 
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 from jobs_paths import JOBS
 
@@ -92,3 +95,41 @@ def test_a_hung_peer_becomes_an_error_after_the_timeout(tmp_path):
 def test_ranks_asking_for_different_generations_fail_together(tmp_path):
     results = check_all(jobs(2, "disagreeing_generations", {"root": str(tmp_path / "root")}))
     assert all("ranks disagree" in r["error"] for r in results), results
+
+
+def test_two_writers_on_one_root_one_is_refused_and_every_save_of_the_other_commits(tmp_path):
+    root = tmp_path / "root"
+    results = {}
+
+    def writer(name, first):
+        payload = {"root": str(root), "scratch": str(tmp_path), "name": name, "first": first, "saves": 4}
+        results[name] = check_all(jobs(2, "chaos_writer", payload, timeout_s=120))
+
+    threads = [threading.Thread(target=writer, args=(name, first)) for name, first in (("a", 1), ("b", 101))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    saved = {name: all("saved" in o for o in r[0]["outcomes"]) for name, r in results.items()}
+    refused = {name: all("refused" in o for o in r[0]["outcomes"]) for name, r in results.items()}
+    assert sorted(saved.values()) == [False, True] and sorted(refused.values()) == [False, True], results
+    winner = next(name for name, ok in saved.items() if ok)
+    loser = next(name for name in results if name != winner)
+    holder_pid = results[winner][0]["pid"]
+    for rank_result in results[loser]:
+        for outcome, first in zip(rank_result["outcomes"], results[loser][0]["outcomes"], strict=True):
+            assert outcome["refused"] == first["refused"]  # the same error on every rank
+            assert "phase 'prepare'" in outcome["refused"] and "has another writer" in outcome["refused"]
+            assert f"pid {holder_pid}" in outcome["refused"]
+    # the loser wrote nothing; every save of the winner committed and verifies
+    committed = sorted(p.name for p in root.iterdir() if p.name.startswith("gen-"))
+    assert committed == sorted(o["saved"] for o in results[winner][0]["outcomes"])
+    assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
+    assert cli(["verify", str(root), "--all"]) == 0
+
+
+def test_a_fifo_in_a_generation_fails_every_loading_rank_within_seconds(tmp_path):
+    results = check_all(jobs(2, "fifo_load", {"root": str(tmp_path / "root")}, timeout_s=60))
+    for result in results:
+        assert result["error"] and "is a fifo" in result["error"] and result["seconds"] < 10, result
+    assert results[0]["error"] == results[1]["error"]

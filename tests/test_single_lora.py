@@ -11,7 +11,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from damage import drop_file, edit_manifest, reseal_file, rewrite_tensors, torch_pickle_bytes
+from damage import (
+    drop_file,
+    edit_manifest,
+    edit_training_state,
+    reseal_file,
+    rewrite_tensors,
+    set_param_group,
+    swap_files,
+    torch_pickle_bytes,
+)
 from jobs_paths import JOBS
 
 from miles_lora_ckpt.sim.launch import check_all, run_workers
@@ -40,11 +49,17 @@ def test_resume_matrix_is_bit_exact(world):
     if world == 2:  # expert parallel and pipeline stages: files per EP and per PP coordinate
         cases.append({"config": cfg(world, "bf16", "mixed", ep=2), "save_at": 2})
         cases.append({"config": cfg(world, "bf16", "mixed", pp=2), "save_at": 2})
+        # context parallel with DP=1 (the optimizer shards over CP alone); two chunks per stage
+        cases.append({"config": cfg(world, "bf16", "mixed", cp=2), "save_at": 2})
+        cases.append({"config": cfg(world, "bf16", "mixed", pp=2, vpp=2, num_layers=4), "save_at": 2})
     if world == 4:  # tensor parallel, alone and with expert parallel; pipeline with expert parallel
         cases += [
             {"config": cfg(world, "fp32", "mixed", tp=2), "save_at": 2},
             {"config": cfg(world, "bf16", "mixed", tp=2, ep=2), "save_at": 2},
             {"config": cfg(world, "bf16", "mixed", pp=2, ep=2), "save_at": 2},
+            # context parallel with DP=2 (optimizer over DP x CP = 4), and with expert parallel
+            {"config": cfg(world, "bf16", "mixed", cp=2), "save_at": 2},
+            {"config": cfg(world, "bf16", "mixed", cp=2, ep=2), "save_at": 2},
         ]
     if world in (2, 3):  # Lion: one moment (megatron 0.16: the harness's Lion in DistributedOptimizer
         # children; 0.19: megatron's own, in Float16/FP32 children: see test_optimizer_children.py)
@@ -71,38 +86,28 @@ def test_resume_matrix_is_bit_exact(world):
             assert any("/master/" in n for n in names) and any(n.endswith("/exp_avg") for n in names), name
             assert any(n.endswith("/exp_avg_sq") for n in names) != lion, name
             assert "scheduler" in names and (lion or any(n.endswith("/step") for n in names)), name
+            if "-vpp2" in name:  # every chunk's adapter, masters and moments are compared
+                for chunk in ("chunk0.", "chunk1."):
+                    assert any(n.startswith(f"param/{chunk}") for n in names), (name, chunk)
+                    assert any(f"/master/{chunk}" in n for n in names), (name, chunk)
+                    assert any(f"/state/{chunk}" in n and n.endswith("/exp_avg_sq") for n in names), (name, chunk)
             if "save@0" in name:
                 assert case["result"]["optimizer_restored"] is False and case["result"]["masters_refreshed"]
             else:
                 assert case["result"]["optimizer_restored"] and case["result"]["scheduler_restored"], name
 
 
-@pytest.mark.parametrize(
-    "saved_world, loaded_world, layout", [(2, 4, {}), (4, 2, {}), (2, 4, {"ep": 2}), (2, 4, {"pp": 2})]
-)
-def test_dp_elastic_restore_is_bit_exact(saved_world, loaded_world, layout, tmp_path):
-    root = tmp_path / "ckpt"
-    run(
-        saved_world,
-        "train_and_save",
-        {"config": cfg(saved_world, "bf16", "mixed", **layout), "root": str(root), "steps": 3},
-    )
-    results = run(
-        loaded_world, "elastic_load", {"config": cfg(loaded_world, "bf16", "mixed", **layout), "root": str(root)}
-    )
-    roots = [r for r in results if r["compared"]]
-    assert roots, "no DP root compared anything"
-    compared = sorted(n for r in roots for n in r["names"])
-    assert any(n.endswith(".param") for n in compared) and any(n.endswith(".exp_avg_sq") for n in compared)
-    for r in results:
-        assert r["differing"] == [], r["differing"]
-        assert r["result"]["optimizer_restored"] and r["result"]["iteration"] == 3
-
-
 @pytest.fixture(scope="module")
 def saved_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("neg") / "ckpt"
-    results = run(2, "train_and_save", {"config": cfg(2), "root": str(root), "steps": 2, "saves": 2})
+    payload = {
+        "config": cfg(2),
+        "root": str(root),
+        "steps": 2,
+        "saves": 2,
+        "no_optim_root": str(root.parent / "no-optim"),
+    }
+    results = run(2, "train_and_save", payload)
     return root, results[0]["paths"]
 
 
@@ -115,6 +120,7 @@ def _copy_generation(gen: str, dest) -> str:
 def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path):
     root, (older, newer) = saved_root
     optim = "optimizer/child0_tp000_pp000_ep000_etp000.safetensors"
+    optim1 = "optimizer/child1_tp000_pp000_ep000_etp000.safetensors"
     cases = {}
 
     def case(name, damage):
@@ -149,6 +155,21 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             lambda t: t.update({k: v[:1] for k, v in list(t.items())[:1]}),
         ),
     )
+    # semantic binding and training-state invariants: self-consistent (resealed) but wrong
+    case("optimizer file of another generation", lambda g: reseal_file(g, optim, (Path(older) / optim).read_bytes()))
+    case("optimizer files swapped between children", lambda g: swap_files(g, optim, optim1))
+    case(
+        "eps NaN through the JSON codec",
+        lambda g: edit_training_state(g, lambda s: set_param_group(s, eps={"__float__": "nan"})),
+    )
+    case(
+        "negative scheduler num_steps", lambda g: edit_training_state(g, lambda s: s["scheduler"].update(num_steps=-1))
+    )
+    case(
+        "optimizer_saved false with optimizer files",
+        lambda g: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
+    )
+    case("missing metadata key", lambda g: edit_manifest(g, lambda b: b["metadata"].pop("optimizer_children")))
     cases["iterations differ across ranks"] = [older, newer]
     cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
     failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
@@ -164,6 +185,12 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "pickle payload": "not safetensors",
         "adapter shape changed": "adapter",
         "iterations differ across ranks": "ranks disagree",
+        "optimizer file of another generation": f"{optim}: the file says it is [generation {Path(older).name[-16:]}",
+        "optimizer files swapped between children": f"{optim}: the file says it is [generation",
+        "eps NaN through the JSON codec": "param_groups[0].eps is 'nan' (not finite)",
+        "negative scheduler num_steps": "scheduler.num_steps is -1",
+        "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",
+        "missing metadata key": "manifest metadata has no 'optimizer_children'",
         "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
     }
     assert set(expected_words) == set(cases)
@@ -173,27 +200,167 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert errors[0] == errors[1], (name, errors)  # the same CheckpointError on every rank
         assert word in errors[0], (name, errors[0])
         assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
-    # the undamaged generations still load afterwards, in the same processes
-    sane = run(2, "try_loads", {"config": cfg(2), "cases": {"newest": str(root)}})
+    # the undamaged generations still load afterwards, in the same processes; a checkpoint saved
+    # without optimizer state loads with a warning that reaches the log; a generation whose
+    # metadata predates the child families (DistributedOptimizer keys only) restores its optimizer
+    no_optim = root.parent / "no-optim"
+    pre_family = _copy_generation(newer, tmp_path / "pre-family")
+    edit_manifest(Path(pre_family), _to_pre_family_metadata)
+    sane = run(
+        2,
+        "try_loads",
+        {"config": cfg(2), "cases": {"newest": str(root), "no-optim": str(no_optim), "pre-family": pre_family}},
+    )
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
+    for o in sane:
+        assert o["pre-family"]["error"] is None, o["pre-family"]["error"]
+        assert o["pre-family"]["result"]["optimizer_restored"] and o["pre-family"]["result"]["scheduler_restored"]
+    for o in sane:
+        result = o["no-optim"]["result"]
+        assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
+        warning = next(w for w in result["warnings"] if "holds no optimizer state" in w)
+        assert any(warning in line for line in o["no-optim"]["logged"]), o["no-optim"]["logged"]
 
 
-@pytest.mark.parametrize(
-    "name, run_config, word",
-    [
-        ("tp change", cfg(2, tp=2), "tp: 1 -> 2"),
-        ("ep change", cfg(2, ep=2), "ep: 1 -> 2"),
-        ("pp change", cfg(2, pp=2), "pp: 1 -> 2"),
-        # the mixed checkpoint has a real dense child; an expert-only run has a stub there
-        ("checkpoint without stub, run with one", cfg(2, adapters="expert-only"), "child layout differs"),
-    ],
-)
-def test_layout_changes_are_refused(saved_root, name, run_config, word):
-    root, _ = saved_root
-    outcomes = run(2, "try_loads", {"config": run_config, "cases": {name: str(root)}})
+def _to_pre_family_metadata(body: dict) -> None:
+    """The single-LoRA metadata as it was before every child family was saved (DistributedOptimizer only)."""
+    meta = body["metadata"]
+    children = meta.pop("optimizer_children")
+    meta.pop("optimizer_selection")
+    assert {c["family"] for c in children.values()} == {"distributed"}, children
+    meta["stepped_children"] = [int(i) for i, c in children.items() if c["stepped"]]
+    meta["state_keys"] = {i: c["keys"] for i, c in children.items()}
+    meta["numel_unpadded"] = {i: c["layout"]["numel_unpadded"] for i, c in children.items() if c["stepped"]}
+
+
+# ------------------------------------------------------------------------------ layout changes
+#
+# Three batched jobs (W=2 -> W=4 -> W=2) cover every layout change between save and resume:
+# model-parallel changes refused before mutation, DP-size changes restored bit for bit.
+
+MIXED2, CP2 = cfg(2), cfg(2, cp=2)
+VPP2, VPP1 = cfg(2, pp=2, vpp=2, num_layers=4), cfg(2, pp=2, num_layers=4)
+REFUSED = {  # name: (saved label, run config, words the error must hold)
+    "tp change": ("mixed", cfg(2, tp=2), "tp: 1 -> 2 (tensor parallel)"),
+    "ep change": ("mixed", cfg(2, ep=2), "ep: 1 -> 2 (expert parallel)"),
+    "pp change": ("mixed", cfg(2, pp=2), "pp: 1 -> 2 (pipeline stages)"),
+    # the mixed checkpoint has a real dense child; an expert-only run has a stub there
+    "checkpoint without stub, run with one": ("mixed", cfg(2, adapters="expert-only"), "child layout differs"),
+    "cp 2 -> 1": ("cp2", MIXED2, "cp: 2 -> 1 (context parallel)"),
+    "cp 1 -> 2": ("mixed", CP2, "cp: 1 -> 2 (context parallel)"),
+    "vpp 2 -> 1": ("vpp2", VPP1, "vpp: 2 -> 1 (virtual pipeline chunks)"),
+    "vpp 1 -> 2": ("vpp1", VPP2, "vpp: 1 -> 2 (virtual pipeline chunks)"),
+}
+CONTROLS = {"cp 2 -> 2 (control)": ("cp2", CP2), "vpp 2 -> 2 (control)": ("vpp2", VPP2)}
+ELASTIC_UP = {  # W=2 save -> W=4 load: name: (saved label, layout)
+    "2->4": ("mixed", {}),
+    "2->4 ep2": ("ep2", {"ep": 2}),
+    "2->4 pp2": ("pp2", {"pp": 2}),
+    "2->4 cp2 (DP x CP 2->4)": ("cp2", {"cp": 2}),
+}
+ELASTIC_DOWN = {"4->2": ("mixed", {}), "4->2 cp2 (DP x CP 4->2)": ("cp2", {"cp": 2})}  # W=4 save -> W=2
+
+
+@pytest.fixture(scope="module")
+def layouts_w2(tmp_path_factory):
+    """W=2: save every W=2 layout, then try each refused change and the controls."""
+    payload = {
+        "root": str(tmp_path_factory.mktemp("layouts2")),
+        "saves": {"mixed": MIXED2, "ep2": cfg(2, ep=2), "pp2": cfg(2, pp=2), "cp2": CP2, "vpp2": VPP2, "vpp1": VPP1},
+        "tries": [
+            {"name": name, "from": label, "config": config}
+            for name, (label, config, *_) in {**REFUSED, **CONTROLS}.items()
+        ],
+    }
+    return run(2, "layouts_job", payload)
+
+
+@pytest.fixture(scope="module")
+def layouts_w4(layouts_w2, tmp_path_factory):
+    """W=4: load the W=2 saves at the larger DP size, then save W=4 runs for the way down."""
+    roots = layouts_w2[0]["roots"]
+    payload = {
+        "root": str(tmp_path_factory.mktemp("layouts4")),
+        "elastic": [
+            {"name": name, "config": cfg(4, **layout), "root": roots[label]}
+            for name, (label, layout) in ELASTIC_UP.items()
+        ],
+        "saves": {label: cfg(4, **layout) for label, layout in ELASTIC_DOWN.values()},
+    }
+    return run(4, "layouts_job", payload)
+
+
+@pytest.fixture(scope="module")
+def layouts_w2_down(layouts_w4):
+    roots = layouts_w4[0]["roots"]
+    elastic = [
+        {"name": n, "config": cfg(2, **layout), "root": roots[label]} for n, (label, layout) in ELASTIC_DOWN.items()
+    ]
+    return run(2, "layouts_job", {"elastic": elastic})
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_layout_changes_are_refused_before_mutation(layouts_w2, name):
+    words = REFUSED[name][2]
+    outcomes = [r["tries"][name] for r in layouts_w2]
+    assert outcomes[0]["error"] == outcomes[1]["error"], outcomes  # the same error on every rank
     for o in outcomes:
-        assert o[name]["error"] and word in o[name]["error"], o[name]["error"]
-        assert o[name]["changed"] is None
+        assert o["error"] and words in o["error"], o["error"]
+        assert o["changed"] is None, o  # adapter, masters, moments, steps and scheduler bit-identical
+        if "->" in name:
+            assert "only the data-parallel size may change" in o["error"], o["error"]
+
+
+def test_same_cp_and_vpp_layouts_load(layouts_w2):
+    # the controls: the CP and VPP refusals are about the layout, not about those checkpoints
+    for r in layouts_w2:
+        for name in CONTROLS:
+            assert r["tries"][name]["error"] is None and r["tries"][name]["changed"] is not None, name
+
+
+def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_w2):
+    # CP=2 at W=2: both ranks hold the same (TP, PP, EP) coordinate and the same adapter; the
+    # protocol refuses a file written by two ranks, so one file per coordinate means one writer.
+    from miles_lora_ckpt.core.verify import resolve
+
+    roots = layouts_w2[0]["roots"]
+    manifest = resolve(Path(roots["cp2"])).generation.manifest
+    assert manifest.topology.to_dict() == {"world": 2, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "dp": 1, "cp": 2, "vpp": 1}
+    assert sorted(manifest.files) == [
+        "adapter/dense_tp000_pp000.safetensors",
+        "adapter/expert_pp000_ep000_etp000.safetensors",
+        "optimizer/child0_tp000_pp000_ep000_etp000.safetensors",
+        "optimizer/child1_tp000_pp000_ep000_etp000.safetensors",
+        "training_state.json",
+    ]
+    # VPP=2 on two stages: one adapter file per stage holding both chunks, one optimizer file per stage
+    manifest = resolve(Path(roots["vpp2"])).generation.manifest
+    assert (manifest.topology.pp, manifest.topology.vpp, manifest.topology.dp) == (2, 2, 1)
+    assert sorted(f for f in manifest.files if f.startswith("adapter/dense")) == [
+        "adapter/dense_tp000_pp000.safetensors",
+        "adapter/dense_tp000_pp001.safetensors",
+    ]
+    assert sorted(f for f in manifest.files if f.startswith("optimizer/child0")) == [
+        "optimizer/child0_tp000_pp000_ep000_etp000.safetensors",
+        "optimizer/child0_tp000_pp001_ep000_etp000.safetensors",
+    ]
+
+
+@pytest.mark.parametrize("direction, name", [("up", n) for n in ELASTIC_UP] + [("down", n) for n in ELASTIC_DOWN])
+def test_dp_elastic_restore_is_bit_exact(direction, name, request):
+    """The DP size may change, under CP too: the optimizer group is DP x CP and its bucket-space
+    payload does not depend on that size, so the state is restored bit for bit and training goes on."""
+    results = [
+        r["elastic"][name] for r in request.getfixturevalue("layouts_w4" if direction == "up" else "layouts_w2_down")
+    ]
+    roots = [r for r in results if r["names"]]
+    assert roots, "no DP root compared anything"
+    compared = sorted(n for r in roots for n in r["names"])
+    assert any(n.endswith(".param") for n in compared) and any(n.endswith(".exp_avg_sq") for n in compared)
+    assert {n.split(".")[0] for n in compared} == {"child0", "child1"}  # dense and expert children
+    for r in results:
+        assert r["differing"] == [], r["differing"]
+        assert r["result"]["optimizer_restored"] and r["result"]["iteration"] == 2
 
 
 def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler(saved_root):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import struct
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import bounded, storage
 from miles_lora_ckpt.core.digest import digest_bytes
 
 DTYPES = [
@@ -119,3 +121,88 @@ def test_finiteness_check_is_exact_even_when_a_sum_overflows(tmp_path):
     mixed = torch.tensor([float("inf"), float("-inf")])  # the sum is NaN, still caught
     with pytest.raises(ValueError, match="NaN or Inf"):
         storage.save_tensors(tmp_path / "y.safetensors", {"w": mixed}, finite=True)
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"[" * 5000 + b"]" * 5000, "nested more than"),
+        (b"[" * 70 + b"]" * 70, "nested 70 levels deep"),
+        (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
+        (b'{"a": 1e999}', "out of range"),
+        (b'{"a": -Infinity}', "non-finite JSON constant -Infinity"),
+        (b'{"a": ' + b"9" * 5000 + b"}", "JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+    ],
+)
+def test_bounded_json_refuses(raw, reason):
+    with pytest.raises(ValueError, match=reason):
+        bounded.parse_json(raw)
+
+
+def test_bounded_json_size_limit_and_values():
+    with pytest.raises(ValueError, match="more than the 10 allowed"):
+        bounded.parse_json(b'{"abcdefgh": 1}', max_bytes=10)
+    assert bounded.integer(7, "x") == 7
+    for bad in (True, 7.0, -1, 2**63, None, "7"):
+        with pytest.raises(ValueError, match="x is"):
+            bounded.integer(bad, "x")
+    with pytest.raises(ValueError, match="outside"):
+        bounded.number(float("nan"), "y")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_non_regular_files_are_refused_without_being_opened(tmp_path, kind):
+    path = tmp_path / "f.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would block until a writer comes
+    elif kind == "symlink":
+        (tmp_path / "real.json").write_text("{}")
+        path.symlink_to(tmp_path / "real.json")
+    else:
+        path.mkdir()
+    for read in (storage.read_file_verified, storage.check_file, storage.read_json):
+        with pytest.raises(ValueError, match=f"is a {kind}, not a regular file"):
+            read(path)
+
+
+def test_nothing_is_allocated_beyond_the_memory_available(tmp_path, monkeypatch):
+    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1024, 1024)})
+    os.truncate(tmp_path / "t.safetensors", 2**40)  # a sparse terabyte
+    monkeypatch.setattr(storage, "available_memory", lambda: 2**30)
+    with pytest.raises(ValueError, match="more than the 1073741824 bytes of memory available"):
+        storage.check_file(tmp_path / "t.safetensors", keep=True)
+    with pytest.raises(ValueError, match="data section ends at byte"):  # streamed: judged from the header
+        storage.check_file(tmp_path / "t.safetensors", keep=False)
+
+
+def test_streamed_checks_hold_one_slice_at_a_time(tmp_path):
+    import tracemalloc
+
+    storage.save_tensors(tmp_path / "big.safetensors", {"w": torch.randn(16 * 1024 * 1024)})  # 64 MiB
+    tracemalloc.start()
+    try:
+        checked = storage.check_file(tmp_path / "big.safetensors", keep=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert checked.buffer is None and checked.entries["w"][1] == [16 * 1024 * 1024]
+    assert peak < 2 * storage.SLICE_BYTES, peak
+
+
+@pytest.mark.parametrize(
+    "entry, reason",
+    [
+        ({"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}, "dimension 0 is True, not an integer"),
+        ({"dtype": "F32", "shape": [0, 2**40, 2**40], "data_offsets": [0, 0]}, "overflow a tensor's size"),
+        ({"dtype": "F32", "shape": [4], "data_offsets": [-16, 0]}, "data offset is -16"),
+        ({"dtype": "F32", "shape": [4], "data_offsets": [0.0, 16]}, "data offset is 0.0, not an integer"),
+        ({"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}, "16 bytes do not hold F32"),
+        ({"dtype": "X9", "shape": [4], "data_offsets": [0, 16]}, "unsupported dtype"),
+    ],
+)
+def test_header_entries_are_bounded(entry, reason):
+    header = json.dumps({"w": entry}).encode()
+    raw = struct.pack("<Q", len(header)) + header + bytes(16)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        storage.parse_safetensors_header(raw)

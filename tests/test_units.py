@@ -71,3 +71,27 @@ def test_non_json_state_is_refused_loudly():
         to_json({"param_groups": object()}, "optimizer")
     with pytest.raises(TypeError, match="cannot be stored"):
         to_json({"t": torch.ones(3)})
+
+
+def test_manifest_round_trip_and_field_table():
+    import json
+
+    from miles_lora_ckpt.core.layout import FileRecord, Manifest, Topology, seal_manifest
+
+    record = FileRecord(bytes=8, digest="xxh3_128:" + "a" * 32, finite=True, binding={"role": "optimizer"})
+    manifest = Manifest("0123456789abcdef", 5, "single-lora", Topology(dp=2), {"x.safetensors": record}, sequence=3)
+    parsed = Manifest.from_json_bytes(manifest.to_json_bytes())
+    assert parsed == manifest and parsed.role_of("x.safetensors") == "optimizer"
+    body = json.loads(manifest.to_json_bytes())
+    assert body["format_version"] == 2 and body["sequence"] == 3 and "signature" not in body
+    for change, message in (
+        (lambda b: b.pop("sequence"), r"missing fields \['sequence'\]"),
+        (lambda b: b.update(extra=1), r"unknown fields \['extra'\]"),
+        (lambda b: b.update(iteration=True), "iteration is True, not an integer"),
+        (lambda b: b["topology"].update(tp=0), r"topology tp is 0, outside"),
+    ):
+        edited = json.loads(manifest.to_json_bytes())
+        edited.pop("manifest_digest")
+        change(edited)
+        with pytest.raises(ValueError, match=message):
+            Manifest.from_json_bytes(seal_manifest(edited))

@@ -3,7 +3,8 @@
 `CheckpointError` is collective: it is raised with the same text on every rank, after the ranks
 agreed that some phase failed somewhere. `GenerationDamaged` is what verification finds in one
 generation directory (a list of `(relative file, reason)` problems); loaders turn it into a
-`CheckpointError` through the consensus so that no rank goes on alone.
+`CheckpointError` through the consensus so that no rank goes on alone. `IncompatibleCheckpoint`
+is what a loader raises for an intact generation it must not restore into this run.
 """
 
 from __future__ import annotations
@@ -61,3 +62,8 @@ class NothingCommitted(GenerationDamaged):
 
 class NotACheckpoint(Exception):
     """A path holds neither a committed generation nor a save root."""
+
+
+class IncompatibleCheckpoint(ValueError):
+    """An intact generation that cannot be restored into this run (another model-parallel layout,
+    another saver): a refusal of the whole load, never a reason to fall back to an older one."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-_TUPLE, _SCALAR = "__tuple__", "__scalar_tensor__"
+# The tags of values JSON cannot hold (readers that check values without decoding use them too).
+TUPLE_TAG, SCALAR_TAG, FLOAT_TAG = "__tuple__", "__scalar_tensor__", "__float__"
+_TUPLE, _SCALAR = TUPLE_TAG, SCALAR_TAG
 
 
 def to_json(obj: Any, where: str = "state") -> Any:
@@ -18,7 +20,7 @@ def to_json(obj: Any, where: str = "state") -> Any:
         return obj
     if isinstance(obj, float):
         if not math.isfinite(obj):
-            return {"__float__": repr(obj)}
+            return {FLOAT_TAG: repr(obj)}
         return obj
     if isinstance(obj, tuple):
         return {_TUPLE: [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
@@ -40,12 +42,15 @@ def from_json(obj: Any) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {_TUPLE}:
             return tuple(from_json(v) for v in obj[_TUPLE])
-        if set(obj) == {"__float__"}:
-            return float(obj["__float__"])
+        if set(obj) == {FLOAT_TAG}:
+            return float(obj[FLOAT_TAG])
         if set(obj) == {_SCALAR, "dtype"}:
             import torch
 
-            return torch.tensor(obj[_SCALAR], dtype=getattr(torch, obj["dtype"]))
+            dtype = getattr(torch, str(obj["dtype"]), None)
+            if not isinstance(dtype, torch.dtype) or not isinstance(obj[_SCALAR], int | float | bool):
+                raise ValueError(f"bad scalar tensor {str(obj)[:80]}")
+            return torch.tensor(obj[_SCALAR], dtype=dtype)
         return {k: from_json(v) for k, v in obj.items()}
     return obj
 

@@ -4,15 +4,22 @@ A save root holds::
 
     <root>/
       latest_generation.json             tracker: names the newest committed generation (atomic replace)
+      .writer-lease.json                 the writer lease: which process may write here (see `lease`)
       gen-000000010-3f2a9c1e0b7d4e55/    a committed generation (published by one atomic rename)
         manifest.json                    written last; lists every other file with size and digest
         ...                              the saver's files (safetensors tensors, JSON metadata)
       .staging-7c0d1e2f3a4b5c6d/         an attempt in progress, or abandoned by a crash
+      .deleting-gen-.../                 a generation being removed by retention
 
 A staging name starts with a dot and never matches `gen-*` nor Miles' `iter_NNNNNNN`, so no reader
 (ours or Miles') can take it for a checkpoint. A generation directory is committed when it is named
 `gen-*` and holds a manifest whose self-digest checks; it is intact when every file it lists is
 present with its size and digest and nothing else is there.
+
+The manifest is read through a table of fields (`FIELDS`), each with its reader (a bounded check
+that raises ValueError naming the field), its writer and the first format version that has it.
+To add a field: give `Manifest` an attribute with a default, and add one `ManifestField` line
+(`optional=True` if generations without it must still be read).
 """
 
 from __future__ import annotations
@@ -21,19 +28,41 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
+from miles_lora_ckpt.core import bounded, signing
 from miles_lora_ckpt.core.digest import digest_bytes
 
 FORMAT_NAME = "miles-lora-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TRACKER = "latest_generation.json"
+LEASE = ".writer-lease.json"
 GENERATION_PREFIX = "gen-"
 STAGING_PREFIX = ".staging-"
+DELETING_PREFIX = ".deleting-"
 
-_GENERATION_RE = re.compile(r"^gen-(\d{9})-([0-9a-f]{16})$")
+MAX_MANIFEST_BYTES = bounded.MAX_JSON_BYTES
+MAX_TRACKER_BYTES = 64 * 1024
+MAX_ITERATION = 10**18 - 1  # a generation directory name holds at most 18 digits
+MAX_SEQUENCE = 2**62
+MAX_FILE_BYTES = 2**62
+MAX_TOPOLOGY_SIZE = 2**24
+
+ATTEMPT_ID = re.compile(r"[0-9a-f]{16}")
+DIGEST = re.compile(r"xxh3_128:[0-9a-f]{32}")
+_GENERATION_RE = re.compile(r"^gen-(\d{9,18})-([0-9a-f]{16})$")
 _STAGING_RE = re.compile(r"^\.staging-([0-9a-f]{16})$")
+
+# What a tensor file's own safetensors metadata says about itself (stamped by the protocol's
+# writer, format v2): the generation it was written for, and its path inside that generation.
+STAMP_KEYS = ("generation", "file")
+ROLE_TRAINING_STATE = "training-state"
+# Format v1 records no roles; these files of known savers are given theirs when read.
+_V1_ROLES = {("single-lora", "training_state.json"): ROLE_TRAINING_STATE}
 
 
 def new_attempt_id() -> str:
@@ -59,6 +88,11 @@ def is_staging_dir_name(name: str) -> bool:
     return _STAGING_RE.match(name) is not None
 
 
+def staging_attempt_id(name: str) -> str | None:
+    match = _STAGING_RE.match(name)
+    return match.group(1) if match else None
+
+
 @dataclass(frozen=True)
 class Topology:
     """The parallel layout a generation was written with."""
@@ -76,48 +110,125 @@ class Topology:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> Topology:
+    def from_dict(cls, data: Any, where: str = "topology") -> Topology:
         names = {f.name for f in fields(cls)}
+        bounded.mapping(data, where)
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown topology keys {sorted(unknown)}")
         for key, value in data.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"topology {key}={value!r} is not a positive integer")
+            bounded.integer(value, f"{where} {key}", low=1, high=MAX_TOPOLOGY_SIZE)
         return cls(**data)
 
     def model_parallel_differences(self, other: Topology) -> list[str]:
-        """Axes other than DP (and world) whose sizes differ: these forbid an exact restore."""
-        axes = ("tp", "pp", "ep", "etp", "cp", "vpp")
+        """Axes other than DP (and world) whose sizes differ, e.g. ``"cp: 2 -> 1 (context parallel)"``.
+
+        Each forbids an exact restore: they change which adapter shards and optimizer buckets a
+        rank holds (``cp`` and ``vpp`` included: a DP-size change alone is allowed).
+        """
         return [
-            f"{a}: {getattr(self, a)} -> {getattr(other, a)}" for a in axes if getattr(self, a) != getattr(other, a)
+            f"{axis}: {getattr(self, axis)} -> {getattr(other, axis)} ({meaning})"
+            for axis, meaning in MODEL_PARALLEL_AXES.items()
+            if getattr(self, axis) != getattr(other, axis)
         ]
+
+
+MODEL_PARALLEL_AXES = {
+    "tp": "tensor parallel",
+    "pp": "pipeline stages",
+    "ep": "expert parallel",
+    "etp": "expert tensor parallel",
+    "cp": "context parallel",
+    "vpp": "virtual pipeline chunks",
+}
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and digest of one written file, as the manifest lists it."""
+    """Size and digest of one written file, as the manifest lists it.
+
+    `binding` (format v2, tensor and role-bearing JSON files) says what the file is, e.g.
+    `{"role": "optimizer", "coordinate": "tp000_pp000_ep000_etp000", "child": "1"}`; a tensor file
+    carries the same keys in its own safetensors metadata, and readers check that both agree.
+    """
 
     bytes: int
     digest: str
-    finite: bool = False  # every float tensor in it must be finite (checked by verify)
+    finite: bool = False  # the writer checked that every float tensor in it is finite
+    binding: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        record = {"bytes": self.bytes, "digest": self.digest}
+        record: dict = {"bytes": self.bytes, "digest": self.digest}
         if self.finite:
             record["finite"] = True
+        if self.binding:
+            record["binding"] = dict(sorted(self.binding.items()))
         return record
 
     @classmethod
-    def from_dict(cls, data: dict) -> FileRecord:
-        if not isinstance(data.get("bytes"), int) or not isinstance(data.get("digest"), str):
-            raise ValueError(f"bad file record {data!r}")
-        return cls(bytes=data["bytes"], digest=data["digest"], finite=bool(data.get("finite", False)))
+    def from_dict(cls, data: Any, where: str = "file record") -> FileRecord:
+        bounded.mapping(data, where)
+        unknown = set(data) - {"bytes", "digest", "finite", "binding"}
+        if unknown or not {"bytes", "digest"} <= set(data):
+            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digest[, finite, binding]")
+        finite = data.get("finite", False)
+        if not isinstance(finite, bool):
+            raise ValueError(f"{where} finite is {bounded.show(finite)}, not a boolean")
+        return cls(
+            bytes=bounded.integer(data["bytes"], f"{where} bytes", high=MAX_FILE_BYTES),
+            digest=bounded.string(data["digest"], f"{where} digest", pattern=DIGEST),
+            finite=finite,
+            binding=bounded.string_map(data.get("binding", {}), f"{where} binding", max_len=256),
+        )
+
+
+def _read_files(data: Any, where: str) -> dict[str, FileRecord]:
+    bounded.mapping(data, where)
+    return {
+        bounded.string(rel, f"{where} path", max_len=1024): FileRecord.from_dict(rec, f"{where}[{rel[:80]!r}]")
+        for rel, rec in data.items()
+    }
+
+
+def _write_files(files: dict[str, FileRecord]) -> dict:
+    return {name: rec.to_dict() for name, rec in sorted(files.items())}
+
+
+@dataclass(frozen=True)
+class ManifestField:
+    """One top-level field of the manifest: how it is read (and checked), written, and since when.
+
+    An `optional` field may be absent (the `Manifest` attribute's default is used, and a None
+    value is not written); any other field of the manifest's version must be present.
+    """
+
+    name: str
+    read: Callable[[Any, str], Any]
+    write: Callable[[Any], Any] = lambda value: value
+    since: int = 1
+    optional: bool = False
+
+
+FIELDS: tuple[ManifestField, ...] = (
+    ManifestField("generation", lambda v, w: bounded.string(v, w, pattern=ATTEMPT_ID)),
+    ManifestField("iteration", lambda v, w: bounded.integer(v, w, high=MAX_ITERATION)),
+    ManifestField("sequence", lambda v, w: bounded.integer(v, w, low=1, high=MAX_SEQUENCE), since=2),
+    ManifestField("saver", lambda v, w: bounded.string(v, w, max_len=128)),
+    ManifestField("created_unix_ns", lambda v, w: bounded.integer(v, w)),
+    ManifestField("topology", Topology.from_dict, Topology.to_dict),
+    ManifestField("files", _read_files, _write_files),
+    ManifestField("metadata", bounded.mapping),
+)
 
 
 @dataclass
 class Manifest:
-    """Everything a reader needs to trust a generation; `manifest.json` is written last."""
+    """Everything a reader needs to trust a generation; `manifest.json` is written last.
+
+    `sequence` (format v2) is the generation's place in its root's commit order, assigned by the
+    coordinator at prepare time; format v1 has none (None). `signature` is the optional keyed
+    seal (see `signing`); `sealed_body` the canonical bytes that the digest and signature cover.
+    """
 
     generation: str
     iteration: int
@@ -125,64 +236,110 @@ class Manifest:
     topology: Topology
     files: dict[str, FileRecord]
     metadata: dict = field(default_factory=dict)
+    sequence: int | None = None
     created_unix_ns: int = field(default_factory=time.time_ns)
     format_version: int = FORMAT_VERSION
+    signature: dict | None = field(default=None, compare=False)
+    sealed_body: bytes = field(default=b"", compare=False, repr=False)
 
-    def to_json_bytes(self) -> bytes:
-        return seal_manifest(self._body())
+    def to_json_bytes(self, key: signing.SigningKey | None = None) -> bytes:
+        """The sealed manifest: body, its self-digest and, with a key, its HMAC signature."""
+        return seal_manifest(self._body(), key)
 
     def _body(self) -> dict:
-        return {
-            "format": FORMAT_NAME,
-            "format_version": self.format_version,
-            "generation": self.generation,
-            "iteration": self.iteration,
-            "saver": self.saver,
-            "created_unix_ns": self.created_unix_ns,
-            "topology": self.topology.to_dict(),
-            "files": {name: rec.to_dict() for name, rec in sorted(self.files.items())},
-            "metadata": self.metadata,
-        }
+        body: dict = {"format": FORMAT_NAME, "format_version": self.format_version}
+        for spec in FIELDS:
+            value = getattr(self, spec.name)
+            if self.format_version >= spec.since and not (spec.optional and value is None):
+                body[spec.name] = spec.write(value)
+        return body
+
+    def role_of(self, relpath: str) -> str | None:
+        """The role a listed file plays (`binding["role"]`; for format v1, known savers' files)."""
+        record = self.files.get(relpath)
+        if record is not None and "role" in record.binding:
+            return record.binding["role"]
+        return _V1_ROLES.get((self.saver, relpath)) if self.format_version == 1 else None
 
     @classmethod
-    def from_json_bytes(cls, raw: bytes) -> Manifest:
-        """Parse and check the self-digest; raises ValueError with the reason."""
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not valid JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise ValueError("not a JSON object")
+    def from_json_bytes(cls, raw: bytes | bytearray) -> Manifest:
+        """Parse (bounded) and check the self-digest and every field; raises ValueError naming
+        what is wrong. The signature, if any, is kept for `signing.check`."""
+        body = bounded.mapping(bounded.parse_json(raw, what="manifest", max_bytes=MAX_MANIFEST_BYTES), "manifest")
         claimed = body.pop("manifest_digest", None)
+        signature = body.pop("signature", None)
         if claimed is None:
             raise ValueError("no manifest_digest")
-        if manifest_digest(body) != claimed:
+        canonical = canonical_json(body)
+        if digest_bytes(canonical) != claimed:
             raise ValueError("manifest self-digest mismatch (edited or corrupted)")
         if body.get("format") != FORMAT_NAME:
-            raise ValueError(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
-        if body.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"unsupported format_version {body.get('format_version')!r}")
-        try:
-            return cls(
-                generation=str(body["generation"]),
-                iteration=int(body["iteration"]),
-                saver=str(body["saver"]),
-                topology=Topology.from_dict(body["topology"]),
-                files={name: FileRecord.from_dict(rec) for name, rec in body["files"].items()},
-                metadata=dict(body["metadata"]),
-                created_unix_ns=int(body["created_unix_ns"]),
-                format_version=body["format_version"],
+            raise ValueError(f"format is {bounded.show(body.get('format'))}, expected {FORMAT_NAME!r}")
+        version = body.get("format_version")
+        if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+            raise ValueError(
+                f"unsupported format_version {bounded.show(version)} (this version reads {list(READABLE_FORMAT_VERSIONS)})"
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"malformed manifest field ({exc!r})") from None
+        known = {spec.name: spec for spec in FIELDS if version >= spec.since}
+        missing = sorted(name for name, spec in known.items() if name not in body and not spec.optional)
+        unknown = sorted(set(body) - set(known) - {"format", "format_version"})
+        if missing or unknown:
+            raise ValueError(f"format v{version} manifest: missing fields {missing}, unknown fields {unknown}")
+        values = {name: spec.read(body[name], f"manifest field {name}") for name, spec in known.items() if name in body}
+        if signature is not None:
+            signing.check_shape(signature)
+        return cls(**values, format_version=version, signature=signature, sealed_body=canonical)
+
+
+def canonical_json(body: dict) -> bytes:
+    """The canonical bytes of a manifest body: what its digest and signature cover."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def manifest_digest(body: dict) -> str:
-    """Digest of a manifest body (without its `manifest_digest` key), over canonical JSON."""
-    return digest_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    """Digest of a manifest body (without its `manifest_digest` and `signature` keys)."""
+    return digest_bytes(canonical_json(body))
 
 
-def seal_manifest(body: dict) -> bytes:
-    """The bytes of `manifest.json` for `body`: the body plus its self-digest."""
-    sealed = dict(body, manifest_digest=manifest_digest(body))
+def seal_manifest(body: dict, key: signing.SigningKey | None = None) -> bytes:
+    """The bytes of `manifest.json` for `body`: the body plus its self-digest (and signature)."""
+    canonical = canonical_json(body)
+    sealed = dict(body, manifest_digest=digest_bytes(canonical))
+    if key is not None:
+        sealed["signature"] = signing.sign(canonical, key)
     return json.dumps(sealed, indent=1, sort_keys=True).encode()
+
+
+# --------------------------------------------------------------------------- tracker
+
+
+@dataclass(frozen=True)
+class Tracker:
+    """`latest_generation.json`: the generation the last publish named (a hint, cross-checked)."""
+
+    generation_dir: str
+    generation: str
+    iteration: int
+    sequence: int | None = None  # format v2
+
+    def to_dict(self) -> dict:
+        data = {"generation_dir": self.generation_dir, "generation": self.generation, "iteration": self.iteration}
+        if self.sequence is not None:
+            data["sequence"] = self.sequence
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Tracker:
+        bounded.mapping(data, "tracker")
+        name = bounded.string(data.get("generation_dir"), "tracker generation_dir", max_len=64)
+        if parse_generation_dir_name(name) is None:
+            raise ValueError(f"tracker generation_dir {bounded.show(name)} is not a generation directory name")
+        sequence = data.get("sequence")
+        return cls(
+            generation_dir=name,
+            generation=bounded.string(data.get("generation"), "tracker generation", pattern=ATTEMPT_ID),
+            iteration=bounded.integer(data.get("iteration"), "tracker iteration", high=MAX_ITERATION),
+            sequence=None
+            if sequence is None
+            else bounded.integer(sequence, "tracker sequence", low=1, high=MAX_SEQUENCE),
+        )

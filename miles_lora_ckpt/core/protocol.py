@@ -2,17 +2,24 @@
 
 Save, read top to bottom as phases::
 
-    prepare   coordinator picks a fresh attempt id, makes `.staging-<id>`     -> agree
-    write     every rank writes its own files into the staging directory      -> agree (gathers file records)
-    commit    coordinator writes manifest.json last, inside the staging dir   -> agree
-    publish   coordinator renames staging to gen-<iter>-<id> (one atomic
-              rename), then replaces the tracker                              -> agree
+    prepare   coordinator takes the root's writer lease (a second writer is
+              refused here, before anything is written), numbers the
+              generation (sequence = 1 + the highest in the root), picks a
+              fresh attempt id and makes `.staging-<id>`                       -> agree
+    write     every rank writes its own files into the staging directory,
+              each tensor file stamped with generation, path and binding     -> agree (gathers file records)
+    commit    coordinator writes manifest.json last, inside the staging dir
+              (signed when a key is configured)                              -> agree
+    publish   coordinator checks it still holds the lease, renames staging
+              to gen-<iter>-<id> (one atomic rename), replaces the tracker   -> agree
     retain    coordinator prunes old generations (never raises: it runs after the last collective)
 
-Load: the coordinator lists candidate generations; for each, every rank reads (and digest-checks)
-the files it needs and the files nobody needs are checked round-robin; all ranks agree on the
-verdict; a damaged newest generation of a root is skipped with a warning. Nothing is mutated here:
-callers get verified bytes and do their own preflight before touching model or optimizer.
+Load: the coordinator lists candidate generations in commit order (tracker disagreements become
+warnings); for each, every rank checks its structure, reads (and checks, see
+`verify.check_file_content`) the files it needs, and the files nobody needs are checked
+round-robin; all ranks agree on the verdict; a damaged generation of a root is skipped with a
+warning. Nothing is mutated here: callers get verified bytes and do their own preflight before
+touching model or optimizer.
 """
 
 from __future__ import annotations
@@ -20,40 +27,70 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles_lora_ckpt.core import faults, retention, storage
+from miles_lora_ckpt.core import faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
+from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
 from miles_lora_ckpt.core.layout import (
     MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_SEQUENCE,
+    STAMP_KEYS,
     TRACKER,
     FileRecord,
     Manifest,
     Topology,
+    Tracker,
     generation_dir_name,
     new_attempt_id,
+    parse_generation_dir_name,
     staging_dir_name,
 )
-from miles_lora_ckpt.core.verify import Generation, check_file_content, check_structure, committed_candidates
+from miles_lora_ckpt.core.verify import Generation, check_file_content, check_structure, find_candidates, reason
 
 log = logging.getLogger(__name__)
 
 
 class StagingWriter:
-    """What one rank may do during the write phase: put files into the attempt's staging directory."""
+    """What one rank may do during the write phase: put files into the attempt's staging directory.
 
-    def __init__(self, staging: Path, rank: int):
+    Every tensor file is stamped, in its own safetensors metadata, with the generation it belongs
+    to (the attempt id) and its path in it, plus the `binding` the saver gives it (e.g. role,
+    coordinate, optimizer child); the manifest records the binding too, and every reader checks
+    that file and manifest agree, so a file copied from another generation or swapped with
+    another file is refused. JSON files record their binding in the manifest only.
+    """
+
+    def __init__(self, staging: Path, rank: int, generation: str):
         self.staging = staging
         self.rank = rank
+        self.generation = generation
         self.records: dict[str, FileRecord] = {}
 
-    def write_tensors(self, relpath: str, tensors, *, metadata: dict[str, str] | None = None, finite: bool = True):
-        self._record(relpath, storage.save_tensors(self._target(relpath), tensors, metadata=metadata, finite=finite))
+    def write_tensors(
+        self,
+        relpath: str,
+        tensors,
+        *,
+        metadata: dict[str, str] | None = None,
+        binding: dict[str, str] | None = None,
+        finite: bool = True,
+    ) -> None:
+        binding = _checked_binding(binding)
+        stamp = {"generation": self.generation, "file": relpath, **binding}
+        clash = sorted(set(metadata or {}) & set(stamp))
+        if clash:
+            raise ValueError(f"{relpath}: metadata keys {clash} are reserved for the generation stamp and binding")
+        record = storage.save_tensors(
+            self._target(relpath), tensors, metadata={**(metadata or {}), **stamp}, finite=finite
+        )
+        self._record(relpath, replace(record, binding=binding))
 
-    def write_json(self, relpath: str, obj) -> None:
-        self._record(relpath, storage.write_json(self._target(relpath), obj))
+    def write_json(self, relpath: str, obj, *, binding: dict[str, str] | None = None) -> None:
+        record = storage.write_json(self._target(relpath), obj)
+        self._record(relpath, replace(record, binding=_checked_binding(binding)))
 
     def _target(self, relpath: str) -> Path:
         if relpath in self.records:
@@ -70,6 +107,14 @@ class StagingWriter:
     def sync_dirs(self) -> None:
         for directory in sorted({(self.staging / rel).parent for rel in self.records}, reverse=True):
             storage.fsync_dir(directory)
+
+
+def _checked_binding(binding: dict[str, str] | None) -> dict[str, str]:
+    binding = dict(binding or {})
+    for key, value in binding.items():
+        if key in STAMP_KEYS or not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"bad binding {key!r}: {value!r} (string keys other than {STAMP_KEYS}, string values)")
+    return binding
 
 
 WriteFn = Callable[[StagingWriter], None]
@@ -90,19 +135,19 @@ def save_generation(
 
     `write_files(writer)` runs on every rank and writes that rank's files (possibly none).
     `metadata` (JSON) goes into the manifest; `keep` prunes to the newest N generations afterwards.
-    Raises the same CheckpointError on every rank if any rank fails any phase; the previous
-    generation and the tracker are then untouched.
+    Raises the same CheckpointError on every rank if any rank fails any phase (another writer
+    holding the root's lease included); the previous generation and the tracker are then untouched.
     """
     root, rank = Path(root), consensus.rank
     coordinator = rank == 0
 
-    # prepare: the coordinator picks a fresh attempt id and makes its staging directory
-    prepared = attempt(_make_staging, root) if coordinator else Outcome.success()
-    attempt_id = consensus.agree("prepare", prepared)[0]
+    # prepare: the coordinator takes the lease, numbers the generation, makes its staging directory
+    prepared = attempt(_prepare, root) if coordinator else Outcome.success(_Prepared("", 0, None))
+    attempt_id, sequence = consensus.agree("prepare", prepared.map(lambda p: [p.attempt_id, p.sequence]))[0]
     staging = root / staging_dir_name(attempt_id)
 
     # write: each rank its own files
-    records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, rank, write_files))
+    records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, attempt_id, rank, write_files))
 
     # commit: the coordinator writes the manifest last, still inside the staging directory
     manifest = Manifest(
@@ -112,32 +157,74 @@ def save_generation(
         topology=topology,
         files={},
         metadata=metadata or {},
+        sequence=sequence,
     )
     commit = _write_manifest if coordinator else _bystander(COMMIT_FAULTS)
-    consensus.agree("commit", attempt(commit, staging, manifest, records_by_rank, rank))
+    consensus.agree("commit", attempt(commit, staging, manifest, records_by_rank, prepared.value.key, rank))
 
-    # publish: one atomic rename makes the generation visible, then the tracker names it
+    # publish: still the lease holder? then one atomic rename makes the generation visible, and the
+    # tracker names it
     final = root / generation_dir_name(iteration, attempt_id)
     publish = _publish if coordinator else _bystander(PUBLISH_FAULTS)
     consensus.agree("publish", attempt(publish, staging, final, manifest, rank))
 
     # retain: after the last collective, so it must not raise
     if coordinator and keep is not None:
-        retention.prune_quietly(root, keep=keep)
+        retention.prune_quietly(root, keep=keep, trusted=(final.name,))
     return final
 
 
-def _make_staging(root: Path) -> str:
-    # No fsync here: a staging directory lost in a crash is just an attempt that never happened.
-    attempt_id = new_attempt_id()
+@dataclass
+class _Prepared:
+    attempt_id: str
+    sequence: int
+    key: signing.SigningKey | None  # stays on the coordinator
+
+
+def _prepare(root: Path) -> _Prepared:
+    # No fsync of the staging directory: one lost in a crash is an attempt that never happened.
+    key = signing.configured_key()
     root.mkdir(parents=True, exist_ok=True)
+    lease.acquire(root)
+    sequence = next_sequence(root, key)
+    attempt_id = new_attempt_id()
     (root / staging_dir_name(attempt_id)).mkdir()  # fails if it exists: never reused
-    return attempt_id
+    return _Prepared(attempt_id, sequence, key)
 
 
-def _write_rank_files(staging: Path, rank: int, write_files: WriteFn) -> dict:
+def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
+    """1 + the highest sequence among the root's committed manifests and its tracker.
+
+    Damaged generations keep their numbers (a sequence is never reused); with a key configured,
+    only properly signed manifests count (a forged one cannot exhaust the numbers).
+    """
+    highest, holder = 0, None
+    for name in os.listdir(root):
+        if parse_generation_dir_name(name) is None:
+            continue
+        try:
+            manifest = Manifest.from_json_bytes(
+                storage.read_file_verified(root / name / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+            )
+        except Exception:  # noqa: BLE001 - an unreadable manifest holds no usable number
+            continue
+        if manifest.sequence is not None and manifest.sequence > highest:
+            if signing.problem(manifest.signature, manifest.sealed_body, key) is None:
+                highest, holder = manifest.sequence, name
+    try:
+        tracked = Tracker.from_dict(storage.read_json(root / TRACKER)).sequence or 0
+    except Exception:  # noqa: BLE001 - a missing or unusable tracker adds nothing
+        tracked = 0
+    if tracked > highest:
+        highest, holder = tracked, TRACKER
+    if highest >= MAX_SEQUENCE:
+        raise ValueError(f"{root}: {holder} claims sequence {highest}, the last one there is; save to a new root")
+    return highest + 1
+
+
+def _write_rank_files(staging: Path, generation: str, rank: int, write_files: WriteFn) -> dict:
     faults.point("before-write", rank)
-    writer = StagingWriter(staging, rank)
+    writer = StagingWriter(staging, rank, generation)
     write_files(writer)
     if not writer.records:
         faults.point("mid-write", rank)  # a rank with nothing to write still passes every phase
@@ -160,10 +247,12 @@ def _bystander(phases: tuple[str, ...]):
     return run
 
 
-def _write_manifest(staging: Path, manifest: Manifest, records_by_rank: list[dict], rank: int) -> None:
+def _write_manifest(
+    staging: Path, manifest: Manifest, records_by_rank: list[dict], key: signing.SigningKey | None, rank: int
+) -> None:
     faults.point("after-consensus", rank)
     manifest.files = _merge_records(records_by_rank)
-    body = manifest.to_json_bytes()
+    body = manifest.to_json_bytes(key)
     half = len(body) // 2
 
     def manifest_chunks():
@@ -177,11 +266,12 @@ def _write_manifest(staging: Path, manifest: Manifest, records_by_rank: list[dic
 
 
 def _publish(staging: Path, final: Path, manifest: Manifest, rank: int) -> None:
+    lease.confirm(final.parent)  # lost it (stalled past the timeout)? then the root is another writer's
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
-    tracker = {"generation_dir": final.name, "generation": manifest.generation, "iteration": manifest.iteration}
-    storage.write_json(final.parent / TRACKER, tracker)
+    tracker = Tracker(final.name, manifest.generation, manifest.iteration, manifest.sequence)
+    storage.write_json(final.parent / TRACKER, tracker.to_dict())
     storage.fsync_dir(final.parent)  # makes the rename and the tracker durable together
     faults.point("after-publish", rank)
 
@@ -202,70 +292,95 @@ def _merge_records(records_by_rank: list[dict]) -> dict[str, FileRecord]:
 
 @dataclass
 class OpenedGeneration:
-    """A generation all ranks agreed on, with this rank's files read and verified."""
+    """A generation all ranks agreed on, with this rank's files read and checked."""
 
     path: Path
     manifest: Manifest
-    buffers: dict[str, bytearray]
+    files: dict[str, storage.CheckedFile]
+    warnings: list[str] = field(default_factory=list)  # skipped generations, tracker disagreements
 
     def tensors(self, relpath: str):
-        """Zero-copy tensors of one of this rank's files (already digest- and header-checked)."""
-        _, entries = storage.parse_safetensors_header(self.buffers[relpath])
-        return storage.tensors_from_buffer(self.buffers[relpath], entries)
+        """Zero-copy tensors of one of this rank's files (already checked)."""
+        return self.files[relpath].tensors()
 
     def json(self, relpath: str):
-        return storage.parse_json(self.buffers[relpath])
+        """A fresh copy of one of this rank's JSON files (already checked)."""
+        return storage.parse_json(self.files[relpath].buffer, what=relpath)
+
+    def binding(self, relpath: str) -> dict[str, str]:
+        """What the manifest says the file is (format v2; empty for v1)."""
+        return dict(self.manifest.files[relpath].binding)
+
+    @property
+    def buffers(self) -> dict[str, bytearray]:
+        return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
-FilesFn = Callable[[Manifest], list[str]]
+FilesFn = Callable[[Manifest], list[str]]  # raises IncompatibleCheckpoint to refuse, anything else: damage
 
 
 def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn) -> OpenedGeneration:
     """Collective. Resolve `path` (a save root or one generation) and read this rank's files.
 
-    Every rank reads `files_for_rank(manifest)` with size, digest and header checks; the files no
-    rank asked for are verified round-robin, so every listed byte is checked exactly once. All
-    ranks agree on one generation; a root falls back past damaged generations with a warning, an
+    Every rank reads `files_for_rank(manifest)` with every content check; the files no rank asked
+    for are verified round-robin, so every listed byte is checked exactly once. All ranks agree on
+    one generation; a root falls back past damaged generations with a warning (an error raised by
+    `files_for_rank` is damage too, except `IncompatibleCheckpoint`, which fails the load), an
     explicit generation that is damaged fails. Mutates nothing.
     """
     rank, world = consensus.rank, consensus.world_size
-    # resolve: every rank must ask for the same thing; the coordinator lists candidates, newest first
+    # resolve: every rank asks for the same thing and loads its signing key; the coordinator lists
+    # the candidates in commit order, with every disagreement of the tracker as a warning
     consensus.agree_same("resolve", Outcome.success(str(path)))
-    listing = attempt(_list_candidates, Path(path)) if rank == 0 else Outcome.success()
-    candidates, is_root = consensus.agree("resolve", listing)[0]
+    local = attempt(_resolve_locally, Path(path), rank == 0)
+    candidates, is_root, warnings = consensus.agree("resolve", local.map(lambda r: r[1]))[0]
+    key = local.value[0]
+    for warning in warnings:
+        log.warning("%s: %s", path, warning)
     damage: list[RankFailure] = []
     for candidate in map(Path, candidates):
         # plan: every rank checks the structure (once) and names the files it needs
-        planned = attempt(_plan_reads, candidate, files_for_rank)
+        planned = attempt(_plan_reads, candidate, files_for_rank, key)
         plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
         if not problems:
             # read: own files plus a share of the unclaimed ones; agree on what was found
             # (damage found in a file is a verdict; any other error fails the load on every rank)
             manifest = planned.value[0].manifest
-            local = attempt(_read_share, rank, world, candidate, manifest, [plan["files"] for plan in plans])
-            verdicts = consensus.agree("read", local.map(lambda read: read[1]))
+            local_read = attempt(_read_share, rank, world, candidate, manifest, [plan["files"] for plan in plans])
+            verdicts = consensus.agree("read", local_read.map(lambda read: read[1]))
             problems = [RankFailure(r, p) for r, v in enumerate(verdicts) for p in v]
             if not problems:
-                return OpenedGeneration(candidate, manifest, local.value[0])
+                return OpenedGeneration(candidate, manifest, local_read.value[0], warnings)
         damage += problems
         if not is_root:
             break
-        log.warning("skipping damaged generation %s: %s", candidate, "; ".join(f.error for f in problems))
+        skipped = f"skipping damaged generation {candidate}: " + "; ".join(f.error for f in problems)
+        log.warning("%s", skipped)
+        warnings = [*warnings, skipped]
     raise CheckpointError("verify", damage or [RankFailure(0, f"no intact generation under {path}")])
 
 
-def _list_candidates(path: Path) -> tuple[list[str], bool]:
-    candidates, is_root = committed_candidates(path)
-    return [str(c) for c in candidates], is_root
+def _resolve_locally(path: Path, coordinator: bool):
+    """(this rank's signing key, and on the coordinator the JSON listing every rank agrees on)."""
+    key = signing.configured_key()
+    if not coordinator:
+        return key, None
+    found = find_candidates(path, key=key)
+    return key, [[str(c) for c in found.paths], found.is_root, found.warnings]
 
 
-def _plan_reads(candidate: Path, files_for_rank: FilesFn) -> tuple[Generation, dict]:
+def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generation, dict]:
     """The checked structure (kept on this rank) and the JSON plan every rank agrees on."""
-    gen = check_structure(candidate)
+    gen = check_structure(candidate, key=key)
     if not gen.intact:
         return gen, {"files": [], "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
-    wanted = sorted(files_for_rank(gen.manifest))
+    try:
+        wanted = sorted(files_for_rank(gen.manifest))
+    except IncompatibleCheckpoint:
+        raise  # intact but not for this run: the load fails, it never falls back to an older generation
+    except Exception as exc:  # noqa: BLE001 - anything else wrong with what the manifest says is damage
+        return gen, {"files": [], "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
         for rel in wanted
@@ -275,13 +390,14 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn) -> tuple[Generation, d
 
 
 def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, wanted: list[list[str]]):
-    """Read this rank's files and its round-robin share of the unclaimed ones."""
+    """Read this rank's files (kept) and check its round-robin share of the unclaimed ones (streamed)."""
     faults.point("before-read", rank)
     unclaimed = sorted(set(manifest.files) - {rel for files in wanted for rel in files})
-    buffers, problems = {}, []
+    mine = set(wanted[rank])
+    files, problems = {}, []
     for rel in list(wanted[rank]) + unclaimed[rank::world]:
         try:
-            buffers[rel] = check_file_content(candidate, rel, manifest.files[rel])
-        except (OSError, ValueError) as exc:
-            problems.append(f"{candidate / rel}: {exc}")
-    return {rel: buffers[rel] for rel in wanted[rank] if rel in buffers}, problems
+            files[rel] = check_file_content(candidate, rel, manifest, keep=rel in mine)
+        except Exception as exc:  # noqa: BLE001 - total: any failure reading a file is damage to it
+            problems.append(f"{candidate / rel}: {reason(exc)}")
+    return {rel: files[rel] for rel in wanted[rank] if rel in files}, problems

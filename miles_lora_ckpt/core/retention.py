@@ -1,69 +1,231 @@
-"""Retention: keep the newest N committed generations, remove abandoned staging directories.
+"""Retention: keep the newest N content-verified generations, and never lose the last good one.
 
-Deletion first renames a directory to `.deleting-<name>` (one atomic step that takes it out of
-every reader's view), then removes it; a crash in between leaves only a `.deleting-*` leftover that
-the next prune finishes. What the tracker names is never removed.
+`plan_prune` decides, in this order:
+
+1. Generations are walked newest first (commit order, see `verify`), and each is content-verified
+   (every byte read and checked, exactly as a loader would) until `keep` intact ones are found:
+   those are kept. A damaged generation never counts among the N kept.
+2. If no generation passes, no generation is removed: the root keeps whatever it has.
+3. The tracker's generation is kept, and so is every damaged generation newer than the oldest one
+   kept (left for an operator to look at); every other generation older than the oldest kept
+   generation is removed (those are not read).
+4. Staging directories are never touched while another process holds a live writer lease of the
+   root (its attempt may be live). The lease holder itself (retention at the end of its save)
+   removes every staging directory: its own attempts run one at a time and the last one was just
+   published. Without a live lease, staging directories older than `staging_min_age_s` go.
+5. `.deleting-*` leftovers of an interrupted removal are finished.
+
+Removal renames an entry to `.deleting-<name>` first (one atomic step that takes it out of every
+reader's view), then removes it: a link or file is unlinked (never followed), a directory removed
+without following any link inside. A failure on one entry is reported and the others go on.
+
+Retention at the end of a save (`prune_quietly`) trusts the generation it just wrote (its digests
+were computed over the bytes as they were written) and does not re-read a generation this process
+already verified while none of its files changed (inode, size, mtime and ctime of every file).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
+import stat
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from miles_lora_ckpt.core.verify import read_tracker, scan_root
+from miles_lora_ckpt.core import lease, signing
+from miles_lora_ckpt.core.layout import DELETING_PREFIX, MANIFEST, Manifest
+from miles_lora_ckpt.core.verify import RootEntry, reason, verify_generation, view_root
 
 log = logging.getLogger(__name__)
 
 
-def plan_prune(root: Path, *, keep: int, staging_min_age_s: float = 0.0) -> list[Path]:
-    """The directories a prune would remove.
+@dataclass
+class PrunePlan:
+    """What a prune keeps and removes, and why some things were left alone."""
 
-    Keeps the newest `keep` intact generations (by commit time), the tracker's generation, and
-    every damaged generation newer than the oldest one kept (left for an operator to look at). Staging
-    directories younger than `staging_min_age_s` are kept too (an attempt may be in progress).
+    remove: list[Path]
+    kept: list[str]  # the content-verified generations counted among the N kept, newest first
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PruneReport(PrunePlan):
+    removed: list[Path] = field(default_factory=list)
+    failed: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def plan_prune(
+    root: Path,
+    *,
+    keep: int,
+    staging_min_age_s: float = 0.0,
+    key: Any = signing.FROM_SETTINGS,
+    trusted: tuple[str, ...] = (),
+    as_holder: bool = False,
+) -> PrunePlan:
+    """The plan of a prune (see the module docstring); removes nothing.
+
+    `as_holder`: called by this process's save, which holds the root's writer lease (checked).
+    `trusted`: generation names to count as content-verified without reading them.
     """
     if keep < 1:
         raise ValueError("keep must be at least 1")
-    root = Path(root)
-    entries = scan_root(root)
-    intact = [e for e in entries if e.state == "committed"]
-    kept = {e.name for e in intact[:keep]} | {read_tracker(root)}
-    oldest_kept = min(e.created_unix_ns for e in intact[:keep]) if intact else None
-    doomed = []
-    now = time.time()
-    for entry in entries:
-        path = root / entry.name
-        if entry.state in ("staging", "deleting"):
-            if entry.state == "deleting" or now - path.stat().st_mtime >= staging_min_age_s:
-                doomed.append(path)
-        elif entry.name not in kept and oldest_kept is not None and entry.created_unix_ns < oldest_kept:
-            doomed.append(path)
-    return doomed
+    root, key = Path(root), signing.resolve(key)
+    view = view_root(root, key=key)
+    generations = view.generations()
+    kept: list[RootEntry] = []
+    for entry in generations:
+        if len(kept) == keep:
+            break
+        if entry.state != "damaged" and _content_ok(root / entry.name, entry, key, trusted):
+            kept.append(entry)
+    plan = PrunePlan([], [e.name for e in kept], list(view.warnings))
+    if not kept:
+        plan.notes.append("no generation passed content verification: no generation removed")
+    else:
+        oldest_kept = kept[-1].order
+        spared = {e.name for e in kept} | {view.tracker.generation_dir if view.tracker else None}
+        plan.remove += [root / e.name for e in generations if e.name not in spared and e.order < oldest_kept]
+    staging = [e for e in view.entries if e.state == "staging"]
+    plan.remove += _doomed_staging(root, staging, staging_min_age_s, plan, as_holder)
+    plan.remove += [root / e.name for e in view.entries if e.state == "deleting"]
+    return plan
 
 
-def prune(root: Path, *, keep: int, staging_min_age_s: float = 0.0, dry_run: bool = False) -> list[Path]:
-    """Remove what `plan_prune` names (nothing with `dry_run`); returns those paths."""
-    doomed = plan_prune(root, keep=keep, staging_min_age_s=staging_min_age_s)
+def prune(
+    root: Path,
+    *,
+    keep: int,
+    staging_min_age_s: float = 0.0,
+    dry_run: bool = False,
+    key: Any = signing.FROM_SETTINGS,
+    trusted: tuple[str, ...] = (),
+    as_holder: bool = False,
+) -> PruneReport:
+    """Remove what `plan_prune` names (nothing with `dry_run`)."""
+    plan = plan_prune(
+        root, keep=keep, staging_min_age_s=staging_min_age_s, key=key, trusted=trusted, as_holder=as_holder
+    )
+    report = PruneReport(plan.remove, plan.kept, plan.notes)
     if not dry_run:
-        for path in doomed:
-            _remove(path)
-    return doomed
+        for path in plan.remove:
+            failure = _remove(path)
+            if failure is None:
+                report.removed.append(path)
+                _verified.pop(str(path), None)
+            else:
+                report.failed.append((path, failure))
+    return report
 
 
-def prune_quietly(root: Path, *, keep: int) -> None:
+def prune_quietly(root: Path, *, keep: int, trusted: tuple[str, ...] = ()) -> None:
     """`prune` for the end of a save: runs after the last collective, so it logs instead of raising."""
     try:
-        prune(root, keep=keep)
+        report = prune(root, keep=keep, trusted=trusted, as_holder=True)
     except Exception as exc:  # noqa: BLE001 - the save is already committed; never fail it here
         log.warning("retention in %s failed (the new generation is committed): %s", root, exc)
+        return
+    for path, failure in report.failed:
+        log.warning("retention in %s could not remove %s: %s", root, path.name, failure)
+    for note in report.notes:
+        log.warning("retention in %s: %s", root, note)
 
 
-def _remove(path: Path) -> None:
-    if not path.name.startswith(".deleting-"):
-        moved = path.with_name(f".deleting-{path.name}")
-        os.rename(path, moved)
-        path = moved
-    shutil.rmtree(path)
+# --------------------------------------------------------------------------- decisions
+
+
+def _doomed_staging(
+    root: Path, staging: list[RootEntry], min_age_s: float, plan: PrunePlan, as_holder: bool
+) -> list[Path]:
+    if not staging:
+        return []
+    if as_holder and _still_hold(root):
+        return [root / e.name for e in staging]  # ours; none is live (the last attempt was published)
+    state = lease.read_state(root)
+    if state is not None and state.live:
+        plan.notes.append(
+            f"{len(staging)} staging director(ies) left alone: the root's writer lease is {state.describe()}"
+        )
+        return []
+    now, doomed = time.time(), []
+    for entry in staging:
+        try:
+            if now - os.lstat(root / entry.name).st_mtime >= min_age_s:
+                doomed.append(root / entry.name)
+        except FileNotFoundError:
+            pass
+    return doomed
+
+
+def _still_hold(root: Path) -> bool:
+    if not lease.holds(root):
+        return False
+    try:
+        lease.confirm(root)
+    except (lease.LeaseHeld, OSError):
+        return False
+    return True
+
+
+_verified: dict[str, tuple] = {}  # generation path -> signature of its files when verified
+
+
+def _content_ok(path: Path, entry: RootEntry, key, trusted: tuple[str, ...]) -> bool:
+    before = _signature(path, entry.generation.manifest)
+    if before is not None and (entry.name in trusted or _verified.get(str(path)) == before):
+        _verified[str(path)] = before
+        return True
+    checked = verify_generation(path, key=key)
+    if not checked.intact:
+        entry.state, entry.generation = "damaged", checked
+        return False
+    after = _signature(path, checked.manifest)
+    if after is not None and after == before:
+        _verified[str(path)] = after
+    return True
+
+
+def _signature(path: Path, manifest: Manifest | None) -> tuple | None:
+    """Identity of every file of a generation as the file system reports it (None if unknown)."""
+    if manifest is None:
+        return None
+    try:
+        stats = [(rel, os.lstat(path / rel)) for rel in (MANIFEST, *sorted(manifest.files))]
+    except OSError:
+        return None
+    return tuple((rel, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for rel, s in stats)
+
+
+# --------------------------------------------------------------------------- removal
+
+
+def _remove(path: Path) -> str | None:
+    """Remove one entry of a root; returns why it failed (None: removed, or already gone)."""
+    try:
+        if not path.name.startswith(DELETING_PREFIX):
+            path = _move_out_of_view(path)
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)  # unlinks links inside, never follows them
+        else:
+            os.unlink(path)  # a link, FIFO or file named like a generation: never followed
+    except FileNotFoundError:
+        return None  # removed by someone else meanwhile
+    except OSError as exc:
+        return reason(exc)
+    return None
+
+
+def _move_out_of_view(path: Path) -> Path:
+    target = path.with_name(f"{DELETING_PREFIX}{path.name}")
+    try:
+        os.rename(path, target)
+    except OSError:
+        if not os.path.lexists(target):
+            raise
+        target = path.with_name(f"{DELETING_PREFIX}{path.name}.{secrets.token_hex(4)}")
+        os.rename(path, target)
+    return target

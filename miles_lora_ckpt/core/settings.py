@@ -4,15 +4,24 @@ Every setting has a default, an environment variable that overrides it, and may 
 again in code with `configure(...)` (the Miles integration applies its config file this way).
 `current()` is read where a setting is used, so a change takes effect at the next use.
 
-| setting               | environment variable           | default | meaning                                    |
-|-----------------------|--------------------------------|---------|--------------------------------------------|
-| `consensus_timeout_s` | `MILES_LORA_CKPT_TIMEOUT_S`    | 600     | seconds a rank waits for a peer in any checkpoint collective |
+| setting               | environment variable               | default | meaning |
+|-----------------------|------------------------------------|---------|---------|
+| `consensus_timeout_s` | `MILES_LORA_CKPT_TIMEOUT_S`        | 600     | seconds a rank waits for a peer in any checkpoint collective |
+| `lease_timeout_s`     | `MILES_LORA_CKPT_LEASE_TIMEOUT_S`  | 60      | seconds without renewal after which a save root's writer lease is stale and another writer may take it over (the holder renews every quarter of it) |
+| `run_id`              | `MILES_LORA_CKPT_RUN_ID`           | ""      | a name for this training run, shown in the writer lease (empty: none) |
+| `hmac_key_file`       | `MILES_LORA_CKPT_HMAC_KEY_FILE`    | ""      | file holding the secret key (at least 16 bytes, surrounding whitespace ignored) that signs manifests with HMAC-SHA256; when a key is configured, unsigned or mis-signed generations are refused |
+| `hmac_key`            | `MILES_LORA_CKPT_HMAC_KEY`         | ""      | the key itself, instead of a file (prefer the file: environments leak) |
+
+The key is never written anywhere by this package and never shown (`repr(current())` hides it).
+Set at most one of `hmac_key_file` and `hmac_key`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 
 
 @dataclass(frozen=True)
@@ -20,10 +29,18 @@ class Settings:
     """The effective settings (see the module docstring for each one)."""
 
     consensus_timeout_s: float = 600.0
+    lease_timeout_s: float = 60.0
+    run_id: str = ""
+    hmac_key_file: str = ""
+    hmac_key: str = field(default="", repr=False)
 
 
 ENV_VARS = {
     "consensus_timeout_s": "MILES_LORA_CKPT_TIMEOUT_S",
+    "lease_timeout_s": "MILES_LORA_CKPT_LEASE_TIMEOUT_S",
+    "run_id": "MILES_LORA_CKPT_RUN_ID",
+    "hmac_key_file": "MILES_LORA_CKPT_HMAC_KEY_FILE",
+    "hmac_key": "MILES_LORA_CKPT_HMAC_KEY",
 }
 
 _overrides: dict[str, object] = {}
@@ -40,11 +57,14 @@ def current() -> Settings:
 
 
 def configure(**values: object) -> None:
-    """Override settings in this process (e.g. from the plugin config file); unknown names raise."""
-    known = {spec.name for spec in fields(Settings)}
-    unknown = sorted(set(values) - known)
+    """Override settings in this process (e.g. from the plugin config file); unknown names or
+    values of the wrong type raise ValueError."""
+    known = {spec.name: type(spec.default) for spec in fields(Settings)}
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"unknown settings {unknown}; known: {sorted(known)}")
+    for name, value in values.items():
+        _check(name, value, known[name], shown=f"setting {name}")
     _overrides.update(values)
 
 
@@ -53,11 +73,30 @@ def reset() -> None:
     _overrides.clear()
 
 
+@contextmanager
+def overridden(**values: object) -> Iterator[None]:
+    """`configure(**values)` for the duration of a `with` block (the CLI's options, tests)."""
+    saved = dict(_overrides)
+    configure(**values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
 def _parse(name: str, raw: str, kind: type) -> object:
     try:
         value = kind(raw)
     except ValueError:
         raise ValueError(f"${ENV_VARS[name]}={raw!r} is not a valid {kind.__name__}") from None
-    if isinstance(value, float) and not value > 0:
-        raise ValueError(f"${ENV_VARS[name]}={raw!r} must be positive")
+    _check(name, value, kind, shown=f"${ENV_VARS[name]}={'<hidden>' if name == 'hmac_key' else repr(raw)}")
     return value
+
+
+def _check(name: str, value: object, kind: type, *, shown: str) -> None:
+    if kind is float:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0 or value == float("inf"):
+            raise ValueError(f"{shown} must be a positive number of seconds")
+    elif not isinstance(value, kind):
+        raise ValueError(f"{shown} must be a {kind.__name__}")

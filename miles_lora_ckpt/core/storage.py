@@ -1,8 +1,16 @@
-"""Where bytes go: crash-safe files, our own streaming safetensors writer, and a strict reader.
+"""Where bytes go: crash-safe files, our own streaming safetensors writer, and a strict, bounded reader.
 
-Every file is written under a temporary name, fsynced, then renamed; the digest is computed on
-the bytes as they are written, so a file is read back only by readers. Tensors are safetensors
-(readable by the `safetensors` library as is), everything else JSON. Nothing here unpickles.
+Writing: every file is written under a temporary name, fsynced, then renamed; the digest is
+computed on the bytes as they are written. Tensors are safetensors (readable by the `safetensors`
+library as is), everything else JSON. Nothing here unpickles.
+
+Reading (`check_file`): a file is judged from `lstat` before it is opened (a FIFO, device, socket
+or link is refused without being opened, so nothing blocks), opened with `O_NOFOLLOW|O_NONBLOCK`
+and re-checked on the descriptor, then read once, front to back: every byte is hashed, a
+safetensors header is parsed with bounds on its length, depth, shapes and offsets, and every
+floating tensor is checked for finiteness slice by slice. With `keep=False` only one slice is in
+memory at a time; with `keep=True` the whole file is kept (zero-copy tensors), and only after a
+check that it fits in the memory this host has. Nothing allocates more than a file really holds.
 """
 
 from __future__ import annotations
@@ -12,11 +20,14 @@ import json
 import math
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.digest import StreamingDigest
 from miles_lora_ckpt.core.layout import FileRecord
 
@@ -38,7 +49,13 @@ _DTYPES = {
 }
 _TAG_OF = {torch_name: tag for tag, (torch_name, _) in _DTYPES.items()}
 _FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_HEADER_DEPTH = 4  # {name: {"shape": [...]}} and {"__metadata__": {...}}
+MAX_TENSOR_RANK = 32
+MAX_DIM = 2**48
+MAX_STRIDE = 2**62  # every stride (product of trailing dims) must fit torch's int64 sizes
+SLICE_BYTES = 4 * 1024 * 1024
+_CHECK_MEMORY_ABOVE = 256 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- plain files
@@ -76,26 +93,138 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_file_verified(path: Path, record: FileRecord | None = None) -> bytearray:
-    """Read a whole file in one pass; check size and digest against `record` when given."""
-    path = Path(path)
-    size = os.stat(path).st_size
-    if record is not None and size != record.bytes:
-        raise ValueError(f"size is {size} bytes, manifest says {record.bytes}")
-    buf = bytearray(size)
-    with open(path, "rb", buffering=0) as handle:
-        view = memoryview(buf)
-        while view:
-            got = handle.readinto(view)
+def file_kind(mode: int) -> str:
+    """`regular file`, `directory`, `symlink`, `fifo`, `socket`, `character device` or `block device`."""
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def require_regular(st: os.stat_result) -> None:
+    """Raise ValueError unless `st` (from lstat) is a regular file."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"is a {file_kind(st.st_mode)}, not a regular file")
+
+
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """Open a regular file for reading; anything else is refused from `lstat`, without opening it.
+
+    The descriptor is opened with `O_NOFOLLOW|O_NONBLOCK` and checked again (same inode, still a
+    regular file), so a file swapped for a FIFO or a link in between cannot block or redirect us.
+    """
+    before = os.lstat(path)
+    require_regular(before)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise ValueError("was replaced while being opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, now
+
+
+def ensure_allocatable(nbytes: int, what: str = "file") -> None:
+    """Refuse to allocate a buffer larger than the memory this host has available."""
+    if nbytes < _CHECK_MEMORY_ABOVE:
+        return
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} is {nbytes} bytes, more than the {available} bytes of memory available here")
+
+
+def available_memory() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _Reader:
+    """Sequential reads of one open regular file; every byte handed out is hashed exactly once.
+
+    With `keep` the bytes land in one buffer of the file's size; otherwise in a reused scratch
+    buffer of at most one slice (or one safetensors header), so memory stays bounded.
+    """
+
+    def __init__(self, fd: int, size: int, *, keep: bool):
+        self.handle = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 - closed by close()
+        self.size, self.pos = size, 0
+        self.digest = StreamingDigest()
+        self.buffer = bytearray(size) if keep else None
+        self._scratch = bytearray(0)
+
+    def read(self, n: int) -> memoryview:
+        if n > self.size - self.pos:
+            raise ValueError(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
+        if self.buffer is not None:
+            view = memoryview(self.buffer)[self.pos : self.pos + n]
+        else:
+            if len(self._scratch) < n:
+                self._scratch = bytearray(n)
+            view = memoryview(self._scratch)[:n]
+        rest = view
+        while rest:
+            got = self.handle.readinto(rest)
             if not got:
-                raise ValueError(f"file shrank while reading ({size} bytes expected)")
-            view = view[got:]
-    if record is not None:
-        digest = StreamingDigest()
-        digest.update(buf)
-        if digest.hexdigest() != record.digest:
+                raise ValueError(f"file shrank while reading ({self.size} bytes expected)")
+            rest = rest[got:]
+        self.digest.update(view)
+        self.pos += n
+        return view
+
+    def skip_rest(self) -> None:
+        while self.pos < self.size:
+            self.read(min(SLICE_BYTES, self.size - self.pos))
+
+    def finish(self, record: FileRecord | None) -> None:
+        if self.handle.read(1):
+            raise ValueError(f"file grew while reading ({self.size} bytes expected)")
+        if record is not None and self.digest.hexdigest() != record.digest:
             raise ValueError("digest mismatch (content changed or corrupted)")
-    return buf
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
+    """Read a whole regular file in one pass; check size and digest against `record` when given.
+
+    `max_bytes` bounds files that are small by nature (manifest, tracker, lease), so a huge or
+    sparse one is refused before anything is allocated.
+    """
+    fd, st = open_regular(Path(path))
+    try:
+        size = st.st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ValueError(f"is {size} bytes, more than the {max_bytes} such a file may have")
+        if record is not None and size != record.bytes:
+            raise ValueError(f"size is {size} bytes, manifest says {record.bytes}")
+        ensure_allocatable(size)
+        reader = _Reader(fd, size, keep=True)
+        try:
+            reader.skip_rest()
+            reader.finish(record)
+        finally:
+            reader.close()
+        return reader.buffer
+    finally:
+        os.close(fd)
 
 
 def json_bytes(obj) -> bytes:
@@ -106,20 +235,89 @@ def write_json(path: Path, obj) -> FileRecord:
     return write_file_atomic(path, [json_bytes(obj)])
 
 
-def parse_json(raw: bytes | bytearray):
-    """Strict JSON: no NaN/Infinity constants."""
+def parse_json(raw: bytes | bytearray, *, what: str = "JSON"):
+    """Strict, bounded JSON (see `bounded.parse_json`)."""
+    return bounded.parse_json(raw, what=what)
 
-    def _reject(name):
-        raise ValueError(f"non-finite JSON constant {name}")
 
+def read_json(path: Path, record: FileRecord | None = None, *, max_bytes: int = bounded.MAX_JSON_BYTES):
+    return parse_json(read_file_verified(path, record, max_bytes=max_bytes), what=Path(path).name)
+
+
+# --------------------------------------------------------------------------- checked reads
+
+
+@dataclass
+class CheckedFile:
+    """One file read and checked by `check_file`."""
+
+    size: int
+    buffer: bytearray | None = None  # the whole file, with keep=True (and always for JSON)
+    metadata: dict[str, str] | None = None  # safetensors `__metadata__`
+    entries: dict[str, tuple[str, list[int], int, int]] | None = None  # safetensors tensors
+    value: Any = None  # parsed JSON
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Zero-copy tensors over the kept buffer."""
+        if self.buffer is None or self.entries is None:
+            raise ValueError("not a safetensors file read with keep=True")
+        return tensors_from_buffer(self.buffer, self.entries)
+
+
+def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = True) -> CheckedFile:
+    """Read one file once and check it: size and digest (against `record`), and by its suffix a
+    strict safetensors header with every floating tensor finite, or strict bounded JSON.
+
+    Raises ValueError (or OSError) with the reason. `keep=False` keeps memory to one slice.
+    """
+    path = Path(path)
+    kind = "safetensors" if path.name.endswith(".safetensors") else "json" if path.name.endswith(".json") else "raw"
+    fd, st = open_regular(path)
     try:
-        return json.loads(bytes(raw), parse_constant=_reject)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
+        size = st.st_size
+        if record is not None and size != record.bytes:
+            raise ValueError(f"size is {size} bytes, manifest says {record.bytes}")
+        if kind == "json" and size > bounded.MAX_JSON_BYTES:
+            raise ValueError(f"JSON file is {size} bytes, more than the {bounded.MAX_JSON_BYTES} allowed")
+        keep = keep or kind == "json"
+        if keep:
+            ensure_allocatable(size)
+        reader = _Reader(fd, size, keep=keep)
+        try:
+            checked = CheckedFile(size)
+            if kind == "safetensors":
+                checked.metadata, checked.entries = _read_safetensors(reader)
+            else:
+                reader.skip_rest()
+            reader.finish(record)
+        finally:
+            reader.close()
+        checked.buffer = reader.buffer
+        if kind == "json":
+            checked.value = parse_json(reader.buffer, what=path.name)
+        return checked
+    finally:
+        os.close(fd)
 
 
-def read_json(path: Path, record: FileRecord | None = None):
-    return parse_json(read_file_verified(path, record))
+def _read_safetensors(reader: _Reader) -> tuple[dict[str, str], dict]:
+    if reader.size < 8:
+        raise ValueError(f"too short for a safetensors file ({reader.size} bytes)")
+    (header_len,) = struct.unpack("<Q", reader.read(8))
+    if header_len > min(MAX_HEADER_BYTES, reader.size - 8):
+        raise ValueError(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
+    header = bytes(reader.read(header_len))
+    metadata, entries = _parse_header(header, 8 + header_len, reader.size)
+    for name, (tag, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2]):
+        torch_name, itemsize = _DTYPES[tag]
+        step = SLICE_BYTES - SLICE_BYTES % itemsize
+        remaining = end - begin
+        while remaining:
+            view = reader.read(min(step, remaining))
+            remaining -= len(view)
+            if tag in _FLOAT_TAGS and not _all_finite(_torch().frombuffer(view, dtype=getattr(_torch(), torch_name))):
+                raise ValueError(f"tensor {name!r} holds NaN or Inf")
+    return metadata, entries
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -134,8 +332,7 @@ def save_tensors(
 ) -> FileRecord:
     """Stream `tensors` into a safetensors file without building it in memory first.
 
-    With `finite=True` every floating tensor must be finite (raises ValueError naming it) and the
-    manifest will ask verification to check that again.
+    With `finite=True` every floating tensor must be finite (raises ValueError naming it).
     """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     bodies = []
@@ -154,9 +351,6 @@ def save_tensors(
     chunks = itertools.chain([struct.pack("<Q", len(header_bytes)), header_bytes], *bodies)
     record = write_file_atomic(path, chunks)
     return FileRecord(bytes=record.bytes, digest=record.digest, finite=finite)
-
-
-SLICE_BYTES = 4 * 1024 * 1024
 
 
 def _slices(name: str, tensor: torch.Tensor, *, check_finite: bool):
@@ -191,45 +385,52 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 def parse_safetensors_header(
     buf: bytes | bytearray,
 ) -> tuple[dict[str, str], dict[str, tuple[str, list[int], int, int]]]:
-    """Strictly parse a safetensors buffer's header.
+    """Strictly parse the header of a whole safetensors file held in `buf`.
 
     Returns `(metadata, {name: (dtype_tag, shape, begin, end)})` with offsets absolute in `buf`.
-    Raises ValueError for anything the format forbids: a header past the end, unknown dtypes,
-    sizes that do not match shapes, gaps, overlaps or bytes not covered by any tensor.
+    Raises ValueError for anything the format forbids: a header past the end or nested too deep,
+    unknown dtypes, boolean or oversized dimensions, sizes that do not match shapes, gaps,
+    overlaps or bytes not covered by any tensor.
     """
     if len(buf) < 8:
         raise ValueError(f"too short for a safetensors file ({len(buf)} bytes)")
     (header_len,) = struct.unpack("<Q", bytes(buf[:8]))
     if header_len > min(MAX_HEADER_BYTES, len(buf) - 8):
         raise ValueError(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
+    return _parse_header(bytes(buf[8 : 8 + header_len]), 8 + header_len, len(buf))
+
+
+def _parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, str], dict]:
+    header = bounded.parse_json(raw, what="safetensors header", max_depth=MAX_HEADER_DEPTH)
+    bounded.mapping(header, "safetensors header")
+    metadata = header.pop("__metadata__", None) or {}
     try:
-        header = json.loads(bytes(buf[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"safetensors header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError("safetensors __metadata__ must map strings to strings")
-    data_start = 8 + header_len
+        bounded.string_map(metadata, "safetensors __metadata__")
+    except ValueError as exc:
+        raise ValueError(f"{exc} (it must map strings to strings)") from None
     entries = {name: _parse_entry(name, spec, data_start) for name, spec in header.items()}
-    _check_coverage(entries, data_start, len(buf))
+    _check_coverage(entries, data_start, total)
     return metadata, entries
 
 
 def _parse_entry(name: str, spec, data_start: int) -> tuple[str, list[int], int, int]:
+    where = f"tensor {name[:80]!r}"
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-        raise ValueError(f"tensor {name!r}: malformed header entry")
+        raise ValueError(f"{where}: malformed header entry")
     tag, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if tag not in _DTYPES:
-        raise ValueError(f"tensor {name!r}: unsupported dtype {tag!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"tensor {name!r}: bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise ValueError(f"tensor {name!r}: bad data_offsets {offsets!r}")
-    begin, end = offsets
-    if end - begin != math.prod(shape) * _DTYPES[tag][1] or begin < 0:
-        raise ValueError(f"tensor {name!r}: {end - begin} bytes do not hold {tag}{shape}")
+    if not isinstance(tag, str) or tag not in _DTYPES:
+        raise ValueError(f"{where}: unsupported dtype {bounded.show(tag)}")
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_RANK:
+        raise ValueError(f"{where}: bad shape {bounded.show(shape)}")
+    for axis, dim in enumerate(shape):
+        bounded.integer(dim, f"{where}: dimension {axis}", high=MAX_DIM)
+    if math.prod(max(dim, 1) for dim in shape) > MAX_STRIDE:
+        raise ValueError(f"{where}: the dimensions {shape} overflow a tensor's size")
+    if not (isinstance(offsets, list) and len(offsets) == 2):
+        raise ValueError(f"{where}: bad data_offsets {bounded.show(offsets)}")
+    begin, end = (bounded.integer(o, f"{where}: data offset", high=MAX_STRIDE) for o in offsets)
+    if end < begin or end - begin != math.prod(shape) * _DTYPES[tag][1]:
+        raise ValueError(f"{where}: {end - begin} bytes do not hold {tag}{shape}")
     return tag, shape, data_start + begin, data_start + end
 
 
@@ -237,7 +438,7 @@ def _check_coverage(entries: dict, data_start: int, total: int) -> None:
     cursor = data_start
     for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
         if begin != cursor:
-            raise ValueError(f"tensor {name!r}: gap or overlap at byte {begin} (expected {cursor})")
+            raise ValueError(f"tensor {name[:80]!r}: gap or overlap at byte {begin} (expected {cursor})")
         cursor = end
     if cursor != total:
         raise ValueError(f"data section ends at byte {cursor} but the file has {total}")
@@ -263,11 +464,11 @@ def tensors_from_buffer(
 
 
 def load_tensors(path: Path, record: FileRecord | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read, verify (size, digest, header, finiteness if the record asks) and map a safetensors file."""
-    buf = read_file_verified(path, record)
-    metadata, entries = parse_safetensors_header(buf)
-    finite = record.finite if record is not None else False
-    return tensors_from_buffer(buf, entries, require_finite=finite), metadata
+    """Read and check (size, digest, header, finiteness) a safetensors file; zero-copy tensors."""
+    checked = check_file(Path(path), record, keep=True)
+    if checked.entries is None:
+        raise ValueError(f"{path} is not a .safetensors file")
+    return checked.tensors(), checked.metadata
 
 
 def _torch():

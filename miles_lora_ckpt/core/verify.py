@@ -1,9 +1,21 @@
 """Strict verification of generations and resolution of save roots. Imports neither megatron nor Miles.
 
-`check_structure` looks at names, the manifest and sizes (stat calls only); `check_file_content`
-reads one file and checks its digest, safetensors header and, where the manifest asks, finiteness.
-`verify_generation` does both for every file; loaders instead read each file once through
-`check_file_content` and agree on the result (see `protocol.open_generation`).
+- `check_structure` reads only the manifest (bounded) and `lstat`s the rest: self-digest, fields,
+  signature (when a key is configured), name consistency, every listed file present as a regular
+  file of its size, nothing unlisted, no link, FIFO or device, no path escaping the generation.
+- `check_file_content` reads one listed file (see `storage.check_file`: digest, strict header,
+  every floating tensor finite, bounded JSON) and applies the generation's own rules: a format v2
+  tensor file must be stamped with this generation, its own path and its manifest binding, and a
+  `training-state` file must satisfy `training_state.check`. These are exactly the content rules
+  of every loader, which reads each file through this function (`protocol.open_generation`).
+- `verify_generation` does both for every file.
+
+Verification is total: any failure while examining a generation (whatever its exception type) is a
+problem of that generation, never a crash, and a root's resolution moves on to the next candidate.
+
+Save roots are ordered by commit order: format v2 generations by their `sequence`, after every
+format v1 generation (ordered by the wall-clock time it recorded). The tracker is only a hint; every
+disagreement with it becomes a warning that names both sides.
 """
 
 from __future__ import annotations
@@ -12,19 +24,33 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import signing, storage, training_state
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint, NothingCommitted, Problem
 from miles_lora_ckpt.core.layout import (
+    DELETING_PREFIX,
+    LEASE,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_TRACKER_BYTES,
+    ROLE_TRAINING_STATE,
+    STAMP_KEYS,
     TRACKER,
-    FileRecord,
     Manifest,
+    Tracker,
     is_staging_dir_name,
     parse_generation_dir_name,
 )
 
 LEGACY_MARKERS = ("adapter_megatron_rank", "training_state_rank", "adapter_megatron_tp")
+STRAY_MANIFEST = (
+    "a stray manifest.json in a save root, ignored (a generation's manifest belongs inside its gen-* directory)"
+)
+V1_WITH_KEY = (
+    "format v1 generations are unsigned, but a signing key is configured: to convert it, load it with no key "
+    "configured and save it again with the key (the save writes a signed format v2 generation)"
+)
 
 
 @dataclass
@@ -34,63 +60,117 @@ class Generation:
     path: Path
     manifest: Manifest | None
     problems: list[Problem] = field(default_factory=list)
+    content_checked: bool = False  # every listed file was read and checked
 
     @property
     def intact(self) -> bool:
         return self.manifest is not None and not self.problems
 
+    @property
+    def order(self) -> tuple:
+        return commit_order(self.manifest, self.path.name)
 
-def check_structure(gen_dir: Path) -> Generation:
-    """Manifest self-digest, name consistency, every listed file present with its size, no
-    unlisted file, no path escaping the generation, no symlink. Reads only the manifest."""
-    gen_dir = Path(gen_dir)
-    if gen_dir.is_symlink():
-        return Generation(gen_dir, None, [Problem(".", "generation directory is a symlink")])
+
+def commit_order(manifest: Manifest | None, name: str) -> tuple:
+    """Sort key of a generation in its root's commit order (larger is newer).
+
+    Format v2: its sequence. Format v1 (no sequence): its recorded commit time, before every v2
+    generation. No readable manifest: oldest of all.
+    """
+    parsed = parse_generation_dir_name(name)
+    iteration = parsed[0] if parsed else -1
+    if manifest is None:
+        return (0, 0, iteration, name)
+    if manifest.sequence is not None:
+        return (2, manifest.sequence, manifest.iteration, name)
+    return (1, manifest.created_unix_ns, manifest.iteration, name)
+
+
+# --------------------------------------------------------------------------- one generation
+
+
+def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:
+    """Manifest (bounded, self-digest, fields, signature), names and listing; reads only the
+    manifest. Never raises for anything found on disk (a bad key configuration does raise)."""
+    gen_dir, key = Path(gen_dir), signing.resolve(key)
     try:
-        raw = storage.read_file_verified(_regular_file(gen_dir / MANIFEST))
-        manifest = Manifest.from_json_bytes(bytes(raw))
-    except (OSError, ValueError) as exc:
-        return Generation(gen_dir, None, [Problem(MANIFEST, _reason(exc))])
-    problems = _name_problems(gen_dir, manifest)
-    problems += _listing_problems(gen_dir, manifest.files)
+        mode = os.lstat(gen_dir).st_mode
+    except Exception as exc:  # noqa: BLE001 - total: any failure is a problem of this generation
+        return Generation(gen_dir, None, [Problem(".", reason(exc))])
+    if not stat.S_ISDIR(mode):
+        return Generation(gen_dir, None, [Problem(".", f"generation directory is a {storage.file_kind(mode)}")])
+    try:
+        raw = storage.read_file_verified(gen_dir / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+        manifest = Manifest.from_json_bytes(raw)
+    except Exception as exc:  # noqa: BLE001
+        return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
+    problems = []
+    if key is not None and manifest.format_version < 2:
+        problems.append(Problem(MANIFEST, V1_WITH_KEY))
+    elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
+        problems.append(Problem(MANIFEST, unsigned))
+    problems += _name_problems(gen_dir, manifest)
+    try:
+        problems += _listing_problems(gen_dir, manifest.files)
+    except Exception as exc:  # noqa: BLE001
+        problems.append(Problem(".", reason(exc)))
     return Generation(gen_dir, manifest, problems)
 
 
-def check_file_content(gen_dir: Path, relpath: str, record: FileRecord) -> bytearray:
-    """Read one listed file; check size, digest and format. Returns its bytes; raises ValueError."""
-    buf = storage.read_file_verified(Path(gen_dir) / relpath, record)
-    if relpath.endswith(".safetensors"):
-        _, entries = storage.parse_safetensors_header(buf)
-        if record.finite:
-            storage.tensors_from_buffer(buf, entries, require_finite=True)
-    elif relpath.endswith(".json"):
-        storage.parse_json(buf)
-    return buf
+def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep: bool = True) -> storage.CheckedFile:
+    """Read one listed file and apply every content rule (see the module docstring). Returns the
+    checked file (its bytes with `keep=True`); raises (ValueError, OSError, ...) with the reason."""
+    record = manifest.files[relpath]
+    checked = storage.check_file(Path(gen_dir) / relpath, record, keep=keep)
+    if checked.entries is not None and manifest.format_version >= 2:
+        _check_stamps(relpath, manifest, checked.metadata or {})
+    if manifest.role_of(relpath) == ROLE_TRAINING_STATE:
+        training_state.check(
+            checked.value,
+            iteration=manifest.iteration,
+            generation=manifest.generation,
+            format_version=manifest.format_version,
+        )
+    return checked
 
 
-def verify_generation(gen_dir: Path) -> Generation:
-    """Structure and the content of every file."""
-    generation = check_structure(gen_dir)
+def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:
+    """Structure and the content of every file (one slice of memory at a time)."""
+    generation = check_structure(gen_dir, key=key)
     if generation.manifest is None:
         return generation
     listed_problem_files = {p.file for p in generation.problems}
-    for relpath, record in sorted(generation.manifest.files.items()):
+    for relpath in sorted(generation.manifest.files):
         if relpath in listed_problem_files:
             continue
         try:
-            check_file_content(gen_dir, relpath, record)
-        except (OSError, ValueError) as exc:
-            generation.problems.append(Problem(relpath, _reason(exc)))
+            check_file_content(gen_dir, relpath, generation.manifest, keep=False)
+        except Exception as exc:  # noqa: BLE001 - total: any failure is a problem of this file
+            generation.problems.append(Problem(relpath, reason(exc)))
+    generation.content_checked = True
     return generation
 
 
-def _regular_file(path: Path) -> Path:
-    mode = os.lstat(path).st_mode
-    if stat.S_ISLNK(mode):
-        raise ValueError("is a symlink")
-    if not stat.S_ISREG(mode):
-        raise ValueError("is not a regular file")
-    return path
+def _check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:
+    record = manifest.files[relpath]
+    keys = (*STAMP_KEYS, *sorted(record.binding))
+    missing = [k for k in keys if k not in metadata]
+    if missing:
+        raise ValueError(
+            f"safetensors metadata has no {', '.join(repr(k) for k in missing)} (a format v2 tensor file "
+            "carries its generation, its path and its binding)"
+        )
+    stamped = {k: metadata[k] for k in keys}
+    listed = {"generation": manifest.generation, "file": relpath, **record.binding}
+    if stamped != listed:
+        raise ValueError(
+            f"the file says it is {_identity(stamped)}, but the manifest lists it as {_identity(listed)} "
+            "(copied from another generation, or swapped with another file)"
+        )
+
+
+def _identity(stamp: dict[str, str]) -> str:
+    return "[" + ", ".join(f"{k} {v[:80]}" for k, v in stamp.items()) + "]"
 
 
 def _name_problems(gen_dir: Path, manifest: Manifest) -> list[Problem]:
@@ -109,45 +189,65 @@ def _name_problems(gen_dir: Path, manifest: Manifest) -> list[Problem]:
     return []
 
 
-def _listing_problems(gen_dir: Path, files: dict[str, FileRecord]) -> list[Problem]:
+def _listing_problems(gen_dir: Path, files: dict) -> list[Problem]:
     problems = [Problem(rel, why) for rel in files if (why := _unsafe_relpath(rel))]
-    present: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(gen_dir, followlinks=False):
+    sizes: dict[str, int] = {}
+    dirs: set[str] = set()
+    odd: dict[str, str] = {}  # relpath -> why it is not a regular file
+
+    def walk_error(exc: OSError) -> None:
+        where = Path(exc.filename).relative_to(gen_dir).as_posix() if exc.filename else "."
+        problems.append(Problem(where, reason(exc)))
+
+    for dirpath, dirnames, filenames in os.walk(gen_dir, followlinks=False, onerror=walk_error):
         for name in dirnames + filenames:
             full = Path(dirpath) / name
             rel = full.relative_to(gen_dir).as_posix()
-            if full.is_symlink():
-                problems.append(Problem(rel, f"symlink to {os.readlink(full)} (not allowed in a generation)"))
-            elif name in filenames:
-                present.add(rel)
-    for rel in sorted(present - set(files) - {MANIFEST}):
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                odd[rel] = f"symlink to {os.readlink(full)} (not allowed in a generation)"
+            elif stat.S_ISREG(st.st_mode):
+                sizes[rel] = st.st_size
+            elif stat.S_ISDIR(st.st_mode):
+                dirs.add(rel)
+            else:
+                odd[rel] = f"is a {storage.file_kind(st.st_mode)} (only regular files belong in a generation)"
+    named = {p.file for p in problems}
+    for rel, why in sorted(odd.items()):
+        problems.append(Problem(rel, why))
+    for rel in sorted(set(sizes) - set(files) - {MANIFEST}):
         problems.append(Problem(rel, "not listed in the manifest (extra or renamed file)"))
     for rel, record in sorted(files.items()):
-        if rel not in present:
-            if not any(p.file == rel for p in problems):
-                problems.append(Problem(rel, "listed in the manifest but missing"))
+        if rel in named or rel in odd:
             continue
-        size = (gen_dir / rel).stat().st_size
-        if size != record.bytes:
-            problems.append(Problem(rel, f"size is {size} bytes, manifest says {record.bytes} (truncated or grown)"))
+        if rel not in sizes:
+            problems.append(Problem(rel, f"listed in the manifest but {'a directory' if rel in dirs else 'missing'}"))
+        elif sizes[rel] != record.bytes:
+            problems.append(
+                Problem(rel, f"size is {sizes[rel]} bytes, manifest says {record.bytes} (truncated or grown)")
+            )
     return problems
 
 
 def _unsafe_relpath(rel: str) -> str | None:
     pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts or rel != pure.as_posix() or rel in ("", "."):
+    if pure.is_absolute() or ".." in pure.parts or rel != pure.as_posix() or rel in ("", ".") or "\0" in rel:
         return "path escapes the generation directory"
     if rel == MANIFEST:
         return "the manifest may not list itself"
     return None
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
+    """One line for an exception met while examining a generation."""
     if isinstance(exc, FileNotFoundError):
         return "missing"
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc}"
-    return str(exc)
+    if type(exc) is ValueError:
+        return str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # --------------------------------------------------------------------------- save roots
@@ -158,23 +258,194 @@ class RootEntry:
     """One directory of a save root, for `ls` and `gc`."""
 
     name: str
-    state: str  # committed | damaged | staging | deleting
+    state: str  # intact | committed (content not checked) | damaged | staging | deleting
     iteration: int | None
     created_unix_ns: int | None = None
     problems: list[Problem] = field(default_factory=list)
+    sequence: int | None = None
+    generation: Generation | None = None
+
+    @property
+    def order(self) -> tuple:
+        return commit_order(self.generation.manifest if self.generation else None, self.name)
+
+    def describe(self) -> str:
+        if self.sequence is not None:
+            return f"{self.name} (sequence {self.sequence})"
+        if self.generation is not None and self.generation.manifest is not None:
+            return f"{self.name} (format v1, no sequence)"
+        return f"{self.name} (unreadable manifest)"
+
+
+@dataclass
+class RootView:
+    """A save root: its entries (generations newest first, then staging and deleting), its
+    tracker, and every disagreement between the tracker and the generations."""
+
+    root: Path
+    entries: list[RootEntry]
+    tracker: Tracker | None
+    warnings: list[str]
+
+    def generations(self) -> list[RootEntry]:
+        return [e for e in self.entries if e.state in ("intact", "committed", "damaged")]
+
+
+def view_root(root: Path, *, content: bool = False, key: Any = signing.FROM_SETTINGS) -> RootView:
+    """Every generation (checked: structure, and content with `content=True`), staging and
+    deleting entry of `root`, in commit order, with the tracker cross-checked."""
+    root, key = Path(root), signing.resolve(key)
+    generations, others = [], []
+    names = sorted(os.listdir(root))
+    for name in names:
+        if is_staging_dir_name(name):
+            others.append(RootEntry(name, "staging", None))
+        elif name.startswith(DELETING_PREFIX):
+            others.append(RootEntry(name, "deleting", None))
+        elif (parsed := parse_generation_dir_name(name)) is not None:
+            gen = verify_generation(root / name, key=key) if content else check_structure(root / name, key=key)
+            generations.append(_entry(name, parsed[0], gen, content))
+    generations.sort(key=lambda e: e.order, reverse=True)
+    tracker, warnings = _cross_check_tracker(root, generations)
+    if MANIFEST in names:
+        warnings.insert(0, f"{root / MANIFEST}: {STRAY_MANIFEST}")
+    return RootView(root, generations + others, tracker, warnings)
+
+
+def _entry(name: str, iteration: int, gen: Generation, content: bool) -> RootEntry:
+    state = ("intact" if content else "committed") if gen.intact else "damaged"
+    m = gen.manifest
+    problems = [Problem(f"{name}/{p.file}" if p.file != "." else name, p.reason) for p in gen.problems]
+    return RootEntry(
+        name,
+        state,
+        iteration,
+        m.created_unix_ns if m else None,
+        problems,
+        sequence=m.sequence if m else None,
+        generation=gen,
+    )
+
+
+def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
+    """The entries of `view_root` (newest generation first)."""
+    return view_root(root, content=content).entries
+
+
+def read_tracker(root: Path) -> str | None:
+    """The generation directory name the tracker names, or None when there is no usable tracker."""
+    tracker, _ = _read_tracker(Path(root))
+    return tracker.generation_dir if tracker else None
+
+
+def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:
+    """The tracker and, when there is a file that cannot be used, why."""
+    path = root / TRACKER
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, reason(exc)
+    try:
+        return Tracker.from_dict(storage.read_json(path, max_bytes=MAX_TRACKER_BYTES)), None
+    except Exception as exc:  # noqa: BLE001 - a tracker is a hint: any failure makes it unusable
+        return None, reason(exc)
+
+
+def _cross_check_tracker(root: Path, generations: list[RootEntry]) -> tuple[Tracker | None, list[str]]:
+    tracker, problem = _read_tracker(root)
+    committed = [e for e in generations if e.state != "damaged"]
+    newest = committed[0] if committed else None
+    newest_text = f"the newest committed generation is {newest.describe()}" if newest else "no generation is committed"
+    if problem is not None:
+        return None, [f"tracker {TRACKER} is unusable ({problem}); {newest_text}"]
+    if tracker is None:
+        return None, [f"no tracker ({TRACKER}); {newest_text}"] if newest else []
+    said = f"tracker names {tracker.generation_dir}" + (
+        f" (sequence {tracker.sequence})" if tracker.sequence is not None else ""
+    )
+    named = next((e for e in generations if e.name == tracker.generation_dir), None)
+    warnings = []
+    if named is None:
+        warnings.append(f"{said}, which is not in this root; {newest_text}")
+    else:
+        if tracker.sequence is not None and named.sequence is not None and tracker.sequence != named.sequence:
+            warnings.append(f"{said}, but that generation's manifest says sequence {named.sequence}")
+        parsed = parse_generation_dir_name(tracker.generation_dir)
+        if parsed is not None and parsed != (tracker.iteration, tracker.generation):
+            warnings.append(
+                f"{said} but says iteration {tracker.iteration} generation {tracker.generation}, "
+                "which is not that directory"
+            )
+        if newest is not None and named is not newest:
+            warnings.append(f"{said}, but {newest_text}")
+    return tracker, warnings
+
+
+@dataclass
+class Candidates:
+    """The generation directories a path stands for, newest first."""
+
+    paths: list[Path]
+    is_root: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidates:
+    """Generation directories to try for `path`, newest first (a save root), or `path` itself.
+
+    Raises NotACheckpoint when `path` holds no generation at all (a legacy Miles directory
+    included: it has no manifest), GenerationDamaged for a staging directory, NothingCommitted for
+    a save root with nothing committed yet.
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode  # the path named by the user may itself be a link
+    except FileNotFoundError:
+        raise NotACheckpoint(f"{path} does not exist") from None
+    except OSError as exc:
+        raise NotACheckpoint(f"{path}: {reason(exc)}") from None
+    if not stat.S_ISDIR(mode):
+        raise NotACheckpoint(f"{path} is a {storage.file_kind(mode)}, not a checkpoint directory")
+    name = path.name or path.resolve().name
+    if is_staging_dir_name(name):
+        raise GenerationDamaged(str(path), [Problem(".", "uncommitted staging directory (in progress or abandoned)")])
+    if parse_generation_dir_name(name) is not None:
+        return Candidates([path], False)
+    names = os.listdir(path)
+    if _has_root_markers(names):
+        view = view_root(path, key=key)
+        generations = view.generations()
+        if not generations:
+            raise NothingCommitted(str(path), [Problem(".", "save root has no committed generation (only staging)")])
+        return Candidates([path / e.name for e in generations], True, view.warnings)
+    if MANIFEST in names:
+        return Candidates([path], False)
+    kind = "a legacy Miles adapter directory (no manifest)" if is_legacy_miles_dir(path) else "not a checkpoint"
+    raise NotACheckpoint(f"{path} is {kind}")
+
+
+def committed_candidates(path: Path) -> tuple[list[Path], bool]:
+    """`find_candidates` as `(paths, is_root)`."""
+    candidates = find_candidates(path)
+    return candidates.paths, candidates.is_root
+
+
+def _has_root_markers(names: list[str]) -> bool:
+    return any(
+        n in (TRACKER, LEASE) or parse_generation_dir_name(n) is not None or is_staging_dir_name(n) for n in names
+    )
 
 
 def is_generation_dir(path: Path) -> bool:
-    return parse_generation_dir_name(Path(path).name) is not None or (Path(path) / MANIFEST).exists()
+    path = Path(path)
+    return parse_generation_dir_name(path.name) is not None or ((path / MANIFEST).is_file() and not is_save_root(path))
 
 
 def is_save_root(path: Path) -> bool:
     path = Path(path)
-    if not path.is_dir():
-        return False
-    return (path / TRACKER).exists() or any(
-        parse_generation_dir_name(n) or is_staging_dir_name(n) for n in os.listdir(path)
-    )
+    return path.is_dir() and _has_root_markers(os.listdir(path))
 
 
 def is_legacy_miles_dir(path: Path) -> bool:
@@ -183,74 +454,28 @@ def is_legacy_miles_dir(path: Path) -> bool:
     return path.is_dir() and any(n.startswith(LEGACY_MARKERS) and n.endswith(".pt") for n in os.listdir(path))
 
 
-def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
-    """Every generation, staging and deleting directory of `root`, newest commit first."""
-    root = Path(root)
-    entries = []
-    for name in sorted(os.listdir(root)):
-        if is_staging_dir_name(name):
-            entries.append(RootEntry(name, "staging", None))
-        elif name.startswith(".deleting-"):
-            entries.append(RootEntry(name, "deleting", None))
-        elif (parsed := parse_generation_dir_name(name)) is not None:
-            gen = verify_generation(root / name) if content else check_structure(root / name)
-            # a damaged generation without a readable manifest is dated by its directory
-            created = gen.manifest.created_unix_ns if gen.manifest else (root / name).stat().st_mtime_ns
-            problems = [Problem(f"{name}/{p.file}", p.reason) for p in gen.problems]
-            entries.append(RootEntry(name, "committed" if gen.intact else "damaged", parsed[0], created, problems))
-    return sorted(entries, key=_newest_first_key, reverse=True)
+@dataclass
+class Resolution:
+    """What a path resolved to: the generation, the damaged newer ones skipped, and warnings."""
+
+    generation: Generation
+    skipped: list[Generation]
+    warnings: list[str]
 
 
-def _newest_first_key(entry: RootEntry) -> tuple:
-    # Commit order, not iteration: a run restarted from an older generation commits lower
-    # iterations after higher ones, and its newest commit is the one to resume from.
-    return (entry.created_unix_ns or 0, entry.iteration or -1, entry.name)
-
-
-def read_tracker(root: Path) -> str | None:
-    """The generation directory name the tracker names, or None when there is no usable tracker."""
-    try:
-        data = storage.read_json(Path(root) / TRACKER)
-        name = data["generation_dir"]
-        return name if parse_generation_dir_name(name) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def committed_candidates(path: Path) -> tuple[list[Path], bool]:
-    """Generation directories to try for `path`, newest first, and whether `path` is a root.
-
-    An explicit generation directory is the only candidate. Raises NotACheckpoint when `path`
-    holds no generation at all (a legacy Miles directory included: it has no manifest).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise NotACheckpoint(f"{path} does not exist")
-    if is_staging_dir_name(path.name):
-        raise GenerationDamaged(str(path), [Problem(".", "uncommitted staging directory (in progress or abandoned)")])
-    if is_generation_dir(path):
-        return [path], False
-    if not is_save_root(path):
-        kind = "a legacy Miles adapter directory (no manifest)" if is_legacy_miles_dir(path) else "not a checkpoint"
-        raise NotACheckpoint(f"{path} is {kind}")
-    names = [e.name for e in scan_root(path) if e.state in ("committed", "damaged")]
-    if not names:
-        raise NothingCommitted(str(path), [Problem(".", "save root has no committed generation (only staging)")])
-    return [path / n for n in names], True
-
-
-def resolve(path: Path, *, content: bool = True) -> tuple[Generation, list[Generation]]:
+def resolve(path: Path, *, content: bool = True, key: Any = signing.FROM_SETTINGS) -> Resolution:
     """The generation `path` stands for, verified, and the damaged newer ones that were skipped.
 
     Raises GenerationDamaged for a damaged explicit generation, or when no generation of a root is
     intact; NotACheckpoint when `path` is not a checkpoint at all.
     """
-    candidates, _ = committed_candidates(path)
+    key = signing.resolve(key)
+    candidates = find_candidates(path, key=key)
     skipped: list[Generation] = []
-    for candidate in candidates:
-        gen = verify_generation(candidate) if content else check_structure(candidate)
+    for candidate in candidates.paths:
+        gen = verify_generation(candidate, key=key) if content else check_structure(candidate, key=key)
         if gen.intact:
-            return gen, skipped
+            return Resolution(gen, skipped, candidates.warnings)
         skipped.append(gen)
     first = skipped[0]
     raise GenerationDamaged(str(first.path), first.problems)

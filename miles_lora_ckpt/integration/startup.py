@@ -1,12 +1,17 @@
 """Reject, before training starts, configurations whose LoRA checkpoints could not be saved.
 
-Better to fail at step 0 with the flag to change than at the first save, hours in. Supported
-optimizer children (`megatron.optimizer_children`): DistributedOptimizer (with its gloo DP group),
-Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a LayerWiseDistributedOptimizer,
-with whatever inner optimizer megatron builds (Adam, Lion, Muon and its scalar optimizer, ...).
+Better to fail at step 0 with the flag to change than at the first save, hours in.
+`validate_startup` checks what any caller of the savers needs (args and, once built, the
+optimizer and the model chunks); `validate_miles_launch` adds what a Miles launch with the init
+hook needs. Supported optimizer children (`megatron.optimizer_children`): DistributedOptimizer
+(with its gloo DP group), Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a
+LayerWiseDistributedOptimizer, with whatever inner optimizer megatron builds (Adam, Lion, Muon and
+its scalar optimizer, ...).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED, SUPPORTED_CLASSES, leaf_children
 
@@ -28,8 +33,11 @@ def validate_startup(args=None, optimizer=None, model=None) -> None:
 def _arg_problems(args) -> list[str]:
     problems = []
     uses_distopt = getattr(args, "use_distributed_optimizer", False)
-    gloo_off = getattr(args, "disable_gloo_process_groups", False) or not getattr(
-        args, "enable_gloo_process_groups", True
+    # megatron's switch is `enable_gloo_process_groups`, renamed `use_gloo_process_groups` (contract §10.1)
+    gloo_off = (
+        getattr(args, "disable_gloo_process_groups", False)
+        or not getattr(args, "enable_gloo_process_groups", True)
+        or not getattr(args, "use_gloo_process_groups", True)
     )
     if uses_distopt and gloo_off:
         problems.append(
@@ -94,3 +102,39 @@ def _replica_problems(model, optimizer) -> list[str]:
         "distributed optimizer: every DP rank would step on its own partial gradients; build DDP with "
         "use_distributed_optimizer=False for this optimizer (Miles does for Muon)"
     ]
+
+
+def validate_miles_launch(args, config) -> None:
+    """The init hook's checks: `validate_startup`'s plus what a Miles launch adds. Raises with every problem."""
+    problems = _arg_problems(args) + _miles_problems(args, config)
+    if problems:
+        raise UnsupportedConfiguration("miles-lora-ckpt cannot checkpoint this run:\n  - " + "\n  - ".join(problems))
+
+
+def _miles_problems(args, config) -> list[str]:
+    from miles_lora_ckpt.integration.resume import save_root
+
+    problems = []
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        problems.append(
+            "--non-persistent-ckpt-type local (Miles' in-memory fault-tolerance checkpoint) cannot hold a LoRA "
+            "optimizer state (stock Miles loses it silently): drop the flag; a relaunch resumes from disk"
+        )
+    if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
+        problems.append(
+            "--multi-lora-n-adapters: multi-LoRA runs are not covered by this version of miles-lora-ckpt; "
+            "remove --custom-megatron-init-path for them"
+        )
+    if getattr(args, "stream_optimizer_state_to_disk", False):
+        problems.append("--stream-optimizer-state-to-disk keeps the optimizer state outside the optimizer: drop it")
+    if config["export.peft"]:
+        problems.append("export.peft = true: PEFT export is not available in this version: set it to false")
+    adapter, save = getattr(args, "lora_adapter_path", None), getattr(args, "save", None)
+    if adapter and save:
+        adapter_path, root = Path(adapter).resolve(), save_root(config, save).resolve()
+        if adapter_path == Path(save).resolve() or adapter_path == root or root in adapter_path.parents:
+            problems.append(
+                f"--lora-adapter-path {adapter} points into --save: the plugin resumes from --load by itself; "
+                "--lora-adapter-path names the initial adapter only (drop it, or point it at that adapter)"
+            )
+    return problems

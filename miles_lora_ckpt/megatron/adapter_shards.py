@@ -2,9 +2,11 @@
 
 Names follow Miles' rule for Megatron-side adapters (`lora_` in the name, or `.adapter.` with
 `linear_in`/`linear_out`), with the wrapper prefixes (`module.`) removed and the virtual-pipeline
-chunk index in front (`chunk0.decoder.layers.0...`), so chunks never collide. Dense adapters are
-replicated over DP/CP/EP and stored once per (TP, PP) coordinate; expert adapters
-(`param.allreduce == False`) once per (PP, EP, expert-TP) coordinate.
+chunk index in front (`chunk0.decoder.layers.0...`), so chunks never collide (stock Miles' flat
+dict lets a later chunk overwrite an earlier one). Dense adapters are replicated over DP/CP/EP and
+stored once per (TP, PP) coordinate, every chunk of the stage in one file; expert adapters
+(`param.allreduce == False`) once per (PP, EP, expert-TP) coordinate. The saver picks one writer
+per coordinate (the lowest rank holding it: DP rank 0, CP rank 0).
 """
 
 from __future__ import annotations

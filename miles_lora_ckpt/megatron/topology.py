@@ -1,4 +1,9 @@
-"""This rank's place in megatron's parallel layout."""
+"""This rank's place in megatron's parallel layout.
+
+Files are keyed by model-parallel coordinates (TP, PP, EP, expert TP), never by DP or CP rank: DP
+and CP ranks hold replicas of the adapter, and the DistributedOptimizer shards over the
+data-and-context group, whose root's coordinate names the optimizer file.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class Coordinates:
 
     @property
     def model_parallel_key(self) -> str:
+        """Who holds the same model-parallel slice (every DP and CP replica of it)."""
         return f"tp{self.tp:03d}_pp{self.pp:03d}_ep{self.ep:03d}_etp{self.etp:03d}"
 
     def to_dict(self) -> dict:
@@ -38,6 +44,7 @@ class Coordinates:
 
 
 def current_coordinates() -> Coordinates:
+    """This rank's coordinates from megatron's parallel state (`dp` without CP, `cp` separately)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -53,6 +60,7 @@ def current_coordinates() -> Coordinates:
 
 
 def current_topology(num_model_chunks: int = 1) -> Topology:
+    """The whole layout; `vpp` is the number of model chunks this rank holds (Miles' model list)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 

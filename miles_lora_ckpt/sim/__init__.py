@@ -3,6 +3,8 @@
 Only the demo, the benchmarks and the tests import this package; production code never does.
 
 - ``launch``: ``run_workers`` / ``check_all`` / ``RankResult`` (standard library only, re-exported here).
+- ``prewarmed``: ``PrewarmedLauncher``: the same jobs, forked per launch from one pre-warmed process.
+- ``miles_standin``: stand-ins of Miles' module tree, one per supported shape (``shape_path``).
 - ``worker``: the per-rank entry point and ``WorkerContext``.
 - ``cpu_intercepts``: every device interception, megatron fallback-path fix and gloo fix; ``install()``;
   ``install_typing_override()`` (Python 3.11, for emerging-optimizers).

@@ -14,6 +14,12 @@ so every weight is a function of (seed, parameter name) only, whatever the TP or
 In a column-parallel linear the ``lora_A`` factor is replicated and ``lora_B`` is split with the
 base output; in a row-parallel linear ``lora_A`` is split with the base input and ``lora_B`` is
 replicated (the usual Megatron LoRA layout).
+
+Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them:
+parallel state with ``context_parallel_size`` / ``virtual_pipeline_model_parallel_size``, inputs of
+shape [sequence, batch, hidden] of which each CP rank trains on its own part (``sim.layout.cp_positions``),
+and ``vpp`` model chunks per pipeline stage, each numbering its layers from 0 and taking its global
+layer offset from megatron's ``get_transformer_layer_offset`` (see ``sim.train.build_run``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from miles_lora_ckpt.sim.layout import check_layout
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ADAPTER_KINDS = ("dense", "expert-only", "mixed")
@@ -41,6 +50,8 @@ class SimConfig:
     tp: int = 1
     ep: int = 1  # expert-parallel size: each EP rank holds its own experts (and expert adapters)
     pp: int = 1  # pipeline stages: each holds num_layers/pp layers and trains on a local loss
+    cp: int = 1  # context-parallel size: each CP rank trains on its part of every sequence
+    vpp: int = 1  # virtual pipeline: model chunks per stage (needs pp >= 2), each with its own DDP
     dtype: str = "bf16"
     adapters: str = "dense"
     optimizer: str = "adam"
@@ -58,6 +69,7 @@ class SimConfig:
     lora_rank: int = 4
     lora_alpha: float = 4.0
     micro_batch: int = 4
+    seq_length: int = 4  # tokens per sequence; CP splits it into 2*cp pieces
     lr: float = 1e-2
     min_lr: float = 1e-3
     lr_warmup_iters: int = 2
@@ -66,12 +78,7 @@ class SimConfig:
     clip_grad: float = 1.0
 
     def __post_init__(self):
-        if self.tp not in (1, 2) or self.world_size % self.tp:
-            raise ValueError(f"tp must be 1 or 2 and divide world_size, got tp={self.tp}")
-        if self.pp < 1 or self.num_layers % self.pp or self.world_size % (self.pp * self.tp):
-            raise ValueError(f"pp must divide num_layers and world_size/tp, got pp={self.pp}")
-        if self.ep < 1 or (self.world_size // self.pp) % (self.ep * self.tp):
-            raise ValueError(f"ep*tp must divide world_size/pp, got ep={self.ep} tp={self.tp}")
+        check_layout(self.world_size, self.tp, self.pp, self.ep, self.cp, self.vpp, self.num_layers, self.seq_length)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.adapters not in ADAPTER_KINDS:
@@ -87,8 +94,8 @@ class SimConfig:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel size (without context parallelism; the optimizer shards over dp * cp)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def uses_layer_wise(self) -> bool:
@@ -150,6 +157,8 @@ def transformer_config(config: SimConfig) -> TransformerConfig:
         num_attention_heads=2,
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        context_parallel_size=config.cp,
         pipeline_dtype=config.torch_dtype,
         use_cpu_initialization=True,
         perform_initialization=True,
@@ -239,6 +248,7 @@ class SimLayer(torch.nn.Module):
 
     def __init__(self, mcfg, config: SimConfig, index: int):
         super().__init__()
+        self.global_index = index  # the layer's index in the whole model (seeds its weights)
         prefix = f"layers.{index}"
         dense = dict(adapter=config.dense_adapters, expert=False)
         expert = dict(adapter=config.expert_adapters, expert=True)
@@ -257,17 +267,23 @@ class SimLayer(torch.nn.Module):
 
 
 class SimLoraModel(MegatronModule):
-    """The whole tiny model: ``num_layers`` SimLayers on a [batch, hidden] input."""
+    """One model chunk: ``num_layers / (pp * vpp)`` SimLayers on a [sequence, batch, hidden] input.
 
-    def __init__(self, mcfg: TransformerConfig, config: SimConfig):
+    ``vp_stage`` is the chunk's virtual-pipeline index (None without VPP), as megatron's model
+    providers take it; ``pre_process`` / ``post_process`` follow megatron's ``get_model``.
+    """
+
+    def __init__(self, mcfg: TransformerConfig, config: SimConfig, vp_stage: int | None = None):
         super().__init__(config=mcfg)
-        # This pipeline stage's layers: numbered locally (as megatron names them), seeded globally.
-        per_stage = config.num_layers // config.pp
-        first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
-        self.layers = torch.nn.ModuleList(SimLayer(mcfg, config, first + i) for i in range(per_stage))
+        # This chunk's layers: numbered locally (as megatron names them), seeded by global index.
+        per_chunk = config.num_layers // (config.pp * config.vpp)
+        first = get_transformer_layer_offset(mcfg, vp_stage=vp_stage)
+        self.layers = torch.nn.ModuleList(SimLayer(mcfg, config, first + i) for i in range(per_chunk))
+        self.vp_stage = vp_stage
+        chunk = 0 if vp_stage is None else vp_stage
         # What megatron's finalize_model_grads asks a pipelined model: no tied embeddings here.
-        self.pre_process = parallel_state.is_pipeline_first_stage()
-        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.pre_process = parallel_state.is_pipeline_first_stage() and chunk == 0
+        self.post_process = parallel_state.is_pipeline_last_stage() and chunk == config.vpp - 1
         self.share_embeddings_and_output_weights = False
 
     def set_input_tensor(self, input_tensor):

@@ -109,15 +109,18 @@ def ddp_config(config: SimConfig) -> DistributedDataParallelConfig:
     )
 
 
-def build_optimizer(config: SimConfig, model_chunks: list, inner_model):
-    """megatron's optimizer for the run, as `get_megatron_optimizer` (or Miles' multi-LoRA) builds it."""
+def build_optimizer(config: SimConfig, model_chunks: list, inner_models: list):
+    """megatron's optimizer for the run, as `get_megatron_optimizer` (or Miles' multi-LoRA) builds it.
+
+    One call covers every model chunk (`inner_models`: each chunk below DDP and Float16Module).
+    """
     reason = why_not_buildable(config)
     if reason:
         raise NotBuildable(reason)
     swap = config.optimizer == "lion" and not megatron_knows_lion()
     optimizer_config = _optimizer_config(config, "adam" if swap else config.optimizer)
     if config.uses_layer_wise and config.optimizer != "muon":
-        optimizer = _multi_lora_chain(config, optimizer_config, model_chunks, inner_model)
+        optimizer = _multi_lora_chain(config, optimizer_config, model_chunks, inner_models)
     else:
         if config.layer_wise:  # megatron 0.19's own layer-wise Muon
             optimizer_config.use_layer_wise_distributed_optimizer = True
@@ -143,20 +146,26 @@ def _optimizer_config(config: SimConfig, name: str) -> OptimizerConfig:
     return built
 
 
-def _multi_lora_chain(config: SimConfig, optimizer_config: OptimizerConfig, model_chunks: list, inner_model):
+def _multi_lora_chain(config: SimConfig, optimizer_config: OptimizerConfig, model_chunks: list, inner_models: list):
     """Miles' multi-LoRA optimizer (contract §3.5), written from its description: one slot at a time."""
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    trainable = {name: p for name, p in inner_model.named_parameters() if p.requires_grad}
-    slot_of = {name: config.slot_of(int(name.split(".")[1])) for name in trainable}
+    # slots need pp=1, hence one chunk whose layer numbers are global
+    trainable = {
+        (chunk, name): p
+        for chunk, module in enumerate(inner_models)
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
+    slot_of = {key: config.slot_of(int(key[1].split(".")[1])) for key in trainable}
     bf16 = optimizer_config.bf16
     optimizer_config.bf16 = False  # masters are made by LayerWise, after it has sharded the params
     children, init_fns, slot_children = [], [], {}
     try:
         for slot in range(config.slots):
-            for name, param in trainable.items():
-                param.requires_grad_(slot_of[name] == slot)
+            for key, param in trainable.items():
+                param.requires_grad_(slot_of[key] == slot)
             chained = get_megatron_optimizer(optimizer_config, model_chunks)
             kept = [c for c in chained.chained_optimizers if c.optimizer is not None and c.get_parameters()]
             if not kept:

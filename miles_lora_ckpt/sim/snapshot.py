@@ -2,7 +2,9 @@
 
 Snapshot names (``child`` is the leaf index of the optimizer chain, ``leaf_children``: a LayerWise
 chain's per-slot children counted in order; ``name`` is a parameter name of the unwrapped model,
-e.g. ``layers.0.linear_qkv.lora_A.weight``):
+e.g. ``layers.0.linear_qkv.lora_A.weight``; with several model chunks (virtual pipeline) it
+carries the chunk, ``chunk1.layers.0.linear_qkv.lora_A.weight``, so every chunk's adapter, masters
+and moments are in the snapshot):
 
 * ``param/{name}``: the trainable (adapter) parameter, full local tensor, model dtype.
 * ``opt{child}/master/{name}``: this rank's fp32 master of that parameter: a 1-D shard for a
@@ -33,8 +35,9 @@ from miles_lora_ckpt.megatron.optimizer_children.chain import param_states
 
 def snapshot(run) -> dict[str, torch.Tensor]:
     """Detached CPU copies of every training-state tensor of this rank, keyed by stable names."""
-    names = {param: name for name, param in run.inner_model.named_parameters()}
-    snap = {f"param/{name}": _copy(p) for name, p in run.inner_model.named_parameters() if p.requires_grad}
+    named = list(run.named_parameters())
+    names = {param: name for name, param in named}
+    snap = {f"param/{name}": _copy(p) for name, p in named if p.requires_grad}
     for child in leaf_children(run.optimizer):
         if not child.is_stub:
             snap.update(_child_state(f"opt{child.index}", child, names))

@@ -3,8 +3,15 @@
 The run is assembled from the real megatron-core pieces Miles uses: ``Float16Module`` (bf16),
 ``DistributedDataParallel``, ``get_megatron_optimizer`` (a ``ChainedOptimizer``: with the
 distributed optimizer a dense child, plus an expert child when expert adapters exist; the other
-kinds of children are built in ``sim/optimizers.py``) and an ``OptimizerParamScheduler``. Call only inside a harness worker (``cpu_intercepts.install()`` done
-and a default process group up).
+kinds of children are built in ``sim/optimizers.py``) and an ``OptimizerParamScheduler``. Call
+only inside a harness worker (``cpu_intercepts.install()`` done and a default process group up).
+
+Model chunks follow megatron's ``get_model``: with a virtual pipeline (``vpp > 1``) every rank
+builds ``vpp`` chunks (chunk i gets ``vp_stage=i``), each wrapped in its own ``Float16Module`` and
+its own ``DistributedDataParallel`` (bucketing disabled from the second chunk on), and one
+``get_megatron_optimizer`` call covers every chunk (``sim/optimizers.py``, for every kind of
+child). Under context parallelism megatron's DDP reduces dense grads over the data-and-context
+group and the distributed optimizer shards over it.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from miles_lora_ckpt.sim.layout import cp_positions
 from miles_lora_ckpt.sim.model import SimConfig, SimLoraModel, transformer_config
 from miles_lora_ckpt.sim.optimizers import build_optimizer, ddp_config
 
 
 @dataclass
 class SimRun:
-    """One built run: ``model`` is the list of DDP chunks (one here), as Miles holds it."""
+    """One built run: ``model`` is the list of DDP chunks (``vpp`` of them), as Miles holds it."""
 
     config: SimConfig
     model: list
@@ -34,27 +42,57 @@ class SimRun:
     scheduler: OptimizerParamScheduler
 
     @property
+    def inner_models(self) -> list[SimLoraModel]:
+        """Every chunk unwrapped (below DDP and Float16Module), in chunk order."""
+        modules = [chunk.module for chunk in self.model]
+        return [m.module if isinstance(m, Float16Module) else m for m in modules]
+
+    @property
     def inner_model(self) -> SimLoraModel:
-        """The unwrapped model (below DDP and Float16Module); its parameter names are stable."""
-        module = self.model[0].module
-        return module.module if isinstance(module, Float16Module) else module
+        """The first chunk unwrapped; its parameter names are stable."""
+        return self.inner_models[0]
+
+    def named_parameters(self):
+        """``(name, param)`` of every chunk: plain names with one chunk, ``chunk{c}.``-prefixed with several."""
+        several = len(self.model) > 1
+        for index, module in enumerate(self.inner_models):
+            for name, param in module.named_parameters():
+                yield (f"chunk{index}.{name}" if several else name), param
 
 
 def build_run(config: SimConfig) -> SimRun:
-    """Initialise model parallelism if needed and build model, optimizer and scheduler.
+    """Initialise model parallelism if needed and build model chunks, optimizer and scheduler.
 
     Raises ``sim.optimizers.NotBuildable`` when the running megatron-core cannot build the optimizer.
     """
     _ensure_model_parallel(config)
     # As megatron's initialize does; the weights themselves come from seeded_init, never this RNG.
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    model = _build_model_chunks(config)
+    optimizer = build_optimizer(config, model, [_unwrapped(chunk) for chunk in model])
+    return SimRun(config=config, model=model, optimizer=optimizer, scheduler=_scheduler(config, optimizer))
+
+
+def _build_model_chunks(config: SimConfig) -> list:
+    """As megatron's ``get_model``: one chunk per virtual stage, each in its own Float16Module and DDP."""
     mcfg = transformer_config(config)
-    module = SimLoraModel(mcfg, config)
-    if config.dtype == "bf16":
-        module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
-    ddp = DistributedDataParallel(config=mcfg, ddp_config=ddp_config(config), module=module)
-    optimizer = build_optimizer(config, [ddp], module.module if isinstance(module, Float16Module) else module)
-    return SimRun(config=config, model=[ddp], optimizer=optimizer, scheduler=_scheduler(config, optimizer))
+    chunks = []
+    for index in range(config.vpp):
+        module = SimLoraModel(mcfg, config, vp_stage=index if config.vpp > 1 else None)
+        if config.dtype == "bf16":
+            module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
+        # megatron turns bucketing off from the second chunk on (its communication overlaps anyway)
+        chunks.append(
+            DistributedDataParallel(
+                config=mcfg, ddp_config=ddp_config(config), module=module, disable_bucketing=index > 0
+            )
+        )
+    return chunks
+
+
+def _unwrapped(chunk) -> SimLoraModel:
+    module = chunk.module
+    return module.module if isinstance(module, Float16Module) else module
 
 
 def teardown(run: SimRun | None = None) -> None:
@@ -73,13 +111,17 @@ def _ensure_model_parallel(config: SimConfig) -> None:
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         )
-        if current == (config.tp, config.pp, config.ep):
+        if current == (config.tp, config.pp, config.ep, config.cp, config.vpp):
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep,
     )
 
@@ -101,37 +143,55 @@ def _scheduler(config: SimConfig, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def batch(config: SimConfig, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (input, target) micro-batch of one DP rank at one step: a function of seed, step, rank."""
-    digest = hashlib.sha256(f"batch/{config.seed}/{step}/{dp_rank}".encode()).digest()
+def batch(config: SimConfig, step: int, stream: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole (input, target) micro-batch [seq_length, micro_batch, hidden]: a function of seed, step, stream."""
+    digest = hashlib.sha256(f"batch/{config.seed}/{step}/{stream}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    shape = (config.micro_batch, config.hidden)
+    shape = (config.seq_length, config.micro_batch, config.hidden)
     return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
 
 
-def train_step(run: SimRun, step: int) -> float:
-    """One training iteration as megatron's train_step runs it; returns the DP-mean loss."""
+def local_batch(config: SimConfig, step: int, vp_stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one chunk's micro-batch.
+
+    Every DP replica, pipeline stage and model chunk trains on its own data (the stages on local
+    losses: no activations travel between them, the harness needs per-stage optimizers, not a
+    pipelined schedule). TP ranks of a replica see the same data; CP ranks of a replica see the
+    same sequences and each keeps its own positions (megatron's load-balanced split).
+    """
+    dp, pp = parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    inputs, target = batch(config, step, f"dp{dp}/pp{pp}/vp{vp_stage}")
+    positions = cp_positions(config.seq_length, config.cp, parallel_state.get_context_parallel_rank())
+    keep = torch.tensor(positions, dtype=torch.long)
+    return inputs.index_select(0, keep), target.index_select(0, keep)
+
+
+def train_step(run: SimRun, step: int, *, scheduler_increment: int = 1) -> float:
+    """One training iteration as megatron's train_step runs it; returns the mean loss over ranks.
+
+    Each chunk's loss is the mean over this rank's tokens; megatron's DDP averages grads over the
+    data-and-context-parallel group, so the update follows the mean over every token of every
+    replica, whatever the CP size. The scheduler advances by `scheduler_increment` (Miles counts
+    samples: its global batch size).
+    """
     for chunk in run.model:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
-    # With pipeline stages, each stage trains on its own local data and loss (no activations are
-    # sent between stages: the harness needs per-stage optimizers, not a pipelined schedule).
-    stream = parallel_state.get_data_parallel_rank() + 1000 * parallel_state.get_pipeline_model_parallel_rank()
-    inputs, target = batch(run.config, step, stream)
-    if not parallel_state.is_pipeline_first_stage():  # Float16Module casts inputs on stage 0 only
-        inputs = inputs.to(run.config.torch_dtype)
-    output = run.model[0](inputs)
-    loss = torch.nn.functional.mse_loss(output.float(), target)
+    loss = torch.zeros(())
+    for vp_stage, chunk in enumerate(run.model):
+        inputs, target = local_batch(run.config, step, vp_stage)
+        output = chunk(inputs.to(run.config.torch_dtype))
+        loss = loss + torch.nn.functional.mse_loss(output.float(), target)
     loss.backward()
-    finalize_model_grads(run.model)  # DP reduce-scatter of grads (finish_grad_sync per chunk)
+    finalize_model_grads(run.model)  # DP x CP reduce-scatter of grads (finish_grad_sync per chunk)
     update_successful, _grad_norm, _zeros = run.optimizer.step()
     if update_successful:
-        run.scheduler.step(increment=1)
+        run.scheduler.step(increment=scheduler_increment)
     return _global_mean(loss)
 
 
 def _global_mean(loss: torch.Tensor) -> float:
-    # Every TP rank of a DP replica holds the same loss, so the world mean is the DP mean.
+    # A deterministic summary of every rank's local loss (TP ranks of a replica hold the same one).
     total = loss.detach().float().reshape(1).clone()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()

@@ -1,6 +1,7 @@
 """`miles-lora-ckpt`: operator tools. Runs on a login node: no megatron, Miles or GPU needed.
 
-Exit codes (verify): 0 intact, 1 damaged / torn / uncommitted, 2 not a checkpoint or usage error.
+The command never prints a traceback: every failure is one `ERROR ...` line and an exit code
+(`--debug` adds the traceback of an internal error). See `EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -8,28 +9,76 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from miles_lora_ckpt import __version__
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint
 
-EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES = """\
+exit codes:
+  0    OK (verify: intact; ls and inspect: listed; gc: done)
+  1    damaged, torn or uncommitted: one "ERROR <file>: <reason>" line per problem (verify,
+       inspect); gc: an entry could not be removed, or no generation passed content verification
+  2    not a checkpoint, usage error, or unusable configuration (e.g. the signing key)
+  3    internal error: a bug in miles-lora-ckpt (rerun with --debug for its traceback; please report it)
+  130  interrupted
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the CLI never shows a traceback unless asked to
+        if "--debug" in argv:
+            traceback.print_exc()
+        print(
+            f"INTERNAL ERROR {type(exc).__name__}: {exc} (a bug in miles-lora-ckpt; rerun with --debug "
+            "for the traceback and please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _run(argv: list[str]) -> int:
+    from miles_lora_ckpt.core import settings
+    from miles_lora_ckpt.core.signing import SigningKeyError
+
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
-        return int(exc.code or 0)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if not getattr(args, "handler", None):
         parser.print_help()
         return EXIT_USAGE
+    options = {"hmac_key_file": args.hmac_key_file} if args.hmac_key_file else {}
     try:
-        return args.handler(args)
-    except NotACheckpoint as exc:
+        with settings.overridden(**options):
+            return args.handler(args)
+    except (NotACheckpoint, SigningKeyError) as exc:
         print(f"ERROR {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # the path itself (not a generation in it) cannot be read
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"ERROR {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+_PARSER: argparse.ArgumentParser | None = None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser, built once per process (building it costs more than most commands)."""
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = build_parser()
+    return _PARSER
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,28 +86,50 @@ def build_parser() -> argparse.ArgumentParser:
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "
         "prune, benchmark and demonstrate.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_common_options(parser, defaults=True)
     sub = parser.add_subparsers(metavar="COMMAND")
 
-    verify = sub.add_parser("verify", help="check that a generation (or a save root's newest) is committed and intact")
+    def command(name: str, help_text: str):
+        cmd = sub.add_parser(name, help=help_text, description=help_text, epilog=EXIT_CODES)
+        cmd.formatter_class = argparse.RawDescriptionHelpFormatter
+        _add_common_options(cmd, defaults=False)
+        return cmd
+
+    verify = command(
+        "verify", "check that a generation (or a save root's newest) is committed and intact, every byte read"
+    )
     verify.add_argument(
         "path", help="a save root (its newest intact generation is checked) or one generation directory"
     )
     verify.add_argument("--all", action="store_true", help="check every generation of the save root")
     verify.set_defaults(handler=cmd_verify)
 
-    inspect = sub.add_parser("inspect", help="show what a generation holds")
+    inspect = command("inspect", "show what a generation holds (the newest intact one of a save root)")
     inspect.add_argument("path", help="a save root or one generation directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(handler=cmd_inspect)
 
-    ls = sub.add_parser("ls", help="list generations and staging directories of a save root")
+    ls = command(
+        "ls", "list a save root: generations in commit order with their content state, staging, the writer lease"
+    )
     ls.add_argument("root", help="a save root")
+    ls.add_argument(
+        "--fast",
+        action="store_true",
+        help="check names, manifests and sizes only: skip reading the files (states say 'committed', not 'intact')",
+    )
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(handler=cmd_ls)
 
-    gc = sub.add_parser("gc", help="keep the newest N intact generations, remove the rest and abandoned staging")
+    gc = command(
+        "gc",
+        "keep the newest N content-verified generations, remove older ones and abandoned staging; "
+        "never removes the newest loadable generation",
+    )
     gc.add_argument("root", help="a save root")
     gc.add_argument("--keep", type=int, required=True, help="how many intact generations to keep (>= 1)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
@@ -67,12 +138,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3600.0,
         metavar="SECONDS",
-        help="leave staging directories younger than this alone (a save may be running; default 3600)",
+        help="leave staging directories younger than this alone when no writer holds the root's lease "
+        "(default 3600); with a live lease, staging directories are never touched",
     )
     gc.set_defaults(handler=cmd_gc)
 
     _add_lazy_subcommands(sub)
     return parser
+
+
+def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    # Given before or after the command; a subcommand's copy must not reset the main one's value.
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=False if defaults else argparse.SUPPRESS,
+        help="show the traceback of an internal error",
+    )
+    parser.add_argument(
+        "--hmac-key-file",
+        default=None if defaults else argparse.SUPPRESS,
+        metavar="PATH",
+        help="check manifest signatures with this key (overrides $MILES_LORA_CKPT_HMAC_KEY_FILE); with a "
+        "key, unsigned or mis-signed generations are damaged",
+    )
 
 
 def _add_lazy_subcommands(sub) -> None:
@@ -87,20 +176,23 @@ def _add_lazy_subcommands(sub) -> None:
 
 
 def cmd_verify(args) -> int:
-    from miles_lora_ckpt.core.verify import committed_candidates, resolve, verify_generation
+    from miles_lora_ckpt.core import signing
+    from miles_lora_ckpt.core.verify import find_candidates, resolve, verify_generation
 
-    path = Path(args.path)
+    path, key = Path(args.path), signing.configured_key()
     try:
         if args.all:
-            candidates, _ = committed_candidates(path)
-            generations = [verify_generation(c) for c in candidates]
-            skipped = []
+            candidates = find_candidates(path, key=key)
+            generations = [verify_generation(c, key=key) for c in candidates.paths]
+            skipped, warnings = [], candidates.warnings
         else:
-            gen, skipped = resolve(path)
-            generations = [gen]
+            resolution = resolve(path, key=key)
+            generations, skipped, warnings = [resolution.generation], resolution.skipped, resolution.warnings
     except GenerationDamaged as exc:
         _print_problems(Path(exc.path), path, exc.problems)
         return EXIT_DAMAGED
+    for warning in warnings:
+        print(f"WARNING {warning}", file=sys.stderr)
     for gen in skipped:
         print(f"WARNING skipped damaged newer generation {gen.path.name}", file=sys.stderr)
         _print_problems(gen.path, path, gen.problems, stream=sys.stderr)
@@ -110,12 +202,17 @@ def cmd_verify(args) -> int:
             m = gen.manifest
             size = sum(r.bytes for r in m.files.values())
             print(
-                f"OK {gen.path} generation {m.generation} iteration {m.iteration} ({len(m.files)} files, {size} bytes)"
+                f"OK {gen.path} generation {m.generation} iteration {m.iteration} {_sequence(m)} "
+                f"({len(m.files)} files, {size} bytes; {signing.describe(m.signature, key)})"
             )
         else:
             _print_problems(gen.path, path, gen.problems)
             status = EXIT_DAMAGED
     return status
+
+
+def _sequence(manifest) -> str:
+    return f"sequence {manifest.sequence}" if manifest.sequence is not None else "(format v1: no sequence)"
 
 
 def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
@@ -126,73 +223,108 @@ def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
 
 
 def cmd_inspect(args) -> int:
+    from miles_lora_ckpt.core import signing
     from miles_lora_ckpt.core.verify import resolve
 
+    key = signing.configured_key()
     try:
-        gen, skipped = resolve(Path(args.path))
+        resolution = resolve(Path(args.path), key=key)
     except GenerationDamaged as exc:
         _print_problems(Path(exc.path), Path(args.path), exc.problems)
         return EXIT_DAMAGED
+    gen, skipped = resolution.generation, resolution.skipped
     m = gen.manifest
     info = {
         "path": str(gen.path.resolve()),
         "generation": m.generation,
         "iteration": m.iteration,
+        "sequence": m.sequence,
         "saver": m.saver,
         "created_unix_ns": m.created_unix_ns,
         "format_version": m.format_version,
+        "signature": signing.describe(m.signature, key),
         "topology": m.topology.to_dict(),
         "files": {rel: rec.to_dict() for rel, rec in sorted(m.files.items())},
         "metadata": m.metadata,
         "skipped_damaged": [str(g.path) for g in skipped],
+        "warnings": resolution.warnings,
     }
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return EXIT_OK
     print(f"path        {info['path']}")
-    print(f"generation  {m.generation}   iteration {m.iteration}   saver {m.saver}")
+    print(f"generation  {m.generation}   iteration {m.iteration}   {_sequence(m)}   saver {m.saver}")
+    print(f"format      v{m.format_version}, {info['signature']}")
     print("topology    " + " ".join(f"{k}={v}" for k, v in info["topology"].items()))
-    for key, value in sorted(m.metadata.items()):
-        print(f"meta        {key} = {json.dumps(value, sort_keys=True)[:200]}")
+    for key_name, value in sorted(m.metadata.items()):
+        print(f"meta        {key_name} = {json.dumps(value, sort_keys=True)[:200]}")
     print(f"files       {len(m.files)} ({sum(r.bytes for r in m.files.values())} bytes)")
     for rel, rec in sorted(m.files.items()):
-        print(f"  {rec.bytes:>12}  {rec.digest}  {rel}")
+        binding = " ".join(f"{k}={v}" for k, v in sorted(rec.binding.items()))
+        print(f"  {rec.bytes:>12}  {rec.digest}  {rel}" + (f"  [{binding}]" if binding else ""))
     for g in skipped:
         print(f"WARNING skipped damaged newer generation {g.path.name}")
+    for warning in resolution.warnings:
+        print(f"WARNING {warning}")
     return EXIT_OK
 
 
 def cmd_ls(args) -> int:
-    from miles_lora_ckpt.core.verify import is_save_root, read_tracker, scan_root
+    from miles_lora_ckpt.core import lease, signing
+    from miles_lora_ckpt.core.verify import is_save_root, view_root
 
     root = Path(args.root)
     if not is_save_root(root):
         raise NotACheckpoint(f"{root} is not a save root")
-    tracked = read_tracker(root)
-    entries = scan_root(root)
+    view = view_root(root, content=not args.fast, key=signing.configured_key())
+    writer = lease.read_state(root)
+    tracked = view.tracker.generation_dir if view.tracker else None
+    live_writer = writer is not None and writer.live
     if args.json:
         rows = [
             {
                 "name": e.name,
                 "state": e.state,
+                "sequence": e.sequence,
                 "iteration": e.iteration,
                 "created_unix_ns": e.created_unix_ns,
                 "tracked": e.name == tracked,
+                "live_writer": e.state == "staging" and live_writer,
                 "problems": [str(p) for p in e.problems],
             }
-            for e in entries
+            for e in view.entries
         ]
-        print(json.dumps({"root": str(root.resolve()), "tracker": tracked, "entries": rows}, indent=1))
+        listing = {
+            "root": str(root.resolve()),
+            "content_checked": not args.fast,
+            "tracker": tracked,
+            "lease": None if writer is None else {"live": writer.live, "description": writer.describe()},
+            "warnings": view.warnings,
+            "entries": rows,
+        }
+        print(json.dumps(listing, indent=1))
         return EXIT_OK
-    print(f"{'STATE':<10} {'ITERATION':>9}  NAME")
-    for e in entries:
-        mark = "  <- tracker" if e.name == tracked else ""
+    if args.fast:
+        print(
+            "content NOT checked (--fast): states come from names, manifests and sizes; run without --fast to read every byte"
+        )
+    print(f"writer lease: {'none' if writer is None else writer.describe()}")
+    print(f"{'STATE':<10} {'SEQUENCE':>8} {'ITERATION':>9}  NAME")
+    for e in view.entries:
+        marks = "  <- tracker" if e.name == tracked else ""
+        marks += "  (the root has a live writer: may be in progress)" if e.state == "staging" and live_writer else ""
+        sequence = "-" if e.sequence is None else str(e.sequence)
         iteration = "-" if e.iteration is None else str(e.iteration)
-        print(f"{e.state:<10} {iteration:>9}  {e.name}{mark}")
+        print(f"{e.state:<10} {sequence:>8} {iteration:>9}  {e.name}{marks}")
+        for problem in e.problems[:5]:
+            print(f"{'':<10} {'':>8} {'':>9}    {problem}")
+    for warning in view.warnings:
+        print(f"WARNING {warning}", file=sys.stderr)
     return EXIT_OK
 
 
 def cmd_gc(args) -> int:
+    from miles_lora_ckpt.core import signing
     from miles_lora_ckpt.core.retention import prune
     from miles_lora_ckpt.core.verify import is_save_root
 
@@ -201,9 +333,23 @@ def cmd_gc(args) -> int:
         return EXIT_USAGE
     if not is_save_root(Path(args.root)):
         raise NotACheckpoint(f"{args.root} is not a save root")
-    removed = prune(Path(args.root), keep=args.keep, staging_min_age_s=args.staging_min_age, dry_run=args.dry_run)
+    report = prune(
+        Path(args.root),
+        keep=args.keep,
+        staging_min_age_s=args.staging_min_age,
+        dry_run=args.dry_run,
+        key=signing.configured_key(),
+    )
+    for name in report.kept:
+        print(f"keeping {name} (content verified)")
     verb = "would remove" if args.dry_run else "removed"
-    for path in removed:
-        print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} director{'y' if len(removed) == 1 else 'ies'}")
-    return EXIT_OK
+    for path in report.remove:
+        if args.dry_run or path in report.removed:
+            print(f"{verb} {path}")
+    for note in report.notes:
+        print(f"NOTE {note}")
+    for path, failure in report.failed:
+        print(f"ERROR could not remove {path}: {failure}")
+    count = len(report.remove) if args.dry_run else len(report.removed)
+    print(f"{verb} {count} director{'y' if count == 1 else 'ies'}")
+    return EXIT_DAMAGED if report.failed or not report.kept else EXIT_OK

@@ -16,8 +16,22 @@ build the optimizer, the demo says why and exits 2.
                train to --steps and compare every tensor with DIR/reference.json
     all        reference, train with a crash in the middle of a save, resume (the default)
 
-The last line is `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <first differing tensor>` (exit 1);
-exit 2: a usage error, or an optimizer the running megatron-core cannot build.
+Parallel layout: --tp, --pp, --ep, --cp and --vpp compose with --world-size as in megatron
+(world = tp * cp * dp * pp; the optimizer shards over dp * cp). --vpp needs --pp >= 2 and gives
+every rank --vpp model chunks; the model gets the fewest layers (at least 2) that give each of the
+pp * vpp chunks the same number. Examples:
+
+    miles-lora-ckpt demo --cp 2 --world-size 4           context parallel 2, data parallel 2
+    miles-lora-ckpt demo --vpp 2 --pp 2 --world-size 2   two pipeline stages, two chunks each
+    miles-lora-ckpt demo --tp 2 --ep 2 --world-size 4    tensor and expert parallel
+
+With --via miles the same three phases run a Miles launch command with the plugin's init hook
+through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`).
+
+The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
+`RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint; a usage error (an
+invalid layout included) prints `ERROR ...` and exits 2, and an optimizer the running megatron-core
+cannot build ends `RESULT: not run (<reason>)` with exit 2.
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ import time
 from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
+from miles_lora_ckpt.sim.layout import check_layout, layers_for
+from miles_lora_ckpt.tools import demo_miles
 
 OPTIMIZERS = ("adam", "lion", "muon")
 
@@ -45,7 +61,27 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--workdir", default="demo-work", help="where reference.json and ckpt/ go (default ./demo-work)")
-    demo.add_argument("--world-size", type=int, default=2, help="worker processes (data-parallel ranks; default 2)")
+    demo.add_argument(
+        "--world-size", type=int, default=2, help="worker processes; data parallel = world / (tp*cp*pp) (default 2)"
+    )
+    layout = demo.add_argument_group("parallel layout (megatron's, composed with --world-size)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size: 1 or 2 (default 1)")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline stages, each on a local loss (default 1)")
+    layout.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size: each EP rank its own experts (default 1)"
+    )
+    layout.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: each CP rank trains on its part of the sequence (default 1)",
+    )
+    layout.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual-pipeline chunks per stage, each with its own DDP; needs --pp >= 2 (default 1)",
+    )
     demo.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="model parameter dtype (default bf16)")
     demo.add_argument(
         "--adapters",
@@ -99,6 +135,7 @@ def add_parser(subparsers) -> None:
     )
     demo.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (default: the last rank)")
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
+    demo_miles.add_arguments(demo)
     demo.set_defaults(handler=run_demo)
 
 
@@ -109,17 +146,29 @@ def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
         return 2
-    if args.slots not in (1, 2):
-        print("ERROR --slots must be 1 or 2 (the demo model has two layers, dealt to the slots)", file=sys.stderr)
+    if args.via == "miles":
+        return demo_miles.run(args)
+    if args.without_plugin:
+        print("ERROR --without-plugin needs --via miles", file=sys.stderr)
+        return 2
+    if args.slots not in (1, 2) or (args.slots > 1 and (args.pp > 1 or args.vpp > 1)):
+        print(
+            "ERROR --slots must be 1 or 2, and 2 needs --pp 1 (the demo model has two layers, dealt to the slots)",
+            file=sys.stderr,
+        )
         return 2
     if (args.layer_wise or args.slots > 1) and args.distributed_optimizer:
         print("ERROR --layer-wise and --slots shard whole parameters: drop --distributed-optimizer", file=sys.stderr)
         return 2
-    workdir = Path(args.workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
     # the workers turn this into a SimConfig (the parent never imports megatron)
     config = {
         "world_size": args.world_size,
+        "tp": args.tp,
+        "pp": args.pp,
+        "ep": args.ep,
+        "cp": args.cp,
+        "vpp": args.vpp,
+        "num_layers": layers_for(args.pp, args.vpp),
         "dtype": args.dtype,
         "adapters": args.adapters,
         "optimizer": args.optimizer,
@@ -129,6 +178,13 @@ def run_demo(args) -> int:
         "slots": args.slots,
         "adapter_bias": args.optimizer == "muon",  # something for Muon's scalar optimizer to step
     }
+    try:
+        check_layout(**{k: config[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
+    except ValueError as exc:
+        print(f"ERROR invalid layout: {exc}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
     crash_at = args.crash_at or ("mid-write" if args.phase == "all" else None)
     crash_rank = args.world_size - 1 if args.crash_rank is None else args.crash_rank
     if not 0 <= crash_rank < args.world_size:
@@ -138,8 +194,8 @@ def run_demo(args) -> int:
     optimizer += " layer-wise" if args.layer_wise else ""
     optimizer += f" {args.slots} slots" if args.slots > 1 else ""
     print(
-        f"demo: {args.world_size} ranks, {args.dtype}, {args.adapters} adapters, {optimizer}, "
-        f"{args.steps} steps, save every {args.save_every}, workdir {workdir}"
+        f"demo: {args.world_size} ranks ({describe_layout(config)}), {args.dtype}, {args.adapters} adapters, "
+        f"{optimizer}, {args.steps} steps, save every {args.save_every}, workdir {workdir}"
     )
     status = 0
     try:
@@ -162,6 +218,12 @@ def run_demo(args) -> int:
         print(f"RESULT: not run ({exc})")
         return 2
     return status
+
+
+def describe_layout(config: dict) -> str:
+    """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived."""
+    dp = config["world_size"] // (config["tp"] * config["cp"] * config["pp"])
+    return " ".join(f"{axis}{config[axis]}" for axis in ("tp", "pp", "vpp", "ep", "cp")) + f" dp{dp}"
 
 
 def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:
@@ -228,6 +290,9 @@ def _phase_resume(workdir: Path, config: dict, args) -> int:
     payload = {"config": config, "steps": reference["steps"], "root": str(workdir / "ckpt")}
     results, seconds = _job("resume_job", config, payload, args)
     per_rank = check_all(results)
+    if "refused" in per_rank[0]:
+        print(f"RESULT: ERROR {per_rank[0]['refused']}")
+        return 1
     restored = per_rank[0]["restored"]
     print(f"resume: {restored['summary']} ({seconds:.1f}s)")
     start = restored["iteration"] or 0
@@ -299,9 +364,9 @@ def reference_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
     from miles_lora_ckpt.sim.train import train_step
 
-    run, refused = _build(payload)
-    if refused:
-        return refused
+    run, unbuildable = _build(payload)
+    if unbuildable:
+        return unbuildable
     losses = [train_step(run, step) for step in range(payload["steps"])]
     return {"losses": losses, "digests": snapshot_digests(snapshot(run)), "optimizer": _describe_optimizer(run)}
 
@@ -312,9 +377,9 @@ def train_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
     from miles_lora_ckpt.sim.train import train_step
 
-    run, refused = _build(payload)
-    if refused:
-        return refused
+    run, unbuildable = _build(payload)
+    if unbuildable:
+        return unbuildable
     consensus = Consensus.for_world(timeout_s=60)
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
     written = []
@@ -340,17 +405,21 @@ def train_job(payload: dict, ctx) -> dict:
 
 def resume_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.errors import CheckpointError
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
     from miles_lora_ckpt.sim.train import train_step
 
-    run, refused = _build(payload)
-    if refused:
-        return refused
+    run, unbuildable = _build(payload)
+    if unbuildable:
+        return unbuildable
     consensus = Consensus.for_world(timeout_s=60)
-    result = load_lora_checkpoint(
-        run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
-    )
+    try:
+        result = load_lora_checkpoint(
+            run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+        )
+    except CheckpointError as exc:  # the same refusal on every rank: reported as one line
+        return {"refused": " ".join(line.strip() for line in str(exc).splitlines())}
     start = result.iteration or 0
     losses = {str(step): train_step(run, step) for step in range(start, payload["steps"])}
     if result.loaded:

@@ -8,6 +8,8 @@
 * ``compare_selfcheck``: ``compare_snapshots`` is bitwise and NaN-safe.
 * ``padding``: a model whose DP shard is only padding on some rank; ``state_dict()`` needs fix 3.
 * ``mixed``: dense and expert adapters, two real optimizer children, train.
+* ``layouts``: context-parallel and virtual-pipeline runs: determinism plus what megatron built
+  (model chunks and their DDPs, layer offsets, CP positions, the groups grads and state use).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def harness_job(payload: dict, ctx) -> dict:
         "compare_selfcheck": _compare_selfcheck,
         "padding": _padding,
         "mixed": _mixed,
+        "layouts": _layouts,
     }
     out = {"megatron_version": megatron.core.__version__, "intercepts_active": cpu_intercepts.active()}
     for name, args in payload.items():
@@ -242,6 +245,52 @@ def _mixed(args: dict, ctx) -> dict:
         "params": sorted(n for n in final if n.startswith("param/")),
         "changed_params": changed,
         "masters": sorted(n for n in final if "/master/" in n),
+    }
+
+
+# ------------------------------------------------------------------------------ CP and VPP layouts
+
+
+def _layouts(args: dict, ctx) -> dict:
+    out = {}
+    for spec in args["specs"]:
+        config = _config(spec, ctx)
+        builds = [_train_and_digest(config, args["steps"]) for _ in range(2)]
+        out[_spec_key(spec)] = {"builds": builds, "facts": _layout_facts(build_run(config))}
+    return out
+
+
+def _layout_facts(run) -> dict:
+    """What megatron built for this layout, as plain JSON."""
+    import hashlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from miles_lora_ckpt.megatron.optimizer_children.chain import select
+    from miles_lora_ckpt.sim.layout import cp_positions
+    from miles_lora_ckpt.sim.train import local_batch
+
+    config = run.config
+    children = [c.optimizer for c in select(run.optimizer)]
+    inputs = [local_batch(config, 0, vp)[0] for vp in range(len(run.model))]
+    return {
+        "cp_size": mpu.get_context_parallel_world_size(),
+        "cp_rank": mpu.get_context_parallel_rank(),
+        "positions": cp_positions(config.seq_length, config.cp, mpu.get_context_parallel_rank()),
+        "input_digests": [hashlib.sha256(x.numpy().tobytes()).hexdigest() for x in inputs],
+        "dp_cp_ranks": dist.get_process_group_ranks(mpu.get_data_parallel_group(with_context_parallel=True)),
+        "grad_reduce_ranks": [
+            dist.get_process_group_ranks(chunk.buffers[0].data_parallel_group) for chunk in run.model if chunk.buffers
+        ],
+        "dense_child_dp_ranks": dist.get_process_group_ranks(children[0].data_parallel_group_gloo),
+        "vpp_world": mpu.get_virtual_pipeline_model_parallel_world_size(),
+        "chunks": len(run.model),
+        "distinct_ddps": len({id(chunk) for chunk in run.model}),
+        "chunk_buffers": [len(chunk.buffers) for chunk in run.model],
+        "chunk_layers": [[layer.global_index for layer in m.layers] for m in run.inner_models],
+        "chunk_vp_stage": [m.vp_stage for m in run.inner_models],
+        "dense_child_buffers": len(children[0].buffers),
     }
 
 

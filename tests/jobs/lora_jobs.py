@@ -7,6 +7,7 @@ for an empty DP shard; see miles_lora_ckpt/sim/cpu_intercepts.py.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from miles_lora_ckpt.core import faults
@@ -30,10 +31,10 @@ def run_steps(run, start: int, stop: int) -> list[float]:
     return [train_step(run, step) for step in range(start, stop)]
 
 
-def save(run, root, iteration: int, consensus: Consensus) -> str:
+def save(run, root, iteration: int, consensus: Consensus, args=None) -> str:
     return save_lora_checkpoint(
         run.model,
-        Args(),
+        args or Args(),
         root,
         optimizer=run.optimizer,
         opt_param_scheduler=run.scheduler,
@@ -92,6 +93,7 @@ def resume_matrix(payload: dict, ctx) -> dict:
         config = SimConfig.from_dict(case["config"])
         load_optim = case.get("load_optim", True)
         name = case_name(config) + f"/save@{case['save_at']}" + ("" if load_optim else "/no-optim-control")
+        started = time.monotonic()
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
         got = save_then_resume(config, payload["steps"], case["save_at"], root, consensus, load_optim)
@@ -103,13 +105,14 @@ def resume_matrix(payload: dict, ctx) -> dict:
             "children": got["children"],
             "local_params": got["local_params"],
             "result": got["result"],
+            "seconds": round(time.monotonic() - started, 2),
         }
     return out
 
 
 def case_name(config: SimConfig) -> str:
-    """adam/bf16/mixed/w2-tp2 plus whatever optimizer options differ from the defaults."""
-    axes = (("tp", config.tp), ("pp", config.pp), ("ep", config.ep))
+    """adam/bf16/mixed/w2-tp2-cp2 plus whatever optimizer options differ from the defaults."""
+    axes = (("tp", config.tp), ("pp", config.pp), ("vpp", config.vpp), ("ep", config.ep), ("cp", config.cp))
     layout = f"w{config.world_size}" + "".join(f"-{axis}{size}" for axis, size in axes if size > 1)
     options = [f"scalar-{config.muon_scalar}"] if config.optimizer == "muon" else []
     options += [] if config.distributed is None else ["distributed" if config.distributed else "non-distributed"]
@@ -142,11 +145,16 @@ def child_classes(run) -> list[str]:
 
 
 def train_and_save(payload: dict, ctx) -> dict:
-    """Train `steps` steps, then save into `root` (`saves` times, default once)."""
+    """Train `steps` steps, then save into `root` (`saves` times, default once), and into
+    `no_optim_root` (if given) once more as `--no-save-optim` would."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
     run_steps(run, 0, payload["steps"])
     paths = [save(run, payload["root"], payload["steps"], consensus) for _ in range(payload.get("saves", 1))]
+    if payload.get("no_optim_root"):
+        no_optim = Args()
+        no_optim.no_save_optim = True
+        save(run, payload["no_optim_root"], payload["steps"], consensus, no_optim)
     return {"paths": paths, "digests": snapshot_digests(snapshot(run))}
 
 
@@ -156,7 +164,9 @@ def try_loads(payload: dict, ctx) -> dict:
     run = build_run(SimConfig.from_dict(payload["config"]))
     run_steps(run, 0, payload.get("pre_steps", 1))
     outcomes = {}
+    logged = _capture_warnings()
     for name, path in payload["cases"].items():
+        logged.clear()
         if isinstance(path, list):
             path = path[ctx.rank]
         before = snapshot_digests(snapshot(run))
@@ -173,8 +183,78 @@ def try_loads(payload: dict, ctx) -> dict:
             "error": error,
             "changed": compare_digests(before, after),
             "result": result.__dict__ if result else None,
+            "logged": list(logged),
         }
     return outcomes
+
+
+def _capture_warnings() -> list[str]:
+    """Every WARNING the package logs from now on in this process, as text."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("miles_lora_ckpt")
+    logger.addHandler(Keep(logging.WARNING))
+    return records
+
+
+def layouts_job(payload: dict, ctx) -> dict:
+    """Layout changes between save and resume, many cases in one job, in three parts:
+
+    * `"elastic"`: `[{"name", "config", "root"}]`: load a checkpoint saved at another DP size (by an
+      earlier job) and compare the regathered optimizer state with the saved bits;
+    * `"saves"`: `{label: config}`: train 2 steps and save into `<root>/<label>` (returned in `roots`);
+    * `"tries"`: `[{"name", "from": label, "config"}]`: a run of `config`, trained one step, tries
+      to load the save `label`; reports the error (or None) and the first tensor that changed.
+    """
+    consensus = Consensus.for_world(timeout_s=120)
+    elastic = {case["name"]: _elastic_check(case, consensus) for case in payload.get("elastic", [])}
+    roots = {}
+    for label, config in payload.get("saves", {}).items():
+        run = build_run(SimConfig.from_dict(config))
+        run_steps(run, 0, 2)
+        roots[label] = str(Path(payload["root"]) / label)
+        save(run, roots[label], 2, consensus)
+        teardown(run)
+    tries = {}
+    for case in payload.get("tries", []):
+        run = build_run(SimConfig.from_dict(case["config"]))
+        run_steps(run, 0, 1)
+        before = snapshot_digests(snapshot(run))
+        try:
+            load(run, roots[case["from"]], consensus)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        tries[case["name"]] = {"error": error, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
+        teardown(run)
+    return {"elastic": elastic, "roots": roots, "tries": tries}
+
+
+def _elastic_check(case: dict, consensus: Consensus) -> dict:
+    """Load `case["root"]` into a run of `case["config"]`; compare each DP root's regathered state."""
+    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import file_name
+    from miles_lora_ckpt.megatron.topology import current_coordinates
+
+    run = build_run(SimConfig.from_dict(case["config"]))
+    result = load(run, case["root"], consensus)
+    gathered = gathered_world_state(run)
+    key = current_coordinates().model_parallel_key
+    differing = []
+    for name, tensor in gathered.items():
+        index = int(name.split(".")[0].removeprefix("child"))
+        saved, _ = storage.load_tensors(Path(result.path) / file_name(index, key))
+        if not tensor.equal(saved[name.split(".", 1)[1]]):
+            differing.append(name)
+    loss = train_step(run, result.iteration)  # and training goes on at the new DP size
+    teardown(run)
+    return {"differing": differing, "names": sorted(gathered), "loss": loss, "result": result.__dict__}
 
 
 def gathered_world_state(run) -> dict:
@@ -191,34 +271,6 @@ def gathered_world_state(run) -> dict:
         for name, tensor in (world or {}).items():
             out[f"child{child.index}.{name}"] = tensor
     return out
-
-
-def elastic_load(payload: dict, ctx) -> dict:
-    """Load a checkpoint saved at another DP size and compare the regathered state bit for bit."""
-    from miles_lora_ckpt.core import storage
-    from miles_lora_ckpt.megatron.optimizer_children.distributed import file_name
-    from miles_lora_ckpt.megatron.topology import current_coordinates
-
-    consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(SimConfig.from_dict(payload["config"]))
-    result = load(run, payload["root"], consensus)
-    gathered = gathered_world_state(run)
-    key = current_coordinates().model_parallel_key
-    compared, differing = 0, []
-    for name, tensor in gathered.items():
-        index = int(name.split(".")[0].removeprefix("child"))
-        saved, _ = storage.load_tensors(Path(result.path) / file_name(index, key))
-        compared += 1
-        if not tensor.equal(saved[name.split(".", 1)[1]]):
-            differing.append(name)
-    loss = train_step(run, result.iteration)  # and training goes on at the new DP size
-    return {
-        "compared": compared,
-        "differing": differing,
-        "names": sorted(gathered),
-        "loss": loss,
-        "result": result.__dict__,
-    }
 
 
 def legacy_warm_start(payload: dict, ctx) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from miles_lora_ckpt.core import faults
-from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.consensus import Consensus, Outcome
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import TRACKER, Topology
 from miles_lora_ckpt.core.protocol import open_generation, save_generation
@@ -151,3 +151,53 @@ def disagreeing_generations(payload: dict, ctx) -> dict:
 
 def pid(payload: dict, ctx) -> dict:
     return {"pid": os.getpid()}
+
+
+def chaos_writer(payload: dict, ctx) -> dict:
+    """One of two training runs saving into the same root at the same time.
+
+    Saves `saves` generations (iterations `first`, `first`+1, ...), recording for each whether it
+    committed or was refused; then keeps running (and holding the lease, if it won it) until the
+    other run is done, so the other one meets a live writer every time.
+    """
+    consensus = Consensus.for_world(timeout_s=60)
+    root, scratch = Path(payload["root"]), Path(payload["scratch"])
+    outcomes = []
+    for offset in range(payload["saves"]):
+        iteration = payload["first"] + offset
+
+        def write(writer, iteration=iteration):
+            writer.write_tensors(rank_file(consensus.rank), rank_tensors(consensus.rank, iteration))
+
+        topo = Topology(world=consensus.world_size, dp=consensus.world_size)
+        try:
+            path = save_generation(consensus, root, iteration=iteration, saver="test", topology=topo, write_files=write)
+            outcomes.append({"saved": path.name})
+        except CheckpointError as exc:
+            outcomes.append({"refused": str(exc)})
+        time.sleep(payload.get("pause_s", 0.1))
+    (scratch / f"done-{payload['name']}-{ctx.rank}").touch()
+    deadline = time.monotonic() + 60
+    while len(list(scratch.glob("done-*"))) < 2 * ctx.world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"outcomes": outcomes, "pid": os.getpid()}
+
+
+def fifo_load(payload: dict, ctx) -> dict:
+    """Save, replace one listed file by a FIFO, load on every rank: all must fail within seconds."""
+    consensus = Consensus.for_world(timeout_s=60)
+    root = Path(payload["root"])
+    gen = _save(consensus, root, 1)
+    consensus.agree("sync", Outcome.success())
+    if ctx.rank == 0:
+        target = gen / rank_file(1)
+        target.unlink()
+        os.mkfifo(target)
+    consensus.agree("sync", Outcome.success())
+    started = time.monotonic()
+    try:
+        open_generation(consensus, gen, lambda m: [rank_file(consensus.rank)])
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - started}

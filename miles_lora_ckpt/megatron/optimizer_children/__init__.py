@@ -22,7 +22,9 @@ any selection of children (`chain.select`) with a consensus between any two:
 
 `chain` runs the phases over the selected children; a saver never touches a child it did not
 select (its masters, moments and param groups stay bit-identical; nothing is refreshed from bf16).
-Files are safetensors, non-tensor state is JSON, all keyed by model-parallel coordinate.
+Files are safetensors, non-tensor state is JSON, all keyed by parallel coordinate (never by global
+rank); every file is bound (format v2) to its child and coordinate (`family.file_binding`), and each
+family's preflight reads its files through that binding check.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ from miles_lora_ckpt.megatron.optimizer_children.child import (
     optimizer_kind,
     resolve_state_keys,
 )
-from miles_lora_ckpt.megatron.optimizer_children.family import ChildFamily, Collected, RankView, ReadContext
+from miles_lora_ckpt.megatron.optimizer_children.family import (
+    ChildFamily,
+    Collected,
+    OptimizerFile,
+    RankView,
+    ReadContext,
+    file_binding,
+)
 
 FAMILIES: dict[str, ChildFamily] = {f.name: f for f in (distributed.FAMILY, float16.FAMILY, layerwise.FAMILY)}
 
@@ -70,10 +79,12 @@ __all__ = [
     "Child",
     "ChildFamily",
     "Collected",
+    "OptimizerFile",
     "RankView",
     "ReadContext",
     "class_name",
     "family_of",
+    "file_binding",
     "has_state",
     "is_stub",
     "leaf_children",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.megatron.adapter_shards import strip_wrappers
 from miles_lora_ckpt.megatron.optimizer_children import FAMILIES, family_of
 from miles_lora_ckpt.megatron.optimizer_children.child import (
@@ -24,7 +25,7 @@ from miles_lora_ckpt.megatron.optimizer_children.child import (
     optimizer_kind,
     resolve_state_keys,
 )
-from miles_lora_ckpt.megatron.optimizer_children.family import Collected, RankView, ReadContext
+from miles_lora_ckpt.megatron.optimizer_children.family import Collected, OptimizerFile, RankView, ReadContext
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -149,9 +150,12 @@ def collect(optimizer, view: RankView, plans: dict[str, dict]) -> dict[int, Coll
     return collected
 
 
-def exchange_for_save(optimizer, view: RankView, plans: dict[str, dict], collected: dict[int, Collected]) -> dict:
-    """Collectives only. `{relpath: {tensor name: tensor}}` this rank writes, over every stepped child."""
-    files: dict[str, dict] = {}
+def exchange_for_save(
+    optimizer, view: RankView, plans: dict[str, dict], collected: dict[int, Collected]
+) -> dict[str, OptimizerFile]:
+    """Collectives only. `{relpath: OptimizerFile}` this rank writes (tensors and their binding),
+    over every stepped child."""
+    files: dict[str, OptimizerFile] = {}
     for child in select(optimizer, sorted(collected)):
         layout = plans[str(child.index)]["layout"]
         files.update(family_of(child).exchange_for_save(child, view, layout, collected[child.index]))
@@ -169,36 +173,39 @@ def recorded_states(collected: dict[int, Collected]) -> dict[str, object]:
 def check_against(
     saved: dict[str, dict], descriptions: list[list[dict]], rank: int, dp_changed: bool, saved_selection=None
 ) -> None:
-    """Refuse, before anything is read or changed, a child that is not the one the checkpoint saved."""
+    """Refuse, before anything is read or changed, a child that is not the one the checkpoint saved.
+
+    Every refusal is an `IncompatibleCheckpoint`: the generation is intact, but not for this run
+    (the load fails; it never falls back to an older generation)."""
     for desc in descriptions[rank]:
         index = desc["index"]
         entry = saved.get(str(index))
         if entry is None:
             hint = f" (a chosen-children save: pass optimizer_children={saved_selection})" if saved_selection else ""
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"the checkpoint holds no optimizer child {index}: it saved {sorted(map(int, saved))}{hint}"
             )
         saved_as = f"a {entry['class']} over {entry['kind']}"
         running = f"a {desc['class']} over {desc['kind']}"
         if entry["class"] != desc["class"]:
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child {index}: the checkpoint saved {saved_as}, this run has {running} "
                 "(--use-distributed-optimizer or the optimizer changed?)"
             )
         if entry["family"] != desc["family"]:
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child {index}: the checkpoint saved {saved_as} ({entry['family']}), this run has one "
                 f"{'under' if desc['family'] == 'layer-wise' else 'outside'} a LayerWiseDistributedOptimizer "
                 f"({desc['family']})"
             )
         if entry["kind"] != desc["kind"] or (entry["stepped"] and set(entry["keys"]) != set(desc["keys"])):
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child {index}: checkpoint holds state {entry['keys']} of {entry['kind']}, this run's "
                 f"optimizer ({desc['kind']}) keeps {desc['keys']} (different optimizer?); load with "
                 "weights_only=True to warm-start"
             )
         if dp_changed and entry["stepped"] and not FAMILIES[entry["family"]].dp_elastic:
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child {index} ({entry['family']}) cannot be restored exactly at another data-parallel size"
             )
 
@@ -215,7 +222,10 @@ def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[st
 
 
 def preflight(optimizer, view: RankView, descriptions, saved: dict[str, dict], tensors, states: dict) -> dict:
-    """Local, no mutation: `{index: restore}` for every described child saved with state."""
+    """Local, no mutation: `{index: restore}` for every described child saved with state.
+
+    `tensors(relpath, binding)` reads one of this rank's files, refusing one bound to anything else
+    (see `ReadContext`)."""
     restores = {}
     described = by_index(descriptions)
     for child in select(optimizer, [d["index"] for d in descriptions[view.rank]]):

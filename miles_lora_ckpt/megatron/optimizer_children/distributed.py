@@ -10,8 +10,8 @@ callers can put a consensus between any two of them:
     preflight_payload                checks a DP root's payload against this child (no mutation)
     split_for_scatter / scatter_from_dp_root / install_shards / check_installed   the reverse
 
-Files: `optimizer/child{i}_{coordinate of the DP root}.safetensors`, written by each DP root, with
-world tensors keyed `buf{g}.{key}`: the concatenation of the unpadded part of every bucket of grad
+Files: `optimizer/child{i}_{coordinate of the DP root}.safetensors` (bound to child i and that
+model-parallel coordinate), written by each DP root, with world tensors keyed `buf{g}.{key}`: the concatenation of the unpadded part of every bucket of grad
 buffer `g`. That layout does not depend on the DP size, so a DP=2 payload loads at DP=4 exactly
 (`dp_elastic`). Param groups and the step travel as JSON (`child.state_dict()` of the DP root).
 The gathers run over the child's gloo DP group: a child without one (gloo groups disabled, or the
@@ -25,9 +25,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state
-from miles_lora_ckpt.megatron.optimizer_children.family import Collected, RankView, ReadContext
+from miles_lora_ckpt.megatron.optimizer_children.family import (
+    Collected,
+    OptimizerFile,
+    RankView,
+    ReadContext,
+    file_binding,
+)
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -259,14 +266,21 @@ class DistributedFamily:
             collected.state = to_json(opt.state_dict(), f"optimizer child {child.index}")
         return collected
 
-    def exchange_for_save(self, child: Child, view: RankView, plan: dict, collected: Collected) -> dict:
+    def exchange_for_save(
+        self, child: Child, view: RankView, plan: dict, collected: Collected
+    ) -> dict[str, OptimizerFile]:
         world = gather_to_dp_root(child.optimizer, collected.local)
-        return {} if world is None else {file_name(child.index, view.coords.model_parallel_key): world}
+        if world is None:
+            return {}
+        key = view.coords.model_parallel_key
+        return {file_name(child.index, key): OptimizerFile(file_binding(child.index, key), world)}
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list[str]:
         mine = described[view.rank]
         if mine["dp_rank"] is None:
-            raise ValueError(f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups")
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups"
+            )
         return [file_name(index, view.coords.model_parallel_key)] if mine["dp_rank"] == 0 else []
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
@@ -277,8 +291,9 @@ class DistributedFamily:
             raise ValueError(f"the training state holds no optimizer state for child {child.index} at {root_key}")
         restore = _Restore(read.keys, state, None)
         if mine["dp_rank"] == 0:
-            file = file_name(child.index, view.coords.model_parallel_key)
-            payload = read.tensors(file)
+            key = view.coords.model_parallel_key
+            file = file_name(child.index, key)
+            payload = read.tensors(file, file_binding(child.index, key))
             try:
                 preflight_payload(child.optimizer, read.keys, payload, plan["numel_unpadded"].get(root_key))
             except ValueError as exc:

@@ -1,12 +1,37 @@
-"""The interface every child family implements (`ChildFamily`), and what its phases pass around."""
+"""The interface every child family implements (`ChildFamily`), and what its phases pass around.
+
+Every optimizer file is bound (format v2) to what it is: `file_binding` (role `optimizer`, the
+child's leaf index, the coordinate of the rank that wrote it). The saver gives the binding to the
+protocol, which stamps it into the file and records it in the manifest; every family's preflight
+reads its files through `ReadContext.tensors(relpath, binding)`, which refuses a file the manifest
+binds to anything else (a file of another child or coordinate).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from miles_lora_ckpt.megatron.optimizer_children.child import Child
 from miles_lora_ckpt.megatron.topology import Coordinates
+
+ROLE_OPTIMIZER = "optimizer"
+
+
+def file_binding(index: int, coordinate: str) -> dict[str, str]:
+    """What an optimizer file is: child `index`'s state written by the rank at `coordinate`."""
+    return {"role": ROLE_OPTIMIZER, "coordinate": coordinate, "child": str(index)}
+
+
+@dataclass(frozen=True)
+class OptimizerFile:
+    """One file a rank writes for a child: its binding (`file_binding`) and its tensors."""
+
+    binding: dict[str, str]
+    tensors: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,7 +60,9 @@ class Collected:
 class ReadContext:
     """What preflight reads from an opened generation: this rank's files and the per-child JSON state."""
 
-    tensors: Any  # callable: relpath -> {name: tensor} (already digest- and header-checked)
+    # (relpath, expected binding) -> {name: tensor}: the file's content already checked (digest,
+    # header, stamps); raises ValueError when the manifest binds the file to anything else
+    tensors: Callable[[str, dict[str, str]], dict[str, torch.Tensor]]
     states: dict  # the training state's per-child JSON, keyed as `Collected.state_key`
     keys: tuple[str, ...]  # the per-element state keys the checkpoint holds for this child
 
@@ -61,14 +88,17 @@ class ChildFamily(Protocol):
     def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
         """Local copies of what this rank contributes, and the JSON state it records (if any)."""
 
-    def exchange_for_save(self, child: Child, view: RankView, plan: dict, collected: Collected) -> dict:
-        """Collectives only. `{relpath: {tensor name: tensor}}` this rank writes."""
+    def exchange_for_save(
+        self, child: Child, view: RankView, plan: dict, collected: Collected
+    ) -> dict[str, OptimizerFile]:
+        """Collectives only. `{relpath: OptimizerFile}` this rank writes."""
 
     def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list[str]:
-        """The files this rank needs to restore the child (`plan` is the saved one)."""
+        """The files this rank needs to restore the child (`plan` is the saved one). Raises
+        `IncompatibleCheckpoint` where the checkpoint cannot be restored into this run."""
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
-        """Read and check everything against this rank's child; mutates nothing."""
+        """Read (binding checked) and check everything against this rank's child; mutates nothing."""
 
     def allocate(self, child: Child, restore: Any) -> None:
         """First mutation: param groups and state allocated, ready to receive."""

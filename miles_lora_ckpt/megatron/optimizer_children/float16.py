@@ -15,10 +15,10 @@ name (`chunk0.layers.0.linear_qkv.lora_A.weight`). An entry holds
                      (`exp_avg`, `exp_avg_sq`, `momentum_buffer`) and 0-d ones such as AdamW's `step`
 
 The lowest rank holding an entry writes it, into
-`optimizer/child{i}_tp000_pp000_ep000_etp000_dp000_cp000.safetensors` (named by its parallel
-coordinate, never by its global rank). The plan
-in the manifest maps every entry to its file and param group, so a loader at any DP size reads
-exactly the entries it holds. Param groups (hyperparameters, never parameter lists) and the grad
+`optimizer/child{i}_tp000_pp000_ep000_etp000_dp000_cp000.safetensors`, named by the writer's
+parallel coordinate (model-parallel key, DP and CP rank), never by its global rank, and bound to
+child i and that coordinate. The plan in the manifest maps every entry to its file and param group
+(and every file to its coordinate), so a loader at any DP size reads exactly the entries it holds. Param groups (hyperparameters, never parameter lists) and the grad
 scaler are JSON, one record per model-parallel coordinate.
 
 Before saving, every rank digests its replica: replicas that differ (a DDP that reduce-scatters
@@ -34,16 +34,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.adapter_shards import is_expert
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child
-from miles_lora_ckpt.megatron.optimizer_children.family import Collected, RankView, ReadContext
+from miles_lora_ckpt.megatron.optimizer_children.family import (
+    Collected,
+    OptimizerFile,
+    RankView,
+    ReadContext,
+    file_binding,
+)
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
+def file_coordinate(coords: Coordinates) -> str:
+    """A writer's parallel coordinate (`tp000_pp000_ep000_etp000_dp000_cp000`), never its global rank."""
+    return f"{coords.model_parallel_key}_dp{coords.dp:03d}_cp{coords.cp:03d}"
+
+
 def file_name(index: int, coords: Coordinates) -> str:
-    """The file one rank writes for child `index`: its parallel coordinate, never its global rank."""
-    return f"optimizer/child{index}_{coords.model_parallel_key}_dp{coords.dp:03d}_cp{coords.cp:03d}.safetensors"
+    """The file one rank writes for child `index`, named by its coordinate (`file_coordinate`)."""
+    return f"optimizer/child{index}_{file_coordinate(coords)}.safetensors"
 
 
 def param_states(child) -> list[tuple[int, torch.Tensor, torch.Tensor, dict]]:
@@ -119,19 +131,20 @@ class WholeParameterFamily:
                     f"optimizer child {index}: {entry} is held by ranks {owners} under a LayerWiseDistributedOptimizer, "
                     "which gives every parameter one owner"
                 )
-        entries = {}
+        entries, files = {}, {}
         for entry, owners in sorted(holders.items()):
             writer = owners[0]
             entries[entry] = {
                 "file": file_name(index, ranks[writer]),
                 "group": described[writer]["entries"][entry]["group"],
             }
+            files[entries[entry]["file"]] = file_coordinate(ranks[writer])
         self.check_replicas(index, described)
         reporters: dict[str, int] = {}
         for rank, desc in enumerate(described):
             if desc is not None:
                 reporters.setdefault(ranks[rank].model_parallel_key, rank)
-        return {"entries": entries, "state_reporters": reporters}
+        return {"entries": entries, "files": files, "state_reporters": reporters}
 
     def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
         opt, coords = child.optimizer, view.coords
@@ -180,8 +193,13 @@ class WholeParameterFamily:
                     "use_distributed_optimizer for a Float16/FP32 optimizer?)"
                 )
 
-    def exchange_for_save(self, child: Child, view: RankView, plan: dict, collected: Collected) -> dict:
-        return {file_name(child.index, view.coords): collected.local} if collected.local else {}
+    def exchange_for_save(
+        self, child: Child, view: RankView, plan: dict, collected: Collected
+    ) -> dict[str, OptimizerFile]:
+        if not collected.local:
+            return {}
+        binding = file_binding(child.index, file_coordinate(view.coords))
+        return {file_name(child.index, view.coords): OptimizerFile(binding, collected.local)}
 
     # ------------------------------------------------------------------- load
 
@@ -190,8 +208,11 @@ class WholeParameterFamily:
         files = set()
         for entry in described[view.rank]["entries"]:
             if entry not in plan["entries"]:
-                raise ValueError(f"optimizer child {index}: the checkpoint holds no state for {entry}")
+                raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint holds no state for {entry}")
             files.add(plan["entries"][entry]["file"])
+        unbound = sorted(f for f in files if f not in plan["files"])
+        if unbound:
+            raise ValueError(f"optimizer child {index}: the plan names no coordinate for {unbound[0]}")
         return sorted(files)
 
     def _check_coverage(self, index: int, described: list, plan: dict) -> None:
@@ -199,7 +220,7 @@ class WholeParameterFamily:
         saved = set(plan["entries"])
         if held != saved:
             extra, missing = sorted(saved - held), sorted(held - saved)
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child {index}: the checkpoint holds state for parameters this run does not step "
                 f"({extra[:3]}) or lacks some it does ({missing[:3]})"
             )
@@ -232,7 +253,8 @@ class WholeParameterFamily:
                     f"group {saved['group']}"
                 )
             if saved["file"] not in files:
-                files[saved["file"]] = _by_parameter(read.tensors(saved["file"]))
+                binding = file_binding(child.index, plan["files"][saved["file"]])
+                files[saved["file"]] = _by_parameter(read.tensors(saved["file"], binding))
             try:
                 found = dict(files[saved["file"]].get(name, {}))
                 restore.params.append((group, main, *_entry_tensors(found, name, main, read.keys)))

@@ -4,22 +4,28 @@ A generation written by the single-LoRA saver holds (paths relative to it)::
 
     training_state.json                                   iteration, scheduler, per-child optimizer
                                                           param groups and steps (JSON), by rank 0
-    adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP)
+    adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP), all chunks
     adapter/expert_pp000_ep000_etp000.safetensors         expert adapter shard per (PP, EP, ETP)
     optimizer/child1_tp000_pp000_ep000_etp000.safetensors fp32 masters + every moment of one
-                                                          DistributedOptimizer child, per coordinate
-                                                          of its DP root
+                                                          DistributedOptimizer child, per model-parallel
+                                                          coordinate of the root of its gloo DP group
+                                                          (DP x CP for dense children)
     optimizer/child0_tp000_pp000_ep000_etp000_dp000_cp000.safetensors
                                                           masters + state of the whole parameters a
                                                           Float16/FP32 (or layer-wise) child's rank writes
 
-(`megatron.optimizer_children` says which family writes which files.)
+(`megatron.optimizer_children` says which family writes which files.) Format v2 binds every file
+to what it is: the training state (role `training-state`), each adapter shard (role
+`dense-adapter` / `expert-adapter` and its coordinate), each optimizer file (role `optimizer`, the
+child and the writer's coordinate: `optimizer_children.file_binding`); the protocol stamps the
+binding into tensor files and the manifest records it, and the loader checks it for every file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
@@ -27,6 +33,79 @@ from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, 
 
 SAVER = "single-lora"
 TRAINING_STATE = "training_state.json"
+
+
+# What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on load.
+# (Optimizer files: `optimizer_children.file_binding`.)
+TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
+
+
+def adapter_binding(kind: str, coordinate_key: str) -> dict[str, str]:
+    """`kind` is "dense" (coordinate: TP, PP) or "expert" (coordinate: PP, EP, expert TP)."""
+    return {"role": f"{kind}-adapter", "coordinate": coordinate_key}
+
+
+def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
+    """The manifest must bind `relpath` to what this rank expects there (format v2; v1 has no
+    bindings: a v1 file swapped or copied is caught only by the manifest's digests)."""
+    if opened.manifest.format_version < 2:
+        return
+    found = opened.binding(relpath)
+    if found != expected:
+        raise ValueError(f"{relpath}: the manifest binds it to {found or 'nothing'}, expected {expected}")
+
+
+def bound_tensors(opened):
+    """`(relpath, expected binding) -> tensors` of one of this rank's files, binding checked first."""
+
+    def read(relpath: str, expected: dict[str, str]):
+        check_binding(opened, relpath, expected)
+        return opened.tensors(relpath)
+
+    return read
+
+
+def saved_metadata(manifest, *keys):
+    """`manifest.metadata[k1][k2]...`, or a ValueError naming the missing key."""
+    value = manifest.metadata
+    for depth, key in enumerate(keys):
+        if not isinstance(value, dict) or key not in value:
+            path = ".".join(str(k) for k in keys[: depth + 1])
+            raise ValueError(f"manifest metadata has no {path!r} (written by another saver or version, or edited)")
+        value = value[key]
+    return value
+
+
+# Before every child family was saved, the manifest described DistributedOptimizer children only,
+# in three keys; `saved_children` reads those generations too.
+_PRE_FAMILY_KEYS = ("stepped_children", "state_keys", "numel_unpadded")
+
+
+def saved_children(manifest) -> dict[str, dict]:
+    """The manifest's `optimizer_children` (per child: family, class, kind, keys, stepped, layout).
+
+    A generation written before every child family was saved records `stepped_children`,
+    `state_keys` and `numel_unpadded` instead (DistributedOptimizer children only, the same files
+    and bindings): those read as the equivalent `optimizer_children`. A ValueError names a missing key.
+    """
+    metadata = manifest.metadata
+    if "optimizer_children" in metadata or not all(k in metadata for k in _PRE_FAMILY_KEYS):
+        return saved_metadata(manifest, "optimizer_children")
+    stepped = {int(i) for i in metadata["stepped_children"]}
+    children = {}
+    for index, keys in metadata["state_keys"].items():
+        keys = list(keys)
+        children[str(index)] = {
+            "family": "distributed",
+            "class": "DistributedOptimizer",
+            "kind": "adam" if "exp_avg_sq" in keys else ("lion" if keys == ["exp_avg"] else "unknown"),
+            "keys": keys,
+            "stepped": int(index) in stepped,
+            "layout": {"numel_unpadded": saved_metadata(manifest, "numel_unpadded", str(index))}
+            if int(index) in stepped
+            else {},
+        }
+    return children
 
 
 def chunk_count(model) -> int:

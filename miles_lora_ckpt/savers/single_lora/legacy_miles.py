@@ -7,11 +7,12 @@ and the warning says so.
 
 from __future__ import annotations
 
-import logging
+import io
 from pathlib import Path
 
 import torch
 
+from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron import adapter_shards as shards
@@ -20,8 +21,6 @@ from miles_lora_ckpt.megatron.scheduler import reposition_scheduler
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, chunk_count
-
-log = logging.getLogger(__name__)
 
 
 def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, scheduler) -> LoadResult:
@@ -44,7 +43,6 @@ def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, schedu
         "fp32 master weights (refreshed from the adapter), optimizer moments, scheduler state"
         + (f" (repositioned to iteration {iteration})" if scheduler is not None and iteration else "")
     )
-    log.warning(message)
     return LoadResult(
         True,
         iteration,
@@ -66,7 +64,7 @@ def _read_legacy_shard(model, path: Path, rank: int, children: list, scheduler):
         )
     if chunk_count(model) != 1:
         raise ValueError("legacy Miles adapters have no chunk index: cannot warm-start a virtual-pipeline model")
-    raw = torch.load(file, map_location="cpu", weights_only=True)
+    raw = _torch_load_weights_only(file)
     saved = {
         f"chunk0.{shards.strip_wrappers(name)}": tensor
         for name, tensor in raw.items()
@@ -83,9 +81,16 @@ def _legacy_iteration(path: Path, rank: int) -> int | None:
     if not state_file.exists():
         return None
     try:
-        return int(torch.load(state_file, map_location="cpu", weights_only=True)["iteration"])
+        return int(_torch_load_weights_only(state_file)["iteration"])
     except Exception:  # noqa: BLE001 - the iteration is informative; weights_only refusals are expected
         return None
+
+
+def _torch_load_weights_only(file: Path):
+    """`torch.load(weights_only=True)` of a regular file read with bounds (a FIFO or link is
+    refused without being opened, so nothing blocks); never a pickle fallback."""
+    data = storage.read_file_verified(file)
+    return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
 
 
 def _apply_legacy(model, children: list, scheduler, saved: dict, iteration: int | None) -> None:

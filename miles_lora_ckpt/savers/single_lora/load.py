@@ -22,7 +22,7 @@ from typing import Any
 
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_dir
@@ -35,9 +35,15 @@ from miles_lora_ckpt.megatron.undo import UndoRecord
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
     TRAINING_STATE,
+    TRAINING_STATE_BINDING,
     LoadResult,
+    adapter_binding,
+    bound_tensors,
+    check_binding,
     describe_rank,
     rank_view,
+    saved_children,
+    saved_metadata,
     selected_adapter_names,
 )
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
@@ -79,23 +85,40 @@ def load_lora_checkpoint(
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
     consensus = consensus or Consensus.default()
+    restore_optimizer = load_optim and not weights_only
+    selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
+    result = _load(
+        consensus,
+        model,
+        path,
+        optimizer,
+        opt_param_scheduler,
+        restore_optimizer,
+        scheduler_increment_per_iteration,
+        selection,
+    )
+    for warning in result.warnings:  # every load warning reaches the log (the result has them too)
+        log.warning("LoRA checkpoint %s: %s", path, warning)
+    return result
+
+
+def _load(
+    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection
+) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
     kind = consensus.agree("classify", attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success())[0]
     if kind in ("missing", "empty-root"):
         why = "does not exist" if kind == "missing" else "has no committed generation yet"
-        log.warning("LoRA checkpoint %s %s: starting from the initial adapter", path, why)
-        return LoadResult(False, None, "none", warnings=[f"{path} {why}"])
+        return LoadResult(False, None, "none", warnings=[f"{path} {why}: starting from the initial adapter"])
     if kind == "legacy-miles":
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
 
     # plan: who holds what, so every rank can find its children's files and DP roots
-    selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))
-    restore_optimizer = load_optim and not weights_only
     request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer, selection)
 
-    # verify: all ranks agree on one generation and read their own files, digest-checked
+    # verify: all ranks agree on one generation and read their own files, every content rule checked
     opened = open_generation(consensus, path, request.files_for_rank)
 
     # preflight: every check against this rank's model and optimizer; nothing changes yet
@@ -118,7 +141,7 @@ def load_lora_checkpoint(
         consensus.agree("install", installed)
 
         # finish: scheduler, and masters refreshed where none were restored
-        finished = attempt(_finish, request, plan.value, opened.path, scheduler_increment_per_iteration)
+        finished = attempt(_finish, request, plan.value, opened, increment)
         consensus.agree("finish", finished.map(lambda _: None))
     except CheckpointError:
         undo.value.restore()
@@ -152,6 +175,7 @@ class LoadPlan:
     scheduler: dict | None
     saved_num_steps: int | None
     summary: dict
+    warnings: list[str]
 
 
 @dataclass
@@ -185,42 +209,49 @@ class LoadRequest:
         return params if names is None else {n: p for n, p in params.items() if n in names}
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
+        if manifest.saver != SAVER:
+            raise IncompatibleCheckpoint(
+                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}"
+            )
         _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
         dense, expert = shards.split_by_kind(self.adapter_params())
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []
         files += [shards.expert_file(self.coords)] if expert else []
         if self._optimizer_in(manifest):
-            # refused here, before anything is read: another child class or optimizer, another layout
-            saved = manifest.metadata["optimizer_children"]
+            # refused here, before anything is read (IncompatibleCheckpoint: the load fails, it never
+            # falls back to an older generation): another child layout, class or optimizer
+            saved = saved_children(manifest)
+            self._check_child_layout(manifest)
             dp_changed = manifest.topology.dp != self.plans[self.rank]["topology"]["dp"]
             chain.check_against(
                 saved, self.descriptions(), self.rank, dp_changed, manifest.metadata.get("optimizer_selection")
             )
-            self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
         return files
 
     def _optimizer_in(self, manifest: Manifest) -> bool:
-        return self.restore_optimizer and self.optimizer is not None and manifest.metadata.get("optimizer_saved", False)
+        return (
+            self.restore_optimizer
+            and self.optimizer is not None
+            and saved_metadata(manifest, "optimizer_saved") is True
+        )
 
     def preflight(self, opened) -> LoadPlan:
-        manifest = opened.manifest
-        if manifest.saver != SAVER:
-            raise ValueError(f"{opened.path} was written by saver {manifest.saver!r}, not {SAVER!r}")
+        manifest = opened.manifest  # its saver and topology were checked by files_for_rank
+        # the training state's invariants were checked as it was read (core.training_state)
+        check_binding(opened, TRAINING_STATE, TRAINING_STATE_BINDING)
         state = opened.json(TRAINING_STATE)
-        if state.get("iteration") != manifest.iteration:
-            raise ValueError(f"{TRAINING_STATE}: iteration {state.get('iteration')} != manifest {manifest.iteration}")
+        warnings = self._check_optimizer_claim(manifest)
         adapter = self._preflight_adapter(opened)
         restore, fresh = {}, []
         if self._optimizer_in(manifest):
-            saved = manifest.metadata["optimizer_children"]
             restore = chain.preflight(
                 self.optimizer,
                 self.view,
                 self.descriptions(),
-                saved,
-                opened.tensors,
+                saved_children(manifest),
+                bound_tensors(opened),
                 state.get("optimizer_children", {}),
             )
             fresh = [i for i in self.selected() if i not in restore]
@@ -234,7 +265,28 @@ class LoadRequest:
             "optimizer": bool(restore),
             "scheduler": scheduler is not None and self.scheduler is not None,
         }
-        return LoadPlan(manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary)
+        return LoadPlan(manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary, warnings)
+
+    def _check_optimizer_claim(self, manifest: Manifest) -> list[str]:
+        """`optimizer_saved: false` must mean no optimizer files (else the manifest was edited), and
+        loading such a checkpoint into a run with an optimizer says so."""
+        if saved_metadata(manifest, "optimizer_saved") is True:
+            return []
+        listed = sorted(
+            rel for rel in manifest.files if rel.startswith("optimizer/") or manifest.role_of(rel) == "optimizer"
+        )
+        stepped = sorted(int(i) for i, entry in saved_children(manifest).items() if entry["stepped"])
+        if listed or stepped:
+            first = listed[0] if listed else f"optimizer_children: child {stepped[0]} stepped"
+            raise ValueError(
+                f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?"
+            )
+        if self.optimizer is None or not self.restore_optimizer:
+            return []
+        return [
+            "the checkpoint holds no optimizer state (saved with no_save_optim): optimizer moments start "
+            "fresh and the fp32 masters are refreshed from the adapter"
+        ]
 
     def _preflight_adapter(self, opened) -> list[tuple[dict, dict]]:
         params = self.adapter_params()
@@ -242,8 +294,12 @@ class LoadRequest:
             raise ValueError("the model has no adapter parameters (names with 'lora_' or '.adapter.')")
         dense, expert = shards.split_by_kind(params)
         checked = []
-        for group, file in ((dense, shards.dense_file(self.coords)), (expert, shards.expert_file(self.coords))):
+        for kind, group, file, key in (
+            ("dense", dense, shards.dense_file(self.coords), self.coords.dense_key),
+            ("expert", expert, shards.expert_file(self.coords), self.coords.expert_key),
+        ):
             if group:
+                check_binding(opened, file, adapter_binding(kind, key))
                 saved = opened.tensors(file)
                 if self.selection is not None:  # a chosen-children load restores a subset of the file
                     saved = {n: t for n, t in saved.items() if n in group}
@@ -252,12 +308,12 @@ class LoadRequest:
         return checked
 
     def _check_child_layout(self, manifest: Manifest) -> None:
-        recorded = manifest.metadata.get("active_children", {}).get(self.coords.model_parallel_key)
+        recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
         mine = self.plans[self.rank]["active"]
         if recorded is None:
             raise ValueError(f"checkpoint records no optimizer children for {self.coords.model_parallel_key}")
         if sorted(recorded) != sorted(mine):
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child layout differs at {self.coords.model_parallel_key}: checkpoint has active "
                 f"children {sorted(recorded)}, this run has {sorted(mine)} (a stub child on one side only?)"
             )
@@ -266,7 +322,7 @@ class LoadRequest:
 def _check_topology(manifest: Manifest, current: Topology) -> None:
     differences = manifest.topology.model_parallel_differences(current)
     if differences:
-        raise ValueError(
+        raise IncompatibleCheckpoint(
             "exact restore needs the same model-parallel layout; checkpoint -> this run differs in "
             + ", ".join(differences)
             + " (only the data-parallel size may change)"
@@ -288,7 +344,7 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan) -> None:
     chain.allocate(request.optimizer, plan.restore_children)
 
 
-def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | None) -> LoadResult:
+def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None) -> LoadResult:
     # only the selected children's own masters, never the chain's (co-tenants keep their fp32 masters)
     for child in chain.select(request.optimizer, plan.fresh_children):
         child.optimizer.reload_model_params()
@@ -296,10 +352,11 @@ def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | N
         loaded=True,
         iteration=plan.iteration,
         source="generation",
-        path=str(path),
+        path=str(opened.path),
         adapter_restored=True,
         optimizer_restored=bool(plan.restore_children),
         masters_refreshed=bool(plan.fresh_children),
+        warnings=[*opened.warnings, *plan.warnings],
     )
     if request.scheduler is not None:
         if plan.scheduler is not None:
@@ -309,7 +366,7 @@ def _finish(request: LoadRequest, plan: LoadPlan, path: Path, increment: int | N
             step = increment or _increment_from_saved(plan)
             reposition_scheduler(request.scheduler, plan.iteration, step)
             result.warnings.append(f"scheduler repositioned to iteration {plan.iteration} x {step}")
-    if request.optimizer is not None and not result.optimizer_restored:
+    if request.optimizer is not None and not result.optimizer_restored and not plan.warnings:
         result.warnings.append("optimizer moments not restored (fresh optimizer state, masters refreshed)")
     return result
 

@@ -22,6 +22,8 @@ from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
     TRAINING_STATE,
+    TRAINING_STATE_BINDING,
+    adapter_binding,
     describe_rank,
     rank_view,
     selected_adapter_names,
@@ -75,15 +77,16 @@ def save_lora_checkpoint(
     # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
         _write_adapter_files(writer, model, layout, consensus.rank)
-        for relpath, tensors in sorted(exchanged.value.items()):
-            writer.write_tensors(relpath, tensors)
+        for relpath, file in sorted(exchanged.value.items()):
+            writer.write_tensors(relpath, file.tensors, binding=file.binding)
         if consensus.rank == 0:
             training_state = {
                 "iteration": iteration,
+                "generation": writer.generation,
                 "scheduler": scheduler_state(opt_param_scheduler) if save_optim else None,
                 "optimizer_children": {k: v for states in child_states for k, v in states.items()},
             }
-            writer.write_json(TRAINING_STATE, training_state)
+            writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
 
     generation = save_generation(
         consensus,
@@ -155,6 +158,8 @@ def _write_adapter_files(writer: StagingWriter, model, layout: SaveLayout, rank:
     coords = Coordinates(**layout.plans[rank]["coords"])
     dense, expert = (layout.adapter_subset(p) for p in shards.split_by_kind(shards.adapter_params(model)))
     if dense and layout.dense_writers.get(coords.dense_key) == rank:
-        writer.write_tensors(shards.dense_file(coords), {n: p.detach() for n, p in dense.items()})
+        tensors = {n: p.detach() for n, p in dense.items()}
+        writer.write_tensors(shards.dense_file(coords), tensors, binding=adapter_binding("dense", coords.dense_key))
     if expert and layout.expert_writers.get(coords.expert_key) == rank:
-        writer.write_tensors(shards.expert_file(coords), {n: p.detach() for n, p in expert.items()})
+        tensors = {n: p.detach() for n, p in expert.items()}
+        writer.write_tensors(shards.expert_file(coords), tensors, binding=adapter_binding("expert", coords.expert_key))

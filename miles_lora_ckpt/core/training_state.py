@@ -1,0 +1,126 @@
+"""Invariants of a training-state file: a self-consistent but wrong one must not load.
+
+A file whose manifest role is `training-state` (the single-LoRA saver's `training_state.json`)
+is JSON written through `jsoncodec`::
+
+    {"iteration": 12, "generation": "<attempt id>",          generation: format v2 only
+     "scheduler": {... megatron OptimizerParamScheduler state ...} | null,
+     "optimizer_children": {"<child>:<coordinate>": {... a child's state_dict(), param groups ...}}}
+
+Checked on every read (by the loader and by `verify` alike, see `verify.check_file_content`):
+- `iteration` is the manifest's; `generation` (v2) is the manifest's (a state copied from
+  another generation is refused);
+- every number anywhere is finite (`jsoncodec` would otherwise carry NaN/Inf as tagged floats);
+- the scheduler's counters and rates are non-negative, and its position agrees with the
+  iteration: `num_steps` is zero exactly when the iteration is zero;
+- every optimizer param group's hyperparameters are in the range torch's own optimizers accept:
+  `lr`, `eps`, `weight_decay`, `momentum`, `max_lr`, `min_lr`, `lr_mult`, `wd_mult` >= 0,
+  each of `betas` in [0, 1).
+
+Every refusal is a ValueError naming the field by its path in the file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_lora_ckpt.core import bounded
+from miles_lora_ckpt.core.jsoncodec import FLOAT_TAG, SCALAR_TAG, TUPLE_TAG
+
+NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "max_lr", "min_lr", "lr_mult", "wd_mult", "dampening")
+SCHEDULER_COUNTERS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def check(state: Any, *, iteration: int, generation: str, format_version: int) -> None:
+    """Raise ValueError unless `state` (parsed JSON) satisfies every invariant above."""
+    bounded.mapping(state, "training state")
+    _all_numbers_finite(state)
+    saved_iteration = bounded.integer(state.get("iteration"), "iteration", high=bounded.INT64_MAX)
+    if saved_iteration != iteration:
+        raise ValueError(f"iteration is {saved_iteration}, the manifest says {iteration}")
+    if format_version >= 2:
+        if "generation" not in state:
+            raise ValueError("has no 'generation' key (a format v2 training state names its generation)")
+        if state["generation"] != generation:
+            raise ValueError(
+                f"belongs to generation {bounded.show(state['generation'])}, not to {generation} "
+                "(copied from another generation)"
+            )
+    if state.get("scheduler") is not None:
+        _check_scheduler(bounded.mapping(state["scheduler"], "scheduler"), iteration)
+    children = bounded.mapping(state.get("optimizer_children", {}), "optimizer_children")
+    for name, child in children.items():
+        for where, group in _param_groups(child, f"optimizer_children[{name!r}]"):
+            _check_param_group(group, where)
+
+
+def _check_scheduler(scheduler: dict, iteration: int) -> None:
+    for key, value in scheduler.items():
+        if _is_number(value):
+            bounded.number(_plain(value), f"scheduler.{key}", low=0)
+    if "num_steps" not in scheduler:
+        raise ValueError("scheduler has no 'num_steps'")
+    num_steps = bounded.integer(_plain(scheduler["num_steps"]), "scheduler.num_steps")
+    for key in SCHEDULER_COUNTERS:
+        if key in scheduler and scheduler[key] is not None:
+            bounded.integer(_plain(scheduler[key]), f"scheduler.{key}")
+    if (num_steps == 0) != (iteration == 0):
+        raise ValueError(
+            f"scheduler.num_steps is {num_steps} at iteration {iteration}: the scheduler position does not "
+            "match the iteration (it is zero exactly when the iteration is)"
+        )
+
+
+def _check_param_group(group: dict, where: str) -> None:
+    for key in NON_NEGATIVE:
+        if key in group and group[key] is not None:
+            bounded.number(_plain(group[key]), f"{where}.{key}", low=0)
+    if "betas" in group and group["betas"] is not None:
+        betas = group["betas"]
+        betas = betas.get(TUPLE_TAG) if isinstance(betas, dict) else betas
+        if not isinstance(betas, list) or not betas:
+            raise ValueError(f"{where}.betas is {bounded.show(group['betas'])}, not a list of numbers")
+        for index, beta in enumerate(betas):
+            value = bounded.number(_plain(beta), f"{where}.betas[{index}]", low=0)
+            if value >= 1:
+                raise ValueError(f"{where}.betas[{index}] is {value}, outside [0, 1)")
+
+
+def _param_groups(state: Any, where: str):
+    """Every `param_groups` entry anywhere in a child's (nested) state dict."""
+    stack = [(state, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if key == "param_groups" and isinstance(value, list):
+                    for index, group in enumerate(value):
+                        yield f"{path}.param_groups[{index}]", bounded.mapping(group, f"{path}.param_groups[{index}]")
+                else:
+                    stack.append((value, f"{path}.{key}"))
+        elif isinstance(item, list):
+            stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))
+
+
+def _all_numbers_finite(state: Any) -> None:
+    """JSON itself holds only finite numbers; `jsoncodec` tags NaN/Inf: refuse those anywhere."""
+    stack = [(state, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            if FLOAT_TAG in item:
+                raise ValueError(f"{path.lstrip('.') or 'value'} is {bounded.show(item[FLOAT_TAG])} (not finite)")
+            stack.extend((value, f"{path}.{key}") for key, value in item.items())
+        elif isinstance(item, list):
+            stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)) or (
+        isinstance(value, dict) and SCALAR_TAG in value
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A number, or the number inside a scalar-tensor tag."""
+    return value[SCALAR_TAG] if isinstance(value, dict) and SCALAR_TAG in value else value

@@ -1,0 +1,26 @@
+"""Entry points Miles loads by dotted path; all the logic lives in `miles_lora_ckpt.integration`.
+
+Add to the Miles launch command (every train actor process calls it once)::
+
+    --custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init
+
+and, optionally, point `MILES_LORA_CKPT_CONFIG` at a config file (see `integration/config.py`).
+`post_save` is not for users to pass: the init hook puts it in front of the user's own
+`--custom-megatron-post-save-hook-path` so that hook receives the committed generation directory.
+"""
+
+from __future__ import annotations
+
+
+def megatron_init(args) -> None:
+    """Miles' `--custom-megatron-init-path` hook: bind the plugin into this training process."""
+    from miles_lora_ckpt.integration.install import install
+
+    install(args)
+
+
+def post_save(args, rollout_id, checkpoint_dir, hf_checkpoint_dir) -> None:
+    """Miles' post-save hook slot, installed by `megatron_init`: runs the user's hook, if any."""
+    from miles_lora_ckpt.integration.install import run_user_post_save_hook
+
+    run_user_post_save_hook(args, rollout_id, checkpoint_dir, hf_checkpoint_dir)

@@ -1,0 +1,266 @@
+"""The plugin's configuration: one table of keys, a TOML or YAML file, per-key environment overrides.
+
+Miles' parser rejects unknown flags, so the plugin cannot add any. Its settings come from a file
+named by one environment variable, and the few settings operators flip have their own variable,
+which wins over the file::
+
+    MILES_LORA_CKPT_CONFIG=/path/miles-lora-ckpt.toml    (or .yaml / .yml; optional)
+
+Precedence, per key: environment variable, then the file, then the default. Every value is checked
+at startup; an error names the key and where its value came from. `KEYS` is the whole schema: a
+new setting is one `Key(...)` line (and a line in the README table). Keys marked `core=` configure
+`miles_lora_ckpt.core.settings` (process-wide protocol settings) through `apply_core_settings`;
+every core setting has such a key, or is listed in `ENV_ONLY_CORE_SETTINGS` (secrets: no file).
+
+File shape (TOML; YAML nests the same tables)::
+
+    [save]
+    layout = "subdir"      # or "flat"
+    subdir = "lora"
+    keep = 3
+    [consensus]
+    timeout_s = 600
+    [resume]
+    strict = true
+    [export]
+    peft = false
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles_lora_ckpt.core import settings
+
+CONFIG_ENV = "MILES_LORA_CKPT_CONFIG"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One setting: its dotted name in the file, type, default, overriding environment variable, meaning."""
+
+    name: str
+    kind: type
+    default: object
+    env: str | None
+    doc: str
+    choices: tuple = ()
+    minimum: float | None = None
+    positive: bool = False
+    path_component: bool = False  # a single, non-empty directory name: no '/', not '.' or '..'
+    core: str | None = None  # the core.settings name this key sets
+
+
+KEYS: tuple[Key, ...] = (
+    Key(
+        "save.layout",
+        str,
+        "subdir",
+        "MILES_LORA_CKPT_LAYOUT",
+        "where generations live relative to Miles' --save (and --load): 'subdir' puts the save root in "
+        "<save>/<save.subdir>, 'flat' makes <save> itself the save root",
+        choices=("subdir", "flat"),
+    ),
+    Key(
+        "save.subdir",
+        str,
+        "lora",
+        None,
+        "the save root's directory name under --save with layout 'subdir'",
+        path_component=True,
+    ),
+    Key(
+        "save.keep",
+        int,
+        0,
+        "MILES_LORA_CKPT_KEEP",
+        "after each committed save keep the newest N intact generations and remove older ones (0 keeps all)",
+        minimum=0,
+    ),
+    Key(
+        "consensus.timeout_s",
+        float,
+        settings.Settings.consensus_timeout_s,
+        settings.ENV_VARS["consensus_timeout_s"],
+        "seconds a rank waits for a peer in any checkpoint collective before every rank raises",
+        positive=True,
+        core="consensus_timeout_s",
+    ),
+    Key(
+        "lease.timeout_s",
+        float,
+        settings.Settings.lease_timeout_s,
+        settings.ENV_VARS["lease_timeout_s"],
+        "seconds without renewal after which the save root's writer lease is stale and may be taken over",
+        positive=True,
+        core="lease_timeout_s",
+    ),
+    Key(
+        "lease.run_id",
+        str,
+        settings.Settings.run_id,
+        settings.ENV_VARS["run_id"],
+        "a name for the run, shown in the writer lease (and so in a second writer's error)",
+        core="run_id",
+    ),
+    Key(
+        "signing.hmac_key_file",
+        str,
+        settings.Settings.hmac_key_file,
+        settings.ENV_VARS["hmac_key_file"],
+        "a file holding the manifest signing key (>= 16 bytes): manifests are signed with HMAC-SHA256 and "
+        "unsigned or mis-signed generations are refused; the key itself never goes into this file",
+        core="hmac_key_file",
+    ),
+    Key(
+        "resume.strict",
+        bool,
+        True,
+        "MILES_LORA_CKPT_STRICT",
+        "true: resume only from the newest committed generation, exactly (a damaged newest generation, or one "
+        "without optimizer state while neither --no-load-optim nor --no-save-optim is given, stops the run); "
+        "false: fall back to the newest intact generation and accept an inexact resume, with a warning",
+    ),
+    Key(
+        "export.peft",
+        bool,
+        False,
+        "MILES_LORA_CKPT_PEFT_EXPORT",
+        "also publish an HF PEFT adapter with each save (not available in this version: true is refused at startup)",
+    ),
+)
+KEYS_BY_NAME = {key.name: key for key in KEYS}
+# core.settings names deliberately left out of the file (secrets): environment variables only
+ENV_ONLY_CORE_SETTINGS: tuple[str, ...] = ("hmac_key",)
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Effective values by dotted key, and where each came from ('default', a file path, or '$VAR')."""
+
+    values: Mapping[str, object]
+    sources: Mapping[str, str] = field(default_factory=dict)
+    path: str | None = None
+
+    def __getitem__(self, name: str) -> object:
+        return self.values[name]
+
+    def describe(self) -> list[str]:
+        """One `key = value (source)` line per key, for the startup log."""
+        return [f"{name} = {self.values[name]!r} ({self.sources.get(name, 'default')})" for name in sorted(self.values)]
+
+
+def defaults() -> PluginConfig:
+    """Every key at its default."""
+    return PluginConfig({key.name: key.default for key in KEYS}, {key.name: "default" for key in KEYS})
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> PluginConfig:
+    """Defaults, then the file named by $MILES_LORA_CKPT_CONFIG, then per-key variables. Raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    values = {key.name: key.default for key in KEYS}
+    sources = {key.name: "default" for key in KEYS}
+    path = environ.get(CONFIG_ENV) or None
+    if path is not None:
+        for name, raw in _flatten(_read_file(Path(path)), "").items():
+            key = KEYS_BY_NAME.get(name)
+            if key is None:
+                raise ConfigError(f"{path}: unknown key {name!r}; known keys: {', '.join(sorted(KEYS_BY_NAME))}")
+            values[name] = _check(key, _coerce_file_value(key, raw, path), path)
+            sources[name] = path
+    for key in KEYS:
+        raw = environ.get(key.env) if key.env else None
+        if raw is not None and raw != "":
+            values[key.name] = _check(key, _parse_env(key, raw), f"${key.env}")
+            sources[key.name] = f"${key.env}"
+    return PluginConfig(values, sources, path)
+
+
+def apply_core_settings(config: PluginConfig) -> None:
+    """Hand the keys that belong to `core.settings` to `settings.configure`."""
+    settings.configure(**{key.core: config[key.name] for key in KEYS if key.core})
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _read_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"${CONFIG_ENV} names {path}, which is not a readable file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            with open(path, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle)
+        else:
+            raise ConfigError(f"{path}: the config file must end in .toml, .yaml or .yml")
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parser error becomes one message naming the file
+        raise ConfigError(f"{path}: cannot parse: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table of sections, not {type(data).__name__}")
+    return data
+
+
+def _flatten(data: dict, prefix: str) -> dict[str, object]:
+    flat = {}
+    for name, value in data.items():
+        dotted = f"{prefix}{name}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _coerce_file_value(key: Key, raw: object, where: str) -> object:
+    if key.kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, bool) != (key.kind is bool) or not isinstance(raw, key.kind):
+        raise ConfigError(f"{where}: {key.name} must be of type {key.kind.__name__}, got {raw!r}")
+    return raw
+
+
+def _parse_env(key: Key, raw: str) -> object:
+    text = raw.strip()
+    if key.kind is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"${key.env}={raw!r} ({key.name}) must be one of 1/0, true/false, yes/no, on/off")
+    try:
+        return key.kind(text)
+    except ValueError:
+        raise ConfigError(f"${key.env}={raw!r} ({key.name}) is not a valid {key.kind.__name__}") from None
+
+
+def _check(key: Key, value: object, where: str) -> object:
+    if key.choices and value not in key.choices:
+        raise ConfigError(f"{where}: {key.name} must be one of {list(key.choices)}, got {value!r}")
+    if key.minimum is not None and value < key.minimum:
+        raise ConfigError(f"{where}: {key.name} must be at least {key.minimum}, got {value!r}")
+    if key.positive and not value > 0:
+        raise ConfigError(f"{where}: {key.name} must be positive, got {value!r}")
+    if key.path_component and (not value or "/" in value or value in (".", "..")):
+        raise ConfigError(f"{where}: {key.name} must be one directory name, got {value!r}")
+    return value

@@ -1,0 +1,130 @@
+"""What `--custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init` does, on every rank.
+
+Miles calls the hook once per training process, after torch.distributed and megatron's parallel
+state are up and before the model, optimizer and any checkpoint load (contract §0). It reads as
+phases; nothing in Miles changes before the last one::
+
+    prepare  (config file and overrides, Miles shape detection, binding plan, startup checks)
+    -> agree
+    -> save directory (rank 0: refuse a relaunch Miles would restart at rollout 0; Megatron's tracker)
+    -> agree
+    -> bind (every planned replacement, logged) and route the user's post-save hook through the plugin
+
+A problem in any phase raises the same error on every rank. Calling the hook twice binds nothing twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.integration import bindings, resume, runtime
+from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
+from miles_lora_ckpt.integration.shapes import Shape, detect_shape
+from miles_lora_ckpt.integration.startup import validate_miles_launch
+
+log = logging.getLogger("miles_lora_ckpt.integration")
+
+POST_SAVE_HOOK = "miles_lora_ckpt.hooks.post_save"
+
+
+@dataclass
+class Prepared:
+    config: PluginConfig
+    shape: Shape
+    plan: bindings.Plan
+
+    @property
+    def summary(self) -> dict:
+        return {"shape": self.shape.name, "names": len(self.plan.bindings)}
+
+
+def install(
+    args,
+    *,
+    environ: Mapping[str, str] | None = None,
+    import_module: Callable = importlib.import_module,
+) -> runtime.Runtime:
+    """Collective. Configure, detect, check, then bind the plugin into this Miles process."""
+    # prepare: read and check everything; nothing is changed yet
+    prepared = attempt(_prepare, args, environ, import_module)
+    if prepared.ok:
+        apply_core_settings(prepared.value.config)  # before the consensus group takes its timeout
+    consensus = Consensus.default()
+    consensus.agree("miles-lora-ckpt startup", prepared.map(lambda p: p.summary))
+    ready: Prepared = prepared.value
+
+    # save directory: rank 0 looks at --save and --load, the others wait for its verdict
+    checked = attempt(_prepare_save_dir, args, ready.config) if consensus.rank == 0 else Outcome.success([])
+    notes = consensus.agree("miles-lora-ckpt save directory", checked)[0]
+
+    # bind: every replacement of the plan, then the user's post-save hook behind ours
+    previous = runtime.installed()
+    rt = (
+        previous if previous is not None and previous.args is args else runtime.Runtime(args, ready.config, ready.shape)
+    )
+    rt.config, rt.shape = ready.config, ready.shape
+    runtime.set_current(rt)
+    try:
+        rt.bindings = bindings.apply(ready.plan)
+    except BaseException:
+        runtime.set_current(previous)
+        raise
+    _route_post_save_hook(args, rt)
+    for note in notes:
+        log.info("miles-lora-ckpt: %s", note)
+    if consensus.rank == 0:
+        log.info(
+            "miles-lora-ckpt: bound to Miles shape %s (%d names); config %s",
+            ready.shape.name,
+            len(rt.bindings),
+            "; ".join(ready.config.describe()),
+        )
+    return rt
+
+
+def _prepare(args, environ, import_module) -> Prepared:
+    config = load_config(environ)
+    shape = detect_shape(import_module)
+    plan = bindings.plan(shape, import_module)
+    validate_miles_launch(args, config)
+    return Prepared(config, shape, plan)
+
+
+def _prepare_save_dir(args, config: PluginConfig) -> list[str]:
+    if not _lora_enabled(args):
+        return ["LoRA is not enabled in this run: the plugin leaves Megatron's own checkpoints alone"]
+    notes = resume.check_relaunch(config, args)
+    if getattr(args, "save", None):
+        notes.append(resume.prepare_save_dir(config, args.save))
+    return notes
+
+
+def _lora_enabled(args) -> bool:
+    # Miles' is_lora_enabled: a rank, or an adapter path alone
+    return (getattr(args, "lora_rank", 0) or 0) > 0 or getattr(args, "lora_adapter_path", None) is not None
+
+
+def _route_post_save_hook(args, rt: runtime.Runtime) -> None:
+    path = getattr(args, "custom_megatron_post_save_hook_path", None)
+    if path and path != POST_SAVE_HOOK:
+        rt.user_post_save_hook = path
+        args.custom_megatron_post_save_hook_path = POST_SAVE_HOOK
+        log.info("miles-lora-ckpt: the post-save hook %s now receives the committed generation directory", path)
+
+
+def run_user_post_save_hook(args, rollout_id: int, checkpoint_dir, hf_checkpoint_dir) -> None:
+    """Miles calls this on global rank 0 after a save: the user's hook, with the generation directory.
+
+    Miles passes `{save}/iter_{rollout_id:07d}`, which a LoRA save under the plugin does not create;
+    the user's hook gets the committed generation directory of that rollout instead.
+    """
+    rt = runtime.current()
+    if rt.user_post_save_hook is None:
+        return
+    module_name, _, function_name = rt.user_post_save_hook.rpartition(".")
+    hook = getattr(importlib.import_module(module_name), function_name)
+    hook(args, rollout_id, rt.saved.get(int(rollout_id), checkpoint_dir), hf_checkpoint_dir)

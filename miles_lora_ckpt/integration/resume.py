@@ -1,0 +1,232 @@
+"""Resume with the same launch command: where generations live, Miles' tracker, the base-model load.
+
+Stock Miles cannot resume a LoRA run with an unchanged command (contract §2.5, §10.1): LoRA saves
+write no `latest_checkpointed_iteration.txt`, so Miles' argument validation (bridge mode) replaces
+`--load` by the base model and forces `start_rollout_id = 0`; the rollout counter starts over.
+The plugin's answer, in order:
+
+1. The init hook makes sure `--save` holds Megatron's tracker file and the plugin's save root
+   (`save_root`). On a relaunch Miles' validation finds the tracker in `--load` (= `--save`),
+   keeps `--load`, and takes the start rollout from the actors (`loaded iteration + 1`).
+2. Miles' `load_checkpoint` would now read `--load` as a Megatron checkpoint. The plugin's
+   `load_checkpoint` instead runs Miles' own base load with `--load` set to what validation would
+   have chosen (`base_load_overrides`), then restores the newest committed generation and returns
+   its iteration. With nothing committed yet it reports iteration -1, so the run starts at rollout 0.
+3. Miles then steps the scheduler by `iteration * global_batch_size` on top of the restored state
+   (§2.2 step 6). The plugin re-applies the scheduler state its load decided once
+   `initialize_model_and_optimizer` returns: the scheduler is stepped exactly once.
+4. A launch whose `--load` is not the plugin's (no `--load`, or its tracker was deleted) while
+   `--save` holds committed generations is refused at startup (`check_relaunch`): Miles would
+   restart at rollout 0 on top of a resumed adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.errors import NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.layout import parse_generation_dir_name
+from miles_lora_ckpt.core.verify import check_structure, committed_candidates, is_save_root
+from miles_lora_ckpt.integration.config import PluginConfig
+
+log = logging.getLogger("miles_lora_ckpt.integration")
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's; Miles' validation tests for it
+_MEGATRON_ITER_DIR = re.compile(r"^iter_\d{7}$")
+
+
+class ResumeRefused(RuntimeError):
+    """This launch cannot resume correctly as configured; the message says which flag to change."""
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def save_root(config: PluginConfig, directory: str | os.PathLike) -> Path:
+    """The plugin's save root for Miles' `--save` (or `--load`) directory."""
+    if config["save.layout"] == "flat":
+        return Path(directory)
+    return Path(directory) / config["save.subdir"]
+
+
+def plugin_root(config: PluginConfig, load: str | os.PathLike | None) -> Path | None:
+    """The save root to resume from when `--load` is a directory the plugin prepared, else None.
+
+    A directory is the plugin's when it holds Megatron's tracker and the plugin's save root (with
+    layout 'flat': and no Megatron `iter_NNNNNNN` checkpoint directories).
+    """
+    if load is None or not (Path(load) / MEGATRON_TRACKER).is_file():
+        return None
+    root = save_root(config, load)
+    if not root.is_dir():
+        return None
+    if config["save.layout"] == "flat" and not is_save_root(root):
+        if any(_MEGATRON_ITER_DIR.match(name) for name in os.listdir(root)):
+            return None
+    return root
+
+
+def newest_committed(root: Path) -> Path | None:
+    """The most recently committed generation directory of `root` (damaged or not), or None."""
+    if not is_save_root(root):
+        return None
+    try:
+        candidates, _ = committed_candidates(root)
+    except (NotACheckpoint, NothingCommitted):
+        return None
+    return candidates[0]
+
+
+def write_megatron_tracker(save_dir: str | os.PathLike, iteration: int) -> None:
+    """Atomically write Megatron's tracker (the iteration as text) into `save_dir`."""
+    directory = Path(save_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    storage.write_file_atomic(directory / MEGATRON_TRACKER, [f"{int(iteration)}\n".encode()])
+    storage.fsync_dir(directory)
+
+
+def prepare_save_dir(config: PluginConfig, save_dir: str | os.PathLike) -> str:
+    """Init hook, rank 0: create the save root and Megatron's tracker if missing (see step 1)."""
+    root = save_root(config, save_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    if (Path(save_dir) / MEGATRON_TRACKER).is_file():
+        return f"{save_dir} holds Miles' tracker and the save root {root}"
+    newest = newest_committed(root)
+    parsed = parse_generation_dir_name(newest.name) if newest is not None else None
+    write_megatron_tracker(save_dir, parsed[0] if parsed else 0)
+    return f"wrote {Path(save_dir) / MEGATRON_TRACKER} so that a relaunch of this command resumes"
+
+
+# --------------------------------------------------------------------------- startup check
+
+
+def check_relaunch(config: PluginConfig, args) -> list[str]:
+    """Init hook, rank 0: refuse a launch that Miles would restart at rollout 0 over saved progress.
+
+    Returns notes to log. Raises ResumeRefused when `--save` holds a committed generation but
+    Miles' validation replaced `--load` (no `--load`, another directory, or a deleted tracker).
+    """
+    save, load = getattr(args, "save", None), getattr(args, "load", None)
+    if not save:
+        return []
+    root = save_root(config, save)
+    newest = newest_committed(root)
+    if newest is None:
+        return []
+    resume_root = plugin_root(config, load)
+    if resume_root is not None:
+        if resume_root.resolve() != root.resolve():
+            return [f"resuming from --load {load} although --save {save} also holds generations ({newest.name})"]
+        return []
+    if not (Path(save) / MEGATRON_TRACKER).is_file():
+        parsed = parse_generation_dir_name(newest.name)
+        write_megatron_tracker(save, parsed[0] if parsed else 0)
+    raise ResumeRefused(
+        f"{root} holds committed generations (newest {newest.name}), but Miles' --load is {load!r}, so Miles "
+        f"would restart the rollout counter at 0 on top of them. Pass --load {save} (the same directory as "
+        f"--save) and relaunch; {Path(save) / MEGATRON_TRACKER} is in place. To start a new run instead, use a "
+        "new --save directory."
+    )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class LoadFlags:
+    """Miles' load flags as the user gave them (read before any temporary override)."""
+
+    no_load_optim: bool
+    no_save_optim: bool
+    finetune: bool
+
+    @classmethod
+    def from_args(cls, args) -> LoadFlags:
+        return cls(
+            no_load_optim=bool(getattr(args, "no_load_optim", False)),
+            no_save_optim=bool(getattr(args, "no_save_optim", False)),
+            finetune=bool(getattr(args, "finetune", False)),
+        )
+
+
+def base_load_overrides(args) -> dict[str, object]:
+    """The args Miles' validation sets when `--load` has no tracker: the base model load (§2.5).
+
+    Bridge mode: `--load` becomes `--ref-load` or `--hf-checkpoint`. Raw mode also sets
+    `no_load_optim`, `no_load_rng`, `finetune` and `ckpt_step = ref_ckpt_step`. `lora_adapter_path`
+    is cleared because the plugin restores the adapter itself, after the base.
+    """
+    if getattr(args, "megatron_to_hf_mode", "bridge") == "raw":
+        values: dict[str, object] = {
+            "load": getattr(args, "ref_load", None),
+            "no_load_optim": True,
+            "no_load_rng": True,
+            "finetune": True,
+        }
+        if getattr(args, "ref_ckpt_step", None) is not None:
+            values["ckpt_step"] = args.ref_ckpt_step
+    else:
+        values = {"load": getattr(args, "ref_load", None) or getattr(args, "hf_checkpoint", None)}
+    values["lora_adapter_path"] = None
+    return values
+
+
+@contextmanager
+def overridden(args, values: dict[str, object]):
+    """Set attributes of `args` for the duration of the block, then put the old values back."""
+    missing = object()
+    old = {name: getattr(args, name, missing) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(args, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            if value is missing:
+                delattr(args, name)
+            else:
+                setattr(args, name, value)
+
+
+def choose_generation(config: PluginConfig, root: Path, flags: LoadFlags, *, with_optimizer: bool) -> str | None:
+    """Rank 0: the path to load, or None when nothing is committed yet (a fresh start).
+
+    Strict: the newest committed generation itself (a damaged one fails the load; one without
+    optimizer state fails unless the flags accept an inexact resume). Lenient: the root, which
+    resolves to the newest intact generation.
+    """
+    newest = newest_committed(root)
+    if newest is None:
+        return None
+    if not config["resume.strict"]:
+        return str(root)
+    inexact_ok = flags.no_load_optim or flags.no_save_optim or flags.finetune
+    if with_optimizer and not inexact_ok:
+        manifest = check_structure(newest).manifest
+        if manifest is not None and not manifest.metadata.get("optimizer_saved", False):
+            raise ResumeRefused(
+                f"{newest} holds no optimizer state (saved with --no-save-optim), so this resume would not be "
+                "exact; add --no-load-optim to resume from the adapter alone, or set resume.strict = false"
+            )
+    return str(newest)
+
+
+def samples_per_rollout(args) -> int:
+    """Samples one rollout trains on: what Miles' scheduler advances per rollout (§2.2)."""
+    try:
+        return int(args.rollout_batch_size) * int(args.n_samples_per_prompt)
+    except (AttributeError, TypeError) as exc:
+        raise ResumeRefused(
+            f"cannot reposition the scheduler: args lack rollout_batch_size / n_samples_per_prompt ({exc})"
+        ) from None
+
+
+def scheduler_position(args, iteration: int) -> int:
+    """Where rollouts 0..iteration left the scheduler: (iteration + 1) x samples per rollout."""
+    return (int(iteration) + 1) * samples_per_rollout(args)

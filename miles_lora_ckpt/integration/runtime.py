@@ -1,0 +1,51 @@
+"""What the init hook leaves behind in each training process, for the replaced functions to read.
+
+One `Runtime` per process, set by `install.install` once the bindings are in place. Replacement
+functions read it at call time (`current()`), never at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_lora_ckpt.integration.config import PluginConfig
+from miles_lora_ckpt.integration.shapes import Shape
+
+
+@dataclass
+class Runtime:
+    """The args object Miles passed to the hook (also Megatron's global args), config and shape."""
+
+    args: Any
+    config: PluginConfig
+    shape: Shape
+    saved: dict[int, str] = field(default_factory=dict)  # iteration -> committed generation directory
+    user_post_save_hook: str | None = None  # the user's --custom-megatron-post-save-hook-path
+    scheduler_pin: dict | None = None  # scheduler state a plugin load decided; re-applied after Miles' step
+    fresh_start: bool = False  # the actor's load found nothing to resume (or --finetune): start at rollout 0
+    validated_optimizers: set[int] = field(default_factory=set)  # id() of optimizers startup-checked
+    initial_adapter: dict | None = None  # the actor's adapter before a resume (for ref/teacher loads)
+    bindings: list[str] = field(default_factory=list)  # "module.name" of every rebound name
+
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime:
+    """The installed runtime; raises if the init hook has not run in this process."""
+    if _current is None:
+        raise RuntimeError(
+            "miles-lora-ckpt is not installed in this process: pass "
+            "--custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init"
+        )
+    return _current
+
+
+def installed() -> Runtime | None:
+    return _current
+
+
+def set_current(runtime: Runtime | None) -> None:
+    global _current
+    _current = runtime

@@ -1,0 +1,42 @@
+"""Stand-ins of Miles' module tree, one directory per supported shape, for the tests and the demo.
+
+Miles is not installable here. Each shape directory holds a `miles` package written from the
+contract (miles-contract.md; never copied from Miles): module paths, function signatures, the
+train actor's call order (init hook, model setup, load, train steps, save, ref/old-actor loads),
+and stock Miles' checkpoint behaviour with its defects (§10.4): per-rank pickles, Adam moments
+from `torch.empty` and stale fp32 masters after a resume, the scheduler stepped twice, the rollout
+counter restarted at 0, a crash on stub optimizer children. Their training runs the real
+megatron-core optimizers through the CPU harness (`sim.train`, `sim.model`).
+
+The shape directories are not packages and not on sys.path: `import miles` fails everywhere
+except in a harness job that puts one shape directory on its sys.path (`shape_path(name)`).
+`common/` holds what the shapes share; it imports `miles.*` only inside functions, from whichever
+shape the job put on the path. Where a stand-in differs from Miles (it never unpickles: training
+state is read with `weights_only=True`; the base-model "HF checkpoint" is a directory with a
+`config.json`; no Ray, rollout engines or Megatron-Bridge), its docstring says so.
+
+    lora-utils-2026-08     backends/megatron_utils/lora_utils.py: the 2026-08 snapshot (31f1ca961a94)
+    lora-package-2026-09   backends/megatron_utils/lora/utils.py; load_lora_adapter(..., load_optimizer=True);
+                           saves published through checkpoint_io (staging, version directory, symlink);
+                           megatron's gloo switch is `use_gloo_process_groups`
+    positional-args-pr     lora-package-2026-09 with load_lora_adapter(model, args, adapter_path, ...) and no
+                           _load_training_state (open PRs #2516/#2661 and #1792)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHAPES = {
+    "lora-utils-2026-08": "lora_utils_2026_08",
+    "lora-package-2026-09": "lora_package_2026_09",
+    "positional-args-pr": "positional_args_pr",
+}
+DEFAULT_SHAPE = "lora-utils-2026-08"
+
+
+def shape_path(name: str) -> str:
+    """The directory to put on a harness job's sys.path so that `import miles` imports this shape."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown Miles stand-in shape {name!r}; known: {', '.join(SHAPES)}")
+    return str(Path(__file__).resolve().parent / SHAPES[name])

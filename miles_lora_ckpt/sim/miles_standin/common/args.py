@@ -1,0 +1,123 @@
+"""Miles' launch flags (the subset the stand-in runs on) and its argument validation.
+
+`build_parser` rejects unknown flags, as Miles' parser does (contract §5.1): plugins cannot add
+flags. `validate` reproduces `miles_validate_args`' checkpoint-related overrides (§2.5): in bridge
+mode, a `--load` without Megatron's `latest_checkpointed_iteration.txt` is replaced by the base
+model (`--ref-load` or `--hf-checkpoint`) and `start_rollout_id` is forced to 0; raw mode does the
+same and also sets `no_load_optim`, `no_load_rng` and `finetune`.
+
+Stand-in simplifications: parameters are bf16 with `--bf16` and fp32 otherwise (Miles forces
+`bf16 = not fp16`; `--fp16` is refused); the optimizer is always megatron's DistributedOptimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
+    """`gloo_dest`: the args attribute of `--disable-gloo-process-groups` in this Miles version."""
+    parser = argparse.ArgumentParser(prog="train.py", allow_abbrev=False, description="Miles stand-in")
+    add = parser.add_argument
+    # plugins
+    add("--custom-megatron-init-path", default=None)
+    add("--custom-megatron-post-save-hook-path", default=None)
+    # checkpoints
+    add("--load", default=None)
+    add("--save", default=None)
+    add("--save-interval", type=int, default=None)
+    add("--save-hf", default=None, help="directory pattern with {rollout_id}")
+    add("--async-save", action="store_true")
+    add("--no-save-optim", action="store_true")
+    add("--no-load-optim", action="store_true")
+    add("--no-load-rng", action="store_true")
+    add("--finetune", action="store_true")
+    add("--ckpt-step", type=int, default=None)
+    add(
+        "--use-checkpoint-opt-param-scheduler",
+        "--use-checkpoint-opt_param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+    )
+    add("--override-opt-param-scheduler", action="store_true")
+    add("--disable-gloo-process-groups", dest=gloo_dest, action="store_false")
+    add("--non-persistent-ckpt-type", default=None, choices=("global", "local", "in_memory"))
+    add("--start-rollout-id", type=int, default=None)
+    add("--hf-checkpoint", default=None)
+    add("--ref-load", default=None)
+    add("--ref-ckpt-step", type=int, default=None)
+    add("--megatron-to-hf-mode", choices=("raw", "bridge"), default="raw")
+    add("--keep-old-actor", action="store_true")
+    add("--use-kl-loss", action="store_true", help="loads the reference model (with_ref)")
+    # LoRA
+    add("--lora-rank", type=int, default=0)
+    add("--lora-alpha", type=float, default=16.0)
+    add("--lora-dropout", type=float, default=0.0)
+    add("--target-modules", default=None, help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2")
+    add("--lora-adapter-path", default=None)
+    add("--multi-lora-n-adapters", type=int, default=0)
+    # optimizer and schedule
+    add("--optimizer", choices=("adam", "lion"), default="adam")
+    add("--lr", type=float, default=1e-2)
+    add("--min-lr", type=float, default=1e-3)
+    add("--lr-warmup-iters", type=int, default=1)
+    add("--lr-decay-iters", type=int, default=None)
+    add("--lr-decay-style", default="cosine")
+    add("--weight-decay", type=float, default=0.01)
+    add("--clip-grad", type=float, default=1.0)
+    add("--seed", type=int, default=1234)
+    add("--use-distributed-optimizer", action="store_true")
+    add("--use-precision-aware-optimizer", action="store_true")
+    add("--optimizer-cpu-offload", action="store_true")
+    add("--stream-optimizer-state-to-disk", action="store_true")
+    add("--bf16", action="store_true")
+    add("--fp16", action="store_true")
+    # parallelism
+    add("--tensor-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--context-parallel-size", type=int, default=1)
+    add("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    # rollouts
+    add("--num-rollout", type=int, required=True)
+    add("--rollout-batch-size", type=int, default=4)
+    add("--n-samples-per-prompt", type=int, default=2)
+    add("--global-batch-size", type=int, default=4)
+    return parser
+
+
+def validate(args) -> None:
+    """Miles' checks and overrides that touch checkpoints (bridge and raw mode, §2.5)."""
+    if args.fp16:
+        raise ValueError("the Miles stand-in does not simulate --fp16")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval requires --save")
+    if args.custom_megatron_post_save_hook_path is not None and args.save is None:
+        raise ValueError("--custom-megatron-post-save-hook-path requires --save")
+    if args.multi_lora_n_adapters > 0:
+        raise ValueError("the Miles stand-in does not simulate multi-LoRA")
+    lora = args.lora_rank > 0 or args.lora_adapter_path is not None
+    if lora and args.megatron_to_hf_mode != "bridge":
+        raise ValueError("LoRA (non-Inkling) requires --megatron-to-hf-mode bridge")
+    args.use_distributed_optimizer = True  # set_default_megatron_args; the harness has no other
+    has_tracker = args.load is not None and os.path.exists(os.path.join(args.load, MEGATRON_TRACKER))
+    if has_tracker:
+        return
+    if args.megatron_to_hf_mode == "bridge":
+        args.load = args.ref_load or args.hf_checkpoint
+    else:
+        args.no_load_optim = args.no_load_rng = args.finetune = True
+        args.load = args.ref_load
+        if args.ref_ckpt_step is not None:
+            args.ckpt_step = args.ref_ckpt_step
+    args.start_rollout_id = 0  # unconditional: overrides --start-rollout-id
+
+
+def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
+    """Miles' save cadence: every `interval` rollouts, and the last rollout."""
+    if interval is None:
+        return False
+    return (rollout_id + 1) % interval == 0 or rollout_id == num_rollout - 1

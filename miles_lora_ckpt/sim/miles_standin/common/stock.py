@@ -1,0 +1,118 @@
+"""Stock Miles' single-LoRA checkpoint I/O (contract §1.2-§1.4, §10.1), defects included.
+
+Per global rank: `adapter_megatron_rank{r}.pt` (a pickle of `{wrapped-chunk param name: tensor}`)
+and `training_state_rank{r}.pt` (`{"iteration", "optimizer": optimizer.state_dict(),
+"opt_param_scheduler"}`). What that state_dict holds for megatron's DistributedOptimizer is the
+defect: no fp32 masters, no moments; loading it gives `torch.empty` moments, and nothing refreshes
+the masters after the adapter copy. A stub optimizer child makes `state_dict()` raise after the
+adapter file is written. The PEFT export is skipped with a warning (no Megatron-Bridge here).
+
+Stand-in differences: reads use `torch.load(weights_only=True)` (Miles unpickles the training state;
+this project never does, and that state loads without it). `faults.point` marks where the harness
+may SIGKILL a rank during a stock save (before-write, mid-write, after-write), for the demo's
+negative control; Miles has no such points.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles_lora_ckpt.core import faults
+
+log = logging.getLogger("miles.stand-in")
+
+
+def is_adapter_param_name(name: str) -> bool:
+    """Miles' `_is_adapter_param_name` (Megatron-side adapter names)."""
+    return "lora_" in name or (".adapter." in name and ("linear_in" in name or "linear_out" in name))
+
+
+def is_lora_model(model) -> bool:
+    """Miles' `is_lora_model`: reads `chunk.module` unguarded, as Miles does."""
+    for chunk in model:
+        if hasattr(chunk.module, "peft_config"):
+            return True
+        if any("lora_" in name or "adapter" in name for name, _ in chunk.named_parameters()):
+            return True
+    return False
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """`{name: param.data.cpu()}` over every chunk; a later chunk overwrites an equal name (§1.2 step 3)."""
+    state = {}
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if is_adapter_param_name(name):
+                state[name] = param.data.cpu()
+    return state
+
+
+def write_rank_files(save_dir: Path, model, optimizer, scheduler, iteration, *, with_optimizer: bool) -> None:
+    """Every rank: its adapter pickle, the (skipped) PEFT export, its training-state pickle."""
+    me = rank()
+    faults.point("before-write", me)
+    torch.save(adapter_state(model), save_dir / f"adapter_megatron_rank{me}.pt")
+    faults.point("mid-write", me)
+    try:
+        raise RuntimeError("no Megatron-Bridge in the Miles stand-in")
+    except Exception as exc:  # noqa: BLE001 - stock Miles logs and goes on (§1.2 step 5)
+        log.warning("HF PEFT export failed, continuing: %s", exc)
+    if optimizer is not None:
+        state = {"iteration": iteration}
+        if with_optimizer:
+            state["optimizer"] = optimizer.state_dict()  # stub child: AttributeError here, adapter already written
+        state["opt_param_scheduler"] = scheduler.state_dict() if scheduler is not None else None
+        torch.save(state, save_dir / f"training_state_rank{me}.pt")
+    faults.point("after-write", me)
+
+
+def read_adapter_shard(adapter_dir: Path) -> dict | None:
+    """This rank's `adapter_megatron_rank{r}.pt`, else the legacy tp/pp name; None if neither exists."""
+    from megatron.core import parallel_state
+
+    native = adapter_dir / f"adapter_megatron_rank{rank()}.pt"
+    if not native.exists():
+        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        legacy = adapter_dir / f"adapter_megatron_tp{tp}_pp{pp}.pt"
+        if not legacy.exists():
+            return None
+        log.warning("using legacy adapter shard %s (only valid when EP<=TP)", legacy.name)
+        native = legacy
+    return torch.load(native, map_location="cpu", weights_only=True)
+
+
+def copy_adapter(model, state: dict) -> None:
+    """`param.data.copy_` by name; missing or unexpected names are ignored, as Miles does."""
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if name in state:
+                param.data.copy_(state[name].to(param.device))
+
+
+def read_training_state(adapter_dir: Path) -> dict | None:
+    path = adapter_dir / f"training_state_rank{rank()}.pt"
+    if not path.exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def apply_training_state(state: dict, optimizer, scheduler, *, load_optimizer: bool = True):
+    """`_load_training_state`'s effect: optimizer.load_state_dict, scheduler.load_state_dict, iteration."""
+    if load_optimizer and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])  # DistributedOptimizer: torch.empty moments
+    if scheduler is not None and state.get("opt_param_scheduler") is not None:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    return state.get("iteration")
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

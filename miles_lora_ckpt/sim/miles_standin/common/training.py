@@ -1,0 +1,150 @@
+"""Model, optimizer, scheduler and train step of a stand-in Miles run, on the CPU harness.
+
+`setup_model_and_optimizer` maps Miles' flags onto a `SimConfig` and builds the run with the real
+megatron-core pieces (`sim.train.build_run`), then gives it Miles' scheduler (`get_optimizer_param_scheduler`:
+every step count in samples, §2.2). `train_one_step` is one optimizer step of a rollout; the data is a
+function of (seed, global step, DP rank), so a resumed run sees the data an uninterrupted one saw.
+`load_hf_base` stands in for the bridge-mode base-model load (`_load_checkpoint_hf`): the "HF
+checkpoint" is a directory with a `config.json`, and the base weights are the run's seeded ones.
+The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
+torch alone, as Miles' `lora_utils` does (contract §8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DENSE_TARGETS = ("linear_qkv", "linear_proj")
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+_RUNS: dict = {}  # id(model list) -> sim.train.SimRun
+
+
+def adapter_kind(target_modules: str | None) -> str:
+    """`--target-modules` -> the harness's adapter layout (dense, expert-only, mixed)."""
+    names = set(target_modules.split(",")) if target_modules else set(DENSE_TARGETS + EXPERT_TARGETS)
+    unknown = names - set(DENSE_TARGETS + EXPERT_TARGETS)
+    if unknown:
+        raise ValueError(f"--target-modules: the stand-in model has no {sorted(unknown)}")
+    dense, expert = bool(names & set(DENSE_TARGETS)), bool(names & set(EXPERT_TARGETS))
+    return "mixed" if dense and expert else ("dense" if dense else "expert-only")
+
+
+def sim_config(args):
+    """Miles' flags as the harness's `SimConfig`."""
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.sim.layout import layers_for
+    from miles_lora_ckpt.sim.model import SimConfig
+
+    if args.lora_rank <= 0:
+        raise ValueError("the Miles stand-in simulates LoRA runs only: pass --lora-rank")
+    return SimConfig(
+        world_size=dist.get_world_size(),
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        cp=args.context_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size or 1,
+        num_layers=layers_for(args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1),
+        dtype="bf16" if args.bf16 else "fp32",
+        adapters=adapter_kind(args.target_modules),
+        optimizer=args.optimizer,
+        seed=args.seed,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+    )
+
+
+def initialize_model_parallel(args) -> None:
+    """What Miles' initialize.init does first: megatron's parallel state (tp-cp-ep-dp-pp)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            context_parallel_size=args.context_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        )
+
+
+def setup_model_and_optimizer(args, role: str = "actor"):
+    """`(model, optimizer, opt_param_scheduler)` as Miles' setup_model_and_optimizer returns them."""
+    from miles_lora_ckpt.sim.train import build_run
+
+    run = build_run(sim_config(args))
+    run.scheduler = miles_scheduler(args, run.optimizer)
+    _RUNS[id(run.model)] = run
+    return run.model, run.optimizer, run.scheduler
+
+
+def run_of(model):
+    """The harness run behind a model list (for train steps and snapshots)."""
+    return _RUNS[id(model)]
+
+
+def train_iters(args) -> int:
+    return args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+
+
+def steps_per_rollout(args) -> int:
+    steps = args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+    if steps < 1:
+        raise ValueError("--rollout-batch-size x --n-samples-per-prompt must be at least --global-batch-size")
+    return steps
+
+
+def miles_scheduler(args, optimizer):
+    """Miles' get_optimizer_param_scheduler: warmup and decay counted in samples (x global batch)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = args.global_batch_size
+    args.train_iters = train_iters(args)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr / 10,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=(args.lr_decay_iters or args.train_iters) * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
+
+
+def train_one_step(args, rollout_id: int, step_id: int, model, optimizer, opt_param_scheduler) -> float:
+    """Miles' train_one_step: zero grads, forward/backward, optimizer step, scheduler += samples."""
+    from miles_lora_ckpt.sim.train import train_step
+
+    run = run_of(model)
+    if run.optimizer is not optimizer or run.scheduler is not opt_param_scheduler:
+        raise RuntimeError("train_one_step got an optimizer or scheduler its model was not built with")
+    step = rollout_id * steps_per_rollout(args) + step_id
+    return train_step(run, step, scheduler_increment=args.global_batch_size)
+
+
+def has_loadable_ckpt(path: str | None) -> bool:
+    """Miles' _has_loadable_ckpt: a non-empty directory."""
+    return path is not None and Path(path).is_dir() and any(Path(path).iterdir())
+
+
+def load_hf_base(model, optimizer, args, load_path: str) -> tuple[int, int]:
+    """Miles' _load_checkpoint_hf: the bridge-mode base load, then the fp32 master refresh."""
+    if args.megatron_to_hf_mode != "bridge":
+        raise AssertionError("loading an HF checkpoint needs --megatron-to-hf-mode bridge")
+    if not (Path(load_path) / "config.json").is_file():
+        raise FileNotFoundError(f"{load_path} is not an HF checkpoint (no config.json)")
+    # the frozen base weights are the run's seeded values: writing them again changes nothing
+    if (args.bf16 or args.fp16) and optimizer is not None:
+        optimizer.reload_model_params()
+    return 0, 0

@@ -1,0 +1,141 @@
+"""One launch of the Miles stand-in, as one rank of a harness job: `launch_job(payload, ctx)`.
+
+The job runs the stand-in's driver (Miles' train.py) with `payload["argv"]`, the shape directory
+already on sys.path and the launch's environment (e.g. `MILES_LORA_CKPT_CONFIG`) already set by
+the launcher, exactly as a user's launch command would run. The harness observes it through the
+driver's probe, and may SIGKILL one rank during one save (`payload["crash"]`):
+
+    {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write"} | None, "send_ckpt": false}
+
+`phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; stock Miles' save has
+`before-write`, `mid-write` and `after-write`), or `between-saves`: right after rollout `rollout`
+trained, before its save.
+
+Each rank returns: the start rollout, the rollouts trained and their losses by global step, digests
+of every training-state tensor after init, at each save and at the end (`sim.snapshot`), whether
+the fp32 masters equal the adapter after init, the scheduler's step count after init, the adapter
+digests of ref / old-actor loads, and what the plugin installed (when it is installed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+
+from miles_lora_ckpt.sim.miles_standin.common import driver
+
+
+class _Observer(driver.Probe):
+    def __init__(self, rank: int, crash: dict | None):
+        self.rank = rank
+        self.crash = crash
+        self.report: dict = {"losses": {}, "rollouts": [], "at_save": {}}
+
+    def after_init(self, actor, start_rollout_id: int) -> None:
+        self.report["start_rollout_id"] = start_rollout_id
+        self.report["after_init"] = _state(actor)
+
+    def after_rollout(self, actor, rollout_id: int, losses: list[float]) -> None:
+        from miles_lora_ckpt.sim.miles_standin.common.training import steps_per_rollout
+
+        per = steps_per_rollout(actor.args)
+        self.report["rollouts"].append(rollout_id)
+        for step_id, loss in enumerate(losses):
+            self.report["losses"][str(rollout_id * per + step_id)] = loss
+        if self._crashes_at(rollout_id, "between-saves"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_save(self, actor, rollout_id: int) -> None:
+        # what this save is about to write (a save changes no training state), kept even if it fails
+        self.report["at_save"][str(rollout_id)] = _digests(actor)
+        if self._crashes_at(rollout_id) and self.crash["phase"] != "between-saves":
+            from miles_lora_ckpt.core import faults
+
+            faults.arm(self.crash["phase"], self.rank, "kill")
+
+    def _crashes_at(self, rollout_id: int, phase: str | None = None) -> bool:
+        crash = self.crash
+        return (
+            bool(crash)
+            and crash["rollout"] == rollout_id
+            and crash["rank"] == self.rank
+            and phase in (None, crash["phase"])
+        )
+
+    def after_save(self, actor, rollout_id: int) -> None:
+        self.report.setdefault("saved", []).append(rollout_id)
+
+
+def launch_job(payload: dict, ctx) -> dict:
+    """Run the launch; a rank whose run raised returns what it saw so far, with `failed` set."""
+    observer = _Observer(ctx.rank, payload.get("crash"))
+    report = observer.report
+    report["failed"] = None
+    try:
+        actor = driver.run(list(payload["argv"]), observer)
+    except Exception:  # noqa: BLE001 - the launch failed on this rank: say how, keep what was observed
+        report["failed"] = traceback.format_exc()[-4000:]
+        report["plugin"] = _plugin_report()
+        return report
+    report["final"] = _digests(actor)
+    report["tags"] = actor.weights.tags
+    report["plugin"] = _plugin_report()
+    if payload.get("send_ckpt"):
+        try:
+            actor.send_ckpt(actor.args.num_rollout - 1)
+            report["send_ckpt_error"] = None
+        except Exception as exc:  # noqa: BLE001 - the report says what Miles' FT path did
+            report["send_ckpt_error"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def _run(actor):
+    from miles_lora_ckpt.sim.miles_standin.common.training import run_of
+
+    return run_of(actor.model)
+
+
+def _digests(actor) -> dict[str, str]:
+    from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
+
+    return snapshot_digests(snapshot(_run(actor)))
+
+
+def _state(actor) -> dict:
+    from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
+
+    snap = snapshot(_run(actor))
+    return {
+        "digests": snapshot_digests(snap),
+        "masters_match_adapter": masters_match_adapter(_run(actor)),
+        "moments": sorted(name for name in snap if "/state/" in name and not name.endswith("/step")),
+        "scheduler_num_steps": int(actor.opt_param_scheduler.num_steps),
+    }
+
+
+def masters_match_adapter(run) -> bool:
+    """Every fp32 master (a DistributedOptimizer's shard, or a whole parameter) equals float() of
+    its model parameter (the slice of it the shard covers): masters refreshed from the adapter."""
+    from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED
+    from miles_lora_ckpt.megatron.optimizer_children.chain import param_states, select
+
+    for child in select(run.optimizer):
+        sharded = child.class_name == DISTRIBUTED and not child.layer_wise
+        for model_param, master, _ in param_states(child):
+            expected = model_param.detach().view(-1)
+            if sharded:
+                span = child.optimizer._get_model_param_range_map(model_param)["param"]
+                expected = expected[span.start : span.end]
+            if not master.detach().view(-1).equal(expected.float()):
+                return False
+    return True
+
+
+def _plugin_report() -> dict | None:
+    from miles_lora_ckpt.integration import runtime
+
+    rt = runtime.installed()
+    if rt is None:
+        return None
+    return {"shape": rt.shape.name, "bindings": rt.bindings, "saved": {str(k): v for k, v in rt.saved.items()}}

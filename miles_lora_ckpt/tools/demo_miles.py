@@ -1,0 +1,386 @@
+"""`miles-lora-ckpt demo --via miles`: a Miles launch command with the plugin, SIGKILLed, relaunched unchanged.
+
+The Miles stand-in (`sim/miles_standin`, one module tree per supported Miles shape) runs its train
+loop (Miles' train.py: argument validation, train actor init with the custom init hook, model and
+optimizer setup, checkpoint load, rollouts, periodic saves) on the real megatron-core optimizers.
+Every launch is N fresh processes forked from a pre-warmed launcher that has imported torch and
+megatron only, so Miles and the plugin start from nothing each time.
+
+    reference  the same training, uninterrupted, without checkpoints -> DIR/miles/reference.json
+    train      launch 1: rank --crash-rank SIGKILLs itself at --crash-at while saving the last
+               rollout before the end; the other ranks stop (every rank raises the same error)
+    resume     launch 2: the identical command; it must resume at the rollout after the newest
+               committed generation and end bit for bit where the reference ended
+    all        all three (default)
+
+With --steps N rollouts of 2 optimizer steps each and --save-every K (Miles' --save-interval).
+--without-plugin runs the same scenario on stock Miles: no init hook; the relaunch adds
+--lora-adapter-path <newest iter_*/adapter>, the edit a stock user must make by hand.
+The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
+`RESULT: MISMATCH <what>` (exit 1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from miles_lora_ckpt.sim.layout import check_layout, layers_for
+
+INIT_HOOK = "miles_lora_ckpt.hooks.megatron_init"
+STOCK_PHASES = ("before-write", "mid-write", "after-write")
+TARGETS = {
+    "dense": "linear_qkv,linear_proj",
+    "expert-only": "linear_fc1,linear_fc2",
+    "mixed": "linear_qkv,linear_proj,linear_fc1,linear_fc2",
+}
+JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
+CONFIG_TEXT = """\
+# miles-lora-ckpt config written by `miles-lora-ckpt demo --via miles` (see configs/ for commented examples)
+[save]
+layout = "subdir"   # generations in <--save>/lora
+keep = 3            # keep the newest 3 intact generations
+[consensus]
+timeout_s = 60      # a dead peer turns into an error on every rank within a minute
+[resume]
+strict = true
+"""
+
+
+def add_arguments(demo) -> None:
+    """The `--via miles` flags of `miles-lora-ckpt demo`."""
+    from miles_lora_ckpt.sim.miles_standin import DEFAULT_SHAPE, SHAPES
+
+    demo.add_argument(
+        "--via",
+        choices=("harness", "miles"),
+        default="harness",
+        help="harness: the checkpoint API on the CPU harness (default); miles: a Miles launch command with the "
+        "plugin's init hook, through the Miles stand-in (--steps counts rollouts)",
+    )
+    demo.add_argument(
+        "--miles-shape",
+        choices=tuple(SHAPES),
+        default=DEFAULT_SHAPE,
+        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE})",
+    )
+    demo.add_argument(
+        "--without-plugin",
+        action="store_true",
+        help="with --via miles: the same scenario on stock Miles (no init hook): the negative control",
+    )
+
+
+# =========================================================================== the scenario
+
+
+class Scenario:
+    """Paths, the launch command and the crash of one `--via miles` demo."""
+
+    def __init__(self, args):
+        self.args = args
+        self.world = args.world_size
+        self.dir = Path(args.workdir).resolve() / "miles"
+        self.hf = self.dir / "hf-base"
+        self.save = self.dir / "run"
+        self.config = self.dir / "miles-lora-ckpt.toml"
+        self.plugin = not args.without_plugin
+        self.saves = [r for r in range(args.steps) if (r + 1) % args.save_every == 0 or r == args.steps - 1]
+        self.crash_rollout = max(r for r in self.saves if r < args.steps - 1)
+        self.crash_rank = self.world - 1 if args.crash_rank is None else args.crash_rank
+
+    def training_flags(self) -> list[str]:
+        """Everything that defines the training itself (shared by the reference)."""
+        return [
+            "--megatron-to-hf-mode",
+            "bridge",
+            "--hf-checkpoint",
+            str(self.hf),
+            "--num-rollout",
+            str(self.args.steps),
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "4",
+            "--target-modules",
+            TARGETS[self.args.adapters],
+            "--optimizer",
+            self.args.optimizer,
+            *(["--bf16"] if self.args.dtype == "bf16" else []),
+            *self.layout_flags(),
+        ]
+
+    def layout_flags(self) -> list[str]:
+        """The demo's --tp/--pp/--ep/--cp/--vpp as Megatron's parallel-size flags (only those not 1)."""
+        sizes = {
+            "--tensor-model-parallel-size": self.args.tp,
+            "--pipeline-model-parallel-size": self.args.pp,
+            "--expert-model-parallel-size": self.args.ep,
+            "--context-parallel-size": self.args.cp,
+            "--virtual-pipeline-model-parallel-size": self.args.vpp,
+        }
+        return [part for flag, size in sizes.items() if size != 1 for part in (flag, str(size))]
+
+    def command(self) -> list[str]:
+        """The user's launch command (its flags), identical for every launch."""
+        hook = ["--custom-megatron-init-path", INIT_HOOK] if self.plugin else []
+        checkpoints = ["--load", str(self.save), "--save", str(self.save), "--save-interval", str(self.args.save_every)]
+        return hook + self.training_flags() + checkpoints
+
+    def env(self) -> dict[str, str]:
+        return {"MILES_LORA_CKPT_CONFIG": str(self.config)} if self.plugin else {}
+
+    def shell(self, argv: list[str]) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env().items())
+        return (env + " " if env else "") + "python train.py " + " ".join(shlex.quote(a) for a in argv)
+
+
+def run(args, launcher=None) -> int:
+    """The `--via miles` demo; returns the exit code."""
+    harness_only = _harness_only_flags(args)
+    if harness_only:
+        print(
+            f"ERROR {', '.join(harness_only)}: the Miles stand-in builds what Miles builds for adam and lion "
+            "(megatron's default children); run these optimizer layouts without --via miles",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.without_plugin and args.crash_at is None and args.phase in ("all", "train"):
+        args.crash_at = "mid-write"
+    if args.without_plugin and args.phase in ("all", "train"):
+        args.crash_at = args.crash_at or "mid-write"
+        if args.crash_at not in STOCK_PHASES:
+            print(f"ERROR stock Miles' save has only {', '.join(STOCK_PHASES)} to crash at", file=sys.stderr)
+            return 2
+    try:
+        check_layout(args.world_size, args.tp, args.pp, args.ep, args.cp, args.vpp, layers_for(args.pp, args.vpp))
+    except ValueError as exc:
+        print(f"ERROR invalid layout: {exc}", file=sys.stderr)
+        return 2
+    scenario = Scenario(args)
+    if not 0 <= scenario.crash_rank < scenario.world:
+        print(f"ERROR --crash-rank must be in [0, {scenario.world})", file=sys.stderr)
+        return 2
+    scenario.dir.mkdir(parents=True, exist_ok=True)
+    scenario.hf.mkdir(exist_ok=True)
+    (scenario.hf / "config.json").write_text("{}\n")
+    scenario.config.write_text(CONFIG_TEXT)
+    from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
+
+    own = launcher is None
+    launcher = launcher or PrewarmedLauncher()
+    try:
+        return _run_phases(scenario, launcher)
+    finally:
+        if own:
+            launcher.close()
+
+
+def _harness_only_flags(args) -> list[str]:
+    """The optimizer flags of the harness demo that the Miles stand-in does not take."""
+    flags = ["--optimizer muon"] if args.optimizer == "muon" else []
+    flags += ["--muon-scalar"] if getattr(args, "muon_scalar", "adam") != "adam" else []
+    flags += ["--[no-]distributed-optimizer"] if getattr(args, "distributed_optimizer", None) is not None else []
+    flags += ["--layer-wise"] if getattr(args, "layer_wise", False) else []
+    flags += ["--slots"] if getattr(args, "slots", 1) != 1 else []
+    return flags
+
+
+def _run_phases(scenario: Scenario, launcher) -> int:
+    args = scenario.args
+    mode = "with miles-lora-ckpt" if scenario.plugin else "WITHOUT the plugin (stock Miles)"
+    print(
+        f"demo via Miles ({args.miles_shape} stand-in) {mode}: {scenario.world} ranks, {args.dtype}, "
+        f"{args.adapters} adapters, {args.optimizer}, {args.steps} rollouts x 2 steps, --save-interval "
+        f"{args.save_every}, workdir {scenario.dir}"
+    )
+    print("each launch: fresh processes forked from a launcher that has imported torch and megatron only")
+    print("launch command (every launch, every rank):")
+    print("  " + scenario.shell(scenario.command()))
+    if args.phase in ("all", "reference"):
+        _reference(scenario, launcher)
+    if args.phase in ("all", "train"):
+        _first_launch(scenario, launcher)
+    if args.phase in ("all", "resume"):
+        return _relaunch(scenario, launcher)
+    print("RESULT: reference written" if args.phase == "reference" else "RESULT: trained")
+    return 0
+
+
+def _launch(scenario: Scenario, launcher, argv: list[str], crash: dict | None = None, env=None):
+    from miles_lora_ckpt.sim.miles_standin import shape_path
+
+    started = time.monotonic()
+    results = launcher.run(
+        scenario.world,
+        JOB,
+        {"argv": argv, "crash": crash},
+        env=scenario.env() if env is None else env,
+        sys_path=[shape_path(scenario.args.miles_shape)],
+        timeout_s=scenario.args.timeout,
+        failure_grace_s=5.0,
+    )
+    return results, time.monotonic() - started
+
+
+def _reference(scenario: Scenario, launcher) -> None:
+    argv = scenario.training_flags()
+    results, seconds = _launch(scenario, launcher, argv, env={})
+    failed = [r for r in results if not r.ok or r.result["failed"]]
+    if failed:
+        raise SystemExit("reference run failed:\n" + "\n".join(r.error or r.result["failed"] for r in failed))
+    reference = {
+        "training": argv,
+        "world_size": scenario.world,
+        "losses": results[0].result["losses"],
+        "digests": {str(r.rank): r.result["final"] for r in results},
+    }
+    (scenario.dir / "reference.json").write_text(json.dumps(reference, indent=1))
+    print(f"reference: {scenario.args.steps} rollouts uninterrupted, no checkpoints ({seconds:.1f}s)")
+
+
+def _first_launch(scenario: Scenario, launcher) -> None:
+    args = scenario.args
+    shutil.rmtree(scenario.save, ignore_errors=True)
+    crash = None
+    if args.crash_at:
+        crash = {"rollout": scenario.crash_rollout, "rank": scenario.crash_rank, "phase": args.crash_at}
+    results, seconds = _launch(scenario, launcher, scenario.command(), crash)
+    where = (
+        f"rank {scenario.crash_rank} SIGKILLs itself at {args.crash_at} while saving rollout {scenario.crash_rollout}"
+    )
+    print(f"launch 1: {where if crash else 'no crash injected'} ({seconds:.1f}s)")
+    for result in results:
+        if result.exitcode is not None and result.exitcode < 0:
+            print(f"  rank {result.rank}: killed by signal {-result.exitcode}")
+        elif not result.ok:
+            print(f"  rank {result.rank}: failed: {_last_line(result.error)}")
+        elif result.result["failed"]:
+            print(f"  rank {result.rank}: stopped: {_last_line(result.result['failed'])}")
+        else:
+            print(f"  rank {result.rank}: trained rollouts {_span(result.result['rollouts'])}")
+    print(f"  on disk: {', '.join(_committed(scenario)) or 'nothing committed'}")
+
+
+def _relaunch(scenario: Scenario, launcher) -> int:
+    reference_file = scenario.dir / "reference.json"
+    reference = json.loads(reference_file.read_text()) if reference_file.exists() else None
+    if (
+        reference is None
+        or reference["training"] != scenario.training_flags()
+        or reference["world_size"] != scenario.world
+    ):
+        print("ERROR reference.json is missing or was made with other flags; rerun --phase reference", file=sys.stderr)
+        return 2
+    newest = _newest_rollout(scenario)
+    argv = scenario.command()
+    if not scenario.plugin:
+        adapter = _newest_stock_adapter(scenario)
+        if adapter is not None:
+            argv = [*argv, "--lora-adapter-path", adapter]
+            print(
+                "stock Miles cannot find its LoRA checkpoint with the same command; relaunching with "
+                f"--lora-adapter-path {adapter} added, as a stock user must"
+            )
+    results, seconds = _launch(scenario, launcher, argv)
+    same = "the identical command" if argv == scenario.command() else "the command plus --lora-adapter-path"
+    print(f"launch 2: {same} ({seconds:.1f}s)")
+    failed = [r for r in results if not r.ok or r.result["failed"]]
+    if failed:
+        first = failed[0]
+        print(
+            f"RESULT: MISMATCH relaunch failed on rank {first.rank}: {_last_line(first.error or first.result['failed'])}"
+        )
+        return 1
+    report = results[0].result
+    start = report["start_rollout_id"]
+    print(f"ROLLOUT: resumed at {start}")
+    plugin = report.get("plugin")
+    if plugin:
+        print(f"  plugin bound to Miles shape {plugin['shape']}: {len(plugin['bindings'])} names rebound")
+    print(f"  after init: scheduler at {report['after_init']['scheduler_num_steps']} samples")
+    _print_losses(reference, report)
+    mismatch = _first_mismatch(reference, results, start, newest)
+    if mismatch is None:
+        compared = sum(len(d) for d in reference["digests"].values())
+        print(
+            f"compared {compared} tensors on {scenario.world} ranks (adapter, fp32 masters, every moment, steps, "
+            "scheduler), every resumed loss and the rollout counter"
+        )
+        print("RESULT: bit-exact")
+        return 0
+    print(f"RESULT: MISMATCH {mismatch}")
+    return 1
+
+
+def _first_mismatch(reference: dict, results, start: int, newest: int | None) -> str | None:
+    expected = 0 if newest is None else newest + 1
+    if start != expected:
+        saved = "nothing committed" if newest is None else f"the newest checkpoint is rollout {newest}"
+        return f"rollout counter resumed at {start}, {saved}: expected {expected}"
+    losses = results[0].result["losses"]
+    for step, loss in sorted(losses.items(), key=lambda item: int(item[0])):
+        if reference["losses"].get(step) != loss:
+            return f"loss@step{step}"
+    for result in results:
+        ref = reference["digests"][str(result.rank)]
+        got = result.result["final"]
+        for name in sorted(set(ref) | set(got)):
+            if ref.get(name) != got.get(name):
+                return f"rank{result.rank}:{name}"
+    return None
+
+
+def _print_losses(reference: dict, report: dict) -> None:
+    print(f"{'step':>4}  {'reference loss':>16}  {'resumed loss':>16}  same")
+    for step, ref_loss in sorted(reference["losses"].items(), key=lambda item: int(item[0])):
+        got = report["losses"].get(step)
+        same = "" if got is None else ("yes" if got == ref_loss else "NO")
+        shown = "(restored)" if got is None else f"{got:.10f}"
+        print(f"{int(step):>4}  {ref_loss:>16.10f}  {shown:>16}  {same}")
+
+
+def _committed(scenario: Scenario) -> list[str]:
+    if scenario.plugin:
+        from miles_lora_ckpt.core.verify import is_save_root, scan_root
+
+        root = scenario.save / "lora"
+        if not is_save_root(root):
+            return []
+        return [f"{e.name} ({e.state})" for e in reversed(scan_root(root)) if e.state != "deleting"]
+    return sorted(p.name + "/adapter" for p in scenario.save.glob("iter_*") if (p / "adapter").exists())
+
+
+def _newest_rollout(scenario: Scenario) -> int | None:
+    if scenario.plugin:
+        from miles_lora_ckpt.core.verify import is_save_root, scan_root
+
+        root = scenario.save / "lora"
+        entries = [e for e in scan_root(root) if e.state == "committed"] if is_save_root(root) else []
+        return entries[0].iteration if entries else None
+    adapter = _newest_stock_adapter(scenario)
+    return int(Path(adapter).parent.name.removeprefix("iter_")) if adapter else None
+
+
+def _newest_stock_adapter(scenario: Scenario) -> str | None:
+    found = sorted(p for p in scenario.save.glob("iter_*") if (p / "adapter").exists())
+    return str(found[-1] / "adapter") if found else None
+
+
+def _span(rollouts: list[int]) -> str:
+    return f"{rollouts[0]}..{rollouts[-1]}" if rollouts else "none"
+
+
+def _last_line(text: str | None) -> str:
+    """The exception a traceback ends with, on one line (multi-line messages joined), shortened."""
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    start = max((i for i, line in enumerate(lines) if line[:1].isalpha() and ": " in line), default=len(lines) - 1)
+    summary = re.sub(r"^[\w.]+\.(\w+): ", r"\1: ", " ".join(line.strip() for line in lines[start:]))
+    return summary if len(summary) <= 240 else summary[:237] + "..."

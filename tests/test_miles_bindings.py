@@ -1,0 +1,232 @@
+"""Shape detection and binding, on synthetic Miles module sets: every shape, refusals, idempotency.
+
+A fake Miles here is a dict of module objects whose functions carry the signatures a shape
+declares; consumer modules hold the same function objects, as `from X import f` leaves them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from argparse import Namespace
+from types import ModuleType
+
+import pytest
+
+from miles_lora_ckpt.core import settings
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.integration import bindings, runtime
+from miles_lora_ckpt.integration.install import install
+from miles_lora_ckpt.integration.shapes import (
+    HF_EXPORT,
+    SHAPES,
+    SHAPES_BY_NAME,
+    UnknownMilesShape,
+    detect_shape,
+    render_signature,
+)
+
+P = inspect.Parameter
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    runtime.set_current(None)
+    settings.reset()
+    yield
+    runtime.set_current(None)
+    settings.reset()
+
+
+def make_function(name: str, signature: str):
+    params, kind = [], P.POSITIONAL_OR_KEYWORD
+    for part in filter(None, signature.strip("()").split(", ")):
+        if part == "*":
+            kind = P.KEYWORD_ONLY
+        elif part == "/":
+            params = [p.replace(kind=P.POSITIONAL_ONLY) for p in params]
+        elif part.startswith("**"):
+            params.append(P(part[2:], P.VAR_KEYWORD))
+        elif part.startswith("*"):
+            params.append(P(part[1:], P.VAR_POSITIONAL))
+            kind = P.KEYWORD_ONLY
+        else:
+            pname, _, default = part.partition("=")
+            params.append(P(pname, kind, default=None if default else P.empty))
+
+    def function(*args, **kwargs):
+        return ("miles", name, args, kwargs)
+
+    function.__name__ = name
+    function.__signature__ = inspect.Signature(params)
+    return function
+
+
+def fake_miles(shape_name: str, override: dict[str, str] | None = None) -> dict[str, ModuleType]:
+    """Modules of `shape_name`; `override` maps 'module.function' to another signature."""
+    shape = SHAPES_BY_NAME[shape_name]
+    modules: dict[str, ModuleType] = {}
+
+    def module(name: str) -> ModuleType:
+        return modules.setdefault(name, ModuleType(name))
+
+    for target in shape.targets:
+        signature = (override or {}).get(target.qualified, target.signature)
+        function = make_function(target.name, signature)
+        setattr(module(target.module), target.name, function)
+        for consumer in target.consumers:
+            setattr(module(consumer), target.name, function)
+    module(shape.lora_module).is_lora_model = lambda model: True
+    return modules
+
+
+def importer(modules: dict[str, ModuleType]):
+    def import_module(name: str) -> ModuleType:
+        if name not in modules:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return modules[name]
+
+    return import_module
+
+
+def attributes(modules: dict[str, ModuleType]) -> dict[str, object]:
+    return {f"{name}.{attr}": value for name, m in modules.items() for attr, value in vars(m).items()}
+
+
+def test_render_signature_shows_names_kinds_and_defaults():
+    def f(a, /, b, c=1, *args, d, e=2, **kw): ...
+
+    def g(model, *, optimizer=None): ...
+
+    assert render_signature(f) == "(a, /, b, c=..., *args, d, e=..., **kw)"
+    assert render_signature(g) == "(model, *, optimizer=...)"
+
+
+@pytest.mark.parametrize("name", [shape.name for shape in SHAPES])
+def test_every_known_shape_is_detected(name):
+    assert detect_shape(importer(fake_miles(name))).name == name
+
+
+def test_positional_args_shape_without_load_training_state_is_detected():
+    modules = fake_miles("positional-args-pr")
+    del modules["miles.backends.megatron_utils.lora.utils"]._load_training_state  # PR #1792
+    assert detect_shape(importer(modules)).name == "positional-args-pr"
+
+
+def test_an_unknown_signature_is_refused_naming_module_function_and_signature():
+    changed = "(model, adapter_path, *, optimizer=..., opt_param_scheduler=..., load_optimizer=..., strict=...)"
+    modules = fake_miles(
+        "lora-package-2026-09", {"miles.backends.megatron_utils.lora.utils.load_lora_adapter": changed}
+    )
+    with pytest.raises(UnknownMilesShape) as info:
+        detect_shape(importer(modules))
+    text = str(info.value)
+    assert "patched nothing" in text
+    assert f"miles.backends.megatron_utils.lora.utils.load_lora_adapter: found {changed}" in text
+    assert "expected (model, adapter_path, *, optimizer=..., opt_param_scheduler=..., load_optimizer=...)" in text
+    assert "expected (model, args, adapter_path, *" in text  # the other shape with that module, too
+    assert "lora-utils-2026-08" in text  # listed as a shape whose LoRA module is absent
+
+
+def test_install_refuses_a_changed_signature_and_patches_nothing():
+    override = {"miles.backends.megatron_utils.model.save": "(iteration, model, optimizer)"}
+    modules = fake_miles("lora-utils-2026-08", override)
+    before = attributes(modules)
+    with pytest.raises(CheckpointError) as info:
+        install(Namespace(lora_rank=4), environ={}, import_module=importer(modules))
+    assert "miles.backends.megatron_utils.model.save: found (iteration, model, optimizer)" in str(info.value)
+    assert attributes(modules) == before
+    assert runtime.installed() is None
+
+
+def test_install_refuses_a_bad_config_key_and_patches_nothing(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[save]\nkeep = -2\n")
+    modules = fake_miles("lora-utils-2026-08")
+    before = attributes(modules)
+    with pytest.raises(CheckpointError, match="save.keep must be at least 0"):
+        install(
+            Namespace(lora_rank=4), environ={"MILES_LORA_CKPT_CONFIG": str(config)}, import_module=importer(modules)
+        )
+    assert attributes(modules) == before
+
+
+def test_install_rebinds_every_consumer_and_a_second_install_changes_nothing(monkeypatch):
+    modules = fake_miles("lora-package-2026-09")
+    lora = modules["miles.backends.megatron_utils.lora.utils"]
+    original = lora.save_lora_checkpoint
+    # a module nobody declared that bound the function by name, and an imported late consumer
+    stray = ModuleType("miles.utils.debug_utils.some_tool")
+    stray.save_lora_checkpoint = original
+    hf_export = ModuleType(HF_EXPORT)
+    hf_export.save_lora_checkpoint = original
+    monkeypatch.setitem(sys.modules, stray.__name__, stray)
+    monkeypatch.setitem(sys.modules, HF_EXPORT, hf_export)
+
+    rt = install(
+        Namespace(lora_rank=4, custom_megatron_post_save_hook_path=None), environ={}, import_module=importer(modules)
+    )
+    assert rt.shape.name == "lora-package-2026-09"
+    replacement = lora.save_lora_checkpoint
+    assert replacement is not original and bindings.original_of(replacement) is original
+    assert render_signature(replacement) == render_signature(original)  # wrappers keep Miles' signature
+    for holder in (modules["miles.backends.megatron_utils.checkpoint"], stray, hf_export):
+        assert holder.save_lora_checkpoint is replacement
+    shape = SHAPES_BY_NAME["lora-package-2026-09"]
+    for target in shape.targets:
+        for name in (target.module, *target.consumers):
+            assert bindings.is_replacement(getattr(modules[name], target.name)), f"{name}.{target.name}"
+    assert f"{stray.__name__}.save_lora_checkpoint" in rt.bindings
+
+    after_first = attributes(modules)
+    again = install(Namespace(lora_rank=4), environ={}, import_module=importer(modules))
+    assert attributes(modules) == after_first
+    assert bindings.plan(shape, importer(modules)).pending == []
+    assert sorted(again.bindings) == sorted(rt.bindings)
+
+
+def test_a_foreign_wrapper_in_a_consumer_is_refused_and_nothing_is_patched():
+    modules = fake_miles("lora-utils-2026-08")
+
+    def someone_elses_wrapper(*args, **kwargs): ...
+
+    modules["miles.backends.megatron_utils.model"].load_checkpoint = someone_elses_wrapper
+    before = attributes(modules)
+    with pytest.raises(CheckpointError) as info:
+        install(Namespace(lora_rank=4), environ={}, import_module=importer(modules))
+    assert "miles.backends.megatron_utils.model.load_checkpoint is <function" in str(info.value)
+    assert "another plugin" in str(info.value)
+    assert attributes(modules) == before
+
+
+def test_the_post_save_hook_is_routed_through_the_plugin():
+    args = Namespace(lora_rank=4, custom_megatron_post_save_hook_path="my_pkg.hooks.after_save")
+    rt = install(args, environ={}, import_module=importer(fake_miles("lora-utils-2026-08")))
+    assert args.custom_megatron_post_save_hook_path == "miles_lora_ckpt.hooks.post_save"
+    assert rt.user_post_save_hook == "my_pkg.hooks.after_save"
+    install(args, environ={}, import_module=importer(fake_miles("lora-utils-2026-08")))
+    assert runtime.current().user_post_save_hook == "my_pkg.hooks.after_save"  # not wrapped twice
+
+
+@pytest.mark.parametrize(
+    "extra, word",
+    [
+        ({"non_persistent_ckpt_type": "local"}, "--non-persistent-ckpt-type local"),
+        ({"multi_lora_n_adapters": 2}, "--multi-lora-n-adapters"),
+        ({"use_gloo_process_groups": False, "use_distributed_optimizer": True}, "--disable-gloo-process-groups"),
+        ({"save": "/ckpt/run", "lora_adapter_path": "/ckpt/run/lora"}, "--lora-adapter-path /ckpt/run/lora"),
+    ],
+)
+def test_startup_refuses_what_cannot_be_checkpointed_naming_the_flag(extra, word):
+    modules = fake_miles("lora-utils-2026-08")
+    before = attributes(modules)
+    with pytest.raises(CheckpointError) as info:
+        install(Namespace(lora_rank=4, **extra), environ={}, import_module=importer(modules))
+    assert word in str(info.value)
+    assert attributes(modules) == before
+
+
+def test_peft_export_is_validated_and_refused_until_it_exists():
+    modules = fake_miles("lora-utils-2026-08")
+    with pytest.raises(CheckpointError, match="PEFT export is not available"):
+        install(Namespace(lora_rank=4), environ={"MILES_LORA_CKPT_PEFT_EXPORT": "1"}, import_module=importer(modules))
