@@ -2,7 +2,9 @@
 
 Adam, Lion and Muon (with an Adam and a Lion scalar optimizer) through Float16 / FP32 children,
 LayerWiseDistributedOptimizer chains (one slot, and two slots as Miles' multi-LoRA builds them),
-at W=2 and W=3, bf16 and fp32; DistributedOptimizer children are covered by test_single_lora.py.
+at W=2 and W=3, bf16 and fp32, and under context parallelism (CP=2: replicas and layer-wise owners
+over the data-and-context group) and virtual pipelines (PP=2, VPP=2: one optimizer over two model
+chunks per stage); DistributedOptimizer children are covered by test_single_lora.py.
 Lion and Muon are megatron's own on the 0.19.2 tier (emerging-optimizers); megatron-core 0.16.1
 has no Lion (the harness swaps its own into every child there) and cannot build Muon, whose cases
 the jobs report as skipped with the reason.
@@ -36,6 +38,7 @@ def cfg(world: int, optimizer: str = "adam", dtype: str = "bf16", adapters: str 
 
 def matrix(world: int) -> list[dict]:
     nd, lw = {"distributed": False}, {"layer_wise": True}
+    cp2, vpp2 = {"cp": 2}, {"pp": 2, "vpp": 2, "num_layers": 4}
     cases = {
         2: [
             cfg(2, "adam", "bf16", "mixed", **nd),
@@ -46,6 +49,13 @@ def matrix(world: int) -> list[dict]:
             cfg(2, "muon", "bf16", "mixed", muon_scalar="adam"),
             cfg(2, "muon", "fp32", "dense", muon_scalar="lion"),
             cfg(2, "muon", "bf16", "mixed", muon_scalar="lion", **lw),
+            # CP=2 (DP=1): the optimizer's group is DP x CP; VPP=2: two model chunks per stage
+            cfg(2, "adam", "bf16", "mixed", **nd, **cp2),
+            cfg(2, "adam", "bf16", "mixed", **lw, **cp2),
+            cfg(2, "lion", "bf16", "mixed", **nd, **vpp2),
+            cfg(2, "adam", "fp32", "dense", **lw, **vpp2),
+            cfg(2, "muon", "bf16", "mixed", muon_scalar="adam", **cp2),
+            cfg(2, "muon", "bf16", "dense", muon_scalar="adam", **lw, **vpp2),
         ],
         3: [
             cfg(3, "adam", "bf16", "dense", **nd),
@@ -161,6 +171,27 @@ def test_resume_matrix_w2_is_bit_exact(w2):
     assert _keys_seen(w2, "lion/non-distributed/bf16/mixed/w2/save@2") & {"exp_avg_sq", "momentum_buffer"} == set()
 
 
+def test_context_parallel_and_virtual_pipelines_with_every_whole_parameter_family(w2):
+    ran = _check_matrix(w2)
+    for layout in ("w2-cp2", "w2-pp2-vpp2"):
+        families = {
+            "layer-wise" if c.endswith("@layer-wise") else c.split("(")[0]
+            for name, cs in ran.items()
+            if f"/{layout}/" in name
+            for c in cs
+        }
+        assert {"Float16OptimizerWithFloat16Params", "layer-wise"} <= families, (layout, families)
+    # every chunk's masters and moments were compared: a whole-parameter file names the chunk
+    names = {n for r in w2 for n in r["matrix"]["lion/non-distributed/bf16/mixed/w2-pp2-vpp2/save@2"]["names"]}
+    for chunk in ("chunk0.", "chunk1."):
+        assert any(f"/master/{chunk}" in n for n in names) and any(f"/state/{chunk}" in n for n in names), chunk
+    # under CP=2 (DP=1) replicated children hold every parameter on both CP ranks, layer-wise
+    # children give each parameter one owner among them
+    replicated = [sum(r["matrix"]["adam/non-distributed/bf16/mixed/w2-cp2/save@2"]["local_params"]) for r in w2]
+    owned = [sum(r["matrix"]["adam/layer-wise/bf16/mixed/w2-cp2/save@2"]["local_params"]) for r in w2]
+    assert replicated[0] == replicated[1] == sum(owned) and all(owned), (replicated, owned)
+
+
 def test_resume_matrix_w3_is_bit_exact_with_empty_children_on_some_ranks(w3):
     ran = _check_matrix(w3)
     assert any(c.endswith("@layer-wise") for cs in ran.values() for c in cs)
@@ -176,7 +207,7 @@ def test_muon_runs_with_an_adam_and_a_lion_scalar_optimizer(w2, w3):
         )
     ran = {**_check_matrix(w2), **_check_matrix(w3)}
     muon = {name: children for name, children in ran.items() if name.startswith("muon/")}
-    assert len(muon) == 7, sorted(muon)
+    assert len(muon) == 9, sorted(muon)
     for name, children in muon.items():
         scalar = name.split("/")[1].removeprefix("scalar-")
         assert any("TensorParallelMuon" in c for c in children), (name, children)
