@@ -106,7 +106,8 @@ def test_a_refused_load_ends_with_result_error(tmp_path, capsys):
         write_files=lambda writer: writer.write_json("notes.json", {}),
     )
     config = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "vpp": 1, "num_layers": 2}
-    config |= {"dtype": "bf16", "adapters": "dense", "optimizer": "adam"}
+    config |= {"dtype": "bf16", "adapters": "dense", "optimizer": "adam", "muon_scalar": "adam"}
+    config |= {"distributed": None, "layer_wise": False, "slots": 1, "adapter_bias": False}
     reference = {"config": config, "steps": 3, "losses": [0.0, 0.0, 0.0], "digests": {"0": {}}}
     (tmp_path / "reference.json").write_text(json.dumps(reference))
     args = ["demo", "--workdir", str(tmp_path), "--world-size", "1", "--adapters", "dense", "--steps", "3"]
@@ -114,3 +115,19 @@ def test_a_refused_load_ends_with_result_error(tmp_path, capsys):
     line, _ = last_line(capsys)
     assert line.startswith("RESULT: ERROR checkpoint phase 'resolve' failed on rank(s) [0]:"), line
     assert "was written by saver 'another-saver', not 'single-lora'" in line
+
+
+def test_usage_errors_of_the_optimizer_flags_exit_2_before_any_worker(tmp_path, capsys):
+    base = ["demo", "--workdir", str(tmp_path), "--world-size", "2"]
+    cases = {
+        # the Miles stand-in builds what Miles builds for adam and lion: no harness-only layouts
+        ("--via", "miles", "--optimizer", "muon"): "--optimizer muon: the Miles stand-in builds",
+        ("--via", "miles", "--layer-wise", "--slots", "2"): "--layer-wise, --slots: the Miles stand-in",
+        ("--slots", "2", "--pp", "2"): "--slots must be 1 or 2, and 2 needs --pp 1",
+        ("--layer-wise", "--distributed-optimizer"): "drop --distributed-optimizer",
+    }
+    for flags, words in cases.items():
+        assert cli([*base, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert words in err, (flags, err)
+    assert not (tmp_path / "miles").exists() and not (tmp_path / "ckpt").exists()
