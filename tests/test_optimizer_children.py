@@ -17,6 +17,7 @@ LayerWiseDistributedOptimizer needs on gloo (see miles_lora_ckpt/sim/cpu_interce
 from __future__ import annotations
 
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 from jobs_paths import JOBS
@@ -117,7 +118,8 @@ REFUSAL_WORDS = {
 
 
 def run(world: int, payload: dict) -> list[dict]:
-    results = run_workers(world, "optimizer_jobs:suite", payload, sys_path=[JOBS], timeout_s=500)
+    tests = str(Path(JOBS).parent)  # damage.py, for the rebound-file case
+    results = run_workers(world, "optimizer_jobs:suite", payload, sys_path=[JOBS, tests], timeout_s=500)
     return check_all(results)
 
 
@@ -131,7 +133,9 @@ def elastic_roots(tmp_path_factory) -> dict:
 def w2(elastic_roots) -> list[dict]:
     saves = {n: {"config": cfg(2, **o), "root": elastic_roots[n], "steps": 3} for n, o in ELASTIC.items()}
     diverged = {"config": cfg(2, "adam", distributed=False)}
-    return run(2, {"matrix": matrix(2), "elastic_saves": saves, "refusals": REFUSALS, "diverged": diverged})
+    rebound = {"config": cfg(2, "adam", "bf16", "mixed", distributed=False)}
+    payload = {"matrix": matrix(2), "elastic_saves": saves, "refusals": REFUSALS, "diverged": diverged}
+    return run(2, {**payload, "rebound": rebound})
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +293,18 @@ def test_diverged_replicas_are_refused_at_save(w2):
     assert all(errors) and errors[0] == errors[1], errors
     assert "replicas on ranks 0 and 1 hold different masters or moments" in errors[0], errors[0]
     assert all(r["diverged"]["committed"] == [] for r in w2)
+
+
+def test_a_whole_parameter_file_bound_to_another_child_is_refused_before_anything_changes(w2):
+    """Stamp and manifest agree (the generation verifies), but the file is bound to child 1 where
+    child 0's state belongs: the family's preflight refuses it on every rank, nothing changed."""
+    outcomes = [r["rebound"] for r in w2]
+    assert "Float16OptimizerWithFloat16Params" in outcomes[0]["children"][0]
+    errors = [o["error"] for o in outcomes]
+    assert all(errors) and errors[0] == errors[1], errors
+    assert f"{outcomes[0]['file']}: the manifest binds it to {{'child': '1'," in errors[0], errors[0]
+    assert (
+        "expected {'role': 'optimizer', 'coordinate': 'tp000_pp000_ep000_etp000_dp000_cp000', 'child': '0'}"
+        in (errors[0])
+    )
+    assert all(o["changed"] is None for o in outcomes), [o["changed"] for o in outcomes]

@@ -15,6 +15,7 @@ from damage import (
     drop_file,
     edit_manifest,
     edit_training_state,
+    rebind,
     reseal_file,
     rewrite_tensors,
     set_param_group,
@@ -158,6 +159,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     # semantic binding and training-state invariants: self-consistent (resealed) but wrong
     case("optimizer file of another generation", lambda g: reseal_file(g, optim, (Path(older) / optim).read_bytes()))
     case("optimizer files swapped between children", lambda g: swap_files(g, optim, optim1))
+    case("optimizer file bound to another child", lambda g: rebind(g, optim, child="1"))
     case(
         "eps NaN through the JSON codec",
         lambda g: edit_training_state(g, lambda s: set_param_group(s, eps={"__float__": "nan"})),
@@ -187,6 +189,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "iterations differ across ranks": "ranks disagree",
         "optimizer file of another generation": f"{optim}: the file says it is [generation {Path(older).name[-16:]}",
         "optimizer files swapped between children": f"{optim}: the file says it is [generation",
+        "optimizer file bound to another child": f"{optim}: the manifest binds it to {{'child': '1',",
         "eps NaN through the JSON codec": "param_groups[0].eps is 'nan' (not finite)",
         "negative scheduler num_steps": "scheduler.num_steps is -1",
         "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",

@@ -54,6 +54,8 @@ def suite(payload: dict, ctx) -> dict:
         out["refusals"] = refusals(payload["refusals"], ctx, consensus)
     if "diverged" in payload:
         out["diverged"] = diverged_replicas(payload["diverged"], ctx, consensus)
+    if "rebound" in payload:
+        out["rebound"] = rebound_file(payload["rebound"], ctx, consensus)
     return out
 
 
@@ -229,6 +231,32 @@ def refusals(case: dict, ctx, consensus: Consensus) -> dict:
         out[name] = {"error": error, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
         teardown(run)
     return out
+
+
+def rebound_file(case: dict, ctx, consensus: Consensus) -> dict:
+    """A whole-parameter child's file re-stamped and re-listed as another child's (stamp and manifest
+    agree, so the generation verifies): the family's binding check refuses it before any change.
+    Needs the tests folder on the workers' sys.path (damage.py)."""
+    from damage import rebind
+
+    from miles_lora_ckpt.core.consensus import Outcome, attempt
+
+    run = build_run(SimConfig.from_dict(case["config"]))
+    run_steps(run, 0, 2)
+    generation = Path(save(run, ctx.scratch_dir / "rebound", 2, consensus))
+    files = sorted(p.relative_to(generation).as_posix() for p in (generation / "optimizer").glob("child0_*"))
+    damaged = attempt(rebind, generation, files[0], child="1") if consensus.rank == 0 else Outcome.success()
+    consensus.agree("rebind", damaged)
+    before = snapshot_digests(snapshot(run))
+    try:
+        load(run, str(generation), consensus)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    changed = compare_digests(before, snapshot_digests(snapshot(run)))
+    children = child_classes(run)
+    teardown(run)
+    return {"file": files[0], "error": error, "changed": changed, "children": children}
 
 
 def diverged_replicas(case: dict, ctx, consensus: Consensus) -> dict:
