@@ -220,13 +220,13 @@ class LoadRequest:
         files += [shards.expert_file(self.coords)] if expert else []
         if self._optimizer_in(manifest):
             # refused here, before anything is read (IncompatibleCheckpoint: the load fails, it never
-            # falls back to an older generation): another child layout, class or optimizer
+            # falls back to an older generation): another child class or optimizer, another layout
             saved = saved_children(manifest)
-            self._check_child_layout(manifest)
             dp_changed = manifest.topology.dp != self.plans[self.rank]["topology"]["dp"]
             chain.check_against(
                 saved, self.descriptions(), self.rank, dp_changed, manifest.metadata.get("optimizer_selection")
             )
+            self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
         return files
 
