@@ -38,7 +38,7 @@ from miles_lora_ckpt.core.storage import load_tensors
 from miles_lora_ckpt.core.verify import committed_candidates, verify_generation
 from miles_lora_ckpt.integration import peft, runtime, single_lora
 from miles_lora_ckpt.integration.config import load_config
-from miles_lora_ckpt.integration.shapes import SHAPES, SHAPES_BY_NAME
+from miles_lora_ckpt.integration.shapes import SHAPES_BY_NAME
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
 from miles_lora_ckpt.megatron import bridge_export
 from miles_lora_ckpt.savers.peft_export import (
@@ -199,12 +199,6 @@ def test_save_hf_refusal_names_the_flag_and_its_remedy(tmp_path):
     assert "for --save-hf /out/{rollout_id}:" in text and "export.peft" not in text
     assert "import megatron.bridge" in text and "--hf-checkpoint is not set" in text
     assert text.endswith("Fix the above, or drop --save-hf.")
-
-
-def test_every_shape_runs_bridge_under_miles_patch_megatron_model():
-    for shape in SHAPES:
-        assert shape.bridge_model_context == f"{CONTEXT}.patch_megatron_model"
-        assert peft.model_context(shape, importer(miles_modules())) == (patch_megatron_model, "")
 
 
 # =========================================================================== units: Miles' --save-hf call
