@@ -89,7 +89,8 @@ def add_arguments(demo) -> None:
     demo.add_argument(
         "--without-plugin",
         action="store_true",
-        help="with --via miles: the same scenario on stock Miles (no init hook): the negative control",
+        help="with --via miles: the same scenario on stock Miles (no init hook): the negative control "
+        "(not with --export-peft: exit 2)",
     )
 
 
