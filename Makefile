@@ -1,11 +1,13 @@
-# Two user-facing targets: `make demo` and `make test`. Everything else is plumbing.
+# Two user-facing targets: `make demo` and `make test` (and `make demo-tier2 ARGS=...` after
+# `make test`: the demo against megatron-core 0.19.2). Everything else is plumbing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TIER2  := .tier2/mcore019
 PYTEST_ARGS ?=
+ARGS ?=
 
-.PHONY: demo test test-long lint tier1 tier2 install clean
+.PHONY: demo demo-tier2 test test-long lint tier1 tier2 install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +24,20 @@ $(TIER2)/.installed: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(TIER2) megatron-core==0.19.2 'triton==3.7.*'
 	touch $@
 
+# megatron 0.19 builds its own Lion and Muon with emerging-optimizers, a pure-Python wheel that also
+# declares Python>=3.12; on 3.11 the CPU harness gives it the typing.override it imports.
+$(TIER2)/.emerging-optimizers: $(TIER2)/.installed
+	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(TIER2) emerging-optimizers==0.3.0 absl-py==2.5.1
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(BIN)/miles-lora-ckpt demo
+
+# The demo against megatron-core 0.19.2 (megatron's own Lion and Muon), e.g. ARGS="--optimizer muon".
+demo-tier2: $(TIER2)/.emerging-optimizers
+	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -34,7 +46,7 @@ lint: $(VENV)/.installed
 tier1: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-tier2: $(TIER2)/.installed
+tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m megatron $(PYTEST_ARGS)
 
 test: lint tier1 tier2

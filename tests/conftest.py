@@ -8,7 +8,12 @@ import sys
 import pytest
 from jobs_paths import JOBS
 
+from miles_lora_ckpt.sim.cpu_intercepts import install_typing_override
+
 sys.path.insert(0, JOBS)
+# Tests that import megatron in this process (tier 2: megatron-core 0.19 with emerging-optimizers,
+# which needs Python 3.12's typing.override) get the harness's 3.11 shim first.
+install_typing_override()
 
 
 def pytest_addoption(parser):
@@ -18,8 +23,6 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--long"):
         return
-    import pytest
-
     skip = pytest.mark.skip(reason="long run: pass --long (make test-long)")
     for item in items:
         if "long" in item.keywords:

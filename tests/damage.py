@@ -50,6 +50,22 @@ def rewrite_tensors(gen: Path, rel: str, change, *, finite: bool | None = None) 
         reseal_file(gen, rel, (Path(tmp) / "x.safetensors").read_bytes(), finite=finite)
 
 
+def rebind(gen: Path, rel: str, **binding: str) -> None:
+    """Re-stamp a tensor file with another binding and list it so in the manifest (resealed): stamp
+    and manifest agree, so verification passes; only a reader that knows what belongs there refuses."""
+    tensors, metadata = storage.load_tensors(gen / rel)
+    with tempfile.TemporaryDirectory() as tmp:
+        storage.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata={**metadata, **binding})
+        data = (Path(tmp) / "x.safetensors").read_bytes()
+    (gen / rel).write_bytes(data)
+
+    def change(body):
+        body["files"][rel].update(bytes=len(data), digest=digest_bytes(data))
+        body["files"][rel]["binding"].update(binding)
+
+    edit_manifest(gen, change)
+
+
 def drop_file(gen: Path, rel: str) -> None:
     """Delete a file and its manifest entry: a torn generation whose manifest still verifies."""
     (gen / rel).unlink()

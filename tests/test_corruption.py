@@ -884,7 +884,7 @@ def _(tmp, capsys):
 
     def files(manifest):
         if manifest.iteration == 2:
-            return [ADAPTER] + manifest.metadata["stepped_children"]  # a key this manifest lacks
+            return [ADAPTER] + manifest.metadata["optimizer_children"]  # a key this manifest lacks
         return [ADAPTER]
 
     opened = open_generation(Consensus.single_process(), tmp, files)

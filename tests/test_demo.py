@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 
 import pytest
 
 from miles_lora_ckpt.tools.cli import main as cli
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
+
+MEGATRON = version("megatron-core")
+OWN_LION_AND_MUON = not MEGATRON.startswith("0.16")  # the 0.19.2 tier, with emerging-optimizers
 
 
 def last_line(capsys) -> tuple[str, str]:
@@ -25,6 +29,7 @@ def test_default_demo_crashes_mid_save_and_resumes_bit_exact(tmp_path, capsys):
 
 
 def test_lion_demo_with_a_coordinator_crash_before_publish(tmp_path, capsys):
+    """megatron's own Lion (0.19.2 tier); megatron-core 0.16.1 has none: the demo says so, exit 2."""
     args = [
         "demo",
         "--workdir",
@@ -40,9 +45,24 @@ def test_lion_demo_with_a_coordinator_crash_before_publish(tmp_path, capsys):
         "--steps",
         "6",
     ]
-    assert cli(args) == 0
+    code = cli(args)
     line, out = last_line(capsys)
-    assert line == "RESULT: bit-exact" and "(iteration 2)" in out
+    if not OWN_LION_AND_MUON:
+        assert code == 2 and line.startswith("RESULT: not run") and f"megatron-core {MEGATRON} has no Lion" in line
+        return
+    assert code == 0 and line == "RESULT: bit-exact" and "(iteration 2)" in out
+    assert "Float16OptimizerWithFloat16Params(emerging_optimizers.scalar_optimizers.lion.Lion)" in out
+
+
+def test_muon_demo_is_bit_exact_with_megatrons_own_muon(tmp_path, capsys):
+    code = cli(["demo", "--workdir", str(tmp_path), "--optimizer", "muon"])
+    line, out = last_line(capsys)
+    if not OWN_LION_AND_MUON:
+        assert code == 2 and line.startswith("RESULT: not run") and "cannot build Muon" in line
+        return
+    assert code == 0 and line == "RESULT: bit-exact", out
+    assert "TensorParallelMuon" in out and "torch.optim.adamw.AdamW" in out  # Muon, and its Adam scalar optimizer
+    assert "killed by signal 9 (crash injected at mid-write)" in out
 
 
 def test_crash_in_the_only_save_resumes_from_step_zero_and_says_so(tmp_path, capsys):
@@ -107,7 +127,8 @@ def test_a_refused_load_ends_with_result_error(tmp_path, capsys):
         write_files=lambda writer: writer.write_json("notes.json", {}),
     )
     config = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "vpp": 1, "num_layers": 2}
-    config |= {"dtype": "bf16", "adapters": "dense", "optimizer": "adam"}
+    config |= {"dtype": "bf16", "adapters": "dense", "optimizer": "adam", "muon_scalar": "adam"}
+    config |= {"distributed": None, "layer_wise": False, "slots": 1, "adapter_bias": False}
     reference = {"config": config, "steps": 3, "losses": [0.0, 0.0, 0.0], "digests": {"0": {}}}
     (tmp_path / "reference.json").write_text(json.dumps(reference))
     args = ["demo", "--workdir", str(tmp_path), "--world-size", "1", "--adapters", "dense", "--steps", "3"]
@@ -115,3 +136,19 @@ def test_a_refused_load_ends_with_result_error(tmp_path, capsys):
     line, _ = last_line(capsys)
     assert line.startswith("RESULT: ERROR checkpoint phase 'resolve' failed on rank(s) [0]:"), line
     assert "was written by saver 'another-saver', not 'single-lora'" in line
+
+
+def test_usage_errors_of_the_optimizer_flags_exit_2_before_any_worker(tmp_path, capsys):
+    base = ["demo", "--workdir", str(tmp_path), "--world-size", "2"]
+    cases = {
+        # the Miles stand-in builds what Miles builds for adam and lion: no harness-only layouts
+        ("--via", "miles", "--optimizer", "muon"): "--optimizer muon: the Miles stand-in builds",
+        ("--via", "miles", "--layer-wise", "--slots", "2"): "--layer-wise, --slots: the Miles stand-in",
+        ("--slots", "2", "--pp", "2"): "--slots must be 1 or 2, and 2 needs --pp 1",
+        ("--layer-wise", "--distributed-optimizer"): "drop --distributed-optimizer",
+    }
+    for flags, words in cases.items():
+        assert cli([*base, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert words in err, (flags, err)
+    assert not (tmp_path / "miles").exists() and not (tmp_path / "ckpt").exists()

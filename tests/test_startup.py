@@ -31,16 +31,49 @@ def test_every_problem_is_listed():
     assert str(info.value).count("\n  - ") == 3
 
 
-def test_unsupported_optimizer_wrappers_are_rejected():
-    plain = SimpleNamespace(optimizer=object(), param_groups=[])  # e.g. FP32Optimizer: no buckets
-    nvme = SimpleNamespace(optimizer=object(), gbuf_ranges=[], model_param_group_index_map={}, _nvme_state_store=1)
-    no_gloo = SimpleNamespace(
-        optimizer=object(), gbuf_ranges=[], model_param_group_index_map={}, data_parallel_group_gloo=None
+# Stand-ins named like megatron's classes: validate_startup recognises children by class name.
+DistributedOptimizer = type("DistributedOptimizer", (SimpleNamespace,), {})
+Float16OptimizerWithFloat16Params = type("Float16OptimizerWithFloat16Params", (SimpleNamespace,), {})
+FP32Optimizer = type("FP32Optimizer", (SimpleNamespace,), {})
+LayerWiseDistributedOptimizer = type("LayerWiseDistributedOptimizer", (SimpleNamespace,), {})
+
+
+def test_every_child_class_megatron_builds_for_lora_passes():
+    dist = DistributedOptimizer(optimizer=object(), data_parallel_group_gloo=object())
+    layer_wise = LayerWiseDistributedOptimizer(
+        chained_optimizers=[Float16OptimizerWithFloat16Params(optimizer=object()), FP32Optimizer(optimizer=object())]
     )
+    stub = DistributedOptimizer(optimizer=None, is_stub_optimizer=True)
+    validate_startup(optimizer=SimpleNamespace(chained_optimizers=[stub, dist, layer_wise]))
+    validate_startup(optimizer=SimpleNamespace(chained_optimizers=[Float16OptimizerWithFloat16Params(optimizer=1)]))
+
+
+def test_unsupported_optimizer_children_are_rejected():
+    raw = SimpleNamespace(optimizer=object(), param_groups=[])  # e.g. a raw torch optimizer in a chain
+    nvme = DistributedOptimizer(optimizer=object(), data_parallel_group_gloo=object(), _nvme_state_store=1)
+    no_gloo = DistributedOptimizer(optimizer=object(), data_parallel_group_gloo=None)
+    dist_in_layer_wise = LayerWiseDistributedOptimizer(chained_optimizers=[DistributedOptimizer(optimizer=object())])
     stub = SimpleNamespace(optimizer=None, is_stub_optimizer=True)
-    chained = SimpleNamespace(chained_optimizers=[stub, plain, nvme, no_gloo])
+    chained = SimpleNamespace(chained_optimizers=[stub, raw, nvme, no_gloo, dist_in_layer_wise])
     with pytest.raises(UnsupportedConfiguration) as info:
         validate_startup(optimizer=chained)
     text = str(info.value)
-    assert "child 1" in text and "--use-distributed-optimizer" in text
-    assert "child 2" in text and "NVMe" in text and "child 3" in text and "child 0" not in text
+    assert "child 1 is a SimpleNamespace" in text and "supported are DistributedOptimizer" in text
+    assert "child 2" in text and "NVMe" in text
+    assert "child 3" in text and "--disable-gloo-process-groups" in text
+    assert "child 4 is a DistributedOptimizer" in text and "child 0" not in text
+
+
+def test_non_distributed_children_under_a_reduce_scattering_ddp_are_rejected():
+    """megatron 0.19 builds Lion as Float16 children even when DDP reduce-scatters for a distributed
+    optimizer: the DP replicas would diverge (test_optimizer_children shows the saver refusing them)."""
+    lion = SimpleNamespace(chained_optimizers=[Float16OptimizerWithFloat16Params(optimizer=object())])
+    reduce_scatter = [SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True))]
+    all_reduce = [SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))]
+    validate_startup(optimizer=lion, model=all_reduce)
+    with pytest.raises(UnsupportedConfiguration, match="use_distributed_optimizer=False"):
+        validate_startup(optimizer=lion, model=reduce_scatter)
+    layer_wise = SimpleNamespace(
+        chained_optimizers=[LayerWiseDistributedOptimizer(chained_optimizers=lion.chained_optimizers)]
+    )
+    validate_startup(optimizer=layer_wise, model=reduce_scatter)  # megatron 0.19's layout-based LayerWise path

@@ -1,9 +1,10 @@
 """Which tensor state keys each optimizer child keeps: Adam, AdamW, Lion, Muon + its scalar optimizer.
 
 The children here are stand-ins (`FakeChild`) holding a real torch optimizer's state, because the
-real DistributedOptimizer cannot be built without a process group; the end-to-end tests in
-test_single_lora.py use the real one. The 0.19 case uses megatron's own `optimizer_state_keys`
-property where the installed megatron-core has it (tier 2), and is skipped on 0.16.
+real megatron children cannot be built without a process group; the end-to-end tests in
+test_single_lora.py and test_optimizer_children.py use the real ones. The 0.19 cases use megatron's
+own `optimizer_state_keys` property and emerging-optimizers' real Lion and Muon where the installed
+tier has them (tier 2), and are skipped on 0.16.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_lora_ckpt.megatron.optimizer_state import resolve_state_keys
+from miles_lora_ckpt.megatron.optimizer_children import optimizer_kind, resolve_state_keys
 from miles_lora_ckpt.sim.lion import Lion
 
 ADAM = ("exp_avg", "exp_avg_sq")
@@ -104,3 +105,26 @@ def test_property_that_disagrees_with_the_real_state_is_refused():
     child = child_class(stepped(torch.optim.AdamW), "lion")  # says Lion, holds Adam's two moments
     with pytest.raises(ValueError, match="refusing to checkpoint a subset"):
         resolve_state_keys(child)
+
+
+def _emerging():
+    return pytest.importorskip("emerging_optimizers", reason="emerging-optimizers is on the 0.19.2 tier only")
+
+
+@pytest.mark.megatron
+def test_emerging_lion_and_muon_keys_and_kinds():
+    """The real Lion and Muon megatron 0.19 builds: kinds, keys before and after a step."""
+    _emerging()
+    from emerging_optimizers.orthogonalized_optimizers import Muon
+    from emerging_optimizers.scalar_optimizers import Lion as EmergingLion
+
+    for cls, kind, keys in ((EmergingLion, "lion", LION), (Muon, "muon", ("momentum_buffer",))):
+        param = torch.nn.Parameter(torch.ones(4, 4))
+        inner = cls([param], lr=0.1)
+        child = FakeChild(inner, "muon" if kind == "muon" else kind, "adam")
+        assert optimizer_kind(child) == kind
+        assert tuple(resolve_state_keys(child)) == keys  # before any step: from the kind
+        param.grad = torch.ones(4, 4)
+        with torch._dynamo.config.patch(disable=True):  # its Lion update is torch.compile'd: seconds on CPU
+            inner.step()
+        assert tuple(resolve_state_keys(child)) == keys  # after: what it really holds

@@ -167,7 +167,7 @@ def load_checkpoint(original: Callable, target) -> Callable:
         if _in_memory(call["checkpointing_context"]) and _is_lora_model(model):
             raise UnsupportedConfiguration(_IN_MEMORY_REFUSAL)
         if optimizer is not None:
-            _agree_optimizer_supported(optimizer)
+            _agree_optimizer_supported(optimizer, model)
         root = resume.plugin_root(rt.config, getattr(rt.args, "load", None))
         if root is None:
             if optimizer is None and rt.initial_adapter is not None:
@@ -182,13 +182,13 @@ def load_checkpoint(original: Callable, target) -> Callable:
     return replacement
 
 
-def _agree_optimizer_supported(optimizer) -> None:
-    """Collective: `validate_startup` on the built optimizer, once per optimizer."""
+def _agree_optimizer_supported(optimizer, model) -> None:
+    """Collective: `validate_startup` on the built optimizer and its model chunks, once per optimizer."""
     rt = runtime.current()
     if id(optimizer) in rt.validated_optimizers:
         return
     # stub children can differ between pipeline stages: agree, so a refusal stops every rank
-    Consensus.default().agree("miles-optimizer-check", attempt(validate_startup, None, optimizer))
+    Consensus.default().agree("miles-optimizer-check", attempt(validate_startup, None, optimizer, model))
     rt.validated_optimizers.add(id(optimizer))
 
 
@@ -285,7 +285,7 @@ def initialize_model_and_optimizer(original: Callable, target) -> Callable:
         rt.scheduler_pin, rt.fresh_start = None, False
         model, optimizer, scheduler, iteration = original(*args, **kwargs)
         if optimizer is not None:
-            _agree_optimizer_supported(optimizer)
+            _agree_optimizer_supported(optimizer, model)
         if rt.scheduler_pin is not None and scheduler is not None:
             scheduler.num_steps = 0  # undo Miles' step(iteration * global_batch_size) on top of it
             restore_scheduler(scheduler, rt.scheduler_pin)

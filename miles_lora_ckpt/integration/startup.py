@@ -2,24 +2,30 @@
 
 Better to fail at step 0 with the flag to change than at the first save, hours in.
 `validate_startup` checks what any caller of the savers needs (args and, once built, the
-optimizer); `validate_miles_launch` adds what a Miles launch with the init hook needs.
+optimizer and the model chunks); `validate_miles_launch` adds what a Miles launch with the init
+hook needs. Supported optimizer children (`megatron.optimizer_children`): DistributedOptimizer
+(with its gloo DP group), Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a
+LayerWiseDistributedOptimizer, with whatever inner optimizer megatron builds (Adam, Lion, Muon and
+its scalar optimizer, ...).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from miles_lora_ckpt.megatron.optimizer_state import is_stub, optimizer_children
+from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED, SUPPORTED_CLASSES, leaf_children
 
 
 class UnsupportedConfiguration(ValueError):
     """The run is configured in a way this plugin cannot checkpoint; the message says what to change."""
 
 
-def validate_startup(args=None, optimizer=None) -> None:
-    """Check Miles/Megatron args (a Namespace) and, once built, the optimizer. Raises with every problem."""
+def validate_startup(args=None, optimizer=None, model=None) -> None:
+    """Check Miles/Megatron args (a Namespace) and, once built, the optimizer and the model chunks
+    (DDP-wrapped, as Miles holds them). Raises with every problem."""
     problems = _arg_problems(args) if args is not None else []
     problems += _optimizer_problems(optimizer) if optimizer is not None else []
+    problems += _replica_problems(model, optimizer) if model is not None and optimizer is not None else []
     if problems:
         raise UnsupportedConfiguration("miles-lora-ckpt cannot checkpoint this run:\n  - " + "\n  - ".join(problems))
 
@@ -50,22 +56,52 @@ def _arg_problems(args) -> list[str]:
 
 def _optimizer_problems(optimizer) -> list[str]:
     problems = []
-    for index, child in enumerate(optimizer_children(optimizer)):
-        if is_stub(child):
+    for child in leaf_children(optimizer):
+        if child.is_stub:
             continue
-        name = type(child).__name__
-        if getattr(child, "_nvme_state_store", None) is not None:
+        index, opt, name = child.index, child.optimizer, child.class_name
+        inner = type(getattr(opt, "optimizer", None)).__name__
+        if getattr(opt, "_nvme_state_store", None) is not None:
             problems.append(f"optimizer child {index} streams its state to NVMe; Miles forbids that with LoRA too")
-        elif not all(hasattr(child, attr) for attr in ("gbuf_ranges", "model_param_group_index_map")):
+        elif name not in SUPPORTED_CLASSES or (name == DISTRIBUTED and child.layer_wise):
             problems.append(
-                f"optimizer child {index} is a {name}, not megatron's DistributedOptimizer: "
-                "add --use-distributed-optimizer"
+                f"optimizer child {index} is a {name} (inner {inner}): supported are DistributedOptimizer, "
+                "Float16OptimizerWithFloat16Params and FP32Optimizer (alone or under a LayerWiseDistributedOptimizer)"
             )
-        elif getattr(child, "data_parallel_group_gloo", None) is None:
-            problems.append(f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups")
-        elif getattr(getattr(child, "config", None), "use_precision_aware_optimizer", False):
+        elif inner == "HybridDeviceOptimizer":
+            problems.append(f"optimizer child {index} offloads to the CPU: drop --optimizer-cpu-offload")
+        elif getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
             problems.append(f"optimizer child {index} is precision-aware: drop --use-precision-aware-optimizer")
+        elif name == DISTRIBUTED and getattr(opt, "data_parallel_group_gloo", None) is None:
+            problems.append(
+                f"optimizer child {index} (DistributedOptimizer) has no gloo DP group: drop "
+                "--disable-gloo-process-groups (for layer-wise Muon, build DDP without the distributed optimizer, "
+                "as Miles does, so megatron puts every parameter under the LayerWise optimizer)"
+            )
     return problems
+
+
+def _replica_problems(model, optimizer) -> list[str]:
+    """Non-distributed children while DDP reduce-scatters: every DP rank steps different gradients.
+
+    megatron 0.19 builds Lion and Muon as Float16/FP32 children even with --use-distributed-optimizer,
+    while DDP built for the distributed optimizer reduces each gradient only on its own shard: the DP
+    replicas of masters and moments drift apart (and the saver refuses to pick one of them).
+    """
+    chunks = model if isinstance(model, list | tuple) else [model]
+    if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        return []
+    replicated = [
+        c for c in leaf_children(optimizer) if not c.is_stub and not c.layer_wise and c.class_name != DISTRIBUTED
+    ]
+    if not replicated:
+        return []
+    names = sorted({f"{c.class_name} ({type(getattr(c.optimizer, 'optimizer', None)).__name__})" for c in replicated})
+    return [
+        f"megatron built non-distributed optimizer children {names} while DDP reduce-scatters gradients for a "
+        "distributed optimizer: every DP rank would step on its own partial gradients; build DDP with "
+        "use_distributed_optimizer=False for this optimizer (Miles does for Muon)"
+    ]
 
 
 def validate_miles_launch(args, config) -> None:

@@ -8,6 +8,14 @@ Two kinds of items live here, and nothing else in the package patches torch or m
 * Fixes for three megatron-core bugs on the torch.optim fallback path (no Transformer Engine, no
   Apex), present in 0.16.1 and 0.19.2. Production code runs with TE/Apex, where these paths are
   not taken; a test that relies on a fix must say so.
+* One gloo limitation: ``LayerWiseDistributedOptimizer`` all-gathers updated parameters with
+  uneven sizes per rank, which NCCL accepts and gloo refuses; the harness pads to the largest
+  size and slices back. Tests of layer-wise chains rely on it and say so.
+* ``install_typing_override``: Python 3.11 lacks ``typing.override``, which emerging-optimizers
+  (megatron 0.19's Lion and Muon) imports.
+* Speed only: ``torch.compile`` is off in harness workers. emerging-optimizers compiles Lion's update
+  function with inductor, which on CPU costs seconds per process and per new shape; run eagerly, it
+  is the same function, and every run it is compared with runs the same way.
 
 Nothing is active at import. ``install()`` activates everything in the calling process (and the
 device mode in the calling thread); it is idempotent and is called only by harness workers
@@ -39,14 +47,33 @@ def install() -> None:
         return
     if os.environ.get(WORKER_ENV) != "1":
         raise RuntimeError(f"cpu_intercepts.install() runs only in harness workers ({WORKER_ENV}=1)")
+    install_typing_override()
     import megatron.core  # noqa: F401  (patch targets must exist before we patch them)
 
     _install_torch_cuda_shims()
     _install_megatron_rng_shims()
     _install_fallback_path_fixes()
+    _install_layer_wise_gloo_allgather()
+    _run_compiled_functions_eagerly()
     _device_mode = _CpuDeviceMode()
     _device_mode.__enter__()  # stays pushed for the life of the worker (modes are per thread)
     _installed = True
+
+
+def install_typing_override() -> None:
+    """Python 3.11 only: give ``typing`` the ``override`` decorator of 3.12 (from typing_extensions).
+
+    emerging-optimizers 0.3.0 (megatron 0.19's Lion and Muon) declares Python >= 3.12 and imports
+    ``from typing import override``; megatron-core 0.19 imports it unguarded once it is installed.
+    The CPU harness runs on 3.11, so every harness process (workers, and the test process itself)
+    calls this before importing megatron. A no-op on 3.12+, and never called by production code.
+    """
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
 
 
 def active() -> bool:
@@ -297,3 +324,63 @@ def _step_zero_when_state_empty(original, dopt_module):
             del inner.state_dict
 
     return state_dict
+
+
+def _run_compiled_functions_eagerly() -> None:
+    """torch.compile'd functions (emerging-optimizers' Lion update) run as plain Python here."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
+# --------------------------------------------------------------------------------------------
+# gloo: LayerWiseDistributedOptimizer's uneven all-gather (0.16.1 and 0.19.2)
+# --------------------------------------------------------------------------------------------
+
+
+def _install_layer_wise_gloo_allgather() -> None:
+    """``ProcessGroupGloo::allgather: invalid tensor size`` after every layer-wise step.
+
+    megatron gathers each rank's flattened updated parameters with per-rank sizes (whole
+    parameters are sharded unevenly); NCCL accepts that, gloo needs equal sizes. Each rank's
+    parameters are padded to the largest rank's size, gathered, and unpadded back into the model.
+    """
+    from megatron.core.optimizer import layer_wise_optimizer as lwo
+
+    lwo.LayerWiseDistributedOptimizer.allgather_params = _padded_allgather_params
+
+
+@torch.no_grad()
+def _padded_allgather_params(self) -> None:
+    collection = self.pg_collection
+    if collection is None:
+        return
+    dp_cp = getattr(self, "dp_cp", None) or collection.dp_cp  # 0.19 keeps the groups on self
+    expt_dp = getattr(self, "expt_dp", None) or collection.expt_dp
+    for params_list, group in ((self.dp_cp_params_list, dp_cp), (self.expt_dp_params_list, expt_dp)):
+        if params_list:
+            _padded_allgather(params_list, group)
+
+
+def _padded_allgather(params_list: list[list[torch.Tensor]], group) -> None:
+    import torch.distributed as dist
+
+    sizes = [sum(p.numel() for p in params) for params in params_list]
+    if max(sizes) == 0:
+        return
+    rank = dist.get_rank(group)
+    sample = next(p for params in params_list for p in params)
+    local = torch.zeros(max(sizes), dtype=sample.dtype, device=sample.device)
+    offset = 0
+    for param in params_list[rank]:
+        local[offset : offset + param.numel()] = param.data.reshape(-1)
+        offset += param.numel()
+    gathered = [torch.empty_like(local) for _ in params_list]
+    dist.all_gather(gathered, local, group=group)
+    for source, params in enumerate(params_list):
+        if source == rank:
+            continue
+        offset = 0
+        for param in params:
+            param.data.copy_(gathered[source][offset : offset + param.numel()].view_as(param))
+            offset += param.numel()

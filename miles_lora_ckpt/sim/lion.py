@@ -1,10 +1,11 @@
-"""A small, correct Lion (Chen et al. 2023) to run inside megatron's DistributedOptimizer on CPU.
+"""A small, correct Lion (Chen et al. 2023) for megatron-core 0.16, which has no Lion at all.
 
-megatron cannot build its own Lion here (`emerging-optimizers` is not installable), so the harness
-builds the optimizer as Adam and then swaps each DistributedOptimizer child's inner optimizer for
-this one over the very same param groups, and sets `config.optimizer = "lion"` so that megatron
-(0.19's `optimizer_state_keys`) and this project see a single-moment optimizer. State per param:
-`exp_avg` and a `step` (megatron's fallback-path `state_dict()` needs one).
+Only there (megatron-core 0.19 builds its own Lion through emerging-optimizers, see
+sim/optimizers.py) the harness builds the optimizer as Adam and then swaps every child's inner
+optimizer for this one over the very same param groups (DistributedOptimizer, Float16/FP32 and
+LayerWise children alike), and sets `config.optimizer = "lion"`, so that megatron and this project
+see a single-moment optimizer. State per param: `exp_avg` and a `step` (megatron's fallback-path
+`DistributedOptimizer.state_dict()` needs one).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Lion(torch.optim.Optimizer):
                     continue
                 state = self.state[param]
                 if not state:
-                    init_lion_state(self, param)
+                    _init_param_state(self, param)
                 state["step"] += 1
                 exp_avg = state["exp_avg"]
                 update = (exp_avg * beta1 + param.grad * (1 - beta1)).sign_()
@@ -40,15 +41,26 @@ class Lion(torch.optim.Optimizer):
                 exp_avg.mul_(beta2).add_(param.grad, alpha=1 - beta2)
 
 
-def init_lion_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+def _init_param_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
     optimizer.state[param]["exp_avg"] = torch.zeros_like(param)
     optimizer.state[param]["step"] = torch.tensor(0.0)
 
 
-def swap_in_lion(chained_optimizer) -> None:
-    """Replace every non-stub child's inner optimizer with a Lion over the same param groups."""
-    for child in chained_optimizer.chained_optimizers:
-        if getattr(child, "is_stub_optimizer", False):
+def init_lion_state(optimizer: torch.optim.Optimizer, config=None) -> None:
+    """megatron's `init_state_fn(opt, config)`: zero state for every parameter that has none."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state[param]:
+                _init_param_state(optimizer, param)
+
+
+def swap_in_lion(optimizer) -> None:
+    """Replace every non-stub leaf child's inner optimizer with a Lion over the same param groups."""
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    for leaf in leaf_children(optimizer):
+        child = leaf.optimizer
+        if leaf.is_stub:
             continue
         lion = Lion([torch.zeros(1, requires_grad=True)])  # the constructor rejects megatron's fp32 views
         for group in child.optimizer.param_groups:

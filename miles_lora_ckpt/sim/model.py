@@ -5,6 +5,9 @@ and trainable adapter factors named ``lora_A`` / ``lora_B``, e.g.
 ``layers.0.linear_qkv.lora_A.weight``. Adapters on ``mlp.experts.*`` are expert-parallel
 (``param.allreduce = False``), so megatron builds a separate expert optimizer for them.
 
+With ``adapter_bias`` every ``lora_B`` also has a trainable bias (zero at start): a 1-D parameter,
+which Muon hands to its scalar optimizer (Adam or Lion) while it keeps the matrices.
+
 TP=2 works on CPU on megatron-core 0.16.1 and 0.19.2: the megatron layers are built with
 ``use_cpu_initialization=True``, which initialises the full weight and keeps this rank's slice,
 so every weight is a function of (seed, parameter name) only, whatever the TP or DP size.
@@ -35,7 +38,8 @@ from miles_lora_ckpt.sim.layout import check_layout
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ADAPTER_KINDS = ("dense", "expert-only", "mixed")
-OPTIMIZERS = ("adam", "lion")  # lion: see sim/lion.py
+OPTIMIZERS = ("adam", "lion", "muon")  # how each is built: sim/optimizers.py
+SCALAR_OPTIMIZERS = ("adam", "lion")  # Muon's `muon_scalar_optimizer` for non-matrix params
 
 
 @dataclass
@@ -51,6 +55,13 @@ class SimConfig:
     dtype: str = "bf16"
     adapters: str = "dense"
     optimizer: str = "adam"
+    muon_scalar: str = "adam"  # Muon only: the optimizer megatron gives non-matrix params (biases)
+    # None: what megatron builds for the optimizer (sim/optimizers.py); True: DistributedOptimizer
+    # children; False: Float16OptimizerWithFloat16Params (bf16) / FP32Optimizer (fp32) children
+    distributed: bool | None = None
+    layer_wise: bool = False  # a LayerWiseDistributedOptimizer (whole params sharded over DP ranks)
+    slots: int = 1  # >1: per-slot children under one LayerWise chain, as Miles multi-LoRA builds it
+    adapter_bias: bool = False  # a trainable 1-D bias on every lora_B (Muon's scalar optimizer gets it)
     seed: int = 1234
     num_layers: int = 2
     hidden: int = 16
@@ -74,11 +85,26 @@ class SimConfig:
             raise ValueError(f"adapters must be one of {ADAPTER_KINDS}, got {self.adapters!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.muon_scalar not in SCALAR_OPTIMIZERS:
+            raise ValueError(f"muon_scalar must be one of {SCALAR_OPTIMIZERS}, got {self.muon_scalar!r}")
+        if (self.layer_wise or self.slots > 1) and self.distributed:
+            raise ValueError("layer_wise (and slots > 1) shard whole parameters: distributed must be False or None")
+        if self.slots < 1 or (self.slots > 1 and (self.pp > 1 or self.num_layers % self.slots)):
+            raise ValueError(f"slots must be >= 1, divide num_layers and need pp=1, got slots={self.slots}")
 
     @property
     def dp(self) -> int:
         """Data-parallel size (without context parallelism; the optimizer shards over dp * cp)."""
         return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def uses_layer_wise(self) -> bool:
+        """Whether the optimizer is a LayerWiseDistributedOptimizer (``layer_wise`` or several slots)."""
+        return self.layer_wise or self.slots > 1
+
+    def slot_of(self, layer: int) -> int:
+        """The slot whose adapters live in global layer ``layer`` (layers are dealt round-robin)."""
+        return layer % self.slots
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -163,17 +189,17 @@ class LoraLinear(torch.nn.Module):
         if adapter:
             self._add_adapter(mcfg, config, name, *sizes)
         if adapter and expert:
-            for param in (self.lora_A.weight, self.lora_B.weight):
+            for param in [*self.lora_A.parameters(), *self.lora_B.parameters()]:
                 param.allreduce = False  # megatron's mark for expert-parallel params
 
     def _add_adapter(self, mcfg, config: SimConfig, name: str, in_size: int, out_size: int):
-        rank, seed = config.lora_rank, config.seed
+        rank, seed, bias = config.lora_rank, config.seed, config.adapter_bias
         if self.parallel == "column":  # A replicated, B split like the base output
             self.lora_A = _replicated_linear(in_size, rank, seed, f"{name}.lora_A")
-            self.lora_B = _megatron_linear(mcfg, "column", rank, out_size, seed, f"{name}.lora_B")
+            self.lora_B = _megatron_linear(mcfg, "column", rank, out_size, seed, f"{name}.lora_B", bias=bias)
         else:  # A split like the base input, B replicated
             self.lora_A = _megatron_linear(mcfg, "row", in_size, rank, seed, f"{name}.lora_A")
-            self.lora_B = _replicated_linear(rank, out_size, seed, f"{name}.lora_B")
+            self.lora_B = _replicated_linear(rank, out_size, seed, f"{name}.lora_B", bias=bias)
 
     def forward(self, x):
         out, _ = self.base_layer(x)
@@ -192,20 +218,24 @@ def _init_std(name: str, in_size: int) -> float:
     return (0.1 if ".lora_B" in name else 0.5 if ".base_layer" in name else 1.0) / math.sqrt(in_size)
 
 
-def _megatron_linear(mcfg, parallel, in_size, out_size, seed, name):
+def _megatron_linear(mcfg, parallel, in_size, out_size, seed, name, bias=False):
     init = seeded_init(seed, f"{name}.weight", std=_init_std(name, in_size))
     # is_expert stays False: megatron's expert layers leave TP communication to a MoE token
     # dispatcher (explicit_expert_comm), which this model does not have. The expert adapters are
     # expert-parallel for DDP and the optimizer through ``param.allreduce = False`` alone.
-    common = dict(config=mcfg, init_method=init, bias=False)
+    # A bias starts at zero (megatron's default); it is only ever an adapter's (lora_B) bias.
+    common = dict(config=mcfg, init_method=init, bias=bias)
     if parallel == "column":
         return tensor_parallel.ColumnParallelLinear(in_size, out_size, gather_output=False, **common)
     return tensor_parallel.RowParallelLinear(in_size, out_size, input_is_parallel=True, skip_bias_add=False, **common)
 
 
-def _replicated_linear(in_size, out_size, seed, name):
-    layer = torch.nn.Linear(in_size, out_size, bias=False)
+def _replicated_linear(in_size, out_size, seed, name, bias=False):
+    layer = torch.nn.Linear(in_size, out_size, bias=bias)
     seeded_init(seed, f"{name}.weight", std=_init_std(name, in_size))(layer.weight)
+    if bias:
+        with torch.no_grad():
+            layer.bias.zero_()
     return layer
 
 

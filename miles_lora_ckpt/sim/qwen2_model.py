@@ -54,6 +54,11 @@ class Qwen2SimConfig:
     dtype: str = "bf16"
     adapters: str = "all"
     optimizer: str = "adam"
+    # the optimizer family, as `SimConfig` (sim/optimizers.py builds either config's optimizer)
+    muon_scalar: str = "adam"
+    distributed: bool | None = None
+    layer_wise: bool = False
+    slots: int = 1  # the Qwen2-shaped model trains one adapter
     seed: int = 1234
     num_layers: int = 2
     hidden: int = 64
@@ -87,6 +92,17 @@ class Qwen2SimConfig:
             raise ValueError("the Qwen2-shaped model runs without context parallelism or virtual pipelines")
         if self.dtype not in DTYPES or self.optimizer not in OPTIMIZERS or self.adapters not in ADAPTERS:
             raise ValueError(f"bad dtype/optimizer/adapters: {self.dtype!r}, {self.optimizer!r}, {self.adapters!r}")
+        if self.slots != 1 or (self.layer_wise and self.distributed):
+            raise ValueError("the Qwen2-shaped model trains one adapter (slots=1); layer_wise needs distributed off")
+
+    @property
+    def uses_layer_wise(self) -> bool:
+        """Whether the optimizer is a LayerWiseDistributedOptimizer."""
+        return self.layer_wise
+
+    def slot_of(self, layer: int) -> int:
+        """Every layer's adapters belong to the one slot."""
+        return 0
 
     @property
     def dp(self) -> int:

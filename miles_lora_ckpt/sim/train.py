@@ -1,16 +1,17 @@
 """Build a Miles-like megatron training run on the tiny LoRA model, and step it deterministically.
 
 The run is assembled from the real megatron-core pieces Miles uses: ``Float16Module`` (bf16),
-``DistributedDataParallel`` with the distributed optimizer, ``get_megatron_optimizer`` (always a
-``ChainedOptimizer``: a dense child, plus an expert child when expert adapters exist) and an
-``OptimizerParamScheduler``. Call only inside a harness worker (``cpu_intercepts.install()`` done
-and a default process group up).
+``DistributedDataParallel``, ``get_megatron_optimizer`` (a ``ChainedOptimizer``: with the
+distributed optimizer a dense child, plus an expert child when expert adapters exist; the other
+kinds of children are built in ``sim/optimizers.py``) and an ``OptimizerParamScheduler``. Call
+only inside a harness worker (``cpu_intercepts.install()`` done and a default process group up).
 
 Model chunks follow megatron's ``get_model``: with a virtual pipeline (``vpp > 1``) every rank
 builds ``vpp`` chunks (chunk i gets ``vp_stage=i``), each wrapped in its own ``Float16Module`` and
 its own ``DistributedDataParallel`` (bucketing disabled from the second chunk on), and one
-``get_megatron_optimizer`` call covers every chunk. Under context parallelism megatron's DDP reduces
-dense grads over the data-and-context group and the distributed optimizer shards over it.
+``get_megatron_optimizer`` call covers every chunk (``sim/optimizers.py``, for every kind of
+child). Under context parallelism megatron's DDP reduces dense grads over the data-and-context
+group and the distributed optimizer shards over it.
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from miles_lora_ckpt.sim.layout import cp_positions
-from miles_lora_ckpt.sim.lion import swap_in_lion
 from miles_lora_ckpt.sim.model import SimConfig, SimLoraModel, transformer_config
+from miles_lora_ckpt.sim.optimizers import build_optimizer, ddp_config
 
 
 @dataclass
@@ -61,14 +61,15 @@ class SimRun:
 
 
 def build_run(config: SimConfig) -> SimRun:
-    """Initialise model parallelism if needed and build model chunks, optimizer and scheduler."""
+    """Initialise model parallelism if needed and build model chunks, optimizer and scheduler.
+
+    Raises ``sim.optimizers.NotBuildable`` when the running megatron-core cannot build the optimizer.
+    """
     _ensure_model_parallel(config)
     # As megatron's initialize does; the weights themselves come from seeded_init, never this RNG.
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     model = _build_model_chunks(config)
-    optimizer = get_megatron_optimizer(_optimizer_config(config), model)
-    if config.optimizer == "lion":
-        swap_in_lion(optimizer)  # megatron cannot build its own Lion here; see sim/lion.py
+    optimizer = build_optimizer(config, model, [_unwrapped(chunk) for chunk in model])
     return SimRun(config=config, model=model, optimizer=optimizer, scheduler=_scheduler(config, optimizer))
 
 
@@ -81,7 +82,9 @@ def _build_model_chunks(config: SimConfig) -> list:
             module = Float16Module(mcfg, module)  # bf16 params; the optimizer keeps fp32 masters
         # megatron turns bucketing off from the second chunk on (its communication overlaps anyway)
         chunks.append(
-            DistributedDataParallel(config=mcfg, ddp_config=_ddp_config(), module=module, disable_bucketing=index > 0)
+            DistributedDataParallel(
+                config=mcfg, ddp_config=ddp_config(config), module=module, disable_bucketing=index > 0
+            )
         )
     return chunks
 
@@ -104,6 +107,11 @@ def _build_module(config, vp_stage: int | None) -> tuple:
         return mcfg, SimQwen2Model(mcfg, config)
     mcfg = transformer_config(config)
     return mcfg, SimLoraModel(mcfg, config, vp_stage=vp_stage)
+
+
+def _unwrapped(chunk) -> SimLoraModel:
+    module = chunk.module
+    return module.module if isinstance(module, Float16Module) else module
 
 
 def teardown(run: SimRun | None = None) -> None:
@@ -134,28 +142,6 @@ def _ensure_model_parallel(config: SimConfig) -> None:
         virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
         context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep,
-    )
-
-
-def _ddp_config() -> DistributedDataParallelConfig:
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
-        use_distributed_optimizer=True,
-    )
-
-
-def _optimizer_config(config: SimConfig) -> OptimizerConfig:
-    return OptimizerConfig(
-        optimizer="adam",  # a Lion run swaps the inner optimizer afterwards
-        lr=config.lr,
-        min_lr=config.min_lr,
-        weight_decay=config.weight_decay,
-        bf16=config.dtype == "bf16",
-        params_dtype=config.torch_dtype,
-        use_distributed_optimizer=True,
-        clip_grad=config.clip_grad,
     )
 
 

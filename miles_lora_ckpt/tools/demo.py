@@ -1,7 +1,13 @@
 """`miles-lora-ckpt demo`: interrupt a real megatron LoRA run mid-save, resume it, prove bit-exactness.
 
 Runs on CPU: each phase is a job of N real processes joined by gloo, each building the tiny LoRA
-model of `miles_lora_ckpt.sim` with megatron-core's real DistributedOptimizer.
+model of `miles_lora_ckpt.sim` with the optimizer megatron-core's own get_megatron_optimizer
+builds: a DistributedOptimizer for Adam; Float16 (bf16) or FP32 children for Lion and Muon (Muon
+with a trainable bias on every lora_B, which its --muon-scalar optimizer steps); a
+LayerWiseDistributedOptimizer with --layer-wise, or one slot per layer group with --slots (Miles'
+multi-LoRA chain). Lion and Muon need megatron-core 0.19 with emerging-optimizers (the 0.19.2 tier
+of `make test`: `make demo-tier2 ARGS="--optimizer muon"`); where the running megatron cannot
+build the optimizer, the demo says why and exits 2.
 
     reference  an uninterrupted run of --steps steps -> DIR/reference.json (losses, tensor digests)
     train      a fresh run saving every --save-every steps into DIR/ckpt; with --crash-at, rank
@@ -24,7 +30,8 @@ through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`).
 
 The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
 `RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint; a usage error (an
-invalid layout included) prints `ERROR ...` and exits 2.
+invalid layout included) prints `ERROR ...` and exits 2, and an optimizer the running megatron-core
+cannot build ends `RESULT: not run (<reason>)` with exit 2.
 """
 
 from __future__ import annotations
@@ -39,7 +46,11 @@ from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 from miles_lora_ckpt.tools import demo_miles
 
-OPTIMIZERS = ("adam", "lion")
+OPTIMIZERS = ("adam", "lion", "muon")
+
+
+class _NotBuildable(Exception):
+    """A worker reported that the running megatron-core cannot build the optimizer."""
 
 
 def add_parser(subparsers) -> None:
@@ -82,7 +93,33 @@ def add_parser(subparsers) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default="adam",
-        help="inner optimizer; lion is a single-moment optimizer (default adam)",
+        help="the optimizer megatron builds: adam (two moments), lion (one), muon (a momentum buffer for "
+        "matrices, --muon-scalar for the biases); lion and muon need megatron-core 0.19 (default adam)",
+    )
+    demo.add_argument(
+        "--muon-scalar",
+        choices=("adam", "lion"),
+        default="adam",
+        help="megatron's muon_scalar_optimizer: what Muon gives non-matrix parameters (default adam)",
+    )
+    demo.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DistributedOptimizer children (DDP reduce-scatters) or, with --no-distributed-optimizer, "
+        "Float16/FP32 children (DDP all-reduces); default: what megatron builds for the optimizer",
+    )
+    demo.add_argument(
+        "--layer-wise",
+        action="store_true",
+        help="a LayerWiseDistributedOptimizer: whole parameters sharded over the ranks (megatron's for Muon, "
+        "Miles' multi-LoRA construction for Adam and Lion)",
+    )
+    demo.add_argument(
+        "--slots",
+        type=int,
+        default=1,
+        help="per-slot children under one LayerWise chain, as Miles' multi-LoRA builds them (default 1)",
     )
     demo.add_argument("--steps", type=int, default=8, help="training steps of the whole run (default 8)")
     demo.add_argument("--save-every", type=int, default=2, help="save after every K steps, before --steps (default 2)")
@@ -124,6 +161,18 @@ def run_demo(args) -> int:
     if args.without_plugin:
         print("ERROR --without-plugin needs --via miles", file=sys.stderr)
         return 2
+    if args.slots not in (1, 2) or (args.slots > 1 and (args.pp > 1 or args.vpp > 1)):
+        print(
+            "ERROR --slots must be 1 or 2, and 2 needs --pp 1 (the demo model has two layers, dealt to the slots)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.export_peft and args.slots > 1:
+        print("ERROR --export-peft trains one adapter: drop --slots", file=sys.stderr)
+        return 2
+    if (args.layer_wise or args.slots > 1) and args.distributed_optimizer:
+        print("ERROR --layer-wise and --slots shard whole parameters: drop --distributed-optimizer", file=sys.stderr)
+        return 2
     # the workers turn this into a SimConfig (the parent never imports megatron)
     config = {
         "world_size": args.world_size,
@@ -136,6 +185,11 @@ def run_demo(args) -> int:
         "dtype": args.dtype,
         "adapters": args.adapters,
         "optimizer": args.optimizer,
+        "muon_scalar": args.muon_scalar,
+        "distributed": args.distributed_optimizer,
+        "layer_wise": args.layer_wise,
+        "slots": args.slots,
+        "adapter_bias": args.optimizer == "muon",  # something for Muon's scalar optimizer to step
     }
     try:
         check_layout(**{k: config[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
@@ -149,25 +203,37 @@ def run_demo(args) -> int:
     if not 0 <= crash_rank < args.world_size:
         print(f"ERROR --crash-rank must be in [0, {args.world_size})", file=sys.stderr)
         return 2
+    optimizer = args.optimizer + (f" (scalar: {args.muon_scalar})" if args.optimizer == "muon" else "")
+    optimizer += " layer-wise" if args.layer_wise else ""
+    optimizer += f" {args.slots} slots" if args.slots > 1 else ""
     print(
         f"demo: {args.world_size} ranks ({describe_layout(config)}), {args.dtype}, {args.adapters} adapters, "
-        f"{args.optimizer}, {args.steps} steps, save every {args.save_every}, workdir {workdir}"
+        f"{optimizer}, {args.steps} steps, save every {args.save_every}, workdir {workdir}"
     )
     if args.export_peft:
         _peft_setup(workdir, config)
     status = 0
-    if args.phase in ("all", "reference"):
-        _phase_reference(workdir, config, args)
-    if args.phase in ("all", "train"):
-        _phase_train(workdir, config, args, crash_at, crash_rank)
-    if args.phase in ("all", "resume"):
-        status = _phase_resume(workdir, config, args)
-    elif args.phase == "reference":
-        print("RESULT: reference written")
-    else:
-        print("RESULT: trained")
-    if args.export_peft and args.phase in ("all", "resume") and status == 0:
-        status = _peft_report(workdir)
+    try:
+        if args.phase in ("all", "reference"):
+            _phase_reference(workdir, config, args)
+        if args.phase in ("all", "train"):
+            _phase_train(workdir, config, args, crash_at, crash_rank)
+        if args.phase in ("all", "resume"):
+            status = _phase_resume(workdir, config, args)
+        elif args.phase == "reference":
+            print("RESULT: reference written")
+        else:
+            print("RESULT: trained")
+        if args.export_peft and args.phase in ("all", "resume") and status == 0:
+            status = _peft_report(workdir)
+    except _NotBuildable as exc:
+        print(f"ERROR cannot run this demo here: {exc}", file=sys.stderr)
+        print(
+            "megatron-core 0.19.2 with emerging-optimizers builds its own Lion and Muon: after `make test`, "
+            'run `make demo-tier2 ARGS="<these flags>"`'
+        )
+        print(f"RESULT: not run ({exc})")
+        return 2
     return status
 
 
@@ -182,6 +248,7 @@ def _peft_setup(workdir: Path, config: dict) -> None:
     from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
 
     config.update(model="qwen2", adapters="all", tp=2 if config["world_size"] % 2 == 0 else 1)
+    config.pop("adapter_bias")  # the Qwen2-shaped model's adapters are PEFT's: no lora_B bias
     hf_base = workdir / "hf-base"
     if not (hf_base / "config.json").is_file():
         build_tiny_qwen2(hf_base, _qwen2_hf_kwargs())
@@ -215,6 +282,9 @@ def _job(name: str, config: dict, payload: dict, args) -> tuple[list, float]:
 
     started = time.monotonic()
     results = run_workers(config["world_size"], f"miles_lora_ckpt.tools.demo:{name}", payload, timeout_s=args.timeout)
+    for result in results:
+        if result.ok and "not_buildable" in result.result:
+            raise _NotBuildable(result.result["not_buildable"])
     return results, time.monotonic() - started
 
 
@@ -230,6 +300,7 @@ def _phase_reference(workdir: Path, config: dict, args) -> None:
         "digests": {str(r): res["digests"] for r, res in enumerate(per_rank)},
     }
     (workdir / "reference.json").write_text(json.dumps(reference, indent=1))
+    print(f"optimizer: {per_rank[0]['optimizer']}")
     print(f"reference: {args.steps} uninterrupted steps in {seconds:.1f}s -> {workdir / 'reference.json'}")
 
 
@@ -310,23 +381,56 @@ def _first_mismatch(reference: dict, per_rank: list[dict], start: int) -> str | 
 # =========================================================================== worker side
 
 
+def _build(payload: dict):
+    """The run, or `{"not_buildable": reason}` where megatron itself cannot build the optimizer."""
+    from miles_lora_ckpt.sim.optimizers import NotBuildable, why_not_buildable
+    from miles_lora_ckpt.sim.train import build_run, config_from_dict
+
+    config = config_from_dict(payload["config"])
+    reason = why_not_buildable(config, harness_lion=False)  # the demo shows megatron's own optimizers
+    try:
+        if reason:
+            raise NotBuildable(reason)
+        return build_run(config), None
+    except NotBuildable as exc:
+        return None, {"not_buildable": str(exc)}
+
+
+def _describe_optimizer(run) -> str:
+    from importlib.metadata import version
+
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    names = []
+    for child in leaf_children(run.optimizer):
+        if not child.is_stub:
+            inner = type(child.optimizer.optimizer)
+            where = " under LayerWiseDistributedOptimizer" if child.layer_wise else ""
+            names.append(f"{child.class_name}({inner.__module__}.{inner.__name__}){where}")
+    return f"megatron-core {version('megatron-core')} built " + ", ".join(names)
+
+
 def reference_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
+    from miles_lora_ckpt.sim.train import train_step
 
-    run = build_run(config_from_dict(payload["config"]))
+    run, unbuildable = _build(payload)
+    if unbuildable:
+        return unbuildable
     losses = [train_step(run, step) for step in range(payload["steps"])]
-    return {"losses": losses, "digests": snapshot_digests(snapshot(run))}
+    return {"losses": losses, "digests": snapshot_digests(snapshot(run)), "optimizer": _describe_optimizer(run)}
 
 
 def train_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core import faults
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
-    from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
+    from miles_lora_ckpt.sim.train import train_step
 
+    run, unbuildable = _build(payload)
+    if unbuildable:
+        return unbuildable
     consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(config_from_dict(payload["config"]))
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
     written = []
     for step in range(payload["steps"]):
@@ -355,10 +459,12 @@ def resume_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.errors import CheckpointError
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import build_run, config_from_dict, train_step
+    from miles_lora_ckpt.sim.train import train_step
 
+    run, unbuildable = _build(payload)
+    if unbuildable:
+        return unbuildable
     consensus = Consensus.for_world(timeout_s=60)
-    run = build_run(config_from_dict(payload["config"]))
     try:
         result = load_lora_checkpoint(
             run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus

@@ -166,6 +166,14 @@ class Scenario:
 
 def run(args, launcher=None) -> int:
     """The `--via miles` demo; returns the exit code."""
+    harness_only = _harness_only_flags(args)
+    if harness_only:
+        print(
+            f"ERROR {', '.join(harness_only)}: the Miles stand-in builds what Miles builds for adam and lion "
+            "(megatron's default children); run these optimizer layouts without --via miles",
+            file=sys.stderr,
+        )
+        return 2
     if not args.without_plugin and args.crash_at is None and args.phase in ("all", "train"):
         args.crash_at = "mid-write"
     if args.without_plugin and args.phase in ("all", "train"):
@@ -229,6 +237,16 @@ def _qwen2_base(path: Path) -> None:
     config = path / "config.json"
     if not (config.is_file() and "Qwen2ForCausalLM" in config.read_text()):
         build_tiny_qwen2(path, Qwen2SimConfig().hf_config_kwargs())
+
+
+def _harness_only_flags(args) -> list[str]:
+    """The optimizer flags of the harness demo that the Miles stand-in does not take."""
+    flags = ["--optimizer muon"] if args.optimizer == "muon" else []
+    flags += ["--muon-scalar"] if getattr(args, "muon_scalar", "adam") != "adam" else []
+    flags += ["--[no-]distributed-optimizer"] if getattr(args, "distributed_optimizer", None) is not None else []
+    flags += ["--layer-wise"] if getattr(args, "layer_wise", False) else []
+    flags += ["--slots"] if getattr(args, "slots", 1) != 1 else []
+    return flags
 
 
 def _run_phases(scenario: Scenario, launcher) -> int:

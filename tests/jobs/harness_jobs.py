@@ -23,7 +23,7 @@ import time
 import megatron.core
 import torch
 
-from miles_lora_ckpt.megatron.optimizer_state import main_and_state
+from miles_lora_ckpt.megatron.optimizer_children.distributed import main_and_state
 from miles_lora_ckpt.sim import cpu_intercepts
 from miles_lora_ckpt.sim.model import SimConfig
 from miles_lora_ckpt.sim.snapshot import compare_snapshots, snapshot, snapshot_digests
@@ -267,12 +267,12 @@ def _layout_facts(run) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from miles_lora_ckpt.megatron.optimizer_state import is_stub
+    from miles_lora_ckpt.megatron.optimizer_children.chain import select
     from miles_lora_ckpt.sim.layout import cp_positions
     from miles_lora_ckpt.sim.train import local_batch
 
     config = run.config
-    children = [c for c in run.optimizer.chained_optimizers if not is_stub(c)]
+    children = [c.optimizer for c in select(run.optimizer)]
     inputs = [local_batch(config, 0, vp)[0] for vp in range(len(run.model))]
     return {
         "cp_size": mpu.get_context_parallel_world_size(),

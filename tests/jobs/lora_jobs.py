@@ -69,8 +69,16 @@ def save_then_resume(
     result = load(resumed, root, consensus, load_optim=load_optim)
     rest = run_steps(resumed, result.iteration, steps)
     digests = snapshot_digests(snapshot(resumed))
+    children = child_classes(resumed)
+    local = local_param_counts(resumed)
     teardown(resumed)
-    return {"losses": first + rest, "digests": digests, "result": result.__dict__}
+    return {
+        "losses": first + rest,
+        "digests": digests,
+        "result": result.__dict__,
+        "children": children,
+        "local_params": local,
+    }
 
 
 def resume_matrix(payload: dict, ctx) -> dict:
@@ -84,10 +92,7 @@ def resume_matrix(payload: dict, ctx) -> dict:
     for index, case in enumerate(payload["cases"]):
         config = SimConfig.from_dict(case["config"])
         load_optim = case.get("load_optim", True)
-        axes = (("tp", config.tp), ("pp", config.pp), ("vpp", config.vpp), ("ep", config.ep), ("cp", config.cp))
-        layout = f"w{config.world_size}" + "".join(f"-{axis}{size}" for axis, size in axes if size > 1)
-        name = f"{config.optimizer}/{config.dtype}/{config.adapters}/{layout}/save@{case['save_at']}"
-        name += "" if load_optim else "/no-optim-control"
+        name = case_name(config) + f"/save@{case['save_at']}" + ("" if load_optim else "/no-optim-control")
         started = time.monotonic()
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
@@ -97,10 +102,46 @@ def resume_matrix(payload: dict, ctx) -> dict:
             "first_difference": compare_digests(ref_digests, got["digests"]),
             "names": sorted(ref_digests),
             "optimizer": config.optimizer,
+            "children": got["children"],
+            "local_params": got["local_params"],
             "result": got["result"],
             "seconds": round(time.monotonic() - started, 2),
         }
     return out
+
+
+def case_name(config: SimConfig) -> str:
+    """adam/bf16/mixed/w2-tp2-cp2 plus whatever optimizer options differ from the defaults."""
+    axes = (("tp", config.tp), ("pp", config.pp), ("vpp", config.vpp), ("ep", config.ep), ("cp", config.cp))
+    layout = f"w{config.world_size}" + "".join(f"-{axis}{size}" for axis, size in axes if size > 1)
+    options = [f"scalar-{config.muon_scalar}"] if config.optimizer == "muon" else []
+    options += [] if config.distributed is None else ["distributed" if config.distributed else "non-distributed"]
+    options += ["layer-wise"] if config.layer_wise else []
+    options += [f"slots{config.slots}"] if config.slots > 1 else []
+    options += ["bias"] if config.adapter_bias else []
+    return "/".join([config.optimizer, *options, config.dtype, config.adapters, layout])
+
+
+def local_param_counts(run) -> list[int]:
+    """How many parameters each non-stub leaf child steps on this rank (0: empty groups, not a stub)."""
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    return [
+        sum(len(g["params"]) for g in c.optimizer.optimizer.param_groups)
+        for c in leaf_children(run.optimizer)
+        if not c.is_stub
+    ]
+
+
+def child_classes(run) -> list[str]:
+    """`class(inner optimizer)` of every non-stub leaf child: what the case really exercised."""
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    return [
+        f"{c.class_name}({type(c.optimizer.optimizer).__module__}.{type(c.optimizer.optimizer).__name__}){'@layer-wise' if c.layer_wise else ''}"
+        for c in leaf_children(run.optimizer)
+        if not c.is_stub
+    ]
 
 
 def train_and_save(payload: dict, ctx) -> dict:
@@ -198,8 +239,8 @@ def layouts_job(payload: dict, ctx) -> dict:
 def _elastic_check(case: dict, consensus: Consensus) -> dict:
     """Load `case["root"]` into a run of `case["config"]`; compare each DP root's regathered state."""
     from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import file_name
     from miles_lora_ckpt.megatron.topology import current_coordinates
-    from miles_lora_ckpt.savers.single_lora import optimizer_file
 
     run = build_run(SimConfig.from_dict(case["config"]))
     result = load(run, case["root"], consensus)
@@ -208,7 +249,7 @@ def _elastic_check(case: dict, consensus: Consensus) -> dict:
     differing = []
     for name, tensor in gathered.items():
         index = int(name.split(".")[0].removeprefix("child"))
-        saved, _ = storage.load_tensors(Path(result.path) / optimizer_file(index, key))
+        saved, _ = storage.load_tensors(Path(result.path) / file_name(index, key))
         if not tensor.equal(saved[name.split(".", 1)[1]]):
             differing.append(name)
     loss = train_step(run, result.iteration)  # and training goes on at the new DP size
@@ -217,47 +258,19 @@ def _elastic_check(case: dict, consensus: Consensus) -> dict:
 
 
 def gathered_world_state(run) -> dict:
-    """Each DP root's world tensors of every child, as the saver would write them."""
-    import torch
-
-    from miles_lora_ckpt.megatron import optimizer_state as ostate
+    """Each DP root's world tensors of every DistributedOptimizer child, as the saver would write them."""
+    from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children, resolve_state_keys
 
     out = {}
-    for index, child in enumerate(ostate.optimizer_children(run.optimizer)):
-        if ostate.is_stub(child):
+    for child in leaf_children(run.optimizer):
+        if child.is_stub:
             continue
-        keys = ostate.resolve_state_keys(child)
-        world = ostate.gather_to_dp_root(child, ostate.local_shards(child, keys))
+        keys = resolve_state_keys(child.optimizer)
+        world = dopt.gather_to_dp_root(child.optimizer, dopt.local_shards(child.optimizer, keys))
         for name, tensor in (world or {}).items():
-            out[f"child{index}.{name}"] = tensor
-    del torch
+            out[f"child{child.index}.{name}"] = tensor
     return out
-
-
-def native_lion_round_trip(payload: dict, ctx) -> dict:
-    """Build megatron's own Lion (get_megatron_optimizer(optimizer='lion')); skip if it cannot."""
-    from miles_lora_ckpt.megatron.optimizer_state import optimizer_children, resolve_state_keys
-    from miles_lora_ckpt.sim import train
-
-    original = train._optimizer_config
-
-    def lion_config(config):
-        built = original(config)
-        built.optimizer = "lion"
-        return built
-
-    train._optimizer_config = lion_config
-    config = SimConfig.from_dict(payload["config"])
-    try:
-        build_run(config)
-    except Exception as exc:  # noqa: BLE001 - reported as a skip reason
-        return {"skip": f"megatron cannot build its own Lion here: {type(exc).__name__}: {exc}"}
-    consensus = Consensus.for_world(timeout_s=60)
-    ref_losses, ref_digests = reference(config, 4)
-    got = save_then_resume(config, 4, 2, Path(payload["root"]), consensus)
-    run = build_run(config)
-    keys = [list(resolve_state_keys(c)) for c in optimizer_children(run.optimizer) if c.optimizer is not None]
-    return {"first_difference": compare_digests(ref_digests, got["digests"]), "keys": keys[0]}
 
 
 def legacy_warm_start(payload: dict, ctx) -> dict:
@@ -287,13 +300,15 @@ def legacy_warm_start(payload: dict, ctx) -> dict:
 
 def _masters_match(run) -> bool:
     """Every fp32 master shard equals float() of its (loaded) model parameter slice."""
-    from miles_lora_ckpt.megatron import optimizer_state as ostate
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import main_and_state
 
-    for child in ostate.optimizer_children(run.optimizer):
-        if ostate.is_stub(child):
+    for leaf in leaf_children(run.optimizer):
+        if leaf.is_stub:
             continue
+        child = leaf.optimizer
         for model_param in child.model_param_group_index_map:
-            master, _ = ostate.main_and_state(child, model_param)
+            master, _ = main_and_state(child, model_param)
             span = child._get_model_param_range_map(model_param)["param"]
             if not master.detach().view(-1).equal(model_param.detach().view(-1)[span.start : span.end].float()):
                 return False

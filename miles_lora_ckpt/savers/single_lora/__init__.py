@@ -5,7 +5,7 @@ All are collective: every rank calls them. Saving lives in `save`, resuming in `
 the stock-Miles warm start in `legacy_miles`; file names and the result type in `common`.
 """
 
-from miles_lora_ckpt.savers.single_lora.common import SAVER, TRAINING_STATE, LoadResult, optimizer_file
+from miles_lora_ckpt.savers.single_lora.common import SAVER, TRAINING_STATE, LoadResult
 from miles_lora_ckpt.savers.single_lora.load import load_lora_adapter, load_lora_checkpoint
 from miles_lora_ckpt.savers.single_lora.save import save_lora_checkpoint
 
@@ -15,6 +15,5 @@ __all__ = [
     "LoadResult",
     "load_lora_adapter",
     "load_lora_checkpoint",
-    "optimizer_file",
     "save_lora_checkpoint",
 ]

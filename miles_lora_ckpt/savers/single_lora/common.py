@@ -3,12 +3,22 @@
 A generation written by the single-LoRA saver holds (paths relative to it)::
 
     training_state.json                                   iteration, scheduler, per-child optimizer
-                                                          param groups (JSON), written by rank 0
+                                                          param groups and steps (JSON), by rank 0
     adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP), all chunks
     adapter/expert_pp000_ep000_etp000.safetensors         expert adapter shard per (PP, EP, ETP)
-    optimizer/child1_tp000_pp000_ep000_etp000.safetensors fp32 masters + every moment of one child,
-                                                          per model-parallel coordinate of the root of
-                                                          its gloo DP group (DP x CP for dense children)
+    optimizer/child1_tp000_pp000_ep000_etp000.safetensors fp32 masters + every moment of one
+                                                          DistributedOptimizer child, per model-parallel
+                                                          coordinate of the root of its gloo DP group
+                                                          (DP x CP for dense children)
+    optimizer/child0_tp000_pp000_ep000_etp000_dp000_cp000.safetensors
+                                                          masters + state of the whole parameters a
+                                                          Float16/FP32 (or layer-wise) child's rank writes
+
+(`megatron.optimizer_children` says which family writes which files.) Format v2 binds every file
+to what it is: the training state (role `training-state`), each adapter shard (role
+`dense-adapter` / `expert-adapter` and its coordinate), each optimizer file (role `optimizer`, the
+child and the writer's coordinate: `optimizer_children.file_binding`); the protocol stamps the
+binding into tensor files and the manifest records it, and the loader checks it for every file.
 """
 
 from __future__ import annotations
@@ -17,28 +27,22 @@ from dataclasses import dataclass, field
 
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
 from miles_lora_ckpt.megatron import adapter_shards as shards
-from miles_lora_ckpt.megatron import optimizer_state as ostate
-from miles_lora_ckpt.megatron.topology import current_coordinates, current_topology
+from miles_lora_ckpt.megatron.optimizer_children import chain
+from miles_lora_ckpt.megatron.optimizer_children.family import RankView
+from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, current_topology
 
 SAVER = "single-lora"
 TRAINING_STATE = "training_state.json"
 
 
-def optimizer_file(child_index: int, coordinate_key: str) -> str:
-    return f"optimizer/child{child_index}_{coordinate_key}.safetensors"
-
-
 # What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on load.
+# (Optimizer files: `optimizer_children.file_binding`.)
 TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
 
 
 def adapter_binding(kind: str, coordinate_key: str) -> dict[str, str]:
     """`kind` is "dense" (coordinate: TP, PP) or "expert" (coordinate: PP, EP, expert TP)."""
     return {"role": f"{kind}-adapter", "coordinate": coordinate_key}
-
-
-def optimizer_binding(child_index: int, coordinate_key: str) -> dict[str, str]:
-    return {"role": "optimizer", "coordinate": coordinate_key, "child": str(child_index)}
 
 
 def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
@@ -49,6 +53,16 @@ def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
     found = opened.binding(relpath)
     if found != expected:
         raise ValueError(f"{relpath}: the manifest binds it to {found or 'nothing'}, expected {expected}")
+
+
+def bound_tensors(opened):
+    """`(relpath, expected binding) -> tensors` of one of this rank's files, binding checked first."""
+
+    def read(relpath: str, expected: dict[str, str]):
+        check_binding(opened, relpath, expected)
+        return opened.tensors(relpath)
+
+    return read
 
 
 def saved_metadata(manifest, *keys):
@@ -62,38 +76,72 @@ def saved_metadata(manifest, *keys):
     return value
 
 
+# Before every child family was saved, the manifest described DistributedOptimizer children only,
+# in three keys; `saved_children` reads those generations too.
+_PRE_FAMILY_KEYS = ("stepped_children", "state_keys", "numel_unpadded")
+
+
+def saved_children(manifest) -> dict[str, dict]:
+    """The manifest's `optimizer_children` (per child: family, class, kind, keys, stepped, layout).
+
+    A generation written before every child family was saved records `stepped_children`,
+    `state_keys` and `numel_unpadded` instead (DistributedOptimizer children only, the same files
+    and bindings): those read as the equivalent `optimizer_children`. A ValueError names a missing key.
+    """
+    metadata = manifest.metadata
+    if "optimizer_children" in metadata or not all(k in metadata for k in _PRE_FAMILY_KEYS):
+        return saved_metadata(manifest, "optimizer_children")
+    stepped = {int(i) for i in metadata["stepped_children"]}
+    children = {}
+    for index, keys in metadata["state_keys"].items():
+        keys = list(keys)
+        children[str(index)] = {
+            "family": "distributed",
+            "class": "DistributedOptimizer",
+            "kind": "adam" if "exp_avg_sq" in keys else ("lion" if keys == ["exp_avg"] else "unknown"),
+            "keys": keys,
+            "stepped": int(index) in stepped,
+            "layout": {"numel_unpadded": saved_metadata(manifest, "numel_unpadded", str(index))}
+            if int(index) in stepped
+            else {},
+        }
+    return children
+
+
 def chunk_count(model) -> int:
     return len(model) if isinstance(model, list | tuple) else 1
 
 
-def describe_rank(model, optimizer) -> dict:
-    """What this rank holds: coordinates, adapter shards it would write, optimizer children."""
+def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = False) -> dict:
+    """What this rank holds: coordinates, adapter shards it would write, optimizer children (JSON).
+
+    `children` describes the selected children only (all non-stub ones when `optimizer_children`
+    is None); `active` lists every non-stub child, the chain's layout.
+    """
     coords = current_coordinates()
     dense, expert = shards.split_by_kind(shards.adapter_params(model))
-    children = []
-    if optimizer is not None:
-        for index, child in enumerate(ostate.optimizer_children(optimizer)):
-            if ostate.is_stub(child):
-                continue
-            group = child.data_parallel_group_gloo  # None with gloo groups disabled: checked when needed
-            children.append(
-                {
-                    "index": index,
-                    "dp_rank": group.rank() if group is not None else None,
-                    "dp_size": group.size() if group is not None else None,
-                    "has_params": ostate.local_param_count(child) > 0,
-                    "has_state": ostate.has_state(child),
-                    "keys": list(ostate.resolve_state_keys(child)),
-                    "numel_unpadded": ostate.unpadded_numels(child),
-                }
-            )
+    has_optimizer = optimizer is not None
     return {
         "coords": coords.to_dict(),
         "topology": current_topology(chunk_count(model)).to_dict(),
         "dense": sorted(dense),
         "expert": sorted(expert),
-        "children": children,
+        "active": chain.active_indices(optimizer) if has_optimizer else [],
+        "children": chain.describe(optimizer, model, coords, optimizer_children, saving=saving)
+        if has_optimizer
+        else [],
     }
+
+
+def rank_view(model, plans: list[dict], rank: int) -> RankView:
+    return RankView(rank, [Coordinates(**p["coords"]) for p in plans], chain.param_names(model))
+
+
+def selected_adapter_names(plans: list[dict], optimizer_children) -> set[str] | None:
+    """With a child selection, the adapter parameters those children step (on any rank); else None (all)."""
+    if optimizer_children is None:
+        return None
+    return chain.covered_params([p["children"] for p in plans])
 
 
 @dataclass

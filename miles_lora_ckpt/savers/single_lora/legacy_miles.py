@@ -16,7 +16,7 @@ from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron import adapter_shards as shards
-from miles_lora_ckpt.megatron import optimizer_state as ostate
+from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
@@ -25,7 +25,7 @@ from miles_lora_ckpt.savers.single_lora.common import LoadResult, chunk_count
 
 def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, scheduler) -> LoadResult:
     """Collective. Stock Miles `adapter_megatron_rank*.pt`: adapter weights only (weights_only=True)."""
-    children = [c for c in ostate.optimizer_children(optimizer) if not ostate.is_stub(c)] if optimizer else []
+    children = [c.optimizer for c in chain.select(optimizer)] if optimizer else []
     # read and preflight: every rank its own shard (and a copy of what it holds now, to undo);
     # all ranks must agree on the iteration
     read = attempt(_read_legacy_shard, model, path, consensus.rank, children, scheduler)

@@ -14,21 +14,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
-from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_dir
 from miles_lora_ckpt.megatron import adapter_shards as shards
-from miles_lora_ckpt.megatron import optimizer_state as ostate
+from miles_lora_ckpt.megatron.optimizer_children import chain
+from miles_lora_ckpt.megatron.optimizer_children.family import RankView
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
 from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
@@ -38,11 +38,13 @@ from miles_lora_ckpt.savers.single_lora.common import (
     TRAINING_STATE_BINDING,
     LoadResult,
     adapter_binding,
+    bound_tensors,
     check_binding,
     describe_rank,
-    optimizer_binding,
-    optimizer_file,
+    rank_view,
+    saved_children,
     saved_metadata,
+    selected_adapter_names,
 )
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
 
@@ -65,11 +67,17 @@ def load_lora_checkpoint(
     load_optim: bool = True,
     weights_only: bool = False,
     scheduler_increment_per_iteration: int | None = None,
+    optimizer_children: Iterable[int] | None = None,
 ) -> LoadResult:
     """Collective. Restore the newest intact generation under `path` (or `path` itself).
 
     - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
-      DP size may differ from the save, TP/PP/EP/ETP/VPP/CP and the optimizer child layout may not.
+      DP size may differ from the save, TP/PP/EP/ETP/VPP/CP, the optimizer child layout, each
+      child's class and its optimizer may not.
+    - `optimizer_children` restores only those children (leaf indices, e.g. one slot's
+      `miles_slot_child_indices`) and the adapter weights they step; every other child's masters,
+      moments and param groups stay bit-identical and nothing is refreshed from bf16. Pass the
+      scheduler that drives only those children, or None.
     - `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter
       only, refresh the masters from it and reposition the scheduler from the iteration.
     - A stock Miles adapter directory warm-starts the adapter weights only, with a warning.
@@ -78,15 +86,25 @@ def load_lora_checkpoint(
     """
     consensus = consensus or Consensus.default()
     restore_optimizer = load_optim and not weights_only
+    selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
     result = _load(
-        consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, scheduler_increment_per_iteration
+        consensus,
+        model,
+        path,
+        optimizer,
+        opt_param_scheduler,
+        restore_optimizer,
+        scheduler_increment_per_iteration,
+        selection,
     )
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
         log.warning("LoRA checkpoint %s: %s", path, warning)
     return result
 
 
-def _load(consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment) -> LoadResult:
+def _load(
+    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection
+) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
     kind = consensus.agree("classify", attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success())[0]
@@ -96,9 +114,9 @@ def _load(consensus, model, path, optimizer, opt_param_scheduler, restore_optimi
     if kind == "legacy-miles":
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
 
-    # plan: who holds what, so every rank can find its child's DP root coordinates
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
-    request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer)
+    # plan: who holds what, so every rank can find its children's files and DP roots
+    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))
+    request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer, selection)
 
     # verify: all ranks agree on one generation and read their own files, every content rule checked
     opened = open_generation(consensus, path, request.files_for_rank)
@@ -114,12 +132,13 @@ def _load(consensus, model, path, optimizer, opt_param_scheduler, restore_optimi
         # apply: adapter weights, and optimizer state allocated for the children being restored
         consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value))
 
-        # scatter: collectives only; each DP root sends every rank its shard
-        received = attempt(_scatter_children, request, plan.value)
+        # scatter: collectives only; each DistributedOptimizer's DP root sends every rank its shard
+        received = attempt(chain.exchange_for_load, request.optimizer, request.view, plan.value.restore_children)
         consensus.agree("scatter", received.map(lambda _: None))
 
-        # install: copy shards into masters and moments, read them back bit for bit
-        consensus.agree("install", attempt(_install_children, request, plan.value, received.value))
+        # install: copy into masters, moments and param groups, read them back bit for bit
+        installed = attempt(chain.install, request.optimizer, plan.value.restore_children, received.value)
+        consensus.agree("install", installed)
 
         # finish: scheduler, and masters refreshed where none were restored
         finished = attempt(_finish, request, plan.value, opened, increment)
@@ -151,8 +170,8 @@ class LoadPlan:
 
     iteration: int
     adapter: list[tuple[dict, dict]]  # (params, saved tensors)
-    restore_children: dict[int, dict]  # index -> {"keys", "state", "payload" (DP root only)}
-    fresh_children: list[int]  # active children whose masters are refreshed from the adapter
+    restore_children: dict[int, object]  # index -> the family's restore (what preflight read)
+    fresh_children: list[int]  # selected children whose masters are refreshed from the adapter
     scheduler: dict | None
     saved_num_steps: int | None
     summary: dict
@@ -167,16 +186,27 @@ class LoadRequest:
     plans: list[dict]
     rank: int
     restore_optimizer: bool  # False for load_optim=False or weights_only=True
+    selection: list[int] | None  # chosen optimizer children (None: all)
 
     @property
     def coords(self) -> Coordinates:
         return Coordinates(**self.plans[self.rank]["coords"])
 
-    def children(self) -> list:
-        return ostate.optimizer_children(self.optimizer) if self.optimizer is not None else []
+    @cached_property
+    def view(self) -> RankView:
+        return rank_view(self.model, self.plans, self.rank)
 
-    def active(self) -> list[int]:
+    def selected(self) -> list[int]:
         return [c["index"] for c in self.plans[self.rank]["children"]]
+
+    def descriptions(self) -> list[list[dict]]:
+        return [p["children"] for p in self.plans]
+
+    def adapter_params(self) -> dict:
+        """The adapter parameters this load restores: all, or those the chosen children step."""
+        params = shards.adapter_params(self.model)
+        names = selected_adapter_names(self.plans, self.selection)
+        return params if names is None else {n: p for n, p in params.items() if n in names}
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
         if manifest.saver != SAVER:
@@ -184,15 +214,20 @@ class LoadRequest:
                 f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}"
             )
         _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
-        dense, expert = shards.split_by_kind(shards.adapter_params(self.model))
+        dense, expert = shards.split_by_kind(self.adapter_params())
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []
         files += [shards.expert_file(self.coords)] if expert else []
         if self._optimizer_in(manifest):
-            stepped = set(saved_metadata(manifest, "stepped_children"))
-            for index in self.active():
-                if index in stepped and self._dp_rank(index) == 0:
-                    files.append(optimizer_file(index, self.coords.model_parallel_key))
+            # refused here, before anything is read (IncompatibleCheckpoint: the load fails, it never
+            # falls back to an older generation): another child class or optimizer, another layout
+            saved = saved_children(manifest)
+            dp_changed = manifest.topology.dp != self.plans[self.rank]["topology"]["dp"]
+            chain.check_against(
+                saved, self.descriptions(), self.rank, dp_changed, manifest.metadata.get("optimizer_selection")
+            )
+            self._check_child_layout(manifest)
+            files += chain.files_to_read(self.view, self.descriptions(), saved)
         return files
 
     def _optimizer_in(self, manifest: Manifest) -> bool:
@@ -201,14 +236,6 @@ class LoadRequest:
             and self.optimizer is not None
             and saved_metadata(manifest, "optimizer_saved") is True
         )
-
-    def _dp_rank(self, index: int) -> int:
-        return next(c["dp_rank"] for c in self.plans[self.rank]["children"] if c["index"] == index)
-
-    def _dp_root_key(self, index: int) -> str:
-        group = self.children()[index].data_parallel_group_gloo
-        root = dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0
-        return Coordinates(**self.plans[root]["coords"]).model_parallel_key
 
     def preflight(self, opened) -> LoadPlan:
         manifest = opened.manifest  # its saver and topology were checked by files_for_rank
@@ -219,15 +246,17 @@ class LoadRequest:
         adapter = self._preflight_adapter(opened)
         restore, fresh = {}, []
         if self._optimizer_in(manifest):
-            self._check_child_layout(manifest)
-            stepped = set(saved_metadata(manifest, "stepped_children"))
-            for index in self.active():
-                if index not in stepped:
-                    fresh.append(index)
-                    continue
-                restore[index] = self._preflight_child(opened, state, index)
+            restore = chain.preflight(
+                self.optimizer,
+                self.view,
+                self.descriptions(),
+                saved_children(manifest),
+                bound_tensors(opened),
+                state.get("optimizer_children", {}),
+            )
+            fresh = [i for i in self.selected() if i not in restore]
         elif self.optimizer is not None:
-            fresh = self.active()
+            fresh = self.selected()
         scheduler = state.get("scheduler") if self._optimizer_in(manifest) else None
         saved_steps = (state.get("scheduler") or {}).get("num_steps")
         summary = {
@@ -246,8 +275,9 @@ class LoadRequest:
         listed = sorted(
             rel for rel in manifest.files if rel.startswith("optimizer/") or manifest.role_of(rel) == "optimizer"
         )
-        if listed or saved_metadata(manifest, "stepped_children"):
-            first = (listed or ["stepped_children"])[0]
+        stepped = sorted(int(i) for i, entry in saved_children(manifest).items() if entry["stepped"])
+        if listed or stepped:
+            first = listed[0] if listed else f"optimizer_children: child {stepped[0]} stepped"
             raise ValueError(
                 f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?"
             )
@@ -259,7 +289,7 @@ class LoadRequest:
         ]
 
     def _preflight_adapter(self, opened) -> list[tuple[dict, dict]]:
-        params = shards.adapter_params(self.model)
+        params = self.adapter_params()
         if not params:
             raise ValueError("the model has no adapter parameters (names with 'lora_' or '.adapter.')")
         dense, expert = shards.split_by_kind(params)
@@ -271,46 +301,22 @@ class LoadRequest:
             if group:
                 check_binding(opened, file, adapter_binding(kind, key))
                 saved = opened.tensors(file)
+                if self.selection is not None:  # a chosen-children load restores a subset of the file
+                    saved = {n: t for n, t in saved.items() if n in group}
                 shards.preflight_adapter(group, saved, file)
                 checked.append((group, saved))
         return checked
 
     def _check_child_layout(self, manifest: Manifest) -> None:
         recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
-        mine = self.active()
+        mine = self.plans[self.rank]["active"]
         if recorded is None:
             raise ValueError(f"checkpoint records no optimizer children for {self.coords.model_parallel_key}")
         if sorted(recorded) != sorted(mine):
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"optimizer child layout differs at {self.coords.model_parallel_key}: checkpoint has active "
                 f"children {sorted(recorded)}, this run has {sorted(mine)} (a stub child on one side only?)"
             )
-
-    def _preflight_child(self, opened, state: dict, index: int) -> dict:
-        child = self.children()[index]
-        saved_keys = tuple(saved_metadata(opened.manifest, "state_keys", str(index)))
-        keys = ostate.resolve_state_keys(child)
-        if set(saved_keys) != set(keys):
-            raise ValueError(
-                f"optimizer child {index}: checkpoint holds state {list(saved_keys)}, this run's optimizer "
-                f"keeps {list(keys)} (different optimizer?); load with weights_only=True to warm-start"
-            )
-        root_key = self._dp_root_key(index)
-        child_state = state.get("optimizer_children", {}).get(f"{index}:{root_key}")
-        if child_state is None:
-            raise ValueError(f"{TRAINING_STATE}: no optimizer state for child {index} at {root_key}")
-        entry = {"keys": saved_keys, "state": child_state, "payload": None}
-        if self._dp_rank(index) == 0:
-            file = optimizer_file(index, self.coords.model_parallel_key)
-            check_binding(opened, file, optimizer_binding(index, self.coords.model_parallel_key))
-            payload = opened.tensors(file)
-            numels = saved_metadata(opened.manifest, "numel_unpadded", str(index), self.coords.model_parallel_key)
-            try:
-                ostate.preflight_payload(child, saved_keys, payload, numels)
-            except ValueError as exc:
-                raise ValueError(f"{file}: {exc}") from None
-            entry["payload"] = payload
-        return entry
 
 
 def _check_topology(manifest: Manifest, current: Topology) -> None:
@@ -324,52 +330,24 @@ def _check_topology(manifest: Manifest, current: Topology) -> None:
 
 
 def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
-    children = request.children()
-    touched = [children[i] for i in sorted(set(plan.restore_children) | set(plan.fresh_children))]
-    return UndoRecord.capture(shards.adapter_params(request.model).values(), touched, request.scheduler)
+    touched = [
+        c.optimizer
+        for c in chain.select(request.optimizer, sorted(set(plan.restore_children) | set(plan.fresh_children)))
+    ]
+    return UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler)
 
 
 def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan) -> None:
     faults.point("after-preflight", request.rank)
     for params, saved in plan.adapter:
         shards.copy_into(params, saved)
-    children = request.children()
-    for index, entry in plan.restore_children.items():
-        child = children[index]
-        had = {id(p): set(s) for p, s in child.optimizer.state.items()}
-        child.load_state_dict(from_json(entry["state"]))
-        _drop_planted_keys(child, entry["keys"], had)
-
-
-def _drop_planted_keys(child, keys: tuple[str, ...], had: dict) -> None:
-    # megatron 0.16's load_state_dict plants an uninitialised `exp_avg_sq` even for one-moment
-    # optimizers; keep only what the optimizer really uses (and what it had before).
-    for main_param, state in child.optimizer.state.items():
-        for key in [k for k in state if k not in keys and k != "step" and k not in had.get(id(main_param), ())]:
-            del state[key]
-
-
-def _scatter_children(request: LoadRequest, plan: LoadPlan) -> dict[int, list]:
-    received = {}
-    children = request.children()
-    for index, entry in sorted(plan.restore_children.items()):
-        child = children[index]
-        split = ostate.split_for_scatter(child, entry["keys"], entry["payload"]) if entry["payload"] else None
-        received[index] = ostate.scatter_from_dp_root(child, entry["keys"], split)
-    return received
-
-
-def _install_children(request: LoadRequest, plan: LoadPlan, received: dict[int, list]) -> None:
-    children = request.children()
-    for index, entry in sorted(plan.restore_children.items()):
-        ostate.install_shards(children[index], entry["keys"], received[index])
-        ostate.check_installed(children[index], entry["keys"], received[index])
+    chain.allocate(request.optimizer, plan.restore_children)
 
 
 def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None) -> LoadResult:
-    children = request.children()
-    for index in plan.fresh_children:
-        children[index].reload_model_params()
+    # only the selected children's own masters, never the chain's (co-tenants keep their fp32 masters)
+    for child in chain.select(request.optimizer, plan.fresh_children):
+        child.optimizer.reload_model_params()
     result = LoadResult(
         loaded=True,
         iteration=plan.iteration,

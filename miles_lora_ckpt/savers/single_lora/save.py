@@ -1,9 +1,9 @@
-"""Single-LoRA save: adapter shards, optimizer parameter state and scheduler as one generation.
+"""Single-LoRA save: adapter shards, optimizer state of every child and scheduler as one generation.
 
 Collective; reads as phases::
 
-    plan -> agree -> [PEFT export: plan, bind, each agreed]
-    -> local optimizer shards -> agree -> gather to DP roots -> agree
+    plan -> agree -> layout -> agree -> [PEFT export: plan, bind, each agreed]
+    -> optimizer, local -> agree -> optimizer, exchange -> agree
     -> protocol.save_generation (prepare -> [produce: PEFT export, self-check, each agreed]
                                  -> write -> commit -> publish, each agreed)
 """
@@ -11,17 +11,16 @@ Collective; reads as phases::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
-from miles_lora_ckpt.core.jsoncodec import to_json
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
 from miles_lora_ckpt.megatron import adapter_shards as shards
-from miles_lora_ckpt.megatron import optimizer_state as ostate
+from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
-from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates
+from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, plan_export
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
@@ -29,8 +28,8 @@ from miles_lora_ckpt.savers.single_lora.common import (
     TRAINING_STATE_BINDING,
     adapter_binding,
     describe_rank,
-    optimizer_binding,
-    optimizer_file,
+    rank_view,
+    selected_adapter_names,
 )
 
 
@@ -44,12 +43,17 @@ def save_lora_checkpoint(
     iteration: int | None = None,
     consensus: Consensus | None = None,
     keep: int | None = None,
+    optimizer_children: Iterable[int] | None = None,
     peft: PeftExport | None = None,
 ) -> str:
-    """Collective. Save adapter, optimizer parameter state and scheduler as one new generation.
+    """Collective. Save adapter, optimizer state and scheduler as one new generation.
 
     `save_dir` is the save root (see `layout`); returns the committed generation directory.
     With `args.no_save_optim` (or no optimizer) only the adapter and the iteration are saved.
+    Every optimizer child megatron builds for LoRA is saved (DistributedOptimizer, Float16 / FP32,
+    LayerWise per-slot children; see `megatron.optimizer_children`). `optimizer_children` saves only
+    those children (leaf indices, e.g. Miles' `optimizer.miles_slot_child_indices[slot]`) and the
+    adapter weights they step; `opt_param_scheduler` should then drive those children only.
     With `peft`, the generation also holds `peft/` (an HF PEFT adapter directory exported through
     Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
     Raises the same CheckpointError on every rank if anything fails anywhere.
@@ -57,28 +61,35 @@ def save_lora_checkpoint(
     consensus = consensus or Consensus.default()
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
+    selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
 
-    # plan: every rank says what it holds; everybody sees every rank's answer (and derives the
-    # same layout from the same answers, so nothing below can fail on one rank only)
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer))
-    layout = SaveLayout.from_plans(plans, save_optim)
+    # plan: every rank says what it holds; everybody sees every rank's answer
+    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection, saving=save_optim))
+
+    # layout: every rank derives the same decisions from the same answers (and refuses the same way)
+    layout = attempt(SaveLayout.from_plans, plans, save_optim, selection)
+    consensus.agree("layout", layout.map(lambda _: None))
+    layout = layout.value
+    view = rank_view(model, plans, consensus.rank)
 
     # PEFT export (optional): plan and bind now; the collective export runs as the save's produce step
     peft_step = None
     if peft is not None:
         peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=GENERATION_SUBDIR)
 
-    # optimizer, local: this rank's shard of every saved child, and DP roots' non-tensor state
-    prepared = attempt(_prepare_optimizer_state, optimizer, layout)
-    child_states = consensus.agree("optimizer-shards", prepared.map(lambda p: p.child_states))
+    # optimizer, local: this rank's copies of every saved child, and the JSON state it records
+    prepared = attempt(chain.collect, optimizer, view, layout.children) if save_optim else attempt(dict)
+    child_states = consensus.agree("optimizer-shards", prepared.map(chain.recorded_states))
 
-    # optimizer, gather: each child's DP root receives the world tensors (collectives only)
-    gathered = attempt(_gather_children, optimizer, prepared.value.shards if prepared.ok else {})
-    consensus.agree("optimizer-gather", gathered.map(lambda _: None))
+    # optimizer, exchange: collectives only (a DistributedOptimizer's DP root gathers its world tensors)
+    exchanged = attempt(chain.exchange_for_save, optimizer, view, layout.children, prepared.value or {})
+    consensus.agree("optimizer-gather", exchanged.map(lambda _: None))
 
     # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
-        _write_rank_files(writer, model, layout, consensus.rank, gathered.value)
+        _write_adapter_files(writer, model, layout, consensus.rank)
+        for relpath, file in sorted(exchanged.value.items()):
+            writer.write_tensors(relpath, file.tensors, binding=file.binding)
         if consensus.rank == 0:
             training_state = {
                 "iteration": iteration,
@@ -109,49 +120,41 @@ class SaveLayout:
     """Decisions every rank derives identically from all ranks' plans."""
 
     plans: list[dict]
+    selection: list[int] | None
+    adapter_names: set[str] | None  # with a selection: the adapter weights its children step
+    children: dict[str, dict] = field(default_factory=dict)  # the optimizer children's plan (manifest)
     dense_writers: dict[str, int] = field(default_factory=dict)  # dense key -> lowest rank holding it
     expert_writers: dict[str, int] = field(default_factory=dict)
-    stepped: dict[int, bool] = field(default_factory=dict)  # child index -> has optimizer state
-    keys: dict[int, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def from_plans(cls, plans: list[dict], save_optim: bool) -> SaveLayout:
-        layout = cls(plans)
+    def from_plans(cls, plans: list[dict], save_optim: bool, selection: list[int] | None) -> SaveLayout:
+        layout = cls(plans, selection, selected_adapter_names(plans, selection))
+        ranks = [Coordinates(**p["coords"]) for p in plans]
+        layout.children = chain.plan([p["children"] for p in plans], ranks, save_optim)
         for rank, plan in enumerate(plans):
-            coords = Coordinates(**plan["coords"])
-            if plan["dense"]:
+            coords = ranks[rank]
+            if layout.adapter_subset(plan["dense"]):
                 layout.dense_writers.setdefault(coords.dense_key, rank)
-            if plan["expert"]:
+            if layout.adapter_subset(plan["expert"]):
                 layout.expert_writers.setdefault(coords.expert_key, rank)
-            for child in plan["children"]:
-                index = child["index"]
-                if child["has_state"] and save_optim:
-                    layout.stepped[index] = True
-                layout.stepped.setdefault(index, False)
-                layout.keys.setdefault(index, child["keys"])
         return layout
 
-    def saves_child(self, index: int) -> bool:
-        return self.stepped.get(index, False)
+    def adapter_subset(self, names):
+        """The adapter names (or parameters by name) this save writes: all, or the selection's."""
+        if self.adapter_names is None:
+            return names
+        if isinstance(names, dict):
+            return {n: p for n, p in names.items() if n in self.adapter_names}
+        return [n for n in names if n in self.adapter_names]
 
     def metadata(self, save_optim: bool, scheduler, args) -> dict:
-        active = {}
-        for plan in self.plans:
-            key = Coordinates(**plan["coords"]).model_parallel_key
-            active[key] = [c["index"] for c in plan["children"]]  # recorded even without optimizer state
-        numels = {}
-        for plan in self.plans:
-            for child in plan["children"]:
-                numels.setdefault(str(child["index"]), {})[Coordinates(**plan["coords"]).model_parallel_key] = child[
-                    "numel_unpadded"
-                ]
+        active = {Coordinates(**p["coords"]).model_parallel_key: p["active"] for p in self.plans}
         return {
             "optimizer_saved": save_optim,
             "scheduler_saved": save_optim and scheduler is not None,
-            "active_children": active,
-            "state_keys": {str(i): keys for i, keys in self.keys.items()},
-            "stepped_children": sorted(i for i, s in self.stepped.items() if s),
-            "numel_unpadded": numels,
+            "active_children": active,  # recorded even without optimizer state
+            "optimizer_selection": self.selection,
+            "optimizer_children": self.children,
             "adapter_files": {
                 "dense": sorted(self.dense_writers),
                 "expert": sorted(self.expert_writers),
@@ -165,50 +168,12 @@ def _lora_args(args) -> dict:
     return {n: getattr(args, n) for n in names if isinstance(getattr(args, n, None), int | float | str | list)}
 
 
-@dataclass
-class PreparedOptimizerState:
-    shards: dict[int, list]  # child index -> this rank's bucket shards (stays local)
-    child_states: dict[str, Any]  # "index:coordinate" -> non-tensor state (DP roots only)
-
-
-def _prepare_optimizer_state(optimizer, layout: SaveLayout) -> PreparedOptimizerState:
-    prepared = PreparedOptimizerState({}, {})
-    if optimizer is None:
-        return prepared
-    coords = current_coordinates()
-    for index, child in enumerate(ostate.optimizer_children(optimizer)):
-        if ostate.is_stub(child) or not layout.saves_child(index):
-            continue
-        if child.data_parallel_group_gloo is None:
-            raise ValueError(f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups")
-        if ostate.local_param_count(child) > 0 and not ostate.has_state(child):
-            raise ValueError(f"optimizer child {index} has stepped on other ranks but has no state here")
-        prepared.shards[index] = ostate.local_shards(child, tuple(layout.keys[index]))
-        if child.data_parallel_group_gloo.rank() == 0:
-            state = to_json(child.state_dict(), f"optimizer child {index}")
-            prepared.child_states[f"{index}:{coords.model_parallel_key}"] = state
-    return prepared
-
-
-def _gather_children(optimizer, shards_by_child: dict[int, list]) -> dict[int, dict]:
-    """Collectives only (over each child's gloo DP group); DP roots get `{index: world tensors}`."""
-    payloads = {}
-    for index, local in sorted(shards_by_child.items()):
-        world = ostate.gather_to_dp_root(ostate.optimizer_children(optimizer)[index], local)
-        if world is not None:
-            payloads[index] = world
-    return payloads
-
-
-def _write_rank_files(writer: StagingWriter, model, layout: SaveLayout, rank: int, payloads: dict) -> None:
+def _write_adapter_files(writer: StagingWriter, model, layout: SaveLayout, rank: int) -> None:
     coords = Coordinates(**layout.plans[rank]["coords"])
-    dense, expert = shards.split_by_kind(shards.adapter_params(model))
-    if dense and layout.dense_writers[coords.dense_key] == rank:
+    dense, expert = (layout.adapter_subset(p) for p in shards.split_by_kind(shards.adapter_params(model)))
+    if dense and layout.dense_writers.get(coords.dense_key) == rank:
         tensors = {n: p.detach() for n, p in dense.items()}
         writer.write_tensors(shards.dense_file(coords), tensors, binding=adapter_binding("dense", coords.dense_key))
-    if expert and layout.expert_writers[coords.expert_key] == rank:
+    if expert and layout.expert_writers.get(coords.expert_key) == rank:
         tensors = {n: p.detach() for n, p in expert.items()}
         writer.write_tensors(shards.expert_file(coords), tensors, binding=adapter_binding("expert", coords.expert_key))
-    for index, world in sorted(payloads.items()):
-        binding = optimizer_binding(index, coords.model_parallel_key)
-        writer.write_tensors(optimizer_file(index, coords.model_parallel_key), world, binding=binding)

@@ -129,17 +129,19 @@ def _state(actor) -> dict:
 
 
 def masters_match_adapter(run) -> bool:
-    """Every fp32 master shard equals float() of its model parameter's slice (refreshed masters)."""
-    from miles_lora_ckpt.megatron import optimizer_state as ostate
+    """Every fp32 master (a DistributedOptimizer's shard, or a whole parameter) equals float() of
+    its model parameter (the slice of it the shard covers): masters refreshed from the adapter."""
+    from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED
+    from miles_lora_ckpt.megatron.optimizer_children.chain import param_states, select
 
-    for child in ostate.optimizer_children(run.optimizer):
-        if ostate.is_stub(child):
-            continue
-        for model_param in child.model_param_group_index_map:
-            master, _ = ostate.main_and_state(child, model_param)
-            span = child._get_model_param_range_map(model_param)["param"]
-            expected = model_param.detach().view(-1)[span.start : span.end].float()
-            if not master.detach().view(-1).equal(expected):
+    for child in select(run.optimizer):
+        sharded = child.class_name == DISTRIBUTED and not child.layer_wise
+        for model_param, master, _ in param_states(child):
+            expected = model_param.detach().view(-1)
+            if sharded:
+                span = child.optimizer._get_model_param_range_map(model_param)["param"]
+                expected = expected[span.start : span.end]
+            if not master.detach().view(-1).equal(expected.float()):
                 return False
     return True
 

@@ -1,17 +1,21 @@
-"""Parameter state of megatron's DistributedOptimizer children: fp32 masters and every moment.
+"""The `distributed` family: megatron's DistributedOptimizer, masters and moments sharded over DP.
 
 `DistributedOptimizer.state_dict()` leaves masters and moments out; megatron's own dp-zero helpers
 hard-code two moments on 0.16 and silently drop state into an unallocated optimizer. This module
-does the same bucket-space work over the *resolved* state keys instead, in three separable steps
-so that callers can put a consensus between any two of them:
+does the same bucket-space work over the *resolved* state keys instead, in separable steps so that
+callers can put a consensus between any two of them:
 
     local_shards(child, keys)        this rank's contiguous shard of every bucket (may raise)
     gather_to_dp_root(child, shards) collectives only: the DP root receives the world tensors
-    ...
-    split_for_scatter / scatter_from_dp_root / install_shards   the reverse, for loading
+    preflight_payload                checks a DP root's payload against this child (no mutation)
+    split_for_scatter / scatter_from_dp_root / install_shards / check_installed   the reverse
 
-World tensors are keyed `buf{g}.{key}`: the concatenation of the unpadded part of every bucket of
-grad buffer `g`. That layout does not depend on the DP size, so a DP=2 payload loads at DP=4.
+Files: `optimizer/child{i}_{coordinate of the DP root}.safetensors` (bound to child i and that
+model-parallel coordinate), written by each DP root, with world tensors keyed `buf{g}.{key}`: the concatenation of the unpadded part of every bucket of grad
+buffer `g`. That layout does not depend on the DP size, so a DP=2 payload loads at DP=4 exactly
+(`dp_elastic`). Param groups and the step travel as JSON (`child.state_dict()` of the DP root).
+The gathers run over the child's gloo DP group: a child without one (gloo groups disabled, or the
+scalar DistributedOptimizer megatron 0.19 builds beside a layout-based LayerWise) is refused.
 """
 
 from __future__ import annotations
@@ -21,71 +25,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-MASTER_KEY = "param"
-# What megatron itself maps optimizer names to (0.19's `optimizer_state_keys`), for 0.16 and
-# for optimizers that have no state yet. Anything not listed keeps Adam's pair, as megatron does.
-_KEYS_BY_OPTIMIZER_NAME = {"lion": ("exp_avg",), "sgd": ("momentum_buffer",)}
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.jsoncodec import from_json, to_json
+from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state
+from miles_lora_ckpt.megatron.optimizer_children.family import (
+    Collected,
+    OptimizerFile,
+    RankView,
+    ReadContext,
+    file_binding,
+)
+from miles_lora_ckpt.megatron.topology import Coordinates
 
 
-# --------------------------------------------------------------------------- children
-
-
-def optimizer_children(optimizer) -> list:
-    """The children of a ChainedOptimizer (or the optimizer itself), stubs included, in order."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def is_stub(child) -> bool:
-    """A child with no parameters on this rank: megatron builds it with `optimizer=None`."""
-    return bool(getattr(child, "is_stub_optimizer", False)) or getattr(child, "optimizer", None) is None
-
-
-# --------------------------------------------------------------------------- state keys
-
-
-def resolve_state_keys(child) -> tuple[str, ...]:
-    """The tensor state keys this child's optimizer keeps per parameter (never the master).
-
-    Megatron's `optimizer_state_keys` (0.19+) where the class has it; otherwise the keys the inner
-    optimizer really holds; for an optimizer that has not stepped yet, the keys its config names.
-    Raises when megatron's answer and the real state disagree (state would be lost silently).
-    """
-    actual = _actual_state_keys(child)
-    if isinstance(getattr(type(child), "optimizer_state_keys", None), property):
-        declared = tuple(child.optimizer_state_keys)
-        if actual and set(actual) != set(declared):
-            raise ValueError(
-                f"optimizer state holds {sorted(actual)} but megatron's optimizer_state_keys says "
-                f"{list(declared)}: refusing to checkpoint a subset of the state"
-            )
-        return declared
-    if actual:
-        return actual
-    return _keys_from_config(child.config)
-
-
-def _keys_from_config(config) -> tuple[str, ...]:
-    name = getattr(config, "optimizer", "adam")
-    if name in ("muon", "adaptive_muon"):
-        name = getattr(config, "muon_scalar_optimizer", "adam")
-    return _KEYS_BY_OPTIMIZER_NAME.get(name, _ADAM_KEYS)
-
-
-def _actual_state_keys(child) -> tuple[str, ...]:
-    """Per-element tensor state keys of the inner optimizer (`step` and scalars excluded)."""
-    inner = child.optimizer
-    for group in inner.param_groups:
-        for main_param in group["params"]:
-            state = inner.state.get(main_param)
-            if state:
-                return tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == main_param.shape)
-    return ()
-
-
-def has_state(child) -> bool:
-    """Whether this rank's inner optimizer has allocated per-parameter state (it has stepped)."""
-    return bool(child.optimizer.state)
+def file_name(index: int, coordinate_key: str) -> str:
+    """The file one DP root writes for child `index`: its model-parallel coordinate, never its rank."""
+    return f"optimizer/child{index}_{coordinate_key}.safetensors"
 
 
 def local_param_count(child) -> int:
@@ -139,6 +94,11 @@ def main_and_state(child, model_param) -> tuple[torch.Tensor, dict]:
     group_index, group_order = child.model_param_group_index_map[model_param]
     main_param = child.optimizer.param_groups[group_index]["params"][group_order]
     return main_param, child.optimizer.state.get(main_param, {})
+
+
+def param_states(child) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """(model parameter, this rank's fp32 master shard, its state) for every parameter with a shard here."""
+    return [(p, *main_and_state(child, p)) for p in child.model_param_group_index_map]
 
 
 # --------------------------------------------------------------------------- save
@@ -262,3 +222,118 @@ def check_installed(child, keys: tuple[str, ...], shards: list[dict[str, torch.T
             for key, tensor in [(MASTER_KEY, main_param), *[(k, state.get(k)) for k in keys]]:
                 if tensor is None or not torch.equal(tensor.detach().view(-1), bucket[key][start:end]):
                     raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+
+
+# --------------------------------------------------------------------------- the family
+
+
+@dataclass
+class _Restore:
+    keys: tuple[str, ...]
+    state: dict  # the DP root's `state_dict()` as JSON: param groups and step
+    payload: dict | None  # world tensors, on the DP root only
+
+
+class DistributedFamily:
+    """`ChildFamily` for DistributedOptimizer children (see the module docstring)."""
+
+    name = "distributed"
+    dp_elastic = True  # world tensors are laid out independently of the DP size
+
+    def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> dict:
+        opt = child.optimizer
+        group = opt.data_parallel_group_gloo  # None with gloo groups disabled: refused when needed
+        root = (dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0) if group is not None else None
+        return {
+            "params": sorted(names[id(p)] for p in opt.model_param_group_index_map),
+            "dp_rank": group.rank() if group is not None else None,
+            "dp_root": root,
+            "numel_unpadded": unpadded_numels(opt),
+        }
+
+    def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+        numels = {ranks[r].model_parallel_key: d["numel_unpadded"] for r, d in enumerate(described) if d is not None}
+        return {"numel_unpadded": numels}
+
+    def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
+        opt = child.optimizer
+        group = _gloo_group(child)
+        if local_param_count(opt) > 0 and not has_state(opt):
+            raise ValueError(f"optimizer child {child.index} has stepped on other ranks but has no state here")
+        collected = Collected(local_shards(opt, keys))
+        if group.rank() == 0:
+            collected.state_key = f"{child.index}:{view.coords.model_parallel_key}"
+            collected.state = to_json(opt.state_dict(), f"optimizer child {child.index}")
+        return collected
+
+    def exchange_for_save(
+        self, child: Child, view: RankView, plan: dict, collected: Collected
+    ) -> dict[str, OptimizerFile]:
+        world = gather_to_dp_root(child.optimizer, collected.local)
+        if world is None:
+            return {}
+        key = view.coords.model_parallel_key
+        return {file_name(child.index, key): OptimizerFile(file_binding(child.index, key), world)}
+
+    def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list[str]:
+        mine = described[view.rank]
+        if mine["dp_rank"] is None:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups"
+            )
+        return [file_name(index, view.coords.model_parallel_key)] if mine["dp_rank"] == 0 else []
+
+    def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
+        mine = described[view.rank]
+        root_key = view.ranks[mine["dp_root"]].model_parallel_key
+        state = read.states.get(f"{child.index}:{root_key}")
+        if state is None:
+            raise ValueError(f"the training state holds no optimizer state for child {child.index} at {root_key}")
+        restore = _Restore(read.keys, state, None)
+        if mine["dp_rank"] == 0:
+            key = view.coords.model_parallel_key
+            file = file_name(child.index, key)
+            payload = read.tensors(file, file_binding(child.index, key))
+            try:
+                preflight_payload(child.optimizer, read.keys, payload, plan["numel_unpadded"].get(root_key))
+            except ValueError as exc:
+                raise ValueError(f"{file}: {exc}") from None
+            restore.payload = payload
+        return restore
+
+    def allocate(self, child: Child, restore: _Restore) -> None:
+        opt = child.optimizer
+        had = {id(p): set(s) for p, s in opt.optimizer.state.items()}
+        opt.load_state_dict(from_json(restore.state))  # param groups, step; allocates the moments
+        _drop_planted_keys(opt, restore.keys, had)
+
+    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> list:
+        opt = child.optimizer
+        split = split_for_scatter(opt, restore.keys, restore.payload) if restore.payload is not None else None
+        return scatter_from_dp_root(opt, restore.keys, split)
+
+    def install(self, child: Child, restore: _Restore, received: list) -> None:
+        install_shards(child.optimizer, restore.keys, received)
+        check_installed(child.optimizer, restore.keys, received)
+
+
+def _gloo_group(child: Child):
+    group = child.optimizer.data_parallel_group_gloo
+    if group is None:
+        raise ValueError(
+            f"optimizer child {child.index} (DistributedOptimizer) has no gloo DP group: drop "
+            "--disable-gloo-process-groups (megatron 0.19 also builds one without it beside a LayerWise "
+            "optimizer when DDP uses the distributed optimizer; build DDP without it for layer-wise Muon)"
+        )
+    return group
+
+
+def _drop_planted_keys(child, keys: tuple[str, ...], had: dict) -> None:
+    # megatron 0.16's load_state_dict plants an uninitialised `exp_avg_sq` even for one-moment
+    # optimizers; keep only what the optimizer really uses (and what it had before).
+    for main_param, state in child.optimizer.state.items():
+        for key in [k for k in state if k not in keys and k != "step" and k not in had.get(id(main_param), ())]:
+            del state[key]
+
+
+FAMILY = DistributedFamily()

@@ -1,0 +1,258 @@
+"""The optimizer chain as a saver sees it: a selection of children, and each phase over all of them.
+
+A saver calls these between consensus agreements; only the two `exchange_*` functions run
+collectives, everything else is local and may raise:
+
+    save: describe -> plan -> collect -> exchange_for_save -> (the saver writes the files)
+    load: describe -> files_to_read -> preflight -> allocate -> exchange_for_load -> install
+
+`indices` chooses children by their leaf index (`leaf_children`; for a LayerWise chain the index in
+`chained_optimizers`, as in Miles' `miles_slot_child_indices`); None means every non-stub child.
+Children outside the selection are never read, written, refreshed or rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.megatron.adapter_shards import strip_wrappers
+from miles_lora_ckpt.megatron.optimizer_children import FAMILIES, family_of
+from miles_lora_ckpt.megatron.optimizer_children.child import (
+    Child,
+    has_state,
+    leaf_children,
+    optimizer_kind,
+    resolve_state_keys,
+)
+from miles_lora_ckpt.megatron.optimizer_children.family import Collected, OptimizerFile, RankView, ReadContext
+from miles_lora_ckpt.megatron.topology import Coordinates
+
+
+def param_names(model) -> dict[int, str]:
+    """`{id(parameter): "chunk{c}.{name}"}` for every parameter of every model chunk (wrappers stripped)."""
+    chunks = model if isinstance(model, list | tuple) else [model]
+    return {
+        id(param): f"chunk{index}.{strip_wrappers(name)}"
+        for index, chunk in enumerate(chunks)
+        for name, param in chunk.named_parameters()
+    }
+
+
+def select(optimizer, indices: Iterable[int] | None = None) -> list[Child]:
+    """The non-stub leaf children of `optimizer`, all of them or those at `indices`."""
+    leaves = leaf_children(optimizer)
+    if indices is None:
+        return [c for c in leaves if not c.is_stub]
+    wanted = sorted(set(indices))
+    unknown = [i for i in wanted if not 0 <= i < len(leaves)]
+    if unknown:
+        raise ValueError(f"optimizer children {unknown} do not exist: the chain has {len(leaves)} children")
+    return [leaves[i] for i in wanted if not leaves[i].is_stub]
+
+
+def param_states(child: Child) -> list[tuple]:
+    """(model parameter, this rank's fp32 master (shard), its optimizer state) of every parameter here."""
+    from miles_lora_ckpt.megatron.optimizer_children import distributed, float16
+
+    if family_of(child) is distributed.FAMILY:
+        return distributed.param_states(child.optimizer)
+    return [(model, main, state) for _, model, main, state in float16.param_states(child.optimizer)]
+
+
+def active_indices(optimizer) -> list[int]:
+    """Every non-stub child's index on this rank (the chain's layout, whatever is selected)."""
+    return [c.index for c in leaf_children(optimizer) if not c.is_stub]
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def describe(optimizer, model, coords: Coordinates, indices=None, *, saving: bool = False) -> list[dict]:
+    """This rank's description of each selected child (JSON): class, family, optimizer, keys, holdings."""
+    names = param_names(model)
+    described = []
+    for child in select(optimizer, indices):
+        family = family_of(child)
+        described.append(
+            {
+                "index": child.index,
+                "family": family.name,
+                "class": child.class_name,
+                "kind": optimizer_kind(child.optimizer),
+                "keys": list(resolve_state_keys(child.optimizer)),
+                "has_state": has_state(child.optimizer),
+                **family.describe(child, coords, names, saving),
+            }
+        )
+    return described
+
+
+def by_index(descriptions: list[list[dict]]) -> dict[int, list[dict | None]]:
+    """`{child index: [each rank's description, None where the child is a stub or not selected]}`."""
+    out: dict[int, list[dict | None]] = {}
+    for rank, children in enumerate(descriptions):
+        for desc in children:
+            out.setdefault(desc["index"], [None] * len(descriptions))[rank] = desc
+    return out
+
+
+def plan(descriptions: list[list[dict]], ranks: list[Coordinates], save_optim: bool) -> dict[str, dict]:
+    """Pure: what the checkpoint records for every selected child (manifest metadata, JSON).
+
+    `{index: {"family", "class", "kind", "keys", "stepped", "layout"}}`; `layout` (the family's
+    plan: files and what they hold) only for children saved with state. Raises, identically on
+    every rank, where ranks disagree about a child.
+    """
+    plans = {}
+    for index, described in sorted(by_index(descriptions).items()):
+        present = [(rank, d) for rank, d in enumerate(described) if d is not None]
+        first_rank, first = present[0]
+        for field in ("family", "class", "kind"):
+            for rank, desc in present:
+                if desc[field] != first[field]:
+                    raise ValueError(
+                        f"optimizer child {index}: {field} {first[field]!r} on rank {first_rank}, {desc[field]!r} "
+                        f"on rank {rank}: every rank must build the same chain"
+                    )
+        stateful = [(rank, d) for rank, d in present if d["has_state"]]
+        keys = stateful[0][1]["keys"] if stateful else first["keys"]
+        for rank, desc in stateful:
+            if set(desc["keys"]) != set(keys):
+                raise ValueError(f"optimizer child {index} keeps {desc['keys']} on rank {rank} but {keys} elsewhere")
+        stepped = save_optim and bool(stateful)
+        family = FAMILIES[first["family"]]
+        plans[str(index)] = {
+            "family": first["family"],
+            "class": first["class"],
+            "kind": first["kind"],
+            "keys": keys,
+            "stepped": stepped,
+            "layout": family.plan(index, described, ranks) if stepped else {},
+        }
+    return plans
+
+
+def covered_params(descriptions: list[list[dict]]) -> set[str]:
+    """The names of every parameter the described children hold state for, on any rank."""
+    return {name for children in descriptions for desc in children for name in desc["params"]}
+
+
+# --------------------------------------------------------------------------- save
+
+
+def collect(optimizer, view: RankView, plans: dict[str, dict]) -> dict[int, Collected]:
+    """Local: each stepped child's contribution on this rank (copies; may raise)."""
+    collected = {}
+    for child in select(optimizer, [int(i) for i, p in plans.items() if p["stepped"]]):
+        entry = plans[str(child.index)]
+        collected[child.index] = family_of(child).collect(child, view, entry["layout"], tuple(entry["keys"]))
+    return collected
+
+
+def exchange_for_save(
+    optimizer, view: RankView, plans: dict[str, dict], collected: dict[int, Collected]
+) -> dict[str, OptimizerFile]:
+    """Collectives only. `{relpath: OptimizerFile}` this rank writes (tensors and their binding),
+    over every stepped child."""
+    files: dict[str, OptimizerFile] = {}
+    for child in select(optimizer, sorted(collected)):
+        layout = plans[str(child.index)]["layout"]
+        files.update(family_of(child).exchange_for_save(child, view, layout, collected[child.index]))
+    return files
+
+
+def recorded_states(collected: dict[int, Collected]) -> dict[str, object]:
+    """The JSON state this rank records for the training state, keyed as the families key it."""
+    return {c.state_key: c.state for c in collected.values() if c.state_key is not None}
+
+
+# --------------------------------------------------------------------------- load
+
+
+def check_against(
+    saved: dict[str, dict], descriptions: list[list[dict]], rank: int, dp_changed: bool, saved_selection=None
+) -> None:
+    """Refuse, before anything is read or changed, a child that is not the one the checkpoint saved.
+
+    Every refusal is an `IncompatibleCheckpoint`: the generation is intact, but not for this run
+    (the load fails; it never falls back to an older generation)."""
+    for desc in descriptions[rank]:
+        index = desc["index"]
+        entry = saved.get(str(index))
+        if entry is None:
+            hint = f" (a chosen-children save: pass optimizer_children={saved_selection})" if saved_selection else ""
+            raise IncompatibleCheckpoint(
+                f"the checkpoint holds no optimizer child {index}: it saved {sorted(map(int, saved))}{hint}"
+            )
+        saved_as = f"a {entry['class']} over {entry['kind']}"
+        running = f"a {desc['class']} over {desc['kind']}"
+        if entry["class"] != desc["class"]:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the checkpoint saved {saved_as}, this run has {running} "
+                "(--use-distributed-optimizer or the optimizer changed?)"
+            )
+        if entry["family"] != desc["family"]:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the checkpoint saved {saved_as} ({entry['family']}), this run has one "
+                f"{'under' if desc['family'] == 'layer-wise' else 'outside'} a LayerWiseDistributedOptimizer "
+                f"({desc['family']})"
+            )
+        if entry["kind"] != desc["kind"] or (entry["stepped"] and set(entry["keys"]) != set(desc["keys"])):
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: checkpoint holds state {entry['keys']} of {entry['kind']}, this run's "
+                f"optimizer ({desc['kind']}) keeps {desc['keys']} (different optimizer?); load with "
+                "weights_only=True to warm-start"
+            )
+        if dp_changed and entry["stepped"] and not FAMILIES[entry["family"]].dp_elastic:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index} ({entry['family']}) cannot be restored exactly at another data-parallel size"
+            )
+
+
+def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[str, dict]) -> list[str]:
+    """The optimizer files this rank reads to restore every described child saved with state."""
+    files: set[str] = set()
+    for index, described in sorted(by_index(descriptions).items()):
+        entry = saved[str(index)]
+        if entry["stepped"] and described[view.rank] is not None:
+            family = FAMILIES[entry["family"]]
+            files.update(family.files_to_read(index, view, described, entry["layout"]))
+    return sorted(files)
+
+
+def preflight(optimizer, view: RankView, descriptions, saved: dict[str, dict], tensors, states: dict) -> dict:
+    """Local, no mutation: `{index: restore}` for every described child saved with state.
+
+    `tensors(relpath, binding)` reads one of this rank's files, refusing one bound to anything else
+    (see `ReadContext`)."""
+    restores = {}
+    described = by_index(descriptions)
+    for child in select(optimizer, [d["index"] for d in descriptions[view.rank]]):
+        entry = saved[str(child.index)]
+        if entry["stepped"]:
+            read = ReadContext(tensors, states, tuple(entry["keys"]))
+            restores[child.index] = family_of(child).preflight(
+                child, view, described[child.index], entry["layout"], read
+            )
+    return restores
+
+
+def allocate(optimizer, restores: dict) -> None:
+    """First mutation: state allocated where a family needs it before receiving."""
+    for child in select(optimizer, sorted(restores)):
+        family_of(child).allocate(child, restores[child.index])
+
+
+def exchange_for_load(optimizer, view: RankView, restores: dict) -> dict:
+    """Collectives only: what each restored child receives on this rank."""
+    return {
+        child.index: family_of(child).exchange_for_load(child, view, restores[child.index])
+        for child in select(optimizer, sorted(restores))
+    }
+
+
+def install(optimizer, restores: dict, received: dict) -> None:
+    """Copy into masters and state, param groups too, then read every tensor back bit for bit."""
+    for child in select(optimizer, sorted(restores)):
+        family_of(child).install(child, restores[child.index], received.get(child.index))

@@ -1,0 +1,145 @@
+"""What one optimizer child is: its class, its family, the optimizer it runs, the state keys it keeps.
+
+Pure inspection of one rank's objects: no collectives, no mutation. megatron classes are recognised
+by name along the MRO (never imported), so subclasses in forks are recognised too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MASTER_KEY = "param"  # the fp32 master weight, saved next to the state keys
+
+DISTRIBUTED = "DistributedOptimizer"
+FLOAT16 = "Float16OptimizerWithFloat16Params"
+FP32 = "FP32Optimizer"
+LAYER_WISE = "LayerWiseDistributedOptimizer"
+SUPPORTED_CLASSES = (DISTRIBUTED, FLOAT16, FP32)
+
+# Inner (torch) optimizer class -> the optimizer a user names; a mismatch refuses a load.
+_KINDS = {"Adam": "adam", "AdamW": "adam", "FusedAdam": "adam", "Lion": "lion", "SGD": "sgd", "FusedSGD": "sgd"}
+# State keys per optimizer kind (megatron 0.19's `optimizer_state_keys`, extended to Muon), for
+# children that have not stepped yet; a stepped child reports the keys it really holds.
+_KEYS_BY_KIND = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
+    "muon": ("momentum_buffer",),
+    "sgd": ("momentum_buffer",),
+}
+
+
+@dataclass(frozen=True)
+class Child:
+    """One leaf of the optimizer chain on this rank.
+
+    `index` is its position among the leaves, LayerWise per-slot children flattened in order (the
+    numbering of Miles' `miles_slot_child_indices`); `layer_wise` says it sits under a
+    LayerWiseDistributedOptimizer, which shards whole parameters over the DP ranks.
+    """
+
+    index: int
+    optimizer: object
+    layer_wise: bool = False
+
+    @property
+    def is_stub(self) -> bool:
+        return is_stub(self.optimizer)
+
+    @property
+    def class_name(self) -> str:
+        return class_name(self.optimizer)
+
+
+def leaf_children(optimizer) -> list[Child]:
+    """Every leaf child of `optimizer` (a ChainedOptimizer, a LayerWise chain, or one child), stubs included."""
+    leaves: list[Child] = []
+
+    def visit(node, layer_wise: bool) -> None:
+        nested = getattr(node, "chained_optimizers", None)
+        if nested is None:
+            leaves.append(Child(len(leaves), node, layer_wise))
+            return
+        for sub in nested:
+            visit(sub, layer_wise or _has_class(node, LAYER_WISE))
+
+    visit(optimizer, False)
+    return leaves
+
+
+def is_stub(child) -> bool:
+    """A child with no parameters anywhere: megatron builds it with `optimizer=None`."""
+    return bool(getattr(child, "is_stub_optimizer", False)) or getattr(child, "optimizer", None) is None
+
+
+def class_name(child) -> str:
+    """The megatron class a child is (or derives from), else its own class name."""
+    for cls in type(child).__mro__:
+        if cls.__name__ in SUPPORTED_CLASSES:
+            return cls.__name__
+    return type(child).__name__
+
+
+def _has_class(obj, name: str) -> bool:
+    return any(cls.__name__ == name for cls in type(obj).__mro__)
+
+
+def optimizer_kind(child) -> str:
+    """`adam`, `lion`, `muon`, `adaptive_muon`, `sgd`, or the inner optimizer's class name."""
+    name = type(child.optimizer).__name__
+    if name in _KINDS:
+        return _KINDS[name]
+    if name.endswith("Muon"):  # emerging-optimizers' Muon, megatron's TensorParallelMuon
+        return "adaptive_muon" if "Adaptive" in name else "muon"
+    return name
+
+
+def has_state(child) -> bool:
+    """Whether this rank's inner optimizer has allocated per-parameter state (it has stepped)."""
+    return any(bool(s) for s in child.optimizer.state.values())
+
+
+def resolve_state_keys(child) -> tuple[str, ...]:
+    """The per-element tensor state keys this child's optimizer keeps per parameter (never the master).
+
+    Megatron's `optimizer_state_keys` (DistributedOptimizer, 0.19+) where the class has it; otherwise
+    the keys the inner optimizer really holds; for an optimizer that has not stepped yet, the keys of
+    its kind (Adam: both moments, Lion: one, Muon: its momentum buffer). Raises when megatron's
+    answer and the real state disagree (state would be lost silently).
+    """
+    actual = _actual_state_keys(child)
+    if isinstance(getattr(type(child), "optimizer_state_keys", None), property):
+        declared = tuple(child.optimizer_state_keys)
+        if actual and set(actual) != set(declared):
+            raise ValueError(
+                f"optimizer state holds {sorted(actual)} but megatron's optimizer_state_keys says "
+                f"{list(declared)}: refusing to checkpoint a subset of the state"
+            )
+        return declared
+    if actual:
+        return actual
+    kind = optimizer_kind(child)
+    if kind == "adam" and any(g.get("amsgrad") for g in child.optimizer.param_groups):
+        return (*_KEYS_BY_KIND["adam"], "max_exp_avg_sq")
+    if kind in _KEYS_BY_KIND:
+        return _KEYS_BY_KIND[kind]
+    return _keys_from_config(child.config)
+
+
+def _keys_from_config(config) -> tuple[str, ...]:
+    name = getattr(config, "optimizer", "adam")
+    if name in ("muon", "adaptive_muon"):
+        name = getattr(config, "muon_scalar_optimizer", "adam")
+    return _KEYS_BY_KIND.get(name, _KEYS_BY_KIND["adam"])
+
+
+def _actual_state_keys(child) -> tuple[str, ...]:
+    """Per-element tensor state keys of the inner optimizer (`step` and scalars excluded)."""
+    inner = child.optimizer
+    for group in inner.param_groups:
+        for main_param in group["params"]:
+            state = inner.state.get(main_param)
+            if state:
+                return tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == main_param.shape)
+    return ()

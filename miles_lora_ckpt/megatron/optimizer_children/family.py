@@ -1,0 +1,110 @@
+"""The interface every child family implements (`ChildFamily`), and what its phases pass around.
+
+Every optimizer file is bound (format v2) to what it is: `file_binding` (role `optimizer`, the
+child's leaf index, the coordinate of the rank that wrote it). The saver gives the binding to the
+protocol, which stamps it into the file and records it in the manifest; every family's preflight
+reads its files through `ReadContext.tensors(relpath, binding)`, which refuses a file the manifest
+binds to anything else (a file of another child or coordinate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from miles_lora_ckpt.megatron.optimizer_children.child import Child
+from miles_lora_ckpt.megatron.topology import Coordinates
+
+ROLE_OPTIMIZER = "optimizer"
+
+
+def file_binding(index: int, coordinate: str) -> dict[str, str]:
+    """What an optimizer file is: child `index`'s state written by the rank at `coordinate`."""
+    return {"role": ROLE_OPTIMIZER, "coordinate": coordinate, "child": str(index)}
+
+
+@dataclass(frozen=True)
+class OptimizerFile:
+    """One file a rank writes for a child: its binding (`file_binding`) and its tensors."""
+
+    binding: dict[str, str]
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What a family needs to know about this rank and the run: every rank's coordinates, param names."""
+
+    rank: int
+    ranks: list[Coordinates]  # every rank's coordinates, this run
+    names: dict[int, str]  # id(model parameter) -> chunk-qualified name (`chunk0.layers.0...`)
+
+    @property
+    def coords(self) -> Coordinates:
+        return self.ranks[self.rank]
+
+
+@dataclass
+class Collected:
+    """What `collect` took from one child on this rank: local tensors, and non-tensor state to record."""
+
+    local: Any  # family-specific; only `exchange_for_save` reads it
+    state_key: str | None = None  # where this rank's JSON state goes in the training state, if anywhere
+    state: Any = None  # JSON-able (param groups, steps, grad scaler)
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What preflight reads from an opened generation: this rank's files and the per-child JSON state."""
+
+    # (relpath, expected binding) -> {name: tensor}: the file's content already checked (digest,
+    # header, stamps); raises ValueError when the manifest binds the file to anything else
+    tensors: Callable[[str, dict[str, str]], dict[str, torch.Tensor]]
+    states: dict  # the training state's per-child JSON, keyed as `Collected.state_key`
+    keys: tuple[str, ...]  # the per-element state keys the checkpoint holds for this child
+
+
+class ChildFamily(Protocol):
+    """One family of optimizer children. Each method runs on every rank that holds the child.
+
+    Only `exchange_for_save` and `exchange_for_load` run collectives; everything else is local and
+    may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
+    manifest): every rank derives the same plan from the same descriptions, and raises the same
+    error where the descriptions are inconsistent.
+    """
+
+    name: str
+    dp_elastic: bool  # its saved state restores exactly at another data-parallel size
+
+    def describe(self, child: Child, coords: Coordinates, names: dict[int, str], saving: bool) -> dict:
+        """This rank's part of the plan (JSON): at least `params`, the names it holds state for."""
+
+    def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+        """From every rank's description (None where the child is a stub): files, and what they hold."""
+
+    def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
+        """Local copies of what this rank contributes, and the JSON state it records (if any)."""
+
+    def exchange_for_save(
+        self, child: Child, view: RankView, plan: dict, collected: Collected
+    ) -> dict[str, OptimizerFile]:
+        """Collectives only. `{relpath: OptimizerFile}` this rank writes."""
+
+    def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list[str]:
+        """The files this rank needs to restore the child (`plan` is the saved one). Raises
+        `IncompatibleCheckpoint` where the checkpoint cannot be restored into this run."""
+
+    def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
+        """Read (binding checked) and check everything against this rank's child; mutates nothing."""
+
+    def allocate(self, child: Child, restore: Any) -> None:
+        """First mutation: param groups and state allocated, ready to receive."""
+
+    def exchange_for_load(self, child: Child, view: RankView, restore: Any) -> Any:
+        """Collectives only: what each rank receives (DP roots send shards)."""
+
+    def install(self, child: Child, restore: Any, received: Any) -> None:
+        """Copy into masters and state, then read every tensor back bit for bit."""

@@ -1,0 +1,138 @@
+"""The pure parts of `megatron.optimizer_children`: chain flattening, plans and refusals, no processes.
+
+Descriptions here are the JSON every rank contributes to a save's plan; the children of the chain
+tests are stand-ins named like megatron's classes (the chain recognises classes by name). The real
+children are exercised end to end in test_optimizer_children.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from miles_lora_ckpt.megatron.optimizer_children import chain, float16, layerwise
+from miles_lora_ckpt.megatron.optimizer_children.child import leaf_children
+from miles_lora_ckpt.megatron.topology import Coordinates
+
+LayerWiseDistributedOptimizer = type("LayerWiseDistributedOptimizer", (SimpleNamespace,), {})
+Float16OptimizerWithFloat16Params = type("Float16OptimizerWithFloat16Params", (SimpleNamespace,), {})
+
+
+def coords(rank: int, dp: int, ep: int = 0) -> Coordinates:
+    return Coordinates(rank=rank, tp=0, pp=0, ep=ep, etp=0, dp=dp, cp=0)
+
+
+def described(entries: dict[str, int], digest: str | None = None) -> dict:
+    return {
+        "entries": {e: {"group": g} for e, g in entries.items()},
+        "groups": 2,
+        "replica_digest": digest,
+    }
+
+
+def test_a_layer_wise_chain_is_flattened_in_slot_order_and_stubs_keep_their_index():
+    slot0 = [Float16OptimizerWithFloat16Params(optimizer=object())]
+    slot1 = [
+        Float16OptimizerWithFloat16Params(optimizer=object()),
+        Float16OptimizerWithFloat16Params(optimizer=object()),
+    ]
+    stub = SimpleNamespace(optimizer=None, is_stub_optimizer=True)
+    top = SimpleNamespace(chained_optimizers=[LayerWiseDistributedOptimizer(chained_optimizers=slot0 + slot1), stub])
+    leaves = leaf_children(top)
+    assert [leaf.index for leaf in leaves] == [0, 1, 2, 3]
+    assert [leaf.layer_wise for leaf in leaves] == [True, True, True, False] and leaves[3].is_stub
+    assert [c.index for c in chain.select(top, [2, 1, 3])] == [1, 2]  # a stub holds nothing: never selected
+    with pytest.raises(ValueError, match=r"optimizer children \[7\] do not exist: the chain has 4 children"):
+        chain.select(top, [7])
+
+
+def test_replicated_entries_are_written_once_by_the_lowest_rank_holding_them():
+    ranks = [coords(0, 0), coords(1, 1)]
+    same = [described({"tp000_pp000:chunk0.a": 0, "tp000_pp000:chunk0.b": 1}, "d1")] * 2
+    plan = float16.FAMILY.plan(3, same, ranks)
+    assert {e["file"] for e in plan["entries"].values()} == {
+        "optimizer/child3_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"
+    }
+    assert plan["entries"]["tp000_pp000:chunk0.b"]["group"] == 1
+    assert plan["state_reporters"] == {"tp000_pp000_ep000_etp000": 0}
+
+
+def test_replicas_that_differ_are_refused():
+    ranks = [coords(0, 0), coords(1, 1)]
+    diverged = [described({"tp000_pp000:chunk0.a": 0}, "d1"), described({"tp000_pp000:chunk0.a": 0}, "d2")]
+    with pytest.raises(ValueError, match="replicas on ranks 0 and 1 hold different masters or moments"):
+        float16.FAMILY.plan(0, diverged, ranks)
+    # on load no digests are computed, and nothing is compared
+    float16.FAMILY.plan(0, [described({"tp000_pp000:chunk0.a": 0})] * 2, ranks)
+
+
+def test_layer_wise_entries_are_written_by_their_owner_and_never_twice():
+    ranks = [coords(0, 0), coords(1, 1), coords(2, 2)]
+    owners = [described({"tp000_pp000:chunk0.a": 0}), described({"tp000_pp000:chunk0.b": 0}), described({})]
+    plan = layerwise.FAMILY.plan(1, owners, ranks)
+    assert plan["entries"]["tp000_pp000:chunk0.b"]["file"].endswith("_dp001_cp000.safetensors")
+    assert plan["state_reporters"] == {"tp000_pp000_ep000_etp000": 0}  # rank 2 holds nothing: not a stub
+    shared = [described({"tp000_pp000:chunk0.a": 0})] * 2 + [described({})]
+    with pytest.raises(ValueError, match=r"held by ranks \[0, 1\] under a LayerWiseDistributedOptimizer"):
+        layerwise.FAMILY.plan(1, shared, ranks)
+
+
+def test_a_load_needs_exactly_the_saved_entries():
+    ranks = [coords(0, 0), coords(1, 1), coords(2, 2)]
+    saved = layerwise.FAMILY.plan(0, [described({"s:a": 0}), described({"s:b": 0})], ranks[:2])
+    view = SimpleNamespace(rank=2)
+    now = [described({"s:a": 0}), described({}), described({"s:b": 0})]  # another DP size, other owners
+    assert layerwise.FAMILY.files_to_read(0, view, now, saved) == [saved["entries"]["s:b"]["file"]]
+    with pytest.raises(ValueError, match="does not step"):
+        layerwise.FAMILY.files_to_read(0, view, [described({"s:a": 0}), described({}), described({})], saved)
+
+
+def child(index: int, **fields) -> dict:
+    base = {
+        "index": index,
+        "family": "replicated",
+        "class": "Float16OptimizerWithFloat16Params",
+        "kind": "adam",
+        "keys": ["exp_avg", "exp_avg_sq"],
+        "has_state": True,
+        "params": ["chunk0.a"],
+        **described({"tp000_pp000:chunk0.a": 0}, "d"),
+    }
+    return {**base, **fields}
+
+
+def test_ranks_that_disagree_about_a_child_are_refused():
+    ranks = [coords(0, 0), coords(1, 1)]
+    with pytest.raises(ValueError, match="child 0: kind 'adam' on rank 0, 'lion' on rank 1"):
+        chain.plan([[child(0)], [child(0, kind="lion")]], ranks, save_optim=True)
+    plans = chain.plan([[child(0)], [child(0, has_state=False, keys=["exp_avg", "exp_avg_sq"])]], ranks, True)
+    assert plans["0"]["stepped"] and plans["0"]["layout"]["entries"]
+    assert not chain.plan([[child(0, has_state=False)]] * 2, ranks, True)["0"]["stepped"]
+    assert not chain.plan([[child(0)]] * 2, ranks, save_optim=False)["0"]["stepped"]
+
+
+@pytest.mark.parametrize(
+    "running, words",
+    [
+        (child(0, **{"class": "DistributedOptimizer", "family": "distributed"}), "saved a Float16OptimizerWithFloat16Params over adam, this run has a DistributedOptimizer over adam"),
+        (child(0, family="layer-wise"), "this run has one under a LayerWiseDistributedOptimizer (layer-wise)"),
+        (child(0, kind="lion", keys=["exp_avg"]), "of adam, this run's optimizer (lion) keeps ['exp_avg']"),
+        (child(1), "holds no optimizer child 1: it saved [0] (a chosen-children save: pass optimizer_children=[0])"),
+    ],
+)  # fmt: skip
+def test_a_child_unlike_the_saved_one_is_refused(running, words):
+    saved = chain.plan([[child(0)]], [coords(0, 0)], save_optim=True)
+    with pytest.raises(ValueError) as info:
+        chain.check_against(saved, [[running]], 0, dp_changed=False, saved_selection=[0])
+    assert words in str(info.value)
+    chain.check_against(saved, [[child(0)]], 0, dp_changed=True)  # every family restores at another DP size
+
+
+def test_a_family_that_cannot_change_dp_size_is_refused_when_it_changes(monkeypatch):
+    """Every family megatron builds for LoRA restores at another DP size; one that could not says so."""
+    saved = chain.plan([[child(0)]], [coords(0, 0)], save_optim=True)
+    monkeypatch.setattr(float16.FAMILY, "dp_elastic", False)
+    chain.check_against(saved, [[child(0)]], 0, dp_changed=False)
+    with pytest.raises(ValueError, match=r"child 0 \(replicated\) cannot be restored exactly at another data-parallel"):
+        chain.check_against(saved, [[child(0)]], 0, dp_changed=True)
