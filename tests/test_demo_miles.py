@@ -106,3 +106,16 @@ def test_export_peft_through_miles_loads_in_peft(prewarmed, tmp_path, capsys):
 def test_export_peft_usage_errors_exit_2(tmp_path, capsys, extra, words):
     assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), "--export-peft", *SMALL, *extra]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_export_peft_takes_tp_2_only_where_the_world_has_room():
+    parse = build_parser().parse_args
+
+    def tp(*extra) -> str | None:
+        flags = demo_miles.Scenario(parse(["demo", "--via", "miles", "--export-peft", *extra])).training_flags()
+        return (
+            flags[flags.index("--tensor-model-parallel-size") + 1] if "--tensor-model-parallel-size" in flags else None
+        )
+
+    assert tp("--world-size", "2") == "2" and tp("--world-size", "4", "--pp", "2") == "2"
+    assert tp("--world-size", "2", "--pp", "2") is None and tp("--world-size", "3") is None  # no room: TP=1

@@ -18,7 +18,7 @@ With --steps N rollouts of 2 optimizer steps each and --save-every K (Miles' --s
 --lora-adapter-path <newest iter_*/adapter>, the edit a stock user must make by hand.
 
 --export-peft: --hf-checkpoint is a tiny HF Qwen2 (DIR/hf-base, built from a config, no hub), so
-the stand-in trains the Qwen2-shaped harness model (TP=2 on an even world unless --tp is given;
+the stand-in trains the Qwen2-shaped harness model (TP=2 where the world allows it unless --tp is given;
 --adapters dense adapts q/k/v/o, mixed all linears), with Megatron-Bridge (the harness's double)
 in every rank. The config sets `export.peft = true`, so every committed generation holds peft/,
 and the command adds `--save-hf DIR/miles/hf-out/{rollout_id}`, whose adapter/latest is an HF PEFT
@@ -108,7 +108,9 @@ class Scenario:
         # --export-peft: the tiny HF Qwen2 of the harness demo's --export-peft, at DIR/hf-base
         self.hf = self.dir.parent / "hf-base" if self.peft else self.dir / "hf-base"
         self.hf_out = self.dir / "hf-out"
-        self.tp = 2 if self.peft and args.tp == 1 and args.world_size % 2 == 0 else args.tp
+        # --export-peft exercises Bridge's TP gather: TP=2 unless --tp is given or the world has no room for it
+        room = args.world_size % (2 * args.pp * args.cp) == 0
+        self.tp = 2 if self.peft and args.tp == 1 and room else args.tp
         self.save = self.dir / "run"
         self.config = self.dir / "miles-lora-ckpt.toml"
         self.plugin = not args.without_plugin
