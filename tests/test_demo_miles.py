@@ -79,3 +79,43 @@ def test_layout_flags_become_megatrons_parallel_size_flags(tmp_path, capsys):
     assert flags[flags.index("--virtual-pipeline-model-parallel-size") + 1] == "2"
     assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), "--world-size", "3", "--tp", "2"]) == 2
     assert "ERROR invalid layout" in capsys.readouterr().err
+
+
+def test_export_peft_through_miles_loads_in_peft(prewarmed, tmp_path, capsys):
+    """--export-peft: the Qwen2-shaped model at TP=2, export.peft and --save-hf in the launch; the
+    relaunch's newest peft/ and last --save-hf adapter load with the real PEFT onto DIR/hf-base."""
+    argv = [*SMALL, "--workdir", str(tmp_path), "--export-peft", "--miles-shape", "positional-args-pr"]
+    assert run(prewarmed, argv) == 0
+    lines, out = output(capsys)
+    assert lines[-1] == "RESULT: bit-exact" and "ROLLOUT: resumed at 2" in lines
+    assert "PEFT: loadable (0 missing, 0 unexpected)" in lines
+    assert "--save-hf PEFT: loadable (0 missing, 0 unexpected)" in lines
+    assert "--target-modules all-linear" in out and "--tensor-model-parallel-size 2" in out
+    assert f"--hf-checkpoint {tmp_path / 'hf-base'}" in out and "--save-hf" in out
+    assert "peft = true" in (tmp_path / "miles" / "miles-lora-ckpt.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--without-plugin"], "--export-peft --without-plugin: stock Miles' PEFT export writes a pickled"),
+        (["--adapters", "expert-only"], "has no experts"),
+        (["--cp", "2", "--world-size", "4"], "no --ep, --cp or --vpp"),
+    ],
+)
+def test_export_peft_usage_errors_exit_2(tmp_path, capsys, extra, words):
+    assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), "--export-peft", *SMALL, *extra]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_export_peft_takes_tp_2_only_where_the_world_has_room():
+    parse = build_parser().parse_args
+
+    def tp(*extra) -> str | None:
+        flags = demo_miles.Scenario(parse(["demo", "--via", "miles", "--export-peft", *extra])).training_flags()
+        return (
+            flags[flags.index("--tensor-model-parallel-size") + 1] if "--tensor-model-parallel-size" in flags else None
+        )
+
+    assert tp("--world-size", "2") == "2" and tp("--world-size", "4", "--pp", "2") == "2"
+    assert tp("--world-size", "2", "--pp", "2") is None and tp("--world-size", "3") is None  # no room: TP=1

@@ -226,7 +226,48 @@ def test_startup_refuses_what_cannot_be_checkpointed_naming_the_flag(extra, word
     assert attributes(modules) == before
 
 
-def test_peft_export_is_validated_and_refused_until_it_exists():
+def test_peft_export_where_it_cannot_work_is_refused_at_startup_naming_key_flag_and_reason():
+    """No Megatron-Bridge here, no patch_megatron_model in this fake Miles, no --hf-checkpoint: every
+    reason is named, with the key (and where its value came from) and the flag; nothing is patched."""
     modules = fake_miles("lora-utils-2026-08")
-    with pytest.raises(CheckpointError, match="PEFT export is not available"):
-        install(Namespace(lora_rank=4), environ={"MILES_LORA_CKPT_PEFT_EXPORT": "1"}, import_module=importer(modules))
+    before = attributes(modules)
+    args = Namespace(lora_rank=4, save_hf="/out/{rollout_id}")
+    with pytest.raises(CheckpointError) as info:
+        install(args, environ={"MILES_LORA_CKPT_PEFT_EXPORT": "1"}, import_module=importer(modules))
+    text = str(info.value)
+    assert "export.peft = true ($MILES_LORA_CKPT_PEFT_EXPORT) and --save-hf /out/{rollout_id}" in text
+    assert "import megatron.bridge` fails here" in text
+    assert "miles.utils.megatron_bridge_utils cannot be imported" in text
+    assert "--hf-checkpoint is not set" in text
+    assert "set export.peft = false (or MILES_LORA_CKPT_PEFT_EXPORT=0) and drop --save-hf" in text
+    assert attributes(modules) == before
+
+
+def test_peft_export_checks_run_only_when_a_run_exports():
+    modules = fake_miles("lora-utils-2026-08")
+    install(Namespace(lora_rank=4), environ={}, import_module=importer(modules))  # export.peft off, no --save-hf
+    runtime.set_current(None)
+    full_model = Namespace(lora_rank=0, save_hf="/out/{rollout_id}")  # not LoRA: Miles' own export, untouched
+    rt = install(full_model, environ={}, import_module=importer(modules))
+    assert rt.peft is None
+    runtime.set_current(None)
+    # export.peft = true in a run that trains no adapter: refused, naming --lora-rank (negative control above)
+    before = attributes(modules)
+    with pytest.raises(CheckpointError) as info:
+        install(full_model, environ={"MILES_LORA_CKPT_PEFT_EXPORT": "1"}, import_module=importer(modules))
+    text = str(info.value)
+    assert "--lora-rank is not set (this run trains no LoRA adapter" in text and "--save-hf" not in text
+    assert "set export.peft = false (or MILES_LORA_CKPT_PEFT_EXPORT=0)." in text
+    assert attributes(modules) == before
+
+
+def test_every_shape_names_miles_context_for_bridge_calls():
+    from miles_lora_ckpt.integration import peft
+
+    for shape in SHAPES:
+        assert shape.bridge_model_context == "miles.utils.megatron_bridge_utils.patch_megatron_model"
+        modules = fake_miles(shape.name)
+        context = ModuleType("miles.utils.megatron_bridge_utils")
+        context.patch_megatron_model = lambda model: None
+        modules[context.__name__] = context
+        assert peft.model_context(shape, importer(modules)) == (context.patch_megatron_model, "")

@@ -34,6 +34,7 @@ try:
     outside["import"] = miles.__file__
 except ModuleNotFoundError:
     outside["import"] = "refused"
+from miles_lora_ckpt.integration.peft import model_context
 from miles_lora_ckpt.integration.shapes import detect_shape
 from miles_lora_ckpt.sim.miles_standin import SHAPES, shape_path
 found = {}
@@ -42,7 +43,10 @@ for name in SHAPES:
         del sys.modules[module]
     sys.path.insert(0, shape_path(name))
     import miles.backends.megatron_utils.actor  # what Miles has imported when it calls the init hook
-    found[name] = [detect_shape().name, miles.__file__]
+    shape = detect_shape()
+    context, why = model_context(shape)  # what the PEFT export runs Bridge under
+    bound = sys.modules["miles.utils.megatron_bridge_utils"].patch_megatron_model is context
+    found[name] = [shape.name, miles.__file__, sys.modules["miles.utils.megatron_bridge_utils"].__file__, bound, why]
     sys.path.pop(0)
 print(json.dumps({"outside": outside, "found": found}))
 """
@@ -61,8 +65,14 @@ def test_miles_is_not_importable_outside_the_harness(probe):
 
 def test_each_stand_in_tree_is_detected_as_its_shape(probe):
     for name in SHAPES:
-        detected, where = probe["found"][name]
+        detected, where, _, _, _ = probe["found"][name]
         assert detected == name and where.startswith(shape_path(name))
+
+
+def test_each_shape_binds_the_peft_export_to_its_own_patch_megatron_model(probe):
+    for name in SHAPES:
+        _, _, context_file, bound, why = probe["found"][name]
+        assert context_file.startswith(shape_path(name)) and bound and why == "", (name, why)
 
 
 TAMPERED_HOOK = """

@@ -95,3 +95,16 @@ def test_manifest_round_trip_and_field_table():
         change(edited)
         with pytest.raises(ValueError, match=message):
             Manifest.from_json_bytes(seal_manifest(edited))
+
+
+def test_a_training_state_at_iteration_0_may_have_stepped_but_a_later_one_must_have():
+    """Miles numbers saves by rollout id: the save of rollout 0 comes after its training steps."""
+    from miles_lora_ckpt.core import training_state
+
+    def state(iteration, num_steps):
+        return {"iteration": iteration, "generation": "g", "scheduler": {"num_steps": num_steps}}
+
+    for iteration, num_steps in ((0, 0), (0, 8), (3, 32)):
+        training_state.check(state(iteration, num_steps), iteration=iteration, generation="g", format_version=2)
+    with pytest.raises(ValueError, match="scheduler.num_steps is 0 at iteration 7"):
+        training_state.check(state(7, 0), iteration=7, generation="g", format_version=2)

@@ -12,7 +12,8 @@ Checked on every read (by the loader and by `verify` alike, see `verify.check_fi
   another generation is refused);
 - every number anywhere is finite (`jsoncodec` would otherwise carry NaN/Inf as tagged floats);
 - the scheduler's counters and rates are non-negative, and its position agrees with the
-  iteration: `num_steps` is zero exactly when the iteration is zero;
+  iteration: a scheduler that never stepped (`num_steps` 0) belongs to iteration 0 (an iteration
+  0 may have stepped: Miles numbers its saves by rollout id, and rollout 0 trains before its save);
 - every optimizer param group's hyperparameters are in the range torch's own optimizers accept:
   `lr`, `eps`, `weight_decay`, `momentum`, `max_lr`, `min_lr`, `lr_mult`, `wd_mult` >= 0,
   each of `betas` in [0, 1).
@@ -64,10 +65,10 @@ def _check_scheduler(scheduler: dict, iteration: int) -> None:
     for key in SCHEDULER_COUNTERS:
         if key in scheduler and scheduler[key] is not None:
             bounded.integer(_plain(scheduler[key]), f"scheduler.{key}")
-    if (num_steps == 0) != (iteration == 0):
+    if num_steps == 0 and iteration > 0:
         raise ValueError(
-            f"scheduler.num_steps is {num_steps} at iteration {iteration}: the scheduler position does not "
-            "match the iteration (it is zero exactly when the iteration is)"
+            f"scheduler.num_steps is 0 at iteration {iteration}: a scheduler that never stepped does not "
+            "belong to a later iteration"
         )
 
 

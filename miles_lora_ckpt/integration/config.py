@@ -135,7 +135,9 @@ KEYS: tuple[Key, ...] = (
         bool,
         False,
         "MILES_LORA_CKPT_PEFT_EXPORT",
-        "also publish an HF PEFT adapter with each save (not available in this version: true is refused at startup)",
+        "every committed generation also holds peft/, an HF PEFT adapter exported through Megatron-Bridge and "
+        "committed with it (a failed export fails the save on every rank); needs megatron.bridge, --hf-checkpoint "
+        "and --lora-rank, checked at startup",
     ),
 )
 KEYS_BY_NAME = {key.name: key for key in KEYS}

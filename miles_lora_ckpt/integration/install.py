@@ -4,7 +4,8 @@ Miles calls the hook once per training process, after torch.distributed and mega
 state are up and before the model, optimizer and any checkpoint load (contract §0). It reads as
 phases; nothing in Miles changes before the last one::
 
-    prepare  (config file and overrides, Miles shape detection, binding plan, startup checks)
+    prepare  (config file and overrides, Miles shape detection, binding plan, startup checks;
+              with export.peft or --save-hf: Bridge and Miles' patch_megatron_model, Bridge built)
     -> agree
     -> save directory (rank 0: refuse a relaunch Miles would restart at rollout 0; Megatron's tracker)
     -> agree
@@ -21,10 +22,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.integration import bindings, resume, runtime
+from miles_lora_ckpt.integration import bindings, peft, resume, runtime
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.shapes import Shape, detect_shape
 from miles_lora_ckpt.integration.startup import validate_miles_launch
+from miles_lora_ckpt.savers.peft_export import PeftExport
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -36,6 +38,7 @@ class Prepared:
     config: PluginConfig
     shape: Shape
     plan: bindings.Plan
+    peft: PeftExport | None = None  # the PEFT export this launch runs (see integration.peft)
 
     @property
     def summary(self) -> dict:
@@ -66,7 +69,7 @@ def install(
     rt = (
         previous if previous is not None and previous.args is args else runtime.Runtime(args, ready.config, ready.shape)
     )
-    rt.config, rt.shape = ready.config, ready.shape
+    rt.config, rt.shape, rt.peft = ready.config, ready.shape, ready.peft
     runtime.set_current(rt)
     try:
         rt.bindings = bindings.apply(ready.plan)
@@ -83,6 +86,13 @@ def install(
             len(rt.bindings),
             "; ".join(ready.config.describe()),
         )
+        if ready.peft is not None:
+            log.info(
+                "miles-lora-ckpt: PEFT export through Megatron-Bridge (%s, model context %s): %s",
+                ready.shape.name,
+                ready.shape.bridge_model_context,
+                "; ".join(peft.reasons(args, ready.config, lora=_lora_enabled(args))),
+            )
     return rt
 
 
@@ -91,7 +101,8 @@ def _prepare(args, environ, import_module) -> Prepared:
     shape = detect_shape(import_module)
     plan = bindings.plan(shape, import_module)
     validate_miles_launch(args, config)
-    return Prepared(config, shape, plan)
+    export = peft.prepare(args, config, shape, lora=_lora_enabled(args), import_module=import_module)
+    return Prepared(config, shape, plan, export)
 
 
 def _prepare_save_dir(args, config: PluginConfig) -> list[str]:

@@ -27,6 +27,9 @@ class Runtime:
     validated_optimizers: set[int] = field(default_factory=set)  # id() of optimizers startup-checked
     initial_adapter: dict | None = None  # the actor's adapter before a resume (for ref/teacher loads)
     bindings: list[str] = field(default_factory=list)  # "module.name" of every rebound name
+    # the PEFT export (savers.peft_export.PeftExport, Bridge built) when export.peft or --save-hf asks for
+    # one; None otherwise (see integration.peft)
+    peft: Any = None
 
 
 _current: Runtime | None = None

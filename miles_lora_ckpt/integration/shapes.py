@@ -7,6 +7,10 @@ must be rebound too. `detect_shape` imports the modules, renders each function's
 returns the first shape that matches in every target. When none does, it raises
 `UnknownMilesShape` naming each module, function and signature found: nothing is patched.
 
+A shape also names what the plugin *calls* in Miles without replacing it: the context manager
+Miles wraps every Megatron-Bridge call in (`bridge_model_context`, for the PEFT export). It is not
+part of detection; it is resolved at startup only when the run exports (`integration.peft`).
+
 Extending: another issue adds targets (e.g. multi-LoRA's functions) to the shapes that have them
 and its handlers to `bindings`; a new Miles version is one more `Shape` in `SHAPES`, newest first.
 """
@@ -27,6 +31,8 @@ ACTOR = f"{MEGATRON_UTILS}.actor"
 HF_EXPORT = f"{MEGATRON_UTILS}.hf_export"
 FT_IN_MEMORY = f"{MEGATRON_UTILS}.ft.in_memory_checkpoint"
 DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # contract §10.1: a debug tool
+# contract §1.2 step 5, §2.1: Miles runs Bridge's export (and its HF base load) under this context manager
+PATCH_MEGATRON_MODEL = "miles.utils.megatron_bridge_utils.patch_megatron_model"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class Shape:
     lora_module: str  # where `save_lora_checkpoint`, `load_lora_adapter` and `is_lora_model` live
     gloo_flag: str  # the args attribute of megatron's gloo switch in this version
     targets: tuple[Target, ...]
+    # dotted path of the context manager `fn(model)` Miles wraps Bridge calls in; None: unknown here
+    bridge_model_context: str | None = None
 
 
 def render_signature(function: Callable) -> str:
@@ -169,6 +177,7 @@ SHAPES: tuple[Shape, ...] = (
             optional_state=False,
         )
         + _model_targets(),
+        PATCH_MEGATRON_MODEL,
     ),
     Shape(
         "positional-args-pr",
@@ -183,6 +192,7 @@ SHAPES: tuple[Shape, ...] = (
             optional_state=True,
         )
         + _model_targets(),
+        PATCH_MEGATRON_MODEL,
     ),
     Shape(
         "lora-utils-2026-08",
@@ -196,6 +206,7 @@ SHAPES: tuple[Shape, ...] = (
             optional_state=False,
         )
         + _model_targets(),
+        PATCH_MEGATRON_MODEL,
     ),
 )
 SHAPES_BY_NAME = {shape.name: shape for shape in SHAPES}

@@ -6,7 +6,10 @@ original's signature, so one factory serves every shape (a keyword `load_optimiz
 `args`, ...). They read the process's `runtime` at call time.
 
     save_checkpoint_with_lora   a committed generation under the save root + Megatron's tracker
-    save_lora_checkpoint        the same API for other callers (`--save-hf` writes an adapter generation)
+                                (with export.peft: holding peft/, committed with it; see integration.peft)
+    save_lora_checkpoint        Miles' HF export (`--save-hf`, no optimizer): an HF PEFT adapter published
+                                into the export root `<save-hf dir>/adapter` (`latest`); with an
+                                optimizer: a committed generation, as above
     load_checkpoint             resume: Miles' base load, then the newest generation (see resume.py);
                                 ref/teacher loads start from the adapter the first launch had, not the
                                 resumed one, so a resumed run sees the reference an uninterrupted run saw
@@ -26,7 +29,7 @@ from collections.abc import Callable
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.integration import resume, runtime
+from miles_lora_ckpt.integration import peft, resume, runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration, validate_startup
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler, scheduler_state
@@ -84,6 +87,7 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
             opt_param_scheduler=call["opt_param_scheduler"],
             iteration=iteration,
             keep=rt.config["save.keep"] or None,
+            peft=rt.peft if rt.config["export.peft"] else None,  # a failed export fails the save
         )
         _agree_on_rank0("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration)
         rt.saved[iteration] = generation
@@ -99,6 +103,17 @@ def save_lora_checkpoint(original: Callable, target) -> Callable:
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         call = bind(args, kwargs)
+        rt = runtime.current()
+        if call["optimizer"] is None and rt.peft is not None:
+            # Miles' --save-hf: save_lora_checkpoint(model, args, "<save-hf dir>/adapter"), no rollout id;
+            # it runs right after this process committed that rollout's save
+            iteration = call["iteration"] if call["iteration"] is not None else max(rt.saved, default=0)
+            keep = rt.config["save.keep"] or None
+            published = peft.publish_save_hf_adapter(
+                rt.peft, call["model"], call["save_dir"], iteration=iteration, keep=keep
+            )
+            log.info("miles-lora-ckpt: published the HF PEFT adapter %s", published)
+            return str(published)
         generation = saver.save_lora_checkpoint(
             call["model"],
             call["args"],
@@ -106,6 +121,7 @@ def save_lora_checkpoint(original: Callable, target) -> Callable:
             optimizer=call["optimizer"],
             opt_param_scheduler=call["opt_param_scheduler"],
             iteration=call["iteration"],
+            peft=rt.peft if rt.config["export.peft"] else None,
         )
         log.info("miles-lora-ckpt: committed %s", generation)
         return generation

@@ -127,8 +127,6 @@ def _miles_problems(args, config) -> list[str]:
         )
     if getattr(args, "stream_optimizer_state_to_disk", False):
         problems.append("--stream-optimizer-state-to-disk keeps the optimizer state outside the optimizer: drop it")
-    if config["export.peft"]:
-        problems.append("export.peft = true: PEFT export is not available in this version: set it to false")
     adapter, save = getattr(args, "lora_adapter_path", None), getattr(args, "save", None)
     if adapter and save:
         adapter_path, root = Path(adapter).resolve(), save_root(config, save).resolve()

@@ -141,7 +141,10 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="run the Qwen2-shaped model (TP=2 on an even world) with every save holding peft/, publish the "
         "resumed adapter into DIR/peft/ (an export root: DIR/peft/latest), write the HF base to DIR/hf-base/ "
-        "and load both with the real PEFT",
+        "and load both with the real PEFT. With --via miles: the launch gets export.peft = true (config file) and "
+        "--save-hf DIR/miles/hf-out/{rollout_id}, and the relaunch's newest generation's peft/ and its last "
+        "--save-hf adapter (<dir>/adapter/latest) are loaded with the real PEFT onto DIR/hf-base; "
+        "--adapters dense or mixed; not with --without-plugin (exit 2: stock Miles' export is not imitated)",
     )
     demo.set_defaults(handler=run_demo)
 

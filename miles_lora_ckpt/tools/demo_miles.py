@@ -16,6 +16,18 @@ megatron only, so Miles and the plugin start from nothing each time.
 With --steps N rollouts of 2 optimizer steps each and --save-every K (Miles' --save-interval).
 --without-plugin runs the same scenario on stock Miles: no init hook; the relaunch adds
 --lora-adapter-path <newest iter_*/adapter>, the edit a stock user must make by hand.
+
+--export-peft: --hf-checkpoint is a tiny HF Qwen2 (DIR/hf-base, built from a config, no hub), so
+the stand-in trains the Qwen2-shaped harness model (TP=2 where the world allows it unless --tp is given;
+--adapters dense adapts q/k/v/o, mixed all linears), with Megatron-Bridge (the harness's double)
+in every rank. The config sets `export.peft = true`, so every committed generation holds peft/,
+and the command adds `--save-hf DIR/miles/hf-out/{rollout_id}`, whose adapter/latest is an HF PEFT
+adapter. After the relaunch, the newest generation's peft/ and the last --save-hf adapter are
+loaded with the real PEFT onto DIR/hf-base (`PEFT: loadable (0 missing, 0 unexpected)` and
+`--save-hf PEFT: loadable (...)`); a PEFT adapter that does not load ends `RESULT: MISMATCH`.
+--export-peft --without-plugin is a usage error (exit 2): stock Miles' export (a pickled
+adapter_model.bin that PEFT cannot load, its errors swallowed) is not imitated by the stand-in.
+
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
 `RESULT: MISMATCH <what>` (exit 1).
 """
@@ -39,6 +51,7 @@ TARGETS = {
     "expert-only": "linear_fc1,linear_fc2",
     "mixed": "linear_qkv,linear_proj,linear_fc1,linear_fc2",
 }
+QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
 JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
 CONFIG_TEXT = """\
 # miles-lora-ckpt config written by `miles-lora-ckpt demo --via miles` (see configs/ for commented examples)
@@ -49,6 +62,10 @@ keep = 3            # keep the newest 3 intact generations
 timeout_s = 60      # a dead peer turns into an error on every rank within a minute
 [resume]
 strict = true
+"""
+PEFT_CONFIG_TEXT = """\
+[export]
+peft = true         # every committed generation also holds peft/, an HF PEFT adapter
 """
 
 
@@ -72,7 +89,8 @@ def add_arguments(demo) -> None:
     demo.add_argument(
         "--without-plugin",
         action="store_true",
-        help="with --via miles: the same scenario on stock Miles (no init hook): the negative control",
+        help="with --via miles: the same scenario on stock Miles (no init hook): the negative control "
+        "(not with --export-peft: exit 2)",
     )
 
 
@@ -86,7 +104,13 @@ class Scenario:
         self.args = args
         self.world = args.world_size
         self.dir = Path(args.workdir).resolve() / "miles"
-        self.hf = self.dir / "hf-base"
+        self.peft = bool(getattr(args, "export_peft", False))
+        # --export-peft: the tiny HF Qwen2 of the harness demo's --export-peft, at DIR/hf-base
+        self.hf = self.dir.parent / "hf-base" if self.peft else self.dir / "hf-base"
+        self.hf_out = self.dir / "hf-out"
+        # --export-peft exercises Bridge's TP gather: TP=2 unless --tp is given or the world has no room for it
+        room = args.world_size % (2 * args.pp * args.cp) == 0
+        self.tp = 2 if self.peft and args.tp == 1 and room else args.tp
         self.save = self.dir / "run"
         self.config = self.dir / "miles-lora-ckpt.toml"
         self.plugin = not args.without_plugin
@@ -108,7 +132,7 @@ class Scenario:
             "--lora-alpha",
             "4",
             "--target-modules",
-            TARGETS[self.args.adapters],
+            QWEN2_TARGETS[self.args.adapters] if self.peft else TARGETS[self.args.adapters],
             "--optimizer",
             self.args.optimizer,
             *(["--bf16"] if self.args.dtype == "bf16" else []),
@@ -118,7 +142,7 @@ class Scenario:
     def layout_flags(self) -> list[str]:
         """The demo's --tp/--pp/--ep/--cp/--vpp as Megatron's parallel-size flags (only those not 1)."""
         sizes = {
-            "--tensor-model-parallel-size": self.args.tp,
+            "--tensor-model-parallel-size": self.tp,
             "--pipeline-model-parallel-size": self.args.pp,
             "--expert-model-parallel-size": self.args.ep,
             "--context-parallel-size": self.args.cp,
@@ -130,6 +154,8 @@ class Scenario:
         """The user's launch command (its flags), identical for every launch."""
         hook = ["--custom-megatron-init-path", INIT_HOOK] if self.plugin else []
         checkpoints = ["--load", str(self.save), "--save", str(self.save), "--save-interval", str(self.args.save_every)]
+        if self.peft:
+            checkpoints += ["--save-hf", str(self.hf_out / "{rollout_id}")]
         return hook + self.training_flags() + checkpoints
 
     def env(self) -> dict[str, str]:
@@ -157,19 +183,27 @@ def run(args, launcher=None) -> int:
         if args.crash_at not in STOCK_PHASES:
             print(f"ERROR stock Miles' save has only {', '.join(STOCK_PHASES)} to crash at", file=sys.stderr)
             return 2
+    problem = _peft_usage_problem(args)
+    if problem:
+        print(f"ERROR {problem}", file=sys.stderr)
+        return 2
+    scenario = Scenario(args)
     try:
-        check_layout(args.world_size, args.tp, args.pp, args.ep, args.cp, args.vpp, layers_for(args.pp, args.vpp))
+        layers = 2 if scenario.peft else layers_for(args.pp, args.vpp)  # the Qwen2-shaped model has 2 layers
+        check_layout(args.world_size, scenario.tp, args.pp, args.ep, args.cp, args.vpp, layers)
     except ValueError as exc:
         print(f"ERROR invalid layout: {exc}", file=sys.stderr)
         return 2
-    scenario = Scenario(args)
     if not 0 <= scenario.crash_rank < scenario.world:
         print(f"ERROR --crash-rank must be in [0, {scenario.world})", file=sys.stderr)
         return 2
     scenario.dir.mkdir(parents=True, exist_ok=True)
-    scenario.hf.mkdir(exist_ok=True)
-    (scenario.hf / "config.json").write_text("{}\n")
-    scenario.config.write_text(CONFIG_TEXT)
+    if scenario.peft:
+        _qwen2_base(scenario.hf)
+    else:
+        scenario.hf.mkdir(exist_ok=True)
+        (scenario.hf / "config.json").write_text("{}\n")
+    scenario.config.write_text(CONFIG_TEXT + (PEFT_CONFIG_TEXT if scenario.peft else ""))
     from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
 
     own = launcher is None
@@ -179,6 +213,32 @@ def run(args, launcher=None) -> int:
     finally:
         if own:
             launcher.close()
+
+
+def _peft_usage_problem(args) -> str | None:
+    if not getattr(args, "export_peft", False):
+        return None
+    if args.without_plugin:
+        return (
+            "--export-peft --without-plugin: stock Miles' PEFT export writes a pickled adapter_model.bin under "
+            "names PEFT cannot load and swallows its errors; the stand-in does not imitate it (nothing here "
+            "writes pickle). For the stock negative control run --without-plugin without --export-peft"
+        )
+    if (args.ep, args.cp, args.vpp) != (1, 1, 1) or args.pp not in (1, 2):
+        return "--export-peft runs the Qwen2-shaped model (2 layers, no experts): no --ep, --cp or --vpp; --pp 1 or 2"
+    if args.adapters not in QWEN2_TARGETS:
+        return f"--export-peft: the Qwen2-shaped model has no experts: --adapters {' or '.join(QWEN2_TARGETS)}"
+    return None
+
+
+def _qwen2_base(path: Path) -> None:
+    """The tiny HF Qwen2 the stand-in's Qwen2-shaped model maps onto (built once, shared with `demo --export-peft`)."""
+    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+
+    config = path / "config.json"
+    if not (config.is_file() and "Qwen2ForCausalLM" in config.read_text()):
+        build_tiny_qwen2(path, Qwen2SimConfig().hf_config_kwargs())
 
 
 def _harness_only_flags(args) -> list[str]:
@@ -199,6 +259,11 @@ def _run_phases(scenario: Scenario, launcher) -> int:
         f"{args.adapters} adapters, {args.optimizer}, {args.steps} rollouts x 2 steps, --save-interval "
         f"{args.save_every}, workdir {scenario.dir}"
     )
+    if scenario.peft:
+        print(
+            f"--export-peft: Qwen2-shaped model (tp={scenario.tp}) from the HF base {scenario.hf}; export.peft = true "
+            "(peft/ in every generation) and --save-hf; Megatron-Bridge is the harness's double"
+        )
     print("each launch: fresh processes forked from a launcher that has imported torch and megatron only")
     print("launch command (every launch, every rank):")
     print("  " + scenario.shell(scenario.command()))
@@ -312,10 +377,40 @@ def _relaunch(scenario: Scenario, launcher) -> int:
             f"compared {compared} tensors on {scenario.world} ranks (adapter, fp32 masters, every moment, steps, "
             "scheduler), every resumed loss and the rollout counter"
         )
+        if scenario.peft:
+            mismatch = _peft_report(scenario)
+    if mismatch is None:
         print("RESULT: bit-exact")
         return 0
     print(f"RESULT: MISMATCH {mismatch}")
     return 1
+
+
+def _peft_report(scenario: Scenario) -> str | None:
+    """--export-peft: the relaunch's newest generation's peft/ and its last --save-hf adapter, loaded
+    with the real PEFT onto the HF base; both roots verified. Returns what failed, or None."""
+    from miles_lora_ckpt.core.verify import committed_candidates
+    from miles_lora_ckpt.tools.cli import main as cli
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    root = scenario.save / "lora"
+    newest = committed_candidates(root)[0][:1]
+    if not newest or not (newest[0] / "peft").is_dir():
+        return f"the newest generation in {root} holds no peft/ (export.peft = true)"
+    complete = [p for p in scenario.hf_out.glob("*") if p.name.isdigit() and (p / ".complete").exists()]
+    if not complete:
+        return f"no --save-hf export completed under {scenario.hf_out}"
+    save_hf = max(complete, key=lambda p: int(p.name)) / "adapter"
+    verified = cli(["verify", str(root)]) == 0 and cli(["verify", str(save_hf)]) == 0
+    print(f"peft: {newest[0] / 'peft'} (the newest generation), HF base {scenario.hf}")
+    report = load_report(newest[0] / "peft", scenario.hf)
+    print(report.headline())
+    print(f"--save-hf: {save_hf / 'latest'} -> {(save_hf / 'latest').resolve().name}")
+    hf_report = load_report(save_hf / "latest", scenario.hf)
+    print(f"--save-hf {hf_report.headline()}")
+    if not (report.ok and hf_report.ok):
+        return f"PEFT adapter not loadable: {report.headline() if not report.ok else hf_report.headline()}"
+    return None if verified else "verify failed (see above)"
 
 
 def _first_mismatch(reference: dict, results, start: int, newest: int | None) -> str | None:

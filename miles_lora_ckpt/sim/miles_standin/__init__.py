@@ -13,7 +13,11 @@ except in a harness job that puts one shape directory on its sys.path (`shape_pa
 `common/` holds what the shapes share; it imports `miles.*` only inside functions, from whichever
 shape the job put on the path. Where a stand-in differs from Miles (it never unpickles: training
 state is read with `weights_only=True`; the base-model "HF checkpoint" is a directory with a
-`config.json`; no Ray, rollout engines or Megatron-Bridge), its docstring says so.
+`config.json`, whose architecture picks the harness model: a Qwen2 config gives the Qwen2-shaped
+model of the PEFT export path; no Ray or rollout engines), its docstring says so. Megatron-Bridge,
+which Miles' GPU image has, is the harness's Bridge double (`sim.bridge_double`), installed in
+every rank by the launch job (`launch.launch_job`); every shape has `miles.utils.megatron_bridge_utils.
+patch_megatron_model`, the context Miles runs Bridge calls in.
 
     lora-utils-2026-08     backends/megatron_utils/lora_utils.py: the 2026-08 snapshot (31f1ca961a94)
     lora-package-2026-09   backends/megatron_utils/lora/utils.py; load_lora_adapter(..., load_optimizer=True);

@@ -2,19 +2,25 @@
 
 The job runs the stand-in's driver (Miles' train.py) with `payload["argv"]`, the shape directory
 already on sys.path and the launch's environment (e.g. `MILES_LORA_CKPT_CONFIG`) already set by
-the launcher, exactly as a user's launch command would run. The harness observes it through the
-driver's probe, and may SIGKILL one rank during one save (`payload["crash"]`):
+the launcher, exactly as a user's launch command would run. Miles' GPU image has Megatron-Bridge,
+so every rank first installs the Bridge double as `megatron.bridge` (`sim.bridge_double`; variant
+`payload["bridge"]`: "nvidia" by default, "fork", or None for a Miles without Bridge). The harness
+observes the run through the driver's probe, and may SIGKILL one rank during one save, or make it
+raise there (`payload["crash"]`):
 
-    {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write"} | None, "send_ckpt": false}
+    {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write", "action": "kill"} | None,
+     "send_ckpt": false, "bridge": "nvidia"}
 
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; stock Miles' save has
-`before-write`, `mid-write` and `after-write`), or `between-saves`: right after rollout `rollout`
-trained, before its save.
+`before-write`, `mid-write` and `after-write`), a PEFT export phase (`core.faults.PEFT_PHASES`), or
+`between-saves`: right after rollout `rollout` trained, before its save (always a kill). `action`
+is "kill" (default) or "raise" (`core.faults.InjectedFault`).
 
 Each rank returns: the start rollout, the rollouts trained and their losses by global step, digests
 of every training-state tensor after init, at each save and at the end (`sim.snapshot`), whether
 the fp32 masters equal the adapter after init, the scheduler's step count after init, the adapter
-digests of ref / old-actor loads, and what the plugin installed (when it is installed).
+digests of ref / old-actor loads, what the plugin installed (when it is installed), and how many
+times Miles' `patch_megatron_model` (the context of every Bridge call) was entered.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class _Observer(driver.Probe):
         if self._crashes_at(rollout_id) and self.crash["phase"] != "between-saves":
             from miles_lora_ckpt.core import faults
 
-            faults.arm(self.crash["phase"], self.rank, "kill")
+            faults.arm(self.crash["phase"], self.rank, self.crash.get("action", "kill"))
 
     def _crashes_at(self, rollout_id: int, phase: str | None = None) -> bool:
         crash = self.crash
@@ -69,6 +75,12 @@ class _Observer(driver.Probe):
 
 def launch_job(payload: dict, ctx) -> dict:
     """Run the launch; a rank whose run raised returns what it saw so far, with `failed` set."""
+    from miles_lora_ckpt.sim.miles_standin.common import bridge_utils
+
+    if payload.get("bridge", "nvidia") is not None:
+        from miles_lora_ckpt.sim import bridge_double
+
+        bridge_double.install(variant=payload.get("bridge", "nvidia"))
     observer = _Observer(ctx.rank, payload.get("crash"))
     report = observer.report
     report["failed"] = None
@@ -77,10 +89,12 @@ def launch_job(payload: dict, ctx) -> dict:
     except Exception:  # noqa: BLE001 - the launch failed on this rank: say how, keep what was observed
         report["failed"] = traceback.format_exc()[-4000:]
         report["plugin"] = _plugin_report()
+        report["bridge_context_entries"] = bridge_utils.entries()
         return report
     report["final"] = _digests(actor)
     report["tags"] = actor.weights.tags
     report["plugin"] = _plugin_report()
+    report["bridge_context_entries"] = bridge_utils.entries()
     if payload.get("send_ckpt"):
         try:
             actor.send_ckpt(actor.args.num_rollout - 1)

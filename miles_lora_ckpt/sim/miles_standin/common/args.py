@@ -56,7 +56,12 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     add("--lora-rank", type=int, default=0)
     add("--lora-alpha", type=float, default=16.0)
     add("--lora-dropout", type=float, default=0.0)
-    add("--target-modules", default=None, help="comma-separated: linear_qkv,linear_proj,linear_fc1,linear_fc2")
+    add(
+        "--target-modules",
+        default=None,
+        help="comma-separated Megatron (linear_qkv,...) or, for a Qwen2 --hf-checkpoint, HF names (q_proj,...), "
+        "or all-linear",
+    )
     add("--lora-adapter-path", default=None)
     add("--multi-lora-n-adapters", type=int, default=0)
     # optimizer and schedule

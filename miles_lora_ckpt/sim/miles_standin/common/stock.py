@@ -5,7 +5,9 @@ and `training_state_rank{r}.pt` (`{"iteration", "optimizer": optimizer.state_dic
 "opt_param_scheduler"}`). What that state_dict holds for megatron's DistributedOptimizer is the
 defect: no fp32 masters, no moments; loading it gives `torch.empty` moments, and nothing refreshes
 the masters after the adapter copy. A stub optimizer child makes `state_dict()` raise after the
-adapter file is written. The PEFT export is skipped with a warning (no Megatron-Bridge here).
+adapter file is written. Stock Miles' PEFT export (a pickled `adapter_model.bin` under names PEFT
+does not load, §1.2 step 5) is not run: the stand-in logs the warning stock Miles logs when its
+export fails, and goes on, as stock Miles does.
 
 Stand-in differences: reads use `torch.load(weights_only=True)` (Miles unpickles the training state;
 this project never does, and that state loads without it). `faults.point` marks where the harness
@@ -62,7 +64,7 @@ def write_rank_files(save_dir: Path, model, optimizer, scheduler, iteration, *, 
     torch.save(adapter_state(model), save_dir / f"adapter_megatron_rank{me}.pt")
     faults.point("mid-write", me)
     try:
-        raise RuntimeError("no Megatron-Bridge in the Miles stand-in")
+        raise RuntimeError("the Miles stand-in does not run stock Miles' PEFT export (it pickles adapter_model.bin)")
     except Exception as exc:  # noqa: BLE001 - stock Miles logs and goes on (§1.2 step 5)
         log.warning("HF PEFT export failed, continuing: %s", exc)
     if optimizer is not None:

@@ -1,17 +1,31 @@
 """Model, optimizer, scheduler and train step of a stand-in Miles run, on the CPU harness.
 
-`setup_model_and_optimizer` maps Miles' flags onto a `SimConfig` and builds the run with the real
+`setup_model_and_optimizer` maps Miles' flags onto a harness config and builds the run with the real
 megatron-core pieces (`sim.train.build_run`), then gives it Miles' scheduler (`get_optimizer_param_scheduler`:
 every step count in samples, §2.2). `train_one_step` is one optimizer step of a rollout; the data is a
 function of (seed, global step, DP rank), so a resumed run sees the data an uninterrupted one saw.
 `load_hf_base` stands in for the bridge-mode base-model load (`_load_checkpoint_hf`): the "HF
 checkpoint" is a directory with a `config.json`, and the base weights are the run's seeded ones.
+
+Which model a launch trains follows `--hf-checkpoint`, as in Miles' bridge mode, where Bridge builds
+the Megatron model from the HF config:
+
+- a `config.json` of a Qwen2 model (`architectures` holds `Qwen2ForCausalLM`, as `sim.hf_base`
+  writes it, with the shapes of `sim.qwen2_model.Qwen2SimConfig`): the Qwen2-shaped harness model,
+  whose adapters the Bridge double maps onto HF Qwen2 names (the PEFT export path).
+  `--target-modules` takes Miles' spellings: HF names (`q_proj,k_proj,v_proj,o_proj,gate_proj,
+  up_proj,down_proj`), Megatron names (`linear_qkv,linear_proj,linear_fc1,linear_fc2`) or
+  `all-linear` (also the default); the model adapts either the attention linears or all of them.
+  No experts, context parallelism or virtual pipelines.
+- any other `config.json` (e.g. `{}`): the tiny LoRA model of `sim.model`; `--target-modules` picks
+  dense (`linear_qkv,linear_proj`), expert (`linear_fc1,linear_fc2`) or both (the default).
 The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
 torch alone, as Miles' `lora_utils` does (contract §8).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 DENSE_TARGETS = ("linear_qkv", "linear_proj")
@@ -29,15 +43,98 @@ def adapter_kind(target_modules: str | None) -> str:
     return "mixed" if dense and expert else ("dense" if dense else "expert-only")
 
 
+QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
+HF_TO_MEGATRON = {  # Miles' convert_target_modules_to_megatron for a Qwen2 decoder (contract §1.6)
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+QWEN2_LAYOUTS = {  # Megatron modules adapted -> Qwen2SimConfig.adapters
+    frozenset({"linear_qkv", "linear_proj"}): "attention",
+    frozenset({"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}): "all",
+}
+
+
+def hf_config(args) -> dict:
+    """The `config.json` of `--hf-checkpoint` ({} when there is none to read)."""
+    path = Path(args.hf_checkpoint or "") / "config.json"
+    if not args.hf_checkpoint or not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def qwen2_adapters(target_modules: str | None) -> str:
+    """`--target-modules` of a Qwen2 run -> `Qwen2SimConfig.adapters` ("attention" or "all")."""
+    if not target_modules or target_modules == "all-linear":
+        return "all"
+    modules = set()
+    for name in target_modules.split(","):
+        megatron = HF_TO_MEGATRON.get(name, name)
+        if megatron not in set(HF_TO_MEGATRON.values()):
+            raise ValueError(f"--target-modules: a Qwen2 decoder has no {name!r}")
+        modules.add(megatron)
+    layout = QWEN2_LAYOUTS.get(frozenset(modules))
+    if layout is None:
+        raise ValueError(
+            f"--target-modules {target_modules}: the Qwen2-shaped stand-in model adapts the attention linears "
+            f"(q_proj,k_proj,v_proj,o_proj) or all of them (all-linear), not {sorted(modules)}"
+        )
+    return layout
+
+
 def sim_config(args):
-    """Miles' flags as the harness's `SimConfig`."""
+    """Miles' flags (and --hf-checkpoint's config) as the harness's `SimConfig` or `Qwen2SimConfig`."""
+    if args.lora_rank <= 0:
+        raise ValueError("the Miles stand-in simulates LoRA runs only: pass --lora-rank")
+    hf = hf_config(args)
+    if QWEN2_ARCHITECTURE in (hf.get("architectures") or []):
+        return _qwen2_config(args, hf)
+    return _tiny_config(args)
+
+
+def _qwen2_config(args, hf: dict):
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+
+    expected = Qwen2SimConfig().hf_config_kwargs()
+    differing = {k: (hf.get(k), v) for k, v in expected.items() if k in hf and hf.get(k) != v}
+    if differing:
+        raise ValueError(
+            f"--hf-checkpoint {args.hf_checkpoint}: the Qwen2-shaped stand-in model has fixed shapes; "
+            f"config.json differs in {differing} (found, expected): build it with sim.hf_base.build_tiny_qwen2"
+        )
+    return Qwen2SimConfig(
+        world_size=dist.get_world_size(),
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        cp=args.context_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size or 1,
+        dtype="bf16" if args.bf16 else "fp32",
+        adapters=qwen2_adapters(args.target_modules),
+        optimizer=args.optimizer,
+        seed=args.seed,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+    )
+
+
+def _tiny_config(args):
     import torch.distributed as dist
 
     from miles_lora_ckpt.sim.layout import layers_for
     from miles_lora_ckpt.sim.model import SimConfig
 
-    if args.lora_rank <= 0:
-        raise ValueError("the Miles stand-in simulates LoRA runs only: pass --lora-rank")
     return SimConfig(
         world_size=dist.get_world_size(),
         tp=args.tensor_model_parallel_size,

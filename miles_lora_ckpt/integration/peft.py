@@ -1,0 +1,136 @@
+"""PEFT export in a Miles run: `export.peft` (in every checkpoint) and Miles' `--save-hf` (HF PEFT adapter).
+
+Two ways a Miles run exports its LoRA adapter as an HF PEFT directory, both through
+`savers.peft_export` (Megatron-Bridge converts; the plugin owns every phase and barrier):
+
+- `export.peft = true` (`MILES_LORA_CKPT_PEFT_EXPORT=1`): every generation the plugin commits for
+  Miles' `save` also holds `peft/`, exported in the save's own phases and committed with it. A
+  failed export fails that save on every rank, with the same error (stock Miles logs it rank-locally
+  and goes on, or hangs).
+- `--save-hf DIR`: Miles' HF export calls `save_lora_checkpoint(model, args, "<DIR>/adapter")`
+  (no optimizer). Under the plugin `<DIR>/adapter` becomes an *export root*: each call publishes
+  one export, `<DIR>/adapter/gen-<rollout>-<id>/`, and points `<DIR>/adapter/latest` at it, which
+  `PeftModel.from_pretrained(base, "<DIR>/adapter/latest")` loads as is. Miles' own HF export
+  around it (the base model, `.complete`) and the post-save hook's `hf_checkpoint_dir` are unchanged.
+
+Both need, on every rank, an importable `megatron.bridge`, the context manager the Miles shape
+runs Bridge under (`patch_megatron_model`, `Shape.bridge_model_context`), `--hf-checkpoint` (the HF
+base Bridge maps names onto) and `--lora-rank`. `prepare` checks all of it in the init hook and
+builds Bridge from `--hf-checkpoint` there, so a run that could not export is refused at startup,
+on every rank and before anything is patched, naming the key or flag and the remedy, instead of
+at its first save. `export.peft = true` in a run without `--lora-rank` is refused too (there is
+no adapter to export); `--save-hf` in a full-model run is Miles' own HF export, left alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from miles_lora_ckpt.core import lease
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.integration.config import PluginConfig
+from miles_lora_ckpt.integration.shapes import Shape
+from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
+from miles_lora_ckpt.megatron import bridge_export
+from miles_lora_ckpt.savers.peft_export import PeftExport
+
+log = logging.getLogger("miles_lora_ckpt.integration")
+
+
+def reasons(args, config: PluginConfig, *, lora: bool = True) -> list[str]:
+    """Why this launch exports PEFT adapters: `export.peft = true (<source>)` and/or, in a LoRA run,
+    `--save-hf DIR` (in a full-model run `--save-hf` is Miles' own HF export, untouched)."""
+    found = []
+    if config["export.peft"]:
+        found.append(f"export.peft = true ({config.sources.get('export.peft', 'default')})")
+    if lora and getattr(args, "save_hf", None):
+        found.append(f"--save-hf {args.save_hf}")
+    return found
+
+
+def prepare(
+    args,
+    config: PluginConfig,
+    shape: Shape,
+    *,
+    lora: bool,
+    import_module: Callable = importlib.import_module,
+    bridge_error: Callable[[], str | None] = bridge_export.import_error,
+) -> PeftExport | None:
+    """Rank-local, in the init hook. The export this launch will run, Bridge already built; None when
+    it exports nothing (export.peft off and, in a LoRA run (`lora`), no --save-hf). Raises
+    UnsupportedConfiguration naming every problem, the key or flag, and the remedy."""
+    wanted = reasons(args, config, lora=lora)
+    if not wanted:
+        return None
+    who = " and ".join(wanted)
+    problems = []
+    error = bridge_error()
+    if error is not None:
+        problems.append(f"the export runs through Megatron-Bridge, but `import megatron.bridge` fails here: {error}")
+    context, why = model_context(shape, import_module)
+    if context is None:
+        problems.append(why)
+    if not getattr(args, "hf_checkpoint", None):
+        problems.append("--hf-checkpoint is not set: pass the HF base model Bridge maps the adapter onto")
+    if (getattr(args, "lora_rank", 0) or 0) <= 0:
+        trains = "" if lora else " (this run trains no LoRA adapter, so there is nothing to export)"
+        problems.append(f"--lora-rank is not set{trains}: the adapter's rank (adapter_config.json's r) comes from it")
+    if not problems:
+        export = PeftExport.from_miles_args(args, model_context=context)
+        try:
+            export.source.prepare()  # AutoBridge.from_hf_pretrained(--hf-checkpoint): refuses what it cannot map
+        except Exception as exc:  # noqa: BLE001 - any failure to build Bridge is the refusal's reason
+            problems.append(
+                f"Megatron-Bridge cannot be built from --hf-checkpoint {args.hf_checkpoint}: {type(exc).__name__}: {exc}"
+            )
+        else:
+            return export
+    remedy = [
+        "set export.peft = false (or MILES_LORA_CKPT_PEFT_EXPORT=0)" if config["export.peft"] else None,
+        "drop --save-hf" if lora and getattr(args, "save_hf", None) else None,
+    ]
+    raise UnsupportedConfiguration(
+        f"miles-lora-ckpt cannot export PEFT adapters for {who}:\n  - "
+        + "\n  - ".join(problems)
+        + f"\nFix the above, or {' and '.join(r for r in remedy if r)}."
+    )
+
+
+def model_context(shape: Shape, import_module: Callable = importlib.import_module) -> tuple[Callable | None, str]:
+    """`(Miles' patch_megatron_model, "")` for `shape`, or `(None, why not)`."""
+    path = shape.bridge_model_context
+    if path is None:
+        return None, f"Miles shape {shape.name!r} names no context manager for Bridge calls (patch_megatron_model)"
+    module_name, _, name = path.rpartition(".")
+    try:
+        module = import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the reason
+        return None, f"Miles shape {shape.name!r}: {module_name} cannot be imported ({type(exc).__name__}: {exc})"
+    function = getattr(module, name, None)
+    if not callable(function):
+        return None, f"Miles shape {shape.name!r}: {path} is absent"
+    return function, ""
+
+
+def publish_save_hf_adapter(export: PeftExport, model, root, *, iteration: int, keep: int | None) -> Path:
+    """Collective. Miles' `--save-hf` LoRA export: publish the adapter as a new export of the export
+    root `root` (`<save-hf dir>/adapter`); returns the export directory (`root/latest` points at it).
+
+    Raises the same CheckpointError on every rank if any rank fails, with nothing published; Miles'
+    `save_hf_model` around it then logs it on every rank (or re-raises with `raise_on_error`) and
+    does not mark the directory `.complete`. Either way the coordinator releases the root's writer
+    lease afterwards: each `--save-hf` directory is written once, and a held lease would be renewed
+    for the rest of the run.
+    """
+    try:
+        return export.publish(model, root, iteration=iteration, keep=keep)
+    finally:
+        if Consensus.default().rank == 0:
+            try:  # after the last collective (or its error): must not raise on one rank only
+                lease.release(Path(root))
+            except OSError as exc:
+                log.warning("miles-lora-ckpt: could not release the writer lease of %s: %s", root, exc)
