@@ -39,6 +39,7 @@ from miles_lora_ckpt.core.layout import (
     TRACKER,
     parse_generation_dir_name,
 )
+from miles_lora_ckpt.core.retention import generation_links
 
 SLOT_SAVER = "multi-lora-slot"
 _READER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
@@ -67,21 +68,6 @@ def check_reader_name(name: str) -> str:
 
 
 def reader_links(root: str | os.PathLike) -> dict[str, str]:
-    """`{link name: generation directory name}` of every reader link in `root` that names a
-    generation (`gen-*`, relative, one component); dangling ones included, other links ignored."""
-    root, links = Path(root), {}
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return {}
-    for name in names:
-        path = root / name
-        if name == LATEST or not path.is_symlink():
-            continue
-        try:
-            target = os.readlink(path)
-        except OSError:
-            continue
-        if "/" not in target and parse_generation_dir_name(target) is not None:
-            links[name] = target
-    return dict(sorted(links.items()))
+    """`{link name: generation directory name}` of every reader link in `root` (relative symlinks
+    naming one `gen-*` directory; dangling ones included; `latest` is not a reader link)."""
+    return {name: target for name, target in generation_links(Path(root)).items() if name != LATEST}

@@ -12,7 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-from miles_lora_ckpt.core.consensus import Consensus
+import torch
+
+from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.megatron.optimizer_children import chain
+from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
 from miles_lora_ckpt.savers.peft_export import PeftExport
 
 AdapterFilter = Callable[[str], bool]
@@ -43,11 +47,51 @@ def retire_slot(
     `reset_slot_optimizer(optimizer, optimizer_children, model)`. A failed save raises before
     anything is cleared. The scheduler is the caller's to drop.
     """
-    raise NotImplementedError
+    consensus = consensus or Consensus.default()
+    generation = save_slot_checkpoint(
+        model,
+        args,
+        slot_root,
+        slot=slot,
+        step=step,
+        adapter_filter=adapter_filter,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        optimizer_children=optimizer_children,
+        consensus=consensus,
+        keep=keep,
+        peft=peft,
+        reader_names=reader_names,
+    )
+    # clear: the slot's weights (the caller's), then its optimizer children only; agreed
+    cleared = attempt(_clear, clear_slot, optimizer, optimizer_children, model)
+    consensus.agree("retire", cleared)
+    return generation
+
+
+def _clear(clear_slot, optimizer, optimizer_children, model) -> None:
+    if clear_slot is not None:
+        clear_slot()
+    if optimizer is not None and optimizer_children is not None:
+        reset_slot_optimizer(optimizer, optimizer_children, model)
 
 
 def reset_slot_optimizer(optimizer, optimizer_children: Iterable[int], model=None) -> None:
     """Local. Zero every moment and step of the slot's children (`optimizer_children`) and copy
     their fp32 masters from their model parameters (after the slot was cleared); every other
     child's masters, moments, steps and param groups stay bit-identical."""
-    raise NotImplementedError
+    children = chain.select(optimizer, optimizer_children)
+    with torch.no_grad():
+        for child in children:
+            inner = getattr(child.optimizer, "optimizer", None)
+            for state in getattr(inner, "state", {}).values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+            for group in getattr(inner, "param_groups", []):
+                if isinstance(group.get("step"), torch.Tensor):
+                    group["step"].zero_()
+                elif "step" in group:
+                    group["step"] = 0
+            # only this child's masters, from its own model params (never the whole chain's)
+            child.optimizer.reload_model_params()

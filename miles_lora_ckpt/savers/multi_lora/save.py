@@ -15,7 +15,9 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, check_reader_name
 from miles_lora_ckpt.savers.peft_export import PeftExport
+from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
 
 AdapterFilter = Callable[[str], bool]
 
@@ -57,4 +59,43 @@ def save_slot_checkpoint(
     The manifest records `slot` (index, step, the saved parameter names per file). Saving the same
     step again publishes a new generation and swaps the links: never a moment without one.
     """
-    raise NotImplementedError
+    slot, step = _slot_index(slot), _slot_step(step)
+    names = [check_reader_name(n) for n in reader_names]
+
+    def slot_metadata(layout) -> dict:
+        return {"slot": {"index": slot, "step": step, "params": sorted(layout.adapter_names or ())}}
+
+    return save_adapter_generation(
+        model,
+        args,
+        slot_root,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        iteration=step,
+        consensus=consensus,
+        keep=keep,
+        optimizer_children=optimizer_children,
+        peft=peft,
+        adapter_filter=_required(adapter_filter),
+        saver=SLOT_SAVER,
+        links=names,
+        extra_metadata=slot_metadata,
+    )
+
+
+def _slot_index(slot) -> int:
+    if not isinstance(slot, int) or isinstance(slot, bool) or slot < 0:
+        raise ValueError(f"slot must be a non-negative int, got {slot!r}")
+    return slot
+
+
+def _slot_step(step) -> int:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int (the slot's optimizer-step count), got {step!r}")
+    return step
+
+
+def _required(adapter_filter):
+    if not callable(adapter_filter):
+        raise TypeError("adapter_filter must be a callable name -> bool that picks the slot's adapter weights")
+    return adapter_filter
