@@ -270,7 +270,11 @@ def test_the_empty_shard_guard_refuses_on_every_rank(w2):
         assert "empty slot shard" in g["save_empty"]["error"] and "rank(s) [0, 1]" in g["save_empty"]["error"]
         assert "incomplete slot shard" in g["save_partial"]["error"] and "linear_proj" in g["save_partial"]["error"]
         assert not any(n.startswith(("gen-", "step_")) for n in g["save_partial"]["entries"])  # nothing written
-        assert "adapter names differ: missing" in g["load_partial"]["error"]
+        assert (
+            "adapter names differ: missing" in g["load_partial"]["error"]
+            and "linear_proj" in g["load_partial"]["error"]
+        )
+        assert "does not cover every parameter of the slot" in g["load_uncovered"]["error"]
         assert "holds slot 1, not slot 0" in g["load_other_slot"]["error"]
         assert "empty slot shard" in g["load_empty"]["error"]
         assert "saver 'multi-lora-slot', not 'single-lora'" in g["single_loads_slot"]["error"]

@@ -256,13 +256,17 @@ def guards(case: dict, ctx, consensus) -> dict:
     attempt("save_empty", lambda: ml.save_slot_checkpoint(run.model, Args(), root, step=2, **nothing))
     # the upstream bug: a filter that misses some of the slot's (slot-indexed) names
     slot_filter = trainer.adapter_filter(1)
-    partial = {**kw, "adapter_filter": lambda name: slot_filter(name) and "linear_qkv" in name}
+    partial = {**kw, "adapter_filter": lambda name: slot_filter(name) and "linear_proj" not in name}
     attempt("save_partial", lambda: ml.save_slot_checkpoint(run.model, Args(), root, step=2, **partial))
     # a weights-only save of part of the slot (no children to disagree with) commits; loading it as
     # the whole slot is refused: it does not cover every parameter of the slot
     weights_only = {"slot": 1, "adapter_filter": partial["adapter_filter"], "consensus": consensus}
     ml.save_slot_checkpoint(run.model, Args(), root / "partial", step=2, **weights_only)
     attempt("load_partial", lambda: ml.load_slot_checkpoint(run.model, root / "partial", **kw))
+    # ... and so is one whose files miss a whole kind of the slot's adapters (no expert file)
+    dense_only = {**weights_only, "adapter_filter": lambda name: slot_filter(name) and ".experts." not in name}
+    ml.save_slot_checkpoint(run.model, Args(), root / "dense-only", step=2, **dense_only)
+    attempt("load_uncovered", lambda: ml.load_slot_checkpoint(run.model, root / "dense-only", **kw))
     # a slot-1 checkpoint loaded as slot 0
     ml.save_slot_checkpoint(run.model, Args(), root / "one", step=2, **kw)
     attempt(
