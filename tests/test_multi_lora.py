@@ -292,6 +292,10 @@ def test_a_slot_saved_with_its_peft_export(w2):
 
 @pytest.mark.megatron
 @pytest.mark.multirank
+@pytest.mark.skipif(
+    os.environ.get("MILES_LORA_CKPT_TIER") == "mcore-0.19",
+    reason="tier 2 runs the slot jobs above (save, load, retire on 0.19's LayerWise); the demo runs on tier 1",
+)
 def test_demo_slots_killed_mid_save_resumes_every_slot_bit_exact(tmp_path, capsys):
     args = ["demo", "--slots", "2", "--workdir", str(tmp_path), "--crash-at", "before-publish", "--crash-rank", "0"]
     assert cli(args) == 0
