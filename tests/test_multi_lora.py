@@ -192,6 +192,7 @@ def w2(tmp_path_factory):
             "load_phases": list(LOAD_PHASES),
         },
         "guards": {"root": str(base / "guards"), "config": CONFIG},
+        "retire": {"root": str(base / "retire"), "config": CONFIG},
         "peft": {
             "root": str(base / "peft"),
             "config": {"model": "qwen2", "world_size": 2},
@@ -280,6 +281,17 @@ def test_the_empty_shard_guard_refuses_on_every_rank(w2):
         assert "saver 'multi-lora-slot', not 'single-lora'" in g["single_loads_slot"]["error"]
         assert "saver 'single-lora', not 'multi-lora-slot'" in g["slot_loads_single"]["error"]
         assert g["missing"] == [False, None]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_retire_replaces_the_same_step_resets_only_the_slot_and_registers_back_exactly(w2):
+    for result in w2:
+        r = result["retire"]
+        assert r["replaced"] == [True, True] and r["periodic_still_there"]  # a new generation, the link swapped
+        assert r["changed_slots"] == [1], r["changed_slots"]  # slot 0 (the co-tenant) untouched
+        assert r["slot1_zero"] and r["moments_zero"]
+        assert r["registered_again"] is None  # restored bit for bit from the retire save
 
 
 @pytest.mark.megatron
