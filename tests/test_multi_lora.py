@@ -331,3 +331,21 @@ def test_demo_slots_killed_mid_save_resumes_every_slot_bit_exact(tmp_path, capsy
     assert cli(["demo", "--slots", "2", "--workdir", str(tmp_path), "--phase", "resume"]) == 1
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"RESULT: MISMATCH slot1:rank0:{name}" and "slot0: " in out
+
+
+def test_bad_arguments_fail_collectively_before_anything_is_touched(tmp_path):
+    from miles_lora_ckpt.savers.multi_lora import load_slot_checkpoint, save_slot_checkpoint
+
+    one = Consensus.single_process()
+    cases = [
+        dict(slot=-1, step=2, adapter_filter=lambda n: True),
+        dict(slot=0, step=2.5, adapter_filter=lambda n: True),
+        dict(slot=0, step=2, adapter_filter=None),
+        dict(slot=0, step=2, adapter_filter=lambda n: True, reader_names=["gen-000000002-0123456789abcdef"]),
+    ]
+    for case in cases:  # the model is never looked at: None would fail any later phase differently
+        with pytest.raises(CheckpointError, match="checkpoint phase 'arguments' failed"):
+            save_slot_checkpoint(None, None, tmp_path / "root", consensus=one, **case)
+    with pytest.raises(CheckpointError, match="checkpoint phase 'arguments' failed"):
+        load_slot_checkpoint(None, tmp_path / "root", slot=True, adapter_filter=lambda n: True, consensus=one)
+    assert not (tmp_path / "root").exists()
