@@ -65,6 +65,17 @@ def bound_tensors(opened):
     return read
 
 
+def bound_ranges(opened):
+    """`(relpath, expected binding) -> {(name, first, stop): tensor}`: the element ranges this rank
+    asked of one of its files (`protocol.PartialRead`), binding checked first."""
+
+    def read(relpath: str, expected: dict[str, str]):
+        check_binding(opened, relpath, expected)
+        return opened.tensor_ranges(relpath)
+
+    return read
+
+
 def saved_metadata(manifest, *keys):
     """`manifest.metadata[k1][k2]...`, or a ValueError naming the missing key."""
     value = manifest.metadata
