@@ -22,6 +22,7 @@ import os
 import secrets
 import stat
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -165,8 +166,10 @@ def available_memory() -> int | None:
 class _Reader:
     """Sequential reads of one open regular file; every byte handed out is hashed exactly once.
 
-    With `keep` the bytes land in one buffer of the file's size; otherwise in a reused scratch
-    buffer of at most one slice (or one safetensors header), so memory stays bounded.
+    With `keep` the bytes land in one buffer of the file's size, read ahead by a background thread
+    (`_ReadAhead`: `readinto` releases the GIL, and so do xxhash and torch's finiteness check), so
+    the next chunk is in flight while this one is hashed and checked. Otherwise they land in a
+    reused scratch buffer of at most one slice (or one safetensors header), so memory stays bounded.
     """
 
     def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None):
@@ -176,33 +179,43 @@ class _Reader:
         self.blocks = BlockDigests(block_bytes) if block_bytes else None
         self.buffer = bytearray(size) if keep else None
         self._scratch = bytearray(0)
+        self._ahead = _ReadAhead(self.handle, self.buffer) if keep and size > READ_AHEAD_CHUNK else None
 
     def read(self, n: int) -> memoryview:
         if n > self.size - self.pos:
             raise ValueError(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
         if self.buffer is not None:
             view = memoryview(self.buffer)[self.pos : self.pos + n]
+            if self._ahead is not None:
+                self._ahead.wait_for(self.pos + n)
+            else:
+                self._fill(view)
         else:
             if len(self._scratch) < n:
                 self._scratch = bytearray(n)
             view = memoryview(self._scratch)[:n]
-        rest = view
-        while rest:
-            got = self.handle.readinto(rest)
-            if not got:
-                raise ValueError(f"file shrank while reading ({self.size} bytes expected)")
-            rest = rest[got:]
+            self._fill(view)
         self.digest.update(view)
         if self.blocks is not None:
             self.blocks.update(view)
         self.pos += n
         return view
 
+    def _fill(self, view: memoryview) -> None:
+        rest = view
+        while rest:
+            got = self.handle.readinto(rest)
+            if not got:
+                raise ValueError(f"file shrank while reading ({self.size} bytes expected)")
+            rest = rest[got:]
+
     def skip_rest(self) -> None:
         while self.pos < self.size:
             self.read(min(SLICE_BYTES, self.size - self.pos))
 
     def finish(self, record: FileRecord | None) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         if self.handle.read(1):
             raise ValueError(f"file grew while reading ({self.size} bytes expected)")
         if record is not None and self.digest.hexdigest() != record.digest:
@@ -215,7 +228,53 @@ class _Reader:
                 raise ValueError(f"block {bad[0]} digest mismatch (the manifest's block digests disagree)")
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         self.handle.close()
+
+
+READ_AHEAD_CHUNK = 4 * 1024 * 1024
+
+
+class _ReadAhead:
+    """A thread that reads a file front to back into `buffer`, one chunk at a time, and tells how
+    far it got; the reader waits only for bytes not yet there. Stops at the end, on `stop()`, or on
+    an error (re-raised by `wait_for`)."""
+
+    def __init__(self, handle, buffer: bytearray):
+        self.handle, self.buffer = handle, buffer
+        self.filled, self.error, self.done, self._stop = 0, None, False, False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="mlc-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        view, size = memoryview(self.buffer), len(self.buffer)
+        try:
+            while self.filled < size and not self._stop:
+                got = self.handle.readinto(view[self.filled : min(size, self.filled + READ_AHEAD_CHUNK)])
+                if not got:
+                    raise ValueError(f"file shrank while reading ({size} bytes expected)")
+                with self._cond:
+                    self.filled += got
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            self.error = exc
+        finally:
+            with self._cond:
+                self.done = True
+                self._cond.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        with self._cond:
+            while self.filled < end and not self.done:
+                self._cond.wait()
+        if self.filled < end:
+            raise self.error if self.error is not None else ValueError("read ahead stopped early")
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:

@@ -317,32 +317,28 @@ def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, in
     return out
 
 
-def install_shards(child, keys: tuple[str, ...], shards: list[dict[str, torch.Tensor]], layouts=None) -> None:
-    """Copy shards (of `layouts`, default every bucket) into the masters and the allocated state."""
+def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
+    """Copy `(key, offset in this rank's shard of the bucket, tensor)` pieces into the masters and
+    the allocated state of every parameter they overlap; then compare every copied element."""
+    targets = []
+    for model_param, ranges in _param_maps(child, layout).items():
+        main_param, state = main_and_state(child, model_param)
+        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+        for key in (MASTER_KEY, *keys):
+            if key != MASTER_KEY and key not in state:
+                raise KeyError(f"optimizer state was not allocated for {key!r}")
+            targets.append((key, start, end, main_param if key == MASTER_KEY else state[key]))
     with torch.no_grad():
-        for layout, bucket in zip(layouts or bucket_layouts(child), shards, strict=True):
-            for model_param, ranges in _param_maps(child, layout).items():
-                main_param, state = main_and_state(child, model_param)
-                start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
-                main_param.view(-1).copy_(bucket[MASTER_KEY][start:end])
-                for key in keys:
-                    if key not in state:
-                        raise KeyError(f"optimizer state was not allocated for {key!r}")
-                    state[key].view(-1).copy_(bucket[key][start:end])
-
-
-def check_installed(child, keys: tuple[str, ...], shards: list[dict[str, torch.Tensor]], layouts=None) -> None:
-    """Read back every master and state tensor and compare bit for bit with what was received.
-
-    megatron's own dp-zero loader can drop moments silently; this is the check that it did not
-    happen here.
-    """
-    for layout, bucket in zip(layouts or bucket_layouts(child), shards, strict=True):
-        for model_param, ranges in _param_maps(child, layout).items():
-            main_param, state = main_and_state(child, model_param)
-            start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
-            for key, tensor in [(MASTER_KEY, main_param), *[(k, state.get(k)) for k in keys]]:
-                if tensor is None or not torch.equal(tensor.detach().view(-1), bucket[key][start:end]):
+        for key, start, end, dest in targets:
+            for part_key, offset, tensor in parts:
+                lo, hi = max(start, offset), min(end, offset + tensor.numel())
+                if part_key == key and hi > lo:
+                    dest.view(-1)[lo - start : hi - start].copy_(tensor[lo - offset : hi - offset])
+    for key, start, end, dest in targets:  # megatron's own loader can drop state silently: not here
+        for part_key, offset, tensor in parts:
+            lo, hi = max(start, offset), min(end, offset + tensor.numel())
+            if part_key == key and hi > lo:
+                if not torch.equal(dest.detach().view(-1)[lo - start : hi - start], tensor[lo - offset : hi - offset]):
                     raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
 
@@ -465,17 +461,11 @@ class DistributedFamily:
         """No collectives: every rank read its own ranges (no scatter from a DP root)."""
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:
-        """Bucket by bucket: assemble this rank's shard of one bucket from the verified pieces, copy
-        it into masters and state, read it back bit for bit, and drop it before the next bucket."""
+        """Bucket by bucket: copy the verified pieces straight into the masters and the state of the
+        parameters they overlap (no shard is assembled), then read those elements back bit for bit."""
         opt = child.optimizer
-        size = dp_group(opt).size()
         for layout, parts in zip(bucket_layouts(opt), restore.buckets, strict=True):
-            keys = (MASTER_KEY, *restore.keys)
-            shard = {key: torch.zeros(layout.local_numel(size), dtype=torch.float32) for key in keys}
-            for key, offset, tensor in parts:
-                shard[key][offset : offset + tensor.numel()].copy_(tensor)
-            install_shards(opt, restore.keys, [shard], [layout])
-            check_installed(opt, restore.keys, [shard], [layout])
+            install_pieces(opt, restore.keys, layout, parts)
 
 
 def _drop_planted_keys(child, keys: tuple[str, ...], had: dict) -> None:
