@@ -184,14 +184,17 @@ def plan_slices(index: int, described: list[dict | None], ranks: list[Coordinate
 
 
 def _slice_tensor(child, layout: BucketLayout, key: str, count: int) -> torch.Tensor:
-    """This rank's first `count` elements of one bucket's shard for `key` (a fresh fp32 tensor)."""
-    out = torch.zeros(layout.local_numel(dp_group(child).size()), dtype=torch.float32)
+    """This rank's first `count` elements of one bucket's shard for `key` (a fresh fp32 tensor:
+    the only copy of optimizer state the save makes, one at a time)."""
+    out = torch.zeros(count, dtype=torch.float32)
     for model_param, ranges in _param_maps(child, layout).items():
         main_param, state = main_and_state(child, model_param)
         start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+        if end > count:
+            raise ValueError(f"a parameter lies in the padding of {layout} (elements {start}..{end} of {count})")
         source = main_param if key == MASTER_KEY else state[key]
         out[start:end].copy_(source.detach().view(-1))
-    return out[:count].clone() if count < out.numel() else out
+    return out
 
 
 def check_state_keys(child, keys: tuple[str, ...]) -> None:
