@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import secrets
 import stat
 import struct
@@ -68,28 +69,69 @@ def write_file_atomic(
 ) -> FileRecord:
     """Write `chunks` to `path` via temp name + fsync + rename; returns size and digest.
 
-    `blocks`, when given, is fed the same bytes (per-block digests for partial reads)."""
+    The writes run on a thread (`_WriteBehind`, at most two chunks queued) while this thread
+    produces, checks and hashes the next chunk: `write` and xxhash release the GIL, so the digest
+    costs (almost) nothing on top of the I/O. `blocks`, when given, is fed the same bytes
+    (per-block digests for partial reads)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     digest = StreamingDigest()
     size = 0
     try:
         with open(tmp, "xb", buffering=0) as handle:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                digest.update(view)
-                if blocks is not None:
-                    blocks.update(view)
-                size += len(view)
-                while view:
-                    written = handle.write(view)
-                    view = view[written:]
+            behind = _WriteBehind(handle)
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    behind.put(view)
+                    digest.update(view)
+                    if blocks is not None:
+                        blocks.update(view)
+                    size += len(view)
+            finally:
+                behind.close()
             os.fsync(handle.fileno())
         os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return FileRecord(bytes=size, digest=digest.hexdigest())
+
+
+class _WriteBehind:
+    """Writes queued views to `handle` in order on a thread; `put` raises a write error promptly,
+    `close` waits for every queued byte (or, when leaving on an error, stops after the current one)."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._run, name="mlc-write-behind", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            view = self._queue.get()
+            if view is None:
+                return
+            if self.error is not None:
+                continue  # keep draining so that the producer never blocks
+            try:
+                while view:
+                    written = self.handle.write(view)
+                    view = view[written:]
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer
+                self.error = exc
+
+    def put(self, view: memoryview) -> None:
+        if self.error is not None:
+            raise self.error
+        self._queue.put(view)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def fsync_dir(path: Path) -> None:
