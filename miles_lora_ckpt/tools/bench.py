@@ -20,7 +20,8 @@ Two more sections (`--sections`, default all three):
             a LoRA whose one bucket is about --mem-bucket-mib MiB of fp32): after a training step,
             the DP root's peak RSS increase during a single-LoRA save, and during a load into a
             fresh run, over the largest bucket's fp32 bytes:
-            `MEM peak_rss_increase/largest_bucket=<save> (load <load>) ...`
+            `MEM peak_rss_increase/largest_bucket=<save> (save) ...` and
+            `MEM load peak_rss_increase/largest_bucket=<load> = <adapter> + <new moments> + <rest>`
     scale   the protocol save and load at W = each of --scale-worlds (2,4,8), --scale-size-mib in
             all, with every phase's time split into local work and its consensus round:
             `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
@@ -115,10 +116,17 @@ def _mem_section(args) -> None:
             shutil.rmtree(base, ignore_errors=True)
     root = results[0]
     bucket = root["largest_bucket_bytes"]
+    load = root["load_peak_increase"]
+    rest = load - root["load_adapter_bytes"] - root["load_new_state_bytes"]
     print(
-        f"MEM peak_rss_increase/largest_bucket={root['save_peak_increase'] / bucket:.2f} "
-        f"(load {root['load_peak_increase'] / bucket:.2f}) on the DP root at W={args.mem_world}, "
-        f"largest bucket {bucket / 2**20:.1f} MiB fp32, {root['buckets']} bucket(s), {root['keys']} state keys"
+        f"MEM peak_rss_increase/largest_bucket={root['save_peak_increase'] / bucket:.2f} (save) "
+        f"on the DP root at W={args.mem_world}, largest bucket {bucket / 2**20:.1f} MiB fp32, "
+        f"{root['buckets']} bucket(s), {root['keys']} state keys"
+    )
+    print(
+        f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} = adapter read + its undo copy "
+        f"{root['load_adapter_bytes'] / bucket:.2f} + moments the optimizer allocates "
+        f"{root['load_new_state_bytes'] / bucket:.2f} + optimizer state read and undo {rest / bucket:.2f}"
     )
 
 
@@ -267,6 +275,8 @@ def mem_job(payload: dict, ctx) -> dict:
     """The MEM section: a LoRA with one large DistributedOptimizer bucket, saved and loaded."""
     import math
 
+    import torch
+
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.megatron.optimizer_children import leaf_children
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
@@ -318,10 +328,25 @@ def mem_job(payload: dict, ctx) -> dict:
         fresh.model, root, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
     )
     load_increase = _peak_increase(load)
+    # what the load legitimately adds beyond optimizer state: the adapter it reads (and the undo
+    # record's copy of the adapter), and the moments the optimizer itself allocates to receive
+    adapter_bytes = sum(
+        p.numel() * p.element_size() for c in fresh.model for n, p in c.named_parameters() if "lora_" in n
+    )
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for child in leaf_children(fresh.optimizer)
+        if not child.is_stub
+        for state in child.optimizer.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
     teardown(fresh)
     return {
         "save_peak_increase": save_increase,
         "load_peak_increase": load_increase,
+        "load_adapter_bytes": 2 * adapter_bytes,
+        "load_new_state_bytes": state_bytes,
         "largest_bucket_bytes": max(buckets),
         "buckets": len(buckets),
         "keys": keys,
