@@ -76,8 +76,8 @@ class ReadContext:
 class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
-    Only `exchange_for_save` and `exchange_for_load` run collectives; everything else is local and
-    may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
+    Only `exchange_for_save` and `exchange_for_load` may run collectives (no family does now);
+    everything else is local and may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
     manifest): every rank derives the same plan from the same descriptions, and raises the same
     error where the descriptions are inconsistent.
     """
