@@ -352,7 +352,7 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
 class _Restore:
     keys: tuple[str, ...]
     state: dict  # the DP root's `state_dict()` as JSON: param groups and step
-    buckets: list  # per bucket of this rank: [(key, offset in its shard, verified 1-D tensor)]
+    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard)]
 
 
 class DistributedFamily:
@@ -408,19 +408,16 @@ class DistributedFamily:
         return saved_pieces(index, plan, root_key, mine["numel_unpadded"])
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
-        """Whole files where this rank needs all of them (equal DP sizes), else `PartialRead`s of
-        exactly the element ranges of the saved slices that overlap its shard."""
+        """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
+        shard (at equal DP sizes: all of its own slice), verified at open one range at a time and
+        not kept (`keep=False`): `install` reads them again, one bucket at a time."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
         keys = (MASTER_KEY, *mine["keys"])
         requests: dict[str, set] = {}
         for _, piece, first, stop, _ in reads_for(pieces, mine):
             requests.setdefault(piece.file, set()).update((f"{piece.prefix}.{k}", first, stop) for k in keys)
-        out: list = []
-        for file, ranges in sorted(requests.items()):
-            whole = {(f"{p.prefix}.{k}", 0, p.end - p.begin) for p in pieces if p.file == file for k in keys}
-            out.append(file if ranges == whole else PartialRead(file, tuple(sorted(ranges))))
-        return out
+        return [PartialRead(file, tuple(sorted(ranges)), keep=False) for file, ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -432,22 +429,10 @@ class DistributedFamily:
             raise ValueError(f"optimizer child {child.index} changed its buckets since it was described")
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
         for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
-            ranges = read.ranges(piece.file, piece.binding)
-            for key in (MASTER_KEY, *read.keys):
-                name = f"{piece.prefix}.{key}"
-                try:
-                    tensor = ranges.get((name, first, stop))
-                except ValueError as exc:
-                    raise ValueError(f"{piece.file}: {exc}") from None
-                if tensor is None:
-                    raise ValueError(f"{piece.file}: {name} elements [{first}, {stop}) were not read")
-                if tensor.dtype != torch.float32 or tensor.numel() != stop - first:
-                    raise ValueError(
-                        f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{stop - first}]"
-                    )
-                buckets[position].append((key, offset, tensor))
+            source = read.ranges(piece.file, piece.binding)  # binding checked here, data read at install
+            buckets[position].append((piece, source, first, stop, offset))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
-            filled = sum(t.numel() for k, _, t in buckets[position] if k == MASTER_KEY)
+            filled = sum(stop - first for _, _, first, stop, _ in buckets[position])
             if filled != end - begin:
                 raise ValueError(
                     f"optimizer child {child.index}: {buf} bucket {b}: {filled} of {end - begin} elements saved"
@@ -464,11 +449,33 @@ class DistributedFamily:
         """No collectives: every rank read its own ranges (no scatter from a DP root)."""
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:
-        """Bucket by bucket: copy the verified pieces straight into the masters and the state of the
-        parameters they overlap (no shard is assembled), then read those elements back bit for bit."""
+        """Bucket by bucket and key by key: read this rank's pieces of one bucket for one key (each
+        block verified again), copy them straight into the master or the state of the parameters
+        they overlap (no shard is assembled), read those elements back bit for bit, and drop them."""
         opt = child.optimizer
-        for layout, parts in zip(bucket_layouts(opt), restore.buckets, strict=True):
-            install_pieces(opt, restore.keys, layout, parts)
+        for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
+            for key in (MASTER_KEY, *restore.keys):  # one key of one bucket in memory at a time
+                parts = [
+                    (key, offset, _read_piece(piece, source, key, first, stop))
+                    for piece, source, first, stop, offset in pieces
+                ]
+                install_pieces(opt, restore.keys, layout, parts)
+                del parts
+
+
+def _read_piece(piece: Piece, source, key: str, first: int, stop: int) -> torch.Tensor:
+    name = f"{piece.prefix}.{key}"
+    try:
+        tensor = source.get((name, first, stop))
+    except ValueError as exc:
+        raise ValueError(f"{piece.file}: {exc}") from None
+    if tensor is None:
+        raise ValueError(f"{piece.file}: {name} elements [{first}, {stop}) were not read")
+    if tensor.dtype != torch.float32 or tensor.numel() != stop - first:
+        raise ValueError(
+            f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{stop - first}]"
+        )
+    return tensor
 
 
 def _drop_planted_keys(child, keys: tuple[str, ...], had: dict) -> None:
