@@ -21,7 +21,10 @@ empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one t
 Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
 protocol verifies every other block round-robin), after checking that the saved slices tile every
-bucket exactly (no overlap, no gap). Equal DP sizes read their own file whole. Param groups and the
+bucket exactly (no overlap, no gap). The ranges are verified at open one at a time and not kept
+(`keep=False`); `install` reads them again (each block checked again), one bucket and one key at a
+time, straight into the masters and moments, so a load holds one bucket's key of optimizer state
+beyond what the optimizer holds. Param groups and the
 step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
 gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
 format 1 too) load the same way: each rank reads its ranges from that file.
