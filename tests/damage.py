@@ -33,6 +33,7 @@ def reseal_file(gen: Path, rel: str, data: bytes, *, finite: bool | None = None)
 
     def change(body):
         body["files"][rel].update(bytes=len(data), digest=digest_bytes(data))
+        body["files"][rel].pop("blocks", None)  # a forger drops the block index: the file is then read whole
         if finite is False:
             body["files"][rel].pop("finite", None)
 
@@ -61,6 +62,7 @@ def rebind(gen: Path, rel: str, **binding: str) -> None:
 
     def change(body):
         body["files"][rel].update(bytes=len(data), digest=digest_bytes(data))
+        body["files"][rel].pop("blocks", None)  # a forger drops the block index: the file is then read whole
         body["files"][rel]["binding"].update(binding)
 
     edit_manifest(gen, change)
@@ -138,3 +140,36 @@ def write_manifest_text(gen: Path, change, raw_values: dict[str, str]) -> None:
 def nested(depth: int) -> bytes:
     """JSON nested `depth` levels deep."""
     return b"[" * depth + b"]" * depth
+
+
+def to_gathered_layout(gen: Path) -> None:
+    """Rewrite a generation's DistributedOptimizer slices into the layout written before slices:
+    one file per child and coordinate (`child{i}_{coordinate}.safetensors`, as its DP root wrote
+    it) holding `buf{g}.{key}` world tensors, and layouts without `slices` (a legacy generation)."""
+    body = json.loads((gen / MANIFEST).read_text())
+    for index, child in body["metadata"]["optimizer_children"].items():
+        layout = child.get("layout", {})
+        if child["family"] != "distributed" or "slices" not in layout:
+            continue
+        for key, slices in layout.pop("slices").items():
+            parts: dict[str, list] = {}
+            numels = layout["numel_unpadded"][key]
+            for buf, per_bucket in numels.items():
+                for b in range(len(per_bucket)):
+                    for state_key in ("param", *child["keys"]):
+                        name = f"{buf}.bucket{b}.{state_key}"
+                        pieces = [storage.load_tensors(gen / s["file"])[0].get(name) for s in slices]
+                        parts.setdefault(f"{buf}.{state_key}", []).append(
+                            torch.cat([p for p in pieces if p is not None])
+                        )
+            for entry in slices:
+                (gen / entry["file"]).unlink()
+                body["files"].pop(entry["file"])
+            rel = f"optimizer/child{index}_{key}.safetensors"
+            binding = {"role": "optimizer", "coordinate": key, "child": index}
+            stamp = {"generation": body["generation"], "file": rel, **binding}
+            tensors = {name: torch.cat(p) for name, p in parts.items()}
+            record = storage.save_tensors(gen / rel, tensors, metadata=stamp, finite=True)
+            body["files"][rel] = {**record.to_dict(), "binding": binding}
+    (gen / MANIFEST).write_text(json.dumps(body))
+    edit_manifest(gen, lambda b: None)

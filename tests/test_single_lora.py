@@ -20,6 +20,7 @@ from damage import (
     rewrite_tensors,
     set_param_group,
     swap_files,
+    to_gathered_layout,
     torch_pickle_bytes,
 )
 from jobs_paths import JOBS
@@ -120,8 +121,8 @@ def _copy_generation(gen: str, dest) -> str:
 
 def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path):
     root, (older, newer) = saved_root
-    optim = "optimizer/child0_tp000_pp000_ep000_etp000.safetensors"
-    optim1 = "optimizer/child1_tp000_pp000_ep000_etp000.safetensors"
+    optim = "optimizer/child0_tp000_pp000_ep000_etp000_s000of002.safetensors"  # DP rank 0's slice
+    optim1 = "optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors"
     cases = {}
 
     def case(name, damage):
@@ -129,17 +130,22 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         damage(Path(gen))
         cases[name] = gen
 
-    case("invalid state structure", lambda g: rewrite_tensors(g, optim, lambda t: t.pop("buf0.exp_avg_sq")))
+    case("invalid state structure", lambda g: rewrite_tensors(g, optim, lambda t: t.pop("buf0.bucket0.exp_avg_sq")))
     case(
-        "wrong numel", lambda g: rewrite_tensors(g, optim, lambda t: t.update({"buf0.exp_avg": t["buf0.exp_avg"][:-1]}))
+        "wrong numel",
+        lambda g: rewrite_tensors(
+            g, optim, lambda t: t.update({"buf0.bucket0.exp_avg": t["buf0.bucket0.exp_avg"][:-1]})
+        ),
     )
     case(
         "NaN in a moment (manifest honest)",
-        lambda g: rewrite_tensors(g, optim, lambda t: t["buf0.exp_avg"].__setitem__(0, float("nan"))),
+        lambda g: rewrite_tensors(g, optim, lambda t: t["buf0.bucket0.exp_avg"].__setitem__(0, float("nan"))),
     )
     case(
         "NaN in a moment (finite flag stripped)",
-        lambda g: rewrite_tensors(g, optim, lambda t: t["buf0.exp_avg"].__setitem__(0, float("nan")), finite=False),
+        lambda g: rewrite_tensors(
+            g, optim, lambda t: t["buf0.bucket0.exp_avg"].__setitem__(0, float("nan")), finite=False
+        ),
     )
     case("torn: adapter shard gone from manifest", lambda g: drop_file(g, "adapter/dense_tp000_pp000.safetensors"))
     case("torn: optimizer file deleted", lambda g: (g / optim).unlink())
@@ -178,7 +184,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     outcomes = run(2, "try_loads", {"config": cfg(2), "cases": cases, "pre_steps": 1, "faults": failing})
     expected_words = {
         "invalid state structure": "exp_avg_sq",
-        "wrong numel": "buf0.exp_avg",
+        "wrong numel": "buf0.bucket0.exp_avg",
         "NaN in a moment (manifest honest)": "NaN",
         "NaN in a moment (finite flag stripped)": "NaN",
         "torn: adapter shard gone from manifest": "dense_tp000_pp000",
@@ -206,18 +212,30 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     # the undamaged generations still load afterwards, in the same processes; a checkpoint saved
     # without optimizer state loads with a warning that reaches the log; a generation whose
     # metadata predates the child families (DistributedOptimizer keys only) restores its optimizer
+    # generations written before slices (the DP root wrote each child's world tensors; every rank
+    # now reads its own ranges of that file), with and without the child-family metadata
     no_optim = root.parent / "no-optim"
-    pre_family = _copy_generation(newer, tmp_path / "pre-family")
+    gathered = _copy_generation(newer, tmp_path / "gathered")
+    to_gathered_layout(Path(gathered))
+    pre_family = _copy_generation(gathered, tmp_path / "pre-family")
     edit_manifest(Path(pre_family), _to_pre_family_metadata)
-    sane = run(
-        2,
-        "try_loads",
-        {"config": cfg(2), "cases": {"newest": str(root), "no-optim": str(no_optim), "pre-family": pre_family}},
-    )
+    cases = {
+        "newest": str(root),
+        "no-optim": str(no_optim),
+        "newer": newer,
+        "gathered": gathered,
+        "pre-family": pre_family,
+    }
+    sane = run(2, "try_loads", {"config": cfg(2), "cases": cases})
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
     for o in sane:
-        assert o["pre-family"]["error"] is None, o["pre-family"]["error"]
-        assert o["pre-family"]["result"]["optimizer_restored"] and o["pre-family"]["result"]["scheduler_restored"]
+        for name in ("gathered", "pre-family"):
+            assert o[name]["error"] is None, o[name]["error"]
+            assert o[name]["result"]["optimizer_restored"] and o[name]["result"]["scheduler_restored"]
+            # the same adapter, masters and moments as the sliced original (param groups and scheduler
+            # come from the same JSON either way; their digests also depend on earlier loads here)
+            tensors = {k: v for k, v in o[name]["state_digests"].items() if "/master/" in k or "/state/" in k}
+            assert tensors and all(o["newer"]["state_digests"][k] == v for k, v in tensors.items()), name
     for o in sane:
         result = o["no-optim"]["result"]
         assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
@@ -323,7 +341,7 @@ def test_same_cp_and_vpp_layouts_load(layouts_w2):
 
 def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_w2):
     # CP=2 at W=2: both ranks hold the same (TP, PP, EP) coordinate and the same adapter; the
-    # protocol refuses a file written by two ranks, so one file per coordinate means one writer.
+    # protocol refuses a file written by two ranks, so one file per coordinate (and slice) means one writer.
     from miles_lora_ckpt.core.verify import resolve
 
     roots = layouts_w2[0]["roots"]
@@ -332,8 +350,11 @@ def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_
     assert sorted(manifest.files) == [
         "adapter/dense_tp000_pp000.safetensors",
         "adapter/expert_pp000_ep000_etp000.safetensors",
-        "optimizer/child0_tp000_pp000_ep000_etp000.safetensors",
-        "optimizer/child1_tp000_pp000_ep000_etp000.safetensors",
+        # no gather: each rank of the DP x CP group of 2 writes its own slice of each child
+        "optimizer/child0_tp000_pp000_ep000_etp000_s000of002.safetensors",
+        "optimizer/child0_tp000_pp000_ep000_etp000_s001of002.safetensors",
+        "optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors",
+        "optimizer/child1_tp000_pp000_ep000_etp000_s001of002.safetensors",
         "training_state.json",
     ]
     # VPP=2 on two stages: one adapter file per stage holding both chunks, one optimizer file per stage
@@ -344,8 +365,8 @@ def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_
         "adapter/dense_tp000_pp001.safetensors",
     ]
     assert sorted(f for f in manifest.files if f.startswith("optimizer/child0")) == [
-        "optimizer/child0_tp000_pp000_ep000_etp000.safetensors",
-        "optimizer/child0_tp000_pp001_ep000_etp000.safetensors",
+        "optimizer/child0_tp000_pp000_ep000_etp000_s000of001.safetensors",
+        "optimizer/child0_tp000_pp001_ep000_etp000_s000of001.safetensors",
     ]
 
 
@@ -357,7 +378,7 @@ def test_dp_elastic_restore_is_bit_exact(direction, name, request):
         r["elastic"][name] for r in request.getfixturevalue("layouts_w4" if direction == "up" else "layouts_w2_down")
     ]
     roots = [r for r in results if r["names"]]
-    assert roots, "no DP root compared anything"
+    assert roots, "no rank compared anything"
     compared = sorted(n for r in roots for n in r["names"])
     assert any(n.endswith(".param") for n in compared) and any(n.endswith(".exp_avg_sq") for n in compared)
     assert {n.split(".")[0] for n in compared} == {"child0", "child1"}  # dense and expert children

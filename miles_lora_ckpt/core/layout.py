@@ -149,6 +149,67 @@ MODEL_PARALLEL_AXES = {
 }
 
 
+MIN_BLOCK_BYTES = 64
+MAX_BLOCK_BYTES = 2**30
+_DTYPE_TAGS = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+
+
+@dataclass(frozen=True)
+class BlockIndex:
+    """Per-block digests of a tensor file, so that a reader may verify exactly the bytes it reads.
+
+    The file is cut into blocks of `block_bytes` from offset 0 (the last one shorter); `digests[i]`
+    is the digest of block i. `tensors` maps each tensor to `(dtype tag, begin, end)`, its absolute
+    byte range in the file (the safetensors header says the same; readers check both agree), so a
+    reader can name the blocks that hold any element range from the manifest alone.
+    """
+
+    block_bytes: int
+    digests: tuple[str, ...]
+    tensors: dict[str, tuple[str, int, int]]
+
+    def blocks_for(self, begin: int, end: int) -> range:
+        """The indices of the blocks that hold bytes `[begin, end)` (empty for an empty range)."""
+        if end <= begin:
+            return range(0)
+        return range(begin // self.block_bytes, (end - 1) // self.block_bytes + 1)
+
+    @property
+    def data_start(self) -> int:
+        """Where the first tensor's bytes begin (the header lies before it)."""
+        return min((begin for _, begin, _ in self.tensors.values()), default=0)
+
+    def to_dict(self) -> dict:
+        return {
+            "bytes": self.block_bytes,
+            "digests": list(self.digests),
+            "tensors": {name: list(span) for name, span in sorted(self.tensors.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, size: int) -> BlockIndex:
+        bounded.mapping(data, where)
+        if set(data) != {"bytes", "digests", "tensors"}:
+            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digests, tensors")
+        block = bounded.integer(data["bytes"], f"{where} bytes", low=MIN_BLOCK_BYTES, high=MAX_BLOCK_BYTES)
+        if block % 8:
+            raise ValueError(f"{where} bytes is {block}, not a multiple of 8")
+        digests = data["digests"]
+        if not isinstance(digests, list) or len(digests) != -(-size // block):
+            raise ValueError(f"{where} digests: expected {-(-size // block)} for {size} bytes in blocks of {block}")
+        digests = tuple(bounded.string(d, f"{where} digest", pattern=DIGEST) for d in digests)
+        bounded.mapping(data["tensors"], f"{where} tensors")
+        tensors = {}
+        for name, span in data["tensors"].items():
+            here = f"{where} tensor {bounded.string(name, f'{where} tensor name', max_len=1024)[:80]!r}"
+            if not (isinstance(span, list) and len(span) == 3 and span[0] in _DTYPE_TAGS):
+                raise ValueError(f"{here}: expected [dtype, begin, end], got {bounded.show(span)}")
+            begin = bounded.integer(span[1], f"{here} begin", high=size)
+            end = bounded.integer(span[2], f"{here} end", low=begin, high=size)
+            tensors[name] = (span[0], begin, end)
+        return cls(block, digests, tensors)
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """Size and digest of one written file, as the manifest lists it.
@@ -156,12 +217,15 @@ class FileRecord:
     `binding` (format v2, tensor and role-bearing JSON files) says what the file is, e.g.
     `{"role": "optimizer", "coordinate": "tp000_pp000_ep000_etp000", "child": "1"}`; a tensor file
     carries the same keys in its own safetensors metadata, and readers check that both agree.
+    `blocks` (format v2, optional: files written for partial reads, e.g. optimizer slices) holds
+    per-block digests and each tensor's byte range (`BlockIndex`).
     """
 
     bytes: int
     digest: str
     finite: bool = False  # the writer checked that every float tensor in it is finite
     binding: dict[str, str] = field(default_factory=dict)
+    blocks: BlockIndex | None = None
 
     def to_dict(self) -> dict:
         record: dict = {"bytes": self.bytes, "digest": self.digest}
@@ -169,22 +233,26 @@ class FileRecord:
             record["finite"] = True
         if self.binding:
             record["binding"] = dict(sorted(self.binding.items()))
+        if self.blocks is not None:
+            record["blocks"] = self.blocks.to_dict()
         return record
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "file record") -> FileRecord:
         bounded.mapping(data, where)
-        unknown = set(data) - {"bytes", "digest", "finite", "binding"}
+        unknown = set(data) - {"bytes", "digest", "finite", "binding", "blocks"}
         if unknown or not {"bytes", "digest"} <= set(data):
-            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digest[, finite, binding]")
+            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digest[, finite, binding, blocks]")
         finite = data.get("finite", False)
         if not isinstance(finite, bool):
             raise ValueError(f"{where} finite is {bounded.show(finite)}, not a boolean")
+        size = bounded.integer(data["bytes"], f"{where} bytes", high=MAX_FILE_BYTES)
         return cls(
-            bytes=bounded.integer(data["bytes"], f"{where} bytes", high=MAX_FILE_BYTES),
+            bytes=size,
             digest=bounded.string(data["digest"], f"{where} digest", pattern=DIGEST),
             finite=finite,
             binding=bounded.string_map(data.get("binding", {}), f"{where} binding", max_len=256),
+            blocks=BlockIndex.from_dict(data["blocks"], f"{where} blocks", size) if "blocks" in data else None,
         )
 
 

@@ -23,8 +23,10 @@ own staging directory (one left by a killed process is never read, and retention
 
 Load: the coordinator lists candidate generations in commit order (tracker disagreements become
 warnings); for each, every rank checks its structure, reads (and checks, see
-`verify.check_file_content`) the files it needs, and the files nobody needs are checked
-round-robin; all ranks agree on the verdict; a damaged generation of a root is skipped with a
+`verify.check_file_content`) the files it needs, or only some element ranges of a file written
+with a block index (`PartialRead`, see `verify.check_file_ranges`: exactly the blocks holding them
+are read and verified); the files nobody needs, and the blocks of partially read files that nobody
+reads, are checked round-robin, so every listed byte is verified by some rank; all ranks agree on the verdict; a damaged generation of a root is skipped with a
 warning. Nothing is mutated here: callers get verified bytes and do their own preflight before
 touching model or optimizer.
 """
@@ -60,7 +62,14 @@ from miles_lora_ckpt.core.layout import (
     parse_generation_dir_name,
     staging_dir_name,
 )
-from miles_lora_ckpt.core.verify import Generation, check_file_content, check_structure, find_candidates, reason
+from miles_lora_ckpt.core.verify import (
+    Generation,
+    check_file_content,
+    check_file_ranges,
+    check_structure,
+    find_candidates,
+    reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +98,17 @@ class StagingWriter:
         metadata: dict[str, str] | None = None,
         binding: dict[str, str] | None = None,
         finite: bool = True,
+        blocks: bool = False,
     ) -> None:
+        """Write one safetensors file (values may be `storage.LazyTensor`s, produced one at a time);
+        `blocks=True` records per-block digests so that loaders may read and verify parts of it."""
         binding = _checked_binding(binding)
         stamp = {"generation": self.generation, "file": relpath, **binding}
         clash = sorted(set(metadata or {}) & set(stamp))
         if clash:
             raise ValueError(f"{relpath}: metadata keys {clash} are reserved for the generation stamp and binding")
         record = storage.save_tensors(
-            self._target(relpath), tensors, metadata={**(metadata or {}), **stamp}, finite=finite
+            self._target(relpath), tensors, metadata={**(metadata or {}), **stamp}, finite=finite, blocks=blocks
         )
         self._record(relpath, replace(record, binding=binding))
 
@@ -407,10 +419,19 @@ class OpenedGeneration:
     manifest: Manifest
     files: dict[str, storage.CheckedFile]
     warnings: list[str] = field(default_factory=list)  # skipped generations, tracker disagreements
+    ranges: dict[str, dict] = field(default_factory=dict)  # relpath -> {(name, first, stop): tensor}
 
     def tensors(self, relpath: str):
         """Zero-copy tensors of one of this rank's files (already checked)."""
         return self.files[relpath].tensors()
+
+    def tensor_ranges(self, relpath: str):
+        """`{(name, first, stop): 1-D tensor}`: the element ranges this rank asked of `relpath` with a
+        `PartialRead` (already checked); for a file this rank read whole, a view that cuts any range
+        from it (`.get` raises ValueError for a tensor the file lacks or a range it does not hold)."""
+        if relpath in self.ranges:
+            return self.ranges[relpath]
+        return WholeFileRanges(self.tensors(relpath))
 
     def json(self, relpath: str):
         """A fresh copy of one of this rank's JSON files (already checked)."""
@@ -425,14 +446,57 @@ class OpenedGeneration:
         return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
-FilesFn = Callable[[Manifest], list[str]]  # raises IncompatibleCheckpoint to refuse, anything else: damage
+class DeferredRanges:
+    """Element ranges verified at open but not kept (`PartialRead(keep=False)`): `.get` reads one
+    again, every block it touches checked against its digest once more, when the caller is ready
+    for it (e.g. one bucket at a time), so the caller's memory holds one range at a time."""
+
+    def __init__(self, gen_dir: Path, relpath: str, manifest: Manifest):
+        self.gen_dir, self.relpath, self.manifest = gen_dir, relpath, manifest
+
+    def get(self, wanted, default=None):
+        item = tuple(wanted)
+        return check_file_ranges(self.gen_dir, self.relpath, self.manifest, [item])[item]
+
+
+class WholeFileRanges:
+    """Element ranges cut from the tensors of a file read whole (see `OpenedGeneration.tensor_ranges`)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def get(self, wanted, default=None):
+        name, first, stop = wanted
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ValueError(f"tensor {name!r} is not in the file (it holds {sorted(self.tensors)[:8]})")
+        if not 0 <= first <= stop <= tensor.numel():
+            raise ValueError(f"tensor {name!r} holds {tensor.numel()} elements, not [{first}, {stop})")
+        return tensor.reshape(-1)[first:stop]
+
+
+@dataclass(frozen=True)
+class PartialRead:
+    """A loader's request for some element ranges of one tensor file: `(tensor name, first, stop)`
+    of the flattened tensor. Only the blocks holding them are read (and verified) when the manifest
+    records a block index for the file; otherwise the whole file is read and checked."""
+
+    relpath: str
+    ranges: tuple[storage.ElementRange, ...]
+    keep: bool = True  # False: verify now, one range at a time; read again later (`DeferredRanges`)
+
+
+# returns relpaths (whole files) and PartialReads; raises IncompatibleCheckpoint to refuse, anything else: damage
+FilesFn = Callable[[Manifest], list]
 
 
 def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn) -> OpenedGeneration:
     """Collective. Resolve `path` (a save root or one generation) and read this rank's files.
 
-    Every rank reads `files_for_rank(manifest)` with every content check; the files no rank asked
-    for are verified round-robin, so every listed byte is checked exactly once. All ranks agree on
+    Every rank reads `files_for_rank(manifest)` with every content check (whole files, and the
+    element ranges of each `PartialRead`, kept, or with `keep=False` verified one range at a time
+    and read again on demand); the files no rank asked for, and the blocks of partially
+    read files no rank read, are verified round-robin, so every listed byte is checked. All ranks agree on
     one generation; a root falls back past damaged generations with a warning (an error raised by
     `files_for_rank` is damage too, except `IncompatibleCheckpoint`, which fails the load), an
     explicit generation that is damaged fails. Mutates nothing.
@@ -456,11 +520,12 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
             # read: own files plus a share of the unclaimed ones; agree on what was found
             # (damage found in a file is a verdict; any other error fails the load on every rank)
             manifest = planned.value[0].manifest
-            local_read = attempt(_read_share, rank, world, candidate, manifest, [plan["files"] for plan in plans])
-            verdicts = consensus.agree("read", local_read.map(lambda read: read[1]))
+            local_read = attempt(_read_share, rank, world, candidate, manifest, plans)
+            verdicts = consensus.agree("read", local_read.map(lambda read: read[2]))
             problems = [RankFailure(r, p) for r, v in enumerate(verdicts) for p in v]
             if not problems:
-                return OpenedGeneration(candidate, manifest, local_read.value[0], warnings)
+                files, ranges, _ = local_read.value
+                return OpenedGeneration(candidate, manifest, files, warnings, ranges)
         damage += problems
         if not is_root:
             break
@@ -480,33 +545,94 @@ def _resolve_locally(path: Path, coordinator: bool):
 
 
 def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generation, dict]:
-    """The checked structure (kept on this rank) and the JSON plan every rank agrees on."""
+    """The checked structure (kept on this rank) and the JSON plan every rank agrees on:
+    `files` read whole, `ranges` ({relpath: [[name, first, stop], ...]}) read in part."""
     gen = check_structure(candidate, key=key)
     if not gen.intact:
-        return gen, {"files": [], "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
+        return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
     try:
-        wanted = sorted(files_for_rank(gen.manifest))
+        wanted = files_for_rank(gen.manifest)
+        whole = sorted({w for w in wanted if isinstance(w, str)})
+        ranges: dict[str, list] = {}
+        deferred: set[str] = set()
+        for request in (w for w in wanted if isinstance(w, PartialRead)):
+            ranges.setdefault(request.relpath, []).extend([name, int(a), int(b)] for name, a, b in request.ranges)
+            if not request.keep:
+                deferred.add(request.relpath)
+        listed = gen.manifest.files
+        for rel, items in ranges.items():
+            index = listed[rel].blocks if rel in listed else None
+            if index is None:  # no block index: read whole, the ranges are cut from it
+                whole = sorted({*whole, rel})
+            else:
+                for item in items:
+                    storage.byte_range(index, tuple(item))  # raises for a range the file does not hold
     except IncompatibleCheckpoint:
         raise  # intact but not for this run: the load fails, it never falls back to an older generation
     except Exception as exc:  # noqa: BLE001 - anything else wrong with what the manifest says is damage
-        return gen, {"files": [], "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
+        return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
-        for rel in wanted
+        for rel in sorted({*whole, *ranges})
         if rel not in gen.manifest.files
     ]
-    return gen, {"files": wanted, "problems": missing}
+    deferred = sorted(deferred - set(whole))
+    return gen, {"files": whole, "ranges": ranges, "deferred": deferred, "problems": missing}
 
 
-def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, wanted: list[list[str]]):
-    """Read this rank's files (kept) and check its round-robin share of the unclaimed ones (streamed)."""
+def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plans: list[dict]):
+    """Read this rank's files (kept) and ranges, and check its round-robin share of what nobody
+    reads: whole files nobody asked for (streamed), and unread blocks of partially read files."""
     faults.point("before-read", rank)
-    unclaimed = sorted(set(manifest.files) - {rel for files in wanted for rel in files})
-    mine = set(wanted[rank])
-    files, problems = {}, []
-    for rel in list(wanted[rank]) + unclaimed[rank::world]:
+    whole = {rel for plan in plans for rel in plan["files"]}
+    partial = sorted({rel for plan in plans for rel in plan["ranges"]} - whole)
+    unclaimed = sorted(set(manifest.files) - whole - set(partial))
+    leftover = [(rel, block) for rel in partial for block in _unread_blocks(manifest.files[rel].blocks, rel, plans)]
+    mine = plans[rank]
+    files, ranges, problems = {}, {}, []
+    for rel in list(mine["files"]) + unclaimed[rank::world]:
         try:
-            files[rel] = check_file_content(candidate, rel, manifest, keep=rel in mine)
+            files[rel] = check_file_content(candidate, rel, manifest, keep=rel in mine["files"])
         except Exception as exc:  # noqa: BLE001 - total: any failure reading a file is damage to it
             problems.append(f"{candidate / rel}: {reason(exc)}")
-    return {rel: files[rel] for rel in wanted[rank] if rel in files}, problems
+    for rel, items in sorted(mine["ranges"].items()):
+        try:
+            wanted = [tuple(item) for item in items]
+            if rel in files:  # read whole (no block index, or also asked whole): cut the ranges from it
+                ranges[rel] = _cut(files[rel], wanted)
+            elif rel in mine.get("deferred", ()):  # verified one range at a time, read again later
+                for item in wanted:
+                    check_file_ranges(candidate, rel, manifest, [item])
+                ranges[rel] = DeferredRanges(candidate, rel, manifest)
+            elif rel not in mine["files"]:
+                ranges[rel] = check_file_ranges(candidate, rel, manifest, wanted)
+        except Exception as exc:  # noqa: BLE001 - total
+            problems.append(f"{candidate / rel}: {reason(exc)}")
+    share: dict[str, list[int]] = {}
+    for rel, block in leftover[rank::world]:
+        share.setdefault(rel, []).append(block)
+    for rel, blocks in sorted(share.items()):
+        try:
+            storage.check_blocks(candidate / rel, manifest.files[rel], blocks)
+        except Exception as exc:  # noqa: BLE001 - total
+            problems.append(f"{candidate / rel}: {reason(exc)}")
+    return {rel: files[rel] for rel in mine["files"] if rel in files}, ranges, problems
+
+
+def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
+    """The blocks of a partially read file that no rank's ranges touch."""
+    read: set[int] = set()
+    for plan in plans:
+        if rel in plan["ranges"]:
+            read |= storage.blocks_needed(index, [tuple(item) for item in plan["ranges"][rel]])
+    return [i for i in range(len(index.digests)) if i not in read]
+
+
+def _cut(checked: storage.CheckedFile, wanted: list) -> dict:
+    tensors = checked.tensors()
+    out = {}
+    for name, first, stop in wanted:
+        if name not in tensors or not 0 <= first <= stop <= tensors[name].numel():
+            raise ValueError(f"tensor {name!r} holds no elements [{first}, {stop})")
+        out[(name, first, stop)] = tensors[name].reshape(-1)[first:stop]
+    return out

@@ -19,17 +19,19 @@ import itertools
 import json
 import math
 import os
+import queue
 import secrets
 import stat
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_lora_ckpt.core import bounded
-from miles_lora_ckpt.core.digest import StreamingDigest
-from miles_lora_ckpt.core.layout import FileRecord
+from miles_lora_ckpt.core.digest import BlockDigests, StreamingDigest
+from miles_lora_ckpt.core.layout import BlockIndex, FileRecord
 
 if TYPE_CHECKING:
     import torch
@@ -55,33 +57,81 @@ MAX_TENSOR_RANK = 32
 MAX_DIM = 2**48
 MAX_STRIDE = 2**62  # every stride (product of trailing dims) must fit torch's int64 sizes
 SLICE_BYTES = 4 * 1024 * 1024
+BLOCK_BYTES = 4 * 1024 * 1024  # block size of files written for partial reads (`save_tensors(blocks=True)`)
 _CHECK_MEMORY_ABOVE = 256 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- plain files
 
 
-def write_file_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-    """Write `chunks` to `path` via temp name + fsync + rename; returns size and digest."""
+def write_file_atomic(
+    path: Path, chunks: Iterable[bytes | memoryview], *, blocks: BlockDigests | None = None
+) -> FileRecord:
+    """Write `chunks` to `path` via temp name + fsync + rename; returns size and digest.
+
+    The writes run on a thread (`_WriteBehind`, at most two chunks queued) while this thread
+    produces, checks and hashes the next chunk: `write` and xxhash release the GIL, so the digest
+    costs (almost) nothing on top of the I/O. `blocks`, when given, is fed the same bytes
+    (per-block digests for partial reads)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     digest = StreamingDigest()
     size = 0
     try:
         with open(tmp, "xb", buffering=0) as handle:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                digest.update(view)
-                size += len(view)
-                while view:
-                    written = handle.write(view)
-                    view = view[written:]
+            behind = _WriteBehind(handle)
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    behind.put(view)
+                    digest.update(view)
+                    if blocks is not None:
+                        blocks.update(view)
+                    size += len(view)
+            finally:
+                behind.close()
             os.fsync(handle.fileno())
         os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return FileRecord(bytes=size, digest=digest.hexdigest())
+
+
+class _WriteBehind:
+    """Writes queued views to `handle` in order on a thread; `put` raises a write error promptly,
+    `close` waits for every queued byte (or, when leaving on an error, stops after the current one)."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._run, name="mlc-write-behind", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            view = self._queue.get()
+            if view is None:
+                return
+            if self.error is not None:
+                continue  # keep draining so that the producer never blocks
+            try:
+                while view:
+                    written = self.handle.write(view)
+                    view = view[written:]
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer
+                self.error = exc
+
+    def put(self, view: memoryview) -> None:
+        if self.error is not None:
+            raise self.error
+        self._queue.put(view)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def fsync_dir(path: Path) -> None:
@@ -158,48 +208,115 @@ def available_memory() -> int | None:
 class _Reader:
     """Sequential reads of one open regular file; every byte handed out is hashed exactly once.
 
-    With `keep` the bytes land in one buffer of the file's size; otherwise in a reused scratch
-    buffer of at most one slice (or one safetensors header), so memory stays bounded.
+    With `keep` the bytes land in one buffer of the file's size, read ahead by a background thread
+    (`_ReadAhead`: `readinto` releases the GIL, and so do xxhash and torch's finiteness check), so
+    the next chunk is in flight while this one is hashed and checked. Otherwise they land in a
+    reused scratch buffer of at most one slice (or one safetensors header), so memory stays bounded.
     """
 
-    def __init__(self, fd: int, size: int, *, keep: bool):
+    def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None):
         self.handle = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 - closed by close()
         self.size, self.pos = size, 0
         self.digest = StreamingDigest()
+        self.blocks = BlockDigests(block_bytes) if block_bytes else None
         self.buffer = bytearray(size) if keep else None
         self._scratch = bytearray(0)
+        self._ahead = _ReadAhead(self.handle, self.buffer) if keep and size > READ_AHEAD_CHUNK else None
 
     def read(self, n: int) -> memoryview:
         if n > self.size - self.pos:
             raise ValueError(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
         if self.buffer is not None:
             view = memoryview(self.buffer)[self.pos : self.pos + n]
+            if self._ahead is not None:
+                self._ahead.wait_for(self.pos + n)
+            else:
+                self._fill(view)
         else:
             if len(self._scratch) < n:
                 self._scratch = bytearray(n)
             view = memoryview(self._scratch)[:n]
+            self._fill(view)
+        self.digest.update(view)
+        if self.blocks is not None:
+            self.blocks.update(view)
+        self.pos += n
+        return view
+
+    def _fill(self, view: memoryview) -> None:
         rest = view
         while rest:
             got = self.handle.readinto(rest)
             if not got:
                 raise ValueError(f"file shrank while reading ({self.size} bytes expected)")
             rest = rest[got:]
-        self.digest.update(view)
-        self.pos += n
-        return view
 
     def skip_rest(self) -> None:
         while self.pos < self.size:
             self.read(min(SLICE_BYTES, self.size - self.pos))
 
     def finish(self, record: FileRecord | None) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         if self.handle.read(1):
             raise ValueError(f"file grew while reading ({self.size} bytes expected)")
         if record is not None and self.digest.hexdigest() != record.digest:
             raise ValueError("digest mismatch (content changed or corrupted)")
+        if record is not None and record.blocks is not None and self.blocks is not None:
+            bad = [
+                i for i, (a, b) in enumerate(zip(self.blocks.finish(), record.blocks.digests, strict=True)) if a != b
+            ]
+            if bad:
+                raise ValueError(f"block {bad[0]} digest mismatch (the manifest's block digests disagree)")
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         self.handle.close()
+
+
+READ_AHEAD_CHUNK = 4 * 1024 * 1024
+
+
+class _ReadAhead:
+    """A thread that reads a file front to back into `buffer`, one chunk at a time, and tells how
+    far it got; the reader waits only for bytes not yet there. Stops at the end, on `stop()`, or on
+    an error (re-raised by `wait_for`)."""
+
+    def __init__(self, handle, buffer: bytearray):
+        self.handle, self.buffer = handle, buffer
+        self.filled, self.error, self.done, self._stop = 0, None, False, False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="mlc-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        view, size = memoryview(self.buffer), len(self.buffer)
+        try:
+            while self.filled < size and not self._stop:
+                got = self.handle.readinto(view[self.filled : min(size, self.filled + READ_AHEAD_CHUNK)])
+                if not got:
+                    raise ValueError(f"file shrank while reading ({size} bytes expected)")
+                with self._cond:
+                    self.filled += got
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            self.error = exc
+        finally:
+            with self._cond:
+                self.done = True
+                self._cond.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        with self._cond:
+            while self.filled < end and not self.done:
+                self._cond.wait()
+        if self.filled < end:
+            raise self.error if self.error is not None else ValueError("read ahead stopped early")
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
@@ -282,11 +399,14 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
         keep = keep or kind == "json"
         if keep:
             ensure_allocatable(size)
-        reader = _Reader(fd, size, keep=keep)
+        block_bytes = record.blocks.block_bytes if record is not None and record.blocks is not None else None
+        reader = _Reader(fd, size, keep=keep, block_bytes=block_bytes)
         try:
             checked = CheckedFile(size)
             if kind == "safetensors":
                 checked.metadata, checked.entries = _read_safetensors(reader)
+                if record is not None and record.blocks is not None:
+                    _check_block_spans(record.blocks, checked.entries)
             else:
                 reader.skip_rest()
             reader.finish(record)
@@ -323,39 +443,75 @@ def _read_safetensors(reader: _Reader) -> tuple[dict[str, str], dict]:
 # --------------------------------------------------------------------------- safetensors
 
 
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor the writer asks for only when its bytes are due: `produce()` must return a tensor of
+    `dtype` and `shape`. The writer drops it once written, so a file of many lazy tensors never has
+    more than one of them in memory (bounded memory for large optimizer state)."""
+
+    dtype: Any  # a torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+
 def save_tensors(
     path: Path,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor | LazyTensor],
     *,
     metadata: dict[str, str] | None = None,
     finite: bool = False,
+    blocks: bool = False,
+    block_bytes: int | None = None,
 ) -> FileRecord:
     """Stream `tensors` into a safetensors file without building it in memory first.
 
+    Values may be `LazyTensor`s, produced one at a time as the writer reaches them.
     With `finite=True` every floating tensor must be finite (raises ValueError naming it).
+    With `blocks=True` the record also holds per-block digests and each tensor's byte range
+    (`BlockIndex`, blocks of `block_bytes`, default `BLOCK_BYTES`), for verified partial reads.
     """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     bodies = []
     offset = 0
+    spans = {}
     for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        tag = _TAG_OF.get(str(tensor.dtype).removeprefix("torch."))
+        spec = tensors[name]
+        dtype, shape = (spec.dtype, tuple(spec.shape)) if isinstance(spec, LazyTensor) else (spec.dtype, spec.shape)
+        tag = _TAG_OF.get(str(dtype).removeprefix("torch."))
         if tag is None:
-            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors tag")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": tag, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
-        bodies.append(_slices(name, tensor, check_finite=finite and tag in _FLOAT_TAGS))
+            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors tag")
+        nbytes = math.prod(shape) * _DTYPES[tag][1]
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        spans[name] = (tag, offset, offset + nbytes)
+        bodies.append(_slices(name, spec, check_finite=finite and tag in _FLOAT_TAGS))
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
     chunks = itertools.chain([struct.pack("<Q", len(header_bytes)), header_bytes], *bodies)
-    record = write_file_atomic(path, chunks)
-    return FileRecord(bytes=record.bytes, digest=record.digest, finite=finite)
+    digests = BlockDigests(block_bytes or BLOCK_BYTES) if blocks else None
+    record = write_file_atomic(path, chunks, blocks=digests)
+    record = replace(record, finite=finite)
+    if digests is not None:
+        start = 8 + len(header_bytes)
+        index = {name: (tag, start + begin, start + end) for name, (tag, begin, end) in spans.items()}
+        record = replace(record, blocks=BlockIndex(digests.block_bytes, tuple(digests.finish()), index))
+    return record
 
 
-def _slices(name: str, tensor: torch.Tensor, *, check_finite: bool):
+def _slices(name: str, spec, *, check_finite: bool):
     """The tensor's bytes in cache-sized slices, each checked for finiteness just before it is
-    hashed and written, so the data crosses memory once instead of once per pass."""
+    hashed and written, so the data crosses memory once instead of once per pass. A `LazyTensor`
+    is produced here, when its turn comes, and released when its last slice is written."""
+    if isinstance(spec, LazyTensor):
+        tensor = spec.produce()
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
+            raise ValueError(
+                f"tensor {name!r}: produced {tensor.dtype}{list(tensor.shape)}, announced "
+                f"{spec.dtype}{list(spec.shape)}"
+            )
+    else:
+        tensor = spec
+    tensor = tensor.detach().cpu().contiguous()
     flat = tensor.reshape(-1)
     step = max(1, SLICE_BYTES // max(1, tensor.element_size()))
     for start in range(0, flat.numel(), step):
@@ -475,3 +631,155 @@ def _torch():
     import torch
 
     return torch
+
+
+# --------------------------------------------------------------------------- partial reads
+
+# (tensor name, first element, end element) of a flattened tensor
+ElementRange = tuple[str, int, int]
+
+
+def _check_block_spans(index: BlockIndex, entries: dict) -> None:
+    """The manifest's tensor byte ranges must be the header's, exactly."""
+    found = {name: (tag, begin, end) for name, (tag, _, begin, end) in entries.items()}
+    if found != dict(index.tensors):
+        raise ValueError("the safetensors header and the manifest's block index disagree about the tensors")
+
+
+def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
+    """The absolute bytes `[begin, end)` of an element range, from the manifest's block index."""
+    name, first, stop = wanted
+    if name not in index.tensors:
+        raise ValueError(f"tensor {name!r} is not in the file")
+    tag, begin, end = index.tensors[name]
+    itemsize = _DTYPES[tag][1]
+    if not 0 <= first <= stop <= (end - begin) // itemsize:
+        raise ValueError(f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}")
+    return begin + first * itemsize, begin + stop * itemsize
+
+
+def blocks_needed(index: BlockIndex, wanted: Iterable[ElementRange]) -> set[int]:
+    """The blocks a partial read of `wanted` reads and verifies: the header's and every range's."""
+    needed = set(index.blocks_for(0, index.data_start))
+    for item in wanted:
+        needed.update(index.blocks_for(*byte_range(index, item)))
+    return needed
+
+
+class _BlockFile:
+    """Verified random access to one open file, block by block (only the last block is kept)."""
+
+    def __init__(self, fd: int, record: FileRecord):
+        self.fd, self.record, self.index = fd, record, record.blocks
+        self._last: tuple[int, bytearray] | None = None
+
+    def block(self, i: int) -> bytearray:
+        if self._last is not None and self._last[0] == i:
+            return self._last[1]
+        start = i * self.index.block_bytes
+        length = min(self.index.block_bytes, self.record.bytes - start)
+        buf = bytearray(length)
+        view, done = memoryview(buf), 0
+        while done < length:
+            got = os.preadv(self.fd, [view[done:]], start + done)
+            if not got:
+                raise ValueError(f"file shrank while reading ({self.record.bytes} bytes expected)")
+            done += got
+        digest = StreamingDigest()
+        digest.update(buf)
+        if digest.hexdigest() != self.index.digests[i]:
+            raise ValueError(
+                f"block {i} (bytes {start}..{start + length}) digest mismatch (content changed or corrupted)"
+            )
+        self._last = (i, buf)
+        return buf
+
+    def read(self, begin: int, end: int, out: memoryview) -> None:
+        """Copy bytes `[begin, end)` into `out`, every block they touch verified."""
+        block_bytes = self.index.block_bytes
+        pos = begin
+        while pos < end:
+            i = pos // block_bytes
+            buf = self.block(i)
+            take = min(end, (i + 1) * block_bytes) - pos
+            offset = pos - i * block_bytes
+            out[pos - begin : pos - begin + take] = memoryview(buf)[offset : offset + take]
+            pos += take
+
+
+def read_ranges(
+    path: Path, record: FileRecord, wanted: Iterable[ElementRange]
+) -> tuple[dict[ElementRange, torch.Tensor], dict[str, str]]:
+    """Read only the blocks that hold `wanted` (element ranges of flattened tensors), each block's
+    digest checked against the manifest's block index, the header parsed strictly and checked
+    against that index, and every returned floating value checked finite.
+
+    Returns `({range: a fresh 1-D tensor}, the file's safetensors metadata)`. Memory: the returned
+    tensors and one block. A record without a block index cannot be read partially (ValueError).
+    """
+    if record.blocks is None:
+        raise ValueError("the manifest records no block digests for it: it can only be read whole")
+    torch = _torch()
+    fd, st = open_regular(Path(path))
+    try:
+        if st.st_size != record.bytes:
+            raise ValueError(f"size is {st.st_size} bytes, manifest says {record.bytes}")
+        index = record.blocks
+        source = _BlockFile(fd, record)
+        if index.data_start < 8:
+            raise ValueError("the manifest's block index puts tensor bytes inside the header length")
+        head = bytearray(index.data_start)
+        source.read(0, index.data_start, memoryview(head))
+        (header_len,) = struct.unpack("<Q", bytes(head[:8]))
+        if 8 + header_len != index.data_start:
+            raise ValueError("the safetensors header length disagrees with the manifest's block index")
+        metadata, entries = _parse_header(bytes(head[8:]), index.data_start, record.bytes)
+        _check_block_spans(index, entries)
+        out = {}
+        for item in wanted:
+            begin, end = byte_range(index, item)
+            tag = index.tensors[item[0]][0]
+            buf = bytearray(end - begin)
+            source.read(begin, end, memoryview(buf))
+            tensor = (
+                torch.frombuffer(buf, dtype=getattr(torch, _DTYPES[tag][0]))
+                if buf
+                else torch.empty(0, dtype=getattr(torch, _DTYPES[tag][0]))
+            )
+            if tag in _FLOAT_TAGS and not _all_finite(tensor):
+                raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
+            out[tuple(item)] = tensor
+        return out, metadata
+    finally:
+        os.close(fd)
+
+
+def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
+    """Verify the digests of some blocks of a file (the share of a partially read file that no
+    reader reads), and that the floating elements lying wholly inside them are finite."""
+    if record.blocks is None:
+        raise ValueError("the manifest records no block digests for it")
+    torch = _torch()
+    fd, st = open_regular(Path(path))
+    try:
+        if st.st_size != record.bytes:
+            raise ValueError(f"size is {st.st_size} bytes, manifest says {record.bytes}")
+        index = record.blocks
+        source = _BlockFile(fd, record)
+        for i in sorted(set(blocks)):
+            buf = source.block(i)
+            start, end = i * index.block_bytes, i * index.block_bytes + len(buf)
+            for name, (tag, begin, stop) in index.tensors.items():
+                if tag not in _FLOAT_TAGS or stop <= start or begin >= end:
+                    continue
+                itemsize = _DTYPES[tag][1]
+                lo = begin + -(-(max(begin, start) - begin) // itemsize) * itemsize
+                hi = begin + (min(stop, end) - begin) // itemsize * itemsize
+                if hi > lo:
+                    part = torch.frombuffer(
+                        buf, dtype=getattr(torch, _DTYPES[tag][0]), count=(hi - lo) // itemsize, offset=lo - start
+                    )
+                    if not _all_finite(part):
+                        raise ValueError(f"tensor {name!r} holds NaN or Inf")
+    finally:
+        os.close(fd)

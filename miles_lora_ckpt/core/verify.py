@@ -8,6 +8,9 @@
   tensor file must be stamped with this generation, its own path and its manifest binding, and a
   `training-state` file must satisfy `training_state.check`. These are exactly the content rules
   of every loader, which reads each file through this function (`protocol.open_generation`).
+- `check_file_ranges` reads some element ranges of a tensor file written with a block index
+  (`storage.read_ranges`: only the blocks holding them, each block's digest checked, the header
+  checked against the index, every returned value finite) and checks its stamps the same way.
 - `verify_generation` does both for every file.
 
 Verification is total: any failure while examining a generation (whatever its exception type) is a
@@ -132,6 +135,15 @@ def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep:
             format_version=manifest.format_version,
         )
     return checked
+
+
+def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -> dict:
+    """Read some element ranges of one listed tensor file (see `storage.read_ranges`), stamps
+    checked as `check_file_content` does; returns `{(name, first, stop): tensor}`."""
+    tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, manifest.files[relpath], ranges)
+    if manifest.format_version >= 2:
+        _check_stamps(relpath, manifest, metadata or {})
+    return tensors
 
 
 def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:

@@ -4,6 +4,14 @@ Preflight catches what is wrong with a checkpoint before anything changes; what 
 dying mid-scatter, an injected fault) fails after some ranks already wrote. For LoRA the state a
 load touches is small, so every rank keeps a copy of it and puts it back: adapter parameters, each
 restored child's inner-optimizer state, param groups and fp32 masters, and the scheduler.
+
+Memory: the record is a copy of what the load may overwrite on this rank, never of another rank's
+or the world's state. For a fresh optimizer (a resume at startup, the common case) the inner state
+is empty, so the record holds only the adapter and this rank's fp32 master shards (1/(1+keys) of
+what the load installs: a quarter for Adam) and the param groups; a load into an optimizer that
+has already stepped copies its masters and moments too (the same size as what it holds). That is
+the price of rolling back a late failure bit for bit; the load's own reads stay within this rank's
+shard (see `optimizer_children.distributed`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,20 @@ interleaved (in an order rotated from repeat to repeat) and barrier to barrier o
     load        open_generation: resolve, verify every byte (digest, headers, finiteness), map tensors
 
 Before each read the files' pages are dropped from the page cache (posix_fadvise DONTNEED), for
-raw and protocol reads alike. Prints medians and one closing line
+raw and protocol reads alike. Prints medians and the line
 `RATIO save/raw=<x> load/raw=<y> save/torch_save=<z> save/dcp=<w>`.
+
+Two more sections (`--sections`, default all three):
+
+    mem     W=--mem-world (4) real processes with megatron's DistributedOptimizer (the sim harness,
+            a LoRA whose one bucket is about --mem-bucket-mib MiB of fp32): after a training step,
+            the DP root's peak RSS increase during a single-LoRA save, and during a load into a
+            fresh run, over the largest bucket's fp32 bytes:
+            `MEM peak_rss_increase/largest_bucket=<save> (save) ...` and
+            `MEM load peak_rss_increase/largest_bucket=<load> = <adapter> + <new moments> + <rest>`
+    scale   the protocol save and load at W = each of --scale-worlds (2,4,8), --scale-size-mib in
+            all, with every phase's time split into local work and its consensus round:
+            `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
 """
 
 from __future__ import annotations
@@ -35,10 +47,34 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--repeats", type=int, default=8, help="interleaved repeats; medians are reported (default 8)")
     bench.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed after)")
     bench.add_argument("--json", action="store_true", help="print the medians as JSON before the RATIO line")
+    bench.add_argument(
+        "--sections", default="ratio,mem,scale", help="which of ratio, mem, scale to run (default: all three)"
+    )
+    bench.add_argument("--mem-world", type=int, default=4, help="processes of the MEM section (default 4)")
+    bench.add_argument(
+        "--mem-bucket-mib", type=int, default=64, help="fp32 MiB of the MEM section's LoRA bucket (default 64)"
+    )
+    bench.add_argument("--scale-worlds", default="2,4,8", help="world sizes of the SCALE section (default 2,4,8)")
+    bench.add_argument("--scale-size-mib", type=int, default=64, help="total MiB of the SCALE section (default 64)")
     bench.set_defaults(handler=run_bench)
 
 
 def run_bench(args) -> int:
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    unknown = sections - {"ratio", "mem", "scale"}
+    if unknown:
+        print(f"bench: unknown sections {sorted(unknown)} (known: ratio, mem, scale)")
+        return 2
+    if "ratio" in sections:
+        _ratio_section(args)
+    if "mem" in sections:
+        _mem_section(args)
+    if "scale" in sections:
+        _scale_section(args)
+    return 0
+
+
+def _ratio_section(args) -> None:
     from miles_lora_ckpt.sim.launch import check_all, run_workers
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mlc-bench-"))
@@ -66,7 +102,61 @@ def run_bench(args) -> int:
         f"save/torch_save={medians['protocol_save'] / medians['torch_save']:.2f} "
         f"save/dcp={medians['protocol_save'] / medians['dcp_save']:.2f}"
     )
-    return 0
+
+
+def _mem_section(args) -> None:
+    from miles_lora_ckpt.sim.launch import check_all, run_workers
+
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mlc-bench-mem-"))
+    payload = {"dir": str(base / "mem"), "bucket_mib": args.mem_bucket_mib}
+    try:
+        results = check_all(run_workers(args.mem_world, "miles_lora_ckpt.tools.bench:mem_job", payload, timeout_s=1800))
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    root = results[0]
+    bucket = root["largest_bucket_bytes"]
+    load = root["load_peak_increase"]
+    rest = load - root["load_adapter_bytes"] - root["load_new_state_bytes"]
+    print(
+        f"MEM peak_rss_increase/largest_bucket={root['save_peak_increase'] / bucket:.2f} (save) "
+        f"on the DP root at W={args.mem_world}, largest bucket {bucket / 2**20:.1f} MiB fp32, "
+        f"{root['buckets']} bucket(s), {root['keys']} state keys"
+    )
+    print(
+        f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} = adapter read + its undo copy "
+        f"{root['load_adapter_bytes'] / bucket:.2f} + moments the optimizer allocates "
+        f"{root['load_new_state_bytes'] / bucket:.2f} + optimizer state read and undo {rest / bucket:.2f}"
+    )
+
+
+def _scale_section(args) -> None:
+    from miles_lora_ckpt.sim.launch import check_all, run_workers
+
+    for world in [int(w) for w in args.scale_worlds.split(",") if w.strip()]:
+        base = Path(args.dir) / f"scale{world}" if args.dir else Path(tempfile.mkdtemp(prefix="mlc-bench-scale-"))
+        base.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "dir": str(base),
+            "size_mib": args.scale_size_mib,
+            "repeats": max(1, min(args.repeats, 3)),
+            "phases": ["protocol_save", "protocol_load"],
+        }
+        try:
+            results = run_workers(
+                world, "miles_lora_ckpt.tools.bench:bench_job", payload, timeout_s=1800, megatron=False
+            )
+            result = check_all(results)[0]
+        finally:
+            if not args.dir:
+                shutil.rmtree(base, ignore_errors=True)
+        parts = []
+        for phase in ("protocol_save", "protocol_load"):
+            total = statistics.median(result["timings"][phase])
+            rounds = result["rounds"][phase]  # the last repeat's rounds, in order
+            detail = " ".join(f"{name} {work:.3f}+{agree:.3f}" for name, work, agree in rounds)
+            parts.append(f"{phase.removeprefix('protocol_')}={total:.3f}s [{detail}]")
+        print(f"SCALE W={world} {args.scale_size_mib}MiB " + " ".join(parts))
 
 
 # =========================================================================== worker side
@@ -91,10 +181,12 @@ def bench_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
 
     base = Path(payload["dir"])
-    consensus = Consensus.for_world(timeout_s=600)
+    consensus = TimedConsensus.wrap(Consensus.for_world(timeout_s=600))
     tensors = bench_tensors(ctx.rank, payload["size_mib"], ctx.world_size)
     raw_bytes = [_as_bytes(t) for t in tensors.values()]
+    selected = payload.get("phases", PHASES)
     timings = {phase: [] for phase in PHASES}
+    rounds: dict[str, list] = {}
     for repeat in range(payload["repeats"]):
         work = base / f"r{repeat}"
         steps = {
@@ -109,17 +201,156 @@ def bench_job(payload: dict, ctx) -> dict:
         # right after another's deletions or writeback
         saves, loads = list(steps)[:4], list(steps)[4:]
         order = saves[repeat % 4 :] + saves[: repeat % 4] + loads[repeat % 2 :] + loads[: repeat % 2]
-        for phase in order:
+        for phase in [p for p in order if p in selected]:
             step = steps[phase]
             dist.barrier()
             started = time.perf_counter()
+            consensus.start()
             step()
             dist.barrier()
             timings[phase].append(time.perf_counter() - started)
+            rounds[phase] = consensus.rounds
         dist.barrier()
         if ctx.rank == 0:
             shutil.rmtree(work, ignore_errors=True)
-    return {"timings": timings}
+    return {"timings": timings, "rounds": rounds}
+
+
+class TimedConsensus:
+    """A consensus that records, for each agreement, the local work before it and the round itself."""
+
+    @classmethod
+    def wrap(cls, consensus):
+        from miles_lora_ckpt.core.consensus import Consensus
+
+        class Timed(Consensus):
+            def start(self) -> None:
+                self.rounds: list[tuple[str, float, float]] = []
+                self._mark = time.perf_counter()
+
+            def agree(self, phase, outcome):
+                entered = time.perf_counter()
+                try:
+                    return super().agree(phase, outcome)
+                finally:
+                    done = time.perf_counter()
+                    self.rounds.append((phase, entered - self._mark, done - entered))
+                    self._mark = done
+
+        timed = Timed(consensus.group, rank=consensus.rank, world_size=consensus.world_size)
+        timed.start()
+        return timed
+
+
+# --------------------------------------------------------------------------- MEM
+
+
+def _clear_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as handle:  # "5": reset the peak RSS (VmHWM) to now
+        handle.write("5")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _peak_increase(step) -> int:
+    """Bytes by which the peak RSS during `step()` exceeds the RSS just before it."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back to the OS: no reuse flatters the peak
+    _clear_peak_rss()
+    before = _rss_kib("VmRSS")
+    step()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def mem_job(payload: dict, ctx) -> dict:
+    """The MEM section: a LoRA with one large DistributedOptimizer bucket, saved and loaded."""
+    import math
+
+    import torch
+
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+    from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.sim.train import build_run, teardown, train_step
+
+    # a layer of hidden h, ffn 4h, LoRA rank r: two adapted linears, 2*r*(h + 4h) = 10*h*r LoRA elements
+    hidden, rank = 1024, 128
+    layers = max(1, math.ceil(payload["bucket_mib"] * 2**20 / 4 / (10 * hidden * rank)))
+    config = SimConfig(
+        world_size=ctx.world_size,
+        dtype="bf16",
+        adapters="dense",
+        distributed=True,
+        num_layers=layers,
+        hidden=hidden,
+        ffn_hidden=4 * hidden,
+        lora_rank=rank,
+    )
+    consensus = Consensus.for_world(timeout_s=1200)
+
+    class Args:
+        lora_rank, lora_alpha, no_save_optim = rank, float(rank), False
+
+    run = build_run(config)
+    train_step(run, 0)
+    root = Path(payload["dir"])
+    save = lambda: save_lora_checkpoint(  # noqa: E731
+        run.model,
+        Args(),
+        root,
+        optimizer=run.optimizer,
+        opt_param_scheduler=run.scheduler,
+        iteration=1,
+        consensus=consensus,
+    )
+    save_increase = _peak_increase(save)
+    buckets = [
+        bucket.grad_data.numel() * 4
+        for child in leaf_children(run.optimizer)
+        if not child.is_stub
+        for buffer in child.optimizer.buffers
+        for bucket in buffer.buckets
+    ]
+    keys = len(next(s for s in run.optimizer.chained_optimizers[0].optimizer.state.values() if s)) - 1
+    teardown(run)
+    fresh = build_run(config)
+    load = lambda: load_lora_checkpoint(  # noqa: E731
+        fresh.model, root, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
+    )
+    load_increase = _peak_increase(load)
+    # what the load legitimately adds beyond optimizer state: the adapter it reads (and the undo
+    # record's copy of the adapter), and the moments the optimizer itself allocates to receive
+    adapter_bytes = sum(
+        p.numel() * p.element_size() for c in fresh.model for n, p in c.named_parameters() if "lora_" in n
+    )
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for child in leaf_children(fresh.optimizer)
+        if not child.is_stub
+        for state in child.optimizer.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    teardown(fresh)
+    return {
+        "save_peak_increase": save_increase,
+        "load_peak_increase": load_increase,
+        "load_adapter_bytes": 2 * adapter_bytes,
+        "load_new_state_bytes": state_bytes,
+        "largest_bucket_bytes": max(buckets),
+        "buckets": len(buckets),
+        "keys": keys,
+    }
 
 
 def _as_bytes(tensor):

@@ -184,6 +184,7 @@ def try_loads(payload: dict, ctx) -> dict:
             "changed": compare_digests(before, after),
             "result": result.__dict__ if result else None,
             "logged": list(logged),
+            "state_digests": after,  # what the run holds after this case (model, optimizer, scheduler)
         }
     return outcomes
 
@@ -237,40 +238,89 @@ def layouts_job(payload: dict, ctx) -> dict:
 
 
 def _elastic_check(case: dict, consensus: Consensus) -> dict:
-    """Load `case["root"]` into a run of `case["config"]`; compare each DP root's regathered state."""
-    from miles_lora_ckpt.core import storage
-    from miles_lora_ckpt.megatron.optimizer_children.distributed import file_name
-    from miles_lora_ckpt.megatron.topology import current_coordinates
-
+    """Load `case["root"]` into a run of `case["config"]`; on every rank, compare its restored shard
+    of every DistributedOptimizer bucket with the same elements of the world tensor that the saved
+    slice files (of another DP size) hold together."""
     run = build_run(SimConfig.from_dict(case["config"]))
     result = load(run, case["root"], consensus)
-    gathered = gathered_world_state(run)
-    key = current_coordinates().model_parallel_key
-    differing = []
-    for name, tensor in gathered.items():
-        index = int(name.split(".")[0].removeprefix("child"))
-        saved, _ = storage.load_tensors(Path(result.path) / file_name(index, key))
-        if not tensor.equal(saved[name.split(".", 1)[1]]):
+    differing, names = [], []
+    for name, (live, saved) in restored_against_saved(run, Path(result.path)).items():
+        names.append(name)
+        if not live.equal(saved):
             differing.append(name)
     loss = train_step(run, result.iteration)  # and training goes on at the new DP size
     teardown(run)
-    return {"differing": differing, "names": sorted(gathered), "loss": loss, "result": result.__dict__}
+    return {"differing": differing, "names": sorted(names), "loss": loss, "result": result.__dict__}
 
 
-def gathered_world_state(run) -> dict:
-    """Each DP root's world tensors of every DistributedOptimizer child, as the saver would write them."""
+def restored_against_saved(run, generation: Path) -> dict:
+    """`{"child{i}.buf{g}.bucket{b}.{key}": (this rank's live elements, the saved ones)}`: the
+    saved world tensor of each bucket is the concatenation of every slice file's part, in slice
+    order, read here with the plain safetensors loader."""
+    import torch
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.core.verify import resolve
     from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
     from miles_lora_ckpt.megatron.optimizer_children import leaf_children, resolve_state_keys
 
+    coords = consensus_coords()  # collective: once, on every rank
+    manifest = resolve(generation).generation.manifest
     out = {}
     for child in leaf_children(run.optimizer):
         if child.is_stub:
             continue
-        keys = resolve_state_keys(child.optimizer)
-        world = dopt.gather_to_dp_root(child.optimizer, dopt.local_shards(child.optimizer, keys))
-        for name, tensor in (world or {}).items():
-            out[f"child{child.index}.{name}"] = tensor
+        opt, keys = child.optimizer, resolve_state_keys(child.optimizer)
+        group = dopt.dp_group(opt)
+        rank, size = group.rank(), group.size()
+        root = dist.get_process_group_ranks(group)[0]
+        key = _coords_of(root, coords)
+        slices = manifest.metadata["optimizer_children"][str(child.index)]["layout"]["slices"][key]
+        files = [storage.load_tensors(generation / entry["file"])[0] for entry in slices]
+        for layout in dopt.bucket_layouts(opt):
+            n = layout.local_numel(size)
+            lo, hi = min(rank * n, layout.numel_unpadded), min((rank + 1) * n, layout.numel_unpadded)
+            if hi <= lo:
+                continue
+            for state_key in ("param", *keys):
+                tensor = f"buf{layout.buffer_index}.bucket{layout.bucket_index}.{state_key}"
+                world = torch.cat([f[tensor] for f in files if tensor in f])
+                live = _live_shard(opt, layout, state_key, n)[: hi - lo]
+                out[f"child{child.index}.{tensor}"] = (live, world[lo:hi])
     return out
+
+
+def consensus_coords() -> list:
+    """Every rank's coordinates (all-gathered)."""
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.megatron.topology import current_coordinates
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, current_coordinates().to_dict())
+    return gathered
+
+
+def _coords_of(rank: int, coords: list) -> str:
+    from miles_lora_ckpt.megatron.topology import Coordinates
+
+    return Coordinates(**coords[rank]).model_parallel_key
+
+
+def _live_shard(opt, layout, key: str, numel: int):
+    """This rank's shard of one bucket for `key`, built from the masters and the optimizer state."""
+    import torch
+
+    from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
+
+    shard = torch.zeros(numel, dtype=torch.float32)
+    maps = next(iter(opt.gbuf_ranges[layout.buffer_index].values()))[layout.bucket_index]["param_map"]
+    for model_param, ranges in maps.items():
+        main_param, state = dopt.main_and_state(opt, model_param)
+        source = main_param if key == "param" else state[key]
+        shard[ranges["gbuf_local"].start : ranges["gbuf_local"].end] = source.detach().view(-1)
+    return shard
 
 
 def legacy_warm_start(payload: dict, ctx) -> dict:

@@ -201,3 +201,65 @@ def fifo_load(payload: dict, ctx) -> dict:
     except CheckpointError as exc:
         error = str(exc)
     return {"error": error, "seconds": time.monotonic() - started}
+
+
+# --------------------------------------------------------------------------- partial reads
+
+SLICED = "optimizer/sliced.safetensors"
+BLOCK = 256  # bytes: small blocks, so that every rank reads a different part of the file
+
+
+def sliced_tensors() -> dict[str, torch.Tensor]:
+    return {"a": torch.arange(512, dtype=torch.float32), "b": torch.arange(512, dtype=torch.float32) * 2}
+
+
+def partial_reads(payload: dict, ctx) -> dict:
+    """Save one file with a block index (and one plain file); then, per case, damage a byte (on
+    rank 0, between barriers) and load with each rank asking a different element range of it.
+    Cases: `{"name": {"flip": byte offset or None, "ranges": [[name, first, stop] per rank]}}`."""
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.core.protocol import PartialRead
+
+    consensus = Consensus.for_world(timeout_s=60)
+    root = Path(payload["root"])
+    storage_block = storage.BLOCK_BYTES
+    storage.BLOCK_BYTES = BLOCK
+    try:
+
+        def write(writer):
+            if consensus.rank == 0:
+                writer.write_tensors(SLICED, sliced_tensors(), blocks=True)
+
+        topo = Topology(world=consensus.world_size, dp=consensus.world_size)
+        gen = save_generation(consensus, root, iteration=1, saver="test", topology=topo, write_files=write)
+    finally:
+        storage.BLOCK_BYTES = storage_block
+    out = {}
+    original = (gen / SLICED).read_bytes()
+    for name, case in payload["cases"].items():
+        dist.barrier()
+        if ctx.rank == 0:
+            data = bytearray(original)
+            if case["flip"] is not None:
+                data[case["flip"]] ^= 0x01
+            (gen / SLICED).write_bytes(bytes(data))
+        dist.barrier()
+        mine = tuple(tuple(r) for r in case["ranges"][ctx.rank])
+        try:
+            opened = open_generation(consensus, gen, lambda m, mine=mine: [PartialRead(SLICED, mine)] if mine else [])
+            got = opened.tensor_ranges(SLICED) if mine else {}
+            want = sliced_tensors()
+            exact = all(torch.equal(t, want[k[0]][k[1] : k[2]]) for k, t in got.items())
+            out[name] = {"error": None, "exact": exact, "got": len(got)}
+        except CheckpointError as exc:
+            out[name] = {"error": str(exc)}
+    record = json_manifest(gen)["files"][SLICED]
+    return {"cases": out, "record": record}
+
+
+def json_manifest(gen: Path) -> dict:
+    import json
+
+    return json.loads((gen / "manifest.json").read_text())

@@ -16,9 +16,12 @@ layer-wise child whose param groups are empty on some ranks is not a stub: it ho
 Every family implements `ChildFamily`, the same phases in the same order, so a saver runs them for
 any selection of children (`chain.select`) with a consensus between any two:
 
-    save:  describe -> plan -> collect (local) -> exchange_for_save (collectives only) -> write files
+    save:  describe -> plan -> collect (local) -> exchange_for_save -> write files
     load:  describe -> files_to_read -> preflight (no mutation) -> allocate -> exchange_for_load
-           (collectives only) -> install (copies, then reads everything back bit for bit)
+           -> install (copies, then reads everything back bit for bit)
+
+(The `exchange_*` steps are where a family would run collectives; none does: every rank of every
+family writes and reads its own files, a DistributedOptimizer's DP ranks their own slices.)
 
 `chain` runs the phases over the selected children; a saver never touches a child it did not
 select (its masters, moments and param groups stay bit-identical; nothing is refreshed from bf16).

@@ -6,6 +6,9 @@ collectives, everything else is local and may raise:
     save: describe -> plan -> collect -> exchange_for_save -> (the saver writes the files)
     load: describe -> files_to_read -> preflight -> allocate -> exchange_for_load -> install
 
+(No family runs collectives any more: a DistributedOptimizer's DP ranks write and read their own
+slices. The `exchange_*` steps stay in the interface for families that would.)
+
 `indices` chooses children by their leaf index (`leaf_children`; for a LayerWise chain the index in
 `chained_optimizers`, as in Miles' `miles_slot_child_indices`); None means every non-stub child.
 Children outside the selection are never read, written, refreshed or rolled back.
@@ -210,28 +213,31 @@ def check_against(
             )
 
 
-def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[str, dict]) -> list[str]:
-    """The optimizer files this rank reads to restore every described child saved with state."""
-    files: set[str] = set()
+def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[str, dict]) -> list:
+    """The optimizer files (relpaths, or `PartialRead`s) this rank reads to restore every described
+    child saved with state."""
+    files: list = []
     for index, described in sorted(by_index(descriptions).items()):
         entry = saved[str(index)]
         if entry["stepped"] and described[view.rank] is not None:
             family = FAMILIES[entry["family"]]
-            files.update(family.files_to_read(index, view, described, entry["layout"]))
-    return sorted(files)
+            files += [f for f in family.files_to_read(index, view, described, entry["layout"]) if f not in files]
+    return files
 
 
-def preflight(optimizer, view: RankView, descriptions, saved: dict[str, dict], tensors, states: dict) -> dict:
+def preflight(
+    optimizer, view: RankView, descriptions, saved: dict[str, dict], tensors, states: dict, ranges=None
+) -> dict:
     """Local, no mutation: `{index: restore}` for every described child saved with state.
 
-    `tensors(relpath, binding)` reads one of this rank's files, refusing one bound to anything else
-    (see `ReadContext`)."""
+    `tensors(relpath, binding)` reads one of this rank's files, `ranges(relpath, binding)` the
+    element ranges it asked of one, each refusing a file bound to anything else (see `ReadContext`)."""
     restores = {}
     described = by_index(descriptions)
     for child in select(optimizer, [d["index"] for d in descriptions[view.rank]]):
         entry = saved[str(child.index)]
         if entry["stepped"]:
-            read = ReadContext(tensors, states, tuple(entry["keys"]))
+            read = ReadContext(tensors, states, tuple(entry["keys"]), ranges)
             restores[child.index] = family_of(child).preflight(
                 child, view, described[child.index], entry["layout"], read
             )

@@ -1,21 +1,33 @@
 """The `distributed` family: megatron's DistributedOptimizer, masters and moments sharded over DP.
 
 `DistributedOptimizer.state_dict()` leaves masters and moments out; megatron's own dp-zero helpers
-hard-code two moments on 0.16 and silently drop state into an unallocated optimizer. This module
-does the same bucket-space work over the *resolved* state keys instead, in separable steps so that
-callers can put a consensus between any two of them:
+gather everything to one rank, hard-code two moments on 0.16 and silently drop state into an
+unallocated optimizer. Here no rank gathers or scatters anything: every DP rank writes, and reads,
+its own part.
 
-    local_shards(child, keys)        this rank's contiguous shard of every bucket (may raise)
-    gather_to_dp_root(child, shards) collectives only: the DP root receives the world tensors
-    preflight_payload                checks a DP root's payload against this child (no mutation)
-    split_for_scatter / scatter_from_dp_root / install_shards / check_installed   the reverse
+World tensors. For grad buffer `g`, bucket `b` and key `k` (the master `param` and every state
+key), the world tensor is the unpadded part (`numel_unpadded`) of the bucket: its layout does not
+depend on the DP size. DP rank `r` of `n` holds elements `[r*L, (r+1)*L)` of the padded bucket
+(`L = padded numel / n`), so its slice of the world tensor is `[min(r*L, U), min((r+1)*L, U))`.
 
-Files: `optimizer/child{i}_{coordinate of the DP root}.safetensors` (bound to child i and that
-model-parallel coordinate), written by each DP root, with world tensors keyed `buf{g}.{key}`: the concatenation of the unpadded part of every bucket of grad
-buffer `g`. That layout does not depend on the DP size, so a DP=2 payload loads at DP=4 exactly
-(`dp_elastic`). Param groups and the step travel as JSON (`child.state_dict()` of the DP root).
-The gathers run over the child's gloo DP group: a child without one (gloo groups disabled, or the
-scalar DistributedOptimizer megatron 0.19 builds beside a layout-based LayerWise) is refused.
+Files (no gather): DP rank `r` of `n` writes
+`optimizer/child{i}_{coordinate of its DP group's root}_s{r:03d}of{n:03d}.safetensors`, bound to
+child `i`, that coordinate and `slice` `"r/n"`, holding for every bucket where its slice is not
+empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one tensor at a time
+(`storage.LazyTensor`: one bucket slice of one key in memory) with per-block digests. The plan
+(manifest metadata `optimizer_children[i].layout`) records per coordinate `numel_unpadded` and
+`slices`: each file with its slice and per bucket its bounds `[lo, hi)` in the world tensor.
+
+Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
+that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
+protocol verifies every other block round-robin), after checking that the saved slices tile every
+bucket exactly (no overlap, no gap). The ranges are verified at open one at a time and not kept
+(`keep=False`); `install` reads them again (each block checked again), one bucket and one key at a
+time, straight into the masters and moments, so a load holds one bucket's key of optimizer state
+beyond what the optimizer holds. Param groups and the
+step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
+gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
+format 1 too) load the same way: each rank reads its ranges from that file.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ import torch.distributed as dist
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
+from miles_lora_ckpt.core.protocol import PartialRead
+from miles_lora_ckpt.core.storage import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state
 from miles_lora_ckpt.megatron.optimizer_children.family import (
     Collected,
@@ -39,14 +53,29 @@ from miles_lora_ckpt.megatron.topology import Coordinates
 
 
 def file_name(index: int, coordinate_key: str) -> str:
-    """The file one DP root writes for child `index`: its model-parallel coordinate, never its rank."""
+    """The gathered layout's file (written by the DP root before slices; still read)."""
     return f"optimizer/child{index}_{coordinate_key}.safetensors"
+
+
+def slice_file_name(index: int, coordinate_key: str, dp_rank: int, dp_size: int) -> str:
+    """The file DP rank `dp_rank` of `dp_size` writes for child `index` at `coordinate_key`."""
+    return f"optimizer/child{index}_{coordinate_key}_s{dp_rank:03d}of{dp_size:03d}.safetensors"
+
+
+def slice_binding(index: int, coordinate_key: str, dp_rank: int, dp_size: int) -> dict[str, str]:
+    return {**file_binding(index, coordinate_key), "slice": f"{dp_rank}/{dp_size}"}
 
 
 def local_param_count(child) -> int:
     return sum(
         len(bucket["param_map"]) for maps in child.gbuf_ranges for buckets in maps.values() for bucket in buckets
     )
+
+
+def dp_group(child):
+    """The group the optimizer shards over (DP x CP for dense children, expert DP for experts)."""
+    group = getattr(child, "data_parallel_group", None)
+    return group if group is not None else child.data_parallel_group_gloo
 
 
 # --------------------------------------------------------------------------- layout
@@ -76,6 +105,14 @@ def bucket_layouts(child) -> list[BucketLayout]:
     return layouts
 
 
+def padded_numels(child) -> dict[str, list[int]]:
+    """`{"buf{g}": [padded numel of each bucket]}` (divisible by the DP size)."""
+    out: dict[str, list[int]] = {}
+    for layout in bucket_layouts(child):
+        out.setdefault(f"buf{layout.buffer_index}", []).append(layout.world_numel)
+    return out
+
+
 def unpadded_numels(child) -> dict[str, list[int]]:
     """`{"buf{g}": [numel_unpadded of each bucket]}`: what a payload must match to load."""
     out: dict[str, list[int]] = {}
@@ -101,126 +138,213 @@ def param_states(child) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     return [(p, *main_and_state(child, p)) for p in child.model_param_group_index_map]
 
 
+# --------------------------------------------------------------------------- plan
+
+
+def slice_bounds(padded: dict, unpadded: dict, dp_rank: int, dp_size: int) -> dict[str, list[list[int]]]:
+    """`{"buf{g}": [[lo, hi] per bucket]}`: DP rank `dp_rank`'s slice of each bucket's world tensor."""
+    bounds = {}
+    for buf, numels in sorted(unpadded.items()):
+        per_rank = [p // dp_size for p in padded[buf]]
+        bounds[buf] = [[min(dp_rank * n, u), min((dp_rank + 1) * n, u)] for n, u in zip(per_rank, numels, strict=True)]
+    return bounds
+
+
+def plan_slices(index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+    """Pure: per DP group (keyed by its root's coordinate) the bucket layout and every rank's slice."""
+    groups: dict[int, list[dict]] = {}
+    for desc in described:
+        if desc is not None:
+            if desc["dp_rank"] is None:
+                raise ValueError(f"optimizer child {index} (DistributedOptimizer) has no data-parallel group")
+            groups.setdefault(desc["dp_root"], []).append(desc)
+    numels, slices = {}, {}
+    for root, members in sorted(groups.items()):
+        key, first = ranks[root].model_parallel_key, members[0]
+        size = first["dp_size"]
+        for desc in members:
+            if (desc["dp_size"], desc["numel_unpadded"], desc["numel_padded"]) != (
+                size,
+                first["numel_unpadded"],
+                first["numel_padded"],
+            ):
+                raise ValueError(f"optimizer child {index}: the DP group at {key} disagrees about its buckets")
+        if sorted(d["dp_rank"] for d in members) != list(range(size)):
+            raise ValueError(f"optimizer child {index}: the DP group at {key} does not have ranks 0..{size - 1}")
+        numels[key] = first["numel_unpadded"]
+        slices[key] = [
+            {
+                "file": slice_file_name(index, key, r, size),
+                "slice": f"{r}/{size}",
+                "bounds": slice_bounds(first["numel_padded"], first["numel_unpadded"], r, size),
+            }
+            for r in range(size)
+        ]
+    return {"numel_unpadded": numels, "slices": slices}
+
+
 # --------------------------------------------------------------------------- save
 
 
-def local_shards(child, keys: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
-    """This rank's contiguous fp32 shard of every bucket, for the master and each state key."""
-    dp_size = child.data_parallel_group_gloo.size()
-    shards = []
+def _slice_tensor(child, layout: BucketLayout, key: str, count: int) -> torch.Tensor:
+    """This rank's first `count` elements of one bucket's shard for `key` (a fresh fp32 tensor:
+    the only copy of optimizer state the save makes, one at a time)."""
+    out = torch.zeros(count, dtype=torch.float32)
+    for model_param, ranges in _param_maps(child, layout).items():
+        main_param, state = main_and_state(child, model_param)
+        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+        if end > count:
+            raise ValueError(f"a parameter lies in the padding of {layout} (elements {start}..{end} of {count})")
+        source = main_param if key == MASTER_KEY else state[key]
+        out[start:end].copy_(source.detach().view(-1))
+    return out
+
+
+def check_state_keys(child, keys: tuple[str, ...]) -> None:
+    for model_param in child.model_param_group_index_map:
+        _, state = main_and_state(child, model_param)
+        for key in keys:
+            if key not in state:
+                raise KeyError(f"optimizer state of a parameter has no {key!r} (has {sorted(state)})")
+
+
+def lazy_slices(child, keys: tuple[str, ...], bounds: dict) -> dict[str, LazyTensor]:
+    """`{"buf{g}.bucket{b}.{key}": LazyTensor}` of this rank's non-empty slices (produced when written)."""
+    tensors = {}
     for layout in bucket_layouts(child):
-        bucket = {k: torch.zeros(layout.local_numel(dp_size), dtype=torch.float32) for k in (MASTER_KEY, *keys)}
-        for model_param, ranges in _param_maps(child, layout).items():
-            main_param, state = main_and_state(child, model_param)
-            start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
-            bucket[MASTER_KEY][start:end].copy_(main_param.detach().view(-1))
-            for key in keys:
-                if key not in state:
-                    raise KeyError(f"optimizer state of a parameter has no {key!r} (has {sorted(state)})")
-                bucket[key][start:end].copy_(state[key].detach().view(-1))
-        shards.append(bucket)
-    return shards
-
-
-def gather_to_dp_root(child, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-    """Collective over the child's gloo DP group: the DP root gets `{"buf{g}.{key}": world tensor}`."""
-    group = child.data_parallel_group_gloo
-    dp_size, is_root = group.size(), group.rank() == 0
-    root = dist.get_process_group_ranks(group)[0]
-    pieces: dict[str, list[torch.Tensor]] = {}
-    for layout, bucket in zip(bucket_layouts(child), shards, strict=True):
-        for key, shard in bucket.items():
-            received = [torch.empty_like(shard) for _ in range(dp_size)] if is_root else None
-            dist.gather(shard, received, dst=root, group=group)
-            if is_root:
-                world = torch.cat(received)[: layout.numel_unpadded]
-                pieces.setdefault(f"buf{layout.buffer_index}.{key}", []).append(world)
-    return {name: torch.cat(parts) for name, parts in pieces.items()} if is_root else None
+        lo, hi = bounds[f"buf{layout.buffer_index}"][layout.bucket_index]
+        if hi <= lo:
+            continue
+        for key in (MASTER_KEY, *keys):
+            name = f"buf{layout.buffer_index}.bucket{layout.bucket_index}.{key}"
+            produce = lambda layout=layout, key=key, n=hi - lo: _slice_tensor(child, layout, key, n)  # noqa: E731
+            tensors[name] = LazyTensor(torch.float32, (hi - lo,), produce)
+    return tensors
 
 
 # --------------------------------------------------------------------------- load
 
 
-def preflight_payload(child, keys: tuple[str, ...], payload: dict[str, torch.Tensor], saved_numels: dict) -> None:
-    """Check a DP root's payload against this child without touching it; raises ValueError."""
-    current = unpadded_numels(child)
-    if saved_numels != current:
-        raise ValueError(f"bucket layout differs: checkpoint {saved_numels}, this run {current}")
-    expected = {f"{buf}.{key}" for buf in current for key in (MASTER_KEY, *keys)}
-    if set(payload) != expected:
-        missing, unexpected = sorted(expected - set(payload)), sorted(set(payload) - expected)
-        raise ValueError(f"parameter state tensors differ: missing {missing}, unexpected {unexpected}")
-    for name, tensor in payload.items():
-        numel = sum(current[name.split(".")[0]])
-        if tensor.dtype != torch.float32 or tuple(tensor.shape) != (numel,):
-            raise ValueError(f"{name}: {tensor.dtype}{list(tensor.shape)}, expected torch.float32[{numel}]")
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"{name}: holds NaN or Inf")
+@dataclass(frozen=True)
+class Piece:
+    """A saved part of a buffer's world tensor: elements `[begin, end)` of buffer `buf` (all its
+    buckets' unpadded parts, concatenated) are tensors `{prefix}.{key}` of `file`."""
+
+    file: str
+    binding: dict
+    prefix: str
+    buf: str
+    begin: int
+    end: int
 
 
-def split_for_scatter(child, keys: tuple[str, ...], payload: dict[str, torch.Tensor]) -> list[dict[str, list]]:
-    """On the DP root: per bucket and key, the padded world tensor cut into one chunk per DP rank."""
-    dp_size = child.data_parallel_group_gloo.size()
-    offsets: dict[int, int] = {}
-    plan = []
-    for layout in bucket_layouts(child):
-        start = offsets.get(layout.buffer_index, 0)
-        offsets[layout.buffer_index] = start + layout.numel_unpadded
-        chunks = {}
+def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]:
+    """Every saved piece of child `index` at `key`, checked: the bucket layout is this run's, and
+    the slices tile each bucket exactly (no overlap, no gap). Legacy (gathered) layouts: one piece
+    per buffer in the DP root's file."""
+    saved = plan.get("numel_unpadded", {}).get(key)
+    if saved != current:
+        raise IncompatibleCheckpoint(
+            f"optimizer child {index} at {key}: bucket layout differs: checkpoint {saved}, this run {current}"
+        )
+    offsets = {buf: [sum(numels[:b]) for b in range(len(numels))] for buf, numels in current.items()}
+    if "slices" not in plan:  # gathered layout: the DP root wrote the world tensors
+        binding = file_binding(index, key)
+        return [Piece(file_name(index, key), binding, buf, buf, 0, sum(n)) for buf, n in sorted(current.items())]
+    entries = plan["slices"].get(key)
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"optimizer child {index}: the manifest lists no slices at {key}")
+    size = len(entries)
+    pieces, covered = [], {buf: [[] for _ in numels] for buf, numels in current.items()}
+    for rank, entry in enumerate(entries):
+        expected = slice_file_name(index, key, rank, size)
+        if entry.get("file") != expected or entry.get("slice") != f"{rank}/{size}":
+            raise ValueError(f"optimizer child {index}: slice {rank} of {size} at {key} is listed as {entry}")
+        bounds = entry.get("bounds")
+        if not isinstance(bounds, dict) or set(bounds) != set(current):
+            raise ValueError(f"{expected}: slice bounds {bounds} do not name the buffers {sorted(current)}")
+        for buf, per_bucket in bounds.items():
+            if not isinstance(per_bucket, list) or len(per_bucket) != len(current[buf]):
+                raise ValueError(
+                    f"{expected}: slice bounds of {buf} are {per_bucket}, one [lo, hi] per bucket expected"
+                )
+            for b, pair in enumerate(per_bucket):
+                ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+                if not ok or not 0 <= pair[0] <= pair[1] <= current[buf][b]:
+                    raise ValueError(
+                        f"{expected}: slice bounds {pair} of {buf} bucket {b} are out of [0, {current[buf][b]}]"
+                    )
+                if pair[1] > pair[0]:
+                    covered[buf][b].append((pair[0], pair[1], expected))
+                    begin = offsets[buf][b]
+                    binding = slice_binding(index, key, rank, size)
+                    pieces.append(Piece(expected, binding, f"{buf}.bucket{b}", buf, begin + pair[0], begin + pair[1]))
+    for buf, buckets in covered.items():
+        for b, spans in enumerate(buckets):
+            cursor = 0
+            for lo, hi, file in sorted(spans):
+                if lo != cursor:
+                    what = "overlap" if lo < cursor else "gap"
+                    raise ValueError(
+                        f"{file}: slice bounds [{lo}, {hi}) of {buf} bucket {b} leave a {what} at element {min(lo, cursor)}"
+                    )
+                cursor = hi
+            if cursor != current[buf][b]:
+                raise ValueError(
+                    f"optimizer child {index} at {key}: the slices of {buf} bucket {b} end at {cursor}, not {current[buf][b]}"
+                )
+    return pieces
+
+
+def shard_ranges(desc: dict) -> list[tuple[str, int, int, int]]:
+    """(buffer, bucket, begin, end): a rank's shard of each bucket's world tensor in buffer
+    coordinates, from its description (`dp_rank`, `dp_size`, padded and unpadded numels)."""
+    out = []
+    for buf in sorted(desc["numel_unpadded"], key=lambda name: int(name.removeprefix("buf"))):
+        start = 0
+        pairs = zip(desc["numel_padded"][buf], desc["numel_unpadded"][buf], strict=True)
+        for b, (padded, unpadded) in enumerate(pairs):
+            n = padded // desc["dp_size"]
+            lo, hi = min(desc["dp_rank"] * n, unpadded), min((desc["dp_rank"] + 1) * n, unpadded)
+            out.append((buf, b, start + lo, start + hi))
+            start += unpadded
+    return out
+
+
+def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, int, int]]:
+    """(bucket position, piece, first, stop, offset in the bucket's shard) for every overlap of
+    this rank's shard with a saved piece."""
+    out = []
+    for position, (buf, _, begin, end) in enumerate(shard_ranges(desc)):
+        for piece in pieces:
+            lo, hi = max(begin, piece.begin), min(end, piece.end)
+            if piece.buf == buf and hi > lo:
+                out.append((position, piece, lo - piece.begin, hi - piece.begin, lo - begin))
+    return out
+
+
+def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
+    """Copy `(key, offset in this rank's shard of the bucket, tensor)` pieces into the masters and
+    the allocated state of every parameter they overlap; then compare every copied element."""
+    targets = []
+    for model_param, ranges in _param_maps(child, layout).items():
+        main_param, state = main_and_state(child, model_param)
+        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
         for key in (MASTER_KEY, *keys):
-            world = torch.zeros(layout.world_numel, dtype=torch.float32)
-            world[: layout.numel_unpadded] = payload[f"buf{layout.buffer_index}.{key}"][
-                start : start + layout.numel_unpadded
-            ]
-            chunks[key] = list(world.chunk(dp_size))
-        plan.append(chunks)
-    return plan
-
-
-def scatter_from_dp_root(
-    child, keys: tuple[str, ...], plan: list[dict[str, list]] | None
-) -> list[dict[str, torch.Tensor]]:
-    """Collective over the child's gloo DP group: every rank receives its shard of every bucket."""
-    group = child.data_parallel_group_gloo
-    dp_size = group.size()
-    root = dist.get_process_group_ranks(group)[0]
-    received = []
-    for index, layout in enumerate(bucket_layouts(child)):
-        bucket = {}
-        for key in (MASTER_KEY, *keys):
-            shard = torch.empty(layout.local_numel(dp_size), dtype=torch.float32)
-            dist.scatter(shard, plan[index][key] if plan is not None else None, src=root, group=group)
-            bucket[key] = shard
-        received.append(bucket)
-    return received
-
-
-def install_shards(child, keys: tuple[str, ...], shards: list[dict[str, torch.Tensor]]) -> None:
-    """Copy received shards into the masters and the (already allocated) optimizer state."""
+            if key != MASTER_KEY and key not in state:
+                raise KeyError(f"optimizer state was not allocated for {key!r}")
+            targets.append((key, start, end, main_param if key == MASTER_KEY else state[key]))
     with torch.no_grad():
-        for layout, bucket in zip(bucket_layouts(child), shards, strict=True):
-            for model_param, ranges in _param_maps(child, layout).items():
-                main_param, state = main_and_state(child, model_param)
-                start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
-                main_param.view(-1).copy_(bucket[MASTER_KEY][start:end])
-                for key in keys:
-                    if key not in state:
-                        raise KeyError(f"optimizer state was not allocated for {key!r}")
-                    state[key].view(-1).copy_(bucket[key][start:end])
-
-
-def check_installed(child, keys: tuple[str, ...], shards: list[dict[str, torch.Tensor]]) -> None:
-    """Read back every master and state tensor and compare bit for bit with what was received.
-
-    megatron's own dp-zero loader can drop moments silently; this is the check that it did not
-    happen here.
-    """
-    for layout, bucket in zip(bucket_layouts(child), shards, strict=True):
-        for model_param, ranges in _param_maps(child, layout).items():
-            main_param, state = main_and_state(child, model_param)
-            start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
-            for key, tensor in [(MASTER_KEY, main_param), *[(k, state.get(k)) for k in keys]]:
-                if tensor is None or not torch.equal(tensor.detach().view(-1), bucket[key][start:end]):
+        for key, start, end, dest in targets:
+            for part_key, offset, tensor in parts:
+                lo, hi = max(start, offset), min(end, offset + tensor.numel())
+                if part_key == key and hi > lo:
+                    dest.view(-1)[lo - start : hi - start].copy_(tensor[lo - offset : hi - offset])
+    for key, start, end, dest in targets:  # megatron's own loader can drop state silently: not here
+        for part_key, offset, tensor in parts:
+            lo, hi = max(start, offset), min(end, offset + tensor.numel())
+            if part_key == key and hi > lo:
+                if not torch.equal(dest.detach().view(-1)[lo - start : hi - start], tensor[lo - offset : hi - offset]):
                     raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
 
@@ -231,7 +355,7 @@ def check_installed(child, keys: tuple[str, ...], shards: list[dict[str, torch.T
 class _Restore:
     keys: tuple[str, ...]
     state: dict  # the DP root's `state_dict()` as JSON: param groups and step
-    payload: dict | None  # world tensors, on the DP root only
+    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard)]
 
 
 class DistributedFamily:
@@ -242,46 +366,61 @@ class DistributedFamily:
 
     def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> dict:
         opt = child.optimizer
-        group = opt.data_parallel_group_gloo  # None with gloo groups disabled: refused when needed
+        group = dp_group(opt)
         root = (dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0) if group is not None else None
         return {
             "params": sorted(names[id(p)] for p in opt.model_param_group_index_map),
             "dp_rank": group.rank() if group is not None else None,
+            "dp_size": group.size() if group is not None else None,
             "dp_root": root,
             "numel_unpadded": unpadded_numels(opt),
+            "numel_padded": padded_numels(opt),
         }
 
     def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
-        numels = {ranks[r].model_parallel_key: d["numel_unpadded"] for r, d in enumerate(described) if d is not None}
-        return {"numel_unpadded": numels}
+        return plan_slices(index, described, ranks)
 
     def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
         opt = child.optimizer
-        group = _gloo_group(child)
         if local_param_count(opt) > 0 and not has_state(opt):
             raise ValueError(f"optimizer child {child.index} has stepped on other ranks but has no state here")
-        collected = Collected(local_shards(opt, keys))
-        if group.rank() == 0:
-            collected.state_key = f"{child.index}:{view.coords.model_parallel_key}"
+        check_state_keys(opt, keys)
+        group = dp_group(opt)
+        key = view.ranks[dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0].model_parallel_key
+        rank, size = group.rank(), group.size()
+        entry = plan["slices"][key][rank]
+        tensors = lazy_slices(opt, keys, entry["bounds"])
+        file = OptimizerFile(slice_binding(child.index, key, rank, size), tensors, partial_reads=True)
+        collected = Collected({entry["file"]: file})
+        if rank == 0:
+            collected.state_key = f"{child.index}:{key}"
             collected.state = to_json(opt.state_dict(), f"optimizer child {child.index}")
         return collected
 
     def exchange_for_save(
         self, child: Child, view: RankView, plan: dict, collected: Collected
     ) -> dict[str, OptimizerFile]:
-        world = gather_to_dp_root(child.optimizer, collected.local)
-        if world is None:
-            return {}
-        key = view.coords.model_parallel_key
-        return {file_name(child.index, key): OptimizerFile(file_binding(child.index, key), world)}
+        """No collectives: every DP rank writes its own slice (lazily, see `lazy_slices`)."""
+        return collected.local
 
-    def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list[str]:
+    def _pieces(self, index: int, view: RankView, described: list, plan: dict) -> list[Piece]:
         mine = described[view.rank]
         if mine["dp_rank"] is None:
-            raise IncompatibleCheckpoint(
-                f"optimizer child {index} has no gloo DP group: drop --disable-gloo-process-groups"
-            )
-        return [file_name(index, view.coords.model_parallel_key)] if mine["dp_rank"] == 0 else []
+            raise IncompatibleCheckpoint(f"optimizer child {index} has no data-parallel group")
+        root_key = view.ranks[mine["dp_root"]].model_parallel_key
+        return saved_pieces(index, plan, root_key, mine["numel_unpadded"])
+
+    def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
+        """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
+        shard (at equal DP sizes: all of its own slice), verified at open one range at a time and
+        not kept (`keep=False`): `install` reads them again, one bucket at a time."""
+        mine = described[view.rank]
+        pieces = self._pieces(index, view, described, plan)
+        keys = (MASTER_KEY, *mine["keys"])
+        requests: dict[str, set] = {}
+        for _, piece, first, stop, _ in reads_for(pieces, mine):
+            requests.setdefault(piece.file, set()).update((f"{piece.prefix}.{k}", first, stop) for k in keys)
+        return [PartialRead(file, tuple(sorted(ranges)), keep=False) for file, ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -289,17 +428,19 @@ class DistributedFamily:
         state = read.states.get(f"{child.index}:{root_key}")
         if state is None:
             raise ValueError(f"the training state holds no optimizer state for child {child.index} at {root_key}")
-        restore = _Restore(read.keys, state, None)
-        if mine["dp_rank"] == 0:
-            key = view.coords.model_parallel_key
-            file = file_name(child.index, key)
-            payload = read.tensors(file, file_binding(child.index, key))
-            try:
-                preflight_payload(child.optimizer, read.keys, payload, plan["numel_unpadded"].get(root_key))
-            except ValueError as exc:
-                raise ValueError(f"{file}: {exc}") from None
-            restore.payload = payload
-        return restore
+        if mine["numel_unpadded"] != unpadded_numels(child.optimizer):
+            raise ValueError(f"optimizer child {child.index} changed its buckets since it was described")
+        buckets: list[list] = [[] for _ in shard_ranges(mine)]
+        for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
+            source = read.ranges(piece.file, piece.binding)  # binding checked here, data read at install
+            buckets[position].append((piece, source, first, stop, offset))
+        for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
+            filled = sum(stop - first for _, _, first, stop, _ in buckets[position])
+            if filled != end - begin:
+                raise ValueError(
+                    f"optimizer child {child.index}: {buf} bucket {b}: {filled} of {end - begin} elements saved"
+                )
+        return _Restore(read.keys, state, buckets)
 
     def allocate(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
@@ -307,25 +448,37 @@ class DistributedFamily:
         opt.load_state_dict(from_json(restore.state))  # param groups, step; allocates the moments
         _drop_planted_keys(opt, restore.keys, had)
 
-    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> list:
+    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
+        """No collectives: every rank read its own ranges (no scatter from a DP root)."""
+
+    def install(self, child: Child, restore: _Restore, received: None) -> None:
+        """Bucket by bucket and key by key: read this rank's pieces of one bucket for one key (each
+        block verified again), copy them straight into the master or the state of the parameters
+        they overlap (no shard is assembled), read those elements back bit for bit, and drop them."""
         opt = child.optimizer
-        split = split_for_scatter(opt, restore.keys, restore.payload) if restore.payload is not None else None
-        return scatter_from_dp_root(opt, restore.keys, split)
+        for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
+            for key in (MASTER_KEY, *restore.keys):  # one key of one bucket in memory at a time
+                parts = [
+                    (key, offset, _read_piece(piece, source, key, first, stop))
+                    for piece, source, first, stop, offset in pieces
+                ]
+                install_pieces(opt, restore.keys, layout, parts)
+                del parts
 
-    def install(self, child: Child, restore: _Restore, received: list) -> None:
-        install_shards(child.optimizer, restore.keys, received)
-        check_installed(child.optimizer, restore.keys, received)
 
-
-def _gloo_group(child: Child):
-    group = child.optimizer.data_parallel_group_gloo
-    if group is None:
+def _read_piece(piece: Piece, source, key: str, first: int, stop: int) -> torch.Tensor:
+    name = f"{piece.prefix}.{key}"
+    try:
+        tensor = source.get((name, first, stop))
+    except ValueError as exc:
+        raise ValueError(f"{piece.file}: {exc}") from None
+    if tensor is None:
+        raise ValueError(f"{piece.file}: {name} elements [{first}, {stop}) were not read")
+    if tensor.dtype != torch.float32 or tensor.numel() != stop - first:
         raise ValueError(
-            f"optimizer child {child.index} (DistributedOptimizer) has no gloo DP group: drop "
-            "--disable-gloo-process-groups (megatron 0.19 also builds one without it beside a LayerWise "
-            "optimizer when DDP uses the distributed optimizer; build DDP without it for layer-wise Muon)"
+            f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{stop - first}]"
         )
-    return group
+    return tensor
 
 
 def _drop_planted_keys(child, keys: tuple[str, ...], had: dict) -> None:

@@ -28,10 +28,13 @@ def file_binding(index: int, coordinate: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class OptimizerFile:
-    """One file a rank writes for a child: its binding (`file_binding`) and its tensors."""
+    """One file a rank writes for a child: its binding (`file_binding`) and its tensors (values may
+    be `storage.LazyTensor`s, produced as they are written); `partial_reads` records per-block
+    digests so that loaders at another DP size read and verify only the ranges they need."""
 
     binding: dict[str, str]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Any]
+    partial_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,16 @@ class ReadContext:
     tensors: Callable[[str, dict[str, str]], dict[str, torch.Tensor]]
     states: dict  # the training state's per-child JSON, keyed as `Collected.state_key`
     keys: tuple[str, ...]  # the per-element state keys the checkpoint holds for this child
+    # (relpath, expected binding) -> {(tensor name, first, stop): 1-D tensor}: the element ranges
+    # this rank asked for with a `protocol.PartialRead` (or cut from a file it read whole), checked
+    ranges: Callable[[str, dict[str, str]], dict] | None = None
 
 
 class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
-    Only `exchange_for_save` and `exchange_for_load` run collectives; everything else is local and
-    may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
+    Only `exchange_for_save` and `exchange_for_load` may run collectives (no family does now);
+    everything else is local and may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
     manifest): every rank derives the same plan from the same descriptions, and raises the same
     error where the descriptions are inconsistent.
     """
@@ -93,8 +99,9 @@ class ChildFamily(Protocol):
     ) -> dict[str, OptimizerFile]:
         """Collectives only. `{relpath: OptimizerFile}` this rank writes."""
 
-    def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list[str]:
-        """The files this rank needs to restore the child (`plan` is the saved one). Raises
+    def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list:
+        """The files this rank needs to restore the child (`plan` is the saved one): relpaths read
+        whole, or `protocol.PartialRead`s of some element ranges. Raises
         `IncompatibleCheckpoint` where the checkpoint cannot be restored into this run."""
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:

@@ -6,10 +6,12 @@ A generation written by the single-LoRA saver holds (paths relative to it)::
                                                           param groups and steps (JSON), by rank 0
     adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP), all chunks
     adapter/expert_pp000_ep000_etp000.safetensors         expert adapter shard per (PP, EP, ETP)
-    optimizer/child1_tp000_pp000_ep000_etp000.safetensors fp32 masters + every moment of one
-                                                          DistributedOptimizer child, per model-parallel
-                                                          coordinate of the root of its gloo DP group
-                                                          (DP x CP for dense children)
+    optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors
+                                                          DP rank 0 of 2's slice of the fp32 masters and
+                                                          every moment of one DistributedOptimizer
+                                                          child, keyed by the model-parallel coordinate
+                                                          of its DP group's root (DP x CP for dense
+                                                          children); no gather, partial reads at load
     optimizer/child0_tp000_pp000_ep000_etp000_dp000_cp000.safetensors
                                                           masters + state of the whole parameters a
                                                           Float16/FP32 (or layer-wise) child's rank writes
@@ -61,6 +63,17 @@ def bound_tensors(opened):
     def read(relpath: str, expected: dict[str, str]):
         check_binding(opened, relpath, expected)
         return opened.tensors(relpath)
+
+    return read
+
+
+def bound_ranges(opened):
+    """`(relpath, expected binding) -> {(name, first, stop): tensor}`: the element ranges this rank
+    asked of one of its files (`protocol.PartialRead`), binding checked first."""
+
+    def read(relpath: str, expected: dict[str, str]):
+        check_binding(opened, relpath, expected)
+        return opened.tensor_ranges(relpath)
 
     return read
 

@@ -4,7 +4,8 @@ Collective; reads as phases::
 
     classify path -> agree -> plan -> agree -> protocol.open_generation (verify, agree)
     -> preflight -> agree -> apply adapter, allocate optimizer state -> agree
-    -> scatter -> agree -> install and check -> agree -> scheduler, master refresh -> agree
+    -> install and check (each rank its own ranges, bucket by bucket) -> agree
+    -> scheduler, master refresh -> agree
 
 Nothing changes before the preflight agreement; if any later phase fails on any rank, every rank
 rolls its model, optimizer and scheduler back to the bytes they held before the load (megatron.undo).
@@ -44,6 +45,7 @@ from miles_lora_ckpt.savers.single_lora.common import (
     TRAINING_STATE_BINDING,
     LoadResult,
     adapter_binding,
+    bound_ranges,
     bound_tensors,
     check_binding,
     describe_rank,
@@ -191,12 +193,9 @@ def _load(
         # apply: adapter weights, and optimizer state allocated for the children being restored
         consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value))
 
-        # scatter: collectives only; each DistributedOptimizer's DP root sends every rank its shard
-        received = attempt(chain.exchange_for_load, request.optimizer, request.view, plan.value.restore_children)
-        consensus.agree("scatter", received.map(lambda _: None))
-
-        # install: copy into masters, moments and param groups, read them back bit for bit
-        installed = attempt(chain.install, request.optimizer, plan.value.restore_children, received.value)
+        # install: every rank its own verified ranges, bucket by bucket (no scatter from a DP
+        # root), into masters, moments and param groups, then read back bit for bit
+        installed = attempt(_install, request, plan.value)
         consensus.agree("install", installed)
 
         # finish: scheduler, and masters refreshed where none were restored
@@ -336,6 +335,7 @@ class LoadRequest:
                 saved_children(manifest),
                 bound_tensors(opened),
                 state.get("optimizer_children", {}),
+                bound_ranges(opened),
             )
             fresh = [i for i in self.selected() if i not in restore]
         elif self.optimizer is not None:
@@ -431,6 +431,11 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan) -> None:
     for params, saved in plan.adapter:
         shards.copy_into(params, saved)
     chain.allocate(request.optimizer, plan.restore_children)
+
+
+def _install(request: LoadRequest, plan: LoadPlan) -> None:
+    received = chain.exchange_for_load(request.optimizer, request.view, plan.restore_children)  # local
+    chain.install(request.optimizer, plan.restore_children, received)
 
 
 def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None) -> LoadResult:

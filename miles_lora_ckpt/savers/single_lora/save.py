@@ -3,7 +3,7 @@
 Collective; reads as phases::
 
     plan -> agree -> layout -> agree -> [PEFT export: plan, bind, each agreed]
-    -> optimizer, local -> agree -> optimizer, exchange -> agree
+    -> optimizer, local (every DP rank its own slice; nothing gathered) -> agree
     -> protocol.save_generation (prepare -> [produce: PEFT export, self-check, each agreed]
                                  -> write -> commit -> publish, each agreed)
 """
@@ -116,19 +116,18 @@ def save_adapter_generation(
     if peft is not None:
         peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=GENERATION_SUBDIR)
 
-    # optimizer, local: this rank's copies of every saved child, and the JSON state it records
-    prepared = attempt(chain.collect, optimizer, view, layout.children) if save_optim else attempt(dict)
-    child_states = consensus.agree("optimizer-shards", prepared.map(chain.recorded_states))
-
-    # optimizer, exchange: collectives only (a DistributedOptimizer's DP root gathers its world tensors)
-    exchanged = attempt(chain.exchange_for_save, optimizer, view, layout.children, prepared.value or {})
-    consensus.agree("optimizer-gather", exchanged.map(lambda _: None))
+    # optimizer, local: what this rank writes for every saved child (a DistributedOptimizer's DP
+    # ranks each write their own slice, produced lazily during the write: no gather, no root), and
+    # the JSON state it records
+    prepared = attempt(_optimizer_files, optimizer, view, layout.children) if save_optim else attempt(_no_files)
+    child_states = consensus.agree("optimizer-shards", prepared.map(lambda p: chain.recorded_states(p[0])))
+    optimizer_files = prepared.value[1]
 
     # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
         _write_adapter_files(writer, model, layout, consensus.rank)
-        for relpath, file in sorted(exchanged.value.items()):
-            writer.write_tensors(relpath, file.tensors, binding=file.binding)
+        for relpath, file in sorted(optimizer_files.items()):
+            writer.write_tensors(relpath, file.tensors, binding=file.binding, blocks=file.partial_reads)
         if consensus.rank == 0:
             training_state = {
                 "iteration": iteration,
@@ -156,6 +155,16 @@ def save_adapter_generation(
         links=links,
     )
     return str(generation)
+
+
+def _optimizer_files(optimizer, view, children: dict) -> tuple[dict, dict]:
+    """(collected per child, `{relpath: OptimizerFile}`): local only; no family runs collectives."""
+    collected = chain.collect(optimizer, view, children)
+    return collected, chain.exchange_for_save(optimizer, view, children, collected)
+
+
+def _no_files() -> tuple[dict, dict]:
+    return {}, {}
 
 
 @dataclass

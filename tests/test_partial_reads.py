@@ -1,0 +1,252 @@
+"""Verified partial reads: per-block digests written with a file, ranges read and checked block by
+block, unread blocks checked round-robin, and the lazy writer (plain processes, no megatron)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from jobs_paths import JOBS
+
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.layout import FileRecord
+from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
+from miles_lora_ckpt.sim.launch import check_all, run_workers
+
+
+def _write(tmp_path, tensors, block_bytes=256):
+    path = tmp_path / "t.safetensors"
+    record = storage.save_tensors(path, tensors, finite=True, blocks=True, block_bytes=block_bytes)
+    return path, FileRecord.from_dict(record.to_dict())  # through the manifest's JSON
+
+
+def _tensors():
+    return {"a": torch.arange(300, dtype=torch.float32), "b": torch.arange(200, dtype=torch.bfloat16)}
+
+
+def test_block_index_round_trips_and_ranges_read_exactly(tmp_path):
+    path, record = _write(tmp_path, _tensors())
+    assert record.blocks is not None and len(record.blocks.digests) == -(-record.bytes // 256)
+    wanted = [("a", 10, 20), ("a", 250, 300), ("b", 0, 7), ("b", 5, 5)]
+    got, metadata = storage.read_ranges(path, record, wanted)
+    for name, first, stop in wanted:
+        assert torch.equal(got[(name, first, stop)], _tensors()[name][first:stop])
+    # a whole read checks every block digest too
+    assert storage.check_file(path, record).entries is not None
+
+
+def test_a_flipped_byte_is_caught_exactly_where_it_is_read(tmp_path):
+    path, record = _write(tmp_path, _tensors())
+    begin = record.blocks.tensors["a"][1]
+    flip = begin + 280 * 4  # inside a[280], a block that a read of a[10:20] does not touch
+    data = bytearray(path.read_bytes())
+    data[flip] ^= 0x01
+    path.write_bytes(bytes(data))
+    far = flip // 256
+    near = storage.blocks_needed(record.blocks, [("a", 10, 20)])
+    assert far not in near
+    storage.read_ranges(path, record, [("a", 10, 20)])  # untouched bytes: fine (others verify the rest)
+    with pytest.raises(ValueError, match=f"block {far} .*digest mismatch"):
+        storage.read_ranges(path, record, [("a", 279, 281)])
+    with pytest.raises(ValueError, match=f"block {far} .*digest mismatch"):
+        storage.check_blocks(path, record, [far])
+    with pytest.raises(ValueError, match="digest mismatch"):
+        storage.check_file(path, record)
+
+
+def test_header_and_block_index_must_agree(tmp_path):
+    path, record = _write(tmp_path, _tensors())
+    forged = FileRecord.from_dict(
+        {**record.to_dict(), "blocks": {**record.blocks.to_dict(), "tensors": {"a": ["F32", 100, 1300]}}}
+    )
+    with pytest.raises(ValueError, match="disagree"):
+        storage.read_ranges(path, forged, [("a", 0, 1)])
+    with pytest.raises(ValueError, match="elements"):
+        storage.read_ranges(path, record, [("a", 0, 301)])
+    with pytest.raises(ValueError, match="not in the file"):
+        storage.read_ranges(path, record, [("c", 0, 1)])
+    with pytest.raises(ValueError, match="digests: expected"):
+        FileRecord.from_dict({**record.to_dict(), "blocks": {**record.blocks.to_dict(), "digests": []}})
+
+
+def test_nan_in_a_read_range_is_refused(tmp_path):
+    tensors = _tensors()
+    tensors["a"][150] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    record = storage.save_tensors(path, tensors, blocks=True, block_bytes=256)  # finite not checked on write
+    storage.read_ranges(path, record, [("a", 0, 100)])
+    with pytest.raises(ValueError, match="NaN"):
+        storage.read_ranges(path, record, [("a", 140, 160)])
+    with pytest.raises(ValueError, match="NaN"):
+        storage.check_blocks(path, record, storage.blocks_needed(record.blocks, [("a", 150, 151)]))
+
+
+def test_the_writer_pulls_lazy_tensors_one_at_a_time(tmp_path):
+    """A file of lazily produced tensors never holds more than one of them: each is produced when
+    its bytes are due, and released before the next one is produced."""
+    alive: list[weakref.ref] = []
+    order = []
+
+    def producer(name, n):
+        def produce():
+            assert all(ref() is None for ref in alive), f"{name}: an earlier tensor is still in memory"
+            order.append(name)
+            tensor = torch.full((n,), float(len(order)))
+            alive.append(weakref.ref(tensor))
+            return tensor
+
+        return produce
+
+    names = ["x0", "x1", "x2", "x3"]
+    lazy = {name: storage.LazyTensor(torch.float32, (1000,), producer(name, 1000)) for name in names}
+    assert order == []  # nothing produced before writing
+    record = storage.save_tensors(tmp_path / "lazy.safetensors", lazy, finite=True, blocks=True)
+    assert order == names  # in file order, each once
+    loaded, _ = storage.load_tensors(tmp_path / "lazy.safetensors", record)
+    assert [loaded[n][0].item() for n in names] == [1.0, 2.0, 3.0, 4.0]
+    wrong = {"y": storage.LazyTensor(torch.float32, (3,), lambda: torch.zeros(4))}
+    with pytest.raises(ValueError, match="announced"):
+        storage.save_tensors(tmp_path / "wrong.safetensors", wrong)
+
+
+# ------------------------------------------------------------------ slice bounds (pure, no megatron)
+
+CURRENT = {"buf0": [10, 6]}
+
+
+def _plan(bounds_per_rank):
+    n = len(bounds_per_rank)
+    return {
+        "numel_unpadded": {"k": CURRENT},
+        "slices": {
+            "k": [
+                {"file": dopt.slice_file_name(3, "k", r, n), "slice": f"{r}/{n}", "bounds": {"buf0": b}}
+                for r, b in enumerate(bounds_per_rank)
+            ]
+        },
+    }
+
+
+def test_slice_bounds_of_the_plan_tile_every_bucket():
+    padded, unpadded = {"buf0": [12, 8]}, CURRENT
+    bounds = [dopt.slice_bounds(padded, unpadded, r, 4) for r in range(4)]
+    assert bounds == [
+        {"buf0": [[0, 3], [0, 2]]},
+        {"buf0": [[3, 6], [2, 4]]},
+        {"buf0": [[6, 9], [4, 6]]},
+        {"buf0": [[9, 10], [6, 6]]},
+    ]
+    pieces = dopt.saved_pieces(3, _plan([b["buf0"] for b in bounds]), "k", CURRENT)
+    # buffer coordinates: bucket 1 starts after bucket 0's 10 elements; empty slices hold no piece
+    assert [(p.prefix, p.begin, p.end) for p in pieces] == [
+        ("buf0.bucket0", 0, 3),
+        ("buf0.bucket1", 10, 12),
+        ("buf0.bucket0", 3, 6),
+        ("buf0.bucket1", 12, 14),
+        ("buf0.bucket0", 6, 9),
+        ("buf0.bucket1", 14, 16),
+        ("buf0.bucket0", 9, 10),
+    ]
+    # a rank at DP=2 reads element ranges of the DP=4 slices that overlap its shard
+    desc = {"dp_rank": 1, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
+    reads = [(pos, p.file[-22:], first, stop, offset) for pos, p, first, stop, offset in dopt.reads_for(pieces, desc)]
+    assert reads == [
+        (0, "_k_s002of004.safetensors"[-22:], 0, 3, 0),
+        (0, "_k_s003of004.safetensors"[-22:], 0, 1, 3),
+        (1, "_k_s002of004.safetensors"[-22:], 0, 2, 0),
+    ]
+
+
+@pytest.mark.parametrize(
+    "bounds, words",
+    [
+        ([[[0, 6], [0, 3]], [[5, 10], [3, 6]]], "overlap at element 5"),
+        ([[[0, 4], [0, 3]], [[5, 10], [3, 6]]], "gap at element 4"),
+        ([[[0, 5], [0, 3]], [[5, 9], [3, 6]]], "end at 9, not 10"),
+        ([[[0, 5], [0, 3]], [[5, 11], [3, 6]]], "out of [0, 10]"),
+        ([[[0, 5]], [[5, 10], [3, 6]]], "one [lo, hi] per bucket"),
+    ],
+)
+def test_overlapping_or_gapped_slice_bounds_are_refused(bounds, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        dopt.saved_pieces(3, _plan(bounds), "k", CURRENT)
+
+
+def test_a_slice_listed_under_another_name_or_a_changed_bucket_layout_is_refused():
+    from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+
+    plan = _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
+    plan["slices"]["k"][1]["file"] = "training_state.json"
+    with pytest.raises(ValueError, match="slice 1 of 2"):
+        dopt.saved_pieces(3, plan, "k", CURRENT)
+    with pytest.raises(IncompatibleCheckpoint, match="bucket layout differs"):
+        dopt.saved_pieces(3, _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]]), "k", {"buf0": [10, 7]})
+
+
+# ------------------------------------------------------------------ across processes
+
+
+@pytest.mark.multirank
+def test_partial_reads_across_ranks_verify_every_byte_somewhere(tmp_path):
+    """Two ranks each read a different range of one file with 256-byte blocks; the blocks nobody
+    reads are verified round-robin. A flipped byte fails the load on every rank wherever it is:
+    in a block one rank reads and the other does not, or in a block no rank reads."""
+    from protocol_jobs import BLOCK
+
+    a_begin = None  # the data of tensor "a" starts after the header: found from the record below
+    probe = check_all(
+        run_workers(
+            2,
+            "protocol_jobs:partial_reads",
+            {"root": str(tmp_path / "probe"), "cases": {}},
+            sys_path=[JOBS],
+            megatron=False,
+        )
+    )
+    a_begin = probe[0]["record"]["blocks"]["tensors"]["a"][1]
+    ranges = [[["a", 0, 10]], [["b", 100, 110]]]  # rank 0 reads a[0:10], rank 1 b[100:110]
+    in_rank1_block = probe[0]["record"]["blocks"]["tensors"]["b"][1] + 105 * 4  # b[105]: only rank 1 reads it
+    nobody = a_begin + 300 * 4  # a[300]: nobody asked for it
+    cases = {
+        "intact": {"flip": None, "ranges": ranges},
+        "flip read by rank 1 only": {"flip": in_rank1_block, "ranges": ranges},
+        "flip read by nobody": {"flip": nobody, "ranges": ranges},
+        "flip read by nobody, rank 1 asks nothing": {"flip": nobody, "ranges": [ranges[0], []]},
+    }
+    results = check_all(
+        run_workers(
+            2,
+            "protocol_jobs:partial_reads",
+            {"root": str(tmp_path / "root"), "cases": cases},
+            sys_path=[JOBS],
+            megatron=False,
+        )
+    )
+    for r in results:
+        assert r["cases"]["intact"] == {"error": None, "exact": True, "got": 1}
+    for name in ("flip read by rank 1 only", "flip read by nobody", "flip read by nobody, rank 1 asks nothing"):
+        errors = [r["cases"][name]["error"] for r in results]
+        assert errors[0] and errors[0] == errors[1], (name, errors)  # the same error on every rank
+        block = cases[name]["flip"] // BLOCK
+        assert f"sliced.safetensors: block {block} " in errors[0] and "digest mismatch" in errors[0], errors[0]
+
+
+def test_read_ahead_of_a_large_kept_file_checks_every_byte(tmp_path):
+    """A kept read of a file larger than one read-ahead chunk overlaps reading with hashing and
+    checking; the same digest, header and finiteness rules hold for every byte."""
+    tensors = {"big": torch.arange(3 * 2**20, dtype=torch.float32), "small": torch.ones(5)}  # 12 MiB
+    path = tmp_path / "big.safetensors"
+    record = storage.save_tensors(path, tensors, finite=True)
+    assert record.bytes > 2 * storage.READ_AHEAD_CHUNK
+    loaded, _ = storage.load_tensors(path, record)
+    assert torch.equal(loaded["big"], tensors["big"]) and torch.equal(loaded["small"], tensors["small"])
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # in the last chunk
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="digest mismatch"):
+        storage.load_tensors(path, record)
+    tensors["big"][-1] = float("inf")
+    record = storage.save_tensors(path, tensors)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        storage.load_tensors(path, record)
