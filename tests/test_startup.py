@@ -14,9 +14,15 @@ def test_good_args_pass():
     validate_startup(Namespace(use_distributed_optimizer=True, disable_gloo_process_groups=False))
 
 
-def test_distributed_optimizer_without_gloo_is_rejected():
-    with pytest.raises(UnsupportedConfiguration, match="--disable-gloo-process-groups"):
-        validate_startup(Namespace(use_distributed_optimizer=True, disable_gloo_process_groups=True))
+def test_distributed_optimizer_without_megatrons_gloo_groups_passes():
+    # the savers never use megatron's gloo groups (consensus builds its own, slices need no collective)
+    validate_startup(Namespace(use_distributed_optimizer=True, disable_gloo_process_groups=True))
+    validate_startup(Namespace(use_distributed_optimizer=True, enable_gloo_process_groups=False))
+    no_gloo = DistributedOptimizer(optimizer=object(), data_parallel_group=object(), data_parallel_group_gloo=None)
+    validate_startup(optimizer=SimpleNamespace(chained_optimizers=[no_gloo]))
+    no_group = DistributedOptimizer(optimizer=object(), data_parallel_group=None, data_parallel_group_gloo=None)
+    with pytest.raises(UnsupportedConfiguration, match="child 0 .*no data-parallel group"):
+        validate_startup(optimizer=SimpleNamespace(chained_optimizers=[no_group]))
 
 
 def test_every_problem_is_listed():
@@ -28,7 +34,7 @@ def test_every_problem_is_listed():
     )
     with pytest.raises(UnsupportedConfiguration) as info:
         validate_startup(args)
-    assert str(info.value).count("\n  - ") == 3
+    assert str(info.value).count("\n  - ") == 2  # precision-aware and CPU offload; gloo off is fine
 
 
 # Stand-ins named like megatron's classes: validate_startup recognises children by class name.
@@ -51,16 +57,16 @@ def test_every_child_class_megatron_builds_for_lora_passes():
 def test_unsupported_optimizer_children_are_rejected():
     raw = SimpleNamespace(optimizer=object(), param_groups=[])  # e.g. a raw torch optimizer in a chain
     nvme = DistributedOptimizer(optimizer=object(), data_parallel_group_gloo=object(), _nvme_state_store=1)
-    no_gloo = DistributedOptimizer(optimizer=object(), data_parallel_group_gloo=None)
+    fp16 = Float16OptimizerWithFloat16Params(optimizer=object(), config=SimpleNamespace(use_precision_aware_optimizer=True))
     dist_in_layer_wise = LayerWiseDistributedOptimizer(chained_optimizers=[DistributedOptimizer(optimizer=object())])
     stub = SimpleNamespace(optimizer=None, is_stub_optimizer=True)
-    chained = SimpleNamespace(chained_optimizers=[stub, raw, nvme, no_gloo, dist_in_layer_wise])
+    chained = SimpleNamespace(chained_optimizers=[stub, raw, nvme, fp16, dist_in_layer_wise])
     with pytest.raises(UnsupportedConfiguration) as info:
         validate_startup(optimizer=chained)
     text = str(info.value)
     assert "child 1 is a SimpleNamespace" in text and "supported are DistributedOptimizer" in text
     assert "child 2" in text and "NVMe" in text
-    assert "child 3" in text and "--disable-gloo-process-groups" in text
+    assert "child 3" in text and "--use-precision-aware-optimizer" in text
     assert "child 4 is a DistributedOptimizer" in text and "child 0" not in text
 
 

@@ -3,8 +3,8 @@
 Better to fail at step 0 with the flag to change than at the first save, hours in.
 `validate_startup` checks what any caller of the savers needs (args and, once built, the
 optimizer and the model chunks); `validate_miles_launch` adds what a Miles launch with the init
-hook needs. Supported optimizer children (`megatron.optimizer_children`): DistributedOptimizer
-(with its gloo DP group), Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a
+hook needs. Supported optimizer children (`megatron.optimizer_children`): DistributedOptimizer,
+Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a
 LayerWiseDistributedOptimizer, with whatever inner optimizer megatron builds (Adam, Lion, Muon and
 its scalar optimizer, ...).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED, SUPPORTED_CLASSES, leaf_children
+from miles_lora_ckpt.megatron.optimizer_children.distributed import dp_group
 
 
 class UnsupportedConfiguration(ValueError):
@@ -32,18 +33,8 @@ def validate_startup(args=None, optimizer=None, model=None) -> None:
 
 def _arg_problems(args) -> list[str]:
     problems = []
-    uses_distopt = getattr(args, "use_distributed_optimizer", False)
-    # megatron's switch is `enable_gloo_process_groups`, renamed `use_gloo_process_groups` (contract §10.1)
-    gloo_off = (
-        getattr(args, "disable_gloo_process_groups", False)
-        or not getattr(args, "enable_gloo_process_groups", True)
-        or not getattr(args, "use_gloo_process_groups", True)
-    )
-    if uses_distopt and gloo_off:
-        problems.append(
-            "the distributed optimizer's state is gathered over gloo, but gloo process groups are disabled: "
-            "drop --disable-gloo-process-groups"
-        )
+    # --disable-gloo-process-groups is fine: the savers run no collective on megatron's gloo groups
+    # (consensus makes its own gloo group; DistributedOptimizer slices are written per DP rank)
     if getattr(args, "use_precision_aware_optimizer", False):
         problems.append(
             "--use-precision-aware-optimizer keeps masters inside the optimizer in a scaled form this plugin "
@@ -72,11 +63,11 @@ def _optimizer_problems(optimizer) -> list[str]:
             problems.append(f"optimizer child {index} offloads to the CPU: drop --optimizer-cpu-offload")
         elif getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
             problems.append(f"optimizer child {index} is precision-aware: drop --use-precision-aware-optimizer")
-        elif name == DISTRIBUTED and getattr(opt, "data_parallel_group_gloo", None) is None:
+        elif name == DISTRIBUTED and dp_group(opt) is None:
             problems.append(
-                f"optimizer child {index} (DistributedOptimizer) has no gloo DP group: drop "
-                "--disable-gloo-process-groups (for layer-wise Muon, build DDP without the distributed optimizer, "
-                "as Miles does, so megatron puts every parameter under the LayerWise optimizer)"
+                f"optimizer child {index} (DistributedOptimizer) has no data-parallel group to shard over "
+                "(megatron 0.19's scalar optimizer beside a layout-based LayerWise one): for layer-wise Muon, "
+                "build DDP without the distributed optimizer, as Miles does"
             )
     return problems
 
