@@ -57,7 +57,9 @@ def test_every_child_class_megatron_builds_for_lora_passes():
 def test_unsupported_optimizer_children_are_rejected():
     raw = SimpleNamespace(optimizer=object(), param_groups=[])  # e.g. a raw torch optimizer in a chain
     nvme = DistributedOptimizer(optimizer=object(), data_parallel_group_gloo=object(), _nvme_state_store=1)
-    fp16 = Float16OptimizerWithFloat16Params(optimizer=object(), config=SimpleNamespace(use_precision_aware_optimizer=True))
+    fp16 = Float16OptimizerWithFloat16Params(
+        optimizer=object(), config=SimpleNamespace(use_precision_aware_optimizer=True)
+    )
     dist_in_layer_wise = LayerWiseDistributedOptimizer(chained_optimizers=[DistributedOptimizer(optimizer=object())])
     stub = SimpleNamespace(optimizer=None, is_stub_optimizer=True)
     chained = SimpleNamespace(chained_optimizers=[stub, raw, nvme, fp16, dist_in_layer_wise])
