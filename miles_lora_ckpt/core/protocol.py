@@ -35,7 +35,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,10 +43,12 @@ from miles_lora_ckpt.core import faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
 from miles_lora_ckpt.core.layout import (
+    GENERATION_PREFIX,
     LATEST,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_SEQUENCE,
+    STAGING_PREFIX,
     STAMP_KEYS,
     TRACKER,
     FileRecord,
@@ -143,6 +145,7 @@ def save_generation(
     keep: int | None = None,
     produce: ProduceFn | None = None,
     link_latest: bool = False,
+    links: Sequence[str] = (),
 ) -> Path:
     """Collective. Write one generation of `root` through all phases; returns its directory.
 
@@ -159,6 +162,12 @@ def save_generation(
     generation (replaced atomically, durable with the rename and the tracker), for readers that
     want a fixed path (e.g. a PEFT export root that serves adapters); a `latest` that is not a
     symlink is refused at prepare.
+    `links`: more such relative symlinks in `root`, one path component each (e.g. the `step_N`
+    names Miles' multi-LoRA readers look for, `savers.multi_lora`): the publish points every one
+    at the new generation, each replaced atomically (a reader sees the old generation or the new
+    one, never nothing), made durable with the rename. A name that is one of the protocol's own
+    (`gen-*`, `.staging-*`, the tracker, ...) is a ValueError; an existing entry of that name that
+    is not a symlink is refused at prepare.
 
     Raises the same CheckpointError on every rank if any rank fails any phase (another writer
     holding the root's lease included); the previous generation, the tracker and `latest` are then
@@ -166,9 +175,10 @@ def save_generation(
     """
     root, rank = Path(root), consensus.rank
     coordinator = rank == 0
+    links = ((LATEST,) if link_latest else ()) + tuple(check_link_name(name) for name in links)
 
     # prepare: the coordinator takes the lease, numbers the generation, makes its staging directory
-    prepared = attempt(_prepare if coordinator else _prepare_bystander, root, link_latest, rank)
+    prepared = attempt(_prepare if coordinator else _prepare_bystander, root, links, rank)
     try:
         attempt_id, sequence = consensus.agree("prepare", prepared.map(lambda p: [p.attempt_id, p.sequence]))[0]
         staging, key = root / staging_dir_name(attempt_id), prepared.value.key  # the key: coordinator only
@@ -196,7 +206,7 @@ def save_generation(
         # the tracker (and `latest`) name it
         final = root / generation_dir_name(iteration, attempt_id)
         publish = _publish if coordinator else _bystander(PUBLISH_FAULTS)
-        consensus.agree("publish", attempt(publish, staging, final, manifest, link_latest, rank))
+        consensus.agree("publish", attempt(publish, staging, final, manifest, links, rank))
     except BaseException:
         if coordinator and prepared.ok:  # nothing was published from it (or it is gone: renamed)
             _discard(root / staging_dir_name(prepared.value.attempt_id))
@@ -215,12 +225,13 @@ class _Prepared:
     key: signing.SigningKey | None  # stays on the coordinator
 
 
-def _prepare(root: Path, link_latest: bool, rank: int) -> _Prepared:
+def _prepare(root: Path, links: tuple[str, ...], rank: int) -> _Prepared:
     # No fsync of the staging directory: one lost in a crash is an attempt that never happened.
     key = signing.configured_key()
     root.mkdir(parents=True, exist_ok=True)
-    if link_latest and os.path.lexists(root / LATEST) and not os.path.islink(root / LATEST):
-        raise ValueError(f"{root / LATEST} is not a symlink; refusing to replace it with one")
+    for link in links:
+        if os.path.lexists(root / link) and not os.path.islink(root / link):
+            raise ValueError(f"{root / link} is not a symlink; refusing to replace it with one")
     lease.acquire(root)
     sequence = next_sequence(root, key)
     attempt_id = new_attempt_id()
@@ -234,7 +245,7 @@ def _prepare(root: Path, link_latest: bool, rank: int) -> _Prepared:
     return _Prepared(attempt_id, sequence, key)
 
 
-def _prepare_bystander(root: Path, link_latest: bool, rank: int) -> _Prepared:
+def _prepare_bystander(root: Path, links: tuple[str, ...], rank: int) -> _Prepared:
     faults.point("after-prepare", rank)  # nothing to prepare here, but the fault phase fires on every rank
     return _Prepared("", 0, None)
 
@@ -323,27 +334,44 @@ def _write_manifest(
     faults.point("before-publish", rank)
 
 
-def _publish(staging: Path, final: Path, manifest: Manifest, link_latest: bool, rank: int) -> None:
+def _publish(staging: Path, final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> None:
     lease.confirm(final.parent)  # lost it (stalled past the timeout)? then the root is another writer's
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
     tracker = Tracker(final.name, manifest.generation, manifest.iteration, manifest.sequence)
     storage.write_json(final.parent / TRACKER, tracker.to_dict())
-    if link_latest:
-        _point_latest(final.parent, final.name)
-    storage.fsync_dir(final.parent)  # makes the rename, the tracker and `latest` durable together
+    for link in links:
+        point_link(final.parent, link, final.name)
+    storage.fsync_dir(final.parent)  # makes the rename, the tracker and the links durable together
     faults.point("after-publish", rank)
 
 
-def _point_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
+def point_link(root: Path, link: str, name: str) -> None:
+    """Make `root/link` a relative symlink to `name`, replacing the old one in one atomic step."""
+    tmp = root / f".{link}.tmp-{secrets.token_hex(4)}"
     os.symlink(name, tmp)  # relative: the root can be moved or mounted elsewhere
     try:
-        os.replace(tmp, root / LATEST)
+        os.replace(tmp, root / link)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_link_name(name: str) -> str:
+    """`name` if the publish may point a symlink of that name at a generation; ValueError if it is
+    not one plain path component, or is one of the protocol's own names."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\0" in name
+        or name.startswith(".")
+        or name in (TRACKER, MANIFEST, LATEST)
+        or name.startswith((GENERATION_PREFIX, STAGING_PREFIX))
+    ):
+        raise ValueError(f"{name!r} cannot be a generation link: one path component, not a protocol name")
+    return name
 
 
 def _merge_metadata(metadata: dict, produced: dict | None) -> dict:

@@ -14,6 +14,9 @@
    removes every staging directory: its own attempts run one at a time and the last one was just
    published. Without a live lease, staging directories older than `staging_min_age_s` go.
 5. `.deleting-*` leftovers of an interrupted removal are finished.
+6. Generation links (relative symlinks naming a `gen-*` directory of the root, such as `latest`
+   or a multi-LoRA slot root's `step_N` reader names) that name a generation being removed, or
+   none that exists, are removed first, so no reader follows a link into a half-removed directory.
 
 Removal renames an entry to `.deleting-<name>` first (one atomic step that takes it out of every
 reader's view), then removes it: a link or file is unlinked (never followed), a directory removed
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lora_ckpt.core import lease, signing
-from miles_lora_ckpt.core.layout import DELETING_PREFIX, MANIFEST, Manifest
+from miles_lora_ckpt.core.layout import DELETING_PREFIX, MANIFEST, Manifest, parse_generation_dir_name
 from miles_lora_ckpt.core.verify import RootEntry, reason, verify_generation, view_root
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,11 @@ def plan_prune(
         oldest_kept = kept[-1].order
         spared = {e.name for e in kept} | {view.tracker.generation_dir if view.tracker else None}
         plan.remove += [root / e.name for e in generations if e.name not in spared and e.order < oldest_kept]
+    doomed = {path.name for path in plan.remove}
+    present = {e.name for e in generations}
+    plan.remove[:0] = [
+        root / link for link, target in generation_links(root).items() if target in doomed or target not in present
+    ]
     staging = [e for e in view.entries if e.state == "staging"]
     plan.remove += _doomed_staging(root, staging, staging_min_age_s, plan, as_holder)
     plan.remove += [root / e.name for e in view.entries if e.state == "deleting"]
@@ -136,6 +144,23 @@ def prune_quietly(root: Path, *, keep: int, trusted: tuple[str, ...] = ()) -> No
 
 
 # --------------------------------------------------------------------------- decisions
+
+
+def generation_links(root: Path) -> dict[str, str]:
+    """`{link name: generation name}` of every symlink in `root` whose target is one `gen-*` name."""
+    links = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            target = os.readlink(root / name)
+        except OSError:  # not a link (or gone)
+            continue
+        if "/" not in target and parse_generation_dir_name(target) is not None:
+            links[name] = target
+    return dict(sorted(links.items()))
 
 
 def _doomed_staging(

@@ -144,6 +144,35 @@ def selected_adapter_names(plans: list[dict], optimizer_children) -> set[str] | 
     return chain.covered_params([p["children"] for p in plans])
 
 
+def filtered_adapter_names(plans: list[dict], optimizer_children, adapter_filter) -> set[str] | None:
+    """The adapter names a save or load covers: all (None), those the chosen children step, or
+    those `adapter_filter` accepts among every rank's adapters.
+
+    With a filter (a multi-LoRA slot), the empty-shard guard: it must accept at least one adapter
+    parameter on some rank and, with chosen children, exactly the parameters they step (a filter
+    that misses slot-indexed names would otherwise write valid but empty or partial shards).
+    Raises ValueError, the same on every rank (they all see the same plans).
+    """
+    stepped = selected_adapter_names(plans, optimizer_children)
+    if adapter_filter is None:
+        return stepped
+    held = sorted({n for p in plans for n in (*p["dense"], *p["expert"])})
+    chosen = {n for n in held if adapter_filter(n)}
+    if not chosen:
+        raise ValueError(
+            f"empty slot shard: the slot's adapter filter accepts none of the {len(held)} adapter parameters "
+            f"on any rank (e.g. {held[:2]})"
+        )
+    if stepped is not None and stepped != chosen:
+        missed, extra = sorted(stepped - chosen), sorted(chosen - stepped)
+        raise ValueError(
+            "incomplete slot shard: the slot's adapter filter and its optimizer children disagree: "
+            f"{len(missed)} parameter(s) stepped by the children but not accepted by the filter {missed[:3]}, "
+            f"{len(extra)} accepted but not stepped by them {extra[:3]}"
+        )
+    return chosen
+
+
 @dataclass
 class LoadResult:
     """What `load_lora_checkpoint` restored, so that callers step nothing twice."""

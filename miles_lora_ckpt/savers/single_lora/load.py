@@ -22,7 +22,13 @@ from typing import Any
 
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.errors import (
+    CheckpointError,
+    IncompatibleCheckpoint,
+    NotACheckpoint,
+    NothingCommitted,
+    RankFailure,
+)
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_dir
@@ -41,10 +47,10 @@ from miles_lora_ckpt.savers.single_lora.common import (
     bound_tensors,
     check_binding,
     describe_rank,
+    filtered_adapter_names,
     rank_view,
     saved_children,
     saved_metadata,
-    selected_adapter_names,
 )
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
 
@@ -84,6 +90,50 @@ def load_lora_checkpoint(
     - A missing path, or a save root with no committed generation yet, loads nothing.
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
+    return load_adapter_generation(
+        model,
+        path,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        consensus=consensus,
+        load_optim=load_optim,
+        weights_only=weights_only,
+        scheduler_increment_per_iteration=scheduler_increment_per_iteration,
+        optimizer_children=optimizer_children,
+    )
+
+
+@dataclass(frozen=True)
+class SaverCheck:
+    """What another saver's loader adds to `load_lora_checkpoint` (multi-LoRA slots).
+
+    `saver`: the manifest's saver name it accepts. `adapter_filter`: restore only the adapter
+    weights it accepts; the generation must then cover every one of them on this rank (its file
+    holding exactly them: the empty-shard guard). `check_manifest(manifest)`: more refusals
+    (raise IncompatibleCheckpoint), before anything is read. `legacy`: whether a stock Miles
+    adapter directory may be warm-started.
+    """
+
+    saver: str = SAVER
+    adapter_filter: Any = None
+    check_manifest: Any = None
+    legacy: bool = True
+
+
+def load_adapter_generation(
+    model,
+    path: str | os.PathLike,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    consensus: Consensus | None = None,
+    load_optim: bool = True,
+    weights_only: bool = False,
+    scheduler_increment_per_iteration: int | None = None,
+    optimizer_children: Iterable[int] | None = None,
+    check: SaverCheck = SaverCheck(),
+) -> LoadResult:
+    """`load_lora_checkpoint` for other savers' generations (`check`: see `SaverCheck`)."""
     consensus = consensus or Consensus.default()
     restore_optimizer = load_optim and not weights_only
     selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
@@ -96,6 +146,7 @@ def load_lora_checkpoint(
         restore_optimizer,
         scheduler_increment_per_iteration,
         selection,
+        check,
     )
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
         log.warning("LoRA checkpoint %s: %s", path, warning)
@@ -103,7 +154,7 @@ def load_lora_checkpoint(
 
 
 def _load(
-    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection
+    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection, check
 ) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
@@ -112,11 +163,19 @@ def _load(
         why = "does not exist" if kind == "missing" else "has no committed generation yet"
         return LoadResult(False, None, "none", warnings=[f"{path} {why}: starting from the initial adapter"])
     if kind == "legacy-miles":
+        if not check.legacy:
+            raise CheckpointError(
+                "classify", [RankFailure(0, f"{path} is a stock Miles adapter directory, not a {check.saver} root")]
+            )
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
 
     # plan: who holds what, so every rank can find its children's files and DP roots
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))
-    request = LoadRequest(model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer, selection)
+    request = attempt(
+        LoadRequest, model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer, selection, check
+    )
+    consensus.agree("plan", request.map(lambda r: r.check_selection()))
+    request = request.value
 
     # verify: all ranks agree on one generation and read their own files, every content rule checked
     opened = open_generation(consensus, path, request.files_for_rank)
@@ -187,6 +246,15 @@ class LoadRequest:
     rank: int
     restore_optimizer: bool  # False for load_optim=False or weights_only=True
     selection: list[int] | None  # chosen optimizer children (None: all)
+    check: SaverCheck = SaverCheck()
+
+    def check_selection(self) -> None:
+        """The adapter filter's guard (every rank sees the same plans, so raises the same)."""
+        self._adapter_names  # noqa: B018 - computed (and checked) once, before anything is read
+
+    @cached_property
+    def _adapter_names(self) -> set[str] | None:
+        return filtered_adapter_names(self.plans, self.selection, self.check.adapter_filter)
 
     @property
     def coords(self) -> Coordinates:
@@ -205,16 +273,20 @@ class LoadRequest:
     def adapter_params(self) -> dict:
         """The adapter parameters this load restores: all, or those the chosen children step."""
         params = shards.adapter_params(self.model)
-        names = selected_adapter_names(self.plans, self.selection)
+        names = self._adapter_names
         return params if names is None else {n: p for n, p in params.items() if n in names}
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
-        if manifest.saver != SAVER:
+        if manifest.saver != self.check.saver:
             raise IncompatibleCheckpoint(
-                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {SAVER!r}"
+                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.check.saver!r}"
             )
         _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
+        if self.check.check_manifest is not None:
+            self.check.check_manifest(manifest)
         dense, expert = shards.split_by_kind(self.adapter_params())
+        if self.check.adapter_filter is not None:
+            self._check_coverage(manifest, dense, expert)
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []
         files += [shards.expert_file(self.coords)] if expert else []
@@ -229,6 +301,17 @@ class LoadRequest:
             self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
         return files
+
+    def _check_coverage(self, manifest: Manifest, dense: dict, expert: dict) -> None:
+        """Every adapter weight of the slot on this rank must have its file (empty-shard guard)."""
+        written = saved_metadata(manifest, "adapter_files")
+        for kind, group, key in (("dense", dense, self.coords.dense_key), ("expert", expert, self.coords.expert_key)):
+            if group and key not in written.get(kind, []):
+                raise IncompatibleCheckpoint(
+                    f"generation {manifest.generation} holds no {kind} adapter file for {key}, yet this rank's slot "
+                    f"has {len(group)} {kind} adapter parameter(s) there (e.g. {sorted(group)[0]}): it does not "
+                    "cover every parameter of the slot"
+                )
 
     def _optimizer_in(self, manifest: Manifest) -> bool:
         return (
@@ -291,7 +374,12 @@ class LoadRequest:
     def _preflight_adapter(self, opened) -> list[tuple[dict, dict]]:
         params = self.adapter_params()
         if not params:
-            raise ValueError("the model has no adapter parameters (names with 'lora_' or '.adapter.')")
+            what = (
+                "the slot's adapter filter accepts none of this rank's"
+                if self.check.adapter_filter
+                else "the model has no"
+            )
+            raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
         dense, expert = shards.split_by_kind(params)
         checked = []
         for kind, group, file, key in (
@@ -301,7 +389,8 @@ class LoadRequest:
             if group:
                 check_binding(opened, file, adapter_binding(kind, key))
                 saved = opened.tensors(file)
-                if self.selection is not None:  # a chosen-children load restores a subset of the file
+                if self.selection is not None and self.check.adapter_filter is None:
+                    # a chosen-children load restores a subset of the file (a slot file: exactly it)
                     saved = {n: t for n, t in saved.items() if n in group}
                 shards.preflight_adapter(group, saved, file)
                 checked.append((group, saved))

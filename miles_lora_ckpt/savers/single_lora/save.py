@@ -11,7 +11,7 @@ Collective; reads as phases::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
@@ -28,8 +28,8 @@ from miles_lora_ckpt.savers.single_lora.common import (
     TRAINING_STATE_BINDING,
     adapter_binding,
     describe_rank,
+    filtered_adapter_names,
     rank_view,
-    selected_adapter_names,
 )
 
 
@@ -58,6 +58,45 @@ def save_lora_checkpoint(
     Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
+    return save_adapter_generation(
+        model,
+        args,
+        save_dir,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        iteration=iteration,
+        consensus=consensus,
+        keep=keep,
+        optimizer_children=optimizer_children,
+        peft=peft,
+    )
+
+
+def save_adapter_generation(
+    model,
+    args,
+    save_dir: str | os.PathLike,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    iteration: int | None = None,
+    consensus: Consensus | None = None,
+    keep: int | None = None,
+    optimizer_children: Iterable[int] | None = None,
+    peft: PeftExport | None = None,
+    adapter_filter: Callable[[str], bool] | None = None,
+    saver: str = SAVER,
+    links: Sequence[str] = (),
+    extra_metadata: Callable[[SaveLayout], dict] | None = None,
+) -> str:
+    """`save_lora_checkpoint` for other savers (multi-LoRA slots): the same phases and files, plus
+
+    - `adapter_filter(name)`: save only the adapter weights it accepts (chunk-qualified names); it
+      must accept at least one on some rank and, with `optimizer_children`, exactly those the
+      children step (else every rank raises before anything is written: the empty-shard guard);
+    - `saver`: the manifest's saver name; `links`: `save_generation`'s links;
+    - `extra_metadata(layout)`: more manifest metadata, derived from the agreed layout.
+    """
     consensus = consensus or Consensus.default()
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
@@ -67,7 +106,7 @@ def save_lora_checkpoint(
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection, saving=save_optim))
 
     # layout: every rank derives the same decisions from the same answers (and refuses the same way)
-    layout = attempt(SaveLayout.from_plans, plans, save_optim, selection)
+    layout = attempt(SaveLayout.from_plans, plans, save_optim, selection, adapter_filter)
     consensus.agree("layout", layout.map(lambda _: None))
     layout = layout.value
     view = rank_view(model, plans, consensus.rank)
@@ -105,12 +144,16 @@ def save_lora_checkpoint(
         consensus,
         save_dir,
         iteration=iteration,
-        saver=SAVER,
+        saver=saver,
         topology=Topology.from_dict(plans[0]["topology"]),
         write_files=write_files,
-        metadata=layout.metadata(save_optim, opt_param_scheduler, args),
+        metadata={
+            **layout.metadata(save_optim, opt_param_scheduler, args),
+            **(extra_metadata(layout) if extra_metadata else {}),
+        },
         keep=keep,
         produce=peft_step.produce if peft_step is not None else None,
+        links=links,
     )
     return str(generation)
 
@@ -121,14 +164,16 @@ class SaveLayout:
 
     plans: list[dict]
     selection: list[int] | None
-    adapter_names: set[str] | None  # with a selection: the adapter weights its children step
+    adapter_names: set[str] | None  # with a selection or a filter: the adapter weights saved
     children: dict[str, dict] = field(default_factory=dict)  # the optimizer children's plan (manifest)
     dense_writers: dict[str, int] = field(default_factory=dict)  # dense key -> lowest rank holding it
     expert_writers: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_plans(cls, plans: list[dict], save_optim: bool, selection: list[int] | None) -> SaveLayout:
-        layout = cls(plans, selection, selected_adapter_names(plans, selection))
+    def from_plans(
+        cls, plans: list[dict], save_optim: bool, selection: list[int] | None, adapter_filter=None
+    ) -> SaveLayout:
+        layout = cls(plans, selection, filtered_adapter_names(plans, selection, adapter_filter))
         ranks = [Coordinates(**p["coords"]) for p in plans]
         layout.children = chain.plan([p["children"] for p in plans], ranks, save_optim)
         for rank, plan in enumerate(plans):

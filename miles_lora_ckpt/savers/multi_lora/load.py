@@ -1,0 +1,124 @@
+"""Per-slot resume: which generation of a slot root (agreed by every rank), and restoring exactly that slot.
+
+Collective; the single-LoRA loader's phases (`savers.single_lora.load.load_adapter_generation`)
+with the slot's adapter filter and children: classify -> agree -> plan -> agree -> open_generation
+(resolve, verify, agree) -> preflight (slot checks, coverage) -> agree -> apply -> scatter ->
+install -> finish, each agreed; a failure after preflight rolls every rank back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.layout import parse_generation_dir_name
+from miles_lora_ckpt.core.protocol import open_generation
+from miles_lora_ckpt.core.verify import committed_candidates
+from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, check_reader_name, reader_links
+from miles_lora_ckpt.savers.multi_lora.save import _required, _slot_index
+from miles_lora_ckpt.savers.single_lora.common import LoadResult, saved_metadata
+from miles_lora_ckpt.savers.single_lora.load import SaverCheck, load_adapter_generation
+
+AdapterFilter = Callable[[str], bool]
+
+
+def load_slot_checkpoint(
+    model,
+    slot_root: str | os.PathLike,
+    *,
+    slot: int,
+    adapter_filter: AdapterFilter,
+    optimizer=None,
+    opt_param_scheduler=None,
+    optimizer_children: Iterable[int] | None = None,
+    consensus: Consensus | None = None,
+    name: str | None = None,
+    load_optim: bool = True,
+) -> LoadResult:
+    """Collective. Restore slot `slot` from `slot_root`: its newest intact generation, or `name`.
+
+    - The generation is agreed by every rank (stray, malformed, half-written or damaged entries
+      are skipped with a warning, never chosen, never crash the scan). `name` picks a reader link
+      of the root (e.g. `step_6`, a Miles v2 checkpoint name) or a `gen-*` directory instead; it
+      never falls back.
+    - Restores the slot's adapter weights (`adapter_filter`), its children's (`optimizer_children`)
+      fp32 masters, every moment, steps and param groups, and `opt_param_scheduler` exactly; no
+      other child's masters or moments change, nothing is refreshed from bf16 beyond the slot's
+      own children (and those only where no optimizer state was saved, or `load_optim=False`).
+    - Refused on every rank before anything changes (IncompatibleCheckpoint inside the
+      CheckpointError): a generation of another saver, of another slot index, another
+      model-parallel layout (TP/PP/EP/ETP/CP/VPP; DP may change), or one that does not cover every
+      parameter of the slot on this rank (the empty-shard guard), or a filter that matches nothing.
+    - A missing root, or one with nothing committed yet, loads nothing (`result.loaded` False).
+    `result.iteration` is the slot's step.
+    """
+    consensus = consensus or Consensus.default()
+    slot = _slot_index(slot)
+    path = Path(slot_root)
+    if name is not None:  # the coordinator reads the link once; every rank opens what it named
+        consensus.agree_same("classify", Outcome.success([str(slot_root), name]))
+        named = attempt(_named, path, name) if consensus.rank == 0 else Outcome.success()
+        path = path / consensus.agree("classify", named)[0]
+
+    def same_slot(manifest) -> None:
+        saved = saved_metadata(manifest, "slot", "index")
+        if saved != slot:
+            raise IncompatibleCheckpoint(
+                f"generation {manifest.generation} holds slot {saved}, not slot {slot} (an adapter resumes into "
+                "the slot index it was saved from)"
+            )
+
+    check = SaverCheck(
+        saver=SLOT_SAVER, adapter_filter=_required(adapter_filter), check_manifest=same_slot, legacy=False
+    )
+    return load_adapter_generation(
+        model,
+        path,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        consensus=consensus,
+        load_optim=load_optim,
+        optimizer_children=optimizer_children,
+        check=check,
+    )
+
+
+def _named(root: Path, name: str) -> str:
+    """The generation directory name `name` stands for: itself (`gen-*`) or a reader link's target."""
+    if parse_generation_dir_name(name) is not None:
+        return name
+    check_reader_name(name)
+    target = reader_links(root).get(name)
+    if target is None:
+        raise FileNotFoundError(f"{root / name} is not a reader link of this slot root (no such link to a generation)")
+    return target
+
+
+def latest_slot_step(slot_root: str | os.PathLike, *, consensus: Consensus | None = None) -> int | None:
+    """Collective. The step of the generation `load_slot_checkpoint` would choose (newest intact,
+    agreed by every rank, fully verified), or None when the root is missing or holds none."""
+    consensus = consensus or Consensus.default()
+    consensus.agree_same("classify", Outcome.success(str(slot_root)))
+    local = attempt(_has_generations, Path(slot_root)) if consensus.rank == 0 else Outcome.success()
+    if not consensus.agree("classify", local)[0]:
+        return None
+
+    def nothing_to_read(manifest) -> list[str]:
+        if manifest.saver != SLOT_SAVER:
+            raise IncompatibleCheckpoint(f"generation {manifest.generation} was written by saver {manifest.saver!r}")
+        return []
+
+    return open_generation(consensus, slot_root, nothing_to_read).manifest.iteration
+
+
+def _has_generations(root: Path) -> bool:
+    try:
+        committed_candidates(root)
+    except (NothingCommitted, NotACheckpoint):
+        if root.exists() and not root.is_dir():
+            raise
+        return False
+    return True

@@ -1,0 +1,97 @@
+"""Retire a slot: its final save, then its optimizer state reset; co-tenant slots untouched.
+
+Miles' deregistration saves the leaving adapter (even when that step was already saved), clears
+its slot, zeroes its optimizer state and refreshes the masters of the whole chain from bf16 (which
+changes every co-tenant's masters). `retire_slot` does the save through `save_slot_checkpoint`
+(the same step again replaces it atomically), and `reset_slot_optimizer` touches only the slot's
+own children.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.megatron.optimizer_children import chain
+from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
+from miles_lora_ckpt.savers.peft_export import PeftExport
+
+AdapterFilter = Callable[[str], bool]
+
+
+def retire_slot(
+    model,
+    args,
+    slot_root: str | os.PathLike,
+    *,
+    slot: int,
+    step: int,
+    adapter_filter: AdapterFilter,
+    optimizer=None,
+    opt_param_scheduler=None,
+    optimizer_children: Iterable[int] | None = None,
+    consensus: Consensus | None = None,
+    keep: int | None = None,
+    peft: PeftExport | None = None,
+    reader_names: Sequence[str] = (),
+    clear_slot: Callable[[], None] | None = None,
+) -> str:
+    """Collective. The final save of a leaving slot, then its state cleared; returns the generation.
+
+    Saves exactly as `save_slot_checkpoint` (same arguments; a step already saved gets a new
+    generation and its reader links are swapped atomically). Only after that save is published on
+    every rank: `clear_slot()` (the caller's, e.g. Miles' `clear_adapter_slot`; on every rank) and
+    `reset_slot_optimizer(optimizer, optimizer_children, model)`. A failed save raises before
+    anything is cleared. The scheduler is the caller's to drop.
+    """
+    consensus = consensus or Consensus.default()
+    generation = save_slot_checkpoint(
+        model,
+        args,
+        slot_root,
+        slot=slot,
+        step=step,
+        adapter_filter=adapter_filter,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        optimizer_children=optimizer_children,
+        consensus=consensus,
+        keep=keep,
+        peft=peft,
+        reader_names=reader_names,
+    )
+    # clear: the slot's weights (the caller's), then its optimizer children only; agreed
+    cleared = attempt(_clear, clear_slot, optimizer, optimizer_children, model)
+    consensus.agree("retire", cleared)
+    return generation
+
+
+def _clear(clear_slot, optimizer, optimizer_children, model) -> None:
+    if clear_slot is not None:
+        clear_slot()
+    if optimizer is not None and optimizer_children is not None:
+        reset_slot_optimizer(optimizer, optimizer_children, model)
+
+
+def reset_slot_optimizer(optimizer, optimizer_children: Iterable[int], model=None) -> None:
+    """Local. Zero every moment and step of the slot's children (`optimizer_children`) and copy
+    their fp32 masters from their model parameters (after the slot was cleared); every other
+    child's masters, moments, steps and param groups stay bit-identical."""
+    children = chain.select(optimizer, optimizer_children)
+    with torch.no_grad():
+        for child in children:
+            inner = getattr(child.optimizer, "optimizer", None)
+            for state in getattr(inner, "state", {}).values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+            for group in getattr(inner, "param_groups", []):
+                if isinstance(group.get("step"), torch.Tensor):
+                    group["step"].zero_()
+                elif "step" in group:
+                    group["step"] = 0
+            # only this child's masters, from its own model params (never the whole chain's)
+            child.optimizer.reload_model_params()
