@@ -448,6 +448,30 @@ def is_save_root(path: Path) -> bool:
     return path.is_dir() and _has_root_markers(os.listdir(path))
 
 
+def find_save_roots(path: Path) -> list[Path]:
+    """The save roots directly below `path`, or one level further in `<name>/checkpoints` (a
+    multi-LoRA save directory: one slot root per adapter, Miles v1's `{save}/adapters/<name>/
+    checkpoints`), sorted; empty when `path` is itself a root or a generation, or holds none.
+    Unreadable entries are skipped (never raised)."""
+    path = Path(path)
+    try:
+        if not path.is_dir() or is_save_root(path) or is_generation_dir(path):
+            return []
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    roots = []
+    for name in names:
+        for candidate in (path / name, path / name / "checkpoints"):
+            try:
+                if not candidate.is_symlink() and is_save_root(candidate):
+                    roots.append(candidate)
+                    break
+            except OSError:
+                continue
+    return roots
+
+
 def is_legacy_miles_dir(path: Path) -> bool:
     """A stock Miles adapter directory (`adapter_megatron_rank*.pt`, ...), which has no manifest."""
     path = Path(path)

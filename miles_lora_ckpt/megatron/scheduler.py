@@ -10,7 +10,12 @@ def scheduler_state(scheduler) -> dict | None:
 
 
 def restore_scheduler(scheduler, state: dict) -> None:
-    """Load saved state; megatron's `load_state_dict` then steps to the saved `num_steps`."""
+    """Load saved state; megatron's `load_state_dict` then steps to the saved `num_steps`.
+
+    megatron steps *by* the saved count from wherever the scheduler is: it is put back to 0 first,
+    so a scheduler that already stepped (a slot retired and re-registered) lands exactly there too.
+    """
+    scheduler.num_steps = 0
     scheduler.load_state_dict(from_json(state))
 
 

@@ -186,6 +186,7 @@ class LoraLinear(torch.nn.Module):
         self.base_layer = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.base_layer")
         self.base_layer.weight.requires_grad_(False)
         self.lora_A = self.lora_B = None
+        self.adapter_enabled = True  # False: forward through the base only (another slot is training)
         if adapter:
             self._add_adapter(mcfg, config, name, *sizes)
         if adapter and expert:
@@ -203,7 +204,7 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x):
         out, _ = self.base_layer(x)
-        if self.lora_A is None:
+        if self.lora_A is None or not self.adapter_enabled:
             return out
         if self.parallel == "column":
             delta, _ = self.lora_B(self.lora_A(x))

@@ -180,6 +180,9 @@ def _add_lazy_subcommands(sub) -> None:
 
 
 def cmd_verify(args) -> int:
+    several = _each_root(args, "path", cmd_verify)
+    if several is not None:
+        return several
     from miles_lora_ckpt.core import signing
     from miles_lora_ckpt.core.verify import find_candidates, resolve, verify_generation
 
@@ -222,15 +225,42 @@ def _sequence(manifest) -> str:
 
 
 def _follow_latest(path: Path) -> Path:
-    """A root's `latest` symlink (see `layout.LATEST`) stands for the generation it names (a sibling,
-    nothing else)."""
-    from miles_lora_ckpt.core.layout import LATEST
+    """A root's generation link stands for the generation it names (a sibling `gen-*`, nothing
+    else): `latest` (see `layout.LATEST`) or a multi-LoRA slot root's reader name such as `step_6`."""
+    import os
 
-    if path.name == LATEST and path.is_symlink():
-        target = path.resolve()
-        if target.parent == path.parent.resolve():
-            return target
+    from miles_lora_ckpt.core.layout import parse_generation_dir_name
+
+    if path.is_symlink():
+        target = os.readlink(path)
+        if "/" not in target and parse_generation_dir_name(target) is not None:
+            return path.parent / target
     return path
+
+
+def _each_root(args, attr: str, command) -> int | None:
+    """A directory of save roots (a multi-LoRA save directory: one slot root per adapter) runs
+    `command` on each root in turn, under a `== ROOT ==` heading; the worst exit code wins.
+    None when `args.<attr>` is not such a directory."""
+    import copy
+
+    from miles_lora_ckpt.core.verify import find_save_roots
+
+    roots = find_save_roots(Path(getattr(args, attr)))
+    if not roots:
+        return None
+    worst = EXIT_OK
+    for root in roots:
+        print(f"== {root} ==")
+        one = copy.copy(args)
+        setattr(one, attr, str(root))
+        try:
+            code = command(one)
+        except (NotACheckpoint, GenerationDamaged) as exc:
+            print(f"ERROR {exc}")
+            code = EXIT_DAMAGED
+        worst = max(worst, code)
+    return worst
 
 
 def _peft_problems(gen) -> list:
@@ -248,6 +278,9 @@ def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
 
 
 def cmd_inspect(args) -> int:
+    several = _each_root(args, "path", cmd_inspect)
+    if several is not None:
+        return several
     from miles_lora_ckpt.core import signing
     from miles_lora_ckpt.core.verify import resolve
 
@@ -295,6 +328,9 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ls(args) -> int:
+    several = _each_root(args, "root", cmd_ls)
+    if several is not None:
+        return several
     from miles_lora_ckpt.core import lease, signing
     from miles_lora_ckpt.core.verify import is_save_root, view_root
 
@@ -305,6 +341,7 @@ def cmd_ls(args) -> int:
     writer = lease.read_state(root)
     tracked = view.tracker.generation_dir if view.tracker else None
     live_writer = writer is not None and writer.live
+    links = _links_by_target(root, view)
     if args.json:
         rows = [
             {
@@ -315,6 +352,8 @@ def cmd_ls(args) -> int:
                 "created_unix_ns": e.created_unix_ns,
                 "tracked": e.name == tracked,
                 "live_writer": e.state == "staging" and live_writer,
+                "links": links.get(e.name, []),
+                "slot": _slot_index(e),
                 "problems": [str(p) for p in e.problems],
             }
             for e in view.entries
@@ -336,7 +375,9 @@ def cmd_ls(args) -> int:
     print(f"writer lease: {'none' if writer is None else writer.describe()}")
     print(f"{'STATE':<10} {'SEQUENCE':>8} {'ITERATION':>9}  NAME")
     for e in view.entries:
-        marks = "  <- tracker" if e.name == tracked else ""
+        marks = f"  [slot {_slot_index(e)}]" if _slot_index(e) is not None else ""
+        marks += "".join(f"  <- {link}" for link in links.get(e.name, []))
+        marks += "  <- tracker" if e.name == tracked else ""
         marks += "  (the root has a live writer: may be in progress)" if e.state == "staging" and live_writer else ""
         sequence = "-" if e.sequence is None else str(e.sequence)
         iteration = "-" if e.iteration is None else str(e.iteration)
@@ -348,7 +389,32 @@ def cmd_ls(args) -> int:
     return EXIT_OK
 
 
+def _links_by_target(root: Path, view) -> dict[str, list[str]]:
+    """`{generation name: [links naming it]}` (`latest`, multi-LoRA reader names such as `step_6`);
+    a link naming no generation of the root becomes a warning of `view`."""
+    from miles_lora_ckpt.core.retention import generation_links
+
+    present = {e.name for e in view.generations()}
+    by_target: dict[str, list[str]] = {}
+    for link, target in generation_links(root).items():
+        if target in present:
+            by_target.setdefault(target, []).append(link)
+        else:
+            view.warnings.append(f"link {link} names {target}, which is not in this root (gc removes it)")
+    return by_target
+
+
+def _slot_index(entry):
+    """The slot a multi-LoRA slot generation holds (manifest metadata `slot.index`), else None."""
+    manifest = entry.generation.manifest if entry.generation else None
+    slot = manifest.metadata.get("slot") if manifest is not None and isinstance(manifest.metadata, dict) else None
+    return slot.get("index") if isinstance(slot, dict) else None
+
+
 def cmd_gc(args) -> int:
+    several = _each_root(args, "root", cmd_gc)
+    if several is not None:
+        return several
     from miles_lora_ckpt.core import signing
     from miles_lora_ckpt.core.retention import prune
     from miles_lora_ckpt.core.verify import is_save_root

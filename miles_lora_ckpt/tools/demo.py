@@ -4,8 +4,9 @@ Runs on CPU: each phase is a job of N real processes joined by gloo, each buildi
 model of `miles_lora_ckpt.sim` with the optimizer megatron-core's own get_megatron_optimizer
 builds: a DistributedOptimizer for Adam; Float16 (bf16) or FP32 children for Lion and Muon (Muon
 with a trainable bias on every lora_B, which its --muon-scalar optimizer steps); a
-LayerWiseDistributedOptimizer with --layer-wise, or one slot per layer group with --slots (Miles'
-multi-LoRA chain). Lion and Muon need megatron-core 0.19 with emerging-optimizers (the 0.19.2 tier
+LayerWiseDistributedOptimizer with --layer-wise, or one slot per layer group with --chain-slots 2
+(Miles' multi-LoRA chain, saved as one generation). --slots N is the multi-LoRA demo: per-slot
+roots, cadences, a retired and re-registered slot (`miles_lora_ckpt.tools.demo_slots`). Lion and Muon need megatron-core 0.19 with emerging-optimizers (the 0.19.2 tier
 of `make test`: `make demo-tier2 ARGS="--optimizer muon"`); where the running megatron cannot
 build the optimizer, the demo says why and exits 2.
 
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
-from miles_lora_ckpt.tools import demo_miles
+from miles_lora_ckpt.tools import demo_miles, demo_slots
 
 OPTIMIZERS = ("adam", "lion", "muon")
 
@@ -118,8 +119,19 @@ def add_parser(subparsers) -> None:
     demo.add_argument(
         "--slots",
         type=int,
+        default=None,
+        metavar="N",
+        help="multi-LoRA: N adapter slots (1-4), each with its own slot root and cadence; one is retired and "
+        "registered again mid-run; the resume restores every slot from its own root and compares each "
+        "(see `miles_lora_ckpt.tools.demo_slots`; with --via miles: through the Miles stand-in)",
+    )
+    demo.add_argument(
+        "--chain-slots",
+        type=int,
         default=1,
-        help="per-slot children under one LayerWise chain, as Miles' multi-LoRA builds them (default 1)",
+        choices=(1, 2),
+        help="single-LoRA demo with per-slot children under one LayerWise chain, as Miles' multi-LoRA "
+        "builds them, saved together as one generation (default 1)",
     )
     demo.add_argument("--steps", type=int, default=8, help="training steps of the whole run (default 8)")
     demo.add_argument("--save-every", type=int, default=2, help="save after every K steps, before --steps (default 2)")
@@ -158,17 +170,24 @@ def run_demo(args) -> int:
     if args.without_plugin:
         print("ERROR --without-plugin needs --via miles", file=sys.stderr)
         return 2
-    if args.slots not in (1, 2) or (args.slots > 1 and (args.pp > 1 or args.vpp > 1)):
+    if args.slots is not None:
+        problem = demo_slots.check_args(args)
+        if problem:
+            print(f"ERROR {problem}", file=sys.stderr)
+            return 2
+    elif args.chain_slots > 1 and (args.pp > 1 or args.vpp > 1):
         print(
-            "ERROR --slots must be 1 or 2, and 2 needs --pp 1 (the demo model has two layers, dealt to the slots)",
+            "ERROR --chain-slots 2 needs --pp 1 (the demo model has two layers, dealt to the slots)",
             file=sys.stderr,
         )
         return 2
-    if args.export_peft and args.slots > 1:
-        print("ERROR --export-peft trains one adapter: drop --slots", file=sys.stderr)
+    if args.export_peft and args.chain_slots > 1:
+        print("ERROR --export-peft trains one adapter: drop --chain-slots", file=sys.stderr)
         return 2
-    if (args.layer_wise or args.slots > 1) and args.distributed_optimizer:
-        print("ERROR --layer-wise and --slots shard whole parameters: drop --distributed-optimizer", file=sys.stderr)
+    if (args.layer_wise or args.chain_slots > 1) and args.distributed_optimizer:
+        print(
+            "ERROR --layer-wise and --chain-slots shard whole parameters: drop --distributed-optimizer", file=sys.stderr
+        )
         return 2
     # the workers turn this into a SimConfig (the parent never imports megatron)
     config = {
@@ -178,16 +197,18 @@ def run_demo(args) -> int:
         "ep": args.ep,
         "cp": args.cp,
         "vpp": args.vpp,
-        "num_layers": layers_for(args.pp, args.vpp),
+        "num_layers": layers_for(args.pp, args.vpp) if args.slots is None else max(2, args.slots),
         "dtype": args.dtype,
         "adapters": args.adapters,
         "optimizer": args.optimizer,
         "muon_scalar": args.muon_scalar,
         "distributed": args.distributed_optimizer,
-        "layer_wise": args.layer_wise,
-        "slots": args.slots,
+        "layer_wise": args.layer_wise or args.slots == 1,
+        "slots": args.chain_slots if args.slots is None else args.slots,
         "adapter_bias": args.optimizer == "muon",  # something for Muon's scalar optimizer to step
     }
+    if args.slots is not None:
+        config["distributed"] = False
     try:
         check_layout(**{k: config[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
     except ValueError as exc:
@@ -202,13 +223,16 @@ def run_demo(args) -> int:
         return 2
     optimizer = args.optimizer + (f" (scalar: {args.muon_scalar})" if args.optimizer == "muon" else "")
     optimizer += " layer-wise" if args.layer_wise else ""
-    optimizer += f" {args.slots} slots" if args.slots > 1 else ""
+    optimizer += f" {args.chain_slots} chained slots" if args.chain_slots > 1 else ""
+    optimizer += f", multi-LoRA {args.slots} slot(s)" if args.slots is not None else ""
     print(
         f"demo: {args.world_size} ranks ({describe_layout(config)}), {args.dtype}, {args.adapters} adapters, "
         f"{optimizer}, {args.steps} steps, save every {args.save_every}, workdir {workdir}"
     )
     if args.export_peft:
         _peft_setup(workdir, config)
+    if args.slots is not None:
+        return demo_slots.run(args, config, workdir)
     status = 0
     try:
         if args.phase in ("all", "reference"):

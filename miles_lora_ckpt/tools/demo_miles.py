@@ -187,7 +187,7 @@ def _harness_only_flags(args) -> list[str]:
     flags += ["--muon-scalar"] if getattr(args, "muon_scalar", "adam") != "adam" else []
     flags += ["--[no-]distributed-optimizer"] if getattr(args, "distributed_optimizer", None) is not None else []
     flags += ["--layer-wise"] if getattr(args, "layer_wise", False) else []
-    flags += ["--slots"] if getattr(args, "slots", 1) != 1 else []
+    flags += ["--chain-slots"] if getattr(args, "chain_slots", 1) != 1 else []
     return flags
 
 
