@@ -27,6 +27,10 @@ class Runtime:
     validated_optimizers: set[int] = field(default_factory=set)  # id() of optimizers startup-checked
     initial_adapter: dict | None = None  # the actor's adapter before a resume (for ref/teacher loads)
     bindings: list[str] = field(default_factory=list)  # "module.name" of every rebound name
+    multi_lora_optimizers: dict[int, Any] = field(default_factory=dict)  # id(model) -> its per-slot chain
+    multi_lora_pending: dict[int, tuple] = field(
+        default_factory=dict
+    )  # id(model) -> (optimizer, args) in load_adapters
 
 
 _current: Runtime | None = None

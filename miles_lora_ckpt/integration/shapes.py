@@ -7,8 +7,10 @@ must be rebound too. `detect_shape` imports the modules, renders each function's
 returns the first shape that matches in every target. When none does, it raises
 `UnknownMilesShape` naming each module, function and signature found: nothing is patched.
 
-Extending: another issue adds targets (e.g. multi-LoRA's functions) to the shapes that have them
-and its handlers to `bindings`; a new Miles version is one more `Shape` in `SHAPES`, newest first.
+Multi-LoRA: the 2026-08 shape has v1's `multi_lora_utils` targets (§3.3), the 2026-09 shape v2's
+`lora/checkpoint.py` targets (§10.2); both optional (absent: multi-LoRA runs are refused at startup),
+checked like every other target when present. A new Miles version is one more `Shape` in `SHAPES`,
+newest first.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ ACTOR = f"{MEGATRON_UTILS}.actor"
 HF_EXPORT = f"{MEGATRON_UTILS}.hf_export"
 FT_IN_MEMORY = f"{MEGATRON_UTILS}.ft.in_memory_checkpoint"
 DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # contract §10.1: a debug tool
+MULTI_LORA_UTILS = f"{MEGATRON_UTILS}.multi_lora_utils"  # multi-LoRA v1 (§3.3)
+LORA_CHECKPOINT = f"{MEGATRON_UTILS}.lora.checkpoint"  # multi-LoRA v2 (§10.2)
+LORA_ACTOR = f"{MEGATRON_UTILS}.lora.actor"
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,38 @@ def _lora_targets(lora_module: str, load_signature: str, training_state: str | N
     return tuple(targets)
 
 
+def _multi_lora_v1_targets() -> tuple[Target, ...]:
+    """Multi-LoRA v1 (§3.3). Optional: a Miles without `multi_lora_utils` runs single-LoRA only
+    (the init hook refuses --multi-lora-n-adapters then); present, every signature must match."""
+    return tuple(
+        Target(handler, MULTI_LORA_UTILS, name, signature, optional=True)
+        for handler, name, signature in (
+            ("multi_lora_save", "save_multi_lora_checkpoints", "(args, model, adapter_steps, adapters)"),
+            ("multi_lora_find_latest", "find_latest_checkpoint", "(ckpt_dir)"),
+            ("multi_lora_register", "_register_adapter", "(adapter, model)"),
+            ("multi_lora_load_adapters", "load_adapters", "(args, model, optimizer, adapters)"),
+            ("multi_lora_deregister", "_deregister_adapter", "(adapter, args, model, optimizer)"),
+        )
+    )
+
+
+def _multi_lora_v2_targets() -> tuple[Target, ...]:
+    """Multi-LoRA v2 (§10.2): `lora/checkpoint.py`, bound by name in `lora/actor.py`. Optional, as v1's."""
+    return (
+        Target(
+            "slot_save", LORA_CHECKPOINT, "save_slot", "(model, optimizer, slot, path)", (LORA_ACTOR,), optional=True
+        ),
+        Target(
+            "slot_load",
+            LORA_CHECKPOINT,
+            "load_slot",
+            "(model, optimizer, slot, path, load_optimizer)",
+            (LORA_ACTOR,),
+            optional=True,
+        ),
+    )
+
+
 SHAPES: tuple[Shape, ...] = (
     Shape(
         "lora-package-2026-09",
@@ -168,7 +205,8 @@ SHAPES: tuple[Shape, ...] = (
             "(adapter_dir, optimizer, opt_param_scheduler, load_optimizer=...)",
             optional_state=False,
         )
-        + _model_targets(),
+        + _model_targets()
+        + _multi_lora_v2_targets(),
     ),
     Shape(
         "positional-args-pr",
@@ -182,7 +220,8 @@ SHAPES: tuple[Shape, ...] = (
             "(adapter_dir, optimizer, opt_param_scheduler, load_optimizer=...)",
             optional_state=True,
         )
-        + _model_targets(),
+        + _model_targets()
+        + _multi_lora_v2_targets(),
     ),
     Shape(
         "lora-utils-2026-08",
@@ -195,7 +234,8 @@ SHAPES: tuple[Shape, ...] = (
             "(adapter_dir, optimizer, opt_param_scheduler)",
             optional_state=False,
         )
-        + _model_targets(),
+        + _model_targets()
+        + _multi_lora_v1_targets(),
     ),
 )
 SHAPES_BY_NAME = {shape.name: shape for shape in SHAPES}

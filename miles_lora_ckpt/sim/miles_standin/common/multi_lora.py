@@ -128,6 +128,7 @@ def setup_model_and_optimizer(args):
 
     run = build_run(sim_config(args))
     run.optimizer.miles_slot_schedulers = {}
+    run.optimizer.miles_sim_config = run.config  # what the per-slot schedulers read (lr, warmup)
     _RUNS[id(run.model)] = run
     return run.model, run.optimizer
 
@@ -141,9 +142,8 @@ def install_slot_scheduler(args, optimizer, adapter: AdapterRun, resume_step: in
     from miles_lora_ckpt.sim.multi_lora_model import slot_scheduler
 
     samples = adapter.config.adapter_global_batch_size
-    run = next(r for r in _RUNS.values() if r.optimizer is optimizer)
     scheduler = slot_scheduler(
-        run.config, optimizer, adapter.slot, samples_per_step=samples, num_step=adapter.config.num_step
+        optimizer.miles_sim_config, optimizer, adapter.slot, samples_per_step=samples, num_step=adapter.config.num_step
     )
     if resume_step:
         scheduler.step(increment=resume_step * samples)

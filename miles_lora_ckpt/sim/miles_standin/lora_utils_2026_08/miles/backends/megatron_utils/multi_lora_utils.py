@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from miles.backends.megatron_utils.multi_lora_scheduler import drop_slot_scheduler, install_slot_scheduler
 from miles_lora_ckpt.core import faults
-from miles_lora_ckpt.sim import multi_lora_model as slot_model
 from miles_lora_ckpt.sim.miles_standin.common import multi_lora as common
 from miles_lora_ckpt.sim.miles_standin.common import slot_stock as stock
 from miles_lora_ckpt.sim.miles_standin.common.slot_stock import (  # noqa: F401 - as Miles has them here
@@ -35,6 +34,7 @@ from miles_lora_ckpt.sim.miles_standin.common.slot_stock import (  # noqa: F401 
     megatron_shard_name,
     zero_optimizer_state_for_adapter,
 )
+from miles_lora_ckpt.sim.multi_lora_model import clear_adapter_slot, zero_adapter_slot_grads  # noqa: F401 - Bridge/MLO
 
 log = logging.getLogger("miles.stand-in")
 
@@ -122,9 +122,9 @@ def _deregister_adapter(adapter, args, model, optimizer) -> None:
     if args.save_interval:
         step = common.controller().adapter_step(adapter.name)
         save_multi_lora_checkpoints(args, model, {adapter.name: step}, {adapter.name: adapter})  # even if step_N exists
-    slot_model.clear_adapter_slot(model, adapter.slot)
+    clear_adapter_slot(model, adapter.slot)
     zero_optimizer_state_for_adapter(optimizer, model, adapter.slot)
-    slot_model.zero_adapter_slot_grads(model, adapter.slot)
+    zero_adapter_slot_grads(model, adapter.slot)
     drop_slot_scheduler(optimizer, adapter.slot)
     optimizer.reload_model_params()  # every co-tenant's masters from bf16 (§2.6)
 

@@ -1,7 +1,7 @@
 """Stand-in of miles/backends/megatron_utils/lora/actor.py (multi-LoRA v2, PR #2840): the slot lifecycle.
 
 `MultiLoRATrainRayActor` loads, unloads and saves slots at the paths its caller names (the
-stand-in's controller names `{adapter save}/latest`; no directory scan picks a resume step). The
+stand-in's controller names `{adapter save}/current`; no directory scan picks a resume step). The
 adapter's step after a load is the largest Adam step of its children (what v2 saves). A fresh slot
 (nothing to load) gets the adapter's initial weights and only that slot's masters refreshed; an
 unloaded slot is saved, cleared and its moments zeroed (the whole-chain master refresh of v2 is in
@@ -21,7 +21,7 @@ from miles_lora_ckpt.sim import multi_lora_model as slot_model
 from miles_lora_ckpt.sim.miles_standin.common import multi_lora as common
 from miles_lora_ckpt.sim.miles_standin.common import slot_stock as stock
 
-CHECKPOINT_NAME = "latest"
+CHECKPOINT_NAME = "current"
 
 
 def checkpoint_path(adapter) -> Path | None:
