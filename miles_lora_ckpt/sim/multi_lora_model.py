@@ -394,7 +394,10 @@ def step_slot(optimizer, slot: int, clip_grad: float) -> float:
     children = slot_children(optimizer, slot)
     for child in children:
         child.prepare_grads()
-    grads = [g for child in children for g in child.get_main_grads_for_grad_norm()]
+    grads = []
+    for child in children:  # megatron 0.19 renamed get_main_grads_for_grad_norm
+        grads_of = getattr(child, "get_main_grads_for_grad_norm", None) or child.get_grads_for_grad_norm
+        grads += grads_of()
     norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=None)  # summed over the world
     for child in children:
         params = child.get_parameters()
