@@ -143,8 +143,12 @@ def test_usage_errors_of_the_optimizer_flags_exit_2_before_any_worker(tmp_path, 
     cases = {
         # the Miles stand-in builds what Miles builds for adam and lion: no harness-only layouts
         ("--via", "miles", "--optimizer", "muon"): "--optimizer muon: the Miles stand-in builds",
-        ("--via", "miles", "--layer-wise", "--slots", "2"): "--layer-wise, --slots: the Miles stand-in",
-        ("--slots", "2", "--pp", "2"): "--slots must be 1 or 2, and 2 needs --pp 1",
+        ("--via", "miles", "--layer-wise", "--chain-slots", "2"): "--layer-wise, --chain-slots: the Miles stand-in",
+        ("--chain-slots", "2", "--pp", "2"): "--chain-slots 2 needs --pp 1",
+        ("--slots", "2", "--pp", "2"): "--slots needs --pp 1",
+        ("--slots", "2", "--optimizer", "muon"): "drop --optimizer muon",
+        ("--slots", "2", "--chain-slots", "2"): "pick one",
+        ("--slots", "9"): "--slots must be between 1 and 4",
         ("--layer-wise", "--distributed-optimizer"): "drop --distributed-optimizer",
     }
     for flags, words in cases.items():

@@ -12,6 +12,9 @@ A save root holds::
       .deleting-gen-.../                 a generation being removed by retention
       latest -> gen-000000010-3f2a...    optional relative symlink to the newest published generation
                                          (`save_generation(link_latest=True)`, e.g. a PEFT export root)
+      step_10 -> gen-000000010-3f2a...   optional generation links swapped by the publish
+                                         (`save_generation(links=...)`, e.g. a multi-LoRA slot root's
+                                         reader names for Miles)
 
 A staging name starts with a dot and never matches `gen-*` nor Miles' `iter_NNNNNNN`, so no reader
 (ours or Miles') can take it for a checkpoint. A generation directory is committed when it is named

@@ -174,7 +174,7 @@ def _load(
     request = attempt(
         LoadRequest, model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer, selection, check
     )
-    consensus.agree("plan", request.map(lambda r: r.check_selection()))
+    consensus.agree("plan", attempt(request.value.check_selection) if request.ok else request)
     request = request.value
 
     # verify: all ranks agree on one generation and read their own files, every content rule checked
