@@ -17,7 +17,8 @@ With --steps N rollouts of 2 optimizer steps each and --save-every K (Miles' --s
 --without-plugin runs the same scenario on stock Miles: no init hook; the relaunch adds
 --lora-adapter-path <newest iter_*/adapter>, the edit a stock user must make by hand.
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
-`RESULT: MISMATCH <what>` (exit 1).
+`RESULT: MISMATCH <what>` (exit 1). With --slots N the Miles multi-LoRA demo runs instead
+(`miles_lora_ckpt.tools.demo_miles_slots`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,10 @@ class Scenario:
 
 def run(args, launcher=None) -> int:
     """The `--via miles` demo; returns the exit code."""
+    if getattr(args, "slots", None) is not None:  # multi-LoRA: tools/demo_miles_slots.py
+        from miles_lora_ckpt.tools import demo_miles_slots
+
+        return demo_miles_slots.run(args, launcher)
     harness_only = _harness_only_flags(args)
     if harness_only:
         print(
