@@ -196,3 +196,38 @@ def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninte
     link = slot_root / ("step_6" if shape == V1 else "current")
     assert link.is_symlink() and (link / "manifest.json").is_file()
     assert not [p.name for p in slot_root.iterdir() if p.name.startswith(("_tmp_", ".staging-"))]
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def test_demo_via_miles_slots_usage_errors_exit_2_before_any_worker(tmp_path, capsys):
+    from miles_lora_ckpt.tools.cli import main as cli
+
+    base = ["demo", "--via", "miles", "--workdir", str(tmp_path)]
+    cases = {
+        ("--slots", "1"): "needs 2 to 4 slots",
+        ("--slots", "2", "--miles-shape", "positional-args-pr"): "has no multi-LoRA",
+        ("--slots", "2", "--pp", "2"): "--pp/--ep/--cp/--vpp 1",
+        ("--slots", "2", "--dtype", "fp32"): "Adam per slot in bf16",
+        ("--slots", "2", "--without-plugin", "--crash-at", "after-publish"): "only before-write, mid-write",
+    }
+    for flags, words in cases.items():
+        assert cli([*base, *flags]) == 2, flags
+        assert words in capsys.readouterr().err, flags
+    assert not (tmp_path / "miles-slots").exists()
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_demo_via_miles_slots_resumes_every_slot_bit_exact(prewarmed, tmp_path, capsys):
+    from miles_lora_ckpt.tools import demo_miles
+    from miles_lora_ckpt.tools.cli import build_parser
+
+    argv = ["demo", "--via", "miles", "--slots", "2", "--miles-shape", V2, "--steps", "6", "--workdir", str(tmp_path)]
+    assert demo_miles.run(build_parser().parse_args(argv), launcher=prewarmed) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "RESULT: bit-exact"
+    assert "  slot of s0: resumed at step 2, trained to 6: bit-exact" in lines  # s0's step-4 save was killed
+    assert "  slot of s1: resumed at step 2, trained to 6: bit-exact" in lines
+    assert any("rank 1: killed by signal 9" in line for line in lines)
