@@ -68,7 +68,8 @@ def add_arguments(demo) -> None:
         "--miles-shape",
         choices=tuple(SHAPES),
         default=DEFAULT_SHAPE,
-        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE})",
+        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE}); with --slots: "
+        "lora-utils-2026-08 is multi-LoRA v1 (multi_lora_utils), lora-package-2026-09 v2 (lora/checkpoint.py)",
     )
     demo.add_argument(
         "--without-plugin",
