@@ -192,6 +192,7 @@ def w2(tmp_path_factory):
             "load_phases": list(LOAD_PHASES),
         },
         "guards": {"root": str(base / "guards"), "config": CONFIG},
+        "retire": {"root": str(base / "retire"), "config": CONFIG},
         "peft": {
             "root": str(base / "peft"),
             "config": {"model": "qwen2", "world_size": 2},
@@ -284,6 +285,17 @@ def test_the_empty_shard_guard_refuses_on_every_rank(w2):
 
 @pytest.mark.megatron
 @pytest.mark.multirank
+def test_retire_replaces_the_same_step_resets_only_the_slot_and_registers_back_exactly(w2):
+    for result in w2:
+        r = result["retire"]
+        assert r["replaced"] == [True, True] and r["periodic_still_there"]  # a new generation, the link swapped
+        assert r["changed_slots"] == [1], r["changed_slots"]  # slot 0 (the co-tenant) untouched
+        assert r["slot1_zero"] and r["moments_zero"]
+        assert r["registered_again"] is None  # restored bit for bit from the retire save
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
 def test_a_slot_saved_with_its_peft_export(w2):
     r = w2[0]["peft"]
     assert r["peft_files"] == ["adapter_config.json", "adapter_model.safetensors"] and r["problems"] == []
@@ -292,6 +304,10 @@ def test_a_slot_saved_with_its_peft_export(w2):
 
 @pytest.mark.megatron
 @pytest.mark.multirank
+@pytest.mark.skipif(
+    os.environ.get("MILES_LORA_CKPT_TIER") == "mcore-0.19",
+    reason="tier 2 runs the slot jobs above (save, load, retire on 0.19's LayerWise); the demo runs on tier 1",
+)
 def test_demo_slots_killed_mid_save_resumes_every_slot_bit_exact(tmp_path, capsys):
     args = ["demo", "--slots", "2", "--workdir", str(tmp_path), "--crash-at", "before-publish", "--crash-rank", "0"]
     assert cli(args) == 0
@@ -315,3 +331,21 @@ def test_demo_slots_killed_mid_save_resumes_every_slot_bit_exact(tmp_path, capsy
     assert cli(["demo", "--slots", "2", "--workdir", str(tmp_path), "--phase", "resume"]) == 1
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"RESULT: MISMATCH slot1:rank0:{name}" and "slot0: " in out
+
+
+def test_bad_arguments_fail_collectively_before_anything_is_touched(tmp_path):
+    from miles_lora_ckpt.savers.multi_lora import load_slot_checkpoint, save_slot_checkpoint
+
+    one = Consensus.single_process()
+    cases = [
+        dict(slot=-1, step=2, adapter_filter=lambda n: True),
+        dict(slot=0, step=2.5, adapter_filter=lambda n: True),
+        dict(slot=0, step=2, adapter_filter=None),
+        dict(slot=0, step=2, adapter_filter=lambda n: True, reader_names=["gen-000000002-0123456789abcdef"]),
+    ]
+    for case in cases:  # the model is never looked at: None would fail any later phase differently
+        with pytest.raises(CheckpointError, match="checkpoint phase 'arguments' failed"):
+            save_slot_checkpoint(None, None, tmp_path / "root", consensus=one, **case)
+    with pytest.raises(CheckpointError, match="checkpoint phase 'arguments' failed"):
+        load_slot_checkpoint(None, tmp_path / "root", slot=True, adapter_filter=lambda n: True, consensus=one)
+    assert not (tmp_path / "root").exists()

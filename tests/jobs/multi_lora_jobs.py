@@ -37,7 +37,7 @@ class Args:
 def suite(payload: dict, ctx) -> dict:
     consensus = Consensus.for_world(timeout_s=120)
     out = {}
-    sections = {"stale_shards": stale_shards, "faults": fault_matrix, "guards": guards, "peft": peft}
+    sections = {"stale_shards": stale_shards, "faults": fault_matrix, "guards": guards, "retire": retire, "peft": peft}
     for name, section in sections.items():
         if name in payload:
             out[name] = section(payload[name], ctx, consensus)
@@ -286,6 +286,45 @@ def guards(case: dict, ctx, consensus) -> dict:
     # a missing root loads nothing; latest_slot_step says None
     missing = ml.load_slot_checkpoint(run.model, root / "missing", **kw)
     out["missing"] = [missing.loaded, ml.latest_slot_step(root / "missing", consensus=consensus)]
+    teardown(run)
+    return out
+
+
+# --------------------------------------------------------------------------- retire
+
+
+def retire(case: dict, ctx, consensus) -> dict:
+    """A periodic save then the retire save of the same step: the link swapped, the slot cleared and
+    its children reset, the co-tenant untouched; then registered again: exactly where it was."""
+    root = Path(case["root"])
+    run, trainer = _build(case["config"])
+    _train(trainer, [0, 1], 0, 2)
+    kw = _kw(run, trainer, 1, consensus)
+    periodic = ml.save_slot_checkpoint(run.model, Args(), root, step=2, reader_names=["step_2"], **kw)
+    before = _state(run, trainer)
+    final = ml.retire_slot(
+        run.model, Args(), root, step=2, reader_names=["step_2"], clear_slot=lambda: trainer.clear(1), **kw
+    )
+    cleared = _state(run, trainer)
+    changed = sorted(n for n in before if before[n] != cleared[n])
+    slot1 = [n for n, p in run.named_parameters() if p.requires_grad and trainer.adapter_filter(1)("chunk0." + n)]
+    params = dict(run.named_parameters())
+    states = [
+        state
+        for i in trainer.children[1]
+        for group in run.optimizer.chained_optimizers[i].optimizer.param_groups
+        for p in group["params"]
+        for state in run.optimizer.chained_optimizers[i].optimizer.state.get(p, {}).values()
+    ]
+    out = {
+        "replaced": [Path(periodic).name != Path(final).name, ml.reader_links(root)["step_2"] == Path(final).name],
+        "periodic_still_there": Path(periodic).is_dir(),
+        "changed_slots": sorted(set(_slot_names(run, trainer, changed)), key=str),
+        "slot1_zero": all(bool((params[n] == 0).all()) for n in slot1),
+        "moments_zero": all(bool((t == 0).all()) for t in states if hasattr(t, "dim")),
+    }
+    ml.load_slot_checkpoint(run.model, root, **kw)
+    out["registered_again"] = compare_digests(before, _state(run, trainer))
     teardown(run)
     return out
 

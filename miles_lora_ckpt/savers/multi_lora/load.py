@@ -56,7 +56,8 @@ def load_slot_checkpoint(
     `result.iteration` is the slot's step.
     """
     consensus = consensus or Consensus.default()
-    slot = _slot_index(slot)
+    # arguments: checked on every rank, and every rank must load the same slot
+    slot = consensus.agree_same("arguments", attempt(_checked_arguments, slot, adapter_filter))
     path = Path(slot_root)
     if name is not None:  # the coordinator reads the link once; every rank opens what it named
         consensus.agree_same("classify", Outcome.success([str(slot_root), name]))
@@ -84,6 +85,11 @@ def load_slot_checkpoint(
         optimizer_children=optimizer_children,
         check=check,
     )
+
+
+def _checked_arguments(slot, adapter_filter) -> int:
+    _required(adapter_filter)
+    return _slot_index(slot)
 
 
 def _named(root: Path, name: str) -> str:

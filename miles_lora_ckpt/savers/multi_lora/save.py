@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, check_reader_name
 from miles_lora_ckpt.savers.peft_export import PeftExport
 from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
@@ -59,8 +59,10 @@ def save_slot_checkpoint(
     The manifest records `slot` (index, step, the saved parameter names per file). Saving the same
     step again publishes a new generation and swaps the links: never a moment without one.
     """
-    slot, step = _slot_index(slot), _slot_step(step)
-    names = [check_reader_name(n) for n in reader_names]
+    consensus = consensus or Consensus.default()
+    # arguments: checked on every rank, and every rank must save the same slot, step and names
+    checked = attempt(_checked_arguments, slot, step, reader_names, adapter_filter)
+    slot, step, names = consensus.agree_same("arguments", checked)
 
     def slot_metadata(layout) -> dict:
         return {"slot": {"index": slot, "step": step, "params": sorted(layout.adapter_names or ())}}
@@ -76,11 +78,16 @@ def save_slot_checkpoint(
         keep=keep,
         optimizer_children=optimizer_children,
         peft=peft,
-        adapter_filter=_required(adapter_filter),
+        adapter_filter=adapter_filter,
         saver=SLOT_SAVER,
         links=names,
         extra_metadata=slot_metadata,
     )
+
+
+def _checked_arguments(slot, step, reader_names, adapter_filter) -> list:
+    _required(adapter_filter)
+    return [_slot_index(slot), _slot_step(step), [check_reader_name(n) for n in reader_names]]
 
 
 def _slot_index(slot) -> int:
