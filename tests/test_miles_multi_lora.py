@@ -178,6 +178,11 @@ def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninte
     # rank 1 dies in the middle of adapter a's step-4 save, after b was retired at its step 2
     crashed = run.launch(crash={"adapter": "a", "step": 4, "rank": 1, "phase": "mid-write", "reason": "periodic"})
     assert any(r.exitcode == -9 for r in crashed), [(r.rank, r.exitcode, r.error) for r in crashed]
+    # strays stock Miles would trip over (v1's scan: int("foo") raises) or promote: never chosen, no crash
+    slot_root = run.save / "adapters" / "a" / ("checkpoints" if shape == V1 else "")
+    for stray in ("step_foo", "step_12_x", "_tmp_step_8", "_version_current_0bad", "_tmp_current"):
+        (slot_root / stray).mkdir(parents=True, exist_ok=True)
+        (slot_root / stray / "adapter_megatron_tp0_pp0.pt").write_bytes(b"stale")
     resumed = _ok(run.launch())
     for rank in range(2):
         assert resumed[rank]["registered_at"] == {"a": 2, "b": 2}  # a's step-4 save never committed
@@ -192,10 +197,9 @@ def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninte
     bindings_seen = resumed[0]["plugin"]["bindings"]
     wanted = ("save_multi_lora_checkpoints", "_deregister_adapter") if shape == V1 else ("save_slot", "load_slot")
     assert all(any(b.endswith("." + name) for b in bindings_seen) for name in wanted)
-    slot_root = run.save / "adapters" / "a" / ("checkpoints" if shape == V1 else "")
     link = slot_root / ("step_6" if shape == V1 else "current")
     assert link.is_symlink() and (link / "manifest.json").is_file()
-    assert not [p.name for p in slot_root.iterdir() if p.name.startswith(("_tmp_", ".staging-"))]
+    assert not [p.name for p in slot_root.iterdir() if p.name.startswith(".staging-")]
 
 
 # --------------------------------------------------------------------------- the demo
