@@ -194,6 +194,10 @@ def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninte
             assert any(k.startswith("master/") for k in want) and "scheduler" in want
             differing = [k for k in want if got[k] != want[k]]
             assert not differing, f"rank {rank}, adapter {adapter}: {differing[:5]}"
+    if shape == V1:  # Miles' own scan, replaced: the agreed newest generation, through its step_N link
+        latest = resumed[0]["find_latest"]
+        assert latest["a"] == [str(run.save / "adapters" / "a" / "checkpoints" / "step_6"), 6]
+        assert latest["b"][1] == 4  # b: steps 2 (periodic, then its retire save) and 4; 5 is not a multiple of 2
     bindings_seen = resumed[0]["plugin"]["bindings"]
     wanted = ("save_multi_lora_checkpoints", "_deregister_adapter") if shape == V1 else ("save_slot", "load_slot")
     assert all(any(b.endswith("." + name) for b in bindings_seen) for name in wanted)

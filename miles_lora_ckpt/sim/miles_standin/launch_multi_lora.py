@@ -10,7 +10,8 @@ one rank during one save (`payload["crash"]`):
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; the stock saves have
 before-write, mid-write and after-write). Each rank returns, per adapter, the digests of its slot's
 state (adapter, masters, moments, steps, scheduler; `slot_digests`) after every one of its steps,
-the final digests, the steps it trained, and what the plugin installed.
+the final digests, the steps it trained, what the plugin installed, and (v1) what
+`find_latest_checkpoint` returns for every adapter at the end.
 """
 
 from __future__ import annotations
@@ -91,7 +92,25 @@ def launch_job(payload: dict, ctx) -> dict:
     report["final"] = {a.name: slot_digests(lifecycle.model, lifecycle.optimizer, a.slot) for a in adapters}
     report["final_steps"] = {a.name: a.step for a in adapters}
     report["plugin"] = _plugin_report()
+    report["find_latest"] = _find_latest(adapters)
     return report
+
+
+def _find_latest(adapters) -> dict | None:
+    """v1 only (collective): what `multi_lora_utils.find_latest_checkpoint` says of each adapter's root."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("miles.backends.megatron_utils.multi_lora_utils") is None:
+        return None
+    from miles.backends.megatron_utils import multi_lora_utils
+
+    found = {}
+    for adapter in adapters:
+        if adapter.config.save is not None:
+            path, step = multi_lora_utils.find_latest_checkpoint(Path(adapter.config.save) / "checkpoints")
+            found[adapter.name] = [None if path is None else str(path), step]
+    return found
 
 
 def _plugin_report() -> dict | None:
