@@ -107,6 +107,7 @@ def test_a_miles_without_multi_lora_functions_still_binds_single_lora_and_refuse
     [
         (V1, {"save_interval": None}, "without --save-interval"),
         (V2, {"use_distributed_optimizer": True}, "--use-distributed-optimizer with multi-LoRA"),
+        (V1, {"peft": True}, "export.peft = true with --multi-lora-n-adapters"),
     ],
 )
 def test_startup_refuses_multi_lora_runs_it_cannot_checkpoint(shape, extra, word):
@@ -114,8 +115,10 @@ def test_startup_refuses_multi_lora_runs_it_cannot_checkpoint(shape, extra, word
     before = attributes(modules)
     args = multi_lora_args()
     vars(args).update(extra)
+    environ = {"MILES_LORA_CKPT_PEFT_EXPORT": "1"} if extra.pop("peft", False) else {}
+    vars(args).pop("peft", None)
     with pytest.raises(CheckpointError) as info:
-        install(args, environ={}, import_module=importer(modules))
+        install(args, environ=environ, import_module=importer(modules))
     assert word in str(info.value)
     assert attributes(modules) == before
 

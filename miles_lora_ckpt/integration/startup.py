@@ -114,7 +114,7 @@ def validate_miles_launch(args, config, multi_lora: str | None = None) -> None:
         raise UnsupportedConfiguration("miles-lora-ckpt cannot checkpoint this run:\n  - " + "\n  - ".join(problems))
 
 
-def _multi_lora_problems(args, multi_lora: str | None) -> list[str]:
+def _multi_lora_problems(args, config, multi_lora: str | None) -> list[str]:
     if multi_lora is None:
         return [
             "--multi-lora-n-adapters: this Miles has neither multi-LoRA v1's multi_lora_utils (save_multi_lora_"
@@ -127,6 +127,11 @@ def _multi_lora_problems(args, multi_lora: str | None) -> list[str]:
         problems.append(
             "--multi-lora-n-adapters without --save-interval: Miles v1 saves no adapter (not even when one is "
             "retired); set --save-interval"
+        )
+    if config["export.peft"]:
+        problems.append(
+            "export.peft = true with --multi-lora-n-adapters: a per-slot PEFT export through the init hook is not "
+            "available in this version (savers.multi_lora's peft= does it from Python): set it to false"
         )
     if getattr(args, "use_distributed_optimizer", False):
         problems.append(
@@ -145,7 +150,7 @@ def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
             "optimizer state (stock Miles loses it silently): drop the flag; a relaunch resumes from disk"
         )
     if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
-        problems += _multi_lora_problems(args, multi_lora)
+        problems += _multi_lora_problems(args, config, multi_lora)
     if getattr(args, "stream_optimizer_state_to_disk", False):
         problems.append("--stream-optimizer-state-to-disk keeps the optimizer state outside the optimizer: drop it")
     if config["export.peft"]:
