@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from miles_lora_ckpt.integration import single_lora
+from miles_lora_ckpt.integration import multi_lora, single_lora
 from miles_lora_ckpt.integration.shapes import Shape, Target
 
 log = logging.getLogger("miles_lora_ckpt.integration")
@@ -36,6 +36,7 @@ def register_handlers(handlers: Mapping[str, Callable]) -> None:
 
 
 register_handlers(single_lora.HANDLERS)
+register_handlers(multi_lora.HANDLERS)
 
 
 class BindingRefused(ValueError):

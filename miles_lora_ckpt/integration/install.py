@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.integration import bindings, peft, resume, runtime
+from miles_lora_ckpt.integration import bindings, multi_lora, peft, resume, runtime
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.shapes import Shape, detect_shape
 from miles_lora_ckpt.integration.startup import validate_miles_launch
@@ -100,7 +100,8 @@ def _prepare(args, environ, import_module) -> Prepared:
     config = load_config(environ)
     shape = detect_shape(import_module)
     plan = bindings.plan(shape, import_module)
-    validate_miles_launch(args, config)
+    bound = [b.target.handler for b in plan.bindings]
+    validate_miles_launch(args, config, multi_lora=multi_lora.supported_kind(bound))
     export = peft.prepare(args, config, shape, lora=_lora_enabled(args), import_module=import_module)
     return Prepared(config, shape, plan, export)
 
@@ -108,6 +109,8 @@ def _prepare(args, environ, import_module) -> Prepared:
 def _prepare_save_dir(args, config: PluginConfig) -> list[str]:
     if not _lora_enabled(args):
         return ["LoRA is not enabled in this run: the plugin leaves Megatron's own checkpoints alone"]
+    if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
+        return ["multi-LoRA: every adapter's checkpoints live in its own slot root (v1: <adapter save>/checkpoints)"]
     notes = resume.check_relaunch(config, args)
     if getattr(args, "save", None):
         notes.append(resume.prepare_save_dir(config, args.save))

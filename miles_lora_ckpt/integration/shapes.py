@@ -11,8 +11,10 @@ A shape also names what the plugin *calls* in Miles without replacing it: the co
 Miles wraps every Megatron-Bridge call in (`bridge_model_context`, for the PEFT export). It is not
 part of detection; it is resolved at startup only when the run exports (`integration.peft`).
 
-Extending: another issue adds targets (e.g. multi-LoRA's functions) to the shapes that have them
-and its handlers to `bindings`; a new Miles version is one more `Shape` in `SHAPES`, newest first.
+Multi-LoRA: the 2026-08 shape has v1's `multi_lora_utils` targets (§3.3), the 2026-09 shape v2's
+`lora/checkpoint.py` targets (§10.2); both optional (absent: multi-LoRA runs are refused at startup),
+checked like every other target when present. A new Miles version is one more `Shape` in `SHAPES`,
+newest first.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ FT_IN_MEMORY = f"{MEGATRON_UTILS}.ft.in_memory_checkpoint"
 DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # contract §10.1: a debug tool
 # contract §1.2 step 5, §2.1: Miles runs Bridge's export (and its HF base load) under this context manager
 PATCH_MEGATRON_MODEL = "miles.utils.megatron_bridge_utils.patch_megatron_model"
+MULTI_LORA_UTILS = f"{MEGATRON_UTILS}.multi_lora_utils"  # multi-LoRA v1 (§3.3)
+LORA_CHECKPOINT = f"{MEGATRON_UTILS}.lora.checkpoint"  # multi-LoRA v2 (§10.2)
+LORA_ACTOR = f"{MEGATRON_UTILS}.lora.actor"
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,38 @@ def _lora_targets(lora_module: str, load_signature: str, training_state: str | N
     return tuple(targets)
 
 
+def _multi_lora_v1_targets() -> tuple[Target, ...]:
+    """Multi-LoRA v1 (§3.3). Optional: a Miles without `multi_lora_utils` runs single-LoRA only
+    (the init hook refuses --multi-lora-n-adapters then); present, every signature must match."""
+    return tuple(
+        Target(handler, MULTI_LORA_UTILS, name, signature, optional=True)
+        for handler, name, signature in (
+            ("multi_lora_save", "save_multi_lora_checkpoints", "(args, model, adapter_steps, adapters)"),
+            ("multi_lora_find_latest", "find_latest_checkpoint", "(ckpt_dir)"),
+            ("multi_lora_register", "_register_adapter", "(adapter, model)"),
+            ("multi_lora_load_adapters", "load_adapters", "(args, model, optimizer, adapters)"),
+            ("multi_lora_deregister", "_deregister_adapter", "(adapter, args, model, optimizer)"),
+        )
+    )
+
+
+def _multi_lora_v2_targets() -> tuple[Target, ...]:
+    """Multi-LoRA v2 (§10.2): `lora/checkpoint.py`, bound by name in `lora/actor.py`. Optional, as v1's."""
+    return (
+        Target(
+            "slot_save", LORA_CHECKPOINT, "save_slot", "(model, optimizer, slot, path)", (LORA_ACTOR,), optional=True
+        ),
+        Target(
+            "slot_load",
+            LORA_CHECKPOINT,
+            "load_slot",
+            "(model, optimizer, slot, path, load_optimizer)",
+            (LORA_ACTOR,),
+            optional=True,
+        ),
+    )
+
+
 SHAPES: tuple[Shape, ...] = (
     Shape(
         "lora-package-2026-09",
@@ -176,7 +213,8 @@ SHAPES: tuple[Shape, ...] = (
             "(adapter_dir, optimizer, opt_param_scheduler, load_optimizer=...)",
             optional_state=False,
         )
-        + _model_targets(),
+        + _model_targets()
+        + _multi_lora_v2_targets(),
         PATCH_MEGATRON_MODEL,
     ),
     Shape(
@@ -191,7 +229,8 @@ SHAPES: tuple[Shape, ...] = (
             "(adapter_dir, optimizer, opt_param_scheduler, load_optimizer=...)",
             optional_state=True,
         )
-        + _model_targets(),
+        + _model_targets()
+        + _multi_lora_v2_targets(),
         PATCH_MEGATRON_MODEL,
     ),
     Shape(
@@ -205,7 +244,8 @@ SHAPES: tuple[Shape, ...] = (
             "(adapter_dir, optimizer, opt_param_scheduler)",
             optional_state=False,
         )
-        + _model_targets(),
+        + _model_targets()
+        + _multi_lora_v1_targets(),
         PATCH_MEGATRON_MODEL,
     ),
 )

@@ -95,14 +95,43 @@ def _replica_problems(model, optimizer) -> list[str]:
     ]
 
 
-def validate_miles_launch(args, config) -> None:
-    """The init hook's checks: `validate_startup`'s plus what a Miles launch adds. Raises with every problem."""
-    problems = _arg_problems(args) + _miles_problems(args, config)
+def validate_miles_launch(args, config, multi_lora: str | None = None) -> None:
+    """The init hook's checks: `validate_startup`'s plus what a Miles launch adds. Raises with every problem.
+
+    `multi_lora`: the multi-LoRA shape the plugin bound ("v1", "v2"), or None when the running Miles
+    has no multi-LoRA functions the plugin knows (then `--multi-lora-n-adapters` is refused)."""
+    problems = _arg_problems(args) + _miles_problems(args, config, multi_lora)
     if problems:
         raise UnsupportedConfiguration("miles-lora-ckpt cannot checkpoint this run:\n  - " + "\n  - ".join(problems))
 
 
-def _miles_problems(args, config) -> list[str]:
+def _multi_lora_problems(args, config, multi_lora: str | None) -> list[str]:
+    if multi_lora is None:
+        return [
+            "--multi-lora-n-adapters: this Miles has neither multi-LoRA v1's multi_lora_utils (save_multi_lora_"
+            "checkpoints, find_latest_checkpoint, _register_adapter, load_adapters, _deregister_adapter) nor v2's "
+            "lora/checkpoint.py (save_slot, load_slot) with signatures the plugin knows: its per-adapter saves "
+            "would be unprotected; remove --custom-megatron-init-path for this run, or upgrade miles-lora-ckpt"
+        ]
+    problems = []
+    if multi_lora == "v1" and not getattr(args, "save_interval", None):
+        problems.append(
+            "--multi-lora-n-adapters without --save-interval: Miles v1 saves no adapter (not even when one is "
+            "retired); set --save-interval"
+        )
+    if config["export.peft"]:
+        problems.append(
+            "export.peft = true with --multi-lora-n-adapters: a per-slot PEFT export through the init hook is not "
+            "available in this version (savers.multi_lora's peft= does it from Python): set it to false"
+        )
+    if getattr(args, "use_distributed_optimizer", False):
+        problems.append(
+            "--use-distributed-optimizer with multi-LoRA: Miles builds per-slot children without it; drop the flag"
+        )
+    return problems
+
+
+def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
     from miles_lora_ckpt.integration.resume import save_root
 
     problems = []
@@ -112,10 +141,7 @@ def _miles_problems(args, config) -> list[str]:
             "optimizer state (stock Miles loses it silently): drop the flag; a relaunch resumes from disk"
         )
     if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
-        problems.append(
-            "--multi-lora-n-adapters: multi-LoRA runs are not covered by this version of miles-lora-ckpt; "
-            "remove --custom-megatron-init-path for them"
-        )
+        problems += _multi_lora_problems(args, config, multi_lora)
     if getattr(args, "stream_optimizer_state_to_disk", False):
         problems.append("--stream-optimizer-state-to-disk keeps the optimizer state outside the optimizer: drop it")
     adapter, save = getattr(args, "lora_adapter_path", None), getattr(args, "save", None)

@@ -158,7 +158,9 @@ def _multi_lora_chain(config: SimConfig, optimizer_config: OptimizerConfig, mode
         for name, p in module.named_parameters()
         if p.requires_grad
     }
-    slot_of = {key: config.slot_of(int(key[1].split(".")[1])) for key in trainable}
+    # a slot per layer (SimConfig), or the slot index in the adapter's name (sim.multi_lora_model)
+    by_name = getattr(config, "slot_of_param", None)
+    slot_of = {key: by_name(key[1]) if by_name else config.slot_of(int(key[1].split(".")[1])) for key in trainable}
     bf16 = optimizer_config.bf16
     optimizer_config.bf16 = False  # masters are made by LayerWise, after it has sharded the params
     children, init_fns, slot_children = [], [], {}

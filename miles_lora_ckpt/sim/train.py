@@ -95,16 +95,26 @@ def config_from_dict(data: dict):
         from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 
         return Qwen2SimConfig.from_dict(data)
+    if data.get("model") == "multi-lora":
+        from miles_lora_ckpt.sim.multi_lora_model import MultiLoraSimConfig
+
+        return MultiLoraSimConfig.from_dict(data)
     return SimConfig.from_dict(data)
 
 
 def _build_module(config, vp_stage: int | None) -> tuple:
-    """`(megatron config, module)` of one model chunk: the tiny LoRA model, or the Qwen2-shaped one."""
+    """`(megatron config, module)` of one model chunk: the tiny LoRA model, the Qwen2-shaped one or the
+    multi-LoRA slot model (`sim.multi_lora_model`)."""
     if getattr(config, "model", None) == "qwen2":
         from miles_lora_ckpt.sim.qwen2_model import SimQwen2Model
 
         mcfg = config.transformer_config()
         return mcfg, SimQwen2Model(mcfg, config)
+    if getattr(config, "model", None) == "multi-lora":
+        from miles_lora_ckpt.sim import multi_lora_model
+
+        mcfg = multi_lora_model.transformer_config(config)
+        return mcfg, multi_lora_model.MultiLoraSimModel(mcfg, config)
     mcfg = transformer_config(config)
     return mcfg, SimLoraModel(mcfg, config, vp_stage=vp_stage)
 

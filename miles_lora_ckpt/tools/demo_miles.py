@@ -29,7 +29,8 @@ loaded with the real PEFT onto DIR/hf-base (`PEFT: loadable (0 missing, 0 unexpe
 adapter_model.bin that PEFT cannot load, its errors swallowed) is not imitated by the stand-in.
 
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
-`RESULT: MISMATCH <what>` (exit 1).
+`RESULT: MISMATCH <what>` (exit 1). With --slots N the Miles multi-LoRA demo runs instead
+(`miles_lora_ckpt.tools.demo_miles_slots`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def add_arguments(demo) -> None:
         "--miles-shape",
         choices=tuple(SHAPES),
         default=DEFAULT_SHAPE,
-        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE})",
+        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE}); with --slots: "
+        "lora-utils-2026-08 is multi-LoRA v1 (multi_lora_utils), lora-package-2026-09 v2 (lora/checkpoint.py)",
     )
     demo.add_argument(
         "--without-plugin",
@@ -168,6 +170,10 @@ class Scenario:
 
 def run(args, launcher=None) -> int:
     """The `--via miles` demo; returns the exit code."""
+    if getattr(args, "slots", None) is not None:  # multi-LoRA: tools/demo_miles_slots.py
+        from miles_lora_ckpt.tools import demo_miles_slots
+
+        return demo_miles_slots.run(args, launcher)
     harness_only = _harness_only_flags(args)
     if harness_only:
         print(

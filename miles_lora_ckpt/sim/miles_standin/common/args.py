@@ -64,6 +64,7 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     )
     add("--lora-adapter-path", default=None)
     add("--multi-lora-n-adapters", type=int, default=0)
+    add("--multi-lora-config", default=None, help="stand-in only: JSON list of adapters (common/multi_lora.py)")
     # optimizer and schedule
     add("--optimizer", choices=("adam", "lion"), default="adam")
     add("--lr", type=float, default=1e-2)
@@ -103,7 +104,8 @@ def validate(args) -> None:
     if args.custom_megatron_post_save_hook_path is not None and args.save is None:
         raise ValueError("--custom-megatron-post-save-hook-path requires --save")
     if args.multi_lora_n_adapters > 0:
-        raise ValueError("the Miles stand-in does not simulate multi-LoRA")
+        validate_multi_lora_args(args)
+        return
     lora = args.lora_rank > 0 or args.lora_adapter_path is not None
     if lora and args.megatron_to_hf_mode != "bridge":
         raise ValueError("LoRA (non-Inkling) requires --megatron-to-hf-mode bridge")
@@ -119,6 +121,18 @@ def validate(args) -> None:
         if args.ref_ckpt_step is not None:
             args.ckpt_step = args.ref_ckpt_step
     args.start_rollout_id = 0  # unconditional: overrides --start-rollout-id
+
+
+def validate_multi_lora_args(args) -> None:
+    """Miles' `validate_multi_lora_args` (contract §3.1), as far as the stand-in runs multi-LoRA."""
+    if args.lora_rank <= 0:
+        raise ValueError("multi-LoRA needs --lora-rank > 0")
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError("multi-LoRA requires PP == 1")
+    if args.optimizer != "adam":
+        raise ValueError("multi-LoRA requires --optimizer adam")
+    args.megatron_to_hf_mode = "bridge"
+    args.use_distributed_optimizer = False  # set_default_megatron_args
 
 
 def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout: int) -> bool:

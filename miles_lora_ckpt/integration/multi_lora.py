@@ -1,0 +1,364 @@
+"""What the plugin puts in place of Miles' multi-LoRA checkpoint functions (v1 §3.3 and v2 §10.2).
+
+Each entry of `HANDLERS` is a factory `(original, target) -> replacement`, installed by `bindings`
+wherever Miles binds the original by name; replacements read the process's `runtime` at call time.
+Every replacement is collective, as the function it replaces, and saves or loads one slot root per
+adapter through `savers.multi_lora` (full per-slot state, generations agreed by every rank, unique
+broadcast attempt directories, reader names swapped atomically).
+
+Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`, reader names `step_N`):
+
+    save_multi_lora_checkpoints   each adapter's slot saved at its step: adapter, its children's fp32
+                                  masters, moments, steps, param groups, its scheduler; `step_N` a link
+    find_latest_checkpoint        the newest intact generation's step, agreed: `(root/step_N, N)`
+    _register_adapter             Miles' own slot init, then the slot resumed (with its optimizer
+                                  state while `load_adapters` runs; weights only otherwise)
+    load_adapters                 Miles' own loop, with the optimizer recorded for the slot loads and
+                                  its whole-chain `reload_model_params` skipped (each slot's masters
+                                  are restored exactly, or a fresh slot's refreshed from its own params)
+    _deregister_adapter           retire: the final save (the same step again replaces it atomically),
+                                  then the slot cleared, its children reset, its grads and scheduler dropped;
+                                  co-tenant masters never refreshed from bf16
+
+Miles v2 (`lora/checkpoint.py`; a slot root is the directory of the named path, the reader name its basename):
+
+    save_slot                     the slot saved (step: its children's Adam step, agreed), the name a link
+    load_slot                     the named generation restored; only the slot's children touched
+
+The optimizer a v1 save needs is recorded by `load_adapters` (Miles calls it before any save);
+the step of a retired adapter is `adapter.step`; a slot's scheduler is
+`optimizer.miles_slot_schedulers[slot]` and its children `optimizer.miles_slot_child_indices[slot]`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.integration import runtime
+from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
+from miles_lora_ckpt.savers import multi_lora as saver
+
+log = logging.getLogger("miles_lora_ckpt.integration")
+
+V1_HANDLERS = (
+    "multi_lora_save",
+    "multi_lora_find_latest",
+    "multi_lora_register",
+    "multi_lora_load_adapters",
+    "multi_lora_deregister",
+)
+V2_HANDLERS = ("slot_save", "slot_load")
+V1_HELPERS = ("clear_adapter_slot", "zero_adapter_slot_grads", "drop_slot_scheduler")  # read from the module
+_SLOT_NAME = re.compile(r"\.adapter\.adapters\.(\d+)\.")
+
+
+def supported_kind(bound_handlers) -> str | None:
+    """ "v1" or "v2" when every replacement of that multi-LoRA shape is in the plan, else None."""
+    handlers = set(bound_handlers)
+    if set(V1_HANDLERS) <= handlers:
+        return "v1"
+    if set(V2_HANDLERS) <= handlers:
+        return "v2"
+    return None
+
+
+def slot_filter(slot: int) -> Callable[[str], bool]:
+    """The adapter names of slot `slot`, as Miles/Bridge name them (`...adapter.adapters.{slot}.linear_in...`)."""
+
+    def in_slot(name: str) -> bool:
+        match = _SLOT_NAME.search(name)
+        return match is not None and int(match.group(1)) == slot
+
+    in_slot.__qualname__ = f"slot_filter({slot})"
+    return in_slot
+
+
+def _children(optimizer, slot: int) -> list[int] | None:
+    if optimizer is None:
+        return None
+    indices = getattr(optimizer, "miles_slot_child_indices", None)
+    if indices is None or slot not in indices:
+        raise UnsupportedConfiguration(
+            f"the optimizer has no miles_slot_child_indices[{slot}]: not Miles' multi-LoRA optimizer chain"
+        )
+    return list(indices[slot])
+
+
+def _scheduler(optimizer, slot: int):
+    return None if optimizer is None else getattr(optimizer, "miles_slot_schedulers", {}).get(slot)
+
+
+def _keep() -> int | None:
+    keep = runtime.current().config["save.keep"]
+    return keep or None
+
+
+def _module(target) -> object:
+    return importlib.import_module(target.module)
+
+
+def _optimizer_of(model):
+    rt = runtime.current()
+    return rt.multi_lora_optimizers.get(id(model))
+
+
+# --------------------------------------------------------------------------- v1
+
+
+def _v1_root(adapter) -> Path | None:
+    save = getattr(adapter.config, "save", None)
+    return None if save is None else Path(save) / "checkpoints"
+
+
+def multi_lora_save(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def save_multi_lora_checkpoints(args, model, adapter_steps, adapters):
+        optimizer = _optimizer_of(model)
+        for name, adapter in adapters.items():  # dict order, the same on every rank (as Miles)
+            root = _v1_root(adapter)
+            if root is None:
+                continue
+            step = int(adapter_steps[name])
+            saver.save_slot_checkpoint(
+                model,
+                args,
+                root,
+                slot=adapter.slot,
+                step=step,
+                adapter_filter=slot_filter(adapter.slot),
+                optimizer=optimizer,
+                opt_param_scheduler=_scheduler(optimizer, adapter.slot),
+                optimizer_children=_children(optimizer, adapter.slot),
+                keep=_keep(),
+                reader_names=[saver.v1_step_name(step)],
+            )
+            log.info("miles-lora-ckpt: adapter %s (slot %d) saved at step %d in %s", name, adapter.slot, step, root)
+
+    return save_multi_lora_checkpoints
+
+
+def multi_lora_find_latest(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def find_latest_checkpoint(ckpt_dir):
+        step = saver.latest_slot_step(ckpt_dir)
+        if step is None:
+            return None, 0
+        return Path(ckpt_dir) / saver.v1_step_name(step), int(step)
+
+    return find_latest_checkpoint
+
+
+def _resume_slot(adapter, model, optimizer, args) -> int:
+    root = _v1_root(adapter)
+    children = _children(optimizer, adapter.slot)
+    result = None
+    if root is not None:
+        result = saver.load_slot_checkpoint(
+            model,
+            root,
+            slot=adapter.slot,
+            adapter_filter=slot_filter(adapter.slot),
+            optimizer=optimizer,
+            optimizer_children=children,
+            load_optim=not getattr(args, "no_load_optim", False),
+        )
+    if (result is None or not result.loaded) and optimizer is not None:
+        fresh = attempt(saver.reset_slot_optimizer, optimizer, children, model)  # only this slot's masters
+        Consensus.default().agree("multi-lora fresh slot", fresh)
+    if result is None or not result.loaded:
+        log.info("miles-lora-ckpt: adapter %s (slot %d) starts fresh", adapter.name, adapter.slot)
+        return 0
+    log.info(
+        "miles-lora-ckpt: adapter %s (slot %d) resumed at step %d from %s",
+        adapter.name,
+        adapter.slot,
+        result.iteration,
+        result.path,
+    )
+    return int(result.iteration)
+
+
+def _without_save(adapter):
+    """A shallow copy of Miles' AdapterRun whose config has no save: Miles' own init, no scan."""
+    view = copy.copy(adapter)
+    view.config = copy.copy(adapter.config)
+    view.config.save = None
+    return view
+
+
+def multi_lora_register(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def _register_adapter(adapter, model):
+        original(_without_save(adapter), model)  # Miles' slot init (rank, alpha; fresh weights)
+        rt = runtime.current()
+        pending = rt.multi_lora_pending.get(id(model))
+        optimizer, args = pending if pending is not None else (None, rt.args)
+        return _resume_slot(adapter, model, optimizer, args)
+
+    return _register_adapter
+
+
+class _NoChainRefresh:
+    """The optimizer as Miles' `load_adapters` sees it under the plugin: everything is the optimizer's,
+    except `reload_model_params`, which would copy every slot's bf16 params over its fp32 masters."""
+
+    def __init__(self, optimizer):
+        object.__setattr__(self, "_optimizer", optimizer)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_optimizer"), name)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_optimizer"), name, value)
+
+    def reload_model_params(self, state_dict=None) -> None:
+        log.info("miles-lora-ckpt: the whole-chain master refresh after load_adapters is skipped")
+
+
+def multi_lora_load_adapters(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def load_adapters(args, model, optimizer, adapters):
+        rt = runtime.current()
+        rt.multi_lora_optimizers[id(model)] = optimizer
+        rt.multi_lora_pending[id(model)] = (optimizer, args)
+        try:
+            return original(args, model, _NoChainRefresh(optimizer), adapters)
+        finally:
+            rt.multi_lora_pending.pop(id(model), None)
+
+    return load_adapters
+
+
+def multi_lora_deregister(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def _deregister_adapter(adapter, args, model, optimizer):
+        module = _module(target)
+        helpers = {name: getattr(module, name, None) for name in V1_HELPERS}
+        missing = [name for name, fn in helpers.items() if fn is None]
+        if missing:
+            raise UnsupportedConfiguration(f"{target.module} has no {missing}: cannot retire a slot safely")
+        slot, root = adapter.slot, _v1_root(adapter)
+        children = _children(optimizer, slot)
+        runtime.current().multi_lora_optimizers[id(model)] = optimizer
+
+        def clear() -> None:
+            helpers["clear_adapter_slot"](model, slot)
+
+        if getattr(args, "save_interval", None) and root is not None:
+            step = int(adapter.step)
+            saver.retire_slot(
+                model,
+                args,
+                root,
+                slot=slot,
+                step=step,
+                adapter_filter=slot_filter(slot),
+                optimizer=optimizer,
+                opt_param_scheduler=_scheduler(optimizer, slot),
+                optimizer_children=children,
+                keep=_keep(),
+                reader_names=[saver.v1_step_name(step)],
+                clear_slot=clear,
+            )
+            log.info("miles-lora-ckpt: adapter %s (slot %d) retired at step %d", adapter.name, slot, step)
+        else:
+            cleared = attempt(lambda: (clear(), saver.reset_slot_optimizer(optimizer, children, model)))
+            Consensus.default().agree("multi-lora retire", cleared)
+        helpers["zero_adapter_slot_grads"](model, slot)
+        helpers["drop_slot_scheduler"](optimizer, slot)
+
+    return _deregister_adapter
+
+
+# --------------------------------------------------------------------------- v2
+
+
+def _split(path) -> tuple[Path, str]:
+    path = Path(path)
+    return path.parent, path.name
+
+
+def _local_slot_step(optimizer, children) -> int:
+    """The largest Adam `step` among this rank's params of the slot's children (0 if none)."""
+    from miles_lora_ckpt.megatron.optimizer_children import chain
+
+    best = 0
+    for child in chain.select(optimizer, children):
+        inner = getattr(child.optimizer, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            step = state.get("step")
+            if step is not None:
+                best = max(best, int(step.item() if isinstance(step, torch.Tensor) else step))
+    return best
+
+
+def slot_save(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def save_slot(model, optimizer, slot, path):
+        rt = runtime.current()
+        rt.multi_lora_optimizers[id(model)] = optimizer
+        root, name = _split(path)
+        children = _children(optimizer, slot)
+        # the slot's step: its children's Adam step (whole params are sharded over ranks: agree on the max)
+        steps = Consensus.default().agree("multi-lora slot step", attempt(_local_slot_step, optimizer, children))
+        step = max(steps)
+        saver.save_slot_checkpoint(
+            model,
+            rt.args,
+            root,
+            slot=int(slot),
+            step=step,
+            adapter_filter=slot_filter(int(slot)),
+            optimizer=optimizer,
+            opt_param_scheduler=_scheduler(optimizer, slot),
+            optimizer_children=children,
+            keep=_keep(),
+            reader_names=[name],
+        )
+        log.info("miles-lora-ckpt: slot %d saved at step %d as %s", slot, step, path)
+
+    return save_slot
+
+
+def slot_load(original: Callable, target) -> Callable:
+    @functools.wraps(original)
+    def load_slot(model, optimizer, slot, path, load_optimizer):
+        runtime.current().multi_lora_optimizers[id(model)] = optimizer
+        root, name = _split(path)
+        result = saver.load_slot_checkpoint(
+            model,
+            root,
+            slot=int(slot),
+            adapter_filter=slot_filter(int(slot)),
+            optimizer=optimizer,
+            opt_param_scheduler=_scheduler(optimizer, slot),
+            optimizer_children=_children(optimizer, slot),
+            name=name,
+            load_optim=bool(load_optimizer),
+        )
+        if not result.loaded:
+            raise CheckpointError(f"load_slot: nothing committed at {path}")
+        log.info("miles-lora-ckpt: slot %d loaded step %d from %s", slot, result.iteration, result.path)
+
+    return load_slot
+
+
+HANDLERS: dict[str, Callable] = {
+    "multi_lora_save": multi_lora_save,
+    "multi_lora_find_latest": multi_lora_find_latest,
+    "multi_lora_register": multi_lora_register,
+    "multi_lora_load_adapters": multi_lora_load_adapters,
+    "multi_lora_deregister": multi_lora_deregister,
+    "slot_save": slot_save,
+    "slot_load": slot_load,
+}

@@ -1,0 +1,316 @@
+"""What both Miles multi-LoRA shapes share in the stand-in: adapters, the controller, schedulers, the loop.
+
+Miles' multi-LoRA (contract §3.1, §10.2) registers named adapters into slots of one model, trains
+each at its own cadence, saves each under its own root and retires it when it leaves. Here:
+
+- adapters come from a JSON file, `--multi-lora-config PATH` (a stand-in flag: Miles registers
+  adapters from YAML or its API), a list of
+  `{"name", "steps", "every": 1, "rank", "alpha", "adapter_global_batch_size": 4, "num_step": null,
+  "retire_at": null, "return_when": {}}`: the adapter trains one step every `every` rounds until its
+  step reaches `steps`; with `retire_at` it is retired when its step reaches `retire_at` and
+  registered again (resuming from its retire save) once every adapter named in `return_when` has
+  reached the step given there. Its save root is `{--save}/adapters/{name}` (Miles' default, §3.2).
+  Adapter i always takes slot i (Miles' registry takes a free slot; a fixed one keeps runs comparable).
+- `Controller` stands for Miles' Ray controller and registry (adapter steps, `adapter_step(name)`).
+- `install_slot_scheduler` / `drop_slot_scheduler` / `step_slot_schedulers`: §3.6, in
+  `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain (§3.5) built by the
+  harness on the slot model (`sim.multi_lora_model`).
+- `run(argv, probe, lifecycle)`: the loop of `train_multi_lora_async.py` (reconcile adapters, train,
+  save what is due), with the shape's `lifecycle` (`register(adapters)`, `retire(adapters)`,
+  `save_due()`); each launch first registers every adapter (resuming it), then retires the ones the
+  schedule has parked, so a relaunch with the same command continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_RUNS: dict = {}  # id(model list) -> sim.train.SimRun
+
+
+@dataclass
+class AdapterConfig:
+    name: str
+    steps: int
+    save: Path | None = None
+    every: int = 1
+    rank: int = 4
+    alpha: float = 4.0
+    adapter_global_batch_size: int = 4
+    num_step: int | None = None
+    retire_at: int | None = None
+    return_when: dict = field(default_factory=dict)
+
+
+@dataclass
+class AdapterRun:
+    """One registered adapter: its config, its slot, Miles' controller step."""
+
+    config: AdapterConfig
+    slot: int
+    step: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+class Controller:
+    """Miles' controller/registry for the stand-in: every adapter's step, the same on every rank."""
+
+    def __init__(self, adapters: list[AdapterRun]):
+        self.adapters = {a.name: a for a in adapters}
+
+    def adapter_step(self, name: str) -> int:
+        return self.adapters[name].step
+
+    def set_adapter_step(self, name: str, step: int) -> None:
+        self.adapters[name].step = int(step)
+
+
+_CONTROLLER: Controller | None = None
+
+
+def controller() -> Controller:
+    if _CONTROLLER is None:
+        raise RuntimeError("no multi-LoRA controller in this process")
+    return _CONTROLLER
+
+
+def read_adapters(args) -> list[AdapterRun]:
+    """`--multi-lora-config` as AdapterRuns, adapter i in slot i."""
+    if not args.multi_lora_config:
+        raise ValueError("the Miles stand-in's multi-LoRA needs --multi-lora-config (the adapters)")
+    entries = json.loads(Path(args.multi_lora_config).read_text())["adapters"]
+    if len(entries) > args.multi_lora_n_adapters:
+        raise ValueError(f"{len(entries)} adapters for --multi-lora-n-adapters {args.multi_lora_n_adapters}")
+    runs = []
+    for slot, entry in enumerate(entries):
+        entry = dict(entry)
+        entry.setdefault("rank", args.lora_rank)
+        entry.setdefault("alpha", args.lora_alpha)
+        save = entry.pop("save", None) or (Path(args.save) / "adapters" / entry["name"] if args.save else None)
+        runs.append(AdapterRun(AdapterConfig(save=Path(save) if save else None, **entry), slot))
+    return runs
+
+
+# --------------------------------------------------------------------------- model, optimizer, schedulers
+
+
+def sim_config(args):
+    from miles_lora_ckpt.sim.multi_lora_model import MultiLoraSimConfig
+
+    return MultiLoraSimConfig(
+        world_size=dist.get_world_size(),
+        tp=args.tensor_model_parallel_size,
+        dtype="bf16" if args.bf16 else "fp32",
+        slots=args.multi_lora_n_adapters,
+        seed=args.seed,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+    )
+
+
+def setup_model_and_optimizer(args):
+    """The slot model and Miles' per-slot chain (`build_multi_lora_optimizer`, §3.5)."""
+    from miles_lora_ckpt.sim.train import build_run
+
+    run = build_run(sim_config(args))
+    run.optimizer.miles_slot_schedulers = {}
+    run.optimizer.miles_sim_config = run.config  # what the per-slot schedulers read (lr, warmup)
+    _RUNS[id(run.model)] = run
+    return run.model, run.optimizer
+
+
+def run_of(model):
+    return _RUNS[id(model)]
+
+
+def install_slot_scheduler(args, optimizer, adapter: AdapterRun, resume_step: int):
+    """§3.6: the slot's scheduler, repositioned to `resume_step * adapter_global_batch_size`."""
+    from miles_lora_ckpt.sim.multi_lora_model import slot_scheduler
+
+    samples = adapter.config.adapter_global_batch_size
+    scheduler = slot_scheduler(
+        optimizer.miles_sim_config, optimizer, adapter.slot, samples_per_step=samples, num_step=adapter.config.num_step
+    )
+    if resume_step:
+        scheduler.step(increment=resume_step * samples)
+    optimizer.miles_slot_schedulers[adapter.slot] = scheduler
+    return scheduler
+
+
+def drop_slot_scheduler(optimizer, slot: int) -> None:
+    optimizer.miles_slot_schedulers.pop(slot, None)
+
+
+def slot_adam_step(optimizer, slot: int) -> int:
+    """Collective: the largest Adam `step` of slot `slot`'s children over every rank (0 if none)."""
+    from miles_lora_ckpt.sim.multi_lora_model import slot_children
+
+    best = 0
+    for child in slot_children(optimizer, slot):
+        for state in child.optimizer.state.values():
+            step = state.get("step")
+            if step is not None:
+                best = max(best, int(step.item() if torch.is_tensor(step) else step))
+    value = torch.tensor([best], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class Probe:
+    """Harness observation points; the default does nothing."""
+
+    def after_register(self, lifecycle, adapters) -> None: ...
+
+    def after_step(self, lifecycle, adapter: AdapterRun) -> None: ...
+
+    def before_save(self, lifecycle, adapter: AdapterRun, reason: str) -> None: ...
+
+    def after_round(self, lifecycle, round_id: int) -> None: ...
+
+
+def parked(adapter: AdapterRun, steps: dict[str, int]) -> bool:
+    """Whether the schedule keeps `adapter` retired now."""
+    config = adapter.config
+    if config.retire_at is None or steps[adapter.name] < config.retire_at:
+        return False
+    return any(steps[other] < need for other, need in config.return_when.items())
+
+
+def wants_training(adapter: AdapterRun, round_id: int) -> bool:
+    return adapter.step < adapter.config.steps and round_id % adapter.config.every == 0
+
+
+def run(argv: list[str], lifecycle_factory, probe: Probe | None = None):
+    """`train_multi_lora_async.py` for the stand-in: returns the lifecycle (model, optimizer, adapters)."""
+    global _CONTROLLER
+    from miles.backends.megatron_utils.initialize import init
+    from miles.utils.arguments import miles_validate_args, parse_args
+
+    probe = probe or Probe()
+    args = parse_args(argv)
+    miles_validate_args(args)
+    args = copy.deepcopy(args)  # what the train actor gets (Ray)
+    init(args)  # parallel state, then the --custom-megatron-init-path hook
+    model, optimizer = setup_model_and_optimizer(args)
+    adapters = read_adapters(args)
+    _CONTROLLER = Controller(adapters)
+    lifecycle = lifecycle_factory(args, model, optimizer)
+    lifecycle.register(adapters)  # every adapter resumes (or starts fresh) first
+    probe.after_register(lifecycle, adapters)
+    active = list(adapters)
+    round_id = 0
+    while True:
+        steps = {a.name: a.step for a in adapters}
+        leaving = [a for a in active if parked(a, steps)]
+        joining = [a for a in adapters if a not in active and not parked(a, steps)]
+        if leaving:
+            for adapter in leaving:
+                probe.before_save(lifecycle, adapter, "retire")
+            lifecycle.retire(leaving)
+            active = [a for a in active if a not in leaving]
+        if joining:
+            lifecycle.register(joining)
+            active = [a for a in adapters if a in active or a in joining]
+        training = [a for a in active if wants_training(a, round_id)]
+        if not training and all(a.step >= a.config.steps for a in adapters):
+            break
+        for adapter in training:
+            lifecycle.train_step(adapter)
+            probe.after_step(lifecycle, adapter)
+        lifecycle.save_due(training, probe)
+        probe.after_round(lifecycle, round_id)
+        round_id += 1
+    return lifecycle
+
+
+class Lifecycle:
+    """What both shapes do the same way: one training step of one adapter."""
+
+    def __init__(self, args, model, optimizer):
+        self.args, self.model, self.optimizer = args, model, optimizer
+
+    def train_step(self, adapter: AdapterRun) -> float:
+        from miles_lora_ckpt.sim.multi_lora_model import train_slot_step
+
+        scheduler = self.optimizer.miles_slot_schedulers[adapter.slot]
+        samples = adapter.config.adapter_global_batch_size
+        loss = train_slot_step(run_of(self.model), adapter.slot, adapter.name, adapter.step, scheduler, samples)
+        adapter.step += 1  # commit_trained_batch: the controller's count advances
+        return loss
+
+    def due(self, trained: list[AdapterRun]) -> list[AdapterRun]:
+        """Adapters whose step is a multiple of --save-interval (Miles' cadence, §3.3)."""
+        interval = self.args.save_interval
+        if not interval:
+            return []
+        return [a for a in trained if a.step > 0 and a.step % interval == 0 and a.config.save is not None]
+
+
+class V1Lifecycle(Lifecycle):
+    """Multi-LoRA v1 (§3.3): `load_adapters`, `cleanup_adapters`, `save_due_adapter_checkpoints`."""
+
+    @staticmethod
+    def _mlu():
+        import importlib
+
+        return importlib.import_module("miles.backends.megatron_utils.multi_lora_utils")
+
+    def register(self, adapters: list[AdapterRun]) -> None:
+        self._mlu().load_adapters(self.args, self.model, self.optimizer, adapters)
+
+    def retire(self, adapters: list[AdapterRun]) -> None:
+        self._mlu().cleanup_adapters(self.args, self.model, self.optimizer, adapters)
+
+    def save_due(self, trained: list[AdapterRun], probe: Probe) -> None:
+        for adapter in self.due(trained):
+            probe.before_save(self, adapter, "periodic")
+        self._mlu().save_due_adapter_checkpoints(self.args, self.model)
+
+
+class V2Lifecycle(Lifecycle):
+    """Multi-LoRA v2 (§10.2): the actor's `load_slot` / `save_slot` / `unload_slot` at named paths."""
+
+    def __init__(self, args, model, optimizer):
+        from miles.backends.megatron_utils.lora.actor import MultiLoRATrainRayActor
+
+        super().__init__(args, model, optimizer)
+        self.actor = MultiLoRATrainRayActor(args, model, optimizer)
+
+    def register(self, adapters: list[AdapterRun]) -> None:
+        for adapter in adapters:
+            self.actor.load_slot(adapter)
+
+    def retire(self, adapters: list[AdapterRun]) -> None:
+        for adapter in adapters:
+            self.actor.unload_slot(adapter)
+
+    def save_due(self, trained: list[AdapterRun], probe: Probe) -> None:
+        for adapter in self.due(trained):
+            probe.before_save(self, adapter, "periodic")
+            self.actor.save_slot(adapter)
+
+
+def lifecycle_for_shape():
+    """The running shape's lifecycle: v1 where `multi_lora_utils` exists, v2 where `lora/actor.py` does."""
+    import importlib.util
+
+    if importlib.util.find_spec("miles.backends.megatron_utils.multi_lora_utils") is not None:
+        return V1Lifecycle
+    return V2Lifecycle

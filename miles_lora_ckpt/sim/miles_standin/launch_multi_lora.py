@@ -1,0 +1,120 @@
+"""One launch of the Miles stand-in's multi-LoRA loop, as one rank of a harness job: `launch_job(payload, ctx)`.
+
+The job runs `common.multi_lora.run` (Miles' `train_multi_lora_async.py`) with `payload["argv"]`,
+the shape directory on sys.path and the launch's environment set by the launcher. It may SIGKILL
+one rank during one save (`payload["crash"]`):
+
+    {"argv": [...], "crash": {"adapter": "b", "step": 4, "rank": 1, "phase": "mid-write",
+                              "reason": "periodic" | "retire"} | None}
+
+`phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; the stock saves have
+before-write, mid-write and after-write). Each rank returns, per adapter, the digests of its slot's
+state (adapter, masters, moments, steps, scheduler; `slot_digests`) after every one of its steps,
+the final digests, the steps it trained, what the plugin installed, and (v1) what
+`find_latest_checkpoint` returns for every adapter at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+
+from miles_lora_ckpt.sim.miles_standin.common import multi_lora
+
+
+def slot_digests(model, optimizer, slot: int) -> dict[str, str]:
+    """sha256 of every tensor and counter of one slot: adapter, fp32 masters, moments, steps, scheduler."""
+    import torch
+
+    from miles_lora_ckpt.sim import multi_lora_model as slots
+
+    out = {}
+
+    def put(key, tensor):
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        out[key] = (
+            f"{t.dtype}{list(tensor.shape)}:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        )
+
+    names = {id(p): slots.slot_independent_name(n) for n, p in slots.slot_parameters(model, slot).items()}
+    for pid, name in names.items():
+        param = next(p for p in slots.slot_parameters(model, slot).values() if id(p) == pid)
+        put(f"adapter/{name}", param)
+    for child in slots.slot_children(optimizer, slot):
+        for model_group, main_group in zip(child.float16_groups, child.fp32_from_float16_groups, strict=True):
+            for model_param, main_param in zip(model_group, main_group, strict=True):
+                name = names.get(id(model_param), "?")
+                put(f"master/{name}", main_param)
+                for key, value in child.optimizer.state.get(main_param, {}).items():
+                    if torch.is_tensor(value):
+                        put(f"state/{name}/{key}", value)
+                    else:
+                        out[f"state/{name}/{key}"] = repr(value)
+        for index, group in enumerate(child.optimizer.param_groups):
+            out[f"group{index}"] = repr({k: v for k, v in sorted(group.items()) if k != "params"})
+    scheduler = getattr(optimizer, "miles_slot_schedulers", {}).get(slot)
+    if scheduler is not None:
+        out["scheduler"] = repr(sorted(scheduler.state_dict().items()))
+    return out
+
+
+class _Observer(multi_lora.Probe):
+    def __init__(self, rank: int, crash: dict | None):
+        self.rank, self.crash = rank, crash
+        self.report: dict = {"steps": {}, "losses": {}}
+
+    def after_register(self, lifecycle, adapters) -> None:
+        self.report["registered_at"] = {a.name: a.step for a in adapters}
+
+    def after_step(self, lifecycle, adapter) -> None:
+        self.report["steps"].setdefault(adapter.name, []).append(adapter.step)
+
+    def before_save(self, lifecycle, adapter, reason: str) -> None:
+        crash = self.crash
+        if crash and crash["rank"] == self.rank and crash["adapter"] == adapter.name and crash["step"] == adapter.step:
+            if crash.get("reason", "periodic") == reason:
+                from miles_lora_ckpt.core import faults
+
+                faults.arm(crash["phase"], self.rank, "kill")
+
+
+def launch_job(payload: dict, ctx) -> dict:
+    """Run the launch; a rank whose run raised returns what it saw so far, with `failed` set."""
+    observer = _Observer(ctx.rank, payload.get("crash"))
+    report = observer.report
+    report["failed"] = None
+    try:
+        lifecycle = multi_lora.run(list(payload["argv"]), multi_lora.lifecycle_for_shape(), observer)
+    except Exception:  # noqa: BLE001 - the launch failed on this rank: say how
+        report["failed"] = traceback.format_exc()[-4000:]
+        return report
+    adapters = multi_lora.controller().adapters.values()
+    report["final"] = {a.name: slot_digests(lifecycle.model, lifecycle.optimizer, a.slot) for a in adapters}
+    report["final_steps"] = {a.name: a.step for a in adapters}
+    report["plugin"] = _plugin_report()
+    report["find_latest"] = _find_latest(adapters)
+    return report
+
+
+def _find_latest(adapters) -> dict | None:
+    """v1 only (collective): what `multi_lora_utils.find_latest_checkpoint` says of each adapter's root."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("miles.backends.megatron_utils.multi_lora_utils") is None:
+        return None
+    from miles.backends.megatron_utils import multi_lora_utils
+
+    found = {}
+    for adapter in adapters:
+        if adapter.config.save is not None:
+            path, step = multi_lora_utils.find_latest_checkpoint(Path(adapter.config.save) / "checkpoints")
+            found[adapter.name] = [None if path is None else str(path), step]
+    return found
+
+
+def _plugin_report() -> dict | None:
+    from miles_lora_ckpt.integration import runtime
+
+    rt = runtime.installed()
+    return None if rt is None else {"shape": rt.shape.name, "bindings": rt.bindings}

@@ -1,0 +1,244 @@
+"""Multi-LoRA in Miles: bindings of both multi-LoRA shapes, startup checks, and kill + resume of two slots.
+
+The unit part binds synthetic Miles module sets (`test_miles_bindings.fake_miles`). The multi-rank
+part launches the Miles stand-in's multi-LoRA loop (`sim/miles_standin/common/multi_lora.py`: two
+adapters in two slots of the slot model, Miles' per-slot LayerWise chain of real megatron-core
+Float16 children, per-slot schedulers; adapter b trains every second round, is retired at its step
+2 and registered again once adapter a reached step 4) with the init hook, SIGKILLs one rank in the
+middle of a save, relaunches the same command and compares every slot's adapter, fp32 masters,
+moments, steps, param groups and scheduler with an uninterrupted run, digest by digest, under both
+Miles shapes (v1 `multi_lora_utils`, v2 `lora/checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+from test_miles_bindings import attributes, fake_miles, importer
+
+from miles_lora_ckpt.core import settings
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.integration import bindings, runtime
+from miles_lora_ckpt.integration.install import install
+from miles_lora_ckpt.integration.multi_lora import slot_filter, supported_kind
+from miles_lora_ckpt.integration.shapes import (
+    LORA_ACTOR,
+    LORA_CHECKPOINT,
+    MULTI_LORA_UTILS,
+    UnknownMilesShape,
+    detect_shape,
+)
+
+V1, V2 = "lora-utils-2026-08", "lora-package-2026-09"
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    runtime.set_current(None)
+    settings.reset()
+    yield
+    runtime.set_current(None)
+    settings.reset()
+
+
+def multi_lora_args(**extra) -> Namespace:
+    return Namespace(lora_rank=4, multi_lora_n_adapters=2, save_interval=2, **extra)
+
+
+def test_each_shape_binds_its_multi_lora_functions_and_a_second_install_changes_nothing():
+    for shape, module, names, kind in (
+        (V1, MULTI_LORA_UTILS, ["save_multi_lora_checkpoints", "_register_adapter", "_deregister_adapter"], "v1"),
+        (V2, LORA_CHECKPOINT, ["save_slot", "load_slot"], "v2"),
+    ):
+        runtime.set_current(None)
+        modules = fake_miles(shape)
+        originals = {name: getattr(modules[module], name) for name in names}
+        rt = install(multi_lora_args(), environ={}, import_module=importer(modules))
+        for name in names:
+            assert bindings.is_replacement(getattr(modules[module], name)), f"{module}.{name}"
+            assert bindings.original_of(getattr(modules[module], name)) is originals[name]
+        if shape == V2:  # the actor binds both by name
+            assert bindings.is_replacement(modules[LORA_ACTOR].save_slot)
+            assert bindings.is_replacement(modules[LORA_ACTOR].load_slot)
+        assert supported_kind(b.target.handler for b in bindings.plan(rt.shape, importer(modules)).bindings) == kind
+        after = attributes(modules)
+        install(multi_lora_args(), environ={}, import_module=importer(modules))
+        assert attributes(modules) == after
+
+
+@pytest.mark.parametrize(
+    "shape, qualified, changed",
+    [
+        (V1, f"{MULTI_LORA_UTILS}._register_adapter", "(adapter, model, optimizer)"),
+        (V1, f"{MULTI_LORA_UTILS}.save_multi_lora_checkpoints", "(args, model, adapter_steps, adapters, *, keep=...)"),
+        (V2, f"{LORA_CHECKPOINT}.load_slot", "(model, optimizer, slot, path, load_optimizer=...)"),
+        (V2, f"{LORA_CHECKPOINT}.save_slot", "(model, optimizer, slot, path, step)"),
+    ],
+)
+def test_an_unknown_multi_lora_signature_is_refused_before_anything_is_patched(shape, qualified, changed):
+    modules = fake_miles(shape, {qualified: changed})
+    before = attributes(modules)
+    with pytest.raises(UnknownMilesShape) as info:
+        detect_shape(importer(modules))
+    assert f"{qualified}: found {changed}" in str(info.value)
+    with pytest.raises(CheckpointError, match="patched nothing"):
+        install(multi_lora_args(), environ={}, import_module=importer(modules))
+    assert attributes(modules) == before  # single-LoRA names untouched too: all or nothing
+    assert runtime.installed() is None
+
+
+@pytest.mark.parametrize("shape, module", [(V1, MULTI_LORA_UTILS), (V2, LORA_CHECKPOINT)])
+def test_a_miles_without_multi_lora_functions_still_binds_single_lora_and_refuses_multi_lora(shape, module):
+    modules = fake_miles(shape)
+    del modules[module]  # optional targets: the shape is still recognised
+    assert detect_shape(importer(modules)).name == shape
+    with pytest.raises(CheckpointError) as info:
+        install(multi_lora_args(), environ={}, import_module=importer(modules))
+    assert "--multi-lora-n-adapters: this Miles has neither multi-LoRA v1's multi_lora_utils" in str(info.value)
+    runtime.set_current(None)
+    assert install(Namespace(lora_rank=4), environ={}, import_module=importer(modules)).shape.name == shape
+
+
+@pytest.mark.parametrize(
+    "shape, extra, word",
+    [
+        (V1, {"save_interval": None}, "without --save-interval"),
+        (V2, {"use_distributed_optimizer": True}, "--use-distributed-optimizer with multi-LoRA"),
+        (V1, {"peft": True}, "export.peft = true with --multi-lora-n-adapters"),
+    ],
+)
+def test_startup_refuses_multi_lora_runs_it_cannot_checkpoint(shape, extra, word):
+    modules = fake_miles(shape)
+    before = attributes(modules)
+    args = multi_lora_args()
+    vars(args).update(extra)
+    environ = {"MILES_LORA_CKPT_PEFT_EXPORT": "1"} if extra.pop("peft", False) else {}
+    vars(args).pop("peft", None)
+    with pytest.raises(CheckpointError) as info:
+        install(args, environ=environ, import_module=importer(modules))
+    assert word in str(info.value)
+    assert attributes(modules) == before
+
+
+def test_slot_filter_matches_exactly_one_slot_index():
+    keep = slot_filter(1)
+    assert keep("chunk0.layers.0.linear_qkv.adapter.adapters.1.linear_in.weight")
+    assert not keep("chunk0.layers.0.linear_qkv.adapter.adapters.11.linear_in.weight")
+    assert not keep("chunk0.layers.0.linear_qkv.adapter.adapters.0.linear_out.weight")
+    assert not keep("chunk0.layers.0.linear_qkv.lora_A.weight")
+
+
+# --------------------------------------------------------------------------- kill and resume (multi-rank)
+
+JOB = "miles_lora_ckpt.sim.miles_standin.launch_multi_lora:launch_job"
+HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
+ADAPTERS = [
+    {"name": "a", "steps": 6, "every": 1},
+    {"name": "b", "steps": 5, "every": 2, "retire_at": 2, "return_when": {"a": 4}},
+]
+
+
+class SlotRun:
+    def __init__(self, launcher, tmp: Path, shape: str):
+        from miles_lora_ckpt.sim.miles_standin import shape_path
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.launcher, self.shape_dir, self.save = launcher, shape_path(shape), tmp / "run"
+        (tmp / "adapters.json").write_text(json.dumps({"adapters": ADAPTERS}))
+        self.config = tmp / "plugin.toml"
+        self.config.write_text("[consensus]\ntimeout_s = 60\n")
+        self.argv = HOOK + ["--save", str(self.save), "--save-interval", "2", "--lora-rank", "4", "--bf16"]
+        self.argv += ["--multi-lora-n-adapters", "2", "--multi-lora-config", str(tmp / "adapters.json")]
+        self.argv += ["--num-rollout", "1"]
+
+    def launch(self, crash=None):
+        return self.launcher.run(
+            2,
+            JOB,
+            {"argv": self.argv, "crash": crash},
+            env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
+            sys_path=[self.shape_dir],
+            timeout_s=240,
+            failure_grace_s=5.0,
+        )
+
+
+def _ok(results) -> list[dict]:
+    for r in results:
+        assert r.ok and not r.result["failed"], f"rank {r.rank}: {r.error or r.result['failed']}\n{r.stderr_tail}"
+    return [r.result for r in results]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+@pytest.mark.parametrize("shape", [V1, V2])
+def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninterrupted_run(prewarmed, tmp_path, shape):
+    reference = _ok(SlotRun(prewarmed, tmp_path / "reference", shape).launch())
+    run = SlotRun(prewarmed, tmp_path / "killed", shape)
+    # rank 1 dies in the middle of adapter a's step-4 save, after b was retired at its step 2
+    crashed = run.launch(crash={"adapter": "a", "step": 4, "rank": 1, "phase": "mid-write", "reason": "periodic"})
+    assert any(r.exitcode == -9 for r in crashed), [(r.rank, r.exitcode, r.error) for r in crashed]
+    # strays stock Miles would trip over (v1's scan: int("foo") raises) or promote: never chosen, no crash
+    slot_root = run.save / "adapters" / "a" / ("checkpoints" if shape == V1 else "")
+    for stray in ("step_foo", "step_12_x", "_tmp_step_8", "_version_current_0bad", "_tmp_current"):
+        (slot_root / stray).mkdir(parents=True, exist_ok=True)
+        (slot_root / stray / "adapter_megatron_tp0_pp0.pt").write_bytes(b"stale")
+    resumed = _ok(run.launch())
+    for rank in range(2):
+        assert resumed[rank]["registered_at"] == {"a": 2, "b": 2}  # a's step-4 save never committed
+        assert resumed[rank]["steps"]["a"] == [3, 4, 5, 6] and resumed[rank]["steps"]["b"] == [3, 4, 5]
+        assert reference[rank]["steps"]["b"] == [1, 2, 3, 4, 5]  # b left at 2 and came back
+        for adapter in ("a", "b"):
+            want, got = reference[rank]["final"][adapter], resumed[rank]["final"][adapter]
+            assert sorted(got) == sorted(want)
+            assert any(k.startswith("master/") for k in want) and "scheduler" in want
+            differing = [k for k in want if got[k] != want[k]]
+            assert not differing, f"rank {rank}, adapter {adapter}: {differing[:5]}"
+    if shape == V1:  # Miles' own scan, replaced: the agreed newest generation, through its step_N link
+        latest = resumed[0]["find_latest"]
+        assert latest["a"] == [str(run.save / "adapters" / "a" / "checkpoints" / "step_6"), 6]
+        assert latest["b"][1] == 4  # b: steps 2 (periodic, then its retire save) and 4; 5 is not a multiple of 2
+    bindings_seen = resumed[0]["plugin"]["bindings"]
+    wanted = ("save_multi_lora_checkpoints", "_deregister_adapter") if shape == V1 else ("save_slot", "load_slot")
+    assert all(any(b.endswith("." + name) for b in bindings_seen) for name in wanted)
+    link = slot_root / ("step_6" if shape == V1 else "current")
+    assert link.is_symlink() and (link / "manifest.json").is_file()
+    assert not [p.name for p in slot_root.iterdir() if p.name.startswith(".staging-")]
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def test_demo_via_miles_slots_usage_errors_exit_2_before_any_worker(tmp_path, capsys):
+    from miles_lora_ckpt.tools.cli import main as cli
+
+    base = ["demo", "--via", "miles", "--workdir", str(tmp_path)]
+    cases = {
+        ("--slots", "1"): "needs 2 to 4 slots",
+        ("--slots", "2", "--miles-shape", "positional-args-pr"): "has no multi-LoRA",
+        ("--slots", "2", "--pp", "2"): "--pp/--ep/--cp/--vpp 1",
+        ("--slots", "2", "--dtype", "fp32"): "Adam per slot in bf16",
+        ("--slots", "2", "--without-plugin", "--crash-at", "after-publish"): "only before-write, mid-write",
+    }
+    for flags, words in cases.items():
+        assert cli([*base, *flags]) == 2, flags
+        assert words in capsys.readouterr().err, flags
+    assert not (tmp_path / "miles-slots").exists()
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_demo_via_miles_slots_resumes_every_slot_bit_exact(prewarmed, tmp_path, capsys):
+    from miles_lora_ckpt.tools import demo_miles
+    from miles_lora_ckpt.tools.cli import build_parser
+
+    argv = ["demo", "--via", "miles", "--slots", "2", "--miles-shape", V2, "--steps", "6", "--workdir", str(tmp_path)]
+    assert demo_miles.run(build_parser().parse_args(argv), launcher=prewarmed) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "RESULT: bit-exact"
+    assert "  slot of s0: resumed at step 2, trained to 6: bit-exact" in lines  # s0's step-4 save was killed
+    assert "  slot of s1: resumed at step 2, trained to 6: bit-exact" in lines
+    assert any("rank 1: killed by signal 9" in line for line in lines)
