@@ -463,11 +463,12 @@ def is_save_root(path: Path) -> bool:
 def find_save_roots(path: Path) -> list[Path]:
     """The save roots directly below `path`, or one level further in `<name>/checkpoints` (a
     multi-LoRA save directory: one slot root per adapter, Miles v1's `{save}/adapters/<name>/
-    checkpoints`), sorted; empty when `path` is itself a root or a generation, or holds none.
-    Unreadable entries are skipped (never raised)."""
+    checkpoints`), sorted; empty when `path` is itself a root or a generation, or holds none, or
+    is a symlink (a link such as a root's `latest` is never followed out of its root; the caller
+    resolves it or refuses it). Unreadable entries are skipped (never raised)."""
     path = Path(path)
     try:
-        if not path.is_dir() or is_save_root(path) or is_generation_dir(path):
+        if path.is_symlink() or not path.is_dir() or is_save_root(path) or is_generation_dir(path):
             return []
         names = sorted(os.listdir(path))
     except OSError:
