@@ -13,6 +13,12 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
 MEGATRON = version("megatron-core")
 OWN_LION_AND_MUON = not MEGATRON.startswith("0.16")  # the 0.19.2 tier, with emerging-optimizers
+# The demo's Adam scenarios test the command (phases, output, exit codes); the resume they drive is
+# the one test_single_lora runs on both tiers, so tier 2 runs only the demos of its own optimizers.
+TIER1_ONLY = pytest.mark.skipif(
+    os.environ.get("MILES_LORA_CKPT_TIER") == "mcore-0.19",
+    reason="the Adam demo's command behaviour runs on tier 1; tier 2 runs the resume in test_single_lora",
+)
 
 
 def last_line(capsys) -> tuple[str, str]:
@@ -20,6 +26,7 @@ def last_line(capsys) -> tuple[str, str]:
     return out.strip().splitlines()[-1], out
 
 
+@TIER1_ONLY
 def test_default_demo_crashes_mid_save_and_resumes_bit_exact(tmp_path, capsys):
     assert cli(["demo", "--workdir", str(tmp_path)]) == 0
     line, out = last_line(capsys)
@@ -65,6 +72,7 @@ def test_muon_demo_is_bit_exact_with_megatrons_own_muon(tmp_path, capsys):
     assert "killed by signal 9 (crash injected at mid-write)" in out
 
 
+@TIER1_ONLY
 def test_crash_in_the_only_save_resumes_from_step_zero_and_says_so(tmp_path, capsys):
     args = ["demo", "--workdir", str(tmp_path), "--steps", "3", "--save-every", "2", "--adapters", "expert-only"]
     assert cli(args) == 0
@@ -72,6 +80,7 @@ def test_crash_in_the_only_save_resumes_from_step_zero_and_says_so(tmp_path, cap
     assert line == "RESULT: bit-exact" and "no committed generation: starting from step 0" in out
 
 
+@TIER1_ONLY
 def test_phases_run_separately_and_a_mismatch_is_reported(tmp_path, capsys):
     base = ["demo", "--workdir", str(tmp_path), "--steps", "4", "--adapters", "dense"]
     assert cli([*base, "--phase", "reference"]) == 0
