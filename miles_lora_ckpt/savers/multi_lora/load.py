@@ -9,7 +9,7 @@ install -> finish, each agreed; a failure after preflight rolls every rank back.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
@@ -17,12 +17,10 @@ from miles_lora_ckpt.core.errors import IncompatibleCheckpoint, NotACheckpoint, 
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import committed_candidates
-from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, check_reader_name, reader_links
+from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name, reader_links
 from miles_lora_ckpt.savers.multi_lora.save import _required, _slot_index
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, saved_metadata
 from miles_lora_ckpt.savers.single_lora.load import SaverCheck, load_adapter_generation
-
-AdapterFilter = Callable[[str], bool]
 
 
 def load_slot_checkpoint(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from miles_lora_ckpt.core.layout import (
@@ -40,6 +41,9 @@ from miles_lora_ckpt.core.layout import (
     parse_generation_dir_name,
 )
 from miles_lora_ckpt.core.retention import generation_links
+
+# picks a slot's adapter weights among the adapter parameter names (see `save_slot_checkpoint`)
+AdapterFilter = Callable[[str], bool]
 
 SLOT_SAVER = "multi-lora-slot"
 _READER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")

@@ -16,10 +16,9 @@ import torch
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.megatron.optimizer_children import chain
+from miles_lora_ckpt.savers.multi_lora.naming import AdapterFilter
 from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
 from miles_lora_ckpt.savers.peft_export import PeftExport
-
-AdapterFilter = Callable[[str], bool]
 
 
 def retire_slot(

@@ -12,14 +12,12 @@ links::
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
-from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, check_reader_name
+from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name
 from miles_lora_ckpt.savers.peft_export import PeftExport
 from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
-
-AdapterFilter = Callable[[str], bool]
 
 
 def save_slot_checkpoint(
