@@ -344,6 +344,12 @@ def _phase_train(workdir: Path, config: dict, args, crash_at: str | None, crash_
     results, seconds = _job("train_job", config, payload, args)
     saves = [it for it in range(args.save_every, args.steps, args.save_every)]
     print(f"train: saves planned after steps {saves} into {ckpt} ({seconds:.1f}s)")
+    report_train(results, crash_at)
+
+
+def report_train(results: list, crash_at: str | None) -> None:
+    """One line per rank of a train job: its summary, the injected SIGKILL, or its error; a failure
+    with no crash injected ends the demo (SystemExit with every rank's error)."""
     for result in results:
         if result.ok:
             print(f"  rank {result.rank}: {result.result['summary']}")

@@ -128,21 +128,15 @@ def _reference(workdir: Path, config: dict, args) -> None:
 
 
 def _train(workdir: Path, config: dict, args, events: list, crash_at, crash_rank: int) -> None:
+    from miles_lora_ckpt.tools.demo import report_train  # demo imports this module
+
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
     payload = {"config": config, "events": events, "ckpt": str(ckpt), "crash_at": crash_at, "crash_rank": crash_rank}
     results, seconds = _job("train_job", config, payload, args)
     shown = [f"{e[0]} slot{e[1]}@{e[2]}" for e in events if e[0] != "train"]
     print(f"train: {'; '.join(shown)} ({seconds:.1f}s)")
-    for result in results:
-        if result.ok:
-            print(f"  rank {result.rank}: {result.result['summary']}")
-        elif result.exitcode is not None and result.exitcode < 0:
-            print(f"  rank {result.rank}: killed by signal {-result.exitcode} (crash injected at {crash_at})")
-        else:
-            print(f"  rank {result.rank}: failed: {(result.error or '').strip().splitlines()[-1:]}")
-    if crash_at is None and not all(r.ok for r in results):
-        raise SystemExit("train phase failed without an injected crash:\n" + "\n".join(r.error or "" for r in results))
+    report_train(results, crash_at)
 
 
 def _resume(workdir: Path, config: dict, args) -> int:
