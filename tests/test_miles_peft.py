@@ -191,6 +191,44 @@ def test_what_cannot_export_is_refused_naming_the_flag_and_the_remedy(fake_bridg
     assert FakeAutoBridge.built == []
 
 
+def test_multi_lora_slot_exports_v1_by_default_when_it_can_and_refuses_a_bridge_without_slots(fake_bridge, caplog):
+    def slot_prepare(environ, multi, slot_error=lambda: None, args=None):
+        return peft.prepare(
+            args or lora_args(fake_bridge),
+            load_config(environ),
+            SHAPE,
+            lora=True,
+            multi_lora=multi,
+            import_module=importer(miles_modules()),
+            bridge_error=lambda: None,
+            slot_error=slot_error,
+        )
+
+    no_slots = lambda: "ModuleNotFoundError: No module named 'megatron.bridge.peft'"  # noqa: E731
+    # v1, export.peft at its default: stock v1 writes PEFT files in every step_N, so the plugin exports
+    assert isinstance(slot_prepare({}, "v1"), PeftExport) and len(FakeAutoBridge.built) == 1
+    assert peft.exports_slots(load_config({}), "v1", lora=True)
+    # ... and when it cannot, it says why (a warning) and runs without: nothing is built
+    with caplog.at_level("WARNING", logger="miles_lora_ckpt.integration"):
+        assert slot_prepare({}, "v1", no_slots) is None
+        assert slot_prepare({}, "v1", args=lora_args(fake_bridge, hf_checkpoint=None)) is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and all("the slot checkpoints will hold no PEFT adapter" in w for w in warned)
+    assert "expose_adapter_slot" in warned[0] and "--hf-checkpoint is not set" in warned[1]
+    assert len(FakeAutoBridge.built) == 1
+    # export.peft = false set explicitly: off, Bridge never looked at; v2 (stock writes none): off by default
+    off = {"MILES_LORA_CKPT_PEFT_EXPORT": "0"}
+    assert slot_prepare(off, "v1") is None and not peft.exports_slots(load_config(off), "v1", lora=True)
+    assert slot_prepare({}, "v2") is None and not peft.exports_slots(load_config({}), "v2", lora=True)
+    assert peft.exports_slots(load_config(ON), "v2", lora=True)
+    assert len(FakeAutoBridge.built) == 1
+    # export.peft = true: a Bridge without expose_adapter_slot is refused, naming it and the remedy
+    with pytest.raises(UnsupportedConfiguration) as info:
+        slot_prepare(ON, "v2", no_slots)
+    assert "megatron.bridge.peft.multi_lora_layers.expose_adapter_slot, which this Bridge lacks" in str(info.value)
+    assert str(info.value).endswith("set export.peft = false (or MILES_LORA_CKPT_PEFT_EXPORT=0).")
+
+
 def test_save_hf_refusal_names_the_flag_and_its_remedy(tmp_path):
     args = lora_args(tmp_path, save_hf="/out/{rollout_id}", hf_checkpoint=None)
     with pytest.raises(UnsupportedConfiguration) as info:

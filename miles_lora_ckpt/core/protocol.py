@@ -11,6 +11,8 @@ Save, read top to bottom as phases::
               it agrees each of its own steps                                  -> agree(s)
     write     every rank writes its own files into the staging directory,
               each tensor file stamped with generation, path and binding     -> agree (gathers file records)
+              (with `write_produced`, produce runs after this write instead, then
+              `write-produced` writes its result                              -> agree)
     commit    coordinator writes manifest.json last, inside the staging dir
               (signed when a key is configured)                              -> agree
     publish   coordinator checks it still holds the lease, renames staging
@@ -158,6 +160,7 @@ def save_generation(
     produce: ProduceFn | None = None,
     link_latest: bool = False,
     links: Sequence[str] = (),
+    write_produced: WriteFn | None = None,
 ) -> Path:
     """Collective. Write one generation of `root` through all phases; returns its directory.
 
@@ -170,6 +173,11 @@ def save_generation(
     failure through `consensus.agree` (so that it raises the same CheckpointError on every rank)
     and may return manifest metadata to add to `metadata` (the coordinator's is recorded; a key in
     both is an error).
+    `write_produced(writer)`, when given with `produce`, changes the order: the write phase first
+    (every rank's `write_files` in the staging directory, agreed), then `produce`, then a second
+    write phase, `write-produced` (agreed), where every rank writes what `produce` made (e.g. the
+    coordinator's PEFT files after a collective export that runs once the adapter shards are
+    staged, as Miles v1 orders its slot saves). A file written in both phases is an error.
     `link_latest`: the publish also points the relative symlink `<root>/latest` at the new
     generation (replaced atomically, durable with the rename and the tracker), for readers that
     want a fixed path (e.g. a PEFT export root that serves adapters); a `latest` that is not a
@@ -196,10 +204,20 @@ def save_generation(
         staging, key = root / staging_dir_name(attempt_id), prepared.value.key  # the key: coordinator only
 
         # produce (optional): the caller's collective step, each of its steps agreed by itself
-        produced = produce(consensus) if produce is not None else None
+        produce_first = produce is not None and write_produced is None
+        produced = produce(consensus) if produce_first else None
 
         # write: each rank its own files
         records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, attempt_id, rank, write_files))
+
+        # produce after the write (with write_produced), then write what it produced
+        if produce is not None and not produce_first:
+            produced = produce(consensus)
+            written = records_by_rank[rank]
+            more = attempt(_write_produced, staging, attempt_id, rank, write_produced, written)
+            records_by_rank = [
+                {**a, **b} for a, b in zip(records_by_rank, consensus.agree("write-produced", more), strict=True)
+            ]
 
         # commit: the coordinator writes the manifest last, still inside the staging directory
         manifest = Manifest(
@@ -305,6 +323,16 @@ def _write_rank_files(staging: Path, generation: str, rank: int, write_files: Wr
         faults.point("mid-write", rank)  # a rank with nothing to write still passes every phase
     writer.sync_dirs()
     faults.point("after-write", rank)
+    return {rel: rec.to_dict() for rel, rec in writer.records.items()}
+
+
+def _write_produced(staging: Path, generation: str, rank: int, write_fn: WriteFn, written: dict) -> dict:
+    writer = StagingWriter(staging, rank, generation)
+    write_fn(writer)
+    twice = sorted(set(writer.records) & set(written))
+    if twice:
+        raise ValueError(f"{twice} written in both write phases by rank {rank}")
+    writer.sync_dirs()
     return {rel: rec.to_dict() for rel, rec in writer.records.items()}
 
 

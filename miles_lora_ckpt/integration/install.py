@@ -39,6 +39,7 @@ class Prepared:
     shape: Shape
     plan: bindings.Plan
     peft: PeftExport | None = None  # the PEFT export this launch runs (see integration.peft)
+    slot_peft: bool = False  # multi-LoRA: every slot save exports the slot (integration.multi_lora)
 
     @property
     def summary(self) -> dict:
@@ -70,6 +71,7 @@ def install(
         previous if previous is not None and previous.args is args else runtime.Runtime(args, ready.config, ready.shape)
     )
     rt.config, rt.shape, rt.peft = ready.config, ready.shape, ready.peft
+    rt.slot_peft = ready.slot_peft
     runtime.set_current(rt)
     try:
         rt.bindings = bindings.apply(ready.plan)
@@ -86,6 +88,8 @@ def install(
             len(rt.bindings),
             "; ".join(ready.config.describe()),
         )
+        if ready.slot_peft:
+            log.info("miles-lora-ckpt: every slot save exports the slot as an HF PEFT adapter (stock v1 names)")
         if ready.peft is not None:
             log.info(
                 "miles-lora-ckpt: PEFT export through Megatron-Bridge (%s, model context %s): %s",
@@ -101,9 +105,12 @@ def _prepare(args, environ, import_module) -> Prepared:
     shape = detect_shape(import_module)
     plan = bindings.plan(shape, import_module)
     bound = [b.target.handler for b in plan.bindings]
+    multi = multi_lora.supported_kind(bound) if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0 else None
     validate_miles_launch(args, config, multi_lora=multi_lora.supported_kind(bound))
-    export = peft.prepare(args, config, shape, lora=_lora_enabled(args), import_module=import_module)
-    return Prepared(config, shape, plan, export)
+    lora = _lora_enabled(args)
+    export = peft.prepare(args, config, shape, lora=lora, multi_lora=multi, import_module=import_module)
+    slot_peft = export is not None and peft.exports_slots(config, multi, lora=lora)
+    return Prepared(config, shape, plan, export, slot_peft)
 
 
 def _prepare_save_dir(args, config: PluginConfig) -> list[str]:

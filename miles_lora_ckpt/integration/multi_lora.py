@@ -25,6 +25,16 @@ Miles v2 (`lora/checkpoint.py`; a slot root is the directory of the named path, 
     save_slot                     the slot saved (step: its children's Adam step, agreed), the name a link
     load_slot                     the named generation restored; only the slot's children touched
 
+PEFT export per slot (`runtime.slot_peft`, decided at startup by `integration.peft`): every slot
+save above (periodic, retire, v2) also exports the slot as an HF PEFT adapter, in the save's own
+phases, after the slot's shards are staged, at the top of the generation: Miles v1's stock names
+(`step_N/adapter_model.safetensors`, `step_N/adapter_config.json`; v2: `<name>/...`), so
+`PeftModel.from_pretrained(<slot root>/step_N)` loads it as is. `slot_export` builds it: Bridge (built
+at startup) under Miles' `patch_megatron_model` and Bridge's `expose_adapter_slot(model, slot)`,
+each factor cut to the adapter's rank (`format.slice_to_rank`), `r`/`lora_alpha` the adapter's
+(v1: `adapter.config.rank` / `alpha`; v2's save_slot has no adapter: `--lora-rank` / `--lora-alpha`).
+A failed export fails that save on every rank (the previous generation stays the newest).
+
 The optimizer a v1 save needs is recorded by `load_adapters` (Miles calls it before any save);
 the step of a retired adapter is `adapter.step`; a slot's scheduler is
 `optimizer.miles_slot_schedulers[slot]` and its children `optimizer.miles_slot_child_indices[slot]`.
@@ -32,7 +42,9 @@ the step of a retired adapter is `adapter.step`; a slot's scheduler is
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import functools
 import importlib
 import logging
@@ -46,7 +58,10 @@ from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.integration import runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
+from miles_lora_ckpt.megatron import bridge_export
 from miles_lora_ckpt.savers import multi_lora as saver
+from miles_lora_ckpt.savers.peft_export import BridgeSource, ExportedWeight, PeftExport
+from miles_lora_ckpt.savers.peft_export import format as peft_format
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -103,6 +118,57 @@ def _keep() -> int | None:
     return keep or None
 
 
+PEFT_PREFIX = ""  # a slot generation holds its PEFT files at its top: Miles v1's stock names in step_N
+
+
+def slot_export(slot: int, rank: int, alpha: float) -> PeftExport | None:
+    """The PEFT export of slot `slot` (adapter rank `rank`, alpha `alpha`) for this run's slot saves,
+    or None when the run does not export slots (`runtime.slot_peft`)."""
+    rt = runtime.current()
+    if not rt.slot_peft or rt.peft is None:
+        return None
+    base: PeftExport = rt.peft
+    patch = base.source.model_context
+    expose = bridge_export.expose_adapter_slot()
+
+    def select_slot(model):
+        stack = contextlib.ExitStack()
+        if patch is not None:
+            stack.enter_context(patch(model))
+        stack.enter_context(expose(model, slot))
+        return stack
+
+    def to_rank(weight: ExportedWeight) -> ExportedWeight:
+        cut = peft_format.slice_to_rank(weight.param_name, weight.weight, rank)
+        return ExportedWeight(weight.param_name, cut, weight.megatron_name)
+
+    source = BridgeSource(
+        base.source.bridge,
+        hf_checkpoint=base.source.hf_checkpoint,
+        model_context=select_slot,
+        transform=to_rank,
+        export_options=base.source.export_options,
+    )
+    return PeftExport(source=source, lora=dataclasses.replace(base.lora, r=int(rank), alpha=float(alpha)))
+
+
+def _agreed_export(slot: int, rank, alpha) -> PeftExport | None:
+    """Collective when the run exports slots: `slot_export`, built on every rank and agreed (a rank
+    that cannot build it fails the save everywhere, before any collective of the save)."""
+    if not runtime.current().slot_peft:
+        return None
+    built = attempt(slot_export, slot, rank, alpha)
+    Consensus.default().agree("multi-lora slot export", built.map(lambda e: e is not None))
+    return built.value
+
+
+def _adapter_export(adapter) -> PeftExport | None:
+    config, args = adapter.config, runtime.current().args
+    rank = getattr(config, "rank", None) or args.lora_rank
+    alpha = getattr(config, "alpha", None) or getattr(args, "lora_alpha", None) or rank
+    return _agreed_export(adapter.slot, rank, alpha)
+
+
 def _module(target) -> object:
     return importlib.import_module(target.module)
 
@@ -141,6 +207,8 @@ def multi_lora_save(original: Callable, target) -> Callable:
                 optimizer_children=_children(optimizer, adapter.slot),
                 keep=_keep(),
                 reader_names=[saver.v1_step_name(step)],
+                peft=_adapter_export(adapter),
+                peft_prefix=PEFT_PREFIX,
             )
             log.info("miles-lora-ckpt: adapter %s (slot %d) saved at step %d in %s", name, adapter.slot, step, root)
 
@@ -269,6 +337,8 @@ def multi_lora_deregister(original: Callable, target) -> Callable:
                 keep=_keep(),
                 reader_names=[saver.v1_step_name(step)],
                 clear_slot=clear,
+                peft=_adapter_export(adapter),
+                peft_prefix=PEFT_PREFIX,
             )
             log.info("miles-lora-ckpt: adapter %s (slot %d) retired at step %d", adapter.name, slot, step)
         else:
@@ -324,6 +394,10 @@ def slot_save(original: Callable, target) -> Callable:
             optimizer_children=children,
             keep=_keep(),
             reader_names=[name],
+            peft=_agreed_export(
+                int(slot), rt.args.lora_rank, getattr(rt.args, "lora_alpha", None) or rt.args.lora_rank
+            ),
+            peft_prefix=PEFT_PREFIX,
         )
         log.info("miles-lora-ckpt: slot %d saved at step %d as %s", slot, step, path)
 

@@ -13,6 +13,18 @@ Two ways a Miles run exports its LoRA adapter as an HF PEFT directory, both thro
   `PeftModel.from_pretrained(base, "<DIR>/adapter/latest")` loads as is. Miles' own HF export
   around it (the base model, `.complete`) and the post-save hook's `hf_checkpoint_dir` are unchanged.
 
+Multi-LoRA (`--multi-lora-n-adapters`): each slot save exports that slot (`integration.multi_lora`:
+Bridge's `expose_adapter_slot` selects the slot inside `patch_megatron_model`, each factor is cut
+to the adapter's rank, `adapter_config.json` gets the adapter's rank and alpha) at the top of the
+slot generation: Miles v1's stock names, `step_N/adapter_model.safetensors` and
+`step_N/adapter_config.json`, which `PeftModel.from_pretrained(<slot root>/step_N)` loads. The
+default for a Miles v1 multi-LoRA run is to export whenever it can (stock v1 writes these files in
+every `step_N`): with `export.peft` left at its default, a v1 run exports per slot when Bridge,
+`expose_adapter_slot`, `patch_megatron_model`, `--hf-checkpoint` and `--lora-rank` are all there,
+and otherwise logs why its `step_N` hold no PEFT files; `export.peft = false` set explicitly turns
+it off; `export.peft = true` requires it (refused at startup as below). Multi-LoRA v2 saves export
+only with `export.peft = true` (stock v2 writes none).
+
 Both need, on every rank, an importable `megatron.bridge`, the context manager the Miles shape
 runs Bridge under (`patch_megatron_model`, `Shape.bridge_model_context`), `--hf-checkpoint` (the HF
 base Bridge maps names onto) and `--lora-rank`. `prepare` checks all of it in the init hook and
@@ -57,20 +69,32 @@ def prepare(
     shape: Shape,
     *,
     lora: bool,
+    multi_lora: str | None = None,
     import_module: Callable = importlib.import_module,
     bridge_error: Callable[[], str | None] = bridge_export.import_error,
+    slot_error: Callable[[], str | None] = bridge_export.slot_export_error,
 ) -> PeftExport | None:
     """Rank-local, in the init hook. The export this launch will run, Bridge already built; None when
     it exports nothing (export.peft off and, in a LoRA run (`lora`), no --save-hf). Raises
-    UnsupportedConfiguration naming every problem, the key or flag, and the remedy."""
+    UnsupportedConfiguration naming every problem, the key or flag, and the remedy.
+
+    `multi_lora`: the bound multi-LoRA shape ("v1", "v2") of a `--multi-lora-n-adapters` run, else
+    None. Per-slot exports also need Bridge's `expose_adapter_slot`; a v1 run with `export.peft` at
+    its default exports when everything is there (`auto_slot_export`), and otherwise logs why not."""
     wanted = reasons(args, config, lora=lora)
-    if not wanted:
+    auto = not wanted and auto_slot_export(config, multi_lora, lora=lora)
+    if not wanted and not auto:
         return None
-    who = " and ".join(wanted)
+    who = " and ".join(wanted) or "Miles v1 multi-LoRA (stock v1 writes adapter_model.safetensors in every step_N)"
     problems = []
     error = bridge_error()
     if error is not None:
         problems.append(f"the export runs through Megatron-Bridge, but `import megatron.bridge` fails here: {error}")
+    elif multi_lora is not None and (why := slot_error()) is not None:
+        problems.append(
+            f"a per-slot export selects the slot with Megatron-Bridge's {bridge_export.MULTI_LORA_MODULE}."
+            f"expose_adapter_slot, which this Bridge lacks: {why}"
+        )
     context, why = model_context(shape, import_module)
     if context is None:
         problems.append(why)
@@ -89,6 +113,14 @@ def prepare(
             )
         else:
             return export
+    if auto:
+        log.warning(
+            "miles-lora-ckpt: Miles v1 multi-LoRA: the slot checkpoints will hold no PEFT adapter "
+            "(adapter_model.safetensors, adapter_config.json), because:\n  - %s\nSet export.peft = false to "
+            "silence this, or fix the above to export each slot as stock v1 does",
+            "\n  - ".join(problems),
+        )
+        return None
     remedy = [
         "set export.peft = false (or MILES_LORA_CKPT_PEFT_EXPORT=0)" if config["export.peft"] else None,
         "drop --save-hf" if lora and getattr(args, "save_hf", None) else None,
@@ -98,6 +130,17 @@ def prepare(
         + "\n  - ".join(problems)
         + f"\nFix the above, or {' and '.join(r for r in remedy if r)}."
     )
+
+
+def auto_slot_export(config: PluginConfig, multi_lora: str | None, *, lora: bool) -> bool:
+    """Whether a run exports each slot without `export.peft` asking: Miles v1 multi-LoRA with
+    `export.peft` left at its default (stock v1 writes PEFT files in every step_N)."""
+    return lora and multi_lora == "v1" and config.sources.get("export.peft", "default") == "default"
+
+
+def exports_slots(config: PluginConfig, multi_lora: str | None, *, lora: bool) -> bool:
+    """Whether the slot saves of a multi-LoRA run export (when `prepare` built an export)."""
+    return multi_lora is not None and (bool(config["export.peft"]) or auto_slot_export(config, multi_lora, lora=lora))
 
 
 def model_context(shape: Shape, import_module: Callable = importlib.import_module) -> tuple[Callable | None, str]:

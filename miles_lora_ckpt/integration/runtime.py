@@ -30,6 +30,7 @@ class Runtime:
     # the PEFT export (savers.peft_export.PeftExport, Bridge built) when export.peft or --save-hf asks for
     # one; None otherwise (see integration.peft)
     peft: Any = None
+    slot_peft: bool = False  # multi-LoRA: each slot save exports the slot through `peft`'s Bridge
     multi_lora_optimizers: dict[int, Any] = field(default_factory=dict)  # id(model) -> its per-slot chain
     multi_lora_pending: dict[int, tuple] = field(
         default_factory=dict

@@ -119,11 +119,6 @@ def _multi_lora_problems(args, config, multi_lora: str | None) -> list[str]:
             "--multi-lora-n-adapters without --save-interval: Miles v1 saves no adapter (not even when one is "
             "retired); set --save-interval"
         )
-    if config["export.peft"]:
-        problems.append(
-            "export.peft = true with --multi-lora-n-adapters: a per-slot PEFT export through the init hook is not "
-            "available in this version (savers.multi_lora's peft= does it from Python): set it to false"
-        )
     if getattr(args, "use_distributed_optimizer", False):
         problems.append(
             "--use-distributed-optimizer with multi-LoRA: Miles builds per-slot children without it; drop the flag"

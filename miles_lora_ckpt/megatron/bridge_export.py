@@ -26,6 +26,7 @@ from typing import Any
 
 BRIDGE_MODULE = "megatron.bridge"
 HELPERS_MODULE = "megatron.bridge.models.conversion.peft_bridge"
+MULTI_LORA_MODULE = "megatron.bridge.peft.multi_lora_layers"  # Bridge's multi-LoRA slot helpers
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,25 @@ def import_error() -> str | None:
     """None when `megatron.bridge` imports here, else why not (for skips and error messages)."""
     try:
         importlib.import_module(BRIDGE_MODULE)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def expose_adapter_slot() -> Callable:
+    """Bridge's `expose_adapter_slot(model, idx)`: a context manager under which every multi-LoRA
+    linear shows slot `idx` as its single-LoRA `.adapter` (what `export_adapter_weights` walks).
+    Raises ImportError / AttributeError when the installed Bridge has none."""
+    function = importlib.import_module(MULTI_LORA_MODULE).expose_adapter_slot
+    if not callable(function):
+        raise AttributeError(f"{MULTI_LORA_MODULE}.expose_adapter_slot is not callable")
+    return function
+
+
+def slot_export_error() -> str | None:
+    """None when Bridge's `expose_adapter_slot` imports here, else why not."""
+    try:
+        expose_adapter_slot()
     except Exception as exc:  # noqa: BLE001 - any import failure is a reason
         return f"{type(exc).__name__}: {exc}"
     return None

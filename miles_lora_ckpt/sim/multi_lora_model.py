@@ -9,13 +9,19 @@ per-slot optimizer chain (one `get_megatron_optimizer` per slot under one
 `LayerWiseDistributedOptimizer`, group tag `miles_multi_lora_slot`, `miles_slot_child_indices`;
 `sim.optimizers`). It imports no Miles: the stand-in's `multi_lora_*` modules call it.
 
-Parameter names follow Megatron-Bridge's LoRA wrapper, with the slot index in the adapter's name::
+Parameter names follow Megatron-Bridge's LoRA wrapper, with the slot index in the adapter's name;
+each layer is a Qwen2-shaped SwiGLU MLP (megatron names), so Bridge maps a slot onto an HF Qwen2
+base (`hf_config_kwargs`: `mlp.gate_proj` / `up_proj` / `down_proj`)::
 
-    layers.{i}.linear_qkv.to_wrap.weight                          the frozen base (column parallel)
-    layers.{i}.linear_qkv.adapter.adapters.{slot}.linear_in.weight   [rank, hidden]   (replicated)
-    layers.{i}.linear_qkv.adapter.adapters.{slot}.linear_out.weight  [ffn/tp, rank]   (column parallel)
-    layers.{i}.linear_proj.adapter.adapters.{slot}.linear_in.weight  [rank, ffn/tp]   (row parallel)
-    layers.{i}.linear_proj.adapter.adapters.{slot}.linear_out.weight [hidden, rank]   (replicated)
+    decoder.layers.{i}.mlp.linear_fc1.to_wrap.weight                          frozen base [gate; up] (column parallel)
+    decoder.layers.{i}.mlp.linear_fc1.adapter.adapters.{slot}.linear_in.weight   [rank, hidden]      (replicated)
+    decoder.layers.{i}.mlp.linear_fc1.adapter.adapters.{slot}.linear_out.weight  [2*ffn/tp, rank]    (column parallel)
+    decoder.layers.{i}.mlp.linear_fc2.adapter.adapters.{slot}.linear_in.weight   [rank, ffn/tp]      (row parallel)
+    decoder.layers.{i}.mlp.linear_fc2.adapter.adapters.{slot}.linear_out.weight  [hidden, rank]      (replicated)
+
+`expose_adapter_slot(model, slot)` (Bridge's `multi_lora_layers` helper, as the harness's Bridge
+double provides it) shows one slot as a single-LoRA `.adapter` while it is open, which is how
+Bridge's `export_adapter_weights` exports a slot.
 
 A forward runs the base plus the *active* slot's adapter (`set_active_slot`; Miles routes each
 sample to its adapter's slot, the stand-in trains one slot per forward). `train_slot_step` is one
@@ -108,6 +114,21 @@ class MultiLoraSimConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def hf_config_kwargs(self) -> dict:
+        """`transformers.Qwen2Config(**kwargs)` of an HF base whose MLPs have the slot model's shapes
+        (gate/up [ffn, hidden], down [hidden, ffn]); attention and embeddings are never adapted."""
+        return {
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn_hidden,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": self.hidden // 2,
+            "vocab_size": 64,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+        }
+
     def slot_of_param(self, name: str) -> int:
         """The slot of an adapter parameter, from its name (`...adapter.adapters.{slot}...`)."""
         return slot_of_name(name)
@@ -180,7 +201,8 @@ class MultiLoRALinear(torch.nn.Module):
 
     def __init__(self, mcfg, config, name: str, parallel: str):
         super().__init__()
-        sizes = (config.hidden, config.ffn_hidden) if parallel == "column" else (config.ffn_hidden, config.hidden)
+        # fc1 (column): hidden -> fused [gate; up] (2 * ffn); fc2 (row): ffn -> hidden
+        sizes = (config.hidden, 2 * config.ffn_hidden) if parallel == "column" else (config.ffn_hidden, config.hidden)
         self.parallel = parallel
         self.to_wrap = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.to_wrap")
         self.to_wrap.weight.requires_grad_(False)
@@ -197,14 +219,32 @@ class MultiLoRALinear(torch.nn.Module):
         return out + self.scales[self.active_slot] * self.adapter.adapters[self.active_slot](x)
 
 
+class SlotMLP(torch.nn.Module):
+    """Qwen2's SwiGLU MLP in megatron's layout: each TP shard of fc1's output is [gate; up]."""
+
+    def __init__(self, mcfg, config, index: int):
+        super().__init__()
+        self.linear_fc1 = MultiLoRALinear(mcfg, config, f"decoder.layers.{index}.mlp.linear_fc1", "column")
+        self.linear_fc2 = MultiLoRALinear(mcfg, config, f"decoder.layers.{index}.mlp.linear_fc2", "row")
+
+    def forward(self, x):
+        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        return self.linear_fc2(torch.nn.functional.silu(gate) * up)
+
+
 class SlotLayer(torch.nn.Module):
     def __init__(self, mcfg, config, index: int):
         super().__init__()
-        self.linear_qkv = MultiLoRALinear(mcfg, config, f"layers.{index}.linear_qkv", "column")
-        self.linear_proj = MultiLoRALinear(mcfg, config, f"layers.{index}.linear_proj", "row")
+        self.mlp = SlotMLP(mcfg, config, index)
 
     def forward(self, x):
-        return x + self.linear_proj(torch.nn.functional.gelu(self.linear_qkv(x)))
+        return x + self.mlp(x)
+
+
+class SlotDecoder(torch.nn.Module):
+    def __init__(self, mcfg, config, num_layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(SlotLayer(mcfg, config, i) for i in range(num_layers))
 
 
 class MultiLoraSimModel(MegatronModule):
@@ -212,7 +252,7 @@ class MultiLoraSimModel(MegatronModule):
 
     def __init__(self, mcfg, config: MultiLoraSimConfig):
         super().__init__(config=mcfg)
-        self.layers = torch.nn.ModuleList(SlotLayer(mcfg, config, i) for i in range(config.num_layers))
+        self.decoder = SlotDecoder(mcfg, config, config.num_layers)
         self.pre_process = self.post_process = True
         self.share_embeddings_and_output_weights = False
         self.sim_config = config
@@ -223,7 +263,7 @@ class MultiLoraSimModel(MegatronModule):
         """Pipeline hook megatron wrappers forward to (PP = 1 here)."""
 
     def forward(self, x):
-        for layer in self.layers:
+        for layer in self.decoder.layers:
             x = layer(x)
         return x
 
@@ -340,6 +380,22 @@ def active_slot(model, slot: int):
         yield
     finally:
         set_active_slot(model, None)
+
+
+@contextmanager
+def expose_adapter_slot(model, slot: int):
+    """While open, every MultiLoRALinear shows slot `slot`'s adapter as its single-LoRA `.adapter`
+    (`...linear_fc1.adapter.linear_in.weight`): what Bridge's export of one slot walks. The slot
+    model is restored on exit, whatever happens inside."""
+    linears = multi_lora_linears(model)
+    saved = [linear.adapter for linear in linears]
+    try:
+        for linear in linears:
+            linear.adapter = linear.adapter.adapters[slot]
+        yield
+    finally:
+        for linear, adapters in zip(linears, saved, strict=True):
+            linear.adapter = adapters
 
 
 # --------------------------------------------------------------------------- optimizer and scheduler

@@ -17,6 +17,13 @@ Miles' `--save-interval` (in adapter steps). Each adapter's slot root is
                adapter, fp32 masters, moments, steps, param groups and scheduler must equal the reference
     all        the three (default)
 
+--export-peft: `--hf-checkpoint` is a tiny HF Qwen2 whose MLPs have the slot model's shapes
+(DIR/miles-slots/hf-base, built from a config, no hub) and the config sets `export.peft = true`:
+every slot save also exports the slot through Megatron-Bridge (the harness's double) at the top of
+its generation, Miles v1's stock names. After the relaunch, each adapter's newest checkpoint, by
+the name Miles' readers use (v1 `<slot root>/step_N`, v2 `<adapter save>/current`), is loaded as is
+with the real HF PEFT onto that base: `PEFT: loadable (0 missing, 0 unexpected)` per slot.
+
 Ends with `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <slot>:<tensor>` (exit 1).
 `--without-plugin` runs stock Miles (no init hook): its relaunch resumes the adapters without
 optimizer state, and the demo reports the mismatch that leaves (exit 1).
@@ -31,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.tools.demo_miles import CONFIG_TEXT, INIT_HOOK, STOCK_PHASES
+from miles_lora_ckpt.tools.demo_miles import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
 
 JOB = "miles_lora_ckpt.sim.miles_standin.launch_multi_lora:launch_job"
 V2_SHAPES = ("lora-package-2026-09",)
@@ -50,6 +57,8 @@ def check_args(args) -> str | None:
         return "Miles' multi-LoRA trains Adam per slot in bf16: drop --optimizer and --dtype"
     if args.steps < 6 or args.save_every < 1 or args.save_every >= args.steps:
         return "--via miles --slots needs --steps >= 6 and 1 <= --save-every < --steps"
+    if getattr(args, "export_peft", False) and args.without_plugin:
+        return "--export-peft --without-plugin: the stand-in's stock multi-LoRA writes no PEFT files (no Bridge)"
     return None
 
 
@@ -60,6 +69,8 @@ class SlotScenario:
         self.plugin = not args.without_plugin
         self.crash_step = max(s for s in range(1, args.steps) if s % args.save_every == 0)
         self.crash_rank = args.world_size - 1 if args.crash_rank is None else args.crash_rank
+        self.peft = bool(getattr(args, "export_peft", False))
+        self.hf = self.dir / "hf-base"
 
     def adapters(self) -> list[dict]:
         steps = self.args.steps
@@ -85,6 +96,7 @@ class SlotScenario:
             "--num-rollout",
             "1",
             *tp,
+            *(["--hf-checkpoint", str(self.hf)] if self.peft else []),
         ]
 
     def env(self) -> dict[str, str]:
@@ -108,7 +120,9 @@ def run(args, launcher=None) -> int:
         return 2
     scenario.dir.mkdir(parents=True, exist_ok=True)
     (scenario.dir / "adapters.json").write_text(json.dumps({"adapters": scenario.adapters()}, indent=1))
-    (scenario.dir / "miles-lora-ckpt.toml").write_text(CONFIG_TEXT)
+    (scenario.dir / "miles-lora-ckpt.toml").write_text(CONFIG_TEXT + (PEFT_CONFIG_TEXT if scenario.peft else ""))
+    if scenario.peft:
+        _hf_base(scenario.hf)
     from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
 
     own = launcher is None
@@ -200,8 +214,52 @@ def _phases(scenario: SlotScenario, launcher, crash_at: str | None) -> int:
                 )
             if bad and mismatch is None:
                 mismatch = f"{name}:{bad[0]} (rank {rank})"
+    if scenario.peft and mismatch is None:
+        mismatch = _peft_report(scenario)
     print(f"RESULT: MISMATCH {mismatch}" if mismatch else "RESULT: bit-exact")
     return 1 if mismatch else 0
+
+
+def _hf_base(path: Path) -> None:
+    """The tiny HF Qwen2 the slot model's MLPs map onto (built once per workdir)."""
+    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt.sim.multi_lora_model import MultiLoraSimConfig
+
+    if not (path / "config.json").is_file():
+        build_tiny_qwen2(path, MultiLoraSimConfig().hf_config_kwargs())
+
+
+def adapter_checkpoints(scenario: SlotScenario) -> dict[str, Path]:
+    """Each adapter's newest checkpoint by the name Miles' readers use: v1 `<slot root>/step_N`
+    (the newest reader link), v2 `<adapter save>/current`."""
+    from miles_lora_ckpt.savers.multi_lora import reader_links
+
+    out = {}
+    for k in range(scenario.args.slots):
+        save = scenario.dir / "run" / "adapters" / f"s{k}"
+        if scenario.args.miles_shape in V2_SHAPES:
+            out[f"s{k}"] = save / "current"
+        else:
+            steps = [int(n.split("_")[1]) for n in reader_links(save / "checkpoints")]
+            out[f"s{k}"] = save / "checkpoints" / f"step_{max(steps)}" if steps else save / "checkpoints"
+    return out
+
+
+def _peft_report(scenario: SlotScenario) -> str | None:
+    """--export-peft: every adapter's newest checkpoint, loaded as is with the real HF PEFT onto the
+    HF base; the slot roots verified. Returns what failed, or None."""
+    from miles_lora_ckpt.tools.cli import main as cli
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    failed = None
+    for name, path in adapter_checkpoints(scenario).items():
+        result = load_report(path, scenario.hf)
+        print(f"  slot of {name}: {path.relative_to(scenario.dir)}: {result.headline()}")
+        if not result.ok and failed is None:
+            failed = f"{name}: {result.headline()}"
+    if failed is None and cli(["verify", str(scenario.dir / "run" / "adapters")]) != 0:
+        failed = "verify of the slot roots failed (see above)"
+    return failed
 
 
 def _shell(scenario: SlotScenario, argv) -> str:

@@ -28,7 +28,8 @@ step; otherwise the save (or load) fails on every rank before anything is writte
 
 - `save_slot_checkpoint`: adapter shards (per TP/PP and per PP/EP/ETP coordinate), the slot's
   children's fp32 masters, every moment, steps and param groups, and its scheduler, as one new
-  generation of the slot root; optional PEFT export (`peft=`) into the generation's `peft/`.
+  generation of the slot root; optional PEFT export (`peft=`), run after the slot's files are
+  staged, into the generation's `peft/` or (`peft_prefix=""`) its top, Miles v1's stock names.
 - `load_slot_checkpoint`: the newest intact generation (agreed by every rank) or a named one;
   restores exactly that slot, never touching a co-tenant's adapter, masters or moments.
 - `latest_slot_step`: the step of the generation a load would choose (agreed), or None.

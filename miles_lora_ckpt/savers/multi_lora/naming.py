@@ -11,7 +11,9 @@ A slot root (one per adapter, e.g. Miles v1's `{adapter.config.save}/checkpoints
         adapter/dense_tp000_pp000.safetensors        the slot's dense adapter weights per (TP, PP)
         adapter/expert_pp000_ep000_etp000.safetensors  its expert adapter weights per (PP, EP, ETP)
         optimizer/child<i>_...safetensors  fp32 masters + every moment of the slot's children
-        peft/                              optional HF PEFT adapter directory (`peft=`)
+        peft/                              optional HF PEFT adapter directory (`peft=`), or, with
+        adapter_model.safetensors          `peft_prefix=""` (what the Miles bindings do), the two
+        adapter_config.json                PEFT files at the top: Miles v1's stock names in step_N
       step_6 -> gen-000000006-3f2a...      reader name: a relative symlink, replaced atomically
       .staging-7c0d1e2f3a4b5c6d/           an attempt (unique id chosen on rank 0, broadcast)
 

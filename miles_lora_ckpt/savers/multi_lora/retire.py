@@ -18,7 +18,7 @@ from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.savers.multi_lora.naming import AdapterFilter
 from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
-from miles_lora_ckpt.savers.peft_export import PeftExport
+from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport
 
 
 def retire_slot(
@@ -37,6 +37,7 @@ def retire_slot(
     peft: PeftExport | None = None,
     reader_names: Sequence[str] = (),
     clear_slot: Callable[[], None] | None = None,
+    peft_prefix: str = GENERATION_SUBDIR,
 ) -> str:
     """Collective. The final save of a leaving slot, then its state cleared; returns the generation.
 
@@ -61,6 +62,7 @@ def retire_slot(
         keep=keep,
         peft=peft,
         reader_names=reader_names,
+        peft_prefix=peft_prefix,
     )
     # clear: the slot's weights (the caller's), then its optimizer children only; agreed
     cleared = attempt(_clear, clear_slot, optimizer, optimizer_children, model)

@@ -5,8 +5,13 @@ the slot's adapter filter and children, then the protocol's, whose publish also 
 links::
 
     plan -> agree -> layout (empty-shard guard) -> agree -> [PEFT: plan, bind] -> optimizer, local
-    -> agree -> optimizer, exchange -> agree -> protocol.save_generation (prepare -> [produce: PEFT]
-    -> write -> commit -> publish + reader links, each agreed)
+    -> agree -> protocol.save_generation (prepare -> write: adapter shards, optimizer, training
+    state -> [produce: the collective PEFT export -> write-produced: its two files] -> commit ->
+    publish + reader links, each agreed)
+
+With `peft`, the export runs after the slot's shards are staged, as Miles v1 orders a slot save
+(shards, then Bridge's export, then the PEFT files): an export that fails leaves nothing but its
+own attempt's staging directory (unique per attempt, never read, removed by its coordinator or `gc`).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from collections.abc import Iterable, Sequence
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name
-from miles_lora_ckpt.savers.peft_export import PeftExport
+from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport
 from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
+
+PEFT_PREFIXES = (GENERATION_SUBDIR, "")  # where a slot generation holds its PEFT export: peft/, or its top
 
 
 def save_slot_checkpoint(
@@ -35,6 +42,7 @@ def save_slot_checkpoint(
     keep: int | None = None,
     peft: PeftExport | None = None,
     reader_names: Sequence[str] = (),
+    peft_prefix: str = GENERATION_SUBDIR,
 ) -> str:
     """Collective. Save slot `slot` at its step `step` as a new generation of `slot_root`; returns it.
 
@@ -52,14 +60,17 @@ def save_slot_checkpoint(
       entry of that name that is not a symlink is refused at prepare).
     - `peft`: also export the slot as an HF PEFT adapter into the generation's `peft/`
       (`PeftExport(source=BridgeSource(..., model_context=<select the slot>, transform=...), lora=
-      LoraSpec(r=<slot rank>, ...))`); if the export fails, the save fails.
+      LoraSpec(r=<slot rank>, ...))`); if the export fails, the save fails. The export runs after
+      the slot's files are staged. `peft_prefix`: `"peft/"` (default) or `""`: the two PEFT files at
+      the generation's top, Miles v1's stock names (`step_N/adapter_model.safetensors`,
+      `step_N/adapter_config.json`), so `PeftModel.from_pretrained(<root>/step_N)` loads the slot.
     - `keep`: afterwards prune the root to the newest `keep` generations (their reader links too).
     The manifest records `slot` (index, step, the saved parameter names per file). Saving the same
     step again publishes a new generation and swaps the links: never a moment without one.
     """
     consensus = consensus or Consensus.default()
     # arguments: checked on every rank, and every rank must save the same slot, step and names
-    checked = attempt(_checked_arguments, slot, step, reader_names, adapter_filter)
+    checked = attempt(_checked_arguments, slot, step, reader_names, adapter_filter, peft_prefix)
     slot, step, names = consensus.agree_same("arguments", checked)
 
     def slot_metadata(layout) -> dict:
@@ -80,11 +91,15 @@ def save_slot_checkpoint(
         saver=SLOT_SAVER,
         links=names,
         extra_metadata=slot_metadata,
+        export_after_write=True,
+        peft_prefix=peft_prefix,
     )
 
 
-def _checked_arguments(slot, step, reader_names, adapter_filter) -> list:
+def _checked_arguments(slot, step, reader_names, adapter_filter, peft_prefix) -> list:
     _required(adapter_filter)
+    if peft_prefix not in PEFT_PREFIXES:
+        raise ValueError(f"peft_prefix must be one of {PEFT_PREFIXES}, got {peft_prefix!r}")
     return [_slot_index(slot), _slot_step(step), [check_reader_name(n) for n in reader_names]]
 
 

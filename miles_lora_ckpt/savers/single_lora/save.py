@@ -88,6 +88,8 @@ def save_adapter_generation(
     saver: str = SAVER,
     links: Sequence[str] = (),
     extra_metadata: Callable[[SaveLayout], dict] | None = None,
+    export_after_write: bool = False,
+    peft_prefix: str = GENERATION_SUBDIR,
 ) -> str:
     """`save_lora_checkpoint` for other savers (multi-LoRA slots): the same phases and files, plus
 
@@ -95,7 +97,10 @@ def save_adapter_generation(
       must accept at least one on some rank and, with `optimizer_children`, exactly those the
       children step (else every rank raises before anything is written: the empty-shard guard);
     - `saver`: the manifest's saver name; `links`: `save_generation`'s links;
-    - `extra_metadata(layout)`: more manifest metadata, derived from the agreed layout.
+    - `extra_metadata(layout)`: more manifest metadata, derived from the agreed layout;
+    - `export_after_write`: with `peft`, the collective export runs after every rank's files are
+      staged (`save_generation`'s `write_produced`), as Miles v1 orders a slot save;
+    - `peft_prefix`: where the PEFT files go in the generation (`peft/`, or "" for its top).
     """
     consensus = consensus or Consensus.default()
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
@@ -114,7 +119,7 @@ def save_adapter_generation(
     # PEFT export (optional): plan and bind now; the collective export runs as the save's produce step
     peft_step = None
     if peft is not None:
-        peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=GENERATION_SUBDIR)
+        peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=peft_prefix)
 
     # optimizer, local: what this rank writes for every saved child (a DistributedOptimizer's DP
     # ranks each write their own slice, produced lazily during the write: no gather, no root), and
@@ -136,7 +141,7 @@ def save_adapter_generation(
                 "optimizer_children": {k: v for states in child_states for k, v in states.items()},
             }
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
-        if peft_step is not None:
+        if peft_step is not None and not export_after_write:
             peft_step.write(writer)
 
     generation = save_generation(
@@ -153,6 +158,7 @@ def save_adapter_generation(
         keep=keep,
         produce=peft_step.produce if peft_step is not None else None,
         links=links,
+        write_produced=peft_step.write if peft_step is not None and export_after_write else None,
     )
     return str(generation)
 

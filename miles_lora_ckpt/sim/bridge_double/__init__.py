@@ -11,6 +11,8 @@ through this double, written from Bridge's documented contract and nothing else:
   NVIDIA's shape yields `(param_name, weight)` named tuples; the fork's (`ForkAutoBridgeDouble`)
   yields `(hf_name, weight, megatron_name)` and has the fork's narrower signature.
 - `peft_bridge`: the four documented pure conversion helpers.
+- `multi_lora_layers.expose_adapter_slot(model, idx)`: one slot of the harness's multi-LoRA slot
+  model shown as a single-LoRA `.adapter` while it is open (what Bridge's export of a slot walks).
 
 `install()` puts the double into `sys.modules` as `megatron.bridge` (with
 `megatron.bridge.models.conversion.peft_bridge` unless `peft_helpers=False`), and only inside a
@@ -36,6 +38,8 @@ _NAMES = (
     "megatron.bridge.models",
     "megatron.bridge.models.conversion",
     "megatron.bridge.models.conversion.peft_bridge",
+    "megatron.bridge.peft",
+    "megatron.bridge.peft.multi_lora_layers",
 )
 
 
@@ -63,10 +67,16 @@ def install(*, variant: str = "nvidia", peft_helpers: bool = True) -> type:
     models = types.ModuleType("megatron.bridge.models")
     conversion = types.ModuleType("megatron.bridge.models.conversion")
     root.models, models.conversion = models, conversion
+    from miles_lora_ckpt.sim.bridge_double import multi_lora_layers
+
+    peft = types.ModuleType("megatron.bridge.peft")
+    root.peft, peft.multi_lora_layers = peft, multi_lora_layers
     modules = {
         "megatron.bridge": root,
         "megatron.bridge.models": models,
         "megatron.bridge.models.conversion": conversion,
+        "megatron.bridge.peft": peft,
+        "megatron.bridge.peft.multi_lora_layers": multi_lora_layers,
     }
     if peft_helpers:
         conversion.peft_bridge = peft_bridge

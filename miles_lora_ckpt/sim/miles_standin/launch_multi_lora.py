@@ -5,7 +5,11 @@ the shape directory on sys.path and the launch's environment set by the launcher
 one rank during one save (`payload["crash"]`):
 
     {"argv": [...], "crash": {"adapter": "b", "step": 4, "rank": 1, "phase": "mid-write",
-                              "reason": "periodic" | "retire"} | None}
+                              "reason": "periodic" | "retire"} | None, "bridge": "nvidia"}
+
+Miles' GPU image has Megatron-Bridge, so every rank first installs the harness's Bridge double as
+`megatron.bridge` (`sim.bridge_double`, with `peft.multi_lora_layers.expose_adapter_slot`;
+`payload["bridge"]`: "nvidia" by default, "fork", or None for a Miles without Bridge).
 
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; the stock saves have
 before-write, mid-write and after-write). Each rank returns, per adapter, the digests of its slot's
@@ -80,6 +84,10 @@ class _Observer(multi_lora.Probe):
 
 def launch_job(payload: dict, ctx) -> dict:
     """Run the launch; a rank whose run raised returns what it saw so far, with `failed` set."""
+    if payload.get("bridge", "nvidia") is not None:
+        from miles_lora_ckpt.sim import bridge_double
+
+        bridge_double.install(variant=payload.get("bridge", "nvidia"))
     observer = _Observer(ctx.rank, payload.get("crash"))
     report = observer.report
     report["failed"] = None
