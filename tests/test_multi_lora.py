@@ -3,8 +3,8 @@
 Unit tests (one process, no megatron): reader links published with a generation and swapped
 atomically, the same step saved twice, stray / malformed / half-written entries never chosen and
 never crashing the scan, retention removing links, the operator tools on slot roots, the demo's
-schedule. Multi-rank (real megatron, gloo): one W=4 job (the stale-shard scenario at EP=4 then
-EP=1), one W=2 job (fault injection at every save and load phase on every rank, the empty-shard
+schedule. Multi-rank (real megatron, gloo): one W=4 job (the stale-shard scenario: an EP=4 slot save fails
+inside its PEFT export after its shards are staged, then EP=1), one W=2 job (fault injection at every save and load phase on every rank, the empty-shard
 guard, a slot saved with its PEFT export), and `demo --slots 2` killed mid-save and resumed
 bit-exact per slot (with a negative control).
 """
@@ -212,7 +212,13 @@ def test_stale_shards_of_a_failed_ep4_attempt_are_never_promoted_nor_read(tmp_pa
     for rank, result in enumerate(results):
         r = result["stale_shards"]
         assert r == results[0]["stale_shards"], rank  # every rank saw the same
-        assert "'after-write' on rank 3" in r["failed"]
+        assert "'peft-export' on rank 3" in r["failed"]  # failed inside the export ...
+        # ... after every rank's shards of that attempt were staged: the export saw them on disk
+        seen = results[rank]["stale_shards"]["staged_during_export"]
+        assert (
+            "adapter/expert_pp000_ep003_etp000.safetensors" in seen and "adapter/dense_tp000_pp000.safetensors" in seen
+        )
+        assert not any("adapter_model" in f for f in seen)  # the PEFT files were never written
         # the failed EP=4 attempt left its shards behind (its coordinator never cleaned up)
         assert len(r["stale_staging"]) == 1 and "adapter/expert_pp000_ep003_etp000.safetensors" in r["stale_files"]
         # EP=1 saved the same step: a new attempt directory, only EP=1 shards published
@@ -226,7 +232,11 @@ def test_stale_shards_of_a_failed_ep4_attempt_are_never_promoted_nor_read(tmp_pa
         # a later EP=4 load refuses the EP=1 generation on every rank, changing nothing
         assert "ep: 1 -> 4 (expert parallel)" in r["ep4_load"] and "rank(s) [0, 1, 2, 3]" in r["ep4_load"]
         assert r["ep4_changed"] is None
-        assert r["ep4_step2"] == [True, 2, True]  # the EP=4 generation by its name: restored
+        assert r["ep4_step2"] == [True, 2, True]  # the EP=4 generation by its name: restored ...
+        assert r["ep4_step2_differs"][0] > 0 and r["ep4_step2_differs"][1] == []  # ... bit for bit
+        # the published step 4 holds the EP=1 run's values: an EP=1 load restores them bit for bit
+        assert r["ep1_reload"] == [True, 4, r["published"]] and r["ep1_reload_differs"][1] == []
+        assert r["ep1_reload_differs"][0] > 0  # slot 1's adapter, masters, moments, steps, scheduler compared
 
 
 @pytest.mark.megatron

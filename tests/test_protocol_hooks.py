@@ -1,5 +1,6 @@
 """`save_generation`'s hooks for savers with a collective step of their own (one process, no megatron):
-`produce` between the prepare and write agreements, `link_latest`, the `after-prepare` fault phase,
+`produce` between the prepare and write agreements (or, with `write_produced`, after the write),
+`link_latest`, the `after-prepare` fault phase,
 and the removal of a failed attempt's staging directory."""
 
 from __future__ import annotations
@@ -55,6 +56,31 @@ def test_produce_runs_between_prepare_and_write_and_adds_metadata(tmp_path):
     assert manifest["metadata"] == {"mine": 1, "export": {"tensors": 3}} and manifest["sequence"] == 1
     assert sorted(manifest["files"]) == ["made.json"] and staging(root) == []
     assert cli(["verify", str(root)]) == 0
+
+
+def test_with_write_produced_produce_runs_after_the_write_and_its_files_are_committed_too(tmp_path):
+    root, seen = tmp_path / "root", []
+
+    def produce(consensus):
+        (attempt_dir,) = staging(root)
+        seen.append(sorted(os.listdir(root / attempt_dir)))  # the write phase's files are staged already
+        return {"export": 1}
+
+    def write_produced(writer):
+        writer.write_json("produced.json", {"ok": True})
+
+    write = lambda writer: writer.write_json("shard.json", {})  # noqa: E731
+    gen = save(root, 3, produce=produce, write_files=write, write_produced=write_produced)
+    assert seen == [["shard.json"]]
+    manifest = json.loads((gen / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == ["produced.json", "shard.json"] and manifest["metadata"] == {"export": 1}
+    assert cli(["verify", str(root)]) == 0
+    # a file written in both phases is refused, and the attempt leaves nothing
+    before = entries(root)
+    twice = lambda writer: writer.write_json("shard.json", {})  # noqa: E731
+    with pytest.raises(CheckpointError, match=r"(?s)phase 'write-produced'.*written in both write phases"):
+        save(root, 4, produce=produce, write_files=write, write_produced=twice)
+    assert entries(root) == before
 
 
 def test_a_failed_produce_step_fails_the_save_and_removes_its_staging(tmp_path):

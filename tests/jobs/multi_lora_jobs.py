@@ -1,9 +1,13 @@
 """Worker functions for the multi-LoRA tests (savers/multi_lora): one job runs many cases (`suite`).
 
 Sections (each named in the payload):
-- `stale_shards` (W=4): an EP=4 attempt writes its shards and fails with its coordinator gone (its
-  staging directory left behind, as after a SIGKILL); the run restarts at EP=1, trains, saves the same
-  step and publishes; a later EP=4 load refuses (the layout differs) and never reads the stale shards.
+- `stale_shards` (W=4): an EP=4 slot save with a PEFT export writes every rank's shards into its
+  attempt's staging directory, then fails inside the export on rank 3 (the exporter's `peft-export`
+  fault; the export sees the staged shards), with its coordinator gone (its staging directory left
+  behind, as after a SIGKILL); the run restarts at EP=1, trains, saves the same step and publishes;
+  a later EP=4 load resolves exactly that EP=1 generation, refuses it (the layout differs), changes
+  nothing and never reads the stale shards; the EP=1 generation restores the EP=1 values bit for
+  bit, and the EP=4 step-2 generation (by name) the EP=4 values.
 - `faults` (W=2): a `raise` fault at every save phase (prepare included) and every load phase on
   every rank: the same CheckpointError on every rank, the previous generation intact and still
   the one resumed, and a failed load changes neither the slot nor its co-tenant.
@@ -81,19 +85,60 @@ def _error(exc: CheckpointError) -> str:
 # --------------------------------------------------------------------------- stale shards
 
 
+class _StagingProbe:
+    """An adapter source (the exporter's contract: prepare, export, conversion_helpers) that records,
+    when the export runs, which tensor files the root's attempt directories hold, then yields a valid
+    rank-4 LoRA factor pair (the export is made to fail before it is converted)."""
+
+    kind = "test-staging-probe"
+
+    def __init__(self, root: Path):
+        self.root, self.seen = root, None
+
+    def prepare(self) -> None:
+        return None
+
+    def export(self, model, on_item=None):
+        import torch
+
+        from miles_lora_ckpt.savers.peft_export import ExportedWeight
+
+        staged = self.root.glob(".staging-*/**/*.safetensors")
+        self.seen = sorted(str(p.relative_to(self.root)).split("/", 1)[1] for p in staged)
+        weights = [
+            ExportedWeight("model.layers.0.mlp.down_proj.lora_A.weight", torch.zeros(4, 8)),
+            ExportedWeight("model.layers.0.mlp.down_proj.lora_B.weight", torch.zeros(8, 4)),
+        ]
+        for index, weight in enumerate(weights):
+            if on_item is not None:
+                on_item(index, weight)  # the exporter's `peft-export` fault point fires at item 0
+        return weights
+
+    def conversion_helpers(self):
+        from miles_lora_ckpt.megatron.bridge_export import PeftHelpers
+
+        return PeftHelpers()
+
+
 def stale_shards(case: dict, ctx, consensus) -> dict:
+    from miles_lora_ckpt.savers.peft_export import LoraSpec, PeftExport
+
     root = Path(case["root"])
     out = {}
     run, trainer = _build(case["ep4"])
     _train(trainer, [0, 1], 0, 2)
     ml.save_slot_checkpoint(run.model, Args(), root, step=2, reader_names=["step_2"], **_kw(run, trainer, 1, consensus))
+    out_ep4_step2 = _state(run, trainer)
     _train(trainer, [0, 1], 2, 4)
-    # the EP=4 attempt at step 4 writes every rank's shards, then fails; its coordinator never cleans up
+    # the EP=4 attempt at step 4 writes every rank's shards, then fails inside the PEFT export on the
+    # last rank; its coordinator never cleans up (as if killed there)
+    probe = _StagingProbe(root)
+    export = PeftExport(source=probe, lora=LoraSpec(r=4, alpha=4.0))
     discard, protocol._discard = protocol._discard, lambda staging: None
-    faults.arm("after-write", ctx.world_size - 1, "raise")
+    faults.arm("peft-export", ctx.world_size - 1, "raise")
     try:
         ml.save_slot_checkpoint(
-            run.model, Args(), root, step=4, reader_names=["step_4"], **_kw(run, trainer, 1, consensus)
+            run.model, Args(), root, step=4, reader_names=["step_4"], peft=export, **_kw(run, trainer, 1, consensus)
         )
         out["failed"] = None
     except CheckpointError as exc:
@@ -101,6 +146,7 @@ def stale_shards(case: dict, ctx, consensus) -> dict:
     finally:
         faults.disarm()
         protocol._discard = discard
+    out["staged_during_export"] = probe.seen  # what this rank's export saw in the attempt's staging
     staging = sorted(n for n in os.listdir(root) if n.startswith(".staging-"))
     out["stale_staging"] = staging
     out["stale_files"] = (
@@ -124,6 +170,13 @@ def stale_shards(case: dict, ctx, consensus) -> dict:
     out["links"] = ml.reader_links(root)
     out["miles_v1_scan"] = sorted(n for n in os.listdir(root) if n.startswith("step_"))
     out["latest"] = ml.latest_slot_step(root, consensus=consensus)
+    ep1_step4 = _state(run, trainer)
+    teardown(run)
+    # the published generation holds the EP=1 values: a fresh EP=1 run restores them bit for bit
+    run, trainer = _build(case["ep1"])
+    result = ml.load_slot_checkpoint(run.model, root, **_kw(run, trainer, 1, consensus))
+    out["ep1_reload"] = [result.loaded, result.iteration, Path(result.path).name]
+    out["ep1_reload_differs"] = _slot_differences(ep1_step4, _state(run, trainer), run, trainer, 1)
     teardown(run)
 
     # a later EP=4 load: refused (the newest generation is EP=1), nothing changed, stale shards never read
@@ -138,8 +191,17 @@ def stale_shards(case: dict, ctx, consensus) -> dict:
     # the EP=4 step_2 generation is still loadable at EP=4, by name
     result = ml.load_slot_checkpoint(run.model, root, **_kw(run, trainer, 1, consensus, name="step_2"))
     out["ep4_step2"] = [result.loaded, result.iteration, result.optimizer_restored]
+    out["ep4_step2_differs"] = _slot_differences(out_ep4_step2, _state(run, trainer), run, trainer, 1)
     teardown(run)
     return out
+
+
+def _slot_differences(want: dict, got: dict, run, trainer, slot: int) -> list:
+    """`[how many state entries of slot `slot` (adapter, masters, moments, steps, scheduler) were
+    compared, those that differ]`."""
+    names = sorted(want)
+    mine = [n for n, s in zip(names, _slot_names(run, trainer, names), strict=True) if s == slot]
+    return [len(mine), [n for n in mine if want[n] != got.get(n)]]
 
 
 # --------------------------------------------------------------------------- faults
