@@ -216,6 +216,10 @@ def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninte
             assert any(k.startswith("master/") for k in want) and "scheduler" in want
             differing = [k for k in want if got[k] != want[k]]
             assert not differing, f"rank {rank}, adapter {adapter}: {differing[:5]}"
+    if shape == V1:  # each resumed slot's saved scheduler state restored after Miles repositioned it
+        # (num_steps = step x 4 samples: a and b both resumed at their step 2; b again when it came back)
+        assert resumed[0]["plugin"]["slot_schedulers_restored"] == {"0": 8, "1": 8}
+        assert reference[0]["plugin"]["slot_schedulers_restored"] == {"1": 8}  # b re-registered from its retire save
     if shape == V1:  # Miles' own scan, replaced: the agreed newest generation, through its step_N link
         latest = resumed[0]["find_latest"]
         assert latest["a"] == [str(run.save / "adapters" / "a" / "checkpoints" / "step_6"), 6]
@@ -276,3 +280,42 @@ def test_demo_via_miles_slots_resumes_every_slot_bit_exact(prewarmed, tmp_path, 
     assert "  slot of s0: resumed at step 2, trained to 6: bit-exact" in lines  # s0's step-4 save was killed
     assert "  slot of s1: resumed at step 2, trained to 6: bit-exact" in lines
     assert any("rank 1: killed by signal 9" in line for line in lines)
+
+
+def test_v1_slot_scheduler_gets_its_saved_state_after_miles_repositions_it():
+    """The loader restores into a capture (Miles installs the slot's scheduler only after
+    `_register_adapter`); `load_adapters` then puts the saved state into the scheduler Miles
+    installed: every field of the saved one, bit for bit, whatever Miles repositioned it to."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from miles_lora_ckpt.integration import multi_lora
+    from miles_lora_ckpt.integration.config import load_config
+    from miles_lora_ckpt.integration.shapes import SHAPES_BY_NAME
+    from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler, scheduler_state
+
+    def scheduler():
+        groups = SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+        return OptimizerParamScheduler(
+            groups, init_lr=1e-3, max_lr=1e-2, min_lr=1e-4, lr_warmup_steps=8, lr_decay_steps=40,
+            lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=40, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False,
+        )  # fmt: skip
+
+    runtime.set_current(runtime.Runtime(Namespace(), load_config({}), SHAPES_BY_NAME[V1]))
+    trained = scheduler()
+    for _ in range(5):
+        trained.step(increment=3)  # 15 samples: not what a reposition from the step count gives
+    capture = multi_lora._SchedulerCapture()
+    restore_scheduler(capture, scheduler_state(trained))  # what the slot load does with it
+    reposition_scheduler(multi_lora._SchedulerCapture(), 4, 4)  # a reposition leaves nothing to restore
+    installed = scheduler()
+    installed.step(increment=4 * 4)  # Miles' install_slot_scheduler: resume_step x samples
+    assert installed.state_dict() != trained.state_dict()  # the negative control
+    optimizer = SimpleNamespace(miles_slot_schedulers={1: installed})
+    assert multi_lora._restore_slot_schedulers(optimizer, {1: capture.saved}) == {1: 15}
+    assert installed.state_dict() == trained.state_dict()
+    assert installed.optimizer.param_groups == trained.optimizer.param_groups  # lr and wd, exactly
+    with pytest.raises(multi_lora.UnsupportedConfiguration, match=r"no scheduler for slot\(s\) \[0\]"):
+        multi_lora._restore_slot_schedulers(SimpleNamespace(miles_slot_schedulers={}), {0: capture.saved})

@@ -12,10 +12,13 @@ Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`
                                   masters, moments, steps, param groups, its scheduler; `step_N` a link
     find_latest_checkpoint        the newest intact generation's step, agreed: `(root/step_N, N)`
     _register_adapter             Miles' own slot init, then the slot resumed (with its optimizer
-                                  state while `load_adapters` runs; weights only otherwise)
+                                  state while `load_adapters` runs; weights only otherwise); the
+                                  slot's saved scheduler state is kept for `load_adapters`
     load_adapters                 Miles' own loop, with the optimizer recorded for the slot loads and
                                   its whole-chain `reload_model_params` skipped (each slot's masters
-                                  are restored exactly, or a fresh slot's refreshed from its own params)
+                                  are restored exactly, or a fresh slot's refreshed from its own params);
+                                  then each resumed slot's scheduler, which Miles' `install_slot_scheduler`
+                                  repositioned from the resumed step, gets its saved state (as v2 does)
     _deregister_adapter           retire: the final save (the same step again replaces it atomically),
                                   then the slot cleared, its children reset, its grads and scheduler dropped;
                                   co-tenant masters never refreshed from bf16
@@ -226,10 +229,27 @@ def multi_lora_find_latest(original: Callable, target) -> Callable:
     return find_latest_checkpoint
 
 
+class _SchedulerCapture:
+    """Stands for a v1 slot's scheduler during its load: Miles installs the real one only after
+    `_register_adapter` returns. Keeps the saved state the load restores (`load_state_dict`); a
+    reposition (no saved state) is left to Miles' `install_slot_scheduler`."""
+
+    def __init__(self):
+        self.num_steps = 0
+        self.saved: dict | None = None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saved = copy.deepcopy(state)
+
+    def step(self, increment: int = 1) -> None:
+        """A reposition from the iteration: Miles' `install_slot_scheduler` does the same."""
+
+
 def _resume_slot(adapter, model, optimizer, args) -> int:
     root = _v1_root(adapter)
     children = _children(optimizer, adapter.slot)
     result = None
+    capture = _SchedulerCapture() if optimizer is not None else None
     if root is not None:
         result = saver.load_slot_checkpoint(
             model,
@@ -237,9 +257,12 @@ def _resume_slot(adapter, model, optimizer, args) -> int:
             slot=adapter.slot,
             adapter_filter=slot_filter(adapter.slot),
             optimizer=optimizer,
+            opt_param_scheduler=capture,
             optimizer_children=children,
             load_optim=not getattr(args, "no_load_optim", False),
         )
+    if result is not None and result.loaded and capture is not None and capture.saved is not None:
+        runtime.current().multi_lora_schedulers.setdefault(id(model), {})[adapter.slot] = capture.saved
     if (result is None or not result.loaded) and optimizer is not None:
         fresh = attempt(saver.reset_slot_optimizer, optimizer, children, model)  # only this slot's masters
         Consensus.default().agree("multi-lora fresh slot", fresh)
@@ -299,12 +322,38 @@ def multi_lora_load_adapters(original: Callable, target) -> Callable:
         rt = runtime.current()
         rt.multi_lora_optimizers[id(model)] = optimizer
         rt.multi_lora_pending[id(model)] = (optimizer, args)
+        rt.multi_lora_schedulers.pop(id(model), None)
         try:
-            return original(args, model, _NoChainRefresh(optimizer), adapters)
+            count = original(args, model, _NoChainRefresh(optimizer), adapters)
         finally:
             rt.multi_lora_pending.pop(id(model), None)
+            saved = rt.multi_lora_schedulers.pop(id(model), {})
+        # Miles installed each slot's scheduler, repositioned from the resumed step: the saved state wins
+        restored = attempt(_restore_slot_schedulers, optimizer, saved)
+        Consensus.default().agree("multi-lora slot schedulers", restored)
+        return count
 
     return load_adapters
+
+
+def _restore_slot_schedulers(optimizer, saved: dict[int, dict]) -> dict[int, int]:
+    """Local. Each resumed slot's saved scheduler state into the scheduler Miles installed for it
+    (megatron's `load_state_dict` steps by the saved count: from 0, so it lands exactly there)."""
+    installed = getattr(optimizer, "miles_slot_schedulers", {})
+    missing = sorted(slot for slot in saved if slot not in installed)
+    if missing:
+        raise UnsupportedConfiguration(
+            f"Miles installed no scheduler for slot(s) {missing} in load_adapters (optimizer.miles_slot_schedulers): "
+            "the saved scheduler state has nowhere to go"
+        )
+    done = {}
+    for slot, state in sorted(saved.items()):
+        scheduler = installed[slot]
+        scheduler.num_steps = 0
+        scheduler.load_state_dict(copy.deepcopy(state))
+        done[slot] = int(scheduler.num_steps)
+    runtime.current().multi_lora_scheduler_restores.update(done)
+    return done
 
 
 def multi_lora_deregister(original: Callable, target) -> Callable:

@@ -35,6 +35,9 @@ class Runtime:
     multi_lora_pending: dict[int, tuple] = field(
         default_factory=dict
     )  # id(model) -> (optimizer, args) in load_adapters
+    # v1: id(model) -> {slot: saved scheduler state} kept by _register_adapter for load_adapters
+    multi_lora_schedulers: dict[int, dict] = field(default_factory=dict)
+    multi_lora_scheduler_restores: dict[int, int] = field(default_factory=dict)  # slot -> num_steps restored (last)
 
 
 _current: Runtime | None = None

@@ -125,4 +125,7 @@ def _plugin_report() -> dict | None:
     from miles_lora_ckpt.integration import runtime
 
     rt = runtime.installed()
-    return None if rt is None else {"shape": rt.shape.name, "bindings": rt.bindings}
+    if rt is None:
+        return None
+    restores = {str(slot): steps for slot, steps in sorted(rt.multi_lora_scheduler_restores.items())}
+    return {"shape": rt.shape.name, "bindings": rt.bindings, "slot_schedulers_restored": restores}
