@@ -137,7 +137,9 @@ KEYS: tuple[Key, ...] = (
         "MILES_LORA_CKPT_PEFT_EXPORT",
         "every committed generation also holds peft/, an HF PEFT adapter exported through Megatron-Bridge and "
         "committed with it (a failed export fails the save on every rank); needs megatron.bridge, --hf-checkpoint "
-        "and --lora-rank, checked at startup",
+        "and --lora-rank, checked at startup. Multi-LoRA: every slot save exports the slot at the top of its "
+        "generation (stock v1 names, step_N/adapter_model.safetensors); Miles v1 does so by default whenever it "
+        "can (Bridge with expose_adapter_slot, --hf-checkpoint), unless false is set explicitly",
     ),
 )
 KEYS_BY_NAME = {key.name: key for key in KEYS}

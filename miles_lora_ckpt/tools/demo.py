@@ -156,7 +156,10 @@ def add_parser(subparsers) -> None:
         "and load both with the real PEFT. With --via miles: the launch gets export.peft = true (config file) and "
         "--save-hf DIR/miles/hf-out/{rollout_id}, and the relaunch's newest generation's peft/ and its last "
         "--save-hf adapter (<dir>/adapter/latest) are loaded with the real PEFT onto DIR/hf-base; "
-        "--adapters dense or mixed; not with --without-plugin (exit 2: stock Miles' export is not imitated)",
+        "--adapters dense or mixed; not with --without-plugin (exit 2: stock Miles' export is not imitated). "
+        "With --via miles --slots N: every slot save exports the slot at the top of its generation (stock v1 "
+        "names, --hf-checkpoint DIR/miles-slots/hf-base, export.peft = true) and each adapter's newest "
+        "checkpoint (v1 step_N, v2 current) is loaded as is with the real PEFT",
     )
     demo.set_defaults(handler=run_demo)
 

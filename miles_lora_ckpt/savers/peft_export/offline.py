@@ -2,7 +2,8 @@
 
 Two cases, both published through `export.export_peft` into an export root:
 
-1. The generation holds `peft/` (it was saved with `peft=`): those files are read and verified
+1. The generation holds `peft/` (it was saved with `peft=`), or the two PEFT files at its top (a
+   multi-LoRA slot generation saved with `peft_prefix=""`): those files are read and verified
    against the manifest, self-checked, and republished as they are (same tensors, same config).
 2. Otherwise its Megatron adapter shards are converted here, where the mapping needs no live model:
    a dense Qwen2/Llama-style decoder (`decoder.layers.N.{self_attention.linear_qkv, linear_proj,
@@ -56,6 +57,8 @@ def export_generation(
     gen = resolve(Path(path)).generation  # verified: every byte, under the loader's rules
     manifest = gen.manifest
     weights_rel, config_rel = GENERATION_SUBDIR + fmt.WEIGHTS_NAME, GENERATION_SUBDIR + fmt.CONFIG_NAME
+    if not (weights_rel in manifest.files and config_rel in manifest.files):  # a slot generation's top
+        weights_rel, config_rel = fmt.WEIGHTS_NAME, fmt.CONFIG_NAME
     if weights_rel in manifest.files and config_rel in manifest.files:
         weights, config = _committed_export(gen.path, manifest, weights_rel, config_rel)
         lora = fmt.LoraSpec(
