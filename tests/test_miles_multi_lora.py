@@ -258,6 +258,7 @@ def test_demo_via_miles_slots_usage_errors_exit_2_before_any_worker(tmp_path, ca
         ("--slots", "2", "--pp", "2"): "--pp/--ep/--cp/--vpp 1",
         ("--slots", "2", "--dtype", "fp32"): "Adam per slot in bf16",
         ("--slots", "2", "--without-plugin", "--crash-at", "after-publish"): "only before-write, mid-write",
+        ("--slots", "2", "--without-plugin", "--export-peft"): "stock multi-LoRA writes no PEFT files",
     }
     for flags, words in cases.items():
         assert cli([*base, *flags]) == 2, flags
