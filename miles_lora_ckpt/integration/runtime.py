@@ -30,6 +30,8 @@ class Runtime:
     # the PEFT export (savers.peft_export.PeftExport, Bridge built) when export.peft or --save-hf asks for
     # one; None otherwise (see integration.peft)
     peft: Any = None
+    # with save.async: the process's savers.single_lora.async_save.AsyncSaver, made at the first save
+    async_saver: Any = None
     multi_lora_optimizers: dict[int, Any] = field(default_factory=dict)  # id(model) -> its per-slot chain
     multi_lora_pending: dict[int, tuple] = field(
         default_factory=dict

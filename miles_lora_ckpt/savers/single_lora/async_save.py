@@ -70,6 +70,12 @@ class PendingSave:
     def done(self) -> bool:
         return self._finished.is_set()
 
+    def join(self) -> str | None:
+        """Block until the save finished; its generation, or None if it failed. The error is left
+        for `wait()` or the saver to raise (e.g. for a wait on one rank only)."""
+        self._finished.wait()
+        return self._generation
+
     def wait(self) -> str:
         """Block until the save committed (or failed); local: peers' background threads go on by themselves."""
         self._finished.wait()
