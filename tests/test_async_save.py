@@ -48,6 +48,12 @@ def test_save_async_key_and_its_startup_refusals():
     assert "multi-lora" in _async_save_problems(SimpleNamespace(multi_lora_n_adapters=2), on)[0]
 
 
+@pytest.mark.parametrize("extra", [["--slots", "2"], ["--export-peft"]])
+def test_demo_async_save_refuses_what_it_does_not_cover(extra, capsys):
+    assert cli(["demo", "--async-save", *extra]) == 2
+    assert "--async-save covers single-LoRA saves without a PEFT export" in capsys.readouterr().err
+
+
 @TIER1_ONLY
 @pytest.mark.megatron
 @pytest.mark.multirank
