@@ -11,7 +11,8 @@ case, in which rank 1 SIGKILLs itself):
 3. resume: a fresh run loads the step-2 generation (must equal the state at the snapshot, bit for
    bit, and continue to the step-4 state), another loads the root (the step-4 generation: the
    failed saves left it the newest);
-4. kill: rank 1 SIGKILLs itself during a background write; rank 0's `wait()` raises.
+4. kill: rank 1 SIGKILLs itself during a background write (`save_lora_checkpoint_async`, the
+   process-wide saver); rank 0's `wait()` raises.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lora_jobs import Args, load, run_steps
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver
+from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver, save_lora_checkpoint_async
 from miles_lora_ckpt.sim.model import SimConfig
 from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
 from miles_lora_ckpt.sim.train import build_run, teardown
@@ -111,9 +112,12 @@ def async_saves(payload: dict, ctx) -> dict:
     out["latest"] = compare_digests(at4, snapshot_digests(snapshot(latest)))
     (ctx.scratch_dir / f"report{ctx.rank}.json").write_text(json.dumps(out))
 
-    # 4. SIGKILL of rank 1 during the background write
+    # 4. SIGKILL of rank 1 during the background write (through the process-wide saver)
     run_steps(latest, 4, 5)
     if ctx.rank == 1:
         faults.arm("mid-write", 1, "kill")
-    out["killed_peer"] = _error(_save(saver, latest, root, 5).wait)
+    pending = save_lora_checkpoint_async(
+        latest.model, Args(), root, optimizer=latest.optimizer, opt_param_scheduler=latest.scheduler, iteration=5
+    )
+    out["killed_peer"] = _error(pending.wait)
     return out

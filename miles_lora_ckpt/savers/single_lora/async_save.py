@@ -42,7 +42,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 
 from miles_lora_ckpt.core import settings
@@ -59,9 +58,9 @@ class PendingSave:
     """One asynchronous save: `wait()` returns the committed generation directory or raises the
     save's collective `CheckpointError` (every call the same); `done()` does not block."""
 
-    def __init__(self, iteration: int, blocked_s: float):
+    def __init__(self, iteration: int):
         self.iteration = iteration
-        self.blocked_s = blocked_s  # seconds the caller was blocked (wait for the previous, plan, snapshot)
+        self.blocked_s = 0.0  # seconds `AsyncSaver.save` blocked its caller (previous save, plan, snapshot)
         self._finished = threading.Event()
         self._generation: str | None = None
         self._error: BaseException | None = None
@@ -109,7 +108,7 @@ class AsyncSaver:
         self.consensus = consensus or Consensus.for_world(timeout_s or settings.current().consensus_timeout_s)
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
-        _LIVE.add(self)
+        _LIVE.append(self)
 
     def save(
         self,
@@ -145,7 +144,7 @@ class AsyncSaver:
         )
         snapped = attempt(snapshot, planned)
         consensus.agree("snapshot", snapped.map(lambda _: None))
-        pending = PendingSave(planned.iteration, 0.0)
+        pending = PendingSave(planned.iteration)
         self._thread = threading.Thread(
             target=pending._run,
             args=(snapped.value, consensus, save_dir, keep, then),
@@ -217,7 +216,7 @@ def _host_copy(name: str, tensor):
 
 # --------------------------------------------------------------------------- process-wide saver
 
-_LIVE: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+_LIVE: list[AsyncSaver] = []  # every saver made in this process (exit waits for each one's save)
 _DEFAULT: AsyncSaver | None = None
 
 
