@@ -5,7 +5,7 @@ case, in which rank 1 SIGKILLs itself):
 
 1. overlap: save asynchronously at step 2 while the background write is held at `before-write`
    (a gate on the protocol's fault point), train steps 2..4 meanwhile, then save at step 4: the
-   second save must wait for the first to commit;
+   second save must wait for the first to commit; step 5 trains while the second is written;
 2. fault: rank 1 raises mid-write in the background: `wait()` raises on every rank; an unseen
    failure is raised by the next save instead;
 3. resume: a fresh run loads the step-2 generation (must equal the state at the snapshot, bit for
@@ -80,11 +80,11 @@ def async_saves(payload: dict, ctx) -> dict:
     opener.start()
     second = _save(saver, run, root, 4)  # waits for the first to commit
     out["first_done_when_second_returned"] = first.done()
+    run_steps(run, 4, 5)  # training collectives on the main thread while the second save's rounds run
     out["first"], out["second"] = first.wait(), second.wait()
     out["control_state_changed"] = compare_digests(at2, at4)  # not None: the comparison can fail
 
     # 2. fault in the background write on rank 1, seen at wait(); then unseen, raised by the next save
-    run_steps(run, 4, 5)
     if ctx.rank == 1:
         faults.arm("mid-write", 1, "raise")
     third = _save(saver, run, root, 5)
