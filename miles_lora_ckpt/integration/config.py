@@ -18,6 +18,7 @@ File shape (TOML; YAML nests the same tables)::
     layout = "subdir"      # or "flat"
     subdir = "lora"
     keep = 3
+    async = false
     [consensus]
     timeout_s = 600
     [resume]
@@ -85,6 +86,15 @@ KEYS: tuple[Key, ...] = (
         "MILES_LORA_CKPT_KEEP",
         "after each committed save keep the newest N intact generations and remove older ones (0 keeps all)",
         minimum=0,
+    ),
+    Key(
+        "save.async",
+        bool,
+        False,
+        "MILES_LORA_CKPT_ASYNC_SAVE",
+        "single-LoRA saves return once the state is copied to host memory; the write, consensus and publish "
+        "run in the background, and the next save, a load, the post-save hook, the last rollout's save and "
+        "process exit wait for it to commit (see README, Asynchronous save)",
     ),
     Key(
         "consensus.timeout_s",

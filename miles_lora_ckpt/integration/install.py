@@ -141,10 +141,20 @@ def run_user_post_save_hook(args, rollout_id: int, checkpoint_dir, hf_checkpoint
     """Miles calls this on global rank 0 after a save: the user's hook, with the generation directory.
 
     Miles passes `{save}/iter_{rollout_id:07d}`, which a LoRA save under the plugin does not create;
-    the user's hook gets the committed generation directory of that rollout instead.
+    the user's hook gets the committed generation directory of that rollout instead. With save.async
+    it first waits for that save to commit (blocking rank 0's training until then).
     """
     rt = runtime.current()
     if rt.user_post_save_hook is None:
+        return
+    pending = rt.async_saver.pending if rt.async_saver is not None else None
+    if pending is not None and pending.join() is None:  # save.async: rank 0 only, so no raise here
+        log.error(
+            "miles-lora-ckpt: the save of rollout %s failed (every rank raises it at its next save): the post-save "
+            "hook %s is not called",
+            rollout_id,
+            rt.user_post_save_hook,
+        )
         return
     module_name, _, function_name = rt.user_post_save_hook.rpartition(".")
     hook = getattr(importlib.import_module(module_name), function_name)

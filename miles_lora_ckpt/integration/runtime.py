@@ -31,6 +31,8 @@ class Runtime:
     # one; None otherwise (see integration.peft)
     peft: Any = None
     slot_peft: bool = False  # multi-LoRA: each slot save exports the slot through `peft`'s Bridge
+    # with save.async: the process's savers.single_lora.async_save.AsyncSaver, made at the first save
+    async_saver: Any = None
     multi_lora_optimizers: dict[int, Any] = field(default_factory=dict)  # id(model) -> its per-slot chain
     multi_lora_pending: dict[int, tuple] = field(
         default_factory=dict

@@ -6,7 +6,9 @@ original's signature, so one factory serves every shape (a keyword `load_optimiz
 `args`, ...). They read the process's `runtime` at call time.
 
     save_checkpoint_with_lora   a committed generation under the save root + Megatron's tracker
-                                (with export.peft: holding peft/, committed with it; see integration.peft)
+                                (with export.peft: holding peft/, committed with it; see integration.peft;
+                                with save.async: returns once the state is copied, commits in the
+                                background, see `_save_async`)
     save_lora_checkpoint        Miles' HF export (`--save-hf`, no optimizer): an HF PEFT adapter published
                                 into the export root `<save-hf dir>/adapter` (`latest`); with an
                                 optimizer: a committed generation, as above
@@ -56,9 +58,9 @@ def _is_lora_model(model) -> bool:
     return bool(lora.is_lora_model(model))
 
 
-def _agree_on_rank0(phase: str, fn: Callable, *args):
+def _agree_on_rank0(phase: str, fn: Callable, *args, consensus: Consensus | None = None):
     """Collective: `fn` runs on rank 0 only; every rank gets its value, or raises the same error."""
-    consensus = Consensus.default()
+    consensus = consensus or Consensus.default()
     outcome = attempt(fn, *args) if consensus.rank == 0 else Outcome.success()
     return consensus.agree(phase, outcome)[0]
 
@@ -79,6 +81,9 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
         if not getattr(rt.args, "save", None):
             raise UnsupportedConfiguration("a LoRA save was requested without --save")
         iteration = int(call["iteration"])
+        if rt.config["save.async"]:
+            _save_async(rt, model, call["optimizer"], call["opt_param_scheduler"], iteration)
+            return None
         generation = saver.save_lora_checkpoint(
             model,
             rt.args,
@@ -97,6 +102,44 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
     return replacement
 
 
+def _save_async(rt, model, optimizer, scheduler, iteration: int) -> None:
+    """save.async: copy the state now (collective), then write, commit, publish and write Megatron's
+    tracker in the background on the saver's own group (`savers.single_lora.async_save`). The last
+    rollout's save (`iteration == --num-rollout - 1`) waits for its commit before returning: Miles'
+    driver may end the process as soon as the loop ends."""
+    from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver
+
+    if rt.async_saver is None:
+        rt.async_saver = AsyncSaver()  # collective: every rank's first LoRA save makes the group
+
+    def after_commit(generation: str, consensus: Consensus) -> None:
+        _agree_on_rank0("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration, consensus=consensus)
+        rt.saved[iteration] = generation
+        log.info("miles-lora-ckpt: committed %s (rollout %d, in the background)", generation, iteration)
+
+    pending = rt.async_saver.save(
+        model,
+        rt.args,
+        resume.save_root(rt.config, rt.args.save),
+        optimizer=optimizer,
+        opt_param_scheduler=scheduler,
+        iteration=iteration,
+        keep=rt.config["save.keep"] or None,
+        then=after_commit,
+    )
+    log.info("miles-lora-ckpt: rollout %d copied in %.3f s, committing in the background", iteration, pending.blocked_s)
+    last = getattr(rt.args, "num_rollout", None)
+    if isinstance(last, int) and iteration >= last - 1:
+        wait_for_async_save(rt)
+
+
+def wait_for_async_save(rt) -> None:
+    """save.async: wait for the save in flight to commit; its failure raises here, the same
+    CheckpointError on every rank (each rank's wait is local; the error was agreed in the background)."""
+    if rt.async_saver is not None:
+        rt.async_saver.wait()
+
+
 def save_lora_checkpoint(original: Callable, target) -> Callable:
     bind = _binder(original)
 
@@ -104,6 +147,7 @@ def save_lora_checkpoint(original: Callable, target) -> Callable:
     def replacement(*args, **kwargs):
         call = bind(args, kwargs)
         rt = runtime.current()
+        wait_for_async_save(rt)  # --save-hf runs right after the save: publish what it committed
         if call["optimizer"] is None and rt.peft is not None:
             # Miles' --save-hf: save_lora_checkpoint(model, args, "<save-hf dir>/adapter"), no rollout id;
             # it runs right after this process committed that rollout's save
@@ -163,6 +207,7 @@ def load_checkpoint(original: Callable, target) -> Callable:
     def replacement(*args, **kwargs):
         call = bind(args, kwargs)
         rt = runtime.current()
+        wait_for_async_save(rt)
         model, optimizer = call["ddp_model"], call["optimizer"]
         if _in_memory(call["checkpointing_context"]) and _is_lora_model(model):
             raise UnsupportedConfiguration(_IN_MEMORY_REFUSAL)
@@ -254,6 +299,7 @@ def load_lora_adapter(original: Callable, target) -> Callable:
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         call = bind(args, kwargs)
+        wait_for_async_save(runtime.current())
         # --lora-adapter-path: the initial adapter. Actor: a warm start (weights, masters refreshed,
         # fresh moments and scheduler; the rollout counter stays where Miles put it). Ref, teacher,
         # old actor (optimizer None): the weights, as stock Miles loads them.

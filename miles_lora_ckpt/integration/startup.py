@@ -126,6 +126,21 @@ def _multi_lora_problems(args, config, multi_lora: str | None) -> list[str]:
     return problems
 
 
+def _async_save_problems(args, config) -> list[str]:
+    """`save.async` covers single-LoRA saves without a PEFT export (see savers.single_lora.async_save)."""
+    if not config["save.async"]:
+        return []
+    problems = []
+    if config["export.peft"]:
+        problems.append(
+            "save.async = true with export.peft = true: the PEFT export runs over the live model and cannot be "
+            "taken asynchronously; set one of them to false"
+        )
+    if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
+        problems.append("save.async = true with --multi-lora-n-adapters: slot saves are synchronous; set it to false")
+    return problems
+
+
 def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
     from miles_lora_ckpt.integration.resume import save_root
 
@@ -137,6 +152,7 @@ def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
         )
     if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
         problems += _multi_lora_problems(args, config, multi_lora)
+    problems += _async_save_problems(args, config)
     if getattr(args, "stream_optimizer_state_to_disk", False):
         problems.append("--stream-optimizer-state-to-disk keeps the optimizer state outside the optimizer: drop it")
     adapter, save = getattr(args, "lora_adapter_path", None), getattr(args, "save", None)

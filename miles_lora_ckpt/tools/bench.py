@@ -14,7 +14,7 @@ Before each read the files' pages are dropped from the page cache (posix_fadvise
 raw and protocol reads alike. Prints medians and the line
 `RATIO save/raw=<x> load/raw=<y> save/torch_save=<z> save/dcp=<w>`.
 
-Two more sections (`--sections`, default all three):
+More sections (`--sections`, default all four):
 
     mem     W=--mem-world (4) real processes with megatron's DistributedOptimizer (the sim harness,
             a LoRA whose one bucket is about --mem-bucket-mib MiB of fp32): after a training step,
@@ -25,6 +25,8 @@ Two more sections (`--sections`, default all three):
     scale   the protocol save and load at W = each of --scale-worlds (2,4,8), --scale-size-mib in
             all, with every phase's time split into local work and its consensus round:
             `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
+    async   the time an asynchronous save blocks training over a synchronous save's (`bench_async`):
+            `ASYNC blocked/sync=<x> (blocked <b>s, sync <s>s, async commit <c>s) ...`
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from miles_lora_ckpt.tools import bench_async
+
 PHASES = ("raw_save", "protocol_save", "torch_save", "dcp_save", "raw_load", "protocol_load")
 
 
@@ -48,7 +52,9 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed after)")
     bench.add_argument("--json", action="store_true", help="print the medians as JSON before the RATIO line")
     bench.add_argument(
-        "--sections", default="ratio,mem,scale", help="which of ratio, mem, scale to run (default: all three)"
+        "--sections",
+        default="ratio,mem,scale,async",
+        help="which of ratio, mem, scale, async to run (default: all four)",
     )
     bench.add_argument("--mem-world", type=int, default=4, help="processes of the MEM section (default 4)")
     bench.add_argument(
@@ -56,14 +62,15 @@ def add_parser(subparsers) -> None:
     )
     bench.add_argument("--scale-worlds", default="2,4,8", help="world sizes of the SCALE section (default 2,4,8)")
     bench.add_argument("--scale-size-mib", type=int, default=64, help="total MiB of the SCALE section (default 64)")
+    bench_async.add_arguments(bench)
     bench.set_defaults(handler=run_bench)
 
 
 def run_bench(args) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    unknown = sections - {"ratio", "mem", "scale"}
+    unknown = sections - {"ratio", "mem", "scale", "async"}
     if unknown:
-        print(f"bench: unknown sections {sorted(unknown)} (known: ratio, mem, scale)")
+        print(f"bench: unknown sections {sorted(unknown)} (known: ratio, mem, scale, async)")
         return 2
     if "ratio" in sections:
         _ratio_section(args)
@@ -71,6 +78,8 @@ def run_bench(args) -> int:
         _mem_section(args)
     if "scale" in sections:
         _scale_section(args)
+    if "async" in sections:
+        bench_async.run_section(args)
     return 0
 
 

@@ -146,6 +146,13 @@ def add_parser(subparsers) -> None:
         "(default with --phase all: mid-write)",
     )
     demo.add_argument("--crash-rank", type=int, default=None, help="rank that crashes (default: the last rank)")
+    demo.add_argument(
+        "--async-save",
+        action="store_true",
+        help="asynchronous saves (savers.single_lora.async_save; with --via miles: save.async = true): training "
+        "goes on while each save is written; the crash hits the last save's background write, so the resume "
+        "starts from the save before it (not with --slots or --export-peft: exit 2)",
+    )
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
     demo_miles.add_arguments(demo)
     demo.add_argument(
@@ -170,6 +177,12 @@ def add_parser(subparsers) -> None:
 def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
+        return 2
+    if args.async_save and (args.slots is not None or args.export_peft):
+        print(
+            "ERROR --async-save covers single-LoRA saves without a PEFT export: drop --slots/--export-peft",
+            file=sys.stderr,
+        )
         return 2
     if args.via == "miles":
         return demo_miles.run(args)
@@ -343,6 +356,7 @@ def _phase_train(workdir: Path, config: dict, args, crash_at: str | None, crash_
         "root": str(ckpt),
         "crash_at": crash_at,
         "crash_rank": crash_rank,
+        "async_save": args.async_save,
     }
     results, seconds = _job("train_job", config, payload, args)
     saves = [it for it in range(args.save_every, args.steps, args.save_every)]
@@ -466,6 +480,8 @@ def train_job(payload: dict, ctx) -> dict:
     consensus = Consensus.for_world(timeout_s=60)
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
     written = []
+    if payload.get("async_save"):
+        return _train_async(run, payload, ctx, saves)
     for step in range(payload["steps"]):
         train_step(run, step)
         iteration = step + 1
@@ -485,6 +501,37 @@ def train_job(payload: dict, ctx) -> dict:
         )
         written.append(Path(path).name)
     return {"summary": f"saved {', '.join(written)}"}
+
+
+def _train_async(run, payload: dict, ctx, saves: list[int]) -> dict:
+    """`train_job` with `--async-save`: each save returns once the state is copied; training goes on
+    while it is written; each save waits for the previous one, and the job for the last one."""
+    from miles_lora_ckpt.core import faults
+    from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver
+    from miles_lora_ckpt.sim.train import train_step
+
+    saver = AsyncSaver(timeout_s=60)
+    pending, blocked = [], []
+    for step in range(payload["steps"]):
+        train_step(run, step)
+        iteration = step + 1
+        if iteration not in saves:
+            continue
+        if iteration == saves[-1] and payload["crash_at"] and ctx.rank == payload["crash_rank"]:
+            faults.arm(payload["crash_at"], ctx.rank, "kill")
+        pending.append(
+            saver.save(
+                run.model,
+                _DemoArgs(run.config),
+                payload["root"],
+                optimizer=run.optimizer,
+                opt_param_scheduler=run.scheduler,
+                iteration=iteration,
+            )
+        )
+        blocked.append(pending[-1].blocked_s)
+    written = [Path(p.wait()).name for p in pending]
+    return {"summary": f"saved {', '.join(written)} asynchronously (blocked {max(blocked):.3f}s at most per save)"}
 
 
 def resume_job(payload: dict, ctx) -> dict:

@@ -161,7 +161,12 @@ class Scenario:
         return hook + self.training_flags() + checkpoints
 
     def env(self) -> dict[str, str]:
-        return {"MILES_LORA_CKPT_CONFIG": str(self.config)} if self.plugin else {}
+        if not self.plugin:
+            return {}
+        # --async-save: the config key save.async through its environment variable
+        return {"MILES_LORA_CKPT_CONFIG": str(self.config)} | (
+            {"MILES_LORA_CKPT_ASYNC_SAVE": "1"} if getattr(self.args, "async_save", False) else {}
+        )
 
     def shell(self, argv: list[str]) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env().items())

@@ -2,10 +2,14 @@
 
 Collective; reads as phases::
 
-    plan -> agree -> layout -> agree -> [PEFT export: plan, bind, each agreed]
-    -> optimizer, local (every DP rank its own slice; nothing gathered) -> agree
-    -> protocol.save_generation (prepare -> [produce: PEFT export, self-check, each agreed]
-                                 -> write -> commit -> publish, each agreed)
+    plan_save:          plan -> agree -> layout -> agree -> [PEFT export: plan, bind, each agreed]
+                        -> this rank's files, local (adapter shards; every DP rank its own optimizer
+                           slice, nothing gathered; the scheduler's state) -> agree
+    write_planned_save: protocol.save_generation (prepare -> [produce: PEFT export, self-check, each
+                        agreed] -> write -> commit -> publish, each agreed)
+
+The two halves are separate functions so that `async_save` can copy what `plan_save` returns into
+host memory (the only time training is blocked) and run `write_planned_save` in the background.
 """
 
 from __future__ import annotations
@@ -103,6 +107,70 @@ def save_adapter_generation(
     - `peft_prefix`: where the PEFT files go in the generation (`peft/`, or "" for its top).
     """
     consensus = consensus or Consensus.default()
+    planned = plan_save(
+        model,
+        args,
+        consensus,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        iteration=iteration,
+        optimizer_children=optimizer_children,
+        peft=peft,
+        adapter_filter=adapter_filter,
+        saver=saver,
+        extra_metadata=extra_metadata,
+        export_after_write=export_after_write,
+        peft_prefix=peft_prefix,
+    )
+    return write_planned_save(planned, consensus, save_dir, keep=keep, links=links)
+
+
+@dataclass
+class RankFile:
+    """One tensor file this rank writes: its binding, its tensors (values may be `storage.LazyTensor`s
+    or live parameters until `async_save.snapshot` copies them) and whether it gets a block index."""
+
+    binding: dict[str, str]
+    tensors: dict
+    blocks: bool = False
+
+
+@dataclass
+class PlannedSave:
+    """Everything the write phase needs, agreed by every rank (`plan_save`); `write_planned_save`
+    writes it. Until it is written, `files` may still refer to the live model and optimizer (lazy
+    tensors, parameters): a caller that trains in between snapshots it first (`async_save.snapshot`)."""
+
+    iteration: int
+    saver: str
+    topology: Topology
+    metadata: dict
+    files: dict[str, RankFile]  # relpath -> this rank's file, in write order
+    training_state: dict | None  # rank 0: the training state (its "generation" is filled at write)
+    peft_step: object = None  # the PEFT export's planned step (its produce runs in the protocol)
+    export_after_write: bool = False  # the export's files go in a second, agreed write phase
+
+
+def plan_save(
+    model,
+    args,
+    consensus: Consensus,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    iteration: int | None = None,
+    optimizer_children: Iterable[int] | None = None,
+    peft: PeftExport | None = None,
+    adapter_filter: Callable[[str], bool] | None = None,
+    saver: str = SAVER,
+    extra_metadata: Callable[[SaveLayout], dict] | None = None,
+    export_after_write: bool = False,
+    peft_prefix: str = GENERATION_SUBDIR,
+) -> PlannedSave:
+    """Collective, the save's first half: plan -> agree -> layout -> agree -> [PEFT plan] ->
+    this rank's files (adapter shards, optimizer slices, scheduler and child states) -> agree.
+
+    Nothing is written; the result says what to write (`write_planned_save`)."""
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
     selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
@@ -121,46 +189,88 @@ def save_adapter_generation(
     if peft is not None:
         peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=peft_prefix)
 
-    # optimizer, local: what this rank writes for every saved child (a DistributedOptimizer's DP
-    # ranks each write their own slice, produced lazily during the write: no gather, no root), and
-    # the JSON state it records
-    prepared = attempt(_optimizer_files, optimizer, view, layout.children) if save_optim else attempt(_no_files)
+    # this rank's files: its adapter shards, and for every saved child what it writes (a
+    # DistributedOptimizer's DP ranks each write their own slice, produced lazily during the write:
+    # no gather, no root), and the JSON state it records; rank 0 also takes the scheduler's state
+    prepared = attempt(
+        _rank_files, model, optimizer, view, layout, save_optim, opt_param_scheduler, consensus.rank == 0
+    )
     child_states = consensus.agree("optimizer-shards", prepared.map(lambda p: chain.recorded_states(p[0])))
-    optimizer_files = prepared.value[1]
+    _, files, scheduler = prepared.value
+
+    training_state = None
+    if consensus.rank == 0:
+        training_state = {
+            "iteration": iteration,
+            "generation": None,
+            "scheduler": scheduler,
+            "optimizer_children": {k: v for states in child_states for k, v in states.items()},
+        }
+    return PlannedSave(
+        iteration=iteration,
+        saver=saver,
+        topology=Topology.from_dict(plans[0]["topology"]),
+        metadata={
+            **layout.metadata(save_optim, opt_param_scheduler, args),
+            **(extra_metadata(layout) if extra_metadata else {}),
+        },
+        files=files,
+        training_state=training_state,
+        peft_step=peft_step,
+        export_after_write=export_after_write,
+    )
+
+
+def write_planned_save(
+    planned: PlannedSave,
+    consensus: Consensus,
+    save_dir: str | os.PathLike,
+    *,
+    keep: int | None = None,
+    links: Sequence[str] = (),
+) -> str:
+    """Collective, the save's second half: `protocol.save_generation` (prepare -> [produce: PEFT
+    export] -> write -> commit -> publish, each agreed); returns the committed generation directory.
+    `consensus` may be another group than `plan_save`'s (the asynchronous save's own)."""
+    peft_step = planned.peft_step
 
     # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
-        _write_adapter_files(writer, model, layout, consensus.rank)
-        for relpath, file in sorted(optimizer_files.items()):
-            writer.write_tensors(relpath, file.tensors, binding=file.binding, blocks=file.partial_reads)
-        if consensus.rank == 0:
-            training_state = {
-                "iteration": iteration,
-                "generation": writer.generation,
-                "scheduler": scheduler_state(opt_param_scheduler) if save_optim else None,
-                "optimizer_children": {k: v for states in child_states for k, v in states.items()},
-            }
+        for relpath, file in planned.files.items():
+            writer.write_tensors(relpath, file.tensors, binding=file.binding, blocks=file.blocks)
+        if planned.training_state is not None:
+            training_state = {**planned.training_state, "generation": writer.generation}
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
-        if peft_step is not None and not export_after_write:
+        if peft_step is not None and not planned.export_after_write:
             peft_step.write(writer)
 
     generation = save_generation(
         consensus,
         save_dir,
-        iteration=iteration,
-        saver=saver,
-        topology=Topology.from_dict(plans[0]["topology"]),
+        iteration=planned.iteration,
+        saver=planned.saver,
+        topology=planned.topology,
         write_files=write_files,
-        metadata={
-            **layout.metadata(save_optim, opt_param_scheduler, args),
-            **(extra_metadata(layout) if extra_metadata else {}),
-        },
+        metadata=planned.metadata,
         keep=keep,
         produce=peft_step.produce if peft_step is not None else None,
         links=links,
-        write_produced=peft_step.write if peft_step is not None and export_after_write else None,
+        write_produced=peft_step.write if peft_step is not None and planned.export_after_write else None,
     )
     return str(generation)
+
+
+def _rank_files(
+    model, optimizer, view, layout: SaveLayout, save_optim: bool, scheduler, takes_scheduler: bool
+) -> tuple[dict, dict[str, RankFile], dict | None]:
+    """Local: (collected per child, `{relpath: RankFile}` in write order: adapter shards first, then
+    optimizer files by name, the scheduler's state (JSON; `takes_scheduler` only, else None))."""
+    files = _adapter_files(model, layout, view.rank)
+    collected, optimizer_files = _optimizer_files(optimizer, view, layout.children) if save_optim else _no_files()
+    for relpath, file in sorted(optimizer_files.items()):
+        files[relpath] = RankFile(file.binding, file.tensors, file.partial_reads)
+    state = scheduler_state(scheduler) if save_optim and takes_scheduler else None
+    return collected, files, state
 
 
 def _optimizer_files(optimizer, view, children: dict) -> tuple[dict, dict]:
@@ -228,12 +338,15 @@ def _lora_args(args) -> dict:
     return {n: getattr(args, n) for n in names if isinstance(getattr(args, n, None), int | float | str | list)}
 
 
-def _write_adapter_files(writer: StagingWriter, model, layout: SaveLayout, rank: int) -> None:
+def _adapter_files(model, layout: SaveLayout, rank: int) -> dict[str, RankFile]:
+    """The adapter shards this rank writes (the lowest rank holding each coordinate's shard)."""
     coords = Coordinates(**layout.plans[rank]["coords"])
     dense, expert = (layout.adapter_subset(p) for p in shards.split_by_kind(shards.adapter_params(model)))
+    files = {}
     if dense and layout.dense_writers.get(coords.dense_key) == rank:
         tensors = {n: p.detach() for n, p in dense.items()}
-        writer.write_tensors(shards.dense_file(coords), tensors, binding=adapter_binding("dense", coords.dense_key))
+        files[shards.dense_file(coords)] = RankFile(adapter_binding("dense", coords.dense_key), tensors)
     if expert and layout.expert_writers.get(coords.expert_key) == rank:
         tensors = {n: p.detach() for n, p in expert.items()}
-        writer.write_tensors(shards.expert_file(coords), tensors, binding=adapter_binding("expert", coords.expert_key))
+        files[shards.expert_file(coords)] = RankFile(adapter_binding("expert", coords.expert_key), tensors)
+    return files

@@ -152,4 +152,9 @@ def _plugin_report() -> dict | None:
     rt = runtime.installed()
     if rt is None:
         return None
-    return {"shape": rt.shape.name, "bindings": rt.bindings, "saved": {str(k): v for k, v in rt.saved.items()}}
+    return {
+        "shape": rt.shape.name,
+        "bindings": rt.bindings,
+        "saved": {str(k): v for k, v in rt.saved.items()},
+        "async_saves": rt.async_saver is not None,  # save.async made the process's AsyncSaver
+    }
