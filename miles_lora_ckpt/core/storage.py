@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 import queue
 import secrets
@@ -252,12 +253,12 @@ class _Reader:
     reused scratch buffer of at most one slice (or one safetensors header), so memory stays bounded.
     """
 
-    def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None):
+    def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None, anonymous: bool = False):
         self.handle = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 - closed by close()
         self.size, self.pos = size, 0
         self.digest = StreamingDigest()
         self.blocks = BlockDigests(block_bytes) if block_bytes else None
-        self.buffer = bytearray(size) if keep else None
+        self.buffer = (large_buffer(size) if anonymous else bytearray(size)) if keep else None
         self._scratch = bytearray(0)
         self._ahead = _ReadAhead(self.handle, self.buffer) if keep and size > READ_AHEAD_CHUNK else None
 
@@ -376,6 +377,19 @@ class _ReadAhead:
             thread.join()
 
 
+ANONYMOUS_ABOVE = 1024 * 1024
+
+
+def large_buffer(nbytes: int):
+    """A zeroed, writable buffer of `nbytes`: a bytearray, or above `ANONYMOUS_ABOVE` an anonymous
+    memory map, whose pages go back to the operating system as soon as the last reference (a
+    zero-copy tensor included) is dropped, instead of staying in the heap (bounded memory: a
+    read's transient buffers never accumulate)."""
+    if nbytes <= ANONYMOUS_ABOVE:
+        return bytearray(nbytes)
+    return mmap.mmap(-1, nbytes)
+
+
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
     """Read a whole regular file in one pass; check size and digest against `record` when given.
 
@@ -457,7 +471,7 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
         if keep:
             ensure_allocatable(size)
         block_bytes = record.blocks.block_bytes if record is not None and record.blocks is not None else None
-        reader = _Reader(fd, size, keep=keep, block_bytes=block_bytes)
+        reader = _Reader(fd, size, keep=keep, block_bytes=block_bytes, anonymous=kind == "safetensors")
         try:
             checked = CheckedFile(size)
             if kind == "safetensors":
@@ -728,15 +742,17 @@ class _BlockFile:
 
     def __init__(self, fd: int, record: FileRecord):
         self.fd, self.record, self.index = fd, record, record.blocks
-        self._last: tuple[int, bytearray] | None = None
+        self._last: tuple[int, memoryview] | None = None
+        self._buffer = large_buffer(min(self.index.block_bytes, record.bytes))  # reused block after block
 
-    def block(self, i: int) -> bytearray:
+    def block(self, i: int) -> memoryview:
         if self._last is not None and self._last[0] == i:
             return self._last[1]
+        self._last = None
         start = i * self.index.block_bytes
         length = min(self.index.block_bytes, self.record.bytes - start)
-        buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        buf = memoryview(self._buffer)[:length]
+        view, done = buf, 0
         while done < length:
             got = os.preadv(self.fd, [view[done:]], start + done)
             if not got:
@@ -796,7 +812,7 @@ def read_ranges(
         for item in wanted:
             begin, end = byte_range(index, item)
             tag = index.tensors[item[0]][0]
-            buf = bytearray(end - begin)
+            buf = large_buffer(end - begin)
             source.read(begin, end, memoryview(buf))
             tensor = (
                 torch.frombuffer(buf, dtype=getattr(torch, _DTYPES[tag][0]))
