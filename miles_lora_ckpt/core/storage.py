@@ -1,7 +1,8 @@
 """Where bytes go: crash-safe files, our own streaming safetensors writer, and a strict, bounded reader.
 
 Writing: every file is written under a temporary name, fsynced, then renamed; the digest is
-computed on the bytes as they are written. Tensors are safetensors (readable by the `safetensors`
+computed on the bytes as they are written, while a thread writes them and the kernel is asked to
+start writing them back early (`start_writeback`), so the final fsync has little left to wait for. Tensors are safetensors (readable by the `safetensors`
 library as is), everything else JSON. Nothing here unpickles.
 
 Reading (`check_file`): a file is judged from `lstat` before it is opened (a FIFO, device, socket
@@ -247,9 +248,10 @@ def available_memory() -> int | None:
 class _Reader:
     """Sequential reads of one open regular file; every byte handed out is hashed exactly once.
 
-    With `keep` the bytes land in one buffer of the file's size, read ahead by a background thread
-    (`_ReadAhead`: `readinto` releases the GIL, and so do xxhash and torch's finiteness check), so
-    the next chunk is in flight while this one is hashed and checked. Otherwise they land in a
+    With `keep` the bytes land in one buffer of the file's size (an anonymous map for a large
+    safetensors file: `large_buffer`), read ahead by background threads (`_ReadAhead`: `preadv`
+    releases the GIL, and so do xxhash and torch's finiteness check), so the next chunks are in
+    flight while this one is hashed and checked. Otherwise they land in a
     reused scratch buffer of at most one slice (or one safetensors header), so memory stays bounded.
     """
 
