@@ -226,7 +226,18 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "gathered": gathered,
         "pre-family": pre_family,
     }
-    sane = run(2, "try_loads", {"config": cfg(2), "cases": cases})
+    # a late failure (after install overwrote masters and moments) of a load into a fresh optimizer
+    # rolls back bit for bit, with no copy of its masters: they are remade from the parameters
+    fresh = {"install fails on rank 1, fresh optimizer": newer}
+    sane = run(
+        2,
+        "try_loads",
+        {"config": cfg(2), "cases": cases, "fresh_cases": fresh, "install_faults": {next(iter(fresh)): 1}},
+    )
+    for o in sane:
+        late = o["install fails on rank 1, fresh optimizer"]
+        assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
+        assert late["undo_masters"][0] > 0 and late["undo_masters"] == [late["undo_masters"][0]] * 2, late
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
     for o in sane:
         for name in ("gathered", "pre-family"):

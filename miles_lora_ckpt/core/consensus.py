@@ -118,25 +118,43 @@ class Consensus:
         return values[0]
 
     def _all_gather_json(self, phase: str, obj: Any) -> list[Any]:
+        """Every rank's `obj`, by rank. One all-gather of a fixed `SLOT_BYTES` slot per rank (an
+        8-byte length, then the JSON) carries every payload that fits; only when some rank's does
+        not, a second all-gather carries the rest of every rank's payload, padded to the longest."""
         if self.world_size == 1:
             return [json.loads(json.dumps(obj))]
         import torch
         import torch.distributed as dist
 
-        payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        raw = json.dumps(obj).encode()
+        slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
+        head = len(raw).to_bytes(8, "little") + raw[: SLOT_BYTES - 8]
+        slot[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         try:
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.group)
-            longest = int(max(s.item() for s in sizes))
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[: payload.numel()] = payload
-            gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.all_gather(gathered, padded, group=self.group)
+            slots = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(slots, slot, group=self.group)
+            sizes = [int.from_bytes(s[:8].numpy().tobytes(), "little") for s in slots]
+            parts = [s[8 : 8 + min(n, SLOT_BYTES - 8)].numpy().tobytes() for s, n in zip(slots, sizes, strict=True)]
+            longest = max(sizes) - (SLOT_BYTES - 8)
+            if longest > 0:  # some payload did not fit: every rank sends the rest of its own
+                rest = torch.zeros(longest, dtype=torch.uint8)
+                tail = raw[SLOT_BYTES - 8 :]
+                if tail:
+                    rest[: len(tail)] = torch.frombuffer(bytearray(tail), dtype=torch.uint8)
+                gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+                dist.all_gather(gathered, rest, group=self.group)
+                parts = [
+                    part + t[: max(0, n - (SLOT_BYTES - 8))].numpy().tobytes()
+                    for part, t, n in zip(parts, gathered, sizes, strict=True)
+                ]
         except Exception as exc:  # a dead or hung peer: gloo reports it after the timeout
             raise CheckpointError(
                 phase, [RankFailure(self.rank, f"collective failed, a peer died or timed out: {exc}")]
             ) from exc
-        return [json.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes, strict=True)]
+        return [json.loads(part) for part in parts]
+
+
+SLOT_BYTES = 2048  # the first all-gather's bytes per rank: most agreements fit in it whole
 
 
 _DEFAULT: Consensus | None = None

@@ -35,6 +35,7 @@ touching model or optimizer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -530,11 +531,19 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     explicit generation that is damaged fails. Mutates nothing.
     """
     rank, world = consensus.rank, consensus.world_size
-    # resolve: every rank asks for the same thing and loads its signing key; the coordinator lists
-    # the candidates in commit order, with every disagreement of the tracker as a warning
-    consensus.agree_same("resolve", Outcome.success(str(path)))
+    # resolve: every rank loads its signing key; the coordinator lists the candidates in commit
+    # order, with every disagreement of the tracker as a warning; one round checks that every rank
+    # asks for the same thing (first) and that nobody failed, and hands out the listing
     local = attempt(_resolve_locally, Path(path), rank == 0)
-    candidates, is_root, warnings = consensus.agree("resolve", local.map(lambda r: r[1]))[0]
+    mine = {"path": str(path), "listing": local.value[1] if local.ok else None, "error": local.error}
+    everyone = consensus.agree("resolve", Outcome.success(mine))
+    if len({entry["path"] for entry in everyone}) > 1:
+        detail = [RankFailure(r, f"has {json.dumps(e['path'], sort_keys=True)}") for r, e in enumerate(everyone)]
+        raise CheckpointError("resolve (ranks disagree)", detail)
+    failures = [RankFailure(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
+    if failures:
+        raise CheckpointError("resolve", failures)
+    candidates, is_root, warnings = everyone[0]["listing"]
     key = local.value[0]
     for warning in warnings:
         log.warning("%s: %s", path, warning)

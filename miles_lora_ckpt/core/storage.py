@@ -1,7 +1,8 @@
 """Where bytes go: crash-safe files, our own streaming safetensors writer, and a strict, bounded reader.
 
 Writing: every file is written under a temporary name, fsynced, then renamed; the digest is
-computed on the bytes as they are written. Tensors are safetensors (readable by the `safetensors`
+computed on the bytes as they are written, while a thread writes them and the kernel is asked to
+start writing them back early (`start_writeback`), so the final fsync has little left to wait for. Tensors are safetensors (readable by the `safetensors`
 library as is), everything else JSON. Nothing here unpickles.
 
 Reading (`check_file`): a file is judged from `lstat` before it is opened (a FIFO, device, socket
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 import queue
 import secrets
@@ -100,10 +102,16 @@ def write_file_atomic(
 
 class _WriteBehind:
     """Writes queued views to `handle` in order on a thread; `put` raises a write error promptly,
-    `close` waits for every queued byte (or, when leaving on an error, stops after the current one)."""
+    `close` waits for every queued byte (or, when leaving on an error, stops after the current one).
+
+    Every `WRITEBACK_BYTES` written, it asks the kernel to start writing that range to the device
+    (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, Linux; a hint that waits for nothing and makes
+    nothing durable by itself), so the disk works while the rest is produced, hashed and written,
+    and the final `fsync` (which still makes every byte durable) has little left to wait for."""
 
     def __init__(self, handle):
         self.handle, self.error = handle, None
+        self._written = self._kicked = 0
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._thread = threading.Thread(target=self._run, name="mlc-write-behind", daemon=True)
         self._thread.start()
@@ -119,6 +127,10 @@ class _WriteBehind:
                 while view:
                     written = self.handle.write(view)
                     view = view[written:]
+                    self._written += written
+                if self._written - self._kicked >= WRITEBACK_BYTES:
+                    start_writeback(self.handle.fileno(), self._kicked, self._written - self._kicked)
+                    self._kicked = self._written
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
                 self.error = exc
 
@@ -132,6 +144,34 @@ class _WriteBehind:
         self._thread.join()
         if self.error is not None:
             raise self.error
+
+
+WRITEBACK_BYTES = 8 * 1024 * 1024
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):  # not Linux (or no such call): the final fsync does it all
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing `[offset, offset + nbytes)` of `fd` to the device now (no
+    wait, no durability: only `fsync` gives that). A no-op where the call does not exist or fails."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def fsync_dir(path: Path) -> None:
@@ -208,18 +248,19 @@ def available_memory() -> int | None:
 class _Reader:
     """Sequential reads of one open regular file; every byte handed out is hashed exactly once.
 
-    With `keep` the bytes land in one buffer of the file's size, read ahead by a background thread
-    (`_ReadAhead`: `readinto` releases the GIL, and so do xxhash and torch's finiteness check), so
-    the next chunk is in flight while this one is hashed and checked. Otherwise they land in a
+    With `keep` the bytes land in one buffer of the file's size (an anonymous map for a large
+    safetensors file: `large_buffer`), read ahead by background threads (`_ReadAhead`: `preadv`
+    releases the GIL, and so do xxhash and torch's finiteness check), so the next chunks are in
+    flight while this one is hashed and checked. Otherwise they land in a
     reused scratch buffer of at most one slice (or one safetensors header), so memory stays bounded.
     """
 
-    def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None):
+    def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None, anonymous: bool = False):
         self.handle = open(fd, "rb", buffering=0, closefd=False)  # noqa: SIM115 - closed by close()
         self.size, self.pos = size, 0
         self.digest = StreamingDigest()
         self.blocks = BlockDigests(block_bytes) if block_bytes else None
-        self.buffer = bytearray(size) if keep else None
+        self.buffer = (large_buffer(size) if anonymous else bytearray(size)) if keep else None
         self._scratch = bytearray(0)
         self._ahead = _ReadAhead(self.handle, self.buffer) if keep and size > READ_AHEAD_CHUNK else None
 
@@ -258,7 +299,7 @@ class _Reader:
     def finish(self, record: FileRecord | None) -> None:
         if self._ahead is not None:
             self._ahead.stop()
-        if self.handle.read(1):
+        if os.pread(self.handle.fileno(), 1, self.size):
             raise ValueError(f"file grew while reading ({self.size} bytes expected)")
         if record is not None and self.digest.hexdigest() != record.digest:
             raise ValueError("digest mismatch (content changed or corrupted)")
@@ -276,35 +317,53 @@ class _Reader:
 
 
 READ_AHEAD_CHUNK = 4 * 1024 * 1024
+READ_AHEAD_THREADS = 2
 
 
 class _ReadAhead:
-    """A thread that reads a file front to back into `buffer`, one chunk at a time, and tells how
-    far it got; the reader waits only for bytes not yet there. Stops at the end, on `stop()`, or on
-    an error (re-raised by `wait_for`)."""
+    """Threads that read a file into `buffer`, chunk `i` by thread `i % READ_AHEAD_THREADS` (`preadv`
+    at its offset, several requests in flight at once), and tell how far the buffer is filled
+    without a gap; the reader waits only for bytes not yet there. Stops at the end, on `stop()`, or
+    on an error (re-raised by `wait_for`)."""
 
     def __init__(self, handle, buffer: bytearray):
         self.handle, self.buffer = handle, buffer
         self.filled, self.error, self.done, self._stop = 0, None, False, False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="mlc-read-ahead", daemon=True)
-        self._thread.start()
+        self._ready: set[int] = set()  # chunks read beyond `filled`
+        self._running = READ_AHEAD_THREADS
+        self._threads = [
+            threading.Thread(target=self._run, args=(k,), name="mlc-read-ahead", daemon=True)
+            for k in range(READ_AHEAD_THREADS)
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
-        view, size = memoryview(self.buffer), len(self.buffer)
+    def _run(self, first: int) -> None:
+        view, size, fd = memoryview(self.buffer), len(self.buffer), self.handle.fileno()
         try:
-            while self.filled < size and not self._stop:
-                got = self.handle.readinto(view[self.filled : min(size, self.filled + READ_AHEAD_CHUNK)])
-                if not got:
-                    raise ValueError(f"file shrank while reading ({size} bytes expected)")
+            for start in range(first * READ_AHEAD_CHUNK, size, READ_AHEAD_THREADS * READ_AHEAD_CHUNK):
+                if self._stop or self.error is not None:
+                    break
+                end = min(size, start + READ_AHEAD_CHUNK)
+                pos = start
+                while pos < end:
+                    got = os.preadv(fd, [view[pos:end]], pos)
+                    if not got:
+                        raise ValueError(f"file shrank while reading ({size} bytes expected)")
+                    pos += got
                 with self._cond:
-                    self.filled += got
+                    self._ready.add(start)
+                    while self.filled in self._ready:
+                        self._ready.discard(self.filled)
+                        self.filled = min(size, self.filled + READ_AHEAD_CHUNK)
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the reader
             self.error = exc
         finally:
             with self._cond:
-                self.done = True
+                self._running -= 1
+                self.done = self._running == 0 or self.error is not None
                 self._cond.notify_all()
 
     def wait_for(self, end: int) -> None:
@@ -316,7 +375,21 @@ class _ReadAhead:
 
     def stop(self) -> None:
         self._stop = True
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
+
+
+ANONYMOUS_ABOVE = 1024 * 1024
+
+
+def large_buffer(nbytes: int):
+    """A zeroed, writable buffer of `nbytes`: a bytearray, or above `ANONYMOUS_ABOVE` an anonymous
+    memory map, whose pages go back to the operating system as soon as the last reference (a
+    zero-copy tensor included) is dropped, instead of staying in the heap (bounded memory: a
+    read's transient buffers never accumulate)."""
+    if nbytes <= ANONYMOUS_ABOVE:
+        return bytearray(nbytes)
+    return mmap.mmap(-1, nbytes)
 
 
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
@@ -400,7 +473,7 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
         if keep:
             ensure_allocatable(size)
         block_bytes = record.blocks.block_bytes if record is not None and record.blocks is not None else None
-        reader = _Reader(fd, size, keep=keep, block_bytes=block_bytes)
+        reader = _Reader(fd, size, keep=keep, block_bytes=block_bytes, anonymous=kind == "safetensors")
         try:
             checked = CheckedFile(size)
             if kind == "safetensors":
@@ -671,15 +744,17 @@ class _BlockFile:
 
     def __init__(self, fd: int, record: FileRecord):
         self.fd, self.record, self.index = fd, record, record.blocks
-        self._last: tuple[int, bytearray] | None = None
+        self._last: tuple[int, memoryview] | None = None
+        self._buffer = large_buffer(min(self.index.block_bytes, record.bytes))  # reused block after block
 
-    def block(self, i: int) -> bytearray:
+    def block(self, i: int) -> memoryview:
         if self._last is not None and self._last[0] == i:
             return self._last[1]
+        self._last = None
         start = i * self.index.block_bytes
         length = min(self.index.block_bytes, self.record.bytes - start)
-        buf = bytearray(length)
-        view, done = memoryview(buf), 0
+        buf = memoryview(self._buffer)[:length]
+        view, done = buf, 0
         while done < length:
             got = os.preadv(self.fd, [view[done:]], start + done)
             if not got:
@@ -739,7 +814,7 @@ def read_ranges(
         for item in wanted:
             begin, end = byte_range(index, item)
             tag = index.tensors[item[0]][0]
-            buf = bytearray(end - begin)
+            buf = large_buffer(end - begin)
             source.read(begin, end, memoryview(buf))
             tensor = (
                 torch.frombuffer(buf, dtype=getattr(torch, _DTYPES[tag][0]))

@@ -1,17 +1,20 @@
 """A byte-exact record of everything a load may change, to roll back when a late phase fails.
 
 Preflight catches what is wrong with a checkpoint before anything changes; what is left (a peer
-dying mid-scatter, an injected fault) fails after some ranks already wrote. For LoRA the state a
-load touches is small, so every rank keeps a copy of it and puts it back: adapter parameters, each
-restored child's inner-optimizer state, param groups and fp32 masters, and the scheduler.
+dying mid-install, an injected fault) fails after some ranks already wrote. For LoRA the state a
+load touches is small, so every rank keeps a record of it and puts it back: adapter parameters,
+each restored child's inner-optimizer state, param groups and fp32 masters, and the scheduler.
 
-Memory: the record is a copy of what the load may overwrite on this rank, never of another rank's
-or the world's state. For a fresh optimizer (a resume at startup, the common case) the inner state
-is empty, so the record holds only the adapter and this rank's fp32 master shards (1/(1+keys) of
-what the load installs: a quarter for Adam) and the param groups; a load into an optimizer that
-has already stepped copies its masters and moments too (the same size as what it holds). That is
-the price of rolling back a late failure bit for bit; the load's own reads stay within this rank's
-shard (see `optimizer_children.distributed`).
+Memory: the record holds what the load may overwrite on this rank, never another rank's or the
+world's state. The adapter parameters are copied (the load overwrites them with the saved
+ones). An fp32 master is copied only when it cannot be remade: a master whose bits equal, right
+now, those of the model-parameter elements it is made from (a fresh optimizer's masters, the
+common resume at startup; megatron's own `reload_model_params` pairs, compared chunk by chunk,
+never a full temporary) is recorded as "refresh from that parameter": `restore` puts the
+parameters back first, then copies them into the master (bf16 -> fp32 is exact), which gives
+back the very same bits. The inner state of a fresh optimizer is empty, so nothing is copied for
+it. A load into an optimizer that has already stepped copies its masters and moments (the same
+size as what it holds): the price of rolling back a late failure bit for bit there.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+_COMPARE_ELEMENTS = 1 << 20  # a master is compared with its parameter this many elements at a time
+
 
 @dataclass
 class UndoRecord:
     params: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, copy)
-    children: list[tuple] = field(default_factory=list)  # (inner optimizer, state, groups, masters)
+    # (inner optimizer, state, groups, masters: [(live master, its copy, or the parameter elements
+    # it is remade from)])
+    children: list[tuple] = field(default_factory=list)
     scheduler: tuple | None = None  # (scheduler, attributes)
 
     @classmethod
@@ -40,7 +47,8 @@ class UndoRecord:
                 inner.param_groups,
                 [dict(g, **copy.deepcopy({k: v for k, v in g.items() if k != "params"})) for g in inner.param_groups],
             )
-            masters = [(m, m.detach().clone()) for g in inner.param_groups for m in g["params"]]
+            sources = refresh_sources(child)
+            masters = [(m, _undo_of_master(m, sources.get(id(m)))) for g in inner.param_groups for m in g["params"]]
             record.children.append((inner, state, groups, masters))
         if scheduler is not None:
             attributes = {k: copy.deepcopy(v) for k, v in vars(scheduler).items() if k != "optimizer"}
@@ -49,7 +57,7 @@ class UndoRecord:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for live, saved in self.params:
+            for live, saved in self.params:  # first: masters may be remade from these
                 live.copy_(saved)
             for inner, state, (group_list, group_values), masters in self.children:
                 inner.state = defaultdict(dict, {p: dict(s) for p, s in state.items()})
@@ -57,8 +65,9 @@ class UndoRecord:
                     group.clear()
                     group.update(values)
                 inner.param_groups = group_list
-                for live, saved in masters:
-                    live.copy_(saved)
+                for live, saved in masters:  # a copy, or the parameter elements (restored above)
+                    if saved.data_ptr() != live.data_ptr():
+                        live.copy_(saved.reshape(live.shape))
         if self.scheduler is not None:
             scheduler, attributes = self.scheduler
             vars(scheduler).update(attributes)
@@ -66,3 +75,52 @@ class UndoRecord:
 
 def _copy(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def refresh_sources(child) -> dict[int, torch.Tensor]:
+    """`{id(fp32 master): the model-parameter elements megatron's reload_model_params copies into
+    it}` for a megatron optimizer child: the DistributedOptimizer's shard of each parameter
+    (`param_range_map["param"]`), Float16OptimizerWithFloat16Params' whole parameters; empty for
+    any other (its masters are then copied)."""
+    sources: dict[int, torch.Tensor] = {}
+    if hasattr(child, "gbuf_ranges") and hasattr(child, "model_param_group_index_map"):
+        from miles_lora_ckpt.megatron.optimizer_children import distributed
+
+        for layout in distributed.bucket_layouts(child):
+            for model_param, ranges in distributed._param_maps(child, layout).items():
+                main, _ = distributed.main_and_state(child, model_param)
+                span = ranges["param"]
+                sources[id(main)] = model_param.detach().view(-1)[span.start : span.end]
+        return sources
+    for model_group, main_group in zip(
+        getattr(child, "float16_groups", []), getattr(child, "fp32_from_float16_groups", []), strict=True
+    ):
+        for model_param, main in zip(model_group, main_group, strict=True):
+            sources[id(main)] = model_param.detach().view(-1)
+    return sources
+
+
+def _undo_of_master(master: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+    """`source` (the parameter elements the master is made from) if copying it into `master`
+    gives back `master`'s current bits exactly, compared a chunk at a time (no full temporary);
+    otherwise a copy of the master."""
+    if remade_exactly(master, source):
+        return source
+    return master.detach().clone()
+
+
+def remade_exactly(master: torch.Tensor, source: torch.Tensor | None) -> bool:
+    """Whether `master.copy_(source)` would leave every bit of the fp32 `master` as it is now."""
+    if source is None or master.dtype != torch.float32 or source.numel() != master.numel():
+        return False
+    if not source.dtype.is_floating_point or source.element_size() > 4 or not master.is_contiguous():
+        return False
+    flat = master.detach().view(-1)
+    if flat.data_ptr() == source.data_ptr() and source.dtype == torch.float32:
+        return True  # the master is the parameter itself (fp32 model params): restored with it
+    for start in range(0, flat.numel(), _COMPARE_ELEMENTS):
+        mine = flat[start : start + _COMPARE_ELEMENTS]
+        remade = source[start : start + _COMPARE_ELEMENTS].to(torch.float32)
+        if not torch.equal(mine.view(torch.int32), remade.view(torch.int32)):
+            return False
+    return True

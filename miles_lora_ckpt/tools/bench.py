@@ -21,7 +21,9 @@ More sections (`--sections`, default all four):
             the DP root's peak RSS increase during a single-LoRA save, and during a load into a
             fresh run, over the largest bucket's fp32 bytes:
             `MEM peak_rss_increase/largest_bucket=<save> (save) ...` and
-            `MEM load peak_rss_increase/largest_bucket=<load> = <adapter> + <new moments> + <rest>`
+            `MEM load peak_rss_increase/largest_bucket=<load> ...: the optimizer's own moments <m>,
+            the load's own <load - m> ...` (the moments are what the optimizer holds anyway from its
+            first step on; a fresh one allocates them when the load installs them)
     scale   the protocol save and load at W = each of --scale-worlds (2,4,8), --scale-size-mib in
             all, with every phase's time split into local work and its consensus round:
             `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
@@ -126,16 +128,18 @@ def _mem_section(args) -> None:
     root = results[0]
     bucket = root["largest_bucket_bytes"]
     load = root["load_peak_increase"]
-    rest = load - root["load_adapter_bytes"] - root["load_new_state_bytes"]
+    moments = root["load_new_state_bytes"]
     print(
         f"MEM peak_rss_increase/largest_bucket={root['save_peak_increase'] / bucket:.2f} (save) "
         f"on the DP root at W={args.mem_world}, largest bucket {bucket / 2**20:.1f} MiB fp32, "
         f"{root['buckets']} bucket(s), {root['keys']} state keys"
     )
     print(
-        f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} = adapter read + its undo copy "
-        f"{root['load_adapter_bytes'] / bucket:.2f} + moments the optimizer allocates "
-        f"{root['load_new_state_bytes'] / bucket:.2f} + optimizer state read and undo {rest / bucket:.2f}"
+        f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} on the DP root at W={args.mem_world}: "
+        f"the optimizer's own moments (allocated to receive them) {moments / bucket:.2f}, the load's own "
+        f"{(load - moments) / bucket:.2f} (the adapter, {root['load_adapter_bytes'] / bucket:.2f}, read and "
+        "copied for undo; one bucket's key of optimizer state at a time; a fresh optimizer's masters "
+        "remade, not copied, on undo)"
     )
 
 
@@ -337,8 +341,8 @@ def mem_job(payload: dict, ctx) -> dict:
         fresh.model, root, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
     )
     load_increase = _peak_increase(load)
-    # what the load legitimately adds beyond optimizer state: the adapter it reads (and the undo
-    # record's copy of the adapter), and the moments the optimizer itself allocates to receive
+    # what the load adds beyond optimizer state: the adapter it reads (dropped once applied) and
+    # the undo record's copy of it; and the moments the optimizer itself allocates to receive
     adapter_bytes = sum(
         p.numel() * p.element_size() for c in fresh.model for n, p in c.named_parameters() if "lora_" in n
     )
@@ -354,7 +358,7 @@ def mem_job(payload: dict, ctx) -> dict:
     return {
         "save_peak_increase": save_increase,
         "load_peak_increase": load_increase,
-        "load_adapter_bytes": 2 * adapter_bytes,
+        "load_adapter_bytes": adapter_bytes,
         "load_new_state_bytes": state_bytes,
         "largest_bucket_bytes": max(buckets),
         "buckets": len(buckets),

@@ -162,10 +162,22 @@ def try_loads(payload: dict, ctx) -> dict:
     """One run (trained `pre_steps`) tries to load each case path; report errors and bit-identity."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
+    outcomes = {}
+    # `fresh_cases` run first, into the fresh optimizer (no step yet); `install_faults`:
+    # {case: rank} fails that rank right after its install wrote masters and moments
+    outcomes.update(_try_cases(run, payload, payload.get("fresh_cases", {}), consensus, ctx))
     run_steps(run, 0, payload.get("pre_steps", 1))
+    outcomes.update(_try_cases(run, payload, payload["cases"], consensus, ctx))
+    return outcomes
+
+
+def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
+    from miles_lora_ckpt.megatron import undo
+    from miles_lora_ckpt.savers.single_lora import load as load_module
+
     outcomes = {}
     logged = _capture_warnings()
-    for name, path in payload["cases"].items():
+    for name, path in cases.items():
         logged.clear()
         if isinstance(path, list):
             path = path[ctx.rank]
@@ -173,20 +185,49 @@ def try_loads(payload: dict, ctx) -> dict:
         phase, failing = payload.get("faults", {}).get(name, (None, None))
         if phase is not None and ctx.rank == failing:
             faults.arm(phase, failing, "raise")
+        real_install, real_capture, records = load_module._install, undo.UndoRecord.__dict__["capture"], []
+        install = _failing_install(real_install, payload.get("install_faults", {}).get(name) == ctx.rank, ctx.rank)
+        capture = _recording_capture(undo.UndoRecord.capture, records)
+        load_module._install, undo.UndoRecord.capture = install, capture
         try:
             result = load(run, path, consensus, **payload.get("load_kwargs", {}))
             error = None
         except CheckpointError as exc:
             result, error = None, str(exc)
+        finally:
+            load_module._install, undo.UndoRecord.capture = real_install, real_capture
         after = snapshot_digests(snapshot(run))
+        masters = [(live, saved) for record in records for *_, entries in record.children for live, saved in entries]
         outcomes[name] = {
             "error": error,
             "changed": compare_digests(before, after),
             "result": result.__dict__ if result else None,
             "logged": list(logged),
             "state_digests": after,  # what the run holds after this case (model, optimizer, scheduler)
+            # the undo record's masters: how many, and how many are remade from the parameters
+            "undo_masters": [
+                len(masters),
+                sum(saved.data_ptr() != live.data_ptr() and saved.dtype != live.dtype for live, saved in masters),
+            ],
         }
     return outcomes
+
+
+def _failing_install(real, fail: bool, rank: int):
+    def install(*args):
+        real(*args)
+        if fail:
+            raise RuntimeError(f"injected failure after install on rank {rank}")
+
+    return install
+
+
+def _recording_capture(real, records: list):
+    def capture(*args):
+        records.append(real(*args))
+        return records[-1]
+
+    return capture
 
 
 def _capture_warnings() -> list[str]:

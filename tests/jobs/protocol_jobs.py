@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from miles_lora_ckpt.core import faults
-from miles_lora_ckpt.core.consensus import Consensus, Outcome
+from miles_lora_ckpt.core.consensus import SLOT_BYTES, Consensus, Outcome
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import TRACKER, Topology
 from miles_lora_ckpt.core.protocol import open_generation, save_generation
@@ -142,11 +142,15 @@ def disagreeing_generations(payload: dict, ctx) -> dict:
     gens = sorted(p for p in root.iterdir() if p.name.startswith("gen-"))
     # rank-local choice, as stock Miles does it: every rank verifies "its" generation
     mine = gens[ctx.rank % len(gens)]
+    # payloads around the consensus' first slot (SLOT_BYTES), longer on one rank than the other
+    sizes = (0, SLOT_BYTES - 40, SLOT_BYTES - 12, SLOT_BYTES - 11, SLOT_BYTES, 3 * SLOT_BYTES)
+    expected = [[{"r": r, "s": "\u00e9" * (n if r == 1 else n // 3)} for r in range(ctx.world_size)] for n in sizes]
+    agreed = [consensus.agree("sizes", Outcome.success(e[ctx.rank])) for e in expected]
     try:
         opened = open_generation(consensus, mine if ctx.rank == 0 else root, lambda m: [rank_file(ctx.rank)])
         return {"iteration": opened.manifest.iteration, "ok": verify_generation(opened.path).intact}
     except CheckpointError as exc:
-        return {"error": str(exc)}
+        return {"error": str(exc), "payloads_ok": agreed == expected}
 
 
 def pid(payload: dict, ctx) -> dict:

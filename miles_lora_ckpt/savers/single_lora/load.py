@@ -191,7 +191,7 @@ def _load(
     consensus.agree("record", undo.map(lambda _: None))
     try:
         # apply: adapter weights, and optimizer state allocated for the children being restored
-        consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value))
+        consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value, opened))
 
         # install: every rank its own verified ranges, bucket by bucket (no scatter from a DP
         # root), into masters, moments and param groups, then read back bit for bit
@@ -426,10 +426,15 @@ def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
     return UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler)
 
 
-def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan) -> None:
+def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened) -> None:
     faults.point("after-preflight", request.rank)
     for params, saved in plan.adapter:
         shards.copy_into(params, saved)
+    # the saved adapter is in the parameters now (their old bytes in the undo record): its read
+    # buffer goes before the optimizer allocates, so the two never add up (bounded memory)
+    plan.adapter.clear()
+    for file in (shards.dense_file(request.coords), shards.expert_file(request.coords)):
+        opened.files.pop(file, None)
     chain.allocate(request.optimizer, plan.restore_children)
 
 
