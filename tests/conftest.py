@@ -44,8 +44,8 @@ def megatron_jobs_forked(prewarmed):
     """Every megatron job of the suite (`sim.launch.run_workers`) is forked from the pre-warmed launcher.
 
     Same worker code, environment and results, without seconds of torch and megatron imports per
-    rank. The launcher's own tests (test_launcher.py), the demo and the bench spawn fresh
-    interpreters. `MILES_LORA_CKPT_TEST_SPAWN=1` spawns every job, as before.
+    rank. The launcher's own tests (test_launcher.py) spawn, as the `demo` and `bench` commands
+    always do. `MILES_LORA_CKPT_TEST_SPAWN=1` spawns every job of the suite instead.
     """
     from miles_lora_ckpt.sim import launch
 
