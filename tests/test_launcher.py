@@ -30,7 +30,6 @@ def every_rank_spawned():
         yield
 
 
-
 IMPORT_CHECK = """
 import os, sys, torch
 from miles_lora_ckpt.sim import cpu_intercepts as ci
