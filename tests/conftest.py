@@ -3,6 +3,7 @@ their worker functions live in tests/jobs/ (see jobs_paths.JOBS)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -31,8 +32,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def prewarmed():
-    """One pre-warmed fork launcher (sim.prewarmed) for every test that launches the Miles stand-in."""
+    """One pre-warmed fork launcher (sim.prewarmed), started on first use, for the whole session."""
     from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
 
     with PrewarmedLauncher() as launcher:
         yield launcher
+
+
+@pytest.fixture(scope="session", autouse=True)
+def megatron_jobs_forked(prewarmed):
+    """Every megatron job of the suite (`sim.launch.run_workers`) is forked from the pre-warmed launcher.
+
+    Same worker code, environment and results, without seconds of torch and megatron imports per
+    rank. The launcher's own tests (test_launcher.py) spawn, as the `demo` and `bench` commands
+    always do. `MILES_LORA_CKPT_TEST_SPAWN=1` spawns every job of the suite instead.
+    """
+    from miles_lora_ckpt.sim import launch
+
+    if os.environ.get("MILES_LORA_CKPT_TEST_SPAWN") == "1":
+        yield
+        return
+    with launch.route_megatron_jobs(prewarmed):
+        yield

@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -292,71 +287,3 @@ def test_workers_run_the_megatron_tier_under_test(w2):
     for rank in w2:
         assert rank["megatron_version"].startswith(installed)
         assert rank["intercepts_active"] is True
-
-
-# ------------------------------------------------------------------------------ launcher
-
-
-IMPORT_CHECK = """
-import os, sys, torch
-from miles_lora_ckpt.sim import cpu_intercepts as ci
-assert not ci.active()
-assert not [m for m in sys.modules if m.startswith("megatron")]
-assert torch._C._len_torch_function_stack() == 0
-assert torch.cuda.current_device.__module__ == "torch.cuda"
-try:
-    ci.install()
-except RuntimeError as exc:
-    assert ci.WORKER_ENV in str(exc)
-else:
-    raise AssertionError("install() ran outside a harness worker")
-assert not ci.active()
-"""
-
-
-def test_nothing_is_intercepted_at_import_or_outside_workers():
-    env = {k: v for k, v in os.environ.items() if k != "MILES_LORA_CKPT_SIM_WORKER"}
-    done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-
-
-def test_launcher_reports_results_errors_signals_and_grace_kills():
-    payload = {"actions": ["return", "sigkill", "raise", "hang"]}
-    results = run_workers(
-        4,
-        "harness_jobs:launcher_job",
-        payload,
-        sys_path=[JOBS_DIR],
-        env={"SIM_TEST_MARK": "marked"},
-        failure_grace_s=5,
-        timeout_s=120,
-    )
-    ok, killed, raised, hung = results
-    assert ok.ok and ok.exitcode == 0 and ok.error is None
-    assert ok.result == {
-        "rank": 0,
-        "world_size": 4,
-        "payload": payload,
-        "scratch_is_dir": True,
-        "env_mark": "marked",
-        "torch_threads": 1,
-        "dist_world_size": 4,
-        "intercepts_active": True,
-    }
-    assert killed.exitcode == -signal.SIGKILL and killed.result is None and "SIGKILL" in killed.error
-    assert raised.exitcode == 1 and "ValueError: boom from rank 2" in raised.error
-    assert hung.exitcode == -signal.SIGKILL and not hung.timed_out and "after rank" in hung.error
-    with pytest.raises(RuntimeError) as failure:
-        check_all(results)
-    assert "3 of 4 ranks failed" in str(failure.value) and "boom from rank 2" in str(failure.value)
-
-
-def test_launcher_kills_every_rank_at_timeout():
-    start = time.monotonic()
-    results = run_workers(
-        2, "harness_jobs:launcher_job", {"actions": ["hang", "hang"]}, sys_path=[JOBS_DIR], timeout_s=6
-    )
-    assert time.monotonic() - start < 20
-    for result in results:
-        assert result.timed_out and result.exitcode == -signal.SIGKILL
-        assert result.error.startswith("timed out")

@@ -7,6 +7,7 @@ log file whose tail comes back in its ``RankResult``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,12 +17,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _TAIL_CHARS = 6000
 _POLL_S = 0.05
+_router = None  # see route_megatron_jobs
 
 
 @dataclass
@@ -69,7 +72,20 @@ def run_workers(
     to finish; at ``timeout_s`` every rank still running is killed and marked ``timed_out``.
     With ``megatron=False`` the worker neither imports megatron nor installs the intercepts (jobs
     that only need gloo and torch start in about a second).
+
+    While a router is set (`route_megatron_jobs`), megatron jobs are forked from it instead.
     """
+    if megatron and _router is not None:
+        return _router.run_as_spawned(
+            world_size,
+            target,
+            payload,
+            env=env,
+            sys_path=sys_path,
+            timeout_s=timeout_s,
+            failure_grace_s=failure_grace_s,
+            scratch_dir=scratch_dir,
+        )
     job_dir = Path(tempfile.mkdtemp(prefix="miles-sim-job-"))
     try:
         scratch = Path(scratch_dir) if scratch_dir is not None else job_dir / "scratch"
@@ -90,6 +106,23 @@ def run_workers(
         return [_collect(job_dir, rank, proc, killed.get(rank)) for rank, proc in enumerate(procs)]
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def route_megatron_jobs(router) -> Iterator[None]:
+    """Within the block, `run_workers` forks megatron jobs from `router` (None: spawn every rank).
+
+    `router` is a `sim.prewarmed.PrewarmedLauncher`: torch and megatron are imported once, and each
+    rank is a forked child running the same worker code with the caller's current environment. The
+    test suite routes its jobs this way (tests/conftest.py), so that each launch costs a fork
+    instead of seconds of imports per rank; tools (demo, bench) always spawn.
+    """
+    global _router
+    previous, _router = _router, router
+    try:
+        yield
+    finally:
+        _router = previous
 
 
 def check_all(results: list[RankResult]) -> list[dict]:

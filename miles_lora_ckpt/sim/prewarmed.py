@@ -64,6 +64,8 @@ class PrewarmedLauncher:
             CUDA_VISIBLE_DEVICES="",
             MILES_LORA_CKPT_SIM_WORKER="1",
         )
+        self._started_environ = dict(os.environ)
+        self._server_paths = paths
         self._log = open(self._dir / "server.log", "wb")  # noqa: SIM115 - lives as long as the server
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "miles_lora_ckpt.sim.prewarmed"],
@@ -86,8 +88,12 @@ class PrewarmedLauncher:
         timeout_s: float = 300.0,
         failure_grace_s: float = 10.0,
         scratch_dir: str | os.PathLike | None = None,
+        unset: list[str] | tuple[str, ...] = (),
     ) -> list[RankResult]:
-        """Like `launch.run_workers`: run `target` as `function(payload, ctx)` on `world_size` forked ranks."""
+        """Like `launch.run_workers`: run `target` as `function(payload, ctx)` on `world_size` forked ranks.
+
+        The children get the server's environment, then `env`, minus the variables named in `unset`.
+        """
         self.start()
         self._count += 1
         job_dir = self._dir / f"launch-{self._count}"
@@ -101,6 +107,7 @@ class PrewarmedLauncher:
             "world_size": world_size,
             "target": target,
             "env": env or {},
+            "unset": list(unset),
             "sys_path": [str(p) for p in sys_path],
             "scratch_dir": str(scratch),
             "timeout_s": timeout_s,
@@ -112,6 +119,43 @@ class PrewarmedLauncher:
         reports = json.loads((job_dir / "results.json").read_text())
         shutil.rmtree(job_dir, ignore_errors=True)
         return [RankResult(**report) for report in reports]
+
+    def run_as_spawned(
+        self,
+        world_size: int,
+        target: str,
+        payload: dict,
+        *,
+        env: dict[str, str] | None = None,
+        sys_path: tuple[str, ...] | list[str] = (),
+        timeout_s: float = 300.0,
+        failure_grace_s: float = 30.0,
+        scratch_dir: str | os.PathLike | None = None,
+    ) -> list[RankResult]:
+        """`run`, with the environment a `launch.run_workers` rank would get now.
+
+        The server's environment is the one it started with; a spawned rank would see the caller's
+        current one. So every variable set or changed since (and `env`) is applied in the children,
+        every one removed since is removed there, and PYTHONPATH entries added since come first on
+        their `sys.path`, as they would in a fresh interpreter.
+        """
+        self.start()
+        now = dict(os.environ)
+        now.update(env or {})
+        changed = {k: v for k, v in now.items() if self._started_environ.get(k) != v and k != "PYTHONPATH"}
+        removed = [k for k in self._started_environ if k not in now]
+        added_paths = [p for p in now.get("PYTHONPATH", "").split(os.pathsep) if p and p not in self._server_paths]
+        return self.run(
+            world_size,
+            target,
+            payload,
+            env=changed,
+            sys_path=[*added_paths, *sys_path],
+            timeout_s=timeout_s,
+            failure_grace_s=failure_grace_s,
+            scratch_dir=scratch_dir,
+            unset=removed,
+        )
 
     def close(self) -> None:
         if self._proc is not None:
@@ -196,6 +240,8 @@ def _child(request: dict, rank: int, port: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         sys.stdin.close()
+        for name in request.get("unset", ()):
+            os.environ.pop(name, None)
         os.environ.update(request["env"])
         os.environ.update(
             RANK=str(rank),

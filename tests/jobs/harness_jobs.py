@@ -316,3 +316,11 @@ def launcher_job(payload: dict, ctx) -> dict:
         "dist_world_size": torch.distributed.get_world_size(),
         "intercepts_active": cpu_intercepts.active(),
     }
+
+
+def import_job(payload: dict, ctx) -> dict:
+    """Import the payload's module by name (found on the rank's sys.path) and return its VALUE."""
+    import importlib
+
+    module = importlib.import_module(payload["module"])
+    return {"module": payload["module"], "value": module.VALUE}

@@ -1,0 +1,115 @@
+"""Tests of the job launcher itself (`sim.launch.run_workers`), with every rank a fresh interpreter.
+
+The rest of the suite forks its megatron jobs from a pre-warmed launcher (tests/conftest.py); these
+tests turn that off, so the spawn path that the demo and the bench use is the one under test. They
+do not depend on the megatron version, so they run on tier 1 only (no `megatron` marker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from miles_lora_ckpt.sim import check_all, launch, run_workers
+
+pytestmark = [pytest.mark.multirank]
+
+JOBS_DIR = str(Path(__file__).parent / "jobs")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def every_rank_spawned():
+    with launch.route_megatron_jobs(None):
+        yield
+
+
+IMPORT_CHECK = """
+import os, sys, torch
+from miles_lora_ckpt.sim import cpu_intercepts as ci
+assert not ci.active()
+assert not [m for m in sys.modules if m.startswith("megatron")]
+assert torch._C._len_torch_function_stack() == 0
+assert torch.cuda.current_device.__module__ == "torch.cuda"
+try:
+    ci.install()
+except RuntimeError as exc:
+    assert ci.WORKER_ENV in str(exc)
+else:
+    raise AssertionError("install() ran outside a harness worker")
+assert not ci.active()
+"""
+
+
+def test_nothing_is_intercepted_at_import_or_outside_workers():
+    env = {k: v for k, v in os.environ.items() if k != "MILES_LORA_CKPT_SIM_WORKER"}
+    done = subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_launcher_reports_results_errors_signals_and_grace_kills():
+    payload = {"actions": ["return", "sigkill", "raise", "hang"]}
+    results = run_workers(
+        4,
+        "harness_jobs:launcher_job",
+        payload,
+        sys_path=[JOBS_DIR],
+        env={"SIM_TEST_MARK": "marked"},
+        failure_grace_s=5,
+        timeout_s=120,
+    )
+    ok, killed, raised, hung = results
+    assert ok.ok and ok.exitcode == 0 and ok.error is None
+    assert ok.result == {
+        "rank": 0,
+        "world_size": 4,
+        "payload": payload,
+        "scratch_is_dir": True,
+        "env_mark": "marked",
+        "torch_threads": 1,
+        "dist_world_size": 4,
+        "intercepts_active": True,
+    }
+    assert killed.exitcode == -signal.SIGKILL and killed.result is None and "SIGKILL" in killed.error
+    assert raised.exitcode == 1 and "ValueError: boom from rank 2" in raised.error
+    assert hung.exitcode == -signal.SIGKILL and not hung.timed_out and "after rank" in hung.error
+    with pytest.raises(RuntimeError) as failure:
+        check_all(results)
+    assert "3 of 4 ranks failed" in str(failure.value) and "boom from rank 2" in str(failure.value)
+
+
+def test_launcher_kills_every_rank_at_timeout():
+    start = time.monotonic()
+    results = run_workers(
+        2, "harness_jobs:launcher_job", {"actions": ["hang", "hang"]}, sys_path=[JOBS_DIR], timeout_s=6
+    )
+    assert time.monotonic() - start < 20
+    for result in results:
+        assert result.timed_out and result.exitcode == -signal.SIGKILL
+        assert result.error.startswith("timed out")
+
+
+def test_a_routed_job_sees_what_a_spawned_rank_would(prewarmed, monkeypatch, tmp_path):
+    """The suite's fork route: the caller's environment now (set, changed, removed), new PYTHONPATH
+    entries first on sys.path, and the same results, errors and signals as a spawned rank."""
+    prewarmed.start()  # its environment is taken here: what follows changes the caller's only
+    monkeypatch.setenv("SIM_TEST_MARK", "set-after-the-server-started")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    (tmp_path / "late_module.py").write_text("VALUE = 7\n")
+    payload = {"actions": ["return", "sigkill", "raise"]}
+    with launch.route_megatron_jobs(prewarmed):
+        results = run_workers(3, "harness_jobs:launcher_job", payload, sys_path=[JOBS_DIR], failure_grace_s=5)
+        late = check_all(run_workers(1, "harness_jobs:import_job", {"module": "late_module"}, sys_path=[JOBS_DIR]))
+    ok, killed, raised = results
+    assert ok.ok and ok.result["env_mark"] == "set-after-the-server-started"
+    assert ok.result["intercepts_active"] is True and ok.result["torch_threads"] == 1
+    assert ok.result["dist_world_size"] == 3 and ok.result["scratch_is_dir"] is True
+    assert killed.exitcode == -signal.SIGKILL and "SIGKILL" in killed.error
+    assert raised.exitcode == 1 and "ValueError: boom from rank 2" in raised.error
+    assert late == [{"module": "late_module", "value": 7}]
