@@ -32,6 +32,7 @@ DEMO_AND_BENCH = (
     "tools/demo_slots.py",
     "tools/demo_miles_slots.py",
     "tools/bench.py",
+    "tools/bench_async.py",
 )
 
 
