@@ -2,9 +2,10 @@
 
 The unit part binds synthetic Miles module sets (`test_miles_bindings.fake_miles`). The multi-rank
 part launches the Miles stand-in's multi-LoRA loop (`sim/miles_standin/common/multi_lora.py`: two
-adapters in two slots of the slot model, Miles' per-slot LayerWise chain of real megatron-core
-Float16 children, per-slot schedulers; adapter b trains every second round, is retired at its step
-2 and registered again once adapter a reached step 4) with the init hook, SIGKILLs one rank in the
+adapters in three slots of the slot model, Miles' per-slot LayerWise chain of real megatron-core
+Float16 children, per-slot schedulers; adapter b trains every second round, is retired from slot 1
+at its step 2 and registered again into slot 2 once adapter a reached step 4: it resumes into
+another slot index, holding exactly what it left with, its co-tenant untouched) with the init hook, SIGKILLs one rank in the
 middle of a save, relaunches the same command and compares every slot's adapter, fp32 masters,
 moments, steps, param groups and scheduler with an uninterrupted run, digest by digest, under both
 Miles shapes (v1 `multi_lora_utils`, v2 `lora/checkpoint.py`). Those launches export every slot

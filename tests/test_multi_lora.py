@@ -5,7 +5,7 @@ atomically, the same step saved twice, stray / malformed / half-written entries 
 never crashing the scan, retention removing links, the operator tools on slot roots, the demo's
 schedule. Multi-rank (real megatron, gloo): one W=4 job (the stale-shard scenario: an EP=4 slot save fails
 inside its PEFT export after its shards are staged, then EP=1), one W=2 job (fault injection at every save and load phase on every rank, the empty-shard
-guard, a slot saved with its PEFT export), and `demo --slots 2` killed mid-save and resumed
+guard, a slot generation resumed into another slot index bit for bit, a slot saved with its PEFT export), and `demo --slots 2` killed mid-save and resumed
 bit-exact per slot (with a negative control).
 """
 
