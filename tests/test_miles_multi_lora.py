@@ -2,9 +2,10 @@
 
 The unit part binds synthetic Miles module sets (`test_miles_bindings.fake_miles`). The multi-rank
 part launches the Miles stand-in's multi-LoRA loop (`sim/miles_standin/common/multi_lora.py`: two
-adapters in two slots of the slot model, Miles' per-slot LayerWise chain of real megatron-core
-Float16 children, per-slot schedulers; adapter b trains every second round, is retired at its step
-2 and registered again once adapter a reached step 4) with the init hook, SIGKILLs one rank in the
+adapters in three slots of the slot model, Miles' per-slot LayerWise chain of real megatron-core
+Float16 children, per-slot schedulers; adapter b trains every second round, is retired from slot 1
+at its step 2 and registered again into slot 2 once adapter a reached step 4: it resumes into
+another slot index, holding exactly what it left with, its co-tenant untouched) with the init hook, SIGKILLs one rank in the
 middle of a save, relaunches the same command and compares every slot's adapter, fp32 masters,
 moments, steps, param groups and scheduler with an uninterrupted run, digest by digest, under both
 Miles shapes (v1 `multi_lora_utils`, v2 `lora/checkpoint.py`). Those launches export every slot
@@ -144,6 +145,9 @@ ADAPTERS = [
     {"name": "a", "steps": 6, "every": 1},
     {"name": "b", "steps": 5, "every": 2, "retire_at": 2, "return_when": {"a": 4}},
 ]
+# b comes back into slot 2 (Miles hands out a free slot), resuming from generations of slot 1
+MOVED = [ADAPTERS[0], {**ADAPTERS[1], "return_slot": 2}]
+SLOTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -156,18 +160,18 @@ def slot_hf_base(tmp_path_factory):
 
 
 class SlotRun:
-    def __init__(self, launcher, tmp: Path, shape: str, hf_base: Path | None = None):
+    def __init__(self, launcher, tmp: Path, shape: str, hf_base: Path | None = None, adapters=ADAPTERS):
         from miles_lora_ckpt.sim.miles_standin import shape_path
 
         tmp.mkdir(parents=True, exist_ok=True)
         self.launcher, self.shape_dir, self.save = launcher, shape_path(shape), tmp / "run"
-        (tmp / "adapters.json").write_text(json.dumps({"adapters": ADAPTERS}))
+        (tmp / "adapters.json").write_text(json.dumps({"adapters": adapters}))
         self.config = tmp / "plugin.toml"
         # PEFT per slot save: v1 exports by default (as stock v1 does), v2 when export.peft asks
         peft = "[export]\npeft = true\n" if hf_base is not None and shape == V2 else ""
         self.config.write_text("[consensus]\ntimeout_s = 60\n" + peft)
         self.argv = HOOK + ["--save", str(self.save), "--save-interval", "2", "--lora-rank", "4", "--bf16"]
-        self.argv += ["--multi-lora-n-adapters", "2", "--multi-lora-config", str(tmp / "adapters.json")]
+        self.argv += ["--multi-lora-n-adapters", str(SLOTS), "--multi-lora-config", str(tmp / "adapters.json")]
         self.argv += ["--num-rollout", "1"]
         self.argv += ["--hf-checkpoint", str(hf_base)] if hf_base is not None else []
 
@@ -183,6 +187,16 @@ class SlotRun:
         )
 
 
+def _over_ranks(results: list[dict], when: str) -> dict[str, list[str]]:
+    """Every rank's digests of adapter b's slot `when` ("retired", "joined"): `{key: [digest on
+    each rank that holds it]}` (per-child param-group keys collected over the children)."""
+    merged: dict[str, list[str]] = {}
+    for result in results:
+        for key, digest in result[when]["b"]["digests"].items():
+            merged.setdefault(key, []).append(digest)
+    return {key: sorted(digests) for key, digests in merged.items()}
+
+
 def _ok(results) -> list[dict]:
     for r in results:
         assert r.ok and not r.result["failed"], f"rank {r.rank}: {r.error or r.result['failed']}\n{r.stderr_tail}"
@@ -195,8 +209,9 @@ def _ok(results) -> list[dict]:
 def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninterrupted_run(
     prewarmed, tmp_path, shape, slot_hf_base
 ):
-    reference = _ok(SlotRun(prewarmed, tmp_path / "reference", shape).launch())
-    run = SlotRun(prewarmed, tmp_path / "killed", shape, slot_hf_base)  # the same training, exporting PEFT
+    # b comes back into slot 2 (Miles hands out a free slot), resuming from its slot-1 retire save
+    reference = _ok(SlotRun(prewarmed, tmp_path / "reference", shape, adapters=MOVED).launch())
+    run = SlotRun(prewarmed, tmp_path / "killed", shape, slot_hf_base, adapters=MOVED)  # exporting PEFT
     # rank 1 dies in the middle of adapter a's step-4 save, after b was retired at its step 2
     crashed = run.launch(crash={"adapter": "a", "step": 4, "rank": 1, "phase": "mid-write", "reason": "periodic"})
     assert any(r.exitcode == -9 for r in crashed), [(r.rank, r.exitcode, r.error) for r in crashed]
@@ -210,16 +225,28 @@ def test_two_slots_killed_mid_save_and_relaunched_end_bit_identical_to_an_uninte
         assert resumed[rank]["registered_at"] == {"a": 2, "b": 2}  # a's step-4 save never committed
         assert resumed[rank]["steps"]["a"] == [3, 4, 5, 6] and resumed[rank]["steps"]["b"] == [3, 4, 5]
         assert reference[rank]["steps"]["b"] == [1, 2, 3, 4, 5]  # b left at 2 and came back
+        assert resumed[rank]["final_slots"] == reference[rank]["final_slots"] == {"a": 0, "b": 2}
         for adapter in ("a", "b"):
             want, got = reference[rank]["final"][adapter], resumed[rank]["final"][adapter]
             assert sorted(got) == sorted(want)
             assert any(k.startswith("master/") for k in want) and "scheduler" in want
             differing = [k for k in want if got[k] != want[k]]
             assert not differing, f"rank {rank}, adapter {adapter}: {differing[:5]}"
+    # the slot index on resume: b left slot 1 and resumed into slot 2 holding exactly what it left
+    # with (every rank's adapter, fp32 masters, moments, steps, param groups, scheduler; LayerWise
+    # gives slot 2's whole params to other DP ranks than slot 1's, so compare over every rank)
+    for results in (reference, resumed):
+        assert [r["retired"]["b"]["slot"] for r in results] == [1, 1] and [
+            r["joined"]["b"]["slot"] for r in results
+        ] == [2, 2]
+        left, came_back = _over_ranks(results, "retired"), _over_ranks(results, "joined")
+        assert sorted(left) == sorted(came_back) and any(k.endswith("/step") for k in left)  # moments restored
+        assert [k for k in left if left[k] != came_back[k]] == []
+        assert all(r["cotenants_changed_by_join"] == {"a": []} for r in results)  # slot 0 untouched by it
     if shape == V1:  # each resumed slot's saved scheduler state restored after Miles repositioned it
         # (num_steps = step x 4 samples: a and b both resumed at their step 2; b again when it came back)
-        assert resumed[0]["plugin"]["slot_schedulers_restored"] == {"0": 8, "1": 8}
-        assert reference[0]["plugin"]["slot_schedulers_restored"] == {"1": 8}  # b re-registered from its retire save
+        assert resumed[0]["plugin"]["slot_schedulers_restored"] == {"0": 8, "1": 8, "2": 8}
+        assert reference[0]["plugin"]["slot_schedulers_restored"] == {"2": 8}  # b re-registered from its retire save
     if shape == V1:  # Miles' own scan, replaced: the agreed newest generation, through its step_N link
         latest = resumed[0]["find_latest"]
         assert latest["a"] == [str(run.save / "adapters" / "a" / "checkpoints" / "step_6"), 6]

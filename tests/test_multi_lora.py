@@ -5,7 +5,7 @@ atomically, the same step saved twice, stray / malformed / half-written entries 
 never crashing the scan, retention removing links, the operator tools on slot roots, the demo's
 schedule. Multi-rank (real megatron, gloo): one W=4 job (the stale-shard scenario: an EP=4 slot save fails
 inside its PEFT export after its shards are staged, then EP=1), one W=2 job (fault injection at every save and load phase on every rank, the empty-shard
-guard, a slot saved with its PEFT export), and `demo --slots 2` killed mid-save and resumed
+guard, a slot generation resumed into another slot index bit for bit, a slot saved with its PEFT export), and `demo --slots 2` killed mid-save and resumed
 bit-exact per slot (with a negative control).
 """
 
@@ -276,7 +276,7 @@ def test_the_empty_shard_guard_refuses_on_every_rank(w2):
     for result in w2:
         g = result["guards"]
         for case in g:
-            if case != "missing":
+            if case not in ("missing", "remap"):
                 assert g[case]["error"] == w2[0]["guards"][case]["error"] and g[case]["changed"] is None, case
         assert "empty slot shard" in g["save_empty"]["error"] and "rank(s) [0, 1]" in g["save_empty"]["error"]
         assert "incomplete slot shard" in g["save_partial"]["error"] and "linear_proj" in g["save_partial"]["error"]
@@ -291,6 +291,27 @@ def test_the_empty_shard_guard_refuses_on_every_rank(w2):
         assert "saver 'multi-lora-slot', not 'single-lora'" in g["single_loads_slot"]["error"]
         assert "saver 'single-lora', not 'multi-lora-slot'" in g["slot_loads_single"]["error"]
         assert g["missing"] == [False, None]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_a_slot_generation_resumes_bit_exact_into_another_slot_index_its_co_tenant_untouched(w2):
+    def over_ranks(part: str) -> dict:  # LayerWise: slot 0's whole params sit on other ranks than slot 1's
+        merged: dict = {}
+        for result in w2:
+            for key, digest in result["guards"]["remap"][part].items():
+                merged.setdefault(key, []).append(digest)
+        return {key: sorted(digests) for key, digests in merged.items()}
+
+    saved, restored, before = over_ranks("saved"), over_ranks("restored"), over_ranks("before")
+    assert sorted(saved) == sorted(restored), sorted(set(saved) ^ set(restored))
+    assert any("/state/" in k for k in saved) and "slot0/scheduler" in saved
+    assert [k for k in saved if saved[k] != restored[k]] == []  # every tensor, counter, group, scheduler
+    assert [k for k in saved if saved[k] != before[k]]  # negative control: slot 0 held other values
+    for result in w2:
+        r = result["guards"]["remap"]
+        assert r["loaded"] == [True, 2, True, True]
+        assert r["cotenant_changed"] == [] and r["others_changed"] == []  # slot 1, now at the saved index
 
 
 @pytest.mark.megatron
@@ -359,3 +380,52 @@ def test_bad_arguments_fail_collectively_before_anything_is_touched(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint phase 'arguments' failed"):
         load_slot_checkpoint(None, tmp_path / "root", slot=True, adapter_filter=lambda n: True, consensus=one)
     assert not (tmp_path / "root").exists()
+
+
+def test_a_slot_remap_shows_the_loader_the_saved_slot_names_and_children_and_refuses_what_differs():
+    import re
+    from types import SimpleNamespace
+
+    import torch
+
+    from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+    from miles_lora_ckpt.savers.multi_lora import rename_by_pattern
+    from miles_lora_ckpt.savers.multi_lora.remap import SlotRemap, model_view, optimizer_view
+
+    rename = rename_by_pattern(re.compile(r"\.adapter\.adapters\.(\d+)\."))
+    remap = SlotRemap(saved=1, slot=2, rename=rename)  # saved from slot 1, loading into slot 2
+
+    def name(slot: int) -> str:
+        return f"fc1.adapter.adapters.{slot}.linear_in.weight"
+
+    assert [remap.view_name(name(s)) for s in (0, 1, 2)] == [name(0), name(2), name(1)]  # a swap
+    assert remap.view_name("fc1.adapter.adapters.12.linear_in.weight").endswith("adapters.12.linear_in.weight")
+    in_slot_2 = remap.view_filter(lambda n: ".adapters.2." in n)
+    assert in_slot_2(name(1)) and not in_slot_2(name(2))  # the loading slot's params under saved names
+
+    adapters = torch.nn.ModuleList(torch.nn.ModuleDict({"linear_in": torch.nn.Linear(2, 2)}) for _ in range(3))
+    model = torch.nn.Module()
+    model.fc1 = torch.nn.Module()
+    model.fc1.adapter = torch.nn.Module()
+    model.fc1.adapter.adapters = adapters
+    real = dict(model.named_parameters())
+    viewed = dict(model_view(model, remap)[0].named_parameters())
+    assert viewed[name(1)] is real[name(2)] and viewed[name(2)] is real[name(1)] and viewed[name(0)] is real[name(0)]
+    assert real[name(1)] is not real[name(2)]  # negative control: unmapped, slot 1's names are another slot's
+    with pytest.raises(ValueError, match="collide"):  # a renamer that is no swap
+        model_view(model, SlotRemap(1, 2, lambda n, a, b: name(0)))
+
+    # the chain: slot s has children [2s, 2s + 1]; the saved [2, 3] stand for slot 2's [4, 5]
+    chain = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=object()) for _ in range(6)])
+    leaves = [c.optimizer for c in leaf_children(chain)]
+    view, children = optimizer_view(chain, [2, 3], [4, 5])
+    assert children == [2, 3]
+    assert [c.optimizer for c in leaf_children(view)] == [leaves[i] for i in (0, 1, 4, 5, 2, 3)]
+    assert [c.index for c in leaf_children(view)] == list(range(6))
+    view, children = optimizer_view(chain, [2, 3], [3, 4])  # overlapping: still a permutation
+    assert children == [2, 3] and [c.optimizer for c in leaf_children(view)] == [leaves[i] for i in (0, 1, 3, 4, 2, 5)]
+    with pytest.raises(IncompatibleCheckpoint, match="do not correspond one-to-one"):
+        optimizer_view(chain, [2, 3], [4])
+    with pytest.raises(IncompatibleCheckpoint, match="this chain has 6"):
+        optimizer_view(chain, [6, 7], [4, 5])

@@ -90,6 +90,10 @@ def supported_kind(bound_handlers) -> str | None:
     return None
 
 
+# a slot generation saved from slot i resumes into slot j: `...adapter.adapters.{i}.` -> `{j}`
+rename_miles_slot = saver.rename_by_pattern(_SLOT_NAME)
+
+
 def slot_filter(slot: int) -> Callable[[str], bool]:
     """The adapter names of slot `slot`, as Miles/Bridge name them (`...adapter.adapters.{slot}.linear_in...`)."""
 
@@ -260,6 +264,7 @@ def _resume_slot(adapter, model, optimizer, args) -> int:
             opt_param_scheduler=capture,
             optimizer_children=children,
             load_optim=not getattr(args, "no_load_optim", False),
+            rename_slot=rename_miles_slot,
         )
     if result is not None and result.loaded and capture is not None and capture.saved is not None:
         runtime.current().multi_lora_schedulers.setdefault(id(model), {})[adapter.slot] = capture.saved
@@ -468,6 +473,7 @@ def slot_load(original: Callable, target) -> Callable:
             optimizer_children=_children(optimizer, slot),
             name=name,
             load_optim=bool(load_optimizer),
+            rename_slot=rename_miles_slot,
         )
         if not result.loaded:
             raise CheckpointError(f"load_slot: nothing committed at {path}")

@@ -13,13 +13,15 @@ Sections (each named in the payload):
   the one resumed, and a failed load changes neither the slot nor its co-tenant.
 - `guards` (W=2): the empty-shard guard (save: a filter matching nothing, a filter missing some of
   the slot's parameters; load: a slot checkpoint that does not cover every parameter of the slot,
-  one of another slot index), each refused on every rank with nothing changed.
+  one of another slot index), each refused on every rank with nothing changed; then a slot-1
+  generation resumed into slot 0 (`rename_slot`), bit for bit, its co-tenant at index 1 untouched.
 - `peft` (W=2): a slot saved with `peft=` holds an HF PEFT adapter directory.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -334,6 +336,7 @@ def guards(case: dict, ctx, consensus) -> dict:
     attempt(
         "load_other_slot", lambda: ml.load_slot_checkpoint(run.model, root / "one", **_kw(run, trainer, 0, consensus))
     )
+
     # a filter matching nothing at load
     attempt("load_empty", lambda: ml.load_slot_checkpoint(run.model, root / "one", **nothing))
     # a single-LoRA loader refuses a slot root, and the slot loader a single-LoRA root
@@ -348,8 +351,38 @@ def guards(case: dict, ctx, consensus) -> dict:
     # a missing root loads nothing; latest_slot_step says None
     missing = ml.load_slot_checkpoint(run.model, root / "missing", **kw)
     out["missing"] = [missing.loaded, ml.latest_slot_step(root / "missing", consensus=consensus)]
+    out["remap"] = _remap(run, trainer, root / "one", consensus)
     teardown(run)
     return out
+
+
+def _swap_layers(name: str, source: int, target: int) -> str:
+    """The harness's slot renamer: slot s is layer s here (2 layers, 2 slots)."""
+    return re.sub(rf"(^|\.)layers\.{source}\.", rf"\g<1>layers.{target}.", name, count=1)
+
+
+def _remap(run, trainer, one: Path, consensus) -> dict:
+    """Slot 1's generation `one` (step 2) resumed into slot 0 (after slot 0 trained on to step 3),
+    with slot 1 (the co-tenant at the saved index) untouched: this rank's digests, keyed as slot 0's."""
+    _train(trainer, [0], 2, 3)
+    before = _state(run, trainer)
+    result = ml.load_slot_checkpoint(run.model, one, rename_slot=_swap_layers, **_kw(run, trainer, 0, consensus))
+    after = _state(run, trainer)
+    children = dict(zip(trainer.children[1], trainer.children[0], strict=True))
+
+    def as_slot0(key: str) -> str:
+        key = re.sub(r"^opt(\d+)/", lambda m: f"opt{children[int(m.group(1))]}/", key)
+        return re.sub(r"(^|[./])layers\.1\.", r"\g<1>layers.0.", key.replace("slot1/", "slot0/"), count=1)
+
+    slots = dict(zip(sorted(before), _slot_names(run, trainer, sorted(before)), strict=True))
+    return {
+        "loaded": [result.loaded, result.iteration, result.optimizer_restored, result.scheduler_restored],
+        "saved": {as_slot0(k): v for k, v in before.items() if slots[k] == 1},  # slot 1 as saved
+        "restored": {k: after[k] for k in after if slots.get(k) == 0},
+        "before": {k: before[k] for k in before if slots[k] == 0},  # negative control: slot 0 at step 3
+        "cotenant_changed": sorted(k for k in before if slots[k] == 1 and before[k] != after.get(k)),
+        "others_changed": sorted(k for k in before if slots[k] not in (0, 1) and before[k] != after.get(k)),
+    }
 
 
 # --------------------------------------------------------------------------- retire

@@ -52,8 +52,24 @@ class Child:
         return class_name(self.optimizer)
 
 
+@dataclass(frozen=True)
+class PermutedLeaves:
+    """A view of an optimizer chain whose leaf `i` is the real leaf `order[i]` (same optimizers,
+    same `layer_wise`, renumbered): how a multi-LoRA slot generation saved from one slot's children
+    is restored into another slot's (`savers.multi_lora.remap`). `leaf_children` reads it; nothing
+    else does, and the view is never kept past one load."""
+
+    optimizer: object
+    order: tuple[int, ...]
+
+
 def leaf_children(optimizer) -> list[Child]:
     """Every leaf child of `optimizer` (a ChainedOptimizer, a LayerWise chain, or one child), stubs included."""
+    if isinstance(optimizer, PermutedLeaves):
+        real = leaf_children(optimizer.optimizer)
+        if sorted(optimizer.order) != list(range(len(real))):
+            raise ValueError(f"a leaf permutation must reorder all {len(real)} children, got {list(optimizer.order)}")
+        return [Child(i, real[o].optimizer, real[o].layer_wise) for i, o in enumerate(optimizer.order)]
     leaves: list[Child] = []
 
     def visit(node, layer_wise: bool) -> None:

@@ -31,7 +31,9 @@ step; otherwise the save (or load) fails on every rank before anything is writte
   generation of the slot root; optional PEFT export (`peft=`), run after the slot's files are
   staged, into the generation's `peft/` or (`peft_prefix=""`) its top, Miles v1's stock names.
 - `load_slot_checkpoint`: the newest intact generation (agreed by every rank) or a named one;
-  restores exactly that slot, never touching a co-tenant's adapter, masters or moments.
+  restores exactly that slot, never touching a co-tenant's adapter, masters or moments; with
+  `rename_slot` (`rename_by_pattern`) a generation saved from another slot index resumes into
+  this one (`remap`).
 - `latest_slot_step`: the step of the generation a load would choose (agreed), or None.
 - `retire_slot`: the final save of a leaving slot (the same step saved twice replaces it
   atomically), then the slot's optimizer state reset, co-tenants untouched.
@@ -44,15 +46,18 @@ from miles_lora_ckpt.savers.multi_lora.naming import (
     reader_links,
     v1_step_name,
 )
+from miles_lora_ckpt.savers.multi_lora.remap import SlotRenamer, rename_by_pattern
 from miles_lora_ckpt.savers.multi_lora.retire import reset_slot_optimizer, retire_slot
 from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
 
 __all__ = [
     "SLOT_SAVER",
+    "SlotRenamer",
     "check_reader_name",
     "latest_slot_step",
     "load_slot_checkpoint",
     "reader_links",
+    "rename_by_pattern",
     "reset_slot_optimizer",
     "retire_slot",
     "save_slot_checkpoint",

@@ -12,12 +12,14 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from miles_lora_ckpt.core import signing
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.protocol import open_generation
-from miles_lora_ckpt.core.verify import committed_candidates
+from miles_lora_ckpt.core.verify import check_structure, committed_candidates, find_candidates
 from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name, reader_links
+from miles_lora_ckpt.savers.multi_lora.remap import SlotRemap, SlotRenamer, model_view, optimizer_view
 from miles_lora_ckpt.savers.multi_lora.save import _required, _slot_index
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, saved_metadata
 from miles_lora_ckpt.savers.single_lora.load import SaverCheck, load_adapter_generation
@@ -35,6 +37,7 @@ def load_slot_checkpoint(
     consensus: Consensus | None = None,
     name: str | None = None,
     load_optim: bool = True,
+    rename_slot: SlotRenamer | None = None,
 ) -> LoadResult:
     """Collective. Restore slot `slot` from `slot_root`: its newest intact generation, or `name`.
 
@@ -50,6 +53,16 @@ def load_slot_checkpoint(
       CheckpointError): a generation of another saver, of another slot index, another
       model-parallel layout (TP/PP/EP/ETP/CP/VPP; DP may change), or one that does not cover every
       parameter of the slot on this rank (the empty-shard guard), or a filter that matches nothing.
+    - Another slot index: with `rename_slot` (a `remap.SlotRenamer`, e.g. the Miles bindings'
+      `.adapter.adapters.{slot}.` renamer), a generation saved from slot `i` loads into slot `slot`:
+      its adapter weights by their names with `i` -> `slot`, its optimizer children (the
+      generation's `optimizer_selection`, ascending) into `optimizer_children` (ascending), the
+      scheduler as usual (see `remap`). Refused like any other load (changing nothing) unless
+      shapes, parameter sets, child count, classes, families and state keys correspond one-to-one;
+      every other slot (one now at index `i` included) stays bit-identical. Without `rename_slot`
+      another slot index is refused. The index is read from the newest structurally intact
+      generation (or `name`); if the loader then falls back past a damaged one to a generation of
+      yet another slot index, the load is refused (load that one by `name`).
     - A missing root, or one with nothing committed yet, loads nothing (`result.loaded` False).
     `result.iteration` is the slot's step.
     """
@@ -62,12 +75,29 @@ def load_slot_checkpoint(
         named = attempt(_named, path, name) if consensus.rank == 0 else Outcome.success()
         path = path / consensus.agree("classify", named)[0]
 
+    # remap: the coordinator reads which slot (and children) the generation to load was saved from
+    consensus.agree_same("remap", Outcome.success(str(path)))
+    probed = attempt(_saved_slot, path) if consensus.rank == 0 else Outcome.success()
+    saved_slot, saved_children = consensus.agree("remap", probed)[0] or (slot, None)
+    remap = None
+    if saved_slot != slot and rename_slot is not None:
+        remap = SlotRemap(saved_slot, slot, rename_slot)
+        views = attempt(_views, remap, model, optimizer, saved_children, optimizer_children)
+        consensus.agree("remap", views.map(lambda _: None))
+        model, optimizer, optimizer_children = views.value
+        adapter_filter = remap.view_filter(adapter_filter)
+    expected = saved_slot if remap is not None else slot
+
     def same_slot(manifest) -> None:
         saved = saved_metadata(manifest, "slot", "index")
-        if saved != slot:
+        if saved != expected:
+            hint = (
+                f"the newest generation holds slot {expected}: load this one by name"
+                if remap is not None
+                else "an adapter resumes into another slot index only with rename_slot"
+            )
             raise IncompatibleCheckpoint(
-                f"generation {manifest.generation} holds slot {saved}, not slot {slot} (an adapter resumes into "
-                "the slot index it was saved from)"
+                f"generation {manifest.generation} holds slot {saved}, not slot {slot} ({hint})"
             )
 
     check = SaverCheck(
@@ -83,6 +113,35 @@ def load_slot_checkpoint(
         optimizer_children=optimizer_children,
         check=check,
     )
+
+
+def _saved_slot(path: Path) -> list | None:
+    """`[slot index, optimizer selection]` of the generation a load of `path` tries first (the newest
+    structurally intact one; its files are verified by the load), or None when there is none (the
+    load then says why)."""
+    key = signing.configured_key()
+    try:
+        candidates = find_candidates(path, key=key).paths
+    except (NotACheckpoint, NothingCommitted, GenerationDamaged):
+        return None
+    for candidate in candidates:
+        generation = check_structure(candidate, key=key)
+        if generation.intact:
+            metadata = generation.manifest.metadata
+            index = (metadata.get("slot") or {}).get("index")
+            if not isinstance(index, int) or isinstance(index, bool):
+                return None  # not a slot generation: the load refuses it
+            return [index, metadata.get("optimizer_selection")]
+    return None
+
+
+def _views(remap: SlotRemap, model, optimizer, saved_children, optimizer_children):
+    """The loader's model, optimizer and children for `remap` (see `remap`)."""
+    viewed_model = model_view(model, remap)
+    if optimizer is None or optimizer_children is None:
+        return viewed_model, optimizer, optimizer_children
+    viewed, children = optimizer_view(optimizer, saved_children, list(optimizer_children))
+    return viewed_model, viewed, children
 
 
 def _checked_arguments(slot, adapter_filter) -> int:

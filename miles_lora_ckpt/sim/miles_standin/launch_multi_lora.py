@@ -14,7 +14,8 @@ Miles' GPU image has Megatron-Bridge, so every rank first installs the harness's
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; the stock saves have
 before-write, mid-write and after-write). Each rank returns, per adapter, the digests of its slot's
 state (adapter, masters, moments, steps, scheduler; `slot_digests`) after every one of its steps,
-the final digests, the steps it trained, what the plugin installed, and (v1) what
+the final digests, those of a slot as it retires (`retired`) and as it comes back (`joined`, right
+after its resume), the steps it trained, what the plugin installed, and (v1) what
 `find_latest_checkpoint` returns for every adapter at the end.
 """
 
@@ -70,10 +71,27 @@ class _Observer(multi_lora.Probe):
     def after_register(self, lifecycle, adapters) -> None:
         self.report["registered_at"] = {a.name: a.step for a in adapters}
 
+    def before_join(self, lifecycle, adapters, active) -> None:
+        self.cotenants = {a.name: slot_digests(lifecycle.model, lifecycle.optimizer, a.slot) for a in active}
+
+    def after_join(self, lifecycle, adapters, active) -> None:
+        for adapter in adapters:  # what the slot holds right after it resumed (this rank's part)
+            digests = slot_digests(lifecycle.model, lifecycle.optimizer, adapter.slot)
+            self.report.setdefault("joined", {})[adapter.name] = {"slot": adapter.slot, "digests": digests}
+        # the co-tenants' slots across those loads: the digest keys that changed (or appeared/vanished)
+        changed = {}
+        for other in active:
+            before, after = self.cotenants[other.name], slot_digests(lifecycle.model, lifecycle.optimizer, other.slot)
+            changed[other.name] = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        self.report["cotenants_changed_by_join"] = changed
+
     def after_step(self, lifecycle, adapter) -> None:
         self.report["steps"].setdefault(adapter.name, []).append(adapter.step)
 
     def before_save(self, lifecycle, adapter, reason: str) -> None:
+        if reason == "retire":  # what the slot holds when it leaves (this rank's part)
+            digests = slot_digests(lifecycle.model, lifecycle.optimizer, adapter.slot)
+            self.report.setdefault("retired", {})[adapter.name] = {"slot": adapter.slot, "digests": digests}
         crash = self.crash
         if crash and crash["rank"] == self.rank and crash["adapter"] == adapter.name and crash["step"] == adapter.step:
             if crash.get("reason", "periodic") == reason:
@@ -99,6 +117,7 @@ def launch_job(payload: dict, ctx) -> dict:
     adapters = multi_lora.controller().adapters.values()
     report["final"] = {a.name: slot_digests(lifecycle.model, lifecycle.optimizer, a.slot) for a in adapters}
     report["final_steps"] = {a.name: a.step for a in adapters}
+    report["final_slots"] = {a.name: a.slot for a in adapters}
     report["plugin"] = _plugin_report()
     report["find_latest"] = _find_latest(adapters)
     return report

@@ -6,11 +6,13 @@ each at its own cadence, saves each under its own root and retires it when it le
 - adapters come from a JSON file, `--multi-lora-config PATH` (a stand-in flag: Miles registers
   adapters from YAML or its API), a list of
   `{"name", "steps", "every": 1, "rank", "alpha", "adapter_global_batch_size": 4, "num_step": null,
-  "retire_at": null, "return_when": {}}`: the adapter trains one step every `every` rounds until its
-  step reaches `steps`; with `retire_at` it is retired when its step reaches `retire_at` and
-  registered again (resuming from its retire save) once every adapter named in `return_when` has
-  reached the step given there. Its save root is `{--save}/adapters/{name}` (Miles' default, §3.2).
-  Adapter i always takes slot i (Miles' registry takes a free slot; a fixed one keeps runs comparable).
+  "retire_at": null, "return_when": {}, "return_slot": null}`: the adapter trains one step every
+  `every` rounds until its step reaches `steps`; with `retire_at` it is retired when its step
+  reaches `retire_at` and registered again (resuming from its retire save) once every adapter named
+  in `return_when` has reached the step given there, into slot `return_slot` when given (Miles'
+  registry hands out whichever slot is free: the adapter resumes into another slot index). Its save
+  root is `{--save}/adapters/{name}` (Miles' default, §3.2). Adapter i first takes slot i (a fixed
+  choice keeps runs comparable).
 - `Controller` stands for Miles' Ray controller and registry (adapter steps, `adapter_step(name)`).
 - `install_slot_scheduler` / `drop_slot_scheduler` / `step_slot_schedulers`: §3.6, in
   `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain (§3.5) built by the
@@ -46,6 +48,7 @@ class AdapterConfig:
     num_step: int | None = None
     retire_at: int | None = None
     return_when: dict = field(default_factory=dict)
+    return_slot: int | None = None
 
 
 @dataclass
@@ -178,6 +181,12 @@ class Probe:
 
     def after_register(self, lifecycle, adapters) -> None: ...
 
+    def before_join(self, lifecycle, adapters, active) -> None:
+        """Before adapters come back in the middle of a launch (`active`: the adapters in slots)."""
+
+    def after_join(self, lifecycle, adapters, active) -> None:
+        """After adapters came back (registered again, resumed) in the middle of a launch."""
+
     def after_step(self, lifecycle, adapter: AdapterRun) -> None: ...
 
     def before_save(self, lifecycle, adapter: AdapterRun, reason: str) -> None: ...
@@ -226,7 +235,12 @@ def run(argv: list[str], lifecycle_factory, probe: Probe | None = None):
             lifecycle.retire(leaving)
             active = [a for a in active if a not in leaving]
         if joining:
+            for adapter in joining:  # Miles' registry: a free slot, here the configured one
+                if adapter.config.return_slot is not None:
+                    adapter.slot = adapter.config.return_slot
+            probe.before_join(lifecycle, joining, active)
             lifecycle.register(joining)
+            probe.after_join(lifecycle, joining, active)
             active = [a for a in adapters if a in active or a in joining]
         training = [a for a in active if wants_training(a, round_id)]
         if not training and all(a.step >= a.config.steps for a in adapters):
