@@ -322,7 +322,8 @@ READ_AHEAD_THREADS = 2
 
 class _ReadAhead:
     """Threads that read a file into `buffer`, chunk `i` by thread `i % READ_AHEAD_THREADS` (`preadv`
-    at its offset, several requests in flight at once), and tell how far the buffer is filled
+    at its offset, several requests in flight at once; the file is marked `POSIX_FADV_SEQUENTIAL`
+    first, so the kernel's own read-ahead window grows), and tell how far the buffer is filled
     without a gap; the reader waits only for bytes not yet there. Stops at the end, on `stop()`, or
     on an error (re-raised by `wait_for`)."""
 
@@ -341,6 +342,9 @@ class _ReadAhead:
 
     def _run(self, first: int) -> None:
         view, size, fd = memoryview(self.buffer), len(self.buffer), self.handle.fileno()
+        if first == 0 and hasattr(os, "posix_fadvise"):
+            # a hint: the whole file is read in order, so the kernel may read ahead further
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         try:
             for start in range(first * READ_AHEAD_CHUNK, size, READ_AHEAD_THREADS * READ_AHEAD_CHUNK):
                 if self._stop or self.error is not None:
