@@ -17,7 +17,9 @@ group and the distributed optimizer shards over it.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,28 @@ def build_run(config: SimConfig) -> SimRun:
     model = _build_model_chunks(config)
     optimizer = build_optimizer(config, model, [_unwrapped(chunk) for chunk in model])
     return SimRun(config=config, model=model, optimizer=optimizer, scheduler=_scheduler(config, optimizer))
+
+
+def build_bucket_run(world_size: int, bucket_mib: float) -> tuple[SimRun, SimpleNamespace]:
+    """A distributed bf16 LoRA run whose one DistributedOptimizer bucket is about `bucket_mib` MiB of
+    fp32, after one training step, and the Miles-like args its saves take (the bench's MEM and
+    ASYNC sections). A layer of hidden h, ffn 4h, LoRA rank r has two adapted linears:
+    2*r*(h + 4h) = 10*h*r LoRA elements."""
+    hidden, rank = 1024, 128
+    layers = max(1, math.ceil(bucket_mib * 2**20 / 4 / (10 * hidden * rank)))
+    config = SimConfig(
+        world_size=world_size,
+        dtype="bf16",
+        adapters="dense",
+        distributed=True,
+        num_layers=layers,
+        hidden=hidden,
+        ffn_hidden=4 * hidden,
+        lora_rank=rank,
+    )
+    run = build_run(config)
+    train_step(run, 0)
+    return run, SimpleNamespace(lora_rank=rank, lora_alpha=float(rank), no_save_optim=False)
 
 
 def _build_model_chunks(config: SimConfig) -> list:

@@ -286,40 +286,19 @@ def _peak_increase(step) -> int:
 
 def mem_job(payload: dict, ctx) -> dict:
     """The MEM section: a LoRA with one large DistributedOptimizer bucket, saved and loaded."""
-    import math
-
     import torch
 
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.megatron.optimizer_children import leaf_children
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
-    from miles_lora_ckpt.sim.model import SimConfig
-    from miles_lora_ckpt.sim.train import build_run, teardown, train_step
+    from miles_lora_ckpt.sim.train import build_bucket_run, build_run, teardown
 
-    # a layer of hidden h, ffn 4h, LoRA rank r: two adapted linears, 2*r*(h + 4h) = 10*h*r LoRA elements
-    hidden, rank = 1024, 128
-    layers = max(1, math.ceil(payload["bucket_mib"] * 2**20 / 4 / (10 * hidden * rank)))
-    config = SimConfig(
-        world_size=ctx.world_size,
-        dtype="bf16",
-        adapters="dense",
-        distributed=True,
-        num_layers=layers,
-        hidden=hidden,
-        ffn_hidden=4 * hidden,
-        lora_rank=rank,
-    )
+    run, args = build_bucket_run(ctx.world_size, payload["bucket_mib"])
     consensus = Consensus.for_world(timeout_s=1200)
-
-    class Args:
-        lora_rank, lora_alpha, no_save_optim = rank, float(rank), False
-
-    run = build_run(config)
-    train_step(run, 0)
     root = Path(payload["dir"])
     save = lambda: save_lora_checkpoint(  # noqa: E731
         run.model,
-        Args(),
+        args,
         root,
         optimizer=run.optimizer,
         opt_param_scheduler=run.scheduler,
@@ -336,7 +315,7 @@ def mem_job(payload: dict, ctx) -> dict:
     ]
     keys = len(next(s for s in run.optimizer.chained_optimizers[0].optimizer.state.values() if s)) - 1
     teardown(run)
-    fresh = build_run(config)
+    fresh = build_run(run.config)
     load = lambda: load_lora_checkpoint(  # noqa: E731
         fresh.model, root, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
     )

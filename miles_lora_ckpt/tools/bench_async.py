@@ -52,7 +52,6 @@ def run_section(args) -> None:
 
 def async_job(payload: dict, ctx) -> dict:
     """Worker: alternate synchronous and asynchronous saves of the same trained state."""
-    import math
     import time
 
     import torch.distributed as dist
@@ -60,27 +59,9 @@ def async_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
     from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver
-    from miles_lora_ckpt.sim.model import SimConfig
-    from miles_lora_ckpt.sim.train import build_run, teardown, train_step
+    from miles_lora_ckpt.sim.train import build_bucket_run, teardown
 
-    hidden, rank = 1024, 128  # as the MEM section: 10*h*r LoRA elements per layer
-    layers = max(1, math.ceil(payload["bucket_mib"] * 2**20 / 4 / (10 * hidden * rank)))
-    config = SimConfig(
-        world_size=ctx.world_size,
-        dtype="bf16",
-        adapters="dense",
-        distributed=True,
-        num_layers=layers,
-        hidden=hidden,
-        ffn_hidden=4 * hidden,
-        lora_rank=rank,
-    )
-
-    class Args:
-        lora_rank, lora_alpha, no_save_optim = rank, float(rank), False
-
-    run = build_run(config)
-    train_step(run, 0)
+    run, args = build_bucket_run(ctx.world_size, payload["bucket_mib"])  # as the MEM section's
     consensus = Consensus.for_world(timeout_s=1200)
     saver = AsyncSaver(timeout_s=1200)
     root = Path(payload["dir"])
@@ -89,12 +70,12 @@ def async_job(payload: dict, ctx) -> dict:
 
     def sync(iteration: int) -> None:
         started = time.perf_counter()
-        save_lora_checkpoint(run.model, Args(), root, iteration=iteration, consensus=consensus, **kwargs)
+        save_lora_checkpoint(run.model, args, root, iteration=iteration, consensus=consensus, **kwargs)
         times["sync"].append(time.perf_counter() - started)
 
     def asynchronous(iteration: int) -> None:
         started = time.perf_counter()
-        pending = saver.save(run.model, Args(), root, iteration=iteration, **kwargs)
+        pending = saver.save(run.model, args, root, iteration=iteration, **kwargs)
         times["blocked"].append(time.perf_counter() - started)
         pending.wait()
         times["commit"].append(time.perf_counter() - started)
