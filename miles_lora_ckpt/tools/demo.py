@@ -469,19 +469,15 @@ def reference_job(payload: dict, ctx) -> dict:
 
 
 def train_job(payload: dict, ctx) -> dict:
+    """Train, saving every `save_every` steps (with `--crash-at`, the last save SIGKILLs one rank)."""
     from miles_lora_ckpt.core import faults
-    from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
     from miles_lora_ckpt.sim.train import train_step
 
     run, unbuildable = _build(payload)
     if unbuildable:
         return unbuildable
-    consensus = Consensus.for_world(timeout_s=60)
+    save, summary = _async_saves(run, payload) if payload.get("async_save") else _sync_saves(run, payload)
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
-    written = []
-    if payload.get("async_save"):
-        return _train_async(run, payload, ctx, saves)
     for step in range(payload["steps"]):
         train_step(run, step)
         iteration = step + 1
@@ -489,6 +485,19 @@ def train_job(payload: dict, ctx) -> dict:
             continue
         if iteration == saves[-1] and payload["crash_at"] and ctx.rank == payload["crash_rank"]:
             faults.arm(payload["crash_at"], ctx.rank, "kill")
+        save(iteration)
+    return {"summary": summary()}
+
+
+def _sync_saves(run, payload: dict):
+    """`save(iteration)` commits a generation before it returns; `summary()` names them."""
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
+
+    consensus = Consensus.for_world(timeout_s=60)
+    written = []
+
+    def save(iteration: int) -> None:
         path = save_lora_checkpoint(
             run.model,
             _DemoArgs(run.config),
@@ -500,25 +509,19 @@ def train_job(payload: dict, ctx) -> dict:
             peft=_peft_export(run.config, payload),
         )
         written.append(Path(path).name)
-    return {"summary": f"saved {', '.join(written)}"}
+
+    return save, lambda: f"saved {', '.join(written)}"
 
 
-def _train_async(run, payload: dict, ctx, saves: list[int]) -> dict:
-    """`train_job` with `--async-save`: each save returns once the state is copied; training goes on
-    while it is written; each save waits for the previous one, and the job for the last one."""
-    from miles_lora_ckpt.core import faults
+def _async_saves(run, payload: dict):
+    """`--async-save`: `save(iteration)` returns once the state is copied and training goes on while
+    it is written; each save waits for the previous one, and `summary()` for the last one."""
     from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver
-    from miles_lora_ckpt.sim.train import train_step
 
     saver = AsyncSaver(timeout_s=60)
-    pending, blocked = [], []
-    for step in range(payload["steps"]):
-        train_step(run, step)
-        iteration = step + 1
-        if iteration not in saves:
-            continue
-        if iteration == saves[-1] and payload["crash_at"] and ctx.rank == payload["crash_rank"]:
-            faults.arm(payload["crash_at"], ctx.rank, "kill")
+    pending = []
+
+    def save(iteration: int) -> None:
         pending.append(
             saver.save(
                 run.model,
@@ -529,9 +532,13 @@ def _train_async(run, payload: dict, ctx, saves: list[int]) -> dict:
                 iteration=iteration,
             )
         )
-        blocked.append(pending[-1].blocked_s)
-    written = [Path(p.wait()).name for p in pending]
-    return {"summary": f"saved {', '.join(written)} asynchronously (blocked {max(blocked):.3f}s at most per save)"}
+
+    def summary() -> str:
+        written = [Path(p.wait()).name for p in pending]
+        blocked = max(p.blocked_s for p in pending)
+        return f"saved {', '.join(written)} asynchronously (blocked {blocked:.3f}s at most per save)"
+
+    return save, summary
 
 
 def resume_job(payload: dict, ctx) -> dict:
