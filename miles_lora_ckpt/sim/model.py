@@ -42,8 +42,24 @@ OPTIMIZERS = ("adam", "lion", "muon")  # how each is built: sim/optimizers.py
 SCALAR_OPTIMIZERS = ("adam", "lion")  # Muon's `muon_scalar_optimizer` for non-matrix params
 
 
+class DictConfig:
+    """For the harness's config dataclasses: `to_dict` (JSON-able) and `from_dict` (unknown keys are an error)."""
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict; ``from_dict(to_dict())`` gives an equal config."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        """Build a config from ``to_dict()`` output; unknown keys are an error."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+        return cls(**data)
+
+
 @dataclass
-class SimConfig:
+class SimConfig(DictConfig):
     """Everything that defines a harness run; two equal configs give bit-identical runs."""
 
     world_size: int = 2
@@ -120,18 +136,6 @@ class SimConfig:
     def expert_adapters(self) -> bool:
         """Whether the expert linears carry (expert-parallel) adapters."""
         return self.adapters in ("expert-only", "mixed")
-
-    def to_dict(self) -> dict:
-        """A JSON-able dict; ``from_dict(to_dict())`` gives an equal config."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> SimConfig:
-        """Build a config from ``to_dict()`` output; unknown keys are an error."""
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown SimConfig keys: {sorted(unknown)}")
-        return cls(**data)
 
 
 def seeded_init(seed: int, name: str, std: float):

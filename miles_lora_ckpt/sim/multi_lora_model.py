@@ -40,20 +40,20 @@ import hashlib
 import math
 import re
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 
-from miles_lora_ckpt.sim.model import DTYPES, _megatron_linear, _replicated_linear
+from miles_lora_ckpt.sim.model import DTYPES, DictConfig, _megatron_linear, _replicated_linear
 
 MODEL = "multi-lora"
 SLOT_IN_NAME = re.compile(r"\.adapter\.adapters\.(\d+)\.")
 
 
 @dataclass
-class MultiLoraSimConfig:
+class MultiLoraSimConfig(DictConfig):
     """A harness run of the multi-LoRA slot model; two equal configs give bit-identical runs.
 
     Fields shared with `SimConfig` mean the same (`sim.train.build_run` builds either). The
@@ -132,16 +132,6 @@ class MultiLoraSimConfig:
     def slot_of_param(self, name: str) -> int:
         """The slot of an adapter parameter, from its name (`...adapter.adapters.{slot}...`)."""
         return slot_of_name(name)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MultiLoraSimConfig:
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown MultiLoraSimConfig keys: {sorted(unknown)}")
-        return cls(**data)
 
 
 def slot_of_name(name: str) -> int:

@@ -23,21 +23,21 @@ weights). Attention-style mixing per query group keeps every TP rank's computati
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from miles_lora_ckpt.sim.model import DTYPES, OPTIMIZERS, seeded_init
+from miles_lora_ckpt.sim.model import DTYPES, OPTIMIZERS, DictConfig, seeded_init
 
 ADAPTERS = ("all", "attention", "none")  # which linears carry LoRA ("none": an empty adapter)
 MODEL = "qwen2"
 
 
 @dataclass
-class Qwen2SimConfig:
+class Qwen2SimConfig(DictConfig):
     """A harness run of the Qwen2-shaped model; two equal configs give bit-identical runs.
 
     Fields shared with `SimConfig` mean the same; `sim.train.build_run` builds either.
@@ -115,16 +115,6 @@ class Qwen2SimConfig:
     @property
     def qkv_size(self) -> int:
         return (self.heads + 2 * self.query_groups) * self.head_dim
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Qwen2SimConfig:
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown Qwen2SimConfig keys: {sorted(unknown)}")
-        return cls(**data)
 
     def hf_config_kwargs(self) -> dict:
         """`transformers.Qwen2Config(**kwargs)` of the HF base with the same shapes."""
