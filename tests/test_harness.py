@@ -64,6 +64,7 @@ def w4() -> list[dict]:
         {
             "determinism": {"steps": STEPS, "specs": [*DETERMINISM_SPECS, TP2_SPEC]},
             "layouts": {"steps": STEPS, "specs": [CP2_SPEC]},
+            "rebuilds": {"spec": {"dtype": "bf16", "adapters": "mixed", "tp": 2, "ep": 2}, "count": 4},
         },
     )
 
@@ -287,3 +288,14 @@ def test_workers_run_the_megatron_tier_under_test(w2):
     for rank in w2:
         assert rank["megatron_version"].startswith(installed)
         assert rank["intercepts_active"] is True
+
+
+def test_rebuilding_runs_in_one_process_leaks_no_threads_descriptors_or_groups(w4):
+    """Issue 23 item 8: the W=4 resume matrix built ~33 runs per worker and grew to ~1,500 gloo
+    threads each, until its launcher timeout. Teardown now destroys the groups megatron created."""
+    for rank, result in enumerate(w4):
+        counts = result["rebuilds"]
+        first, last = counts[0], counts[-1]
+        assert last["groups"] == first["groups"], (rank, counts)
+        assert last["threads"] <= first["threads"], (rank, counts)
+        assert last["fds"] <= first["fds"] + 4, (rank, counts)

@@ -40,6 +40,7 @@ def harness_job(payload: dict, ctx) -> dict:
         "padding": _padding,
         "mixed": _mixed,
         "layouts": _layouts,
+        "rebuilds": _rebuilds,
     }
     out = {"megatron_version": megatron.core.__version__, "intercepts_active": cpu_intercepts.active()}
     for name, args in payload.items():
@@ -324,3 +325,28 @@ def import_job(payload: dict, ctx) -> dict:
 
     module = importlib.import_module(payload["module"])
     return {"module": payload["module"], "value": module.VALUE}
+
+
+# ------------------------------------------------------------------------------ rebuilds
+
+
+def _rebuilds(args: dict, ctx) -> dict:
+    """Build, step and tear down `count` runs in this process; the threads, open descriptors and
+    live process groups after each (issue 23 item 8: megatron's destroy_model_parallel alone kept
+    every gloo group, ~50 threads and ~90 descriptors per W=4 build)."""
+    import torch.distributed as dist
+
+    pid = os.getpid()
+    counts = []
+    for _ in range(args["count"]):
+        run = build_run(_config(args["spec"], ctx))
+        train_step(run, 0)
+        teardown(run)
+        counts.append(
+            {
+                "threads": len(os.listdir(f"/proc/{pid}/task")),
+                "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                "groups": len(dist.distributed_c10d._world.pg_map),
+            }
+        )
+    return counts

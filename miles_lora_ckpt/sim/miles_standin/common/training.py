@@ -160,8 +160,10 @@ def initialize_model_parallel(args) -> None:
     """What Miles' initialize.init does first: megatron's parallel state (tp-cp-ep-dp-pp)."""
     from megatron.core import parallel_state
 
+    from miles_lora_ckpt.sim.train import init_model_parallel
+
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
+        init_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
