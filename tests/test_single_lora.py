@@ -444,3 +444,31 @@ def test_stock_miles_adapter_directory_warm_starts_the_adapter_only(tmp_path):
         assert r["same_adapter"] and r["masters_match_adapter"]
         assert not result["optimizer_restored"] and not result["scheduler_restored"]
         assert "NOT restored" in result["warnings"][0] and "optimizer moments" in result["warnings"][0]
+
+
+def _soak(cycles: int, every: int) -> list[dict]:
+    payload = {"config": cfg(2), "cycles": cycles, "every": every}
+    results = check_all(run_workers(2, "lora_jobs:soak", payload, sys_path=[JOBS], timeout_s=1800))
+    return [r["samples"] for r in results]
+
+
+def _assert_flat(per_rank: list[dict], rss_slack_mib: float) -> None:
+    """Threads and descriptors never above the first sample's; Python objects and RSS bounded."""
+    for rank, samples in enumerate(per_rank):
+        first, warm, last = samples[0], samples[1], samples[-1]
+        print(f"rank {rank} soak: save {first['cycle']}: {first}; save {last['cycle']}: {last}")
+        assert all(s["threads"] <= first["threads"] for s in samples), (rank, samples)
+        assert all(s["fds"] <= first["fds"] for s in samples), (rank, samples)
+        assert last["objects"] <= warm["objects"] + 200, (rank, samples)
+        assert last["rss_mib"] - warm["rss_mib"] <= rss_slack_mib, (rank, samples)
+
+
+def test_soak_many_saves_and_loads_keep_threads_descriptors_and_memory_flat():
+    """Issue 23 item 8, the production property (short CI version: 60 saves and loads in one process;
+    `make test-long` runs 500)."""
+    _assert_flat(_soak(60, 20), rss_slack_mib=16)
+
+
+@pytest.mark.long
+def test_soak_500_saves_and_loads_keep_threads_descriptors_and_memory_flat():
+    _assert_flat(_soak(500, 50), rss_slack_mib=32)

@@ -7,6 +7,7 @@ for an empty DP shard; see miles_lora_ckpt/sim/cpu_intercepts.py.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -404,3 +405,39 @@ def _masters_match(run) -> bool:
             if not master.detach().view(-1).equal(model_param.detach().view(-1)[span.start : span.end].float()):
                 return False
     return True
+
+
+def soak(payload: dict, ctx) -> dict:
+    """One run saves and loads `cycles` times into one root (keep=2) through the production defaults
+    (the process-wide consensus); threads, open descriptors and RSS of this process after save 1, and
+    after every `every` cycles (issue 23 item 8: nothing may grow with the number of saves)."""
+    import gc
+
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    run_steps(run, 0, 1)
+    root = ctx.scratch_dir / "soak"
+    samples = []
+    started = time.monotonic()
+    for cycle in range(1, payload["cycles"] + 1):
+        save_lora_checkpoint(
+            run.model, Args(), root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler, iteration=cycle, keep=2
+        )
+        load_lora_checkpoint(run.model, root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler)
+        if cycle == 1 or cycle % payload["every"] == 0:
+            gc.collect()
+            samples.append({"cycle": cycle, **_process_resources(os.getpid())})
+    teardown(run)
+    return {"samples": samples, "seconds": round(time.monotonic() - started, 1)}
+
+
+def _process_resources(pid: int) -> dict:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    import gc
+
+    return {
+        "objects": len(gc.get_objects()),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "rss_mib": round(rss_kib / 1024, 1),
+    }
