@@ -7,7 +7,7 @@ TIER2  := .tier2/mcore019
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 test test-long lint tier1 tier2 install clean
+.PHONY: demo demo-tier2 test test-long lint docs tier1 tier2 install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +39,16 @@ demo: $(VENV)/.installed
 demo-tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
 
+# lint includes the documentation site: a broken link, an unknown anchor or a page missing from the
+# nav fails `mkdocs build --strict` (mkdocs.yml; tests/test_docs.py checks the same and more).
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/site
+
+# The documentation site (docs/, mkdocs.yml) into site/.
+docs: $(VENV)/.installed
+	$(BIN)/mkdocs build --strict --site-dir $(CURDIR)/site
 
 tier1: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -56,4 +63,4 @@ test-long: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .tier2 build *.egg-info .pytest_cache
+	rm -rf $(VENV) .tier2 build site *.egg-info .pytest_cache
