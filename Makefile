@@ -1,5 +1,6 @@
 # Two user-facing targets: `make demo` and `make test` (and `make demo-tier2 ARGS=...` after
-# `make test`: the demo against megatron-core 0.19.2). Everything else is plumbing.
+# `make test`: the demo against megatron-core 0.19.2; `make docs`: the documentation site into site/).
+# Everything else is plumbing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -40,11 +41,12 @@ demo-tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
 
 # lint includes the documentation site: a broken link, an unknown anchor or a page missing from the
-# nav fails `mkdocs build --strict` (mkdocs.yml; tests/test_docs.py checks the same and more).
+# nav fails `mkdocs build --strict` (mkdocs.yml; tests/test_docs.py checks the same and more). Never add
+# --quiet: it drops the warnings that --strict counts, and a broken link would pass.
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/site
+	$(BIN)/mkdocs build --strict --site-dir $(CURDIR)/site
 
 # The documentation site (docs/, mkdocs.yml) into site/.
 docs: $(VENV)/.installed

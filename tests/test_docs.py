@@ -106,6 +106,18 @@ def test_a_broken_link_or_anchor_fails_the_strict_build(tmp_path):
     assert failed.returncode != 0 and "orphan.md" in failed.stdout + failed.stderr
 
 
+def test_make_builds_the_docs_strictly():
+    """`make lint` (so `make test`) and `make docs` run the strict build, without --quiet (which hides
+    the warnings --strict counts: a broken link would pass)."""
+    builds = [line for line in (REPO / "Makefile").read_text().splitlines() if "mkdocs build" in line and "\t" in line]
+    assert len(builds) == 2
+    for line in builds:
+        assert "--strict" in line and "--quiet" not in line and " -q" not in line, line
+    lint = (REPO / "Makefile").read_text().split("\nlint:")[1].split("\n\n")[0]
+    assert "mkdocs build --strict" in lint
+    assert re.search(r"^test: .*\blint\b", (REPO / "Makefile").read_text(), re.MULTILINE)
+
+
 def test_the_readmes_links_land(site):
     """The README is outside the site: its links into docs/ are checked here, anchors included."""
     links = re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text())
