@@ -1,5 +1,6 @@
 # Two user-facing targets: `make demo` and `make test` (and `make demo-tier2 ARGS=...` after
-# `make test`: the demo against megatron-core 0.19.2). Everything else is plumbing.
+# `make test`: the demo against megatron-core 0.19.2; `make docs`: the documentation site into site/).
+# Everything else is plumbing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -7,7 +8,7 @@ TIER2  := .tier2/mcore019
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 test test-long lint tier1 tier2 install clean
+.PHONY: demo demo-tier2 test test-long lint docs tier1 tier2 install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +40,17 @@ demo: $(VENV)/.installed
 demo-tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
 
+# lint includes the documentation site: a broken link, an unknown anchor or a page missing from the
+# nav fails `mkdocs build --strict` (mkdocs.yml; tests/test_docs.py checks the same and more). Never add
+# --quiet: it drops the warnings that --strict counts, and a broken link would pass.
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mkdocs build --strict --site-dir $(CURDIR)/site
+
+# The documentation site (docs/, mkdocs.yml) into site/.
+docs: $(VENV)/.installed
+	$(BIN)/mkdocs build --strict --site-dir $(CURDIR)/site
 
 tier1: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -56,4 +65,4 @@ test-long: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .tier2 build *.egg-info .pytest_cache
+	rm -rf $(VENV) .tier2 build site *.egg-info .pytest_cache

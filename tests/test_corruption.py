@@ -272,6 +272,11 @@ CASES: dict[str, tuple] = {
         lambda g, t: edit_manifest(g, lambda b: b.update(format_version=99)),
         MANIFEST,
     ),
+    "resealed format version as a float (2.0 is not the integer 2)": (
+        "bytes",
+        lambda g, t: edit_manifest(g, lambda b: b.update(format_version=2.0)),
+        MANIFEST,
+    ),
     "resealed non-finite JSON constant": ("bytes", lambda g, t: reseal_file(g, STATE, b'{"iteration": NaN}'), STATE),
     # ------------------------------------------------------------------ #2 exceptions are damage
     "deeply nested JSON as the manifest": (
@@ -989,7 +994,7 @@ def test_corpus_covers_every_class_with_at_least_60_cases():
     classes = [case[0] for case in CASES.values()] + [klass for klass, _ in ROOT_CASES.values()]
     assert len(classes) >= 60, len(classes)
     assert set(classes) == set(CLASSES), set(CLASSES) ^ set(classes)
-    assert sum(1 for c in classes if c == "bytes") == 28
+    assert sum(1 for c in classes if c == "bytes") == 29
 
 
 def test_root_falls_back_past_a_damaged_newest_generation(tmp_path, caplog, capsys):

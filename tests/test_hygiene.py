@@ -82,3 +82,62 @@ def test_package_and_cli_work_without_megatron_peft_transformers(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "verify" in result.stdout
+
+
+# The layering rule of docs/architecture.md: core <- megatron <- savers <- integration <- hooks, tools;
+# sim (the test harness) only from the demo and bench tools.
+LAYERS = {"core": 0, "megatron": 1, "savers": 2, "integration": 3, "hooks": 4, "tools": 4}
+HARNESS_USERS = ("tools/demo", "tools/bench")
+THIRD_PARTY_IN_CORE = {"megatron", "miles", "peft", "transformers", "ray"}
+
+
+def _imported_modules(path: Path) -> list[str]:
+    """Every module `path` imports, anywhere in it (functions included), relative imports resolved."""
+    package = ".".join(("miles_lora_ckpt", *path.relative_to(PACKAGE).parent.parts))
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+    return found
+
+
+def _layering_offences(files: dict[str, list[str]]) -> list[str]:
+    offences = []
+    for rel, modules in sorted(files.items()):
+        layer = rel.split("/")[0]
+        for module in modules:
+            parts = module.split(".")
+            if layer == "core" and parts[0] in THIRD_PARTY_IN_CORE:
+                offences.append(f"{rel} imports {module} (core imports neither megatron nor Miles nor Bridge)")
+            if parts[0] != "miles_lora_ckpt" or len(parts) < 2:
+                continue
+            target = parts[1]
+            if target == "sim" and layer != "sim" and not rel.startswith(HARNESS_USERS):
+                offences.append(f"{rel} imports {module} (sim is the test harness)")
+            elif layer in LAYERS and target in LAYERS and LAYERS[target] > LAYERS[layer]:
+                offences.append(f"{rel} imports {module} (an upper layer)")
+    return offences
+
+
+def test_layering_checker_catches_what_it_must():
+    bad = {
+        "core/x.py": ["megatron.core", "miles_lora_ckpt.savers.single_lora"],
+        "savers/y.py": ["miles_lora_ckpt.sim.train", "miles_lora_ckpt.integration.runtime"],
+        "tools/demo.py": ["miles_lora_ckpt.sim.train"],
+    }
+    assert len(_layering_offences(bad)) == 4
+
+
+def test_imports_follow_the_layering_rule():
+    files = {
+        p.relative_to(PACKAGE).as_posix(): _imported_modules(p)
+        for p in PACKAGE.rglob("*.py")
+        if len(p.relative_to(PACKAGE).parts) > 1
+    }
+    assert _layering_offences(files) == []

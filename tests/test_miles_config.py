@@ -110,7 +110,7 @@ def test_core_keys_reach_core_settings(tmp_path):
 
 
 def test_every_core_setting_has_a_config_key():
-    """A setting added to core.settings gets a line in KEYS (and the README table), or is env-only."""
+    """A setting added to core.settings gets a line in KEYS (and the docs' table), or is env-only."""
     configured = {key.core for key in KEYS if key.core}
     assert configured.isdisjoint(ENV_ONLY_CORE_SETTINGS)
     assert configured | set(ENV_ONLY_CORE_SETTINGS) == {spec.name for spec in fields(settings.Settings)}
@@ -119,12 +119,17 @@ def test_every_core_setting_has_a_config_key():
             assert key.env == settings.ENV_VARS[key.core]
 
 
-def test_every_key_is_documented_in_the_readme():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_every_key_is_documented_in_the_config_table():
+    """Every key, with its environment variable, has a row in the config table of docs/use-with-miles.md."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "use-with-miles.md").read_text()
+    section = page[page.index("## Config keys") :]
+    table = section[: section.index("\n## ")]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| `")}
     for key in KEYS:
-        assert f"`{key.name}`" in readme, key.name
+        assert f"`{key.name}`" in rows, key.name
         if key.env:
-            assert key.env in readme, key.env
+            assert key.env in rows[f"`{key.name}`"], key.env
+    assert set(rows) == {f"`{key.name}`" for key in KEYS}  # and nothing the config does not know
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in CONFIGS.glob("*.toml")) + ["*.yaml"])

@@ -350,7 +350,7 @@ class Manifest:
         if body.get("format") != FORMAT_NAME:
             raise ValueError(f"format is {bounded.show(body.get('format'))}, expected {FORMAT_NAME!r}")
         version = body.get("format_version")
-        if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+        if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:  # not 2.0, not True
             raise ValueError(
                 f"unsupported format_version {bounded.show(version)} (this version reads {list(READABLE_FORMAT_VERSIONS)})"
             )

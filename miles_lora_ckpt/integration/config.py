@@ -8,7 +8,7 @@ which wins over the file::
 
 Precedence, per key: environment variable, then the file, then the default. Every value is checked
 at startup; an error names the key and where its value came from. `KEYS` is the whole schema: a
-new setting is one `Key(...)` line (and a line in the README table). Keys marked `core=` configure
+new setting is one `Key(...)` line (and a line in the table of docs/use-with-miles.md). Keys marked `core=` configure
 `miles_lora_ckpt.core.settings` (process-wide protocol settings) through `apply_core_settings`;
 every core setting has such a key, or is listed in `ENV_ONLY_CORE_SETTINGS` (secrets: no file).
 
@@ -94,7 +94,7 @@ KEYS: tuple[Key, ...] = (
         "MILES_LORA_CKPT_ASYNC_SAVE",
         "single-LoRA saves return once the state is copied to host memory; the write, consensus and publish "
         "run in the background, and the next save, a load, the post-save hook, the last rollout's save and "
-        "process exit wait for it to commit (see README, Asynchronous save)",
+        "process exit wait for it to commit (see docs/python-api.md, Asynchronous save)",
     ),
     Key(
         "consensus.timeout_s",

@@ -16,7 +16,7 @@ Megatron's rules, as the harness applies them:
 
 from __future__ import annotations
 
-SUPPORTED_TP = (1, 2)  # what the harness has verified on CPU (see README, Tests)
+SUPPORTED_TP = (1, 2)  # what the harness has verified on CPU (see docs/testing.md)
 
 
 def check_layout(

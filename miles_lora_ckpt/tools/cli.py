@@ -29,6 +29,12 @@ exit codes:
   130  interrupted
 """
 
+# Where the commands are documented (tests/test_docs.py checks that every page named in a help text exists).
+DOCS = """
+documentation: docs/cli.md (every command and flag), docs/use-with-miles.md, docs/file-format.md
+  in the miles-lora-ckpt source tree
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -89,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "
         "prune, benchmark and demonstrate; export HF PEFT adapters and check that PEFT loads them.",
-        epilog=EXIT_CODES,
+        epilog=EXIT_CODES + DOCS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
