@@ -127,6 +127,24 @@ def kill_once(payload: dict, ctx) -> dict:
     return {**result, "debug_log": "\n".join(records), "transport": transport}
 
 
+def hold_lease(payload: dict, ctx) -> dict:
+    """Rank 0 takes the writer lease of `root` and returns normally, still holding it."""
+    from miles_lora_ckpt.core import lease
+
+    if ctx.rank == 0:
+        lease.acquire(Path(payload["root"]))
+    return {"pid": os.getpid(), "holds": lease.holds(Path(payload["root"]))}
+
+
+def hang_peer(payload: dict, ctx) -> dict:
+    """Rank 1 stalls past the consensus timeout; everybody must get a CheckpointError, not hang."""
+    consensus = Consensus.for_world(timeout_s=payload["timeout_s"])
+    root = Path(payload["root"])
+    if ctx.rank == 1:
+        time.sleep(payload["stall_s"])
+    return _timed_save(consensus, root, 1)
+
+
 def _timed_save(consensus: Consensus, root: Path, iteration: int, errors: list | None = None) -> dict:
     """Save once; report "saved" or the CheckpointError text, and how long it took (`errors` gets
     the text of the exception the CheckpointError was raised from, if any)."""
