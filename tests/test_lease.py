@@ -290,3 +290,77 @@ def test_a_harness_worker_releases_its_lease_when_it_exits_normally(tmp_path, pr
     assert spawned[0]["holds"] and not (tmp_path / LEASE).exists()
     forked = check_all(prewarmed.run(1, "protocol_jobs:hold_lease", {"root": str(tmp_path)}, sys_path=[JOBS]))
     assert forked[0]["holds"] and forked[0]["pid"] != spawned[0]["pid"] and not (tmp_path / LEASE).exists()
+
+
+@pytest.mark.multirank
+def test_two_training_runs_saving_at_the_same_moments_one_is_refused_and_the_others_generations_load_exactly(
+    tmp_path, prewarmed
+):
+    """Two whole training runs (megatron's optimizer on CPU) on one root: the leader (1 rank, a
+    spawned process) and the other run (2 ranks, forked) meet at a file barrier before each save
+    and save together; the leader's save is held in flight until the other's attempt is over.
+    The other run is refused by the lease on both ranks alike, naming the leader; the leader's
+    generations verify and load bit-exact."""
+    import threading
+
+    from jobs_paths import JOBS
+
+    from miles_lora_ckpt.sim import launch
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.tools.cli import main as cli
+
+    root, scratch = tmp_path / "root", tmp_path / "barrier"
+    root.mkdir()
+    scratch.mkdir()
+    common = {"root": str(root), "scratch": str(scratch), "saves": 2, "steps": 2, "wait_s": 240}
+    leader = {**common, "name": "leader", "other": "other", "other_world": 2, "leader": True}
+    follower = {**common, "name": "other", "other": "leader", "other_world": 1, "leader": False}
+    leader["config"] = SimConfig(world_size=1).to_dict()
+    follower["config"] = SimConfig(world_size=2).to_dict()
+    results = {}
+
+    def run_other():
+        results["other"] = prewarmed.run_as_spawned(
+            2,
+            "lora_jobs:overlapping_writer",
+            follower,
+            sys_path=[JOBS],
+            env={"MILES_LORA_CKPT_RUN_ID": "run-other"},
+            timeout_s=400,
+        )
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        with launch.route_megatron_jobs(None):  # a second, independent process: spawned
+            results["leader"] = launch.run_workers(
+                1,
+                "lora_jobs:overlapping_writer",
+                leader,
+                sys_path=[JOBS],
+                env={"MILES_LORA_CKPT_RUN_ID": "run-leader"},
+                timeout_s=400,
+            )
+    finally:
+        thread.join()
+    (won,) = launch.check_all(results["leader"])
+    lost = launch.check_all(results["other"])
+    # the other run: refused at every save, loudly and alike on both ranks, naming the leader,
+    # while the leader's save was in flight (its staging directory was there)
+    for outcomes in (r["outcomes"] for r in lost):
+        assert [o.get("phase") for o in outcomes] == ["prepare", "prepare"], outcomes
+        for outcome, first in zip(outcomes, lost[0]["outcomes"], strict=True):
+            assert outcome["refused"] == first["refused"]
+            assert "failed on rank(s) [0]" in outcome["refused"] and "has another writer" in outcome["refused"]
+            assert f"pid {won['pid']} run run-leader" in outcome["refused"], outcome["refused"]
+    assert all(len(o["staging_seen"]) == 1 for o in lost[0]["outcomes"]), lost[0]["outcomes"]
+    # the leader: every save committed; each generation verifies and loads bit-exact
+    saved = [o["saved"] for o in won["outcomes"]]
+    assert len(saved) == 2 and sorted(p.name for p in root.iterdir() if p.name.startswith("gen-")) == sorted(saved)
+    assert sorted(won["loaded"]) == sorted(saved)
+    for name, check in won["loaded"].items():
+        assert check["first_difference"] is None and check["tensors"] > 0, (name, check)
+    assert [won["loaded"][name]["iteration"] for name in saved] == [2, 4]
+    assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
+    assert not (root / LEASE).exists()  # the leader released it when it exited
+    assert cli(["verify", str(root), "--all"]) == 0
