@@ -4,7 +4,9 @@ Code that can fail runs inside `attempt(...)`, which never raises: it returns an
 rank then calls `consensus.agree(phase, outcome)`, one collective in which each rank contributes
 its outcome; if any rank failed, every rank raises the same `CheckpointError` naming the failing
 ranks and their first errors. So no rank ever skips a collective its peers entered. A peer that
-died or hangs turns into an error after the group's timeout instead of an endless wait.
+died or hangs turns into an error after the group's timeout instead of an endless wait: one line
+naming the rank, the phase and "a peer died or timed out" (`peer_lost`); the transport's own
+message goes to the debug log.
 
 Payloads travel as JSON in uint8 tensors (gloo works on CPU and survives a poisoned NCCL
 communicator); nothing is pickled.
