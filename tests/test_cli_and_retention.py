@@ -57,8 +57,8 @@ def test_inspect_json_has_the_documented_keys(tmp_path, capsys):
 def test_ls_shows_states_and_tracker(tmp_path, capsys):
     save(tmp_path, 1)
     newest = save(tmp_path, 2)
-    (tmp_path / ".staging-00000000000000aa").mkdir()
     damaged = save(tmp_path, 3)
+    (tmp_path / ".staging-00000000000000aa").mkdir()  # after the last save: a save would reclaim it
     (damaged / "a.safetensors").unlink()
     assert cli(["ls", str(tmp_path), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)

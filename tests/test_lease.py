@@ -119,7 +119,7 @@ def test_a_fork_does_not_release_its_parents_lease_at_exit(tmp_path):
     lease.acquire(tmp_path)
     pid = os.fork()
     if pid == 0:  # the child runs the exit handler, as a forked worker that exits normally would
-        lease._release_all_at_exit()
+        lease.release_all()
         os._exit(0)
     os.waitpid(pid, 0)
     assert lease.read_state(tmp_path).holder.token == lease.me().token
@@ -135,3 +135,232 @@ def test_an_unreadable_lease_is_live_until_it_ages_out(tmp_path):
     lease.acquire(tmp_path)
     lease.release(tmp_path)
     assert not Path(tmp_path / LEASE).exists()
+
+
+# ------------------------------------------------------------------ crash leftovers and normal exits
+
+CRASHING_SAVER = """
+import sys
+from pathlib import Path
+from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.layout import Topology
+from miles_lora_ckpt.core.protocol import save_generation
+
+root, iteration = Path(sys.argv[1]), int(sys.argv[2])
+def save(i):
+    def write(w):
+        w.write_json("big.json", {"i": i, "pad": "x" * 4096})
+        w.write_json("second.json", {"i": i})
+    return save_generation(Consensus.single_process(), root, iteration=i, saver="test", topology=Topology(), write_files=write)
+print(save(iteration).name, flush=True)
+faults.arm("mid-write", 0, "kill")  # the coordinator dies with its staging directory half written
+save(iteration + 1)
+"""
+
+
+def _staging(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith((".staging-", ".deleting-")))
+
+
+def test_the_next_save_reclaims_the_staging_of_crashed_coordinators_and_keeps_every_generation(tmp_path):
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.layout import Topology
+    from miles_lora_ckpt.core.protocol import save_generation
+    from miles_lora_ckpt.core.verify import verify_generation
+    from miles_lora_ckpt.tools.cli import main as cli
+
+    root = tmp_path / "root"
+    committed, left = [], []
+    for crash in range(3):  # three runs, each commits a save and is killed in the next one
+        proc = subprocess.run(
+            [sys.executable, "-c", CRASHING_SAVER, str(root), str(10 * crash + 1)], capture_output=True, text=True
+        )
+        assert proc.returncode == -9, proc.stderr
+        committed.append(proc.stdout.strip())
+        # each run's first save reclaimed what the previous run's crash left: only its own crash's is there
+        (stale,) = _staging(root)
+        assert stale not in left and os.listdir(root / stale)  # a new one, holding what was written
+        left.append(stale)
+    digests = {name: json.loads((root / name / "manifest.json").read_text())["manifest_digest"] for name in committed}
+
+    final = save_generation(
+        Consensus.single_process(),
+        root,
+        iteration=99,
+        saver="test",
+        topology=Topology(),
+        write_files=lambda w: w.write_json("x.json", {}),
+    )
+    lease.release(root)
+    assert _staging(root) == []  # the crashed attempts' directories are gone, no retention asked
+    gens = sorted(p.name for p in root.iterdir() if p.name.startswith("gen-"))
+    assert gens == sorted([*committed, final.name])  # every committed generation is still there
+    for name in committed:
+        assert json.loads((root / name / "manifest.json").read_text())["manifest_digest"] == digests[name]
+        assert verify_generation(root / name).intact
+    assert cli(["verify", str(root), "--all"]) == 0
+
+
+def test_a_save_refused_by_a_live_writer_leaves_that_writers_staging_alone(tmp_path, other_holder):
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.errors import CheckpointError
+    from miles_lora_ckpt.core.layout import Topology
+    from miles_lora_ckpt.core.protocol import save_generation
+
+    live = tmp_path / ".staging-00000000000000aa"  # the other writer's attempt in flight
+    live.mkdir()
+    (live / "part.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="has another writer"):
+        save_generation(
+            Consensus.single_process(),
+            tmp_path,
+            iteration=1,
+            saver="test",
+            topology=Topology(),
+            write_files=lambda w: w.write_json("x.json", {}),
+        )
+    assert (live / "part.json").exists()
+
+
+def test_a_save_never_reclaims_the_staging_of_another_attempt_of_its_own_process(tmp_path):
+    """Two saves of one process on one root at once (e.g. a background save and another saver):
+    the second's reclaim must leave the first's staging directory, live, alone."""
+    import threading
+
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.layout import Topology
+    from miles_lora_ckpt.core.protocol import save_generation
+
+    writing, resume, outcome = threading.Event(), threading.Event(), {}
+
+    def slow_write(writer):
+        writer.write_json("first.json", {"part": 1})
+        writing.set()
+        assert resume.wait(60)
+        writer.write_json("second.json", {"part": 2})
+
+    def first():
+        try:
+            outcome["first"] = save_generation(
+                Consensus.single_process(),
+                tmp_path,
+                iteration=1,
+                saver="test",
+                topology=Topology(),
+                write_files=slow_write,
+            )
+        except Exception as exc:  # noqa: BLE001 - reported below
+            outcome["first"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert writing.wait(60)
+        (in_flight,) = _staging(tmp_path)
+        second = save_generation(
+            Consensus.single_process(),
+            tmp_path,
+            iteration=2,
+            saver="test",
+            topology=Topology(),
+            write_files=lambda w: w.write_json("x.json", {}),
+        )
+        assert _staging(tmp_path) == [in_flight]  # still there, still being written
+    finally:
+        resume.set()
+        thread.join(60)
+    lease.release(tmp_path)
+    assert isinstance(outcome["first"], Path), outcome["first"]
+    assert sorted(os.listdir(outcome["first"])) == ["first.json", "manifest.json", "second.json"]
+    assert second.exists() and _staging(tmp_path) == []
+
+
+@pytest.mark.multirank
+def test_a_harness_worker_releases_its_lease_when_it_exits_normally(tmp_path, prewarmed):
+    """Workers leave through os._exit (no atexit): they release their leases themselves, spawned
+    (sim.worker) and forked (sim.prewarmed) alike."""
+    from jobs_paths import JOBS
+
+    from miles_lora_ckpt.sim.launch import check_all, run_workers
+
+    spawned = check_all(
+        run_workers(1, "protocol_jobs:hold_lease", {"root": str(tmp_path)}, sys_path=[JOBS], megatron=False)
+    )
+    assert spawned[0]["holds"] and not (tmp_path / LEASE).exists()
+    forked = check_all(prewarmed.run(1, "protocol_jobs:hold_lease", {"root": str(tmp_path)}, sys_path=[JOBS]))
+    assert forked[0]["holds"] and forked[0]["pid"] != spawned[0]["pid"] and not (tmp_path / LEASE).exists()
+
+
+@pytest.mark.multirank
+def test_two_training_runs_saving_at_the_same_moments_one_is_refused_and_the_others_generations_load_exactly(
+    tmp_path, prewarmed
+):
+    """Two whole training runs (megatron's optimizer on CPU) on one root: the leader (1 rank, a
+    spawned process) and the other run (2 ranks, forked) meet at a file barrier before each save
+    and save together; the leader's save is held in flight until the other's attempt is over.
+    The other run is refused by the lease on both ranks alike, naming the leader; the leader's
+    generations verify and load bit-exact."""
+    import threading
+
+    from jobs_paths import JOBS
+
+    from miles_lora_ckpt.sim import launch
+    from miles_lora_ckpt.sim.model import SimConfig
+    from miles_lora_ckpt.tools.cli import main as cli
+
+    root, scratch = tmp_path / "root", tmp_path / "barrier"
+    root.mkdir()
+    scratch.mkdir()
+    common = {"root": str(root), "scratch": str(scratch), "saves": 2, "steps": 2, "wait_s": 240}
+    leader = {**common, "name": "leader", "other": "other", "other_world": 2, "leader": True}
+    follower = {**common, "name": "other", "other": "leader", "other_world": 1, "leader": False}
+    leader["config"] = SimConfig(world_size=1).to_dict()
+    follower["config"] = SimConfig(world_size=2).to_dict()
+    results = {}
+
+    def run_other():
+        results["other"] = prewarmed.run_as_spawned(
+            2,
+            "lora_jobs:overlapping_writer",
+            follower,
+            sys_path=[JOBS],
+            env={"MILES_LORA_CKPT_RUN_ID": "run-other"},
+            timeout_s=400,
+        )
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    try:
+        with launch.route_megatron_jobs(None):  # a second, independent process: spawned
+            results["leader"] = launch.run_workers(
+                1,
+                "lora_jobs:overlapping_writer",
+                leader,
+                sys_path=[JOBS],
+                env={"MILES_LORA_CKPT_RUN_ID": "run-leader"},
+                timeout_s=400,
+            )
+    finally:
+        thread.join()
+    (won,) = launch.check_all(results["leader"])
+    lost = launch.check_all(results["other"])
+    # the other run: refused at every save, loudly and alike on both ranks, naming the leader,
+    # while the leader's save was in flight (its staging directory was there)
+    for outcomes in (r["outcomes"] for r in lost):
+        assert [o.get("phase") for o in outcomes] == ["prepare", "prepare"], outcomes
+        for outcome, first in zip(outcomes, lost[0]["outcomes"], strict=True):
+            assert outcome["refused"] == first["refused"]
+            assert "failed on rank(s) [0]" in outcome["refused"] and "has another writer" in outcome["refused"]
+            assert f"pid {won['pid']} run run-leader" in outcome["refused"], outcome["refused"]
+    assert all(len(o["staging_seen"]) == 1 for o in lost[0]["outcomes"]), lost[0]["outcomes"]
+    # the leader: every save committed; each generation verifies and loads bit-exact
+    saved = [o["saved"] for o in won["outcomes"]]
+    assert len(saved) == 2 and sorted(p.name for p in root.iterdir() if p.name.startswith("gen-")) == sorted(saved)
+    assert sorted(won["loaded"]) == sorted(saved)
+    for name, check in won["loaded"].items():
+        assert check["first_difference"] is None and check["tensors"] > 0, (name, check)
+    assert [won["loaded"][name]["iteration"] for name in saved] == [2, 4]
+    assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
+    assert not (root / LEASE).exists()  # the leader released it when it exited
+    assert cli(["verify", str(root), "--all"]) == 0

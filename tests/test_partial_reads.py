@@ -184,6 +184,21 @@ def test_a_slice_listed_under_another_name_or_a_changed_bucket_layout_is_refused
         dopt.saved_pieces(3, _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]]), "k", {"buf0": [10, 7]})
 
 
+def test_a_bucket_layout_missing_from_the_plan_names_the_missing_key():
+    from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+
+    plan = _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
+    plan["numel_unpadded"] = {"other": CURRENT}  # this run's coordinate "k" is not in the checkpoint
+    with pytest.raises(IncompatibleCheckpoint) as refused:
+        dopt.saved_pieces(3, plan, "k", CURRENT)
+    assert "missing key 'k' in 'numel_unpadded'" in str(refused.value) and "['other']" in str(refused.value)
+    assert "None" not in str(refused.value)
+    del plan["numel_unpadded"]
+    with pytest.raises(ValueError, match=r"has no bucket layout \('numel_unpadded'\)") as damaged:
+        dopt.saved_pieces(3, plan, "k", CURRENT)
+    assert "None" not in str(damaged.value)
+
+
 # ------------------------------------------------------------------ across processes
 
 

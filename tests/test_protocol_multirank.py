@@ -59,11 +59,21 @@ def test_sigkill_at_each_phase_leaves_a_loadable_root(phase_index, tmp_path):
     root = tmp_path / "root"
     results = jobs(world, "kill_once", {"root": str(root), "phase": phase, "rank": killed, "timeout_s": 20})
     assert results[killed].exitcode == -9, results[killed]
+    expected_phase = "publish" if phase == "after-publish" else "commit" if phase in COMMIT_PHASES else "write"
     for result in results:
         if result.rank != killed:
             assert result.ok, result.error
-            assert result.result["outcome"].startswith("CheckpointError"), result.result
+            outcome = result.result["outcome"]
+            assert outcome.startswith("CheckpointError"), result.result
             assert result.result["seconds"] < 25
+            # one line names the rank, the phase and what happened; the transport's own text
+            # (gloo's source paths, socket errors) is in the debug log only
+            line = f"  rank {result.rank}: the collective of phase '{expected_phase}' failed on rank {result.rank}"
+            assert f"{line}: a peer died or timed out (" in outcome, outcome
+            assert len(outcome.splitlines()) == 2, outcome  # the header and the one failing rank
+            (transport,) = result.result["transport"]
+            assert transport and transport not in outcome and "gloo" not in outcome, outcome
+            assert transport in result.result["debug_log"], result.result["debug_log"]
     published = phase == "after-publish"  # only then did the rename happen
     # the newest committed generation verifies and loads; staging leftovers are never read
     assert cli(["verify", str(root)]) == 0

@@ -4,7 +4,9 @@ Code that can fail runs inside `attempt(...)`, which never raises: it returns an
 rank then calls `consensus.agree(phase, outcome)`, one collective in which each rank contributes
 its outcome; if any rank failed, every rank raises the same `CheckpointError` naming the failing
 ranks and their first errors. So no rank ever skips a collective its peers entered. A peer that
-died or hangs turns into an error after the group's timeout instead of an endless wait.
+died or hangs turns into an error after the group's timeout instead of an endless wait: one line
+naming the rank, the phase and "a peer died or timed out" (`peer_lost`); the transport's own
+message goes to the debug log.
 
 Payloads travel as JSON in uint8 tensors (gloo works on CPU and survives a poisoned NCCL
 communicator); nothing is pickled.
@@ -13,6 +15,7 @@ communicator); nothing is pickled.
 from __future__ import annotations
 
 import json
+import logging
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ from typing import Any
 
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = settings.Settings.consensus_timeout_s
 
@@ -148,10 +153,19 @@ class Consensus:
                     for part, t, n in zip(parts, gathered, sizes, strict=True)
                 ]
         except Exception as exc:  # a dead or hung peer: gloo reports it after the timeout
-            raise CheckpointError(
-                phase, [RankFailure(self.rank, f"collective failed, a peer died or timed out: {exc}")]
-            ) from exc
+            raise CheckpointError(phase, [RankFailure(self.rank, peer_lost(phase, self.rank, exc))]) from None
         return [json.loads(part) for part in parts]
+
+
+def peer_lost(phase: str, rank: int, exc: BaseException) -> str:
+    """The one line an operator reads when a collective of `phase` failed on `rank` (a peer died,
+    hung past the timeout, or its connection broke). The transport's own message (gloo's source
+    paths, socket errors) goes to the debug log, with its traceback, not into the error."""
+    log.debug("rank %d: the collective of phase %r failed in the transport", rank, phase, exc_info=exc)
+    return (
+        f"the collective of phase '{phase}' failed on rank {rank}: a peer died or timed out "
+        f"({type(exc).__name__}; the transport's message is in the debug log, logger {log.name!r})"
+    )
 
 
 SLOT_BYTES = 2048  # the first all-gather's bytes per rank: most agreements fit in it whole

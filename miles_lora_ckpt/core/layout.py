@@ -8,7 +8,8 @@ A save root holds::
       gen-000000010-3f2a9c1e0b7d4e55/    a committed generation (published by one atomic rename)
         manifest.json                    written last; lists every other file with size and digest
         ...                              the saver's files (safetensors tensors, JSON metadata)
-      .staging-7c0d1e2f3a4b5c6d/         an attempt in progress, or abandoned by a crash
+      .staging-7c0d1e2f3a4b5c6d/         an attempt in progress, or abandoned by a crash (removed by
+                                         the next save, see `retention.reclaim_staging`)
       .deleting-gen-.../                 a generation being removed by retention
       latest -> gen-000000010-3f2a...    optional relative symlink to the newest published generation
                                          (`save_generation(link_latest=True)`, e.g. a PEFT export root)

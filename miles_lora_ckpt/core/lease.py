@@ -8,7 +8,7 @@
 
 The coordinator of a save takes the lease at prepare (before anything is written) and checks it
 again just before publishing; a heartbeat thread renews every lease this process holds every
-quarter of its timeout, and the leases are released when the process exits. A second writer is
+quarter of its timeout, and the leases are released when the process exits (`release_all`). A second writer is
 refused with `LeaseHeld`, which names the holder, so the save fails on every rank before it
 writes anything.
 
@@ -396,7 +396,9 @@ def _renew_forever() -> None:
                     log.warning("save root %s: could not renew the writer lease: %s", root, exc)
 
 
-def _release_all_at_exit() -> None:
+def release_all() -> None:
+    """Give up every lease this process holds (not a forked parent's). Runs at interpreter exit
+    (atexit); a process that leaves through `os._exit` (the harness's workers) calls it first."""
     with _lock:
         roots = [root for root, (owner, _) in _held.items() if owner == os.getpid()]  # not a fork's parent's
     for root in roots:
@@ -406,4 +408,4 @@ def _release_all_at_exit() -> None:
             pass
 
 
-atexit.register(_release_all_at_exit)
+atexit.register(release_all)

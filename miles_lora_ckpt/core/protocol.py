@@ -3,7 +3,8 @@
 Save, read top to bottom as phases::
 
     prepare   coordinator takes the root's writer lease (a second writer is
-              refused here, before anything is written), numbers the
+              refused here, before anything is written), removes the staging
+              directories crashed attempts left, numbers the
               generation (sequence = 1 + the highest in the root), picks a
               fresh attempt id and makes `.staging-<id>`                       -> agree
     produce   (optional) the caller's collective step, on every rank, e.g. a
@@ -21,7 +22,9 @@ Save, read top to bottom as phases::
     retain    coordinator prunes old generations (never raises: it runs after the last collective)
 
 A failed attempt raises the same CheckpointError on every rank, and the coordinator removes its
-own staging directory (one left by a killed process is never read, and retention removes it).
+own staging directory. One left by a killed process is never read, and the next save removes it
+at prepare, once it holds the lease (`retention.reclaim_staging`: a staging directory is only
+made under the lease, so one that no attempt of the lease holder owns is a dead attempt's).
 
 Load: the coordinator lists candidate generations in commit order (tracker disagreements become
 warnings); for each, every rank checks its structure, reads (and checks, see
@@ -44,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles_lora_ckpt.core import faults, lease, retention, signing, storage
+from miles_lora_ckpt.core import attempts, faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
 from miles_lora_ckpt.core.layout import (
@@ -242,6 +245,9 @@ def save_generation(
         if coordinator and prepared.ok:  # nothing was published from it (or it is gone: renamed)
             _discard(root / staging_dir_name(prepared.value.attempt_id))
         raise
+    finally:
+        if coordinator and prepared.ok:
+            attempts.end(root, staging_dir_name(prepared.value.attempt_id))
 
     # retain: after the last collective, so it must not raise
     if coordinator and keep is not None:
@@ -264,14 +270,17 @@ def _prepare(root: Path, links: tuple[str, ...], rank: int) -> _Prepared:
         if os.path.lexists(root / link) and not os.path.islink(root / link):
             raise ValueError(f"{root / link} is not a symlink; refusing to replace it with one")
     lease.acquire(root)
+    retention.reclaim_staging(root)  # what crashed attempts left: no live attempt owns it
     sequence = next_sequence(root, key)
     attempt_id = new_attempt_id()
-    staging = root / staging_dir_name(attempt_id)
-    staging.mkdir()  # fails if it exists: never reused
+    directory = root / staging_dir_name(attempt_id)
+    attempts.begin(root, directory.name)  # ours and live: no reclaim (another thread's save) removes it
     try:
+        directory.mkdir()  # fails if it exists: never reused
         faults.point("after-prepare", rank)
     except BaseException:
-        _discard(staging)  # its id never reached the other ranks: nobody else would remove it
+        _discard(directory)  # its id never reached the other ranks: nobody else would remove it
+        attempts.end(root, directory.name)
         raise
     return _Prepared(attempt_id, sequence, key)
 

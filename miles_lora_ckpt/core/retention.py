@@ -11,8 +11,8 @@
    generation is removed (those are not read).
 4. Staging directories are never touched while another process holds a live writer lease of the
    root (its attempt may be live). The lease holder itself (retention at the end of its save)
-   removes every staging directory: its own attempts run one at a time and the last one was just
-   published. Without a live lease, staging directories older than `staging_min_age_s` go.
+   removes every staging directory but those of its own attempts still in flight (`staging.live`).
+   Without a live lease, staging directories older than `staging_min_age_s` go.
 5. `.deleting-*` leftovers of an interrupted removal are finished.
 6. Generation links (relative symlinks naming a `gen-*` directory of the root, such as `latest`
    or a multi-LoRA slot root's `step_N` reader names) that name a generation being removed, or
@@ -21,6 +21,10 @@
 Removal renames an entry to `.deleting-<name>` first (one atomic step that takes it out of every
 reader's view), then removes it: a link or file is unlinked (never followed), a directory removed
 without following any link inside. A failure on one entry is reported and the others go on.
+
+Every save also reclaims at prepare, as the lease holder, what crashed attempts left behind
+(`reclaim_staging`): staging directories of no attempt in flight, and `.deleting-` leftovers of
+such directories; a root that saw many crashes never fills its disk with them, `gc` or not.
 
 Retention at the end of a save (`prune_quietly`) trusts the generation it just wrote (its digests
 were computed over the bytes as they were written) and does not re-read a generation this process
@@ -39,8 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import lease, signing
-from miles_lora_ckpt.core.layout import DELETING_PREFIX, MANIFEST, Manifest, parse_generation_dir_name
+from miles_lora_ckpt.core import attempts, lease, signing
+from miles_lora_ckpt.core.layout import (
+    DELETING_PREFIX,
+    MANIFEST,
+    Manifest,
+    is_staging_dir_name,
+    parse_generation_dir_name,
+)
 from miles_lora_ckpt.core.verify import RootEntry, reason, verify_generation, view_root
 
 log = logging.getLogger(__name__)
@@ -164,26 +174,55 @@ def generation_links(root: Path) -> dict[str, str]:
 
 
 def _doomed_staging(
-    root: Path, staging: list[RootEntry], min_age_s: float, plan: PrunePlan, as_holder: bool
+    root: Path, entries: list[RootEntry], min_age_s: float, plan: PrunePlan, as_holder: bool
 ) -> list[Path]:
-    if not staging:
+    if not entries:
         return []
-    if as_holder and _still_hold(root):
-        return [root / e.name for e in staging]  # ours; none is live (the last attempt was published)
+    if as_holder and _still_hold(root):  # ours: live only if one of our attempts is still in flight
+        in_flight = attempts.live(root)
+        return [root / e.name for e in entries if e.name not in in_flight]
     state = lease.read_state(root)
     if state is not None and state.live:
         plan.notes.append(
-            f"{len(staging)} staging director(ies) left alone: the root's writer lease is {state.describe()}"
+            f"{len(entries)} staging director(ies) left alone: the root's writer lease is {state.describe()}"
         )
         return []
     now, doomed = time.time(), []
-    for entry in staging:
+    for entry in entries:
         try:
             if now - os.lstat(root / entry.name).st_mtime >= min_age_s:
                 doomed.append(root / entry.name)
         except FileNotFoundError:
             pass
     return doomed
+
+
+def reclaim_staging(root: Path) -> list[str]:
+    """Remove what crashed save attempts left in `root`: every staging directory that none of this
+    process's attempts in flight owns, and the `.deleting-` leftovers of such directories (an
+    interrupted removal). Only while this process holds the root's writer lease (checked first;
+    `lease.LeaseHeld` if it lost it): then no other writer's attempt can be live, since a staging
+    directory is made only under the lease, so these belong to attempts whose lease is gone.
+    Without the lease it removes nothing. Returns the names removed; a failure to remove one is
+    logged (the save goes on), never raised."""
+    root = Path(root)
+    if not lease.holds(root):
+        return []
+    lease.confirm(root)
+    in_flight = attempts.live(root)
+    removed = []
+    for name in sorted(os.listdir(root)):
+        leftover = name.startswith(DELETING_PREFIX) and is_staging_dir_name(name[len(DELETING_PREFIX) :])
+        if not (is_staging_dir_name(name) and name not in in_flight) and not leftover:
+            continue
+        failure = _remove(root / name)
+        if failure is None:
+            removed.append(name)
+        else:
+            log.warning("save root %s: could not remove %s, left by a crashed save: %s", root, name, failure)
+    if removed:
+        log.info("save root %s: removed %d staging director(ies) of crashed saves: %s", root, len(removed), removed)
+    return removed
 
 
 def _still_hold(root: Path) -> bool:

@@ -275,6 +275,12 @@ def _child(request: dict, rank: int, port: int) -> None:
         _write(job_dir / f"result-{rank}.json", {"error": "result is not JSON-able:\n" + traceback.format_exc()})
         code = 1
     finally:
+        try:
+            from miles_lora_ckpt.sim.worker import release_leases
+
+            release_leases()  # os._exit runs no atexit handler
+        except BaseException:  # noqa: B036 - the child must reach os._exit whatever happens
+            traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

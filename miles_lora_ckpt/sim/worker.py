@@ -81,8 +81,20 @@ def main(spec_path: str) -> int:
     return code
 
 
+def release_leases() -> None:
+    """Release the writer leases this rank still holds: a rank leaves through `os._exit`, which runs
+    no atexit handler, so without this its lease would stay on disk until judged stale."""
+    from miles_lora_ckpt.core import lease
+
+    try:
+        lease.release_all()
+    except Exception:  # noqa: BLE001 - the rank's own report is written already; never mask it
+        traceback.print_exc()
+
+
 if __name__ == "__main__":
     exit_code = main(sys.argv[1])
+    release_leases()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)  # skip interpreter teardown: gloo threads can stall a normal exit

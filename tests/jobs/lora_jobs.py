@@ -7,6 +7,7 @@ for an empty DP shard; see miles_lora_ckpt/sim/cpu_intercepts.py.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -411,8 +412,6 @@ def soak(payload: dict, ctx) -> dict:
     """One run saves and loads `cycles` times into one root (keep=2) through the production defaults
     (the process-wide consensus); threads, open descriptors and RSS of this process after save 1, and
     after every `every` cycles (issue 23 item 8: nothing may grow with the number of saves)."""
-    import gc
-
     run = build_run(SimConfig.from_dict(payload["config"]))
     run_steps(run, 0, 1)
     root = ctx.scratch_dir / "soak"
@@ -433,11 +432,88 @@ def soak(payload: dict, ctx) -> dict:
 def _process_resources(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    import gc
-
     return {
         "objects": len(gc.get_objects()),
         "threads": len(os.listdir(f"/proc/{pid}/task")),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "rss_mib": round(rss_kib / 1024, 1),
     }
+
+
+# ------------------------------------------------------------------ two writers that really overlap
+
+
+def _mark(scratch: Path, event: str, rank: int) -> None:
+    (scratch / f"{event}.r{rank}").touch()
+
+
+def _await(scratch: Path, event: str, ranks: int, timeout_s: float) -> None:
+    """Wait until ranks 0..ranks-1 of a run marked `event` (a file barrier between two runs)."""
+    deadline = time.monotonic() + timeout_s
+    while not all((scratch / f"{event}.r{r}").exists() for r in range(ranks)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s} s for {event} of {ranks} rank(s)")
+        time.sleep(0.02)
+
+
+def overlapping_writer(payload: dict, ctx) -> dict:
+    """One of two whole training runs on one root that save at the same moments.
+
+    Both runs train `steps` steps, then meet at a file barrier and both save, `saves` times. The
+    `leader`'s save holds still right after its prepare (the lease taken, its staging directory
+    made: a fault hook) until every rank of the other run finished its own save attempt, so the two
+    saves overlap by construction; the other run's save starts only once the leader's is in flight.
+    Afterwards the leader loads each generation it committed into a fresh run and compares every
+    tensor, counter and scheduler field with the run at the moment it saved.
+    """
+    scratch, name, other = Path(payload["scratch"]), payload["name"], payload["other"]
+    others, timeout_s, leader = payload["other_world"], payload["wait_s"], payload["leader"]
+    consensus = Consensus.for_world(timeout_s=120)
+    config = SimConfig.from_dict(payload["config"])
+    current = {"save": None}
+    if leader:
+        real_point = faults.point
+
+        def held_point(phase: str, rank: int) -> None:
+            if phase == "after-prepare" and rank == 0 and current["save"] is not None:
+                _mark(scratch, f"in-save-{name}-{current['save']}", 0)
+                _await(scratch, f"done-{other}-{current['save']}", others, timeout_s)
+            real_point(phase, rank)
+
+        faults.point = held_point
+    run = build_run(config)
+    outcomes, at_save = [], {}
+    for k in range(payload["saves"]):
+        run_steps(run, k * payload["steps"], (k + 1) * payload["steps"])
+        _mark(scratch, f"arrived-{name}-{k}", ctx.rank)
+        _await(scratch, f"arrived-{other}-{k}", others, timeout_s)  # both runs at the same save point
+        if not leader:
+            _await(scratch, f"in-save-{other}-{k}", 1, timeout_s)  # the leader's save is in flight
+        current["save"] = k
+        iteration = (k + 1) * payload["steps"]
+        staging_seen = sorted(n for n in os.listdir(payload["root"]) if n.startswith(".staging-"))
+        try:
+            path = save(run, payload["root"], iteration, consensus)
+            at_save[path] = snapshot_digests(snapshot(run))
+            outcomes.append({"saved": Path(path).name})
+        except CheckpointError as exc:
+            outcomes.append({"refused": str(exc), "phase": exc.phase, "staging_seen": staging_seen})
+        current["save"] = None
+        _mark(scratch, f"done-{name}-{k}", ctx.rank)
+    _mark(scratch, f"finished-{name}", ctx.rank)
+    _await(scratch, f"finished-{other}", others, timeout_s)
+    loaded = {}
+    if at_save:
+        teardown(run)
+        for path, digests in at_save.items():
+            fresh = build_run(config)
+            result = load(fresh, path, consensus)
+            loaded[Path(path).name] = {
+                "iteration": result.iteration,
+                "first_difference": compare_digests(digests, snapshot_digests(snapshot(fresh))),
+                "tensors": len(digests),
+            }
+            teardown(fresh)
+    else:
+        teardown(run)
+    return {"pid": os.getpid(), "outcomes": outcomes, "loaded": loaded}

@@ -103,14 +103,37 @@ def raise_matrix(payload: dict, ctx) -> dict:
 
 
 def kill_once(payload: dict, ctx) -> dict:
-    """Two good saves, then a third during which `payload['rank']` SIGKILLs itself at a phase."""
+    """Two good saves, then a third during which `payload['rank']` SIGKILLs itself at a phase.
+    Also returns what the consensus logged at debug level, and the transport's own error text."""
+    import logging
+
     consensus = Consensus.for_world(timeout_s=payload.get("timeout_s", 20))
     root = Path(payload["root"])
     _save(consensus, root, 1)
     _save(consensus, root, 2)
     if ctx.rank == payload["rank"]:
         faults.arm(payload["phase"], ctx.rank, "kill")
-    return _timed_save(consensus, root, 3)
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(logging.Formatter().format(record))
+    logger = logging.getLogger("miles_lora_ckpt.core.consensus")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    transport = []
+    try:
+        result = _timed_save(consensus, root, 3, errors=transport)
+    finally:
+        logger.removeHandler(handler)
+    return {**result, "debug_log": "\n".join(records), "transport": transport}
+
+
+def hold_lease(payload: dict, ctx) -> dict:
+    """Rank 0 takes the writer lease of `root` and returns normally, still holding it."""
+    from miles_lora_ckpt.core import lease
+
+    if ctx.rank == 0:
+        lease.acquire(Path(payload["root"]))
+    return {"pid": os.getpid(), "holds": lease.holds(Path(payload["root"]))}
 
 
 def hang_peer(payload: dict, ctx) -> dict:
@@ -122,14 +145,17 @@ def hang_peer(payload: dict, ctx) -> dict:
     return _timed_save(consensus, root, 1)
 
 
-def _timed_save(consensus: Consensus, root: Path, iteration: int) -> dict:
-    """Save once; report "saved" or the CheckpointError text, and how long it took."""
+def _timed_save(consensus: Consensus, root: Path, iteration: int, errors: list | None = None) -> dict:
+    """Save once; report "saved" or the CheckpointError text, and how long it took (`errors` gets
+    the text of the exception the CheckpointError was raised from, if any)."""
     started = time.monotonic()
     try:
         _save(consensus, root, iteration)
         outcome = "saved"
     except CheckpointError as exc:
         outcome = f"CheckpointError: {exc}"
+        if errors is not None and exc.__context__ is not None:
+            errors.append(str(exc.__context__))
     return {"outcome": outcome, "seconds": time.monotonic() - started}
 
 

@@ -242,7 +242,15 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
     """Every saved piece of child `index` at `key`, checked: the bucket layout is this run's, and
     the slices tile each bucket exactly (no overlap, no gap). Legacy (gathered) layouts: one piece
     per buffer in the DP root's file."""
-    saved = plan.get("numel_unpadded", {}).get(key)
+    layouts = plan.get("numel_unpadded")
+    if not isinstance(layouts, dict):
+        raise ValueError(f"optimizer child {index}: the manifest's plan has no bucket layout ('numel_unpadded')")
+    if key not in layouts:
+        raise IncompatibleCheckpoint(
+            f"optimizer child {index}: the checkpoint has no bucket layout for model-parallel coordinate {key} "
+            f"(missing key {key!r} in 'numel_unpadded'; it has {sorted(layouts)[:8]})"
+        )
+    saved = layouts[key]
     if saved != current:
         raise IncompatibleCheckpoint(
             f"optimizer child {index} at {key}: bucket layout differs: checkpoint {saved}, this run {current}"

@@ -11,7 +11,8 @@ links::
 
 With `peft`, the export runs after the slot's shards are staged, as Miles v1 orders a slot save
 (shards, then Bridge's export, then the PEFT files): an export that fails leaves nothing but its
-own attempt's staging directory (unique per attempt, never read, removed by its coordinator or `gc`).
+own attempt's staging directory (unique per attempt, never read, removed by its coordinator, or,
+when the coordinator was killed, by the next save into the slot root).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ with it.
 
 What is converted and checked, and how, lives in `convert`; this module holds only the phases.
 A failed attempt raises the same `CheckpointError` on every rank and removes its staging directory
-(a killed one is left for `gc`; it is never read nor published: attempt ids are unique), and
+(a killed one is never read nor published, attempt ids being unique, and the next export into the
+root removes it), and
 leaves the previous export, the tracker and `latest` untouched.
 """
 
