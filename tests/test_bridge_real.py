@@ -104,6 +104,9 @@ def test_in_the_workers_bridge_is_real_and_no_fake_transformer_engine_is_left(st
         assert "exclude_adapter_base_prefixes" in shims["export_params"]
         assert "expand_shared_outer" not in shims["export_params"]  # not in 0.6.2 (Bridge main adds it)
         assert shims["slot_export_error"].startswith("ModuleNotFoundError")  # no multi_lora_layers in 0.6.2
+        # what a multi-LoRA run exporting slots is refused with at startup (integration.peft.prepare)
+        assert "which this Bridge lacks (megatron-bridge 0.6.2: ModuleNotFoundError" in shims["slot_problem"]
+        assert "install a Megatron-Bridge that has megatron.bridge.peft.multi_lora_layers" in shims["slot_problem"]
 
 
 def test_every_export_loads_in_peft_with_nothing_missing_and_matches_megatron_logits(story):

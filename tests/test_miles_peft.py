@@ -226,6 +226,11 @@ def test_multi_lora_slot_exports_v1_by_default_when_it_can_and_refuses_a_bridge_
     with pytest.raises(UnsupportedConfiguration) as info:
         slot_prepare(ON, "v2", no_slots)
     assert "megatron.bridge.peft.multi_lora_layers.expose_adapter_slot, which this Bridge lacks" in str(info.value)
+    from miles_lora_ckpt.megatron.bridge_export import bridge_version
+
+    # ... naming the installed Bridge's version and how to get one that has it
+    assert f"(megatron-bridge {bridge_version()}: ModuleNotFoundError" in str(info.value)
+    assert "install a Megatron-Bridge that has megatron.bridge.peft.multi_lora_layers" in str(info.value)
     assert str(info.value).endswith("set export.peft = false (or MILES_LORA_CKPT_PEFT_EXPORT=0).")
 
 

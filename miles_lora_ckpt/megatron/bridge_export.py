@@ -118,6 +118,33 @@ def expose_adapter_slot() -> Callable:
     return function
 
 
+def bridge_version() -> str:
+    """The installed Megatron-Bridge's version (from its package metadata; Bridge is not imported),
+    or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-bridge")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def slot_export_problem() -> str | None:
+    """None when per-slot exports can select a slot here (Bridge's `expose_adapter_slot` imports),
+    else one sentence naming the installed Bridge version, why, and the remedy."""
+    why = slot_export_error()
+    return None if why is None else slot_problem_message(why)
+
+
+def slot_problem_message(why: str) -> str:
+    """The refusal's sentence for a Bridge whose `expose_adapter_slot` does not import (`why`)."""
+    return (
+        f"a per-slot export selects the slot with Megatron-Bridge's {MULTI_LORA_MODULE}.expose_adapter_slot, "
+        f"which this Bridge lacks (megatron-bridge {bridge_version()}: {why}); install a Megatron-Bridge that "
+        f"has {MULTI_LORA_MODULE} (NVIDIA's main branch, or the Miles fork; release 0.6.2 has none)"
+    )
+
+
 def slot_export_error() -> str | None:
     """None when Bridge's `expose_adapter_slot` imports here, else why not."""
     try:

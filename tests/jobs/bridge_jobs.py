@@ -151,6 +151,7 @@ def shim_facts() -> dict:
         "export_params": list(inspect.signature(export).parameters),
         "export_kwargs": source._kwargs,
         "slot_export_error": bx.slot_export_error(),
+        "slot_problem": bx.slot_export_problem(),
     }
 
 
