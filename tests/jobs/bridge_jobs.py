@@ -66,7 +66,7 @@ def export_story(payload: dict, ctx) -> dict:
     consensus = Consensus.for_world(timeout_s=120)
     scratch = Path(payload["scratch"])
     bm.setup()
-    out: dict = {"shims": shim_facts(), "cases": {}}
+    out: dict = {"shims": shim_facts(), "startup": startup_with_the_real_bridge(payload["hf"]["qwen2"]), "cases": {}}
     ids = torch.tensor(INPUT_IDS)
     for case in payload["cases"]:
         config = bm.BridgeRunConfig.from_dict(case["config"])
@@ -152,6 +152,46 @@ def shim_facts() -> dict:
         "export_kwargs": source._kwargs,
         "slot_export_error": bx.slot_export_error(),
         "slot_problem": bx.slot_export_problem(),
+    }
+
+
+def startup_with_the_real_bridge(hf: str) -> dict:
+    """The init hook's `integration.peft.prepare` with the real 0.6.2 installed: a single-LoRA run
+    with export.peft builds the real AutoBridge from --hf-checkpoint; a multi-LoRA (v2) run that
+    exports slots is refused, naming the Bridge version and the remedy."""
+    from argparse import Namespace
+    from contextlib import contextmanager
+    from types import ModuleType
+
+    from miles_lora_ckpt.integration import peft
+    from miles_lora_ckpt.integration.config import load_config
+    from miles_lora_ckpt.integration.shapes import SHAPES_BY_NAME
+    from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
+
+    @contextmanager
+    def patch_megatron_model(model):  # what Miles' context manager is to the plugin
+        yield
+
+    miles = ModuleType("miles.utils.megatron_bridge_utils")
+    miles.patch_megatron_model = patch_megatron_model
+
+    def import_module(name: str):
+        if name != miles.__name__:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return miles
+
+    args = Namespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, hf_checkpoint=hf, save_hf=None)
+    config, shape = load_config({"MILES_LORA_CKPT_PEFT_EXPORT": "1"}), SHAPES_BY_NAME["lora-package-2026-09"]
+    single = peft.prepare(args, config, shape, lora=True, import_module=import_module)
+    try:
+        peft.prepare(args, config, shape, lora=True, multi_lora="v2", import_module=import_module)
+        refused = None
+    except UnsupportedConfiguration as exc:
+        refused = str(exc)
+    return {
+        "single_bridge": f"{type(single.source.bridge).__module__}.{type(single.source.bridge).__name__}",
+        "single_kwargs": single.source._kwargs,
+        "multi_refused": refused,
     }
 
 
