@@ -1,14 +1,16 @@
 # Two user-facing targets: `make demo` and `make test` (and `make demo-tier2 ARGS=...` after
-# `make test`: the demo against megatron-core 0.19.2; `make docs`: the documentation site into site/).
+# `make test`: the demo against megatron-core 0.19.2; `make demo-bridge ARGS=--export-peft`: its PEFT
+# export through the real Megatron-Bridge 0.6.2; `make docs`: the documentation site into site/).
 # Everything else is plumbing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TIER2  := .tier2/mcore019
+TIER3  := .tier3/bridge
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 test test-long lint docs tier1 tier2 install clean
+.PHONY: demo demo-tier2 demo-bridge test test-long lint docs tier1 tier2 tier-bridge install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +33,15 @@ $(TIER2)/.emerging-optimizers: $(TIER2)/.installed
 	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(TIER2) emerging-optimizers==0.3.0 absl-py==2.5.1
 	touch $@
 
+# Bridge tier: the real Megatron-Bridge 0.6.2 (pure Python; declares Python>=3.12, runs on 3.11 with
+# the three shims of sim/bridge_shims.py) on top of the 0.19.2 tier (it does not import with 0.16).
+# Bridge pins transformers<=5.12.1 (5.24 lacks transformers.modeling_attn_mask_utils), so that
+# transformers and its hub/tokenizer pins live in this folder too, first on PYTHONPATH for this tier only.
+$(TIER3)/.installed: $(TIER2)/.emerging-optimizers
+	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(TIER3) megatron-bridge==0.6.2 \
+		transformers==5.12.1 'huggingface-hub>=1.5,<2' tokenizers==0.22.2 httpx httpcore certifi sniffio omegaconf einops
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -39,6 +50,10 @@ demo: $(VENV)/.installed
 # The demo against megatron-core 0.19.2 (megatron's own Lion and Muon), e.g. ARGS="--optimizer muon".
 demo-tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
+
+# The demo's PEFT export through the real Megatron-Bridge 0.6.2, e.g. ARGS="--export-peft".
+demo-bridge: $(TIER3)/.installed
+	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
 
 # lint includes the documentation site: a broken link, an unknown anchor or a page missing from the
 # nav fails `mkdocs build --strict` (mkdocs.yml; tests/test_docs.py checks the same and more). Never add
@@ -58,11 +73,15 @@ tier1: $(VENV)/.installed
 tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m megatron $(PYTEST_ARGS)
 
-test: lint tier1 tier2
+# Only the tests marked `bridge` (the real Megatron-Bridge; they fail rather than skip in this tier).
+tier-bridge: $(TIER3)/.installed
+	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m bridge $(PYTEST_ARGS)
+
+test: lint tier1 tier2 tier-bridge
 
 # The long fuzz runs (tens of thousands of examples); not part of `make test`.
 test-long: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .tier2 build site *.egg-info .pytest_cache
+	rm -rf $(VENV) .tier2 .tier3 build site *.egg-info .pytest_cache

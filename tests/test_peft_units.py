@@ -3,6 +3,7 @@ in one process (faults at each phase), `verify` of exports, `export-peft` of a c
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import os
@@ -175,9 +176,66 @@ def test_both_bridge_tuple_shapes_are_read_and_others_refused():
     assert bx.normalize_item(NamedTuple2(("a.lora_A.weight", t))) == ExportedWeight("a.lora_A.weight", t)
     assert bx.normalize_item(("a.lora_A.weight", t)).megatron_name is None
     assert bx.normalize_item(("a.lora_A.weight", t, "decoder.x")).megatron_name == "decoder.x"
-    for bad in (("a",), ("a", t, "m", 4), "a.lora_A.weight", (t, "a")):
+    for bad in (("a",), ("a", t, "m", 4), "a.lora_A.weight", (t, "a"), ("a", t, 7), ("a", t, ("m", 1))):
         with pytest.raises(TypeError, match="Bridge's export yielded"):
             bx.normalize_item(bad)
+
+
+HFSourcedWeightTuple = collections.namedtuple("HFSourcedWeightTuple", ["param_name", "weight", "megatron_param_names"])
+
+
+def test_the_indexed_forks_tuple_of_megatron_names_is_read_as_names_not_as_one_string():
+    t = torch.zeros(2, 3)
+    fused = ("decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight", "decoder.x.linear_in.weight")
+    for item in (
+        HFSourcedWeightTuple("a.lora_A.weight", t, fused),
+        ("a.lora_A.weight", t, fused),
+        ("a.lora_A.weight", t, list(fused)),
+    ):
+        read = bx.normalize_item(item)
+        assert read.megatron_param_names == fused and read.megatron_name is None, item
+    single = bx.normalize_item(HFSourcedWeightTuple("a.lora_A.weight", t, (fused[0],)))
+    assert single.megatron_param_names == (fused[0],) and single.megatron_name == fused[0]
+    assert bx.normalize_item(("a.lora_A.weight", t, "decoder.x")).megatron_param_names == ("decoder.x",)
+    assert bx.normalize_item(("a.lora_A.weight", t)).megatron_param_names == ()
+
+
+class _Nvidia062:
+    """The 0.6.2 signature (no expand_shared_outer)."""
+
+    def export_adapter_weights(self, model, cpu=True, show_progress=True, exclude_adapter_base_prefixes=None):
+        yield ("a.lora_A.weight", torch.zeros(1, 1))
+
+
+class _Main(_Nvidia062):
+    def export_adapter_weights(
+        self, model, cpu=True, show_progress=True, exclude_adapter_base_prefixes=None, expand_shared_outer=False
+    ):
+        yield ("a.lora_A.weight", torch.zeros(1, 1))
+
+
+class _Fork:
+    def export_adapter_weights(self, model, cpu=True, show_progress=True):
+        yield ("a.lora_A.weight", torch.zeros(1, 1), "decoder.a")
+
+
+def test_bridge_source_passes_the_export_keywords_it_documents_and_refuses_missing_ones():
+    from miles_lora_ckpt.megatron.bridge_export import BridgeSource
+
+    def bound(bridge, **options):
+        source = BridgeSource(bridge, **options)
+        source.prepare()
+        return source._kwargs
+
+    plain = {"cpu": True, "show_progress": False}
+    assert bound(_Fork()) == bound(_Nvidia062()) == bound(_Main()) == plain
+    prefixes = {"exclude_adapter_base_prefixes": ["decoder.layers.1"]}
+    assert bound(_Nvidia062(), exclude_adapter_base_prefixes=("decoder.layers.1",)) == plain | prefixes
+    assert bound(_Main(), expand_shared_outer=True) == plain | {"expand_shared_outer": True}
+    with pytest.raises(TypeError, match="has no parameter expand_shared_outer"):
+        bound(_Nvidia062(), expand_shared_outer=False)
+    with pytest.raises(TypeError, match="has no parameter exclude_adapter_base_prefixes"):
+        bound(_Fork(), exclude_adapter_base_prefixes=["decoder.layers.1"])
 
 
 def test_optional_parameters_are_checked_by_signature():

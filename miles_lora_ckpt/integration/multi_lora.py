@@ -147,7 +147,7 @@ def slot_export(slot: int, rank: int, alpha: float) -> PeftExport | None:
 
     def to_rank(weight: ExportedWeight) -> ExportedWeight:
         cut = peft_format.slice_to_rank(weight.param_name, weight.weight, rank)
-        return ExportedWeight(weight.param_name, cut, weight.megatron_name)
+        return ExportedWeight(weight.param_name, cut, weight.megatron_name, weight.megatron_param_names)
 
     source = BridgeSource(
         base.source.bridge,

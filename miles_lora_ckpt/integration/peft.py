@@ -91,10 +91,7 @@ def prepare(
     if error is not None:
         problems.append(f"the export runs through Megatron-Bridge, but `import megatron.bridge` fails here: {error}")
     elif multi_lora is not None and (why := slot_error()) is not None:
-        problems.append(
-            f"a per-slot export selects the slot with Megatron-Bridge's {bridge_export.MULTI_LORA_MODULE}."
-            f"expose_adapter_slot, which this Bridge lacks: {why}"
-        )
+        problems.append(bridge_export.slot_problem_message(why))  # names the Bridge version and the remedy
     context, why = model_context(shape, import_module)
     if context is None:
         problems.append(why)

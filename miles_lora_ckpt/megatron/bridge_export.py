@@ -4,11 +4,18 @@ Bridge converts Megatron-side LoRA weights to HF names; the plugin owns every ba
 `savers/peft_export`). What this module knows about Bridge (contract §10.3, bridge-and-peft.md):
 
 - `AutoBridge.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy, collective
-  generator: every rank must iterate it fully and in the same order. NVIDIA builds yield two-item
-  named tuples `(param_name, weight)`; the fork Miles installs yields three items
-  `(hf_name, weight, megatron_name)`. Both are accepted; optional parameters
-  (`show_progress`, `exclude_adapter_base_prefixes`, `expand_shared_outer`) are passed only when the
-  installed signature has them.
+  generator: every rank must iterate it fully and in the same order. What it yields, all accepted
+  (`normalize_item`):
+  - NVIDIA builds (0.6.2, `main`): two-item named tuples `HFWeightTuple(param_name, weight)`;
+  - the fork Miles installs: plain three-item tuples `(hf_name, weight, megatron_name)`;
+  - an indexed fork version: `HFSourcedWeightTuple(param_name, weight, megatron_param_names)`, whose
+    third field is a TUPLE of Megatron names (one HF tensor can come from several Megatron params).
+  Keyword arguments, bound against the installed signature (`bind_options`): `cpu=True` and
+  `show_progress=False` are passed when the signature has them, and dropped otherwise.
+  `exclude_adapter_base_prefixes` (0.6.2 and `main`) and `expand_shared_outer` (`main` only) are
+  passed only when the caller asks for them (`BridgeSource(exclude_adapter_base_prefixes=...,
+  expand_shared_outer=...)`, or any keyword in `export_options`); an installed Bridge whose
+  signature lacks one that was asked for is refused with a TypeError naming it, never ignored.
 - `megatron.bridge.models.conversion.peft_bridge` has four pure helpers in recent builds
   (`convert_adapter_weights_to_peft_state`, `infer_target_modules_from_adapter_weights`,
   `infer_rank_pattern_from_adapter_weights`, `build_adapter_config_dict`); `peft_helpers()` returns
@@ -27,6 +34,7 @@ from typing import Any
 BRIDGE_MODULE = "megatron.bridge"
 HELPERS_MODULE = "megatron.bridge.models.conversion.peft_bridge"
 MULTI_LORA_MODULE = "megatron.bridge.peft.multi_lora_layers"  # Bridge's multi-LoRA slot helpers
+OPTIONAL_EXPORT_KWARGS = {"cpu": True, "show_progress": False}  # passed only where the signature has them
 
 
 @dataclass(frozen=True)
@@ -35,29 +43,46 @@ class ExportedWeight:
 
     param_name: str  # HF name, e.g. model.layers.0.self_attn.q_proj.lora_A.weight
     weight: Any  # torch.Tensor
-    megatron_name: str | None = None  # the fork's third item
+    megatron_name: str | None = None  # the Megatron name when exactly one is known (the fork's third item)
+    megatron_param_names: tuple[str, ...] = ()  # every Megatron name Bridge gave (empty: none given)
 
 
 def normalize_item(item: Any) -> ExportedWeight:
-    """Accept a named tuple with `param_name`/`weight`, or a plain 2- or 3-item tuple."""
+    """One exported item as an `ExportedWeight`: a named tuple with `param_name`/`weight` (and
+    optionally `megatron_name: str` or `megatron_param_names: tuple[str, ...]`), or a plain
+    2- or 3-item tuple whose third item is a Megatron name or a tuple/list of them.
+    Raises TypeError on any other shape or type."""
     import torch
 
     if hasattr(item, "param_name") and hasattr(item, "weight"):
-        name, weight, megatron_name = item.param_name, item.weight, getattr(item, "megatron_name", None)
+        name, weight = item.param_name, item.weight
+        third = getattr(item, "megatron_param_names", getattr(item, "megatron_name", None))
     elif isinstance(item, tuple | list) and len(item) in (2, 3):
         name, weight = item[0], item[1]
-        megatron_name = item[2] if len(item) == 3 else None
+        third = item[2] if len(item) == 3 else None
     else:
         size = len(item) if isinstance(item, tuple | list) else "no"
         raise TypeError(
-            f"Bridge's export yielded {type(item).__name__} with {size} items; expected (name, weight) "
-            "or (name, weight, megatron_name)"
+            f"Bridge's export yielded {type(item).__name__} with {size} items; expected (name, weight), "
+            "(name, weight, megatron_name) or (name, weight, megatron_param_names)"
         )
     if not isinstance(name, str) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"Bridge's export yielded ({type(name).__name__}, {type(weight).__name__}), not (str, Tensor)")
-    if megatron_name is not None and not isinstance(megatron_name, str):
-        megatron_name = str(megatron_name)
-    return ExportedWeight(name, weight, megatron_name)
+    megatron_names = _megatron_names(name, third)
+    return ExportedWeight(name, weight, megatron_names[0] if len(megatron_names) == 1 else None, megatron_names)
+
+
+def _megatron_names(name: str, third: Any) -> tuple[str, ...]:
+    if third is None:
+        return ()
+    if isinstance(third, str):
+        return (third,)
+    if isinstance(third, tuple | list) and all(isinstance(n, str) for n in third):
+        return tuple(third)
+    raise TypeError(
+        f"Bridge's export yielded {name!r} with a third item of type {type(third).__name__}; expected a "
+        "Megatron parameter name or a tuple of them"
+    )
 
 
 def bind_options(fn: Callable, *, required: dict[str, Any], optional: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +116,33 @@ def expose_adapter_slot() -> Callable:
     if not callable(function):
         raise AttributeError(f"{MULTI_LORA_MODULE}.expose_adapter_slot is not callable")
     return function
+
+
+def bridge_version() -> str:
+    """The installed Megatron-Bridge's version (from its package metadata; Bridge is not imported),
+    or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-bridge")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def slot_export_problem() -> str | None:
+    """None when per-slot exports can select a slot here (Bridge's `expose_adapter_slot` imports),
+    else one sentence naming the installed Bridge version, why, and the remedy."""
+    why = slot_export_error()
+    return None if why is None else slot_problem_message(why)
+
+
+def slot_problem_message(why: str) -> str:
+    """The refusal's sentence for a Bridge whose `expose_adapter_slot` does not import (`why`)."""
+    return (
+        f"a per-slot export selects the slot with Megatron-Bridge's {MULTI_LORA_MODULE}.expose_adapter_slot, "
+        f"which this Bridge lacks (megatron-bridge {bridge_version()}: {why}); install a Megatron-Bridge that "
+        f"has {MULTI_LORA_MODULE} (NVIDIA's main branch, or the Miles fork; release 0.6.2 has none)"
+    )
 
 
 def slot_export_error() -> str | None:
@@ -162,6 +214,8 @@ class BridgeSource:
         model_context: Callable[[Any], Any] | None = None,
         transform: Callable[[ExportedWeight], ExportedWeight] | None = None,
         export_options: dict[str, Any] | None = None,
+        exclude_adapter_base_prefixes: list[str] | tuple[str, ...] | None = None,
+        expand_shared_outer: bool | None = None,
     ):
         if bridge is None and hf_checkpoint is None:
             raise ValueError("BridgeSource needs a bridge or an hf_checkpoint to build one from")
@@ -171,6 +225,10 @@ class BridgeSource:
         self.model_context = model_context
         self.transform = transform
         self.export_options = dict(export_options or {})
+        if exclude_adapter_base_prefixes is not None:
+            self.export_options["exclude_adapter_base_prefixes"] = list(exclude_adapter_base_prefixes)
+        if expand_shared_outer is not None:
+            self.export_options["expand_shared_outer"] = bool(expand_shared_outer)
         self._kwargs: dict[str, Any] | None = None
 
     def prepare(self) -> None:
@@ -181,9 +239,7 @@ class BridgeSource:
         export = getattr(self.bridge, "export_adapter_weights", None)
         if not callable(export):
             raise TypeError(f"{type(self.bridge).__name__} has no export_adapter_weights (Megatron-Bridge too old?)")
-        self._kwargs = bind_options(
-            export, required=self.export_options, optional={"cpu": True, "show_progress": False}
-        )
+        self._kwargs = bind_options(export, required=self.export_options, optional=OPTIONAL_EXPORT_KWARGS)
 
     def export(self, model, on_item: Callable[[int, ExportedWeight], None] | None = None) -> list[ExportedWeight]:
         """Collective. Iterate Bridge's export fully on this rank; return every weight.

@@ -1,7 +1,8 @@
-"""The tiny HF base for PEFT checks: a `Qwen2ForCausalLM` built from a `Qwen2Config`, no hub access.
+"""The tiny HF bases for PEFT checks: a `Qwen2ForCausalLM` built from a `Qwen2Config` (or a
+`LlamaForCausalLM` from a `LlamaConfig`, for the real Megatron-Bridge tests), no hub access.
 
-Its module shapes are those of `qwen2_model.Qwen2SimConfig`, so an adapter exported from the
-harness's Qwen2-shaped megatron model loads onto it. Weights are seeded (deterministic) and saved as
+The Qwen2 base's module shapes are those of `qwen2_model.Qwen2SimConfig`, so an adapter exported
+from the harness's Qwen2-shaped megatron model loads onto it. Weights are seeded (deterministic) and saved as
 safetensors with `save_pretrained`; `AutoModelForCausalLM.from_pretrained(path)` loads it back.
 transformers is imported only when a function runs.
 """
@@ -18,17 +19,27 @@ def offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM")}
+
+
 def build_tiny_qwen2(path: str | os.PathLike, config_kwargs: dict, *, seed: int = 0) -> Path:
     """Write a seeded `Qwen2ForCausalLM` with `Qwen2Config(**config_kwargs)` to `path`; returns it."""
+    return build_tiny(path, "qwen2", config_kwargs, seed=seed)
+
+
+def build_tiny(path: str | os.PathLike, family: str, config_kwargs: dict, *, seed: int = 0) -> Path:
+    """Write a seeded HF causal LM of `family` ("qwen2" or "llama", see ARCHITECTURES) built from its
+    config class with `config_kwargs` to `path`; returns it."""
     offline()
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    import transformers
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-
-    config = Qwen2Config(**config_kwargs)
-    config.architectures = ["Qwen2ForCausalLM"]
+    config_class, architecture = ARCHITECTURES[family]
+    config = getattr(transformers, config_class)(**config_kwargs)
+    config.architectures = [architecture]
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

@@ -54,6 +54,9 @@ class _NotBuildable(Exception):
     """A worker reported that the running megatron-core cannot build the optimizer."""
 
 
+BRIDGE_MODEL = "bridge-qwen2"  # --export-peft where the real Megatron-Bridge is installed (make demo-bridge)
+
+
 def add_parser(subparsers) -> None:
     demo = subparsers.add_parser(
         "demo",
@@ -284,8 +287,27 @@ def describe_layout(config: dict) -> str:
 
 
 def _peft_setup(workdir: Path, config: dict) -> None:
-    """--export-peft: the Qwen2-shaped model (its adapters map onto a real HF Qwen2), and its HF base."""
+    """--export-peft: the Qwen2-shaped model (its adapters map onto a real HF Qwen2), and its HF base.
+    Where the real Megatron-Bridge is installed (`make demo-bridge`), the model is built by it from
+    that HF base (`sim.bridge_model`: Bridge's provider and LoRA, fp32) and exported through it."""
+    from miles_lora_ckpt.sim.bridge_shims import available
     from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+
+    if available():
+        from miles_lora_ckpt.sim.bridge_model import BridgeRunConfig, build_hf_base
+        from miles_lora_ckpt.sim.cpu_intercepts import install_typing_override
+
+        install_typing_override()  # the Bridge tier's transformers 5.12.1 stack imports 3.12's typing.override
+        hf_base = workdir / "hf-base"
+        tp = 2 if config["world_size"] % 2 == 0 else 1
+        config.update(model=BRIDGE_MODEL, tp=tp, pp=1, vpp=1, dtype="fp32", hf_base=str(hf_base))
+        if not (hf_base / "config.json").is_file():
+            build_hf_base(hf_base, BridgeRunConfig(family="qwen2"))
+        print(
+            f"demo: --export-peft: a tiny Qwen2 built by the real Megatron-Bridge from {hf_base} (Bridge's LoRA), "
+            f"tp={config['tp']}, fp32, PEFT exports via the real Megatron-Bridge"
+        )
+        return
 
     config.update(model="qwen2", adapters="all", tp=2 if config["world_size"] % 2 == 0 else 1)
     config.pop("adapter_bias")  # the Qwen2-shaped model's adapters are PEFT's: no lora_B bias
@@ -429,10 +451,20 @@ def _first_mismatch(reference: dict, per_rank: list[dict], start: int) -> str | 
 
 
 def _build(payload: dict):
-    """The run, or `{"not_buildable": reason}` where megatron itself cannot build the optimizer."""
+    """The run, or `{"not_buildable": reason}` where megatron itself cannot build the optimizer.
+    `model: bridge-qwen2` (--export-peft in the Bridge tier): the run is built by the real
+    Megatron-Bridge from DIR/hf-base (`sim.bridge_model`)."""
     from miles_lora_ckpt.sim.optimizers import NotBuildable, why_not_buildable
     from miles_lora_ckpt.sim.train import build_run, config_from_dict
 
+    if payload["config"].get("model") == BRIDGE_MODEL:
+        from miles_lora_ckpt.sim import bridge_model
+
+        conf = payload["config"]
+        bridge_config = bridge_model.BridgeRunConfig(
+            family="qwen2", world_size=conf["world_size"], tp=conf["tp"], pp=conf["pp"]
+        )
+        return bridge_model.build_bridge_run(bridge_config, conf["hf_base"]), None
     config = config_from_dict(payload["config"])
     reason = why_not_buildable(config, harness_lion=False)  # the demo shows megatron's own optimizers
     try:
@@ -457,21 +489,30 @@ def _describe_optimizer(run) -> str:
     return f"megatron-core {version('megatron-core')} built " + ", ".join(names)
 
 
+def _train_step(run, step: int) -> float:
+    """One training step of the harness's run, or of the real-Bridge run (`sim.bridge_model`)."""
+    from miles_lora_ckpt.sim.train import train_step
+
+    if type(run).__name__ == "BridgeRun":
+        from miles_lora_ckpt.sim.bridge_model import bridge_train_step
+
+        return bridge_train_step(run, step)
+    return train_step(run, step)
+
+
 def reference_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import train_step
 
     run, unbuildable = _build(payload)
     if unbuildable:
         return unbuildable
-    losses = [train_step(run, step) for step in range(payload["steps"])]
+    losses = [_train_step(run, step) for step in range(payload["steps"])]
     return {"losses": losses, "digests": snapshot_digests(snapshot(run)), "optimizer": _describe_optimizer(run)}
 
 
 def train_job(payload: dict, ctx) -> dict:
     """Train, saving every `save_every` steps (with `--crash-at`, the last save SIGKILLs one rank)."""
     from miles_lora_ckpt.core import faults
-    from miles_lora_ckpt.sim.train import train_step
 
     run, unbuildable = _build(payload)
     if unbuildable:
@@ -479,7 +520,7 @@ def train_job(payload: dict, ctx) -> dict:
     save, summary = _async_saves(run, payload) if payload.get("async_save") else _sync_saves(run, payload)
     saves = list(range(payload["save_every"], payload["steps"], payload["save_every"]))
     for step in range(payload["steps"]):
-        train_step(run, step)
+        _train_step(run, step)
         iteration = step + 1
         if iteration not in saves:
             continue
@@ -506,7 +547,7 @@ def _sync_saves(run, payload: dict):
             opt_param_scheduler=run.scheduler,
             iteration=iteration,
             consensus=consensus,
-            peft=_peft_export(run.config, payload),
+            peft=_peft_export(run, payload),
         )
         written.append(Path(path).name)
 
@@ -546,7 +587,6 @@ def resume_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.errors import CheckpointError
     from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-    from miles_lora_ckpt.sim.train import train_step
 
     run, unbuildable = _build(payload)
     if unbuildable:
@@ -559,7 +599,7 @@ def resume_job(payload: dict, ctx) -> dict:
     except CheckpointError as exc:  # the same refusal on every rank: reported as one line
         return {"refused": " ".join(line.strip() for line in str(exc).splitlines())}
     start = result.iteration or 0
-    losses = {str(step): train_step(run, step) for step in range(start, payload["steps"])}
+    losses = {str(step): _train_step(run, step) for step in range(start, payload["steps"])}
     if result.loaded:
         what = ["adapter"] + (["fp32 masters + moments"] if result.optimizer_restored else [])
         what += ["scheduler"] if result.scheduler_restored else []
@@ -580,15 +620,20 @@ class _DemoArgs:
         self.lora_alpha = getattr(config, "lora_alpha", 4.0)
 
 
-def _peft_export(config, payload: dict):
-    """--export-peft (the Qwen2-shaped model): every save exports peft/ through the Bridge double."""
-    if getattr(config, "model", None) != "qwen2":
-        return None
+def _peft_export(run, payload: dict):
+    """--export-peft: every save exports peft/. The Qwen2-shaped harness model exports through the
+    Bridge double; the real-Bridge run (`make demo-bridge`) through its own real AutoBridge."""
     from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport
     from miles_lora_ckpt.sim import bridge_double
 
-    bridge_double.install()
+    config = run.config
     hf_base = Path(payload["root"]).parent / "hf-base"
+    if type(run).__name__ == "BridgeRun":
+        lora = LoraSpec(r=config.lora_rank, alpha=config.lora_alpha, base_model_name_or_path=str(hf_base))
+        return PeftExport(source=BridgeSource(run.bridge), lora=lora)
+    if getattr(config, "model", None) != "qwen2":
+        return None
+    bridge_double.install()
     lora = LoraSpec(r=config.lora_rank, alpha=config.lora_alpha, base_model_name_or_path=str(hf_base))
     return PeftExport(source=BridgeSource(hf_checkpoint=str(hf_base)), lora=lora)
 
@@ -597,7 +642,7 @@ def _publish_peft(run, payload: dict, consensus) -> None:
     """--export-peft: the resumed run publishes its adapter into the export root DIR/peft."""
     from miles_lora_ckpt.savers.peft_export import export_peft
 
-    spec = _peft_export(run.config, payload)
+    spec = _peft_export(run, payload)
     if spec is not None:
         root = Path(payload["root"]).parent / "peft"
         export_peft(

@@ -135,7 +135,9 @@ def convert_and_check(
     adapters."""
     if lora.use_dora:
         raise ValueError("DoRA adapters cannot be exported: Bridge does not export DoRA magnitudes")
-    weights = [ExportedWeight(fmt.unprefixed(w.param_name), w.weight, w.megatron_name) for w in weights]
+    weights = [
+        ExportedWeight(fmt.unprefixed(w.param_name), w.weight, w.megatron_name, w.megatron_param_names) for w in weights
+    ]
     names = [w.param_name for w in weights]
     if not weights:
         raise ValueError("the export yielded no adapter weights; refusing to write an empty adapter")

@@ -1,7 +1,37 @@
 """A TEST DOUBLE of Megatron-Bridge's adapter export, for the CPU harness. It is not Megatron-Bridge.
 
-Megatron-Bridge cannot be installed here (bridge-and-peft.md), so the PEFT export path is driven
-through this double, written from Bridge's documented contract and nothing else:
+The real Megatron-Bridge 0.6.2 runs here only in the Bridge tier (`make tier-bridge`, with the
+shims of `sim.bridge_shims`); tiers 1 and 2 and the demos drive the PEFT export path through this
+double, written from Bridge's documented contract. Where the two overlap (NVIDIA's two-item export
+of a dense Qwen2/Llama decoder at TP=1, TP=2 and PP=2), `tests/test_bridge_real.py` compares them on
+the same real-Bridge-built models: the same names, each once, the same values, and the same order
+within each Megatron module; a negative control shows an altered double fails. What the double has
+that 0.6.2 lacks, and why it stays:
+
+- the Miles fork's shape (`ForkAutoBridgeDouble`): three-item `(hf_name, weight, megatron_name)`
+  tuples and the fork's narrower signature (the fork, radixark/Megatron-Bridge@7f0fb345, is not
+  installable here);
+- `multi_lora_layers.expose_adapter_slot` (only on Bridge `main`, not in 0.6.2);
+- `expand_shared_outer` in the export signature (Bridge `main`; 0.6.2 has no such parameter);
+- `drop_for_test` (sabotage for partial / rank-inconsistent exports; no Bridge has it).
+
+Every remaining difference from the real 0.6.2 where they overlap:
+
+- Order of modules: 0.6.2 yields each layer's modules in Megatron-name order (`mlp.linear_fc1`,
+  `mlp.linear_fc2`, `self_attention.linear_proj`, `self_attention.linear_qkv`); the double in block
+  order (`linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`). Within a module both yield
+  `lora_A` before `lora_B`, q/k/v and gate/up in that order. The plugin never depends on the order
+  (ranks only have to agree with each other).
+- Collectives: the double exchanges JSON lists over the PP group, all-gathers TP shards and
+  broadcasts from the owning stage; 0.6.2 runs its own gathers. Fault tests on the double prove
+  the plugin's handling, not Bridge's collective pattern.
+- `from_hf_pretrained` reads `config.json` only (no weights), and maps only `Qwen2ForCausalLM` and
+  `LlamaForCausalLM` dense decoders: no MoE experts, no virtual pipeline chunks, no other families.
+- `peft_bridge` helpers raise on 3-D expert stacks (0.6.2 packs them).
+- Compared at fp32 only (the real-Bridge tests build fp32 models); the double yields each
+  parameter's own dtype.
+
+Its parts, written from the contract:
 
 - `AutoBridgeDouble.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy,
   collective generator: pipeline stages exchange what they hold, tensor-parallel shards of every
