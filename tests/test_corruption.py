@@ -439,6 +439,11 @@ CASES: dict[str, tuple] = {
         lambda g, t: rewrite_header(g, OPTIM, lambda h: h.__setitem__("param\n", h.pop("param"))),
         OPTIM,
     ),
+    "optimizer_saved false with optimizer files listed (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
+        MANIFEST,
+    ),
     # ------------------------------------------------------------------ names and encodings
     "UTF-16 manifest": (
         "encodings",

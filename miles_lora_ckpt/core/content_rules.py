@@ -14,6 +14,11 @@ reason, and no loader holds a content check of its own that `verify` lacks:
 - a `training-state` file satisfies `training_state.check` (scheduler keys and decay styles,
   hyperparameter ranges, tagged values, iteration and generation).
 
+And one rule on the manifest itself (`check_manifest`, applied by `verify.check_structure`, which
+every loader runs first): a manifest whose metadata says `optimizer_saved: false` lists no
+optimizer file and no optimizer child that stepped (`check_optimizer_claim`; the single-LoRA
+loader calls it too).
+
 Imports neither megatron nor Miles: what a saver's loader requires of its files is stated here as
 data the manifest carries (roles, bindings, the optimizer children's families).
 """
@@ -48,6 +53,31 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
             generation=manifest.generation,
             format_version=manifest.format_version,
         )
+
+
+def check_manifest(manifest: Manifest) -> None:
+    """Every rule on a manifest's own content (beyond its fields' shapes)."""
+    check_optimizer_claim(manifest)
+
+
+def check_optimizer_claim(manifest: Manifest) -> None:
+    """`optimizer_saved: false` must mean no optimizer state: no listed optimizer file (role
+    `optimizer`, or under `optimizer/`) and no optimizer child recorded as stepped (in
+    `optimizer_children`, or a pre-family generation's `stepped_children`); else it was edited."""
+    metadata = manifest.metadata
+    if metadata.get("optimizer_saved") is not False:
+        return
+    listed = sorted(
+        rel for rel in manifest.files if rel.startswith("optimizer/") or manifest.role_of(rel) == ROLE_OPTIMIZER
+    )
+    children = metadata.get("optimizer_children")
+    if isinstance(children, dict):
+        stepped = sorted(str(i) for i, entry in children.items() if isinstance(entry, dict) and entry.get("stepped"))
+    else:
+        stepped = sorted(str(i) for i in metadata.get("stepped_children") or [])
+    if listed or stepped:
+        first = listed[0] if listed else f"optimizer_children: child {stepped[0]} stepped"
+        raise ValueError(f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?")
 
 
 def check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:

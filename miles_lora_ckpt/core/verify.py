@@ -112,6 +112,10 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
         problems.append(Problem(MANIFEST, unsigned))
     problems += _name_problems(gen_dir, manifest)
     try:
+        content_rules.check_manifest(manifest)
+    except Exception as exc:  # noqa: BLE001
+        problems.append(Problem(MANIFEST, reason(exc)))
+    try:
         problems += _listing_problems(gen_dir, manifest.files)
     except Exception as exc:  # noqa: BLE001
         problems.append(Problem(".", reason(exc)))
