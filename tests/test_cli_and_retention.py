@@ -138,3 +138,53 @@ def test_a_run_restarted_from_an_older_generation_resumes_from_its_newest_commit
     assert cli(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(restarted.resolve())
     assert json.loads((tmp_path / TRACKER).read_text())["generation_dir"] == restarted.name
+
+
+def test_retention_never_removes_a_generation_whose_order_is_unknown(tmp_path, capsys):
+    """A directory named like a generation but without a readable manifest sorts as the oldest, yet
+    may be the newest: gc, keep=N at save time and the Python API leave it alone and report it."""
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    forged = tmp_path / "gen-999999999-00000000000000aa"  # no manifest at all
+    forged.mkdir()
+    (forged / "adapter.safetensors").write_bytes(b"precious bytes")
+    torn = save(tmp_path, 3)
+    (torn / "manifest.json").unlink()  # the newest commit, its manifest lost
+    report = prune(tmp_path, keep=1, dry_run=True)
+    assert sorted(report.unordered) == sorted([forged.name, torn.name]) and len(report.kept) == 1
+    assert not any(p.name in (forged.name, torn.name) for p in report.remove)
+    assert any(forged.name in n and "cannot be ordered" in n and "manifest.json: missing" in n for n in report.notes)
+
+    assert cli(["gc", str(tmp_path), "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert forged.exists() and torn.exists() and (forged / "adapter.safetensors").read_bytes() == b"precious bytes"
+    assert f"left alone {forged} (its manifest cannot be read: order unknown)" in out
+    assert f"NOTE damaged generation {torn.name} cannot be ordered (manifest.json: missing)" in out
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("gen-")) == sorted(
+        [forged.name, torn.name, report.kept[0]]
+    )
+
+    save(tmp_path, 4, keep=1)  # save-time retention: the same rule
+    assert forged.exists() and torn.exists()
+
+    assert cli(["ls", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in listing["entries"]}
+    assert rows[forged.name]["order_known"] is False and rows[torn.name]["order_known"] is False
+    assert all(row["order_known"] for name, row in rows.items() if name not in (forged.name, torn.name))
+    assert any(torn.name in w and "gc and retention never remove it" in w for w in listing["warnings"])
+
+
+def test_a_fallback_past_a_generation_whose_manifest_is_damaged_names_it_and_why(tmp_path, caplog):
+    from miles_lora_ckpt.core.protocol import open_generation
+
+    older = save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    (newest / "manifest.json").write_bytes(b"\xff\xfe{}")  # damaged: the loader cannot order it
+    opened = open_generation(Consensus.single_process(), tmp_path, lambda manifest: ["a.safetensors"])
+    assert opened.path == older
+    named = [
+        w for w in opened.warnings if newest.name in w and "manifest.json: manifest starts with a byte order mark" in w
+    ]
+    assert named, opened.warnings
+    assert named[0] in caplog.text

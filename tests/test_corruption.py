@@ -65,6 +65,7 @@ CLASSES = {
     "signing": "tamper evidence with a key configured",
     "messages": "stray files and missing keys are named",
     "compat": "format v1 generations",
+    "encodings": "names and numbers are ASCII, JSON is UTF-8 only",
 }
 
 
@@ -86,7 +87,15 @@ def training_state(iteration: int, generation: str, **scheduler) -> dict:
     return {
         "iteration": iteration,
         "generation": generation,
-        "scheduler": {"num_steps": iteration, "max_lr": 1e-3, "min_lr": 1e-5, "lr_warmup_steps": 2, **scheduler},
+        "scheduler": {
+            "num_steps": iteration,
+            "max_lr": 1e-3,
+            "min_lr": 1e-5,
+            "lr_warmup_steps": 2,
+            "lr_decay_steps": 100,
+            "lr_decay_style": "cosine",
+            **scheduler,
+        },
         "optimizer_children": {
             "0:tp000": {
                 "optimizer": {"param_groups": [{"lr": 1e-3, "eps": 1e-8, "betas": {"__tuple__": [0.9, 0.999]}}]}
@@ -391,6 +400,71 @@ CASES: dict[str, tuple] = {
         lambda g, t: reseal_file(g, ADAPTER, tensor_file_with(float("nan")), finite=False),
         ADAPTER,
     ),
+    "scalar tensor of an unknown dtype in the training state (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, set_group(step={"__scalar_tensor__": 2.0, "dtype": "Tensor"}), rel=STATE),
+        STATE,
+    ),
+    "scalar tensor of dtype int64 holding 2.5 (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, set_group(step={"__scalar_tensor__": 2.5, "dtype": "int64"}), rel=STATE),
+        STATE,
+    ),
+    "malformed tuple tag in the training state (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, set_group(betas={"__tuple__": [0.9, 0.99], "x": 1}), rel=STATE),
+        STATE,
+    ),
+    "unknown scheduler decay style (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, lambda s: s["scheduler"].update(lr_decay_style="warp"), rel=STATE),
+        STATE,
+    ),
+    "unknown weight decay increment style (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(
+            g,
+            lambda s: s["scheduler"].update(start_wd=0.0, end_wd=0.1, wd_incr_steps=10, wd_incr_style="zigzag"),
+            rel=STATE,
+        ),
+        STATE,
+    ),
+    "scheduler without a key megatron reads (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, lambda s: s["scheduler"].pop("lr_decay_steps"), rel=STATE),
+        STATE,
+    ),
+    "tensor name with a path character (resealed)": (
+        "verify-is-load",
+        lambda g, t: rewrite_header(g, ADAPTER, lambda h: h.__setitem__("../lora_A", h.pop("lora_A"))),
+        ADAPTER,
+    ),
+    "tensor name with a control character (resealed)": (
+        "verify-is-load",
+        lambda g, t: rewrite_header(g, OPTIM, lambda h: h.__setitem__("param\n", h.pop("param"))),
+        OPTIM,
+    ),
+    "optimizer_saved false with optimizer files listed (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
+        MANIFEST,
+    ),
+    # ------------------------------------------------------------------ names and encodings
+    "UTF-16 manifest": (
+        "encodings",
+        lambda g, t: (g / MANIFEST).write_bytes((g / MANIFEST).read_text().encode("utf-16")),
+        MANIFEST,
+    ),
+    "UTF-8 manifest with a byte order mark": (
+        "encodings",
+        lambda g, t: (g / MANIFEST).write_bytes(b"\xef\xbb\xbf" + (g / MANIFEST).read_bytes()),
+        MANIFEST,
+    ),
+    "UTF-16 training state (resealed)": (
+        "encodings",
+        lambda g, t: reseal_file(g, STATE, (g / STATE).read_text().encode("utf-16-le")),
+        STATE,
+    ),
     # ------------------------------------------------------------------ semantic binding
     "tensor file of another generation, same iteration (resealed)": (
         "binding",
@@ -524,6 +598,9 @@ def test_verify_exits_1_naming_the_file_and_loading_refuses(damaged, capsys):
         with pytest.raises(CheckpointError) as info:
             load(gen)
     assert named_file in str(info.value), str(info.value)
+    # verify = the loader: the loader refuses for the very reason verify gave for that file
+    reasons = [line.split(": ", 1)[1] for line in out.out.splitlines() if line.startswith(f"ERROR {named_file}: ")]
+    assert any(f"{named_file}: {why}" in str(info.value) for why in reasons), (reasons, str(info.value))
     assert time.monotonic() - started < 10
 
 

@@ -83,7 +83,14 @@ def _build_template(root: Path, key: str | None) -> dict[str, dict]:
                 state = {
                     "iteration": iteration,
                     "generation": writer.generation,
-                    "scheduler": {"num_steps": iteration * 2, "max_lr": 1e-3, "lr_decay_style": "cosine"},
+                    "scheduler": {
+                        "num_steps": iteration * 2,
+                        "max_lr": 1e-3,
+                        "min_lr": 0.0,
+                        "lr_warmup_steps": 1,
+                        "lr_decay_steps": 10,
+                        "lr_decay_style": "cosine",
+                    },
                     "optimizer_children": {"0:tp000": {"optimizer": {"param_groups": [{"lr": 1e-3, "eps": 1e-8}]}}},
                 }
                 writer.write_json(STATE, state, binding={"role": "training-state"})

@@ -11,12 +11,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from damage import (
     drop_file,
     edit_manifest,
     edit_training_state,
     rebind,
     reseal_file,
+    rewrite_header,
     rewrite_tensors,
     set_param_group,
     swap_files,
@@ -25,6 +27,8 @@ from damage import (
 )
 from jobs_paths import JOBS
 
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.verify import verify_generation
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.sim.model import SimConfig
 
@@ -178,6 +182,36 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         lambda g: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
     )
     case("missing metadata key", lambda g: edit_manifest(g, lambda b: b["metadata"].pop("optimizer_children")))
+    # verify = the loader (issue 23): each of these verify passed while the loader refused it (or,
+    # for the decay style, applied it silently); both now refuse, for the same reason
+    same_reason = {
+        "scalar tensor of an unknown dtype": "is a scalar tensor of dtype 'Tensor'",
+        "unknown scheduler decay style": "scheduler.lr_decay_style is 'warp', not a style megatron knows",
+        "optimizer slice holding int32 (index dropped)": "is I32, but an optimizer file of a DistributedOptimizer",
+        "optimizer slice holding int32 (index agrees)": "is I32, but an optimizer file of a DistributedOptimizer",
+        "tensor name with a path character": "the name holds a path or control character",
+    }
+    case(
+        "scalar tensor of an unknown dtype",
+        lambda g: edit_training_state(
+            g, lambda s: set_param_group(s, step={"__scalar_tensor__": 2.0, "dtype": "Tensor"})
+        ),
+    )
+    case(
+        "unknown scheduler decay style",
+        lambda g: edit_training_state(g, lambda s: s["scheduler"].update(lr_decay_style="warp")),
+    )
+    case(
+        "optimizer slice holding int32 (index dropped)",
+        lambda g: rewrite_header(g, optim, lambda h: h["buf0.bucket0.exp_avg"].update(dtype="I32")),
+    )
+    case("optimizer slice holding int32 (index agrees)", lambda g: _int32_slice_with_its_block_index(g, optim))
+    case(
+        "tensor name with a path character",
+        lambda g: rewrite_header(
+            g, "adapter/dense_tp000_pp000.safetensors", lambda h: h.__setitem__("../x", h.pop(sorted(h)[-1]))
+        ),
+    )
     cases["iterations differ across ranks"] = [older, newer]
     cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
     failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
@@ -200,6 +234,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "negative scheduler num_steps": "scheduler.num_steps is -1",
         "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",
         "missing metadata key": "manifest metadata has no 'optimizer_children'",
+        **same_reason,
         "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
     }
     assert set(expected_words) == set(cases)
@@ -209,6 +244,10 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert errors[0] == errors[1], (name, errors)  # the same CheckpointError on every rank
         assert word in errors[0], (name, errors[0])
         assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
+    for name in same_reason:  # verify refuses for the reason the loader gave, naming the same file
+        checked = verify_generation(Path(cases[name]))
+        said = [f"{checked.path / p.file}: {p.reason}" for p in checked.problems]
+        assert said and any(line in outcomes[0][name]["error"] for line in said), (name, said)
     # the undamaged generations still load afterwards, in the same processes; a checkpoint saved
     # without optimizer state loads with a warning that reaches the log; a generation whose
     # metadata predates the child families (DistributedOptimizer keys only) restores its optimizer
@@ -252,6 +291,15 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
         warning = next(w for w in result["warnings"] if "holds no optimizer state" in w)
         assert any(warning in line for line in o["no-optim"]["logged"]), o["no-optim"]["logged"]
+
+
+def _int32_slice_with_its_block_index(gen: Path, rel: str) -> None:
+    """One fp32 tensor of an optimizer slice relabelled int32 (same bytes), its manifest record and
+    block index rewritten to agree: only the rule on what such a file holds can refuse it."""
+    tensors, metadata = storage.load_tensors(gen / rel)
+    tensors = {k: (v.view(torch.int32) if k == "buf0.bucket0.exp_avg" else v).clone() for k, v in tensors.items()}
+    record = storage.save_tensors(gen / rel, tensors, metadata=metadata, blocks=True)
+    edit_manifest(gen, lambda b: b["files"][rel].update({**record.to_dict(), "binding": b["files"][rel]["binding"]}))
 
 
 def _to_pre_family_metadata(body: dict) -> None:

@@ -132,7 +132,13 @@ def test_finiteness_check_is_exact_even_when_a_sum_overflows(tmp_path):
         (b'{"a": 1e999}', "out of range"),
         (b'{"a": -Infinity}', "non-finite JSON constant -Infinity"),
         (b'{"a": ' + b"9" * 5000 + b"}", "JSON"),
-        (b"\xff\xfe", "not valid JSON"),
+        (b"\xff\xfe", "starts with a byte order mark"),
+        # only UTF-8: json.loads would detect and accept these encodings of a valid object
+        ('{"a": 1}'.encode("utf-16"), "starts with a byte order mark"),
+        ('{"a": 1}'.encode("utf-16-le"), "not valid JSON"),
+        ('{"a": 1}'.encode("utf-32-be"), "not valid JSON"),
+        (b'\xef\xbb\xbf{"a": 1}', "starts with a byte order mark"),
+        (b'{"a": "\xe9"}', "is not UTF-8 \\(byte 7"),
     ],
 )
 def test_bounded_json_refuses(raw, reason):
@@ -167,13 +173,20 @@ def test_non_regular_files_are_refused_without_being_opened(tmp_path, kind):
 
 
 def test_nothing_is_allocated_beyond_the_memory_available(tmp_path, monkeypatch):
-    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1024, 1024)})
-    os.truncate(tmp_path / "t.safetensors", 2**40)  # a sparse terabyte
     monkeypatch.setattr(storage, "available_memory", lambda: 2**30)
+    # a sparse terabyte whose header describes it: refused for the memory it would take
+    count = 2**40 - 8 - 128
+    header = json.dumps({"w": {"dtype": "U8", "shape": [count], "data_offsets": [0, count]}}).encode()
+    (tmp_path / "big.safetensors").write_bytes(struct.pack("<Q", 128) + header.ljust(128))
+    os.truncate(tmp_path / "big.safetensors", 2**40)
     with pytest.raises(ValueError, match="more than the 1073741824 bytes of memory available"):
-        storage.check_file(tmp_path / "t.safetensors", keep=True)
-    with pytest.raises(ValueError, match="data section ends at byte"):  # streamed: judged from the header
-        storage.check_file(tmp_path / "t.safetensors", keep=False)
+        storage.check_file(tmp_path / "big.safetensors", keep=True)
+    # a sparse terabyte its header does not describe: refused for that, kept whole or streamed alike
+    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1024, 1024)})
+    os.truncate(tmp_path / "t.safetensors", 2**40)
+    for keep in (True, False):
+        with pytest.raises(ValueError, match="data section ends at byte"):  # judged from the header
+            storage.check_file(tmp_path / "t.safetensors", keep=keep)
 
 
 def test_streamed_checks_hold_one_slice_at_a_time(tmp_path):
@@ -206,3 +219,46 @@ def test_header_entries_are_bounded(entry, reason):
     raw = struct.pack("<Q", len(header)) + header + bytes(16)
     with pytest.raises(ValueError, match=re.escape(reason)):
         storage.parse_safetensors_header(raw)
+
+
+def test_the_header_limit_is_one_number_the_json_limit_does_not_undercut(tmp_path):
+    """`MAX_HEADER_BYTES` (the safetensors library's 100,000,000) bounds a header, its JSON included:
+    a header of 65 MiB (more than the 64 MiB of other JSON) is read like any other."""
+    assert storage.MAX_HEADER_BYTES == 100_000_000 > bounded.MAX_JSON_BYTES
+    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.arange(4.0)})
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + length] + b" " * (65 * 1024 * 1024)  # trailing whitespace is valid JSON
+    metadata, entries = storage.parse_safetensors_header(struct.pack("<Q", len(header)) + header + raw[8 + length :])
+    assert list(entries) == ["w"] and entries["w"][0] == "F32"
+
+
+def test_the_writer_and_every_reader_share_the_header_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "MAX_HEADER_BYTES", 256)
+    many = {f"w{i}": torch.zeros(1) for i in range(20)}
+    with pytest.raises(ValueError, match="header would be .* bytes, more than the 256 a reader accepts"):
+        storage.save_tensors(tmp_path / "big.safetensors", many)
+    monkeypatch.setattr(storage, "MAX_HEADER_BYTES", 100_000_000)
+    storage.save_tensors(tmp_path / "big.safetensors", many)
+    monkeypatch.setattr(storage, "MAX_HEADER_BYTES", 256)
+    for read in (storage.check_file, storage.parse_safetensors_header):
+        arg = (
+            tmp_path / "big.safetensors" if read is storage.check_file else (tmp_path / "big.safetensors").read_bytes()
+        )
+        with pytest.raises(ValueError, match="is more than the 256 bytes allowed"):
+            read(arg)
+
+
+@pytest.mark.parametrize("name", ["../w", "a/b", "a\\b", "..", ".", "w\n", "w\x00", ""])
+def test_tensor_names_with_path_or_control_characters_are_refused_on_write_and_read(tmp_path, name):
+    with pytest.raises(ValueError, match="tensor name|path or control character"):
+        storage.save_tensors(tmp_path / "t.safetensors", {name: torch.zeros(1)})
+    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1)})
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    header[name] = header.pop("w")
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with pytest.raises(ValueError, match="tensor name|path or control character"):
+        storage.parse_safetensors_header(struct.pack("<Q", len(text)) + text + raw[8 + length :])

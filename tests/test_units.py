@@ -97,14 +97,52 @@ def test_manifest_round_trip_and_field_table():
             Manifest.from_json_bytes(seal_manifest(edited))
 
 
+SCHEDULER_SHAPE = {"lr_decay_steps": 100, "lr_decay_style": "linear"}
+
+
 def test_a_training_state_at_iteration_0_may_have_stepped_but_a_later_one_must_have():
     """Miles numbers saves by rollout id: the save of rollout 0 comes after its training steps."""
     from miles_lora_ckpt.core import training_state
 
     def state(iteration, num_steps):
-        return {"iteration": iteration, "generation": "g", "scheduler": {"num_steps": num_steps}}
+        scheduler = {"num_steps": num_steps, "max_lr": 1e-3, "min_lr": 0.0, "lr_warmup_steps": 0}
+        return {"iteration": iteration, "generation": "g", "scheduler": {**scheduler, **SCHEDULER_SHAPE}}
 
     for iteration, num_steps in ((0, 0), (0, 8), (3, 32)):
         training_state.check(state(iteration, num_steps), iteration=iteration, generation="g", format_version=2)
     with pytest.raises(ValueError, match="scheduler.num_steps is 0 at iteration 7"):
         training_state.check(state(7, 0), iteration=7, generation="g", format_version=2)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gen-000000001-0123456789abcdef\n",  # `$` would match before the newline
+        "gen-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661-0123456789abcdef",  # Arabic-Indic digits
+        "gen-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff11-0123456789abcdef",  # fullwidth digits
+        "gen-000000001-0123456789abcdef\x00",
+    ],
+)
+def test_generation_and_staging_names_are_ascii_only(name, tmp_path):
+    from miles_lora_ckpt.core.layout import is_staging_dir_name, parse_generation_dir_name
+    from miles_lora_ckpt.core.verify import view_root
+
+    assert parse_generation_dir_name("gen-000000001-0123456789abcdef") == (1, "0123456789abcdef")
+    assert parse_generation_dir_name(name) is None
+    assert not is_staging_dir_name(".staging-0123456789abcdef\n") and is_staging_dir_name(".staging-0123456789abcdef")
+    if "\x00" not in name:
+        (tmp_path / name).mkdir()  # not a generation: never listed, never loaded or removed as one
+        assert view_root(tmp_path).entries == []
+
+
+def test_names_read_from_disk_elsewhere_are_ascii_only_too():
+    from miles_lora_ckpt.integration import resume
+    from miles_lora_ckpt.savers.multi_lora.naming import check_reader_name
+
+    assert check_reader_name("step_1") == "step_1"
+    for bad in ("step_1\n", "step_\u0661"):
+        with pytest.raises(ValueError, match="reader name"):
+            check_reader_name(bad)
+    assert resume._MEGATRON_ITER_DIR.match("iter_0000001")
+    assert not resume._MEGATRON_ITER_DIR.match("iter_0000001\n")
+    assert not resume._MEGATRON_ITER_DIR.match("iter_000000\u0661")

@@ -29,20 +29,23 @@ def parse_json(
     max_bytes: int = MAX_JSON_BYTES,
     max_depth: int = MAX_JSON_DEPTH,
 ) -> Any:
-    """Strict, bounded JSON: at most `max_bytes` bytes and `max_depth` levels of nesting, UTF-8,
-    no `NaN`/`Infinity` constants, no number that overflows a float, no duplicate object keys."""
+    """Strict, bounded JSON: at most `max_bytes` bytes and `max_depth` levels of nesting, UTF-8
+    (and only UTF-8: no byte order mark, no UTF-16 or UTF-32, which `json.loads` would otherwise
+    detect and accept), no `NaN`/`Infinity` constants, no number that overflows a float, no
+    duplicate object keys."""
     if len(raw) > max_bytes:
         raise ValueError(f"{what} is {len(raw)} bytes, more than the {max_bytes} allowed")
+    text = utf8_text(raw, what)
     try:
         value = json.loads(
-            bytes(raw),
+            text,
             parse_constant=_refuse_constant,
             parse_float=_finite_float,
             object_pairs_hook=_unique_keys,
         )
     except RecursionError:
         raise ValueError(f"{what} is nested more than {max_depth} levels deep") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:
         raise ValueError(f"{what} is not valid JSON ({exc})") from None
     except ValueError as exc:  # from the hooks, or an integer with too many digits
         raise ValueError(f"{what}: {exc}") from None
@@ -50,6 +53,17 @@ def parse_json(
     if depth > max_depth:
         raise ValueError(f"{what} is nested {depth} levels deep, more than the {max_depth} allowed")
     return value
+
+
+def utf8_text(raw: bytes | bytearray | memoryview, what: str) -> str:
+    """`raw` decoded as strict UTF-8 without a byte order mark; ValueError naming `what` otherwise."""
+    data = bytes(raw)
+    if data.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(f"{what} starts with a byte order mark: it must be UTF-8 without one")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not UTF-8 (byte {exc.start}: {exc.reason})") from None
 
 
 def nesting_depth(value: Any) -> int:

@@ -13,6 +13,21 @@ from typing import Any
 # The tags of values JSON cannot hold (readers that check values without decoding use them too).
 TUPLE_TAG, SCALAR_TAG, FLOAT_TAG = "__tuple__", "__scalar_tensor__", "__float__"
 _TUPLE, _SCALAR = TUPLE_TAG, SCALAR_TAG
+_TAGS = (TUPLE_TAG, SCALAR_TAG, FLOAT_TAG)
+
+# The dtypes a 0-d tensor may be stored with (torch's names), and the JSON type its value must have.
+SCALAR_DTYPES = {
+    "float64": "number",
+    "float32": "number",
+    "float16": "number",
+    "bfloat16": "number",
+    "int64": "integer",
+    "int32": "integer",
+    "int16": "integer",
+    "int8": "integer",
+    "uint8": "integer",
+    "bool": "boolean",
+}
 
 
 def to_json(obj: Any, where: str = "state") -> Any:
@@ -36,23 +51,73 @@ def to_json(obj: Any, where: str = "state") -> Any:
     raise TypeError(f"{where}: {type(obj).__name__} cannot be stored as JSON")
 
 
-def from_json(obj: Any) -> Any:
+def from_json(obj: Any, where: str = "state") -> Any:
+    """The value `to_json` was given. Every tagged value is checked by `check_tag` first (the same
+    check `check_tags` applies when a file is verified), so nothing is decoded that verify passes
+    over, and nothing verify refuses is decoded."""
     if isinstance(obj, list):
-        return [from_json(v) for v in obj]
+        return [from_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, dict):
-        if set(obj) == {_TUPLE}:
-            return tuple(from_json(v) for v in obj[_TUPLE])
-        if set(obj) == {FLOAT_TAG}:
+        tag = check_tag(obj, where)
+        if tag == _TUPLE:
+            return tuple(from_json(v, f"{where}[{i}]") for i, v in enumerate(obj[_TUPLE]))
+        if tag == FLOAT_TAG:
             return float(obj[FLOAT_TAG])
-        if set(obj) == {_SCALAR, "dtype"}:
+        if tag == _SCALAR:
             import torch
 
-            dtype = getattr(torch, str(obj["dtype"]), None)
-            if not isinstance(dtype, torch.dtype) or not isinstance(obj[_SCALAR], int | float | bool):
-                raise ValueError(f"bad scalar tensor {str(obj)[:80]}")
-            return torch.tensor(obj[_SCALAR], dtype=dtype)
-        return {k: from_json(v) for k, v in obj.items()}
+            return torch.tensor(obj[_SCALAR], dtype=getattr(torch, obj["dtype"]))
+        return {k: from_json(v, f"{where}.{k}") for k, v in obj.items()}
     return obj
+
+
+def check_tag(obj: dict, where: str) -> str | None:
+    """Which tag a JSON object is (None: a plain object); ValueError naming `where` if it holds a
+    tag key but is not exactly that tag's shape: `{"__tuple__": [...]}`, `{"__float__": "nan" |
+    "inf" | "-inf"}`, `{"__scalar_tensor__": value, "dtype": one of SCALAR_DTYPES}` with a value of
+    that dtype's kind (a bool for bool, an integer for integer dtypes, a number for floating ones)."""
+    tags = [t for t in _TAGS if t in obj]
+    if not tags:
+        return None
+    tag = tags[0]
+    if tag == _TUPLE and set(obj) == {_TUPLE} and isinstance(obj[_TUPLE], list):
+        return tag
+    if tag == FLOAT_TAG and set(obj) == {FLOAT_TAG} and obj[FLOAT_TAG] in ("nan", "inf", "-inf"):
+        return tag
+    if tag == _SCALAR and set(obj) == {_SCALAR, "dtype"}:
+        dtype, value = obj["dtype"], obj[_SCALAR]
+        kind = SCALAR_DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if kind is None:
+            raise ValueError(f"{where} is a scalar tensor of dtype {_show(dtype)}, not one of {sorted(SCALAR_DTYPES)}")
+        if not _is_kind(value, kind):
+            raise ValueError(f"{where} is a scalar tensor of dtype {dtype} holding {_show(value)}, not a {kind}")
+        return tag
+    raise ValueError(f"{where} is a malformed {tag} value {_show(obj)}")
+
+
+def check_tags(value: Any, where: str = "state") -> None:
+    """`check_tag` on every JSON object anywhere in `value` (iterative: no recursion limit)."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            check_tag(item, path)
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if kind == "integer" else isinstance(value, int | float)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_scalar_tensor(obj: Any) -> bool:

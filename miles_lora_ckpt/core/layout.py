@@ -59,10 +59,12 @@ MAX_SEQUENCE = 2**62
 MAX_FILE_BYTES = 2**62
 MAX_TOPOLOGY_SIZE = 2**24
 
-ATTEMPT_ID = re.compile(r"[0-9a-f]{16}")
-DIGEST = re.compile(r"xxh3_128:[0-9a-f]{32}")
-_GENERATION_RE = re.compile(r"^gen-(\d{9,18})-([0-9a-f]{16})$")
-_STAGING_RE = re.compile(r"^\.staging-([0-9a-f]{16})$")
+# Names and numbers on disk are ASCII only: `[0-9]`, never `\d` (which takes any Unicode digit, and
+# int() reads them), matched whole with `\Z` (`$` also matches before a trailing newline).
+ATTEMPT_ID = re.compile(r"[0-9a-f]{16}", re.ASCII)  # matched whole (fullmatch)
+DIGEST = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
+_GENERATION_RE = re.compile(r"gen-([0-9]{9,18})-([0-9a-f]{16})\Z", re.ASCII)
+_STAGING_RE = re.compile(r"\.staging-([0-9a-f]{16})\Z", re.ASCII)
 
 # What a tensor file's own safetensors metadata says about itself (stamped by the protocol's
 # writer, format v2): the generation it was written for, and its path inside that generation.

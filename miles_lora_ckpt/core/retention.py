@@ -8,7 +8,9 @@
 2. If no generation passes, no generation is removed: the root keeps whatever it has.
 3. The tracker's generation is kept, and so is every damaged generation newer than the oldest one
    kept (left for an operator to look at); every other generation older than the oldest kept
-   generation is removed (those are not read).
+   generation is removed (those are not read). A generation directory whose manifest cannot be
+   read is never removed: its place in the commit order is unknown (it may be the newest). It is
+   reported instead (`PrunePlan.unordered`, and a note naming it and why).
 4. Staging directories are never touched while another process holds a live writer lease of the
    root (its attempt may be live). The lease holder itself (retention at the end of its save)
    removes every staging directory but those of its own attempts still in flight (`staging.live`).
@@ -51,7 +53,7 @@ from miles_lora_ckpt.core.layout import (
     is_staging_dir_name,
     parse_generation_dir_name,
 )
-from miles_lora_ckpt.core.verify import RootEntry, reason, verify_generation, view_root
+from miles_lora_ckpt.core.verify import RootEntry, is_unordered, reason, verify_generation, view_root
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class PrunePlan:
     remove: list[Path]
     kept: list[str]  # the content-verified generations counted among the N kept, newest first
     notes: list[str] = field(default_factory=list)
+    # generation directories whose manifest cannot be read: order unknown, never removed (see notes)
+    unordered: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -96,12 +100,13 @@ def plan_prune(
             break
         if entry.state != "damaged" and _content_ok(root / entry.name, entry, key, trusted):
             kept.append(entry)
-    plan = PrunePlan([], [e.name for e in kept], list(view.warnings))
+    unordered = [e.name for e in generations if is_unordered(root, e)]
+    plan = PrunePlan([], [e.name for e in kept], list(view.warnings), unordered)
     if not kept:
         plan.notes.append("no generation passed content verification: no generation removed")
     else:
         oldest_kept = kept[-1].order
-        spared = {e.name for e in kept} | {view.tracker.generation_dir if view.tracker else None}
+        spared = {e.name for e in kept} | {view.tracker.generation_dir if view.tracker else None} | set(unordered)
         plan.remove += [root / e.name for e in generations if e.name not in spared and e.order < oldest_kept]
     doomed = {path.name for path in plan.remove}
     present = {e.name for e in generations}
@@ -128,7 +133,7 @@ def prune(
     plan = plan_prune(
         root, keep=keep, staging_min_age_s=staging_min_age_s, key=key, trusted=trusted, as_holder=as_holder
     )
-    report = PruneReport(plan.remove, plan.kept, plan.notes)
+    report = PruneReport(plan.remove, plan.kept, plan.notes, plan.unordered)
     if not dry_run:
         for path in plan.remove:
             failure = _remove(path)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lora_ckpt.core import settings
+from miles_lora_ckpt.core.regular_files import read_regular
 
 ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 16
@@ -57,10 +58,8 @@ def configured_key() -> SigningKey | None:
 
 
 def _read_key_file(path: Path) -> bytes:
-    from miles_lora_ckpt.core import storage  # storage -> layout -> signing: import where used
-
     try:
-        raw = storage.read_file_verified(path, max_bytes=MAX_KEY_FILE_BYTES)
+        raw = read_regular(path, max_bytes=MAX_KEY_FILE_BYTES)
     except FileNotFoundError:
         raise SigningKeyError(f"signing key file {path} does not exist") from None
     except (OSError, ValueError) as exc:

@@ -23,7 +23,6 @@ import mmap
 import os
 import queue
 import secrets
-import stat
 import struct
 import threading
 from collections.abc import Callable, Iterable
@@ -34,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.digest import BlockDigests, StreamingDigest
 from miles_lora_ckpt.core.layout import BlockIndex, FileRecord
+from miles_lora_ckpt.core.regular_files import file_kind, open_regular, require_regular
+
+__all__ = ["file_kind", "open_regular", "require_regular"]  # re-exported: readers know them from here
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +55,10 @@ _DTYPES = {
 }
 _TAG_OF = {torch_name: tag for tag, (torch_name, _) in _DTYPES.items()}
 _FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+# The one limit on a safetensors header (its JSON, in bytes): the safetensors library's own
+# (100,000,000 bytes), so that every file we write the library can read, and we read no header it
+# would refuse. The reader checks the header length against it; the writer refuses to go past it.
+MAX_HEADER_BYTES = 100_000_000
 MAX_HEADER_DEPTH = 4  # {name: {"shape": [...]}} and {"__metadata__": {...}}
 MAX_TENSOR_RANK = 32
 MAX_DIM = 2**48
@@ -181,47 +186,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def file_kind(mode: int) -> str:
-    """`regular file`, `directory`, `symlink`, `fifo`, `socket`, `character device` or `block device`."""
-    for test, name in (
-        (stat.S_ISREG, "regular file"),
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISLNK, "symlink"),
-        (stat.S_ISFIFO, "fifo"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def require_regular(st: os.stat_result) -> None:
-    """Raise ValueError unless `st` (from lstat) is a regular file."""
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"is a {file_kind(st.st_mode)}, not a regular file")
-
-
-def open_regular(path: Path) -> tuple[int, os.stat_result]:
-    """Open a regular file for reading; anything else is refused from `lstat`, without opening it.
-
-    The descriptor is opened with `O_NOFOLLOW|O_NONBLOCK` and checked again (same inode, still a
-    regular file), so a file swapped for a FIFO or a link in between cannot block or redirect us.
-    """
-    before = os.lstat(path)
-    require_regular(before)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        now = os.fstat(fd)
-        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
-            raise ValueError("was replaced while being opened")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, now
 
 
 def ensure_allocatable(nbytes: int, what: str = "file") -> None:
@@ -475,6 +439,8 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
             raise ValueError(f"JSON file is {size} bytes, more than the {bounded.MAX_JSON_BYTES} allowed")
         keep = keep or kind == "json"
         if keep:
+            if kind == "safetensors" and size >= _CHECK_MEMORY_ABOVE:
+                _precheck_header(fd, size)  # damage is named as such, whatever memory this host has
             ensure_allocatable(size)
         block_bytes = record.blocks.block_bytes if record is not None and record.blocks is not None else None
         reader = _Reader(fd, size, keep=keep, block_bytes=block_bytes, anonymous=kind == "safetensors")
@@ -497,12 +463,24 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
         os.close(fd)
 
 
+def _precheck_header(fd: int, size: int) -> None:
+    """Parse a safetensors header (read with `pread`, not hashed) before a large file is kept whole,
+    so that a file its header does not describe (a sparse or grown one) is refused for that, the
+    reason `verify` gives when it streams the file, rather than for the memory it would take."""
+    if size < 8:
+        return
+    (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    check_header_length(header_len, size)
+    raw = os.pread(fd, header_len, 8)
+    if len(raw) == header_len:
+        _parse_header(raw, 8 + header_len, size)
+
+
 def _read_safetensors(reader: _Reader) -> tuple[dict[str, str], dict]:
     if reader.size < 8:
         raise ValueError(f"too short for a safetensors file ({reader.size} bytes)")
     (header_len,) = struct.unpack("<Q", reader.read(8))
-    if header_len > min(MAX_HEADER_BYTES, reader.size - 8):
-        raise ValueError(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
+    check_header_length(header_len, reader.size)
     header = bytes(reader.read(header_len))
     metadata, entries = _parse_header(header, 8 + header_len, reader.size)
     for name, (tag, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2]):
@@ -552,6 +530,7 @@ def save_tensors(
     offset = 0
     spans = {}
     for name in sorted(tensors):
+        check_tensor_name(name)
         spec = tensors[name]
         dtype, shape = (spec.dtype, tuple(spec.shape)) if isinstance(spec, LazyTensor) else (spec.dtype, spec.shape)
         tag = _TAG_OF.get(str(dtype).removeprefix("torch."))
@@ -564,6 +543,11 @@ def save_tensors(
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"{path.name}: the safetensors header would be {len(header_bytes)} bytes, more than the "
+            f"{MAX_HEADER_BYTES} a reader accepts (too many tensors, or too much metadata, in one file)"
+        )
     chunks = itertools.chain([struct.pack("<Q", len(header_bytes)), header_bytes], *bodies)
     digests = BlockDigests(block_bytes or BLOCK_BYTES) if blocks else None
     record = write_file_atomic(path, chunks, blocks=digests)
@@ -628,13 +612,20 @@ def parse_safetensors_header(
     if len(buf) < 8:
         raise ValueError(f"too short for a safetensors file ({len(buf)} bytes)")
     (header_len,) = struct.unpack("<Q", bytes(buf[:8]))
-    if header_len > min(MAX_HEADER_BYTES, len(buf) - 8):
-        raise ValueError(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
+    check_header_length(header_len, len(buf))
     return _parse_header(bytes(buf[8 : 8 + header_len]), 8 + header_len, len(buf))
 
 
+def check_header_length(header_len: int, size: int) -> None:
+    """A safetensors header length must fit `MAX_HEADER_BYTES` and the file (`size` bytes)."""
+    if header_len > size - 8:
+        raise ValueError(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
+    if header_len > MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header length {header_len} is more than the {MAX_HEADER_BYTES} bytes allowed")
+
+
 def _parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, str], dict]:
-    header = bounded.parse_json(raw, what="safetensors header", max_depth=MAX_HEADER_DEPTH)
+    header = bounded.parse_json(raw, what="safetensors header", max_bytes=MAX_HEADER_BYTES, max_depth=MAX_HEADER_DEPTH)
     bounded.mapping(header, "safetensors header")
     metadata = header.pop("__metadata__", None) or {}
     try:
@@ -646,7 +637,23 @@ def _parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, st
     return metadata, entries
 
 
+MAX_TENSOR_NAME = 1024
+_PATH_CHARACTERS = ("/", "\\")
+
+
+def check_tensor_name(name: str) -> None:
+    """A tensor name in a file we write or read: 1 to `MAX_TENSOR_NAME` printable characters, no
+    path character (`/`, `\\`), not `.` or `..`: tensor names become keys, file names and path
+    components in exports and tools, so one that could address a path is refused (ValueError)."""
+    where = f"tensor {name[:80]!r}"
+    if not name or len(name) > MAX_TENSOR_NAME:
+        raise ValueError(f"{where}: a tensor name has 1 to {MAX_TENSOR_NAME} characters, this one {len(name)}")
+    if any(c in name for c in _PATH_CHARACTERS) or name in (".", "..") or not name.isprintable():
+        raise ValueError(f"{where}: the name holds a path or control character (not allowed in a tensor name)")
+
+
 def _parse_entry(name: str, spec, data_start: int) -> tuple[str, list[int], int, int]:
+    check_tensor_name(name)
     where = f"tensor {name[:80]!r}"
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"{where}: malformed header entry")

@@ -11,7 +11,14 @@ Checked on every read (by the loader and by `verify` alike, see `verify.check_fi
 - `iteration` is the manifest's; `generation` (v2) is the manifest's (a state copied from
   another generation is refused);
 - every number anywhere is finite (`jsoncodec` would otherwise carry NaN/Inf as tagged floats);
-- the scheduler's counters and rates are non-negative, and its position agrees with the
+- every tagged value (tuple, scalar tensor) has exactly its tag's shape, and a scalar tensor one
+  of `jsoncodec.SCALAR_DTYPES` with a value of that kind (`jsoncodec.check_tags`: the very check
+  the loader's `jsoncodec.from_json` applies as it decodes);
+- the scheduler holds every key megatron's `OptimizerParamScheduler.load_state_dict` reads
+  (`SCHEDULER_KEYS`, each under its name or one of megatron's older aliases; `end_wd`,
+  `wd_incr_steps` and `wd_incr_style` with `start_wd`), its decay styles are ones megatron knows
+  (`LR_DECAY_STYLES`, `WD_INCR_STYLES`: an unknown one would be applied and fail the first step
+  after warm-up), its counters and rates are non-negative, and its position agrees with the
   iteration: a scheduler that never stepped (`num_steps` 0) belongs to iteration 0 (an iteration
   0 may have stepped: Miles numbers its saves by rollout id, and rollout 0 trains before its save);
 - every optimizer param group's hyperparameters are in the range torch's own optimizers accept:
@@ -26,16 +33,31 @@ from __future__ import annotations
 from typing import Any
 
 from miles_lora_ckpt.core import bounded
-from miles_lora_ckpt.core.jsoncodec import FLOAT_TAG, SCALAR_TAG, TUPLE_TAG
+from miles_lora_ckpt.core.jsoncodec import FLOAT_TAG, SCALAR_TAG, TUPLE_TAG, check_tags
 
 NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "max_lr", "min_lr", "lr_mult", "wd_mult", "dampening")
 SCHEDULER_COUNTERS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+# What megatron's OptimizerParamScheduler.load_state_dict reads: each entry is one value, under its
+# name or one of megatron's older aliases (megatron 0.16 and 0.19 alike).
+SCHEDULER_KEYS = (
+    ("max_lr", "start_lr"),
+    ("min_lr",),
+    ("lr_warmup_steps", "warmup_iter", "warmup_steps"),
+    ("lr_decay_steps", "end_iter", "decay_steps"),
+    ("lr_decay_style", "decay_style"),
+    ("num_steps",),
+)
+SCHEDULER_WD_KEYS = ("end_wd", "wd_incr_steps", "wd_incr_style")  # read when `start_wd` is there
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+_STYLES = {"lr_decay_style": LR_DECAY_STYLES, "decay_style": LR_DECAY_STYLES, "wd_incr_style": WD_INCR_STYLES}
 
 
 def check(state: Any, *, iteration: int, generation: str, format_version: int) -> None:
     """Raise ValueError unless `state` (parsed JSON) satisfies every invariant above."""
     bounded.mapping(state, "training state")
     _all_numbers_finite(state)
+    check_tags(state, "training state")
     saved_iteration = bounded.integer(state.get("iteration"), "iteration", high=bounded.INT64_MAX)
     if saved_iteration != iteration:
         raise ValueError(f"iteration is {saved_iteration}, the manifest says {iteration}")
@@ -59,8 +81,16 @@ def _check_scheduler(scheduler: dict, iteration: int) -> None:
     for key, value in scheduler.items():
         if _is_number(value):
             bounded.number(_plain(value), f"scheduler.{key}", low=0)
-    if "num_steps" not in scheduler:
-        raise ValueError("scheduler has no 'num_steps'")
+    required = [*SCHEDULER_KEYS, *((k,) for k in SCHEDULER_WD_KEYS if "start_wd" in scheduler)]
+    for names in required:
+        if not any(name in scheduler for name in names):
+            also = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+            raise ValueError(f"scheduler has no {names[0]!r}{also}, which megatron's scheduler reads")
+    for key, known in _STYLES.items():
+        if key in scheduler and scheduler[key] not in known:
+            raise ValueError(
+                f"scheduler.{key} is {bounded.show(scheduler[key])}, not a style megatron knows {list(known)}"
+            )
     num_steps = bounded.integer(_plain(scheduler["num_steps"]), "scheduler.num_steps")
     for key in SCHEDULER_COUNTERS:
         if key in scheduler and scheduler[key] is not None:

@@ -3,14 +3,14 @@
 - `check_structure` reads only the manifest (bounded) and `lstat`s the rest: self-digest, fields,
   signature (when a key is configured), name consistency, every listed file present as a regular
   file of its size, nothing unlisted, no link, FIFO or device, no path escaping the generation.
-- `check_file_content` reads one listed file (see `storage.check_file`: digest, strict header,
-  every floating tensor finite, bounded JSON) and applies the generation's own rules: a format v2
-  tensor file must be stamped with this generation, its own path and its manifest binding, and a
-  `training-state` file must satisfy `training_state.check`. These are exactly the content rules
-  of every loader, which reads each file through this function (`protocol.open_generation`).
+- `check_file_content` reads one listed file (see `storage.check_file`: digest, strict header
+  with legal tensor names, every floating tensor finite, bounded UTF-8 JSON) and applies the
+  generation's own rules (`content_rules`: stamps and bindings, the dtypes a loader requires, the
+  training-state invariants). These are exactly the content rules of every loader, which reads
+  each file through this function (`protocol.open_generation`): verify and loaders cannot drift.
 - `check_file_ranges` reads some element ranges of a tensor file written with a block index
   (`storage.read_ranges`: only the blocks holding them, each block's digest checked, the header
-  checked against the index, every returned value finite) and checks its stamps the same way.
+  checked against the index, every returned value finite) and applies the same rules.
 - `verify_generation` does both for every file.
 
 Verification is total: any failure while examining a generation (whatever its exception type) is a
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from miles_lora_ckpt.core import signing, storage, training_state
+from miles_lora_ckpt.core import content_rules, signing, storage
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint, NothingCommitted, Problem
 from miles_lora_ckpt.core.layout import (
     DELETING_PREFIX,
@@ -37,8 +37,6 @@ from miles_lora_ckpt.core.layout import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     MAX_TRACKER_BYTES,
-    ROLE_TRAINING_STATE,
-    STAMP_KEYS,
     TRACKER,
     Manifest,
     Tracker,
@@ -114,6 +112,10 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
         problems.append(Problem(MANIFEST, unsigned))
     problems += _name_problems(gen_dir, manifest)
     try:
+        content_rules.check_manifest(manifest)
+    except Exception as exc:  # noqa: BLE001
+        problems.append(Problem(MANIFEST, reason(exc)))
+    try:
         problems += _listing_problems(gen_dir, manifest.files)
     except Exception as exc:  # noqa: BLE001
         problems.append(Problem(".", reason(exc)))
@@ -121,28 +123,26 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
 
 
 def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep: bool = True) -> storage.CheckedFile:
-    """Read one listed file and apply every content rule (see the module docstring). Returns the
-    checked file (its bytes with `keep=True`); raises (ValueError, OSError, ...) with the reason."""
+    """Read one listed file and apply every content rule (`content_rules`). Returns the checked
+    file (its bytes with `keep=True`); raises (ValueError, OSError, ...) with the reason."""
     record = manifest.files[relpath]
     checked = storage.check_file(Path(gen_dir) / relpath, record, keep=keep)
-    if checked.entries is not None and manifest.format_version >= 2:
-        _check_stamps(relpath, manifest, checked.metadata or {})
-    if manifest.role_of(relpath) == ROLE_TRAINING_STATE:
-        training_state.check(
-            checked.value,
-            iteration=manifest.iteration,
-            generation=manifest.generation,
-            format_version=manifest.format_version,
-        )
+    if checked.entries is not None:
+        dtypes = {name: entry[0] for name, entry in checked.entries.items()}
+        content_rules.check_tensor_file(relpath, manifest, checked.metadata or {}, dtypes)
+    else:
+        content_rules.check_json_file(relpath, manifest, checked.value)
     return checked
 
 
 def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -> dict:
-    """Read some element ranges of one listed tensor file (see `storage.read_ranges`), stamps
-    checked as `check_file_content` does; returns `{(name, first, stop): tensor}`."""
-    tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, manifest.files[relpath], ranges)
-    if manifest.format_version >= 2:
-        _check_stamps(relpath, manifest, metadata or {})
+    """Read some element ranges of one listed tensor file (see `storage.read_ranges`), with the
+    rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`."""
+    record = manifest.files[relpath]
+    tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, record, ranges)
+    # read_ranges checked the header against the block index: its dtypes are the file's
+    dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
+    content_rules.check_tensor_file(relpath, manifest, metadata or {}, dtypes)
     return tensors
 
 
@@ -161,28 +161,6 @@ def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gen
             generation.problems.append(Problem(relpath, reason(exc)))
     generation.content_checked = True
     return generation
-
-
-def _check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:
-    record = manifest.files[relpath]
-    keys = (*STAMP_KEYS, *sorted(record.binding))
-    missing = [k for k in keys if k not in metadata]
-    if missing:
-        raise ValueError(
-            f"safetensors metadata has no {', '.join(repr(k) for k in missing)} (a format v2 tensor file "
-            "carries its generation, its path and its binding)"
-        )
-    stamped = {k: metadata[k] for k in keys}
-    listed = {"generation": manifest.generation, "file": relpath, **record.binding}
-    if stamped != listed:
-        raise ValueError(
-            f"the file says it is {_identity(stamped)}, but the manifest lists it as {_identity(listed)} "
-            "(copied from another generation, or swapped with another file)"
-        )
-
-
-def _identity(stamp: dict[str, str]) -> str:
-    return "[" + ", ".join(f"{k} {v[:80]}" for k, v in stamp.items()) + "]"
 
 
 def _name_problems(gen_dir: Path, manifest: Manifest) -> list[Problem]:
@@ -281,6 +259,12 @@ class RootEntry:
     def order(self) -> tuple:
         return commit_order(self.generation.manifest if self.generation else None, self.name)
 
+    @property
+    def order_known(self) -> bool:
+        """False for a generation whose manifest cannot be read: its place in the commit order is
+        unknown (it sorts last, but may be the newest), so nothing may remove it."""
+        return self.generation is not None and self.generation.manifest is not None
+
     def describe(self) -> str:
         if self.sequence is not None:
             return f"{self.name} (sequence {self.sequence})"
@@ -321,7 +305,31 @@ def view_root(root: Path, *, content: bool = False, key: Any = signing.FROM_SETT
     tracker, warnings = _cross_check_tracker(root, generations)
     if MANIFEST in names:
         warnings.insert(0, f"{root / MANIFEST}: {STRAY_MANIFEST}")
+    warnings += [unordered_warning(e) for e in generations if is_unordered(root, e)]
     return RootView(root, generations + others, tracker, warnings)
+
+
+def is_unordered(root: Path, entry: RootEntry) -> bool:
+    """A generation directory (a real one, not a link or file named like one) whose manifest
+    cannot be read: its place in the commit order is unknown, so no loader uses it and neither
+    gc nor retention may remove it (it may be the newest); it is reported instead."""
+    if entry.order_known:
+        return False
+    try:
+        return stat.S_ISDIR(os.lstat(Path(root) / entry.name).st_mode)
+    except OSError:
+        return False
+
+
+def unordered_warning(entry: RootEntry) -> str:
+    """The report of an `is_unordered` generation: its name and why its manifest cannot be read."""
+    problems = entry.generation.problems if entry.generation is not None else []
+    why = "; ".join(f"{p.file}: {p.reason}" for p in problems[:3]) or "no readable manifest"
+    return (
+        f"damaged generation {entry.name} cannot be ordered ({why}): its place in the commit order is "
+        "unknown, so no loader uses it and gc and retention never remove it (look at it, then remove it "
+        "by hand)"
+    )
 
 
 def _entry(name: str, iteration: int, gen: Generation, content: bool) -> RootEntry:

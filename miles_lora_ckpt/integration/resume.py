@@ -38,7 +38,7 @@ from miles_lora_ckpt.integration.config import PluginConfig
 log = logging.getLogger("miles_lora_ckpt.integration")
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's; Miles' validation tests for it
-_MEGATRON_ITER_DIR = re.compile(r"^iter_\d{7}$")
+_MEGATRON_ITER_DIR = re.compile(r"iter_[0-9]{7}\Z", re.ASCII)
 
 
 class ResumeRefused(RuntimeError):

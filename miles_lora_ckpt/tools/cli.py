@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc = command(
         "gc",
         "keep the newest N content-verified generations, remove older ones and abandoned staging; "
-        "never removes the newest loadable generation",
+        "never removes the newest loadable generation, nor a generation directory whose manifest cannot "
+        "be read (its order is unknown: it is reported, for you to look at)",
     )
     gc.add_argument("root", help="a save root")
     gc.add_argument("--keep", type=int, required=True, help="how many intact generations to keep (>= 1)")
@@ -361,6 +362,7 @@ def cmd_ls(args) -> int:
                 "links": links.get(e.name, []),
                 "slot": _slot_index(e),
                 "problems": [str(p) for p in e.problems],
+                "order_known": e.state not in ("intact", "committed", "damaged") or e.order_known,
             }
             for e in view.entries
         ]
@@ -428,10 +430,11 @@ def cmd_gc(args) -> int:
     if args.keep < 1:
         print("ERROR --keep must be at least 1", file=sys.stderr)
         return EXIT_USAGE
-    if not is_save_root(Path(args.root)):
+    root = Path(args.root)
+    if not is_save_root(root):
         raise NotACheckpoint(f"{args.root} is not a save root")
     report = prune(
-        Path(args.root),
+        root,
         keep=args.keep,
         staging_min_age_s=args.staging_min_age,
         dry_run=args.dry_run,
@@ -445,6 +448,8 @@ def cmd_gc(args) -> int:
             print(f"{verb} {path}")
     for note in report.notes:
         print(f"NOTE {note}")
+    for name in report.unordered:
+        print(f"left alone {root / name} (its manifest cannot be read: order unknown)")
     for path, failure in report.failed:
         print(f"ERROR could not remove {path}: {failure}")
     count = len(report.remove) if args.dry_run else len(report.removed)

@@ -48,7 +48,7 @@ from miles_lora_ckpt.core.retention import generation_links
 AdapterFilter = Callable[[str], bool]
 
 SLOT_SAVER = "multi-lora-slot"
-_READER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}$")
+_READER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,127}\Z", re.ASCII)
 _RESERVED = (TRACKER, LEASE, MANIFEST, LATEST)
 
 

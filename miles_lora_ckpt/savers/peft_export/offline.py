@@ -32,11 +32,12 @@ from miles_lora_ckpt.savers.peft_export import format as fmt
 from miles_lora_ckpt.savers.peft_export.convert import StaticSource
 from miles_lora_ckpt.savers.peft_export.export import GENERATION_SUBDIR, export_peft
 
-_SHARD_RE = re.compile(r"^adapter/dense_tp(\d+)_pp(\d+)\.safetensors$")
+_SHARD_RE = re.compile(r"adapter/dense_tp([0-9]+)_pp([0-9]+)\.safetensors\Z", re.ASCII)
 _NAME_RE = re.compile(
-    r"^chunk(\d+)\.decoder\.layers\.(\d+)\."
+    r"chunk([0-9]+)\.decoder\.layers\.([0-9]+)\."
     r"(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)"
-    r"\.adapter\.(linear_in|linear_out)\.weight$"
+    r"\.adapter\.(linear_in|linear_out)\.weight\Z",
+    re.ASCII,
 )
 
 

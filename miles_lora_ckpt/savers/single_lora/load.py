@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core import content_rules, faults
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
@@ -355,15 +355,8 @@ class LoadRequest:
         loading such a checkpoint into a run with an optimizer says so."""
         if saved_metadata(manifest, "optimizer_saved") is True:
             return []
-        listed = sorted(
-            rel for rel in manifest.files if rel.startswith("optimizer/") or manifest.role_of(rel) == "optimizer"
-        )
-        stepped = sorted(int(i) for i, entry in saved_children(manifest).items() if entry["stepped"])
-        if listed or stepped:
-            first = listed[0] if listed else f"optimizer_children: child {stepped[0]} stepped"
-            raise ValueError(
-                f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?"
-            )
+        saved_children(manifest)  # the metadata describes the children (a ValueError names a missing key)
+        content_rules.check_optimizer_claim(manifest)  # the rule verify applies (verify.check_structure)
         if self.optimizer is None or not self.restore_optimizer:
             return []
         return [
