@@ -170,7 +170,18 @@ def make_root(root: Path) -> None:
                 {"chunk0.decoder.layers.0.linear.adapter.linear_in.weight": torch.full((2, 4), float(iteration))},
                 binding={"role": "dense-adapter", "coordinate": "tp000_pp000"},
             )
-            state = {"iteration": iteration, "generation": writer.generation, "scheduler": {"num_steps": iteration}}
+            state = {
+                "iteration": iteration,
+                "generation": writer.generation,
+                "scheduler": {
+                    "num_steps": iteration,
+                    "max_lr": 1e-3,
+                    "min_lr": 1e-5,
+                    "lr_warmup_steps": 2,
+                    "lr_decay_steps": 100,
+                    "lr_decay_style": "cosine",
+                },
+            }
             writer.write_json("training_state.json", state, binding={"role": "training-state"})
 
         save_generation(
