@@ -46,6 +46,7 @@ from pathlib import Path
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 from miles_lora_ckpt.tools import demo_miles, demo_slots
+from miles_lora_ckpt.tools.demo_report import report_train
 
 OPTIMIZERS = ("adam", "lion", "muon")
 
@@ -327,14 +328,14 @@ def _qwen2_hf_kwargs() -> dict:
 
 def _peft_report(workdir: Path) -> int:
     """Load DIR/peft/latest onto DIR/hf-base with the real PEFT; every checkpoint's peft/ verifies too."""
-    from miles_lora_ckpt.tools.cli import main as cli
     from miles_lora_ckpt.tools.peft_tools import load_report
+    from miles_lora_ckpt.tools.root_commands import verify_report
 
     report = load_report(workdir / "peft" / "latest", workdir / "hf-base")
     print(
         f"peft: {workdir / 'peft'} (latest -> {(workdir / 'peft' / 'latest').resolve().name}), HF base {workdir / 'hf-base'}"
     )
-    verified = cli(["verify", str(workdir / "ckpt")]) == 0 and cli(["verify", str(workdir / "peft")]) == 0
+    verified = verify_report(str(workdir / "ckpt")) == 0 and verify_report(str(workdir / "peft")) == 0
     print(report.headline())
     return 0 if report.ok and verified else 1
 
@@ -384,20 +385,6 @@ def _phase_train(workdir: Path, config: dict, args, crash_at: str | None, crash_
     saves = [it for it in range(args.save_every, args.steps, args.save_every)]
     print(f"train: saves planned after steps {saves} into {ckpt} ({seconds:.1f}s)")
     report_train(results, crash_at)
-
-
-def report_train(results: list, crash_at: str | None) -> None:
-    """One line per rank of a train job: its summary, the injected SIGKILL, or its error; a failure
-    with no crash injected ends the demo (SystemExit with every rank's error)."""
-    for result in results:
-        if result.ok:
-            print(f"  rank {result.rank}: {result.result['summary']}")
-        elif result.exitcode is not None and result.exitcode < 0:
-            print(f"  rank {result.rank}: killed by signal {-result.exitcode} (crash injected at {crash_at})")
-        else:
-            print(f"  rank {result.rank}: failed: {(result.error or '').strip().splitlines()[-1:]}")
-    if crash_at is None and not all(r.ok for r in results):
-        raise SystemExit("train phase failed without an injected crash:\n" + "\n".join(r.error or "" for r in results))
 
 
 def _phase_resume(workdir: Path, config: dict, args) -> int:

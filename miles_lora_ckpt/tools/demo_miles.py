@@ -44,9 +44,8 @@ import time
 from pathlib import Path
 
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
+from miles_lora_ckpt.tools.demo_miles_config import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
 
-INIT_HOOK = "miles_lora_ckpt.hooks.megatron_init"
-STOCK_PHASES = ("before-write", "mid-write", "after-write")
 TARGETS = {
     "dense": "linear_qkv,linear_proj",
     "expert-only": "linear_fc1,linear_fc2",
@@ -54,20 +53,6 @@ TARGETS = {
 }
 QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
 JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
-CONFIG_TEXT = """\
-# miles-lora-ckpt config written by `miles-lora-ckpt demo --via miles` (see configs/ for commented examples)
-[save]
-layout = "subdir"   # generations in <--save>/lora
-keep = 3            # keep the newest 3 intact generations
-[consensus]
-timeout_s = 60      # a dead peer turns into an error on every rank within a minute
-[resume]
-strict = true
-"""
-PEFT_CONFIG_TEXT = """\
-[export]
-peft = true         # every committed generation also holds peft/, an HF PEFT adapter
-"""
 
 
 def add_arguments(demo) -> None:
@@ -401,8 +386,8 @@ def _peft_report(scenario: Scenario) -> str | None:
     """--export-peft: the relaunch's newest generation's peft/ and its last --save-hf adapter, loaded
     with the real PEFT onto the HF base; both roots verified. Returns what failed, or None."""
     from miles_lora_ckpt.core.verify import committed_candidates
-    from miles_lora_ckpt.tools.cli import main as cli
     from miles_lora_ckpt.tools.peft_tools import load_report
+    from miles_lora_ckpt.tools.root_commands import verify_report
 
     root = scenario.save / "lora"
     newest = committed_candidates(root)[0][:1]
@@ -412,7 +397,7 @@ def _peft_report(scenario: Scenario) -> str | None:
     if not complete:
         return f"no --save-hf export completed under {scenario.hf_out}"
     save_hf = max(complete, key=lambda p: int(p.name)) / "adapter"
-    verified = cli(["verify", str(root)]) == 0 and cli(["verify", str(save_hf)]) == 0
+    verified = verify_report(str(root)) == 0 and verify_report(str(save_hf)) == 0
     print(f"peft: {newest[0] / 'peft'} (the newest generation), HF base {scenario.hf}")
     report = load_report(newest[0] / "peft", scenario.hf)
     print(report.headline())

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.tools.demo_miles import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
+from miles_lora_ckpt.tools.demo_miles_config import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
 
 JOB = "miles_lora_ckpt.sim.miles_standin.launch_multi_lora:launch_job"
 V2_SHAPES = ("lora-package-2026-09",)
@@ -248,8 +248,8 @@ def adapter_checkpoints(scenario: SlotScenario) -> dict[str, Path]:
 def _peft_report(scenario: SlotScenario) -> str | None:
     """--export-peft: every adapter's newest checkpoint, loaded as is with the real HF PEFT onto the
     HF base; the slot roots verified. Returns what failed, or None."""
-    from miles_lora_ckpt.tools.cli import main as cli
     from miles_lora_ckpt.tools.peft_tools import load_report
+    from miles_lora_ckpt.tools.root_commands import verify_report
 
     failed = None
     for name, path in adapter_checkpoints(scenario).items():
@@ -257,7 +257,7 @@ def _peft_report(scenario: SlotScenario) -> str | None:
         print(f"  slot of {name}: {path.relative_to(scenario.dir)}: {result.headline()}")
         if not result.ok and failed is None:
             failed = f"{name}: {result.headline()}"
-    if failed is None and cli(["verify", str(scenario.dir / "run" / "adapters")]) != 0:
+    if failed is None and verify_report(str(scenario.dir / "run" / "adapters")) != 0:
         failed = "verify of the slot roots failed (see above)"
     return failed
 

@@ -128,7 +128,7 @@ def _reference(workdir: Path, config: dict, args) -> None:
 
 
 def _train(workdir: Path, config: dict, args, events: list, crash_at, crash_rank: int) -> None:
-    from miles_lora_ckpt.tools.demo import report_train  # demo imports this module
+    from miles_lora_ckpt.tools.demo_report import report_train
 
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
