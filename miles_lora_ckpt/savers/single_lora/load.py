@@ -208,9 +208,13 @@ def _load(
 
 
 def _classify(path: Path) -> str:
-    """missing | empty-root | legacy-miles | generation; raises when `path` is none of those."""
+    """missing | empty-root (an empty directory too) | legacy-miles | generation; raises when `path` is none of those."""
     if not path.exists():
         return "missing"
+    if path.is_dir() and not path.is_symlink() and not os.listdir(path):
+        # a save root whose only attempt failed (its staging removed, its lease released) is an
+        # empty directory, like a --save directory made before the first save
+        return "empty-root"
     try:
         committed_candidates(path)
     except NothingCommitted:
