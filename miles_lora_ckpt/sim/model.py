@@ -254,6 +254,7 @@ class SimLayer(torch.nn.Module):
     def __init__(self, mcfg, config: SimConfig, index: int):
         super().__init__()
         self.global_index = index  # the layer's index in the whole model (seeds its weights)
+        self.layer_number = index + 1  # as megatron's TransformerLayer: global, from 1 (param_blocks)
         prefix = f"layers.{index}"
         dense = dict(adapter=config.dense_adapters, expert=False)
         expert = dict(adapter=config.expert_adapters, expert=True)

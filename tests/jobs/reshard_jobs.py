@@ -1,0 +1,198 @@
+"""Worker job for resharding loads (real megatron DistributedOptimizer on CPU, gloo).
+
+`reshard_job` saves a run at one model-parallel layout and loads it into a run at another, in one
+spawned job (all cases in a row). For each case it compares, bit for bit, every global tensor of
+the saved run (just before the save) with the loaded run's (just after the load): each adapter
+weight, and each parameter's fp32 master and every moment, assembled from every rank's part
+(`global_view`), plus every per-parameter step and each child's param groups. Then both runs train
+on and the losses are compared (max relative difference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+from lora_jobs import Args, load, run_steps, save
+
+from miles_lora_ckpt.core.consensus import Consensus, Outcome
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.core.global_layout import Block, global_indices
+from miles_lora_ckpt.core.jsoncodec import to_json
+from miles_lora_ckpt.megatron import adapter_shards, param_blocks
+from miles_lora_ckpt.megatron.optimizer_children import chain, distributed, leaf_children
+from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown
+
+SENTINEL = 2**40  # no bit pattern of a float32 / bfloat16 widened to int64 reaches it
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor as int64 (bf16 / fp32)."""
+    flat = tensor.detach().contiguous().view(-1)
+    return flat.view(torch.int16 if flat.element_size() == 2 else torch.int32).to(torch.int64)
+
+
+def _contributions(run) -> tuple[dict, dict]:
+    """This rank's parts of every global tensor: `{key: (global shape, [(indices, bits)])}`, and the
+    JSON state: per-parameter steps and each child's param groups (without their param lists)."""
+    blocks = {n: Block.from_dict(b, n) for n, b in param_blocks.describe(run.model).items() if b is not None}
+    parts: dict[str, tuple] = {}
+
+    def add(key, block, first, stop, tensor):
+        entry = parts.setdefault(key, (list(block.global_shape), []))
+        entry[1].append((global_indices(block, first, stop), _bits(tensor)))
+
+    for name, param in adapter_shards.adapter_params(run.model).items():
+        block = blocks[name]
+        add(f"adapter:{block.name}", block, 0, block.numel, param)
+    names = chain.param_names(run.model)
+    states: dict[str, object] = {}
+    for child in leaf_children(run.optimizer):
+        if child.is_stub:
+            continue
+        opt = child.optimizer
+        groups = to_json(opt.state_dict(), "state")["optimizer"]["param_groups"]
+        states[f"groups:{child.index}"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        for layout in distributed.bucket_layouts(opt):
+            for model_param, ranges in distributed._param_maps(opt, layout).items():
+                block = blocks[names[id(model_param)]]
+                main, state = distributed.main_and_state(opt, model_param)
+                first, stop = ranges["param"].start, ranges["param"].end
+                add(f"master:{block.name}", block, first, stop, main)
+                for key, value in sorted(state.items()):
+                    if key == "step":
+                        states[f"step:{block.name}"] = float(value)
+                    else:
+                        add(f"{key}:{block.name}", block, first, stop, value)
+    return parts, states
+
+
+def global_view(run, consensus: Consensus) -> dict:
+    """Collective. `{key: digest of the global tensor's bits}` for every adapter weight, master and
+    moment (every element given by some rank, replicas bit-identical), and the JSON states (steps,
+    param groups) of every rank merged (replicas equal)."""
+    parts, states = _contributions(run)
+    shapes = consensus.agree("reshard-shapes", Outcome.success({k: v[0] for k, v in parts.items()}))
+    everyone = {}
+    for mine in shapes:
+        everyone.update(mine)
+    keys = sorted(everyone)
+    sizes = [int(torch.tensor(everyone[k]).prod()) for k in keys]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    buffer = torch.full((sum(sizes),), SENTINEL, dtype=torch.int64)
+    for key, offset in zip(keys, offsets, strict=True):
+        for indices, bits in parts.get(key, (None, []))[1]:
+            buffer[offset + indices] = bits
+    gathered = [torch.empty_like(buffer) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, buffer)
+    stacked = torch.stack(gathered)
+    held = stacked != SENTINEL
+    merged = torch.where(held, stacked, torch.iinfo(torch.int64).min).max(dim=0).values
+    low = torch.where(held, stacked, torch.iinfo(torch.int64).max).min(dim=0).values
+    problems = []
+    if not bool(held.any(dim=0).all()):
+        problems.append("an element of a global tensor is held by no rank")
+    if not bool((merged[held.any(dim=0)] == low[held.any(dim=0)]).all()):
+        problems.append("replicas of a global tensor differ")
+    digests = {}
+    for key, offset, size in zip(keys, offsets, sizes, strict=True):
+        digests[key] = hashlib.sha256(merged[offset : offset + size].numpy().tobytes()).hexdigest()[:32]
+    all_states = consensus.agree("reshard-states", Outcome.success(states))
+    merged_states: dict = {}
+    for rank_states in all_states:
+        for key, value in rank_states.items():
+            if merged_states.setdefault(key, value) != value:
+                problems.append(f"ranks disagree on {key}")
+    for key, value in merged_states.items():
+        digests[key] = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+    return {"digests": digests, "problems": problems, "states": merged_states}
+
+
+def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` as format v2 wrote it: no global layout, no
+    optimizer positions (resealed: an intact generation of the earlier format)."""
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"v2-{abs(hash(name)) % 10**8}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        body = json.loads((target / MANIFEST).read_text())
+        body.pop("manifest_digest")
+        body.pop("signature", None)
+        body["format_version"] = 2
+        body["metadata"].pop("global_layout")
+        for child in body["metadata"]["optimizer_children"].values():
+            child.get("layout", {}).pop("positions", None)
+        (target / MANIFEST).write_bytes(seal_manifest(body))
+    dist.barrier()
+    return str(target)
+
+
+def _first_difference(a: dict, b: dict) -> str | None:
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return key
+    return None
+
+
+def reshard_job(payload: dict, ctx) -> dict:
+    """`payload["cases"]`: `[{"name", "save", "load", "root", "steps"}]` (configs as dicts): train
+    `save` 2 steps, record its global view, save, train on `steps` more; build `load`, load the
+    save (bit-compare the global views), train the same steps; report differences and losses.
+    `payload["refusals"]`: `[{"name", "from" (a case name), "config"}]`: a run of `config` trained
+    one step tries to load that case's save; reports the error and the first tensor that changed."""
+    consensus = Consensus.for_world(timeout_s=240)
+    out, roots = {}, {}
+    for case in payload.get("cases", []):
+        before = build_run(config_from_dict(case["save"]))
+        run_steps(before, 0, 2)
+        saved_view = global_view(before, consensus)
+        roots[case["name"]] = case["root"]
+        save(before, case["root"], 2, consensus, Args())
+        continued = run_steps(before, 2, 2 + case["steps"])
+        teardown(before)
+
+        after = build_run(config_from_dict(case["load"]))
+        result = load(after, case["root"], consensus)
+        loaded_view = global_view(after, consensus)
+        resumed = run_steps(after, 2, 2 + case["steps"])
+        teardown(after)
+        diff = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(continued, resumed, strict=True))
+        out[case["name"]] = {
+            "first_difference": _first_difference(saved_view["digests"], loaded_view["digests"]),
+            "compared": sorted(saved_view["digests"]),
+            "problems": saved_view["problems"] + loaded_view["problems"],
+            "loss_max_rel_diff": diff,
+            "losses": [continued, resumed],
+            "result": result.__dict__,
+        }
+        if payload.get("debug"):
+            out[case["name"]]["debug"] = {
+                k: [saved_view["states"].get(k), loaded_view["states"].get(k)]
+                for k in sorted(set(saved_view["states"]) | set(loaded_view["states"]))
+                if saved_view["states"].get(k) != loaded_view["states"].get(k)
+            }
+    tries = {}
+    for case in payload.get("refusals", []):
+        root = roots[case["from"]]
+        if case.get("as_format_v2"):
+            root = _as_format_v2(root, case["name"], consensus)
+        run = build_run(config_from_dict(case["config"]))
+        run_steps(run, 0, 1)
+        digests = snapshot_digests(snapshot(run))
+        try:
+            load(run, root, consensus)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        tries[case["name"]] = {"error": error, "changed": compare_digests(digests, snapshot_digests(snapshot(run)))}
+        teardown(run)
+    return {"cases": out, "refusals": tries}

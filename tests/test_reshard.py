@@ -1,0 +1,83 @@
+"""Resharding on resume (format v3): a generation saved at one TP / PP / VPP layout loads at another.
+
+One spawned W=2 job runs every case (`jobs/reshard_jobs.py`): at the load, every global tensor
+(adapter weights, fp32 masters, every moment, per-parameter steps, param groups) must be
+bit-identical to the saved run's; training then goes on (the loss difference is printed). Changes
+that cannot map (another LoRA rank, other target modules) are refused naming the parameter, before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from jobs_paths import JOBS
+
+from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt.sim.model import SimConfig
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
+
+
+def cfg(dtype: str = "bf16", adapters: str = "mixed", **extra) -> dict:
+    return SimConfig(world_size=2, dtype=dtype, adapters=adapters, **extra).to_dict()
+
+
+CASES = {  # name: (saved layout, loaded layout)
+    "pp2 vpp2 -> pp1 (bf16)": (cfg(pp=2, vpp=2, num_layers=4), cfg(num_layers=4)),
+    "tp2 -> tp1 (fp32)": (cfg("fp32", tp=2), cfg("fp32")),
+    "tp1 -> tp2 (bf16)": (cfg(), cfg(tp=2)),
+}
+REFUSALS = {  # name: (saved case, run config, words the error must hold[, the generation as format v2])
+    "another LoRA rank": (
+        "tp1 -> tp2 (bf16)",
+        cfg(tp=2, lora_rank=8),
+        ("has global shape [4, ", "] in the checkpoint, [8, ", "another LoRA rank"),
+    ),
+    "other target modules": (
+        "tp1 -> tp2 (bf16)",
+        cfg(tp=2, adapters="dense"),
+        ("the checkpoint has trainable parameter layers.0.mlp.experts", "other target modules"),
+    ),
+    # a generation of the earlier format loads at its own layout only (test_single_lora), never resharded
+    "format v2 generation": ("tp1 -> tp2 (bf16)", cfg(tp=2), ("(format v2) records no global layout",), True),
+}
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    base = tmp_path_factory.mktemp("reshard")
+    payload = {
+        "cases": [
+            {"name": name, "save": saved, "load": loaded, "root": str(base / f"case{i}"), "steps": 2}
+            for i, (name, (saved, loaded)) in enumerate(CASES.items())
+        ],
+        "refusals": [
+            {"name": n, "from": src, "config": c, "as_format_v2": bool(v2)} for n, (src, c, _, *v2) in REFUSALS.items()
+        ],
+    }
+    return check_all(run_workers(2, "reshard_jobs:reshard_job", payload, sys_path=[JOBS], timeout_s=900))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reshard_is_bit_exact_at_the_load(resharded, name):
+    for r in resharded:
+        case = r["cases"][name]
+        assert case["problems"] == [], case["problems"]
+        compared = case["compared"]
+        for kind in ("adapter:", "master:", "exp_avg:", "exp_avg_sq:", "step:", "groups:"):
+            assert any(k.startswith(kind) for k in compared), (kind, compared)
+        assert any("mlp.experts" in k for k in compared) and any("linear_qkv" in k for k in compared)
+        assert case["first_difference"] is None, case["first_difference"]
+        assert case["result"]["optimizer_restored"] and case["result"]["iteration"] == 2
+    print(f"RESHARD {name}: LOSS max relative difference {resharded[0]['cases'][name]['loss_max_rel_diff']:.3g}")
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_unmappable_changes_are_refused_naming_the_parameter(resharded, name):
+    words = REFUSALS[name][2]
+    outcomes = [r["refusals"][name] for r in resharded]
+    assert outcomes[0]["error"] == outcomes[1]["error"], outcomes
+    for o in outcomes:
+        assert o["error"] and all(w in o["error"] for w in words), o["error"]
+        assert "lora_" in o["error"] or "format v2" in name, o["error"]  # names the parameter
+        assert o["changed"] is None, o
