@@ -7,7 +7,11 @@ names it) a `core.global_layout.Block`:
   layer's global one, read from the layer module's `layer_number` (megatron's `TransformerLayer`
   numbers its layers globally from 1, across pipeline stages and virtual-pipeline chunks, from
   `get_transformer_layer_offset`), so `chunk1.decoder.layers.0.x` of stage 1 becomes
-  `decoder.layers.6.x`;
+  `decoder.layers.6.x`; and a local expert index (`...experts.local_experts.{i}`, megatron's
+  `SequentialMLP`) replaced by its global one from the MoE layer's `local_expert_indices`
+  (`ep_rank * num_local_experts + i`); an expert parameter without such a number (one expert per
+  EP rank, or grouped experts' `weight{i}`) is named with its EP rank and size (`...@ep1/2`): it
+  cannot move across EP ranks, so an EP change is refused for it;
 - the global shape and this rank's offsets in it: from the owning module's `sharded_state_dict`
   (megatron's `ShardedTensor`: global shape, global offset; a column-parallel linear splits
   axis 0, a row-parallel one axis 1), or, for a module without one, the whole parameter (a
@@ -15,8 +19,9 @@ names it) a `core.global_layout.Block`:
 
 What cannot be described is None (the parameter is then refused by a resharding load, never
 guessed): a parameter megatron marks tensor-parallel whose module gives no `ShardedTensor` for it,
-one described by a `ShardedTensorFactory` (swiglu's fused `linear_fc1`: not resharded yet), or a
-layer index without a `layer_number`.
+one described by a `ShardedTensorFactory` (swiglu's fused `linear_fc1`: not resharded yet), a
+layer index without a `layer_number`, or a local expert without `local_expert_indices` (grouped
+experts' `weight{i}` are not renumbered yet).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import re
 import torch
 
 from miles_lora_ckpt.core.global_layout import Block
-from miles_lora_ckpt.megatron.adapter_shards import strip_wrappers
+from miles_lora_ckpt.megatron.adapter_shards import is_expert, strip_wrappers
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
+_EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)$")
+UNNUMBERED_EXPERT = "@ep"  # global-name suffix of an expert parameter without a global expert number
 
 
 def describe(model) -> dict[str, dict | None]:
@@ -42,39 +49,71 @@ def describe(model) -> dict[str, dict | None]:
             if not param.requires_grad:
                 continue
             local = strip_wrappers(name)
-            block = _block(local, param, modules, layers)
+            block = _block(local, param, modules, layers, _expert_rank(param, local, layers))
             out[f"chunk{index}.{local}"] = None if block is None else block.to_dict()
     return out
 
 
 def _global_layer_prefixes(modules: dict) -> dict[str, str | None]:
-    """`{"decoder.layers.0": "decoder.layers.6" (or None without a layer_number)}`."""
-    prefixes = {}
+    """`{module path: its global index}` for every numbered layer and expert (None where unknown):
+    `decoder.layers.0` -> its `layer_number - 1`; `...experts.local_experts.1` -> entry 1 of the
+    nearest enclosing module's `local_expert_indices` (megatron's MoE layer)."""
+    renames: dict[str, str | None] = {}
     for name, module in modules.items():
-        match = _LAYER.search(name)
-        if match:
+        layer, expert = _LAYER.search(name), _EXPERT.search(name)
+        if layer:
             number = getattr(module, "layer_number", None)
-            ok = isinstance(number, int) and number >= 1
-            prefixes[name] = f"{name[: match.start(2)]}{number - 1}" if ok else None
-    return prefixes
+            ok = isinstance(number, int) and not isinstance(number, bool) and number >= 1
+            renames[name] = str(number - 1) if ok else None
+        elif expert:
+            renames[name] = _global_expert(name, int(expert.group(2)), modules)
+    return renames
 
 
-def global_name(local: str, layers: dict[str, str | None]) -> str | None:
-    """`local` with its (innermost) layer prefix made global; None where that layer has no number."""
-    best = None
-    for prefix in layers:
-        if local.startswith(prefix + ".") and (best is None or len(prefix) > len(best)):
-            best = prefix
-    if best is None:
-        return local
-    replaced = layers[best]
-    return None if replaced is None else replaced + local[len(best) :]
+def _global_expert(name: str, local: int, modules: dict) -> str | None:
+    parts = name.split(".")
+    for depth in range(len(parts) - 2, -1, -1):
+        indices = getattr(modules.get(".".join(parts[:depth])), "local_expert_indices", None)
+        if indices is not None:
+            ok = isinstance(indices, list | tuple) and local < len(indices) and isinstance(indices[local], int)
+            return str(indices[local]) if ok else None
+    return None
 
 
-def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict) -> Block | None:
+def global_name(local: str, renames: dict[str, str | None]) -> str | None:
+    """`local` with every numbered layer and expert index made global; None where one is unknown."""
+    parts = local.split(".")
+    for depth in range(1, len(parts)):
+        path = ".".join(local.split(".")[:depth])
+        if path in renames:
+            if renames[path] is None:
+                return None
+            parts[depth - 1] = renames[path]
+    return ".".join(parts)
+
+
+def _expert_rank(param, local: str, renames: dict) -> str:
+    """`"@ep{rank}/{size}"` for an expert parameter without a global expert number (its identity is
+    its EP rank's: such parameters cannot move across EP ranks), else ""."""
+    if not is_expert(param):
+        return ""
+    numbered = any(_EXPERT.search(path) for path in renames if local.startswith(path + "."))
+    if numbered:
+        return ""
+    from megatron.core import parallel_state as mpu
+
+    try:
+        rank, size = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 - no parallel state: one EP rank
+        rank, size = 0, 1
+    return f"{UNNUMBERED_EXPERT}{rank}/{size}"
+
+
+def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict, suffix: str = "") -> Block | None:
     name = global_name(local, layers)
     if name is None:
         return None
+    name += suffix
     owner_name, _, leaf = local.rpartition(".")
     owner = modules.get(owner_name)
     sharded = _sharded_tensor(owner, leaf, param)
@@ -95,8 +134,8 @@ def _sharded_tensor(owner, leaf: str, param):
         return None
     from megatron.core import parallel_state as mpu
 
-    metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
     try:
+        metadata = {"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
         entries = method(prefix="", sharded_offsets=(), metadata=metadata)
     except Exception:  # noqa: BLE001 - an unknown module's layout is refused, never guessed
         return False

@@ -1,7 +1,7 @@
-"""A resharding load: a format-v3 generation restored at another TP, PP or VPP layout.
+"""A resharding load: a format-v3 generation restored at another TP, expert-TP, EP, PP or VPP layout.
 
-Expert parallelism (EP) and context parallelism are not resharded yet (`FIXED_AXES`:
-refused before anything is read): expert numbering across EP ranks is not recorded yet.
+Context parallelism is not resharded yet (`FIXED_AXES`: refused before anything is read); an EP
+change needs experts numbered globally (`param_blocks`: megatron's `local_expert_indices`).
 
 `ReshardPlan.build` runs inside `files_for_rank` (no file read yet, nothing changed): from the
 manifest's `global_layout` (every saved parameter's `Block` per coordinate, the adapter files and
@@ -38,9 +38,10 @@ from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
+from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
 
-RESHARDABLE_AXES = ("tp", "etp", "pp", "vpp")  # may differ between save and load (format v3)
-FIXED_AXES = ("ep", "cp")  # not resharded yet: refused before anything is read
+RESHARDABLE_AXES = ("tp", "etp", "ep", "pp", "vpp")  # may differ between save and load (format v3)
+FIXED_AXES = ("cp",)  # not resharded yet: refused before anything is read
 _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
 
 
@@ -287,6 +288,14 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
             block = _block_of(described, name)
             ours.setdefault(block.name, block)
     extra, missing = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    base = lambda n: n.split(UNNUMBERED_EXPERT)[0]  # noqa: E731
+    moved = {base(n) for n in extra} & {base(n) for n in missing}
+    unnumbered = sorted(n for n in (*extra, *missing) if UNNUMBERED_EXPERT in n and base(n) in moved)
+    if unnumbered:
+        raise IncompatibleCheckpoint(
+            f"cannot reshard ({changes}): expert parameter {unnumbered[0]} has no global expert number "
+            "(one expert per EP rank, no local_expert_indices): experts cannot move across EP ranks"
+        )
     if extra or missing:
         first = (extra or missing)[0]
         where = "this run has" if extra else "the checkpoint has"
