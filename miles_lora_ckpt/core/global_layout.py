@@ -120,6 +120,11 @@ def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) ->
                 f"{wanted.name}: a saved block of {block.name}{list(block.global_shape)} cannot give "
                 f"{wanted.name}{list(wanted.global_shape)}"
             )
+    for source, block in enumerate(saved):  # the common case (PP, VPP, EP, DP): the same block, one run
+        if block.region == wanted.region and 0 <= first <= stop <= wanted.numel:
+            others = [b for i, b in enumerate(saved) if i != source and _overlaps(b, wanted)]
+            if not others:
+                return [Copy(source, first, stop - first, 0)] if stop > first else []
     need = global_indices(wanted, first, stop)
     covered = torch.zeros(need.numel(), dtype=torch.int64)
     copies: list[Copy] = []
@@ -148,6 +153,12 @@ def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) ->
             f"and {twice} by more than one"
         )
     return sorted(copies, key=lambda c: c.into)
+
+
+def _overlaps(a: Block, b: Block) -> bool:
+    return all(
+        max(oa, ob) < min(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a.offset, a.shape, b.offset, b.shape, strict=True)
+    )
 
 
 def distinct(blocks: Sequence[Block]) -> list[int]:

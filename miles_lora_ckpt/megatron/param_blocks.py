@@ -17,7 +17,8 @@ names it) a `core.global_layout.Block`:
   axis 0, a row-parallel one axis 1), or, for a module without one, the whole parameter (a
   replicated LoRA factor).
 
-What cannot be described is None (the parameter is then refused by a resharding load, never
+What cannot be described is None (and a model view without modules, e.g. a slot remap's, is
+described as None throughout) (the parameter is then refused by a resharding load, never
 guessed): a parameter megatron marks tensor-parallel whose module gives no `ShardedTensor` for it,
 one described by a `ShardedTensorFactory` (swiglu's fused `linear_fc1`: not resharded yet), a
 layer index without a `layer_number`, or a local expert without `local_expert_indices` (grouped
@@ -43,6 +44,11 @@ def describe(model) -> dict[str, dict | None]:
     chunks = model if isinstance(model, list | tuple) else [model]
     out: dict[str, dict | None] = {}
     for index, chunk in enumerate(chunks):
+        if not hasattr(chunk, "named_modules"):  # a view of renamed parameters (slot remap): unknown
+            out.update(
+                {f"chunk{index}.{strip_wrappers(n)}": None for n, p in chunk.named_parameters() if p.requires_grad}
+            )
+            continue
         modules = {strip_wrappers(name): module for name, module in chunk.named_modules()}
         layers = _global_layer_prefixes(modules)
         for name, param in chunk.named_parameters():
