@@ -28,6 +28,10 @@ CASES = {  # name: (saved layout, loaded layout)
     "tp1 -> tp2 (bf16)": (cfg(), cfg(tp=2)),
     # experts numbered globally (megatron's local_expert_indices): 2 experts, one per EP rank -> both on each rank
     "ep2 -> ep1 (bf16, mixed adapters)": (cfg(ep=2, num_experts=2), cfg(num_experts=2)),
+    # Float16OptimizerWithFloat16Params children (no distributed optimizer): whole parameters
+    "tp2 -> tp1 (bf16, Float16 children)": (cfg(tp=2, distributed=False), cfg(distributed=False)),
+    # a LayerWiseDistributedOptimizer: whole parameters, one DP owner each (DP 1 -> 2 here)
+    "tp2 -> tp1 (bf16, layer-wise)": (cfg(tp=2, layer_wise=True), cfg(layer_wise=True)),
 }
 REFUSALS = {  # name: (saved case, run config, words the error must hold[, the generation as format v2])
     "another LoRA rank": (

@@ -14,12 +14,14 @@ lies in its bucket's world tensor), it works out, for this rank of the new layou
   which saved slice files hold its master and moments (`protocol.PartialRead`: only those blocks
   are read and verified), and where they go in the shard; the install is the same-layout one
   (`distributed.DistributedFamily.install`: bucket by bucket, read back bit for bit);
+- every parameter of a Float16 / FP32 or layer-wise child: assembled whole from the saved blocks
+  (`reshard_whole`);
 
 and refuses (`IncompatibleCheckpoint`, naming the parameter and both values) what cannot map:
 another set of adapter parameters (target modules), another global shape (LoRA rank, model
-shape), another dtype, a parameter whose place in the global model megatron cannot describe, an
-optimizer child that is not a DistributedOptimizer on both sides, another optimizer (the chain's
-own checks), and a chosen-children or slot load (not resharded yet).
+shape), another dtype, a parameter whose place in the global model megatron cannot describe,
+another optimizer or child family (the chain's own checks), and a chosen-children or slot load
+(not resharded yet).
 
 `preflight` then reads (this rank's files were verified by the protocol), assembles each adapter
 weight and each child's restore, and checks that the saved param groups and steps of every
@@ -36,11 +38,13 @@ import torch
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.core.protocol import PartialRead
+from miles_lora_ckpt.megatron import reshard_whole
 from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
 from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
 
 RESHARDABLE_AXES = ("tp", "etp", "ep", "pp", "vpp")  # may differ between save and load (format v3)
+WHOLE_FAMILIES = ("replicated", "layer-wise")  # Float16 / FP32 and layer-wise children (reshard_whole)
 FIXED_AXES = ("cp",)  # not resharded yet: refused before anything is read
 _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
 
@@ -69,6 +73,7 @@ class ReshardPlan:
 
     adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)  # name -> (block, [(source, copy)])
     children: dict[int, _ChildPlan] = field(default_factory=dict)
+    whole: dict[int, tuple] = field(default_factory=dict)  # index -> (reshard_whole.WholePlan, state keys)
     files: list = field(default_factory=list)
 
     @classmethod
@@ -159,10 +164,18 @@ class ReshardPlan:
             index, entry = desc["index"], saved_children[str(desc["index"])]
             if not entry["stepped"]:
                 continue
+            if entry["family"] == desc["family"] and entry["family"] in WHOLE_FAMILIES:
+                child = chain.select(request.optimizer, [index])[0].optimizer
+                whole = reshard_whole.plan_child(
+                    index, entry["layout"], child, request.view.names, mine, saved, _block_of
+                )
+                self.whole[index] = (whole, tuple(entry["keys"]))
+                self.files += [f for f in sorted(whole.files) if f not in self.files]
+                continue
             if entry["family"] != "distributed" or desc["family"] != "distributed":
                 raise IncompatibleCheckpoint(
-                    f"optimizer child {index}: only DistributedOptimizer children are resharded yet; the checkpoint "
-                    f"saved a {entry['class']} ({entry['family']}), this run has a {desc['class']} ({desc['family']})"
+                    f"optimizer child {index}: the checkpoint saved a {entry['class']} ({entry['family']}), this run "
+                    f"has a {desc['class']} ({desc['family']}): not resharded"
                 )
             child = chain.select(request.optimizer, [index])[0].optimizer
             sources = _optimizer_sources(index, entry["layout"], saved)
@@ -208,24 +221,13 @@ class ReshardPlan:
             self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
         self.files += [PartialRead(f, tuple(sorted(r)), keep=False) for f, r in sorted(requests.items())]
 
-    def restores(self, optimizer, bound_ranges, states: dict) -> dict:
-        """`{index: distributed restore}` for `chain.allocate` / `chain.install` (reads nothing yet)."""
+    def restores(self, optimizer, bound_ranges, bound_tensors, states: dict) -> dict:
+        """`{index: the family's restore}` for `chain.allocate` / `chain.install`. A DistributedOptimizer
+        child's ranges are read at install; a whole-parameter child's files are read here."""
         out = {}
         for index, plan in self.children.items():
             child = chain.select(optimizer, [index])[0].optimizer
-            found = {key: states.get(f"{index}:{key}") for key in plan.coordinates}
-            missing = sorted(k for k, v in found.items() if v is None)
-            if missing:
-                raise ValueError(f"the training state holds no optimizer state for child {index} at {missing}")
-            first_key, state = next(iter(found.items())) if found else (None, None)
-            for key, other in found.items():
-                if other != state:
-                    raise IncompatibleCheckpoint(
-                        f"optimizer child {index}: the saved param groups and steps at {first_key} and {key} differ, "
-                        "so no single state fits this rank's merged shard"
-                    )
-            if state is None:
-                raise ValueError(f"optimizer child {index}: this rank draws from no saved coordinate")
+            state = _one_state(index, plan.coordinates, states)
             groups = len(state.get("optimizer", {}).get("param_groups", [])) if isinstance(state, dict) else None
             if groups is not None and groups != len(child.optimizer.param_groups):
                 raise IncompatibleCheckpoint(
@@ -240,7 +242,30 @@ class ReshardPlan:
                 for parts in plan.buckets
             ]
             out[index] = distributed._Restore(plan.keys, state, buckets)
+        for index, (plan, keys) in self.whole.items():
+            child = chain.select(optimizer, [index])[0].optimizer
+            state = _one_state(index, plan.coordinates, states)
+            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys)
         return out
+
+
+def _one_state(index: int, coordinates: list[str], states: dict):
+    """The saved JSON state (param groups, steps, grad scaler) of a child at the coordinates a rank
+    draws from: they must all be there and agree."""
+    found = {key: states.get(f"{index}:{key}") for key in coordinates}
+    missing = sorted(k for k, v in found.items() if v is None)
+    if missing:
+        raise ValueError(f"the training state holds no optimizer state for child {index} at {missing}")
+    if not found:
+        raise ValueError(f"optimizer child {index}: this rank draws from no saved coordinate")
+    first_key, state = next(iter(found.items()))
+    for key, other in found.items():
+        if other != state:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the saved param groups and steps at {first_key} and {key} differ, "
+                "so no single state fits this rank's merged parameters"
+            )
+    return state
 
 
 def _topology(request):

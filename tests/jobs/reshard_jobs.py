@@ -22,7 +22,7 @@ from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.global_layout import Block, global_indices
 from miles_lora_ckpt.core.jsoncodec import to_json
 from miles_lora_ckpt.megatron import adapter_shards, param_blocks
-from miles_lora_ckpt.megatron.optimizer_children import chain, distributed, leaf_children
+from miles_lora_ckpt.megatron.optimizer_children import chain, distributed, family_of, leaf_children
 from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
 from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown
 
@@ -54,19 +54,31 @@ def _contributions(run) -> tuple[dict, dict]:
         if child.is_stub:
             continue
         opt = child.optimizer
-        groups = to_json(opt.state_dict(), "state")["optimizer"]["param_groups"]
-        states[f"groups:{child.index}"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        for layout in distributed.bucket_layouts(opt):
-            for model_param, ranges in distributed._param_maps(opt, layout).items():
-                block = blocks[names[id(model_param)]]
-                main, state = distributed.main_and_state(opt, model_param)
-                first, stop = ranges["param"].start, ranges["param"].end
-                add(f"master:{block.name}", block, first, stop, main)
-                for key, value in sorted(state.items()):
-                    if key == "step":
-                        states[f"step:{block.name}"] = float(value)
-                    else:
-                        add(f"{key}:{block.name}", block, first, stop, value)
+        # megatron's own view of the param groups: a DistributedOptimizer's state_dict() (it moves the
+        # step into the groups, as its load_state_dict leaves it there); the inner groups otherwise
+        is_distributed = family_of(child) is distributed.FAMILY
+        if is_distributed:
+            groups = to_json(opt.state_dict(), "state")["optimizer"]["param_groups"]
+        else:
+            groups = opt.optimizer.param_groups
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        states[f"groups:{child.index}"] = to_json(groups, "groups")
+        if is_distributed:
+            held = [
+                (model_param, *distributed.main_and_state(opt, model_param), ranges["param"].start, ranges["param"].end)
+                for layout in distributed.bucket_layouts(opt)
+                for model_param, ranges in distributed._param_maps(opt, layout).items()
+            ]
+        else:  # whole parameters (Float16 / FP32, layer-wise)
+            held = [(p, main, state, 0, p.numel()) for p, main, state in chain.param_states(child)]
+        for model_param, main, state, first, stop in held:
+            block = blocks[names[id(model_param)]]
+            add(f"master:{block.name}", block, first, stop, main)
+            for key, value in sorted(state.items()):
+                if key == "step" or value.dim() == 0:
+                    states[f"{key}:{block.name}"] = float(value)
+                else:
+                    add(f"{key}:{block.name}", block, first, stop, value)
     return parts, states
 
 

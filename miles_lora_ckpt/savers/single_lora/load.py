@@ -341,7 +341,9 @@ class LoadRequest:
             adapter = self._preflight_adapter(opened)
         restore, fresh = {}, []
         if self._optimizer_in(manifest) and self.reshard is not None:
-            restore = self.reshard.restores(self.optimizer, bound_ranges(opened), state.get("optimizer_children", {}))
+            restore = self.reshard.restores(
+                self.optimizer, bound_ranges(opened), bound_tensors(opened), state.get("optimizer_children", {})
+            )
             fresh = [i for i in self.selected() if i not in restore]
         elif self._optimizer_in(manifest):
             restore = chain.preflight(
