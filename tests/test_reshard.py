@@ -33,6 +33,9 @@ CASES = {  # name: (saved layout, loaded layout)
     # a LayerWiseDistributedOptimizer: whole parameters, one DP owner each (DP 1 -> 2 here)
     "tp2 -> tp1 (bf16, layer-wise)": (cfg(tp=2, layer_wise=True), cfg(layer_wise=True)),
 }
+SLOTS = {  # name: (saved layout, loaded layout): slot 1 of a 2-slot run (per-slot layer-wise children)
+    "slot 1, tp2 -> tp1": (cfg(tp=2, slots=2), cfg(slots=2)),
+}
 REFUSALS = {  # name: (saved case, run config, words the error must hold[, the generation as format v2])
     "another LoRA rank": (
         "tp1 -> tp2 (bf16)",
@@ -57,6 +60,10 @@ def resharded(tmp_path_factory):
             {"name": name, "save": saved, "load": loaded, "root": str(base / f"case{i}"), "steps": 2}
             for i, (name, (saved, loaded)) in enumerate(CASES.items())
         ],
+        "slots": [
+            {"name": name, "save": saved, "load": loaded, "root": str(base / f"slot{i}"), "slot": 1}
+            for i, (name, (saved, loaded)) in enumerate(SLOTS.items())
+        ],
         "refusals": [
             {"name": n, "from": src, "config": c, "as_format_v2": bool(v2)} for n, (src, c, _, *v2) in REFUSALS.items()
         ],
@@ -76,6 +83,19 @@ def test_reshard_is_bit_exact_at_the_load(resharded, name):
         assert case["first_difference"] is None, case["first_difference"]
         assert case["result"]["optimizer_restored"] and case["result"]["iteration"] == 2
     print(f"RESHARD {name}: LOSS max relative difference {resharded[0]['cases'][name]['loss_max_rel_diff']:.3g}")
+
+
+@pytest.mark.parametrize("name", sorted(SLOTS))
+def test_a_slot_root_reshards_and_leaves_the_co_tenant_alone(resharded, name):
+    for r in resharded:
+        case = r["cases"][name]
+        assert case["problems"] == [], case["problems"]
+        compared = case["compared"]
+        for kind in ("adapter:", "master:", "exp_avg:", "exp_avg_sq:", "step:", "groups:"):
+            assert any(k.startswith(kind) for k in compared), (kind, compared)
+        assert case["first_difference"] is None, case["first_difference"]
+        assert case["co_tenant_changed"] is None, case["co_tenant_changed"]
+        assert case["result"]["optimizer_restored"] and case["result"]["iteration"] == 2
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))

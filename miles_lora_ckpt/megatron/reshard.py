@@ -20,8 +20,9 @@ lies in its bucket's world tensor), it works out, for this rank of the new layou
 and refuses (`IncompatibleCheckpoint`, naming the parameter and both values) what cannot map:
 another set of adapter parameters (target modules), another global shape (LoRA rank, model
 shape), another dtype, a parameter whose place in the global model megatron cannot describe,
-another optimizer or child family (the chain's own checks), and a chosen-children or slot load
-(not resharded yet).
+another optimizer or child family (the chain's own checks). A chosen-children or multi-LoRA slot
+load reshards its own adapter weights and children only (the whole model must still match); a
+slot load through `rename_slot` (a model view) is refused (its parameters have no global block).
 
 `preflight` then reads (this rank's files were verified by the protocol), assembles each adapter
 weight and each child's restore, and checks that the saved param groups and steps of every
@@ -86,10 +87,6 @@ class ReshardPlan:
             raise IncompatibleCheckpoint(
                 f"exact restore cannot follow this layout change yet; checkpoint -> this run differs in {changes} "
                 f"(only {', '.join(RESHARDABLE_AXES)} and the data-parallel size may change)"
-            )
-        if request.selection is not None or request.check.adapter_filter is not None:
-            raise IncompatibleCheckpoint(
-                f"resharding ({changes}) a chosen-children or slot load is not supported yet; resume at the saved layout"
             )
         layout = manifest.metadata.get("global_layout")
         if manifest.format_version < 3 or not isinstance(layout, dict):

@@ -123,6 +123,61 @@ def global_view(run, consensus: Consensus) -> dict:
     return {"digests": digests, "problems": problems, "states": merged_states}
 
 
+def _slot_case(case: dict, consensus: Consensus) -> dict:
+    """A multi-LoRA slot root resharded: slot `case["slot"]` of a `slots=2` run is saved at one
+    layout and loaded into a run of another, whose other slot trained first (a co-tenant: it must
+    stay bit-identical). Compares the slot's global tensors (its layers' adapters, masters, moments,
+    steps and its children's param groups) as `reshard_job` does."""
+    from multi_lora_jobs import _kw
+
+    from miles_lora_ckpt.savers import multi_lora as ml
+    from miles_lora_ckpt.sim.slots import SlotTrainer
+
+    slot = case["slot"]
+    before = build_run(config_from_dict(case["save"]))
+    trainer = SlotTrainer(before)
+    for step in range(2):
+        for s in trainer.slots:
+            trainer.step(s, step)
+    saved_view = global_view(before, consensus)
+    mine = _slot_keys(saved_view, before.config, trainer, slot)
+    ml.save_slot_checkpoint(before.model, Args(), case["root"], step=2, **_kw(before, trainer, slot, consensus))
+    teardown(before)
+
+    after = build_run(config_from_dict(case["load"]))
+    trainer = SlotTrainer(after)
+    for s in trainer.slots:
+        if s != slot:
+            trainer.step(s, 0)  # the co-tenant
+    other_before = global_view(after, consensus)
+    result = ml.load_slot_checkpoint(after.model, case["root"], **_kw(after, trainer, slot, consensus))
+    loaded_view = global_view(after, consensus)
+    theirs = _slot_keys(loaded_view, after.config, trainer, slot)
+    teardown(after)
+    pick = lambda view, keys: {k: v for k, v in view["digests"].items() if k in keys}  # noqa: E731
+    others = lambda view: {k: v for k, v in view["digests"].items() if k not in theirs}  # noqa: E731
+    return {
+        "first_difference": _first_difference(pick(saved_view, mine), pick(loaded_view, theirs)),
+        "compared": sorted(pick(saved_view, mine)),
+        "co_tenant_changed": _first_difference(others(other_before), others(loaded_view)),
+        "problems": saved_view["problems"] + loaded_view["problems"],
+        "result": result.__dict__,
+    }
+
+
+def _slot_keys(view: dict, config, trainer, slot: int) -> set[str]:
+    """The keys of a global view that belong to one slot: its layers' tensors and steps, its
+    children's param groups (from the view's keys: every rank's, not only this rank's)."""
+    import re
+
+    keys = {f"groups:{index}" for index in trainer.children[slot]}
+    for key in view["digests"]:
+        match = re.search(r"(?:^|\.|:)layers\.(\d+)\.", key)
+        if match and config.slot_of(int(match.group(1))) == slot:
+            keys.add(key)
+    return keys
+
+
 def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` as format v2 wrote it: no global layout, no
     optimizer positions (resealed: an intact generation of the earlier format)."""
@@ -192,6 +247,8 @@ def reshard_job(payload: dict, ctx) -> dict:
                 for k in sorted(set(saved_view["states"]) | set(loaded_view["states"]))
                 if saved_view["states"].get(k) != loaded_view["states"].get(k)
             }
+    for case in payload.get("slots", []):
+        out[case["name"]] = _slot_case(case, consensus)
     tries = {}
     for case in payload.get("refusals", []):
         root = roots[case["from"]]

@@ -81,8 +81,9 @@ def load_lora_checkpoint(
     """Collective. Restore the newest intact generation under `path` (or `path` itself).
 
     - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
-      DP size may differ from the save, TP/PP/EP/ETP/VPP/CP, the optimizer child layout, each
-      child's class and its optimizer may not.
+      DP size may differ from the save; a format-v3 generation also reshards to another TP,
+      expert TP, PP, VPP or (experts numbered globally) EP (`megatron.reshard`); CP, the optimizer
+      child layout, each child's class and its optimizer may not change.
     - `optimizer_children` restores only those children (leaf indices, e.g. one slot's
       `miles_slot_child_indices`) and the adapter weights they step; every other child's masters,
       moments and param groups stay bit-identical and nothing is refreshed from bf16. Pass the
