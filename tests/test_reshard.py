@@ -1,4 +1,4 @@
-"""Resharding on resume (format v3): a generation saved at one TP / EP / PP / VPP layout loads at another.
+"""Resharding on resume (format v3): a generation saved at one TP / EP / PP / VPP / CP layout loads at another.
 
 One spawned W=2 job runs every case (`jobs/reshard_jobs.py`): at the load, every global tensor
 (adapter weights, fp32 masters, every moment, per-parameter steps, param groups) must be
@@ -26,6 +26,8 @@ CASES = {  # name: (saved layout, loaded layout)
     "pp2 vpp2 -> pp1 (bf16)": (cfg(pp=2, vpp=2, num_layers=4), cfg(num_layers=4)),
     "tp2 -> tp1 (fp32)": (cfg("fp32", tp=2), cfg("fp32")),
     "tp1 -> tp2 (bf16)": (cfg(), cfg(tp=2)),
+    "cp2 -> cp1 (bf16)": (cfg(cp=2), cfg()),
+    "cp1 -> cp2 (bf16)": (cfg(), cfg(cp=2)),
     # experts numbered globally (megatron's local_expert_indices): 2 experts, one per EP rank -> both on each rank
     "ep2 -> ep1 (bf16, mixed adapters)": (cfg(ep=2, num_experts=2), cfg(num_experts=2)),
     # Float16OptimizerWithFloat16Params children (no distributed optimizer): whole parameters

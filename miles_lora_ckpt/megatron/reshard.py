@@ -1,7 +1,6 @@
-"""A resharding load: a format-v3 generation restored at another TP, expert-TP, EP, PP or VPP layout.
+"""A resharding load: a format-v3 generation restored at another TP, expert-TP, EP, PP, VPP or CP layout.
 
-Context parallelism is not resharded yet (`FIXED_AXES`: refused before anything is read); an EP
-change needs experts numbered globally (`param_blocks`: megatron's `local_expert_indices`).
+An EP change needs experts numbered globally (`param_blocks`: megatron's `local_expert_indices`).
 
 `ReshardPlan.build` runs inside `files_for_rank` (no file read yet, nothing changed): from the
 manifest's `global_layout` (every saved parameter's `Block` per coordinate, the adapter files and
@@ -44,9 +43,7 @@ from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
 from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
 
-RESHARDABLE_AXES = ("tp", "etp", "ep", "pp", "vpp")  # may differ between save and load (format v3)
 WHOLE_FAMILIES = ("replicated", "layer-wise")  # Float16 / FP32 and layer-wise children (reshard_whole)
-FIXED_AXES = ("cp",)  # not resharded yet: refused before anything is read
 _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
 
 
@@ -82,12 +79,6 @@ class ReshardPlan:
         """Plan this rank's reads, or raise IncompatibleCheckpoint naming what cannot map."""
         current = _topology(request)
         changes = ", ".join(manifest.topology.model_parallel_differences(current))
-        fixed = [a for a in FIXED_AXES if getattr(manifest.topology, a) != getattr(current, a)]
-        if fixed:
-            raise IncompatibleCheckpoint(
-                f"exact restore cannot follow this layout change yet; checkpoint -> this run differs in {changes} "
-                f"(only {', '.join(RESHARDABLE_AXES)} and the data-parallel size may change)"
-            )
         layout = manifest.metadata.get("global_layout")
         if manifest.format_version < 3 or not isinstance(layout, dict):
             raise IncompatibleCheckpoint(
