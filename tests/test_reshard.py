@@ -84,7 +84,19 @@ def test_reshard_is_bit_exact_at_the_load(resharded, name):
         assert any("mlp.experts" in k for k in compared) and any("linear_qkv" in k for k in compared)
         assert case["first_difference"] is None, case["first_difference"]
         assert case["result"]["optimizer_restored"] and case["result"]["iteration"] == 2
-    print(f"RESHARD {name}: LOSS max relative difference {resharded[0]['cases'][name]['loss_max_rel_diff']:.3g}")
+    case = resharded[0]["cases"][name]
+    saved, loaded = case["probe"]
+    comparable = saved is not None and loaded is not None
+    probe = f"{abs(saved - loaded) / abs(saved):.3g}" if comparable else "n/a (PP, CP or EP: per-rank losses)"
+    # the probe: the loss of one fixed micro-batch with the weights as loaded, before any update (the
+    # same data at both layouts: only the reduction order differs); the continued training's losses
+    # also differ by data, since the harness's global batch follows the DP size and the stage layout
+    print(
+        f"RESHARD {name}: LOSS at the load: relative difference {probe}; "
+        f"over {len(case['losses'][0])} further steps: max relative difference {case['loss_max_rel_diff']:.3g}"
+    )
+    if comparable:
+        assert abs(saved - loaded) <= 1e-2 * abs(saved), case["probe"]  # reduction order only
 
 
 @pytest.mark.parametrize("name", sorted(SLOTS))

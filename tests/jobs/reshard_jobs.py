@@ -203,6 +203,23 @@ def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def probe_loss(run, step: int) -> float | None:
+    """Collective. The loss of DP rank 0's micro-batch of `step` under the current weights, no update
+    (every rank runs the forward; TP ranks cooperate); None with pipeline stages, context or expert
+    parallelism, whose per-rank losses (stage-local, sequence parts, local experts only in the
+    harness) do not compare across layouts."""
+    from miles_lora_ckpt.sim.train import batch
+
+    config = run.config
+    if config.pp > 1 or config.cp > 1 or config.ep > 1:
+        return None
+    inputs, target = batch(config, step, "dp0/pp0/vp0")  # the same data on every rank
+    with torch.no_grad():
+        output = run.model[0](inputs.to(config.torch_dtype))
+        loss = torch.nn.functional.mse_loss(output.float(), target)
+    return float(loss)
+
+
 def _first_difference(a: dict, b: dict) -> str | None:
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -224,12 +241,14 @@ def reshard_job(payload: dict, ctx) -> dict:
         saved_view = global_view(before, consensus)
         roots[case["name"]] = case["root"]
         save(before, case["root"], 2, consensus, Args())
+        probe_saved = probe_loss(before, 2)
         continued = run_steps(before, 2, 2 + case["steps"])
         teardown(before)
 
         after = build_run(config_from_dict(case["load"]))
         result = load(after, case["root"], consensus)
         loaded_view = global_view(after, consensus)
+        probe_loaded = probe_loss(after, 2)
         resumed = run_steps(after, 2, 2 + case["steps"])
         teardown(after)
         diff = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(continued, resumed, strict=True))
@@ -238,6 +257,7 @@ def reshard_job(payload: dict, ctx) -> dict:
             "compared": sorted(saved_view["digests"]),
             "problems": saved_view["problems"] + loaded_view["problems"],
             "loss_max_rel_diff": diff,
+            "probe": [probe_saved, probe_loaded],
             "losses": [continued, resumed],
             "result": result.__dict__,
         }
