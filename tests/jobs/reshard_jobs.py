@@ -15,7 +15,7 @@ import json
 
 import torch
 import torch.distributed as dist
-from lora_jobs import Args, load, run_steps, save
+from lora_jobs import Args, _failing_install, load, run_steps, save
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome
 from miles_lora_ckpt.core.errors import CheckpointError
@@ -23,6 +23,7 @@ from miles_lora_ckpt.core.global_layout import Block, global_indices
 from miles_lora_ckpt.core.jsoncodec import to_json
 from miles_lora_ckpt.megatron import adapter_shards, param_blocks
 from miles_lora_ckpt.megatron.optimizer_children import chain, distributed, family_of, leaf_children
+from miles_lora_ckpt.savers.single_lora import load as load_module
 from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
 from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown
 
@@ -220,6 +221,26 @@ def probe_loss(run, step: int) -> float | None:
     return float(loss)
 
 
+def _damaged_slice(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` with one byte of a DistributedOptimizer slice
+    file's tensor data flipped (the manifest unchanged: its digests no longer match)."""
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"damaged-{abs(hash(name)) % 10**8}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        victim = sorted(target.glob("optimizer/child0_*_s000of*.safetensors"))[0]
+        data = bytearray(victim.read_bytes())
+        data[-5] ^= 0x40
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    return str(target)
+
+
 def _first_difference(a: dict, b: dict) -> str | None:
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -274,14 +295,22 @@ def reshard_job(payload: dict, ctx) -> dict:
         root = roots[case["from"]]
         if case.get("as_format_v2"):
             root = _as_format_v2(root, case["name"], consensus)
+        if case.get("damage"):
+            root = _damaged_slice(root, case["name"], consensus)
         run = build_run(config_from_dict(case["config"]))
         run_steps(run, 0, 1)
         digests = snapshot_digests(snapshot(run))
+        real_install = load_module._install
+        failing = case.get("install_fails_on")
+        if failing is not None:  # the resharded state is installed everywhere, then one rank fails
+            load_module._install = _failing_install(real_install, ctx.rank == failing, ctx.rank)
         try:
             load(run, root, consensus)
             error = None
         except CheckpointError as exc:
             error = str(exc)
+        finally:
+            load_module._install = real_install
         tries[case["name"]] = {"error": error, "changed": compare_digests(digests, snapshot_digests(snapshot(run)))}
         teardown(run)
     return {"cases": out, "refusals": tries}
