@@ -20,7 +20,9 @@ names it) a `core.global_layout.Block`:
 What cannot be described is None (and a model view without modules, e.g. a slot remap's, is
 described as None throughout) (the parameter is then refused by a resharding load, never
 guessed): a parameter megatron marks tensor-parallel whose module gives no `ShardedTensor` for it,
-one described by a `ShardedTensorFactory` (swiglu's fused `linear_fc1`: not resharded yet), a
+one split over TP under a gated (swiglu) `linear_fc1`, which megatron describes with a
+`ShardedTensorFactory` at the MLP (each TP rank holds its own gate and up halves: not resharded
+yet; at TP 1 it is whole), a
 layer index without a `layer_number`, or a local expert without `local_expert_indices` (grouped
 experts' `weight{i}` are not renumbered yet).
 """
@@ -129,7 +131,21 @@ def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict, s
             return None  # split by megatron, but no ShardedTensor says how
         shape = tuple(param.shape)
         return Block(name, shape, (0,) * len(shape), shape, dtype)
+    if tuple(sharded.global_shape) != tuple(param.shape) and _under_gated_fc1(local, modules):
+        return None  # swiglu: each TP rank holds its own gate and up halves, not one block
     return Block(name, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(param.shape), dtype)
+
+
+def _under_gated_fc1(local: str, modules: dict) -> bool:
+    """Whether `local` lies under a `linear_fc1` whose MLP uses a gated linear unit (swiglu): megatron
+    describes such a split with a `ShardedTensorFactory` at the MLP, which is not resharded yet."""
+    parts = local.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        if part == "linear_fc1":
+            config = getattr(modules.get(".".join(parts[:depth])), "config", None)
+            if getattr(config, "gated_linear_unit", False):
+                return True
+    return False
 
 
 def _sharded_tensor(owner, leaf: str, param):
