@@ -382,7 +382,7 @@ def test_export_root_publishes_readable_files_and_latest(tmp_path):
         }
         assert len(list(handle.keys())) == 28
     # an export root is a save root under the format v2 rules: sequence, bindings, tracker, lease
-    assert manifest["format_version"] == 2 and manifest["sequence"] == 1 and manifest["saver"] == "peft-export"
+    assert manifest["format_version"] == 3 and manifest["sequence"] == 1 and manifest["saver"] == "peft-export"
     assert manifest["files"][WEIGHTS_NAME]["binding"] == fmt.WEIGHTS_BINDING
     assert manifest["files"][CONFIG_NAME]["binding"] == fmt.CONFIG_BINDING
     assert check_peft_dir(first) == []

@@ -83,7 +83,7 @@ def test_manifest_round_trip_and_field_table():
     parsed = Manifest.from_json_bytes(manifest.to_json_bytes())
     assert parsed == manifest and parsed.role_of("x.safetensors") == "optimizer"
     body = json.loads(manifest.to_json_bytes())
-    assert body["format_version"] == 2 and body["sequence"] == 3 and "signature" not in body
+    assert body["format_version"] == 3 and body["sequence"] == 3 and "signature" not in body
     for change, message in (
         (lambda b: b.pop("sequence"), r"missing fields \['sequence'\]"),
         (lambda b: b.update(extra=1), r"unknown fields \['extra'\]"),

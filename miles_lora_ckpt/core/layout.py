@@ -42,8 +42,10 @@ from miles_lora_ckpt.core import bounded, signing
 from miles_lora_ckpt.core.digest import digest_bytes
 
 FORMAT_NAME = "miles-lora-ckpt"
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+# v3: the single-LoRA saver records where every saved tensor lies in the global model
+# (metadata `global_layout`, optimizer `layout.positions`): such a generation may be resharded.
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 TRACKER = "latest_generation.json"
 LATEST = "latest"  # optional symlink to the newest published generation (replaced atomically)

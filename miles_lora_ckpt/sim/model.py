@@ -78,6 +78,11 @@ class SimConfig(DictConfig):
     layer_wise: bool = False  # a LayerWiseDistributedOptimizer (whole params sharded over DP ranks)
     slots: int = 1  # >1: per-slot children under one LayerWise chain, as Miles multi-LoRA builds it
     adapter_bias: bool = False  # a trainable 1-D bias on every lora_B (Muon's scalar optimizer gets it)
+    # 0: one expert per EP rank (`mlp.experts.linear_fc1`, seeded by EP rank: the model depends on
+    # the EP size). N > 0: N experts in all, numbered globally as megatron numbers them
+    # (`mlp.experts.local_experts.{i}`, the MoE layer's `local_expert_indices`), N / ep per EP rank,
+    # each seeded by its global index: the same model at every EP size (what resharding needs)
+    num_experts: int = 0
     seed: int = 1234
     num_layers: int = 2
     hidden: int = 16
@@ -105,6 +110,8 @@ class SimConfig(DictConfig):
             raise ValueError(f"muon_scalar must be one of {SCALAR_OPTIMIZERS}, got {self.muon_scalar!r}")
         if (self.layer_wise or self.slots > 1) and self.distributed:
             raise ValueError("layer_wise (and slots > 1) shard whole parameters: distributed must be False or None")
+        if self.num_experts < 0 or (self.num_experts and self.num_experts % self.ep):
+            raise ValueError(f"num_experts must be 0 or a multiple of ep={self.ep}, got {self.num_experts}")
         if self.slots < 1 or (self.slots > 1 and (self.pp > 1 or self.num_layers % self.slots)):
             raise ValueError(f"slots must be >= 1, divide num_layers and need pp=1, got slots={self.slots}")
 
@@ -185,7 +192,7 @@ class LoraLinear(torch.nn.Module):
         sizes = (config.hidden, config.ffn_hidden) if parallel == "column" else (config.ffn_hidden, config.hidden)
         self.parallel = parallel
         self.scale = config.lora_alpha / config.lora_rank
-        if expert and config.ep > 1:  # distinct experts on each expert-parallel rank
+        if expert and config.ep > 1 and not config.num_experts:  # distinct experts on each expert-parallel rank
             name = f"{name}@ep{parallel_state.get_expert_model_parallel_rank()}"
         self.base_layer = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.base_layer")
         self.base_layer.weight.requires_grad_(False)
@@ -254,11 +261,15 @@ class SimLayer(torch.nn.Module):
     def __init__(self, mcfg, config: SimConfig, index: int):
         super().__init__()
         self.global_index = index  # the layer's index in the whole model (seeds its weights)
+        self.layer_number = index + 1  # as megatron's TransformerLayer: global, from 1 (param_blocks)
         prefix = f"layers.{index}"
         dense = dict(adapter=config.dense_adapters, expert=False)
         expert = dict(adapter=config.expert_adapters, expert=True)
         self.linear_qkv = LoraLinear(mcfg, config, f"{prefix}.linear_qkv", "column", **dense)
         self.linear_proj = LoraLinear(mcfg, config, f"{prefix}.linear_proj", "row", **dense)
+        if config.num_experts:
+            self.mlp = SimMoE(mcfg, config, prefix, expert)
+            return
         experts = {
             "linear_fc1": LoraLinear(mcfg, config, f"{prefix}.mlp.experts.linear_fc1", "column", **expert),
             "linear_fc2": LoraLinear(mcfg, config, f"{prefix}.mlp.experts.linear_fc2", "row", **expert),
@@ -267,8 +278,42 @@ class SimLayer(torch.nn.Module):
 
     def forward(self, x):
         x = _up_down(x, self.linear_qkv, self.linear_proj)
+        if isinstance(self.mlp, SimMoE):
+            return self.mlp(x)
         experts = self.mlp["experts"]
         return _up_down(x, experts["linear_fc1"], experts["linear_fc2"])
+
+
+class SimMoE(torch.nn.Module):
+    """``num_experts / ep`` experts of one layer on this EP rank, as megatron's MoE layer holds them:
+    ``experts.local_experts.{i}.linear_fc1/2``, with the global index of local expert ``i`` in
+    ``local_expert_indices`` (``ep_rank * num_local + i``). Every local expert sees every token
+    (no router): ``x + sum_e fc2_e(gelu(fc1_e(x)))``."""
+
+    def __init__(self, mcfg, config: SimConfig, prefix: str, expert: dict):
+        super().__init__()
+        local = config.num_experts // config.ep
+        first = parallel_state.get_expert_model_parallel_rank() * local
+        self.local_expert_indices = [first + i for i in range(local)]
+        experts = []
+        for index in self.local_expert_indices:
+            name = f"{prefix}.mlp.experts.local_experts.{index}"
+            experts.append(
+                torch.nn.ModuleDict(
+                    {
+                        "linear_fc1": LoraLinear(mcfg, config, f"{name}.linear_fc1", "column", **expert),
+                        "linear_fc2": LoraLinear(mcfg, config, f"{name}.linear_fc2", "row", **expert),
+                    }
+                )
+            )
+        self.experts = torch.nn.Module()
+        self.experts.local_experts = torch.nn.ModuleList(experts)
+
+    def forward(self, x):
+        out = x
+        for expert in self.experts.local_experts:
+            out = out + expert["linear_fc2"](torch.nn.functional.gelu(expert["linear_fc1"](x)))
+        return out
 
 
 class SimLoraModel(MegatronModule):

@@ -133,6 +133,20 @@ def main_and_state(child, model_param) -> tuple[torch.Tensor, dict]:
     return main_param, child.optimizer.state.get(main_param, {})
 
 
+def param_positions(child, names: dict) -> dict[str, list[int]]:
+    """`{name: [buffer, bucket, start, numel]}` of every parameter with a shard on this rank: where
+    the whole parameter lies in its bucket's world tensor (format v3: what a resharding load reads)."""
+    dp_size = dp_group(child).size() if dp_group(child) is not None else 1
+    dp_rank = dp_group(child).rank() if dp_group(child) is not None else 0
+    out = {}
+    for layout in bucket_layouts(child):
+        shard_start = dp_rank * layout.local_numel(dp_size)
+        for model_param, ranges in _param_maps(child, layout).items():
+            start = shard_start + ranges["gbuf_local"].start - ranges["param"].start
+            out[names[id(model_param)]] = [layout.buffer_index, layout.bucket_index, start, model_param.numel()]
+    return out
+
+
 def param_states(child) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     """(model parameter, this rank's fp32 master shard, its state) for every parameter with a shard here."""
     return [(p, *main_and_state(child, p)) for p in child.model_param_group_index_map]
@@ -158,7 +172,7 @@ def plan_slices(index: int, described: list[dict | None], ranks: list[Coordinate
             if desc["dp_rank"] is None:
                 raise ValueError(f"optimizer child {index} (DistributedOptimizer) has no data-parallel group")
             groups.setdefault(desc["dp_root"], []).append(desc)
-    numels, slices = {}, {}
+    numels, slices, positions = {}, {}, {}
     for root, members in sorted(groups.items()):
         key, first = ranks[root].model_parallel_key, members[0]
         size = first["dp_size"]
@@ -172,6 +186,7 @@ def plan_slices(index: int, described: list[dict | None], ranks: list[Coordinate
         if sorted(d["dp_rank"] for d in members) != list(range(size)):
             raise ValueError(f"optimizer child {index}: the DP group at {key} does not have ranks 0..{size - 1}")
         numels[key] = first["numel_unpadded"]
+        positions[key] = _merged_positions(index, key, members)
         slices[key] = [
             {
                 "file": slice_file_name(index, key, r, size),
@@ -180,7 +195,17 @@ def plan_slices(index: int, described: list[dict | None], ranks: list[Coordinate
             }
             for r in range(size)
         ]
-    return {"numel_unpadded": numels, "slices": slices}
+    return {"numel_unpadded": numels, "slices": slices, "positions": positions}
+
+
+def _merged_positions(index: int, key: str, members: list[dict]) -> dict[str, list[int]]:
+    """Every DP rank's `positions` of one group, which must agree where they overlap (format v3)."""
+    merged: dict[str, list[int]] = {}
+    for desc in members:
+        for name, where in desc.get("positions", {}).items():
+            if merged.setdefault(name, where) != where:
+                raise ValueError(f"optimizer child {index}: the DP group at {key} disagrees where {name} lies")
+    return dict(sorted(merged.items()))
 
 
 # --------------------------------------------------------------------------- save
@@ -383,6 +408,7 @@ class DistributedFamily:
             "dp_root": root,
             "numel_unpadded": unpadded_numels(opt),
             "numel_padded": padded_numels(opt),
+            "positions": param_positions(opt, names),
         }
 
     def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:

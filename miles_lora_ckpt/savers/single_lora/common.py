@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
 from miles_lora_ckpt.megatron import adapter_shards as shards
+from miles_lora_ckpt.megatron import param_blocks
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, current_topology
@@ -129,7 +130,8 @@ def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = F
     """What this rank holds: coordinates, adapter shards it would write, optimizer children (JSON).
 
     `children` describes the selected children only (all non-stub ones when `optimizer_children`
-    is None); `active` lists every non-stub child, the chain's layout.
+    is None); `active` lists every non-stub child, the chain's layout; `global` each trainable
+    parameter's place in the global model (`megatron.param_blocks`).
     """
     coords = current_coordinates()
     dense, expert = shards.split_by_kind(shards.adapter_params(model))
@@ -139,6 +141,7 @@ def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = F
         "topology": current_topology(chunk_count(model)).to_dict(),
         "dense": sorted(dense),
         "expert": sorted(expert),
+        "global": param_blocks.describe(model),  # each trainable parameter's global block (format v3)
         "active": chain.active_indices(optimizer) if has_optimizer else [],
         "children": chain.describe(optimizer, model, coords, optimizer_children, saving=saving)
         if has_optimizer

@@ -36,6 +36,7 @@ from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_di
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
+from miles_lora_ckpt.megatron.reshard import ReshardPlan
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
 from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
@@ -80,8 +81,9 @@ def load_lora_checkpoint(
     """Collective. Restore the newest intact generation under `path` (or `path` itself).
 
     - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
-      DP size may differ from the save, TP/PP/EP/ETP/VPP/CP, the optimizer child layout, each
-      child's class and its optimizer may not.
+      DP size may differ from the save; a format-v3 generation also reshards to another TP,
+      expert TP, PP, VPP or (experts numbered globally) EP (`megatron.reshard`); CP, the optimizer
+      child layout, each child's class and its optimizer may not change.
     - `optimizer_children` restores only those children (leaf indices, e.g. one slot's
       `miles_slot_child_indices`) and the adapter weights they step; every other child's masters,
       moments and param groups stay bit-identical and nothing is refreshed from bf16. Pass the
@@ -250,6 +252,7 @@ class LoadRequest:
     restore_optimizer: bool  # False for load_optim=False or weights_only=True
     selection: list[int] | None  # chosen optimizer children (None: all)
     check: SaverCheck = SaverCheck()
+    reshard: ReshardPlan | None = None  # set by files_for_rank when the model-parallel layout changed
 
     def check_selection(self) -> None:
         """The adapter filter's guard (every rank sees the same plans, so raises the same)."""
@@ -284,9 +287,14 @@ class LoadRequest:
             raise IncompatibleCheckpoint(
                 f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.check.saver!r}"
             )
-        _check_topology(manifest, Topology.from_dict(self.plans[self.rank]["topology"]))
         if self.check.check_manifest is not None:
             self.check.check_manifest(manifest)
+        if manifest.topology.model_parallel_differences(Topology.from_dict(self.plans[self.rank]["topology"])):
+            # another TP / PP / VPP: read by global layout (format v3), or refused naming what cannot map
+            self.reshard = ReshardPlan.build(
+                manifest, self, self._saved_children_or_none(manifest), self._optimizer_in(manifest)
+            )
+            return [TRAINING_STATE, *self.reshard.files]
         dense, expert = shards.split_by_kind(self.adapter_params())
         if self.check.adapter_filter is not None:
             self._check_coverage(manifest, dense, expert)
@@ -304,6 +312,9 @@ class LoadRequest:
             self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
         return files
+
+    def _saved_children_or_none(self, manifest: Manifest) -> dict:
+        return saved_children(manifest) if self._optimizer_in(manifest) else {}
 
     def _check_coverage(self, manifest: Manifest, dense: dict, expert: dict) -> None:
         """Every adapter weight of the slot on this rank must have its file (empty-shard guard)."""
@@ -329,9 +340,17 @@ class LoadRequest:
         check_binding(opened, TRAINING_STATE, TRAINING_STATE_BINDING)
         state = opened.json(TRAINING_STATE)
         warnings = self._check_optimizer_claim(manifest)
-        adapter = self._preflight_adapter(opened)
+        if self.reshard is not None:
+            adapter = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding)
+        else:
+            adapter = self._preflight_adapter(opened)
         restore, fresh = {}, []
-        if self._optimizer_in(manifest):
+        if self._optimizer_in(manifest) and self.reshard is not None:
+            restore = self.reshard.restores(
+                self.optimizer, bound_ranges(opened), bound_tensors(opened), state.get("optimizer_children", {})
+            )
+            fresh = [i for i in self.selected() if i not in restore]
+        elif self._optimizer_in(manifest):
             restore = chain.preflight(
                 self.optimizer,
                 self.view,
@@ -403,16 +422,6 @@ class LoadRequest:
                 f"optimizer child layout differs at {self.coords.model_parallel_key}: checkpoint has active "
                 f"children {sorted(recorded)}, this run has {sorted(mine)} (a stub child on one side only?)"
             )
-
-
-def _check_topology(manifest: Manifest, current: Topology) -> None:
-    differences = manifest.topology.model_parallel_differences(current)
-    if differences:
-        raise IncompatibleCheckpoint(
-            "exact restore needs the same model-parallel layout; checkpoint -> this run differs in "
-            + ", ".join(differences)
-            + " (only the data-parallel size may change)"
-        )
 
 
 def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:

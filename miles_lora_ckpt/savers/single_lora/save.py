@@ -330,7 +330,28 @@ class SaveLayout:
                 "expert": sorted(self.expert_writers),
             },
             "lora": _lora_args(args),
+            "global_layout": self.global_layout(),
         }
+
+    def global_layout(self) -> dict:
+        """Format v3: where every saved tensor lies in the global model (`reshard` reads it).
+
+        `params`: per model-parallel coordinate, each trainable parameter's `Block` (JSON; None
+        where megatron's layout cannot describe it); `adapter_files`: per adapter file, the
+        coordinate of the rank that wrote it and the names it holds. The optimizer's files are
+        placed by each child's `layout.positions` (`optimizer_children.distributed`)."""
+        params, files = {}, {}
+        for plan in self.plans:
+            params.setdefault(Coordinates(**plan["coords"]).model_parallel_key, plan["global"])
+        for kind, writers, file_of in (
+            ("dense", self.dense_writers, shards.dense_file),
+            ("expert", self.expert_writers, shards.expert_file),
+        ):
+            for rank in writers.values():
+                coords = Coordinates(**self.plans[rank]["coords"])
+                names = sorted(self.adapter_subset(self.plans[rank][kind]))
+                files[file_of(coords)] = {"coordinate": coords.model_parallel_key, "names": names}
+        return {"params": dict(sorted(params.items())), "adapter_files": dict(sorted(files.items()))}
 
 
 def _lora_args(args) -> dict:

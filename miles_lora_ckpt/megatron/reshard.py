@@ -1,0 +1,346 @@
+"""A resharding load: a format-v3 generation restored at another TP, expert-TP, EP, PP, VPP or CP layout.
+
+An EP change needs experts numbered globally (`param_blocks`: megatron's `local_expert_indices`).
+
+`ReshardPlan.build` runs inside `files_for_rank` (no file read yet, nothing changed): from the
+manifest's `global_layout` (every saved parameter's `Block` per coordinate, the adapter files and
+who wrote them) and each DistributedOptimizer child's `layout.positions` (where each parameter
+lies in its bucket's world tensor), it works out, for this rank of the new layout,
+
+- every adapter weight: which saved files and which flat runs of which saved tensors make it
+  (`core.global_layout.plan_copies`); those adapter files are read whole (they are small);
+- every parameter element of this rank's DistributedOptimizer shards: which element ranges of
+  which saved slice files hold its master and moments (`protocol.PartialRead`: only those blocks
+  are read and verified), and where they go in the shard; the install is the same-layout one
+  (`distributed.DistributedFamily.install`: bucket by bucket, read back bit for bit);
+- every parameter of a Float16 / FP32 or layer-wise child: assembled whole from the saved blocks
+  (`reshard_whole`);
+
+and refuses (`IncompatibleCheckpoint`, naming the parameter and both values) what cannot map:
+another set of adapter parameters (target modules), another global shape (LoRA rank, model
+shape), another dtype, a parameter whose place in the global model megatron cannot describe,
+another optimizer or child family (the chain's own checks). A chosen-children or multi-LoRA slot
+load reshards its own adapter weights and children only (the whole model must still match); a
+slot load through `rename_slot` (a model view) is refused (its parameters have no global block).
+
+`preflight` then reads (this rank's files were verified by the protocol), assembles each adapter
+weight and each child's restore, and checks that the saved param groups and steps of every
+coordinate this rank draws from agree. Nothing is changed before the load's preflight agreement.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
+from miles_lora_ckpt.core.protocol import PartialRead
+from miles_lora_ckpt.megatron import reshard_whole
+from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
+from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
+from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
+
+WHOLE_FAMILIES = ("replicated", "layer-wise")  # Float16 / FP32 and layer-wise children (reshard_whole)
+_ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One saved copy of a global tensor: where it is (adapter file / optimizer coordinate) and its block."""
+
+    where: str  # adapter file relpath, or the optimizer coordinate key
+    name: str  # its chunk-qualified name there
+    block: Block
+    position: tuple | None = None  # optimizer: (buffer, bucket, start, numel) in that coordinate's buckets
+
+
+@dataclass
+class _ChildPlan:
+    index: int
+    keys: tuple[str, ...]
+    coordinates: list[str]  # the saved coordinates this rank draws from (their JSON states must agree)
+    buckets: list[list]  # per bucket of this rank: [(piece, first, stop, offset in the shard)]
+
+
+@dataclass
+class ReshardPlan:
+    """What this rank reads and where it goes (see the module docstring)."""
+
+    adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)  # name -> (block, [(source, copy)])
+    children: dict[int, _ChildPlan] = field(default_factory=dict)
+    whole: dict[int, tuple] = field(default_factory=dict)  # index -> (reshard_whole.WholePlan, state keys)
+    files: list = field(default_factory=list)
+
+    @classmethod
+    def build(cls, manifest, request, saved_children: dict, restore_optimizer: bool) -> ReshardPlan:
+        """Plan this rank's reads, or raise IncompatibleCheckpoint naming what cannot map."""
+        current = _topology(request)
+        changes = ", ".join(manifest.topology.model_parallel_differences(current))
+        layout = manifest.metadata.get("global_layout")
+        if manifest.format_version < 3 or not isinstance(layout, dict):
+            raise IncompatibleCheckpoint(
+                f"exact restore needs the same model-parallel layout; checkpoint -> this run differs in {changes}, "
+                f"and generation {manifest.generation} (format v{manifest.format_version}) records no global layout "
+                "to reshard from (only the data-parallel size may change)"
+            )
+        saved = _saved_blocks(layout)
+        _check_same_model(saved, [plan["global"] for plan in request.plans], changes)
+        plan = cls()
+        plan._plan_adapter(layout, saved, request)
+        if restore_optimizer:
+            plan._plan_optimizer(saved, request, saved_children)
+        return plan
+
+    # ----------------------------------------------------------------------- adapter
+
+    def _plan_adapter(self, layout: dict, saved: dict, request) -> None:
+        sources: dict[str, list[_Source]] = {}
+        for file, entry in sorted(layout.get("adapter_files", {}).items()):
+            for name in entry["names"]:
+                block = saved[entry["coordinate"]][name]
+                sources.setdefault(block.name, []).append(_Source(file, name, block))
+        mine = request.plans[request.rank]["global"]
+        files = []
+        for name in sorted(request.adapter_params()):
+            block = _block_of(mine, name)
+            found = sources.get(block.name, [])
+            found = [found[i] for i in distinct([s.block for s in found])]
+            try:
+                copies = plan_copies(block, 0, block.numel, [s.block for s in found])
+            except ValueError as exc:
+                raise IncompatibleCheckpoint(f"adapter parameter {name}: {exc}") from None
+            self.adapter[name] = (block, [(found[c.source], c) for c in copies])
+            files += [found[c.source].where for c in copies if found[c.source].where not in files]
+        self.files += sorted(files)
+
+    def adapter_tensors(self, opened, params: dict, check_binding) -> list[tuple[dict, dict]]:
+        """`[(params, {name: assembled local tensor})]` for `copy_into`; reads the adapter files."""
+        read: dict[str, dict] = {}
+        out = {}
+        for name, (block, copies) in self.adapter.items():
+            param = params[name]
+            local = torch.empty(block.numel, dtype=param.dtype)
+            for source, copy in copies:
+                if source.where not in read:
+                    kind, key = _ADAPTER_FILE.match(source.where).groups()
+                    check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
+                    read[source.where] = opened.tensors(source.where)
+                tensor = read[source.where].get(source.name)
+                if tensor is None or tuple(tensor.shape) != source.block.shape or tensor.dtype != param.dtype:
+                    got = "nothing" if tensor is None else f"{tensor.dtype}{list(tensor.shape)}"
+                    raise ValueError(
+                        f"{source.where}: {source.name} is {got}, the manifest says "
+                        f"{param.dtype}{list(source.block.shape)}"
+                    )
+                local[copy.into : copy.into + copy.count] = tensor.reshape(-1)[copy.first : copy.first + copy.count]
+            if local.is_floating_point() and not torch.isfinite(local).all():
+                raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
+            out[name] = local.view(block.shape)
+        return [(params, out)] if out else []
+
+    # ----------------------------------------------------------------------- optimizer
+
+    def _plan_optimizer(self, saved: dict, request, saved_children: dict) -> None:
+        descriptions = request.descriptions()
+        chain.check_against(saved_children, descriptions, request.rank, False)
+        mine = request.plans[request.rank]["global"]
+        requests: dict[str, set] = {}
+        for desc in descriptions[request.rank]:
+            index, entry = desc["index"], saved_children[str(desc["index"])]
+            if not entry["stepped"]:
+                continue
+            if entry["family"] == desc["family"] and entry["family"] in WHOLE_FAMILIES:
+                child = chain.select(request.optimizer, [index])[0].optimizer
+                whole = reshard_whole.plan_child(
+                    index, entry["layout"], child, request.view.names, mine, saved, _block_of
+                )
+                self.whole[index] = (whole, tuple(entry["keys"]))
+                self.files += [f for f in sorted(whole.files) if f not in self.files]
+                continue
+            if entry["family"] != "distributed" or desc["family"] != "distributed":
+                raise IncompatibleCheckpoint(
+                    f"optimizer child {index}: the checkpoint saved a {entry['class']} ({entry['family']}), this run "
+                    f"has a {desc['class']} ({desc['family']}): not resharded"
+                )
+            child = chain.select(request.optimizer, [index])[0].optimizer
+            sources = _optimizer_sources(index, entry["layout"], saved)
+            keys = tuple(entry["keys"])
+            pieces = {
+                key: distributed.saved_pieces(index, entry["layout"], key, entry["layout"]["numel_unpadded"][key])
+                for key in sorted({s.where for found in sources.values() for s in found})
+            }
+            offsets = {
+                key: {buf: [sum(n[:b]) for b in range(len(n))] for buf, n in numels.items()}
+                for key, numels in entry["layout"]["numel_unpadded"].items()
+            }
+            used, buckets = set(), []
+            for layout in distributed.bucket_layouts(child):
+                parts = []
+                for model_param, ranges in distributed._param_maps(child, layout).items():
+                    name = request.view.names[id(model_param)]
+                    block = _block_of(mine, name)
+                    found = sources.get(block.name, [])
+                    found = [found[i] for i in distinct([s.block for s in found])]
+                    first, stop = ranges["param"].start, ranges["param"].end
+                    try:
+                        copies = plan_copies(block, first, stop, [s.block for s in found])
+                    except ValueError as exc:
+                        raise IncompatibleCheckpoint(f"optimizer child {index}, parameter {name}: {exc}") from None
+                    for copy in copies:
+                        source = found[copy.source]
+                        used.add(source.where)
+                        buf, bucket, start, _ = source.position
+                        lo = offsets[source.where][f"buf{buf}"][bucket] + start + copy.first
+                        hi = lo + copy.count
+                        into = ranges["gbuf_local"].start + copy.into
+                        for piece in pieces[source.where]:
+                            a, b = max(lo, piece.begin), min(hi, piece.end)
+                            if piece.buf == f"buf{buf}" and b > a:
+                                parts.append((piece, a - piece.begin, b - piece.begin, into + (a - lo)))
+                                ranges_of = requests.setdefault(piece.file, set())
+                                ranges_of.update(
+                                    (f"{piece.prefix}.{k}", a - piece.begin, b - piece.begin)
+                                    for k in (MASTER_KEY, *keys)
+                                )
+                buckets.append(parts)
+            self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
+        self.files += [PartialRead(f, tuple(sorted(r)), keep=False) for f, r in sorted(requests.items())]
+
+    def restores(self, optimizer, bound_ranges, bound_tensors, states: dict) -> dict:
+        """`{index: the family's restore}` for `chain.allocate` / `chain.install`. A DistributedOptimizer
+        child's ranges are read at install; a whole-parameter child's files are read here."""
+        out = {}
+        for index, plan in self.children.items():
+            child = chain.select(optimizer, [index])[0].optimizer
+            state = _one_state(index, plan.coordinates, states)
+            groups = len(state.get("optimizer", {}).get("param_groups", [])) if isinstance(state, dict) else None
+            if groups is not None and groups != len(child.optimizer.param_groups):
+                raise IncompatibleCheckpoint(
+                    f"optimizer child {index}: the checkpoint has {groups} param group(s), this run "
+                    f"{len(child.optimizer.param_groups)}"
+                )
+            buckets = [
+                [
+                    (piece, bound_ranges(piece.file, piece.binding), first, stop, offset)
+                    for piece, first, stop, offset in parts
+                ]
+                for parts in plan.buckets
+            ]
+            out[index] = distributed._Restore(plan.keys, state, buckets)
+        for index, (plan, keys) in self.whole.items():
+            child = chain.select(optimizer, [index])[0].optimizer
+            state = _one_state(index, plan.coordinates, states)
+            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys)
+        return out
+
+
+def _one_state(index: int, coordinates: list[str], states: dict):
+    """The saved JSON state (param groups, steps, grad scaler) of a child at the coordinates a rank
+    draws from: they must all be there and agree."""
+    found = {key: states.get(f"{index}:{key}") for key in coordinates}
+    missing = sorted(k for k, v in found.items() if v is None)
+    if missing:
+        raise ValueError(f"the training state holds no optimizer state for child {index} at {missing}")
+    if not found:
+        raise ValueError(f"optimizer child {index}: this rank draws from no saved coordinate")
+    first_key, state = next(iter(found.items()))
+    for key, other in found.items():
+        if other != state:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the saved param groups and steps at {first_key} and {key} differ, "
+                "so no single state fits this rank's merged parameters"
+            )
+    return state
+
+
+def _topology(request):
+    from miles_lora_ckpt.core.layout import Topology
+
+    return Topology.from_dict(request.plans[request.rank]["topology"])
+
+
+def _saved_blocks(layout: dict) -> dict[str, dict[str, Block | None]]:
+    params = layout.get("params")
+    if not isinstance(params, dict):
+        raise ValueError("manifest metadata global_layout has no params")
+    return {
+        key: {
+            name: None if b is None else Block.from_dict(b, f"global_layout params {key} {name[:80]}")
+            for name, b in blocks.items()
+        }
+        for key, blocks in params.items()
+    }
+
+
+def _block_of(described: dict, name: str) -> Block:
+    data = described.get(name)
+    if data is None:
+        raise IncompatibleCheckpoint(
+            f"parameter {name}: megatron's layout does not say where it lies in the global model"
+        )
+    return Block.from_dict(data, name)
+
+
+def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
+    """Every trainable parameter of this run and of the checkpoint, by global name: the same set,
+    global shapes and dtypes. Raises IncompatibleCheckpoint naming the first difference."""
+    theirs: dict[str, Block] = {}
+    for key, blocks in sorted(saved.items()):
+        for name, block in blocks.items():
+            if block is None:
+                raise IncompatibleCheckpoint(
+                    f"cannot reshard ({changes}): the checkpoint does not say where {name} (at {key}) lies in the global model"
+                )
+            theirs.setdefault(block.name, block)
+    ours: dict[str, Block] = {}
+    for described in running:
+        for name in sorted(described):
+            block = _block_of(described, name)
+            ours.setdefault(block.name, block)
+    extra, missing = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    base = lambda n: n.split(UNNUMBERED_EXPERT)[0]  # noqa: E731
+    moved = {base(n) for n in extra} & {base(n) for n in missing}
+    unnumbered = sorted(n for n in (*extra, *missing) if UNNUMBERED_EXPERT in n and base(n) in moved)
+    if unnumbered:
+        raise IncompatibleCheckpoint(
+            f"cannot reshard ({changes}): expert parameter {unnumbered[0]} has no global expert number "
+            "(one expert per EP rank, no local_expert_indices): experts cannot move across EP ranks"
+        )
+    if extra or missing:
+        first = (extra or missing)[0]
+        where = "this run has" if extra else "the checkpoint has"
+        other = "the checkpoint does not" if extra else "this run does not"
+        raise IncompatibleCheckpoint(
+            f"cannot reshard ({changes}): {where} trainable parameter {first}, {other} "
+            f"({len(extra)} only in this run, {len(missing)} only in the checkpoint: other target modules?)"
+        )
+    for name in sorted(ours):
+        a, b = theirs[name], ours[name]
+        if a.global_shape != b.global_shape:
+            raise IncompatibleCheckpoint(
+                f"cannot reshard ({changes}): {name} has global shape {list(a.global_shape)} in the checkpoint, "
+                f"{list(b.global_shape)} in this run (another LoRA rank or model shape?)"
+            )
+        if a.dtype != b.dtype:
+            raise IncompatibleCheckpoint(
+                f"cannot reshard ({changes}): {name} is {a.dtype} in the checkpoint, {b.dtype} in this run"
+            )
+
+
+def _optimizer_sources(index: int, layout: dict, saved: dict) -> dict[str, list[_Source]]:
+    positions = layout.get("positions")
+    if not isinstance(positions, dict):
+        raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint records no parameter positions")
+    sources: dict[str, list[_Source]] = {}
+    for key, named in sorted(positions.items()):
+        for name, where in sorted(named.items()):
+            if not (isinstance(where, list) and len(where) == 4 and all(type(v) is int and v >= 0 for v in where)):
+                raise ValueError(f"optimizer child {index} at {key}: position of {name} is {where}")
+            block = saved.get(key, {}).get(name)
+            if block is None or block.numel != where[3]:
+                raise ValueError(f"optimizer child {index} at {key}: {name} has no matching global block")
+            sources.setdefault(block.name, []).append(_Source(key, name, block, tuple(where)))
+    return sources

@@ -1,0 +1,316 @@
+"""Worker job for resharding loads (real megatron DistributedOptimizer on CPU, gloo).
+
+`reshard_job` saves a run at one model-parallel layout and loads it into a run at another, in one
+spawned job (all cases in a row). For each case it compares, bit for bit, every global tensor of
+the saved run (just before the save) with the loaded run's (just after the load): each adapter
+weight, and each parameter's fp32 master and every moment, assembled from every rank's part
+(`global_view`), plus every per-parameter step and each child's param groups. Then both runs train
+on and the losses are compared (max relative difference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+from lora_jobs import Args, _failing_install, load, run_steps, save
+
+from miles_lora_ckpt.core.consensus import Consensus, Outcome
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.core.global_layout import Block, global_indices
+from miles_lora_ckpt.core.jsoncodec import to_json
+from miles_lora_ckpt.megatron import adapter_shards, param_blocks
+from miles_lora_ckpt.megatron.optimizer_children import chain, distributed, family_of, leaf_children
+from miles_lora_ckpt.savers.single_lora import load as load_module
+from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown
+
+SENTINEL = 2**40  # no bit pattern of a float32 / bfloat16 widened to int64 reaches it
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor as int64 (bf16 / fp32)."""
+    flat = tensor.detach().contiguous().view(-1)
+    return flat.view(torch.int16 if flat.element_size() == 2 else torch.int32).to(torch.int64)
+
+
+def _contributions(run) -> tuple[dict, dict]:
+    """This rank's parts of every global tensor: `{key: (global shape, [(indices, bits)])}`, and the
+    JSON state: per-parameter steps and each child's param groups (without their param lists)."""
+    blocks = {n: Block.from_dict(b, n) for n, b in param_blocks.describe(run.model).items() if b is not None}
+    parts: dict[str, tuple] = {}
+
+    def add(key, block, first, stop, tensor):
+        entry = parts.setdefault(key, (list(block.global_shape), []))
+        entry[1].append((global_indices(block, first, stop), _bits(tensor)))
+
+    for name, param in adapter_shards.adapter_params(run.model).items():
+        block = blocks[name]
+        add(f"adapter:{block.name}", block, 0, block.numel, param)
+    names = chain.param_names(run.model)
+    states: dict[str, object] = {}
+    for child in leaf_children(run.optimizer):
+        if child.is_stub:
+            continue
+        opt = child.optimizer
+        # megatron's own view of the param groups: a DistributedOptimizer's state_dict() (it moves the
+        # step into the groups, as its load_state_dict leaves it there); the inner groups otherwise
+        is_distributed = family_of(child) is distributed.FAMILY
+        if is_distributed:
+            groups = to_json(opt.state_dict(), "state")["optimizer"]["param_groups"]
+        else:
+            groups = opt.optimizer.param_groups
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        states[f"groups:{child.index}"] = to_json(groups, "groups")
+        if is_distributed:
+            held = [
+                (model_param, *distributed.main_and_state(opt, model_param), ranges["param"].start, ranges["param"].end)
+                for layout in distributed.bucket_layouts(opt)
+                for model_param, ranges in distributed._param_maps(opt, layout).items()
+            ]
+        else:  # whole parameters (Float16 / FP32, layer-wise)
+            held = [(p, main, state, 0, p.numel()) for p, main, state in chain.param_states(child)]
+        for model_param, main, state, first, stop in held:
+            block = blocks[names[id(model_param)]]
+            add(f"master:{block.name}", block, first, stop, main)
+            for key, value in sorted(state.items()):
+                if key == "step" or value.dim() == 0:
+                    states[f"{key}:{block.name}"] = float(value)
+                else:
+                    add(f"{key}:{block.name}", block, first, stop, value)
+    return parts, states
+
+
+def global_view(run, consensus: Consensus) -> dict:
+    """Collective. `{key: digest of the global tensor's bits}` for every adapter weight, master and
+    moment (every element given by some rank, replicas bit-identical), and the JSON states (steps,
+    param groups) of every rank merged (replicas equal)."""
+    parts, states = _contributions(run)
+    shapes = consensus.agree("reshard-shapes", Outcome.success({k: v[0] for k, v in parts.items()}))
+    everyone = {}
+    for mine in shapes:
+        everyone.update(mine)
+    keys = sorted(everyone)
+    sizes = [int(torch.tensor(everyone[k]).prod()) for k in keys]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    buffer = torch.full((sum(sizes),), SENTINEL, dtype=torch.int64)
+    for key, offset in zip(keys, offsets, strict=True):
+        for indices, bits in parts.get(key, (None, []))[1]:
+            buffer[offset + indices] = bits
+    gathered = [torch.empty_like(buffer) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, buffer)
+    stacked = torch.stack(gathered)
+    held = stacked != SENTINEL
+    merged = torch.where(held, stacked, torch.iinfo(torch.int64).min).max(dim=0).values
+    low = torch.where(held, stacked, torch.iinfo(torch.int64).max).min(dim=0).values
+    problems = []
+    if not bool(held.any(dim=0).all()):
+        problems.append("an element of a global tensor is held by no rank")
+    if not bool((merged[held.any(dim=0)] == low[held.any(dim=0)]).all()):
+        problems.append("replicas of a global tensor differ")
+    digests = {}
+    for key, offset, size in zip(keys, offsets, sizes, strict=True):
+        digests[key] = hashlib.sha256(merged[offset : offset + size].numpy().tobytes()).hexdigest()[:32]
+    all_states = consensus.agree("reshard-states", Outcome.success(states))
+    merged_states: dict = {}
+    for rank_states in all_states:
+        for key, value in rank_states.items():
+            if merged_states.setdefault(key, value) != value:
+                problems.append(f"ranks disagree on {key}")
+    for key, value in merged_states.items():
+        digests[key] = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:32]
+    return {"digests": digests, "problems": problems, "states": merged_states}
+
+
+def _slot_case(case: dict, consensus: Consensus) -> dict:
+    """A multi-LoRA slot root resharded: slot `case["slot"]` of a `slots=2` run is saved at one
+    layout and loaded into a run of another, whose other slot trained first (a co-tenant: it must
+    stay bit-identical). Compares the slot's global tensors (its layers' adapters, masters, moments,
+    steps and its children's param groups) as `reshard_job` does."""
+    from multi_lora_jobs import _kw
+
+    from miles_lora_ckpt.savers import multi_lora as ml
+    from miles_lora_ckpt.sim.slots import SlotTrainer
+
+    slot = case["slot"]
+    before = build_run(config_from_dict(case["save"]))
+    trainer = SlotTrainer(before)
+    for step in range(2):
+        for s in trainer.slots:
+            trainer.step(s, step)
+    saved_view = global_view(before, consensus)
+    mine = _slot_keys(saved_view, before.config, trainer, slot)
+    ml.save_slot_checkpoint(before.model, Args(), case["root"], step=2, **_kw(before, trainer, slot, consensus))
+    teardown(before)
+
+    after = build_run(config_from_dict(case["load"]))
+    trainer = SlotTrainer(after)
+    for s in trainer.slots:
+        if s != slot:
+            trainer.step(s, 0)  # the co-tenant
+    other_before = global_view(after, consensus)
+    result = ml.load_slot_checkpoint(after.model, case["root"], **_kw(after, trainer, slot, consensus))
+    loaded_view = global_view(after, consensus)
+    theirs = _slot_keys(loaded_view, after.config, trainer, slot)
+    teardown(after)
+    pick = lambda view, keys: {k: v for k, v in view["digests"].items() if k in keys}  # noqa: E731
+    others = lambda view: {k: v for k, v in view["digests"].items() if k not in theirs}  # noqa: E731
+    return {
+        "first_difference": _first_difference(pick(saved_view, mine), pick(loaded_view, theirs)),
+        "compared": sorted(pick(saved_view, mine)),
+        "co_tenant_changed": _first_difference(others(other_before), others(loaded_view)),
+        "problems": saved_view["problems"] + loaded_view["problems"],
+        "result": result.__dict__,
+    }
+
+
+def _slot_keys(view: dict, config, trainer, slot: int) -> set[str]:
+    """The keys of a global view that belong to one slot: its layers' tensors and steps, its
+    children's param groups (from the view's keys: every rank's, not only this rank's)."""
+    import re
+
+    keys = {f"groups:{index}" for index in trainer.children[slot]}
+    for key in view["digests"]:
+        match = re.search(r"(?:^|\.|:)layers\.(\d+)\.", key)
+        if match and config.slot_of(int(match.group(1))) == slot:
+            keys.add(key)
+    return keys
+
+
+def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` as format v2 wrote it: no global layout, no
+    optimizer positions (resealed: an intact generation of the earlier format)."""
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"v2-{abs(hash(name)) % 10**8}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        body = json.loads((target / MANIFEST).read_text())
+        body.pop("manifest_digest")
+        body.pop("signature", None)
+        body["format_version"] = 2
+        body["metadata"].pop("global_layout")
+        for child in body["metadata"]["optimizer_children"].values():
+            child.get("layout", {}).pop("positions", None)
+        (target / MANIFEST).write_bytes(seal_manifest(body))
+    dist.barrier()
+    return str(target)
+
+
+def probe_loss(run, step: int) -> float | None:
+    """Collective. The loss of DP rank 0's micro-batch of `step` under the current weights, no update
+    (every rank runs the forward; TP ranks cooperate); None with pipeline stages, context or expert
+    parallelism, whose per-rank losses (stage-local, sequence parts, local experts only in the
+    harness) do not compare across layouts."""
+    from miles_lora_ckpt.sim.train import batch
+
+    config = run.config
+    if config.pp > 1 or config.cp > 1 or config.ep > 1:
+        return None
+    inputs, target = batch(config, step, "dp0/pp0/vp0")  # the same data on every rank
+    with torch.no_grad():
+        output = run.model[0](inputs.to(config.torch_dtype))
+        loss = torch.nn.functional.mse_loss(output.float(), target)
+    return float(loss)
+
+
+def _damaged_slice(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` with one byte of a DistributedOptimizer slice
+    file's tensor data flipped (the manifest unchanged: its digests no longer match)."""
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"damaged-{abs(hash(name)) % 10**8}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        victim = sorted(target.glob("optimizer/child0_*_s000of*.safetensors"))[0]
+        data = bytearray(victim.read_bytes())
+        data[-5] ^= 0x40
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    return str(target)
+
+
+def _first_difference(a: dict, b: dict) -> str | None:
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return key
+    return None
+
+
+def reshard_job(payload: dict, ctx) -> dict:
+    """`payload["cases"]`: `[{"name", "save", "load", "root", "steps"}]` (configs as dicts): train
+    `save` 2 steps, record its global view, save, train on `steps` more; build `load`, load the
+    save (bit-compare the global views), train the same steps; report differences and losses.
+    `payload["refusals"]`: `[{"name", "from" (a case name), "config"}]`: a run of `config` trained
+    one step tries to load that case's save; reports the error and the first tensor that changed."""
+    consensus = Consensus.for_world(timeout_s=240)
+    out, roots = {}, {}
+    for case in payload.get("cases", []):
+        before = build_run(config_from_dict(case["save"]))
+        run_steps(before, 0, 2)
+        saved_view = global_view(before, consensus)
+        roots[case["name"]] = case["root"]
+        save(before, case["root"], 2, consensus, Args())
+        probe_saved = probe_loss(before, 2)
+        continued = run_steps(before, 2, 2 + case["steps"])
+        teardown(before)
+
+        after = build_run(config_from_dict(case["load"]))
+        result = load(after, case["root"], consensus)
+        loaded_view = global_view(after, consensus)
+        probe_loaded = probe_loss(after, 2)
+        resumed = run_steps(after, 2, 2 + case["steps"])
+        teardown(after)
+        diff = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(continued, resumed, strict=True))
+        out[case["name"]] = {
+            "first_difference": _first_difference(saved_view["digests"], loaded_view["digests"]),
+            "compared": sorted(saved_view["digests"]),
+            "problems": saved_view["problems"] + loaded_view["problems"],
+            "loss_max_rel_diff": diff,
+            "probe": [probe_saved, probe_loaded],
+            "losses": [continued, resumed],
+            "result": result.__dict__,
+        }
+        if payload.get("debug"):
+            out[case["name"]]["debug"] = {
+                k: [saved_view["states"].get(k), loaded_view["states"].get(k)]
+                for k in sorted(set(saved_view["states"]) | set(loaded_view["states"]))
+                if saved_view["states"].get(k) != loaded_view["states"].get(k)
+            }
+    for case in payload.get("slots", []):
+        out[case["name"]] = _slot_case(case, consensus)
+    tries = {}
+    for case in payload.get("refusals", []):
+        root = roots[case["from"]]
+        if case.get("as_format_v2"):
+            root = _as_format_v2(root, case["name"], consensus)
+        if case.get("damage"):
+            root = _damaged_slice(root, case["name"], consensus)
+        run = build_run(config_from_dict(case["config"]))
+        run_steps(run, 0, 1)
+        digests = snapshot_digests(snapshot(run))
+        real_install = load_module._install
+        failing = case.get("install_fails_on")
+        if failing is not None:  # the resharded state is installed everywhere, then one rank fails
+            load_module._install = _failing_install(real_install, ctx.rank == failing, ctx.rank)
+        try:
+            load(run, root, consensus)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        finally:
+            load_module._install = real_install
+        tries[case["name"]] = {"error": error, "changed": compare_digests(digests, snapshot_digests(snapshot(run)))}
+        teardown(run)
+    return {"cases": out, "refusals": tries}

@@ -1,0 +1,81 @@
+"""Pure slicing math of resharding (core.global_layout): no megatron, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_lora_ckpt.core.global_layout import Block, distinct, global_indices, plan_copies
+
+
+def _assemble(wanted: Block, first: int, stop: int, saved: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.full((stop - first,), -1.0)
+    for c in plan_copies(wanted, first, stop, saved):
+        out[c.into : c.into + c.count] = tensors[c.source].reshape(-1)[c.first : c.first + c.count]
+    return out
+
+
+def _slice(full: torch.Tensor, block: Block) -> torch.Tensor:
+    out = full
+    for dim, (o, s) in enumerate(zip(block.offset, block.shape, strict=True)):
+        out = out.narrow(dim, o, s)
+    return out.contiguous()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("saved_tp, wanted_tp", [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_any_split_is_assembled_from_any_other(axis, saved_tp, wanted_tp):
+    """Column- (axis 0) and row-parallel (axis 1) splits, gathered and re-split, any sub-range."""
+    shape = (8, 12)
+    full = torch.arange(96, dtype=torch.float32).view(shape)
+
+    def blocks(tp):
+        step = shape[axis] // tp
+        return [
+            Block(
+                "w",
+                shape,
+                tuple(r * step if d == axis else 0 for d in range(2)),
+                tuple(step if d == axis else shape[d] for d in range(2)),
+            )
+            for r in range(tp)
+        ]
+
+    saved = blocks(saved_tp)
+    tensors = [_slice(full, b) for b in saved]
+    for wanted in blocks(wanted_tp):
+        expected = _slice(full, wanted).reshape(-1)
+        for first, stop in ((0, wanted.numel), (3, wanted.numel - 5), (7, 8)):
+            assert torch.equal(_assemble(wanted, first, stop, saved, tensors), expected[first:stop])
+
+
+def test_a_relocated_whole_tensor_is_one_run():
+    block = Block("layers.3.w", (4, 6), (0, 0), (4, 6))
+    copies = plan_copies(block, 5, 17, [block])
+    assert [(c.source, c.first, c.count, c.into) for c in copies] == [(0, 5, 12, 0)]
+
+
+def test_missing_or_doubled_elements_and_other_tensors_are_refused():
+    shape = (4, 6)
+    left, right = Block("w", shape, (0, 0), (4, 3)), Block("w", shape, (0, 3), (4, 3))
+    whole = Block("w", shape, (0, 0), shape)
+    with pytest.raises(ValueError, match="by none"):
+        plan_copies(whole, 0, 24, [left])
+    with pytest.raises(ValueError, match="by more than one"):
+        plan_copies(whole, 0, 24, [left, right, whole])
+    with pytest.raises(ValueError, match="cannot give"):
+        plan_copies(whole, 0, 24, [Block("w", (8, 6), (0, 0), (4, 6))])
+    assert distinct([left, left, right, left]) == [0, 2]
+
+
+def test_blocks_round_trip_and_bad_ones_are_refused():
+    block = Block("w", (4, 6), (2, 0), (2, 6), "torch.bfloat16")
+    assert Block.from_dict(block.to_dict(), "x") == block
+    assert global_indices(block, 0, 3).tolist() == [12, 13, 14]
+    with pytest.raises(ValueError, match="exceeds the global shape"):
+        Block("w", (4, 6), (3, 0), (2, 6))
+    bad = {**block.to_dict(), "offset": [2, -1]}
+    with pytest.raises(ValueError):
+        Block.from_dict(bad, "x")
+    with pytest.raises(ValueError, match="expected global"):
+        Block.from_dict({**block.to_dict(), "extra": 1}, "x")

@@ -1,0 +1,98 @@
+"""Each trainable parameter's global block (megatron.param_blocks), on a tiny module tree in one
+process: megatron's parallel state is replaced by fixed answers (no process group is needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles_lora_ckpt.core.global_layout import Block
+from miles_lora_ckpt.megatron import param_blocks
+
+
+class FakeColumn(torch.nn.Module):
+    """Stands for a megatron column-parallel linear on TP rank 1 of 2: `sharded_state_dict` says the
+    local [2, 4] weight is rows 2..4 of a [4, 4] global tensor (what megatron's ShardedTensor says)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2, 4))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        entry = SimpleNamespace(global_shape=(4, 4), global_offset=(2, 0), local_shape=(2, 4), prepend_axis_num=0)
+        return {f"{prefix}weight": entry}
+
+
+FakeColumn.__module__ = "megatron.core.tensor_parallel.fake"  # only megatron's modules are asked
+
+
+class Expert(torch.nn.Module):
+    def __init__(self, gated: bool):
+        super().__init__()
+        self.config = SimpleNamespace(gated_linear_unit=gated)
+        self.linear_fc1 = FakeColumn()
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, number: int, gated: bool):
+        super().__init__()
+        self.layer_number = number  # megatron's TransformerLayer: global, from 1
+        self.proj = torch.nn.Linear(4, 3, bias=False)  # replicated: no sharded_state_dict
+        self.frozen = torch.nn.Linear(3, 3, bias=False).requires_grad_(False)
+        self.mlp = torch.nn.Module()
+        self.mlp.local_expert_indices = [2, 3]  # megatron's MoE layer: EP rank 1 of 2, two local experts
+        self.mlp.experts = torch.nn.Module()
+        self.mlp.experts.local_experts = torch.nn.ModuleList([Expert(gated), Expert(gated)])
+        self.shared = torch.nn.Linear(2, 2, bias=False)  # an expert parameter without a global number
+        self.shared.weight.allreduce = False
+
+
+def _model(gated: bool = False) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer(7, gated)])  # chunk-local layer 0 is global layer 6
+    return model
+
+
+@pytest.fixture(autouse=True)
+def parallel_state(monkeypatch):
+    from megatron.core import parallel_state as mpu
+
+    monkeypatch.setattr(mpu, "get_data_parallel_group", lambda **kw: None)
+    monkeypatch.setattr(mpu, "get_expert_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(mpu, "get_expert_model_parallel_world_size", lambda: 2)
+
+
+def _blocks(model) -> dict:
+    return {n: None if b is None else Block.from_dict(b, n) for n, b in param_blocks.describe(model).items()}
+
+
+def test_layers_and_experts_get_global_numbers_and_megatron_says_the_split():
+    blocks = _blocks(_model())
+    assert sorted(blocks) == [
+        "chunk0.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+        "chunk0.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
+        "chunk0.layers.0.proj.weight",
+        "chunk0.layers.0.shared.weight",
+    ]  # the frozen weight is not described
+    assert blocks["chunk0.layers.0.proj.weight"] == Block(
+        "layers.6.proj.weight", (3, 4), (0, 0), (3, 4), "torch.float32"
+    )
+    fc1 = blocks["chunk0.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
+    assert fc1 == Block(
+        "layers.6.mlp.experts.local_experts.3.linear_fc1.weight", (4, 4), (2, 0), (2, 4), "torch.float32"
+    )
+    # one expert per EP rank, no global number: named with its EP rank (it cannot move across EP ranks)
+    assert blocks["chunk0.layers.0.shared.weight"].name == "layers.6.shared.weight@ep1/2"
+
+
+def test_what_megatron_cannot_describe_as_one_block_is_unknown():
+    # swiglu: a TP-split weight under a gated linear_fc1 holds a gate and an up half, not one block
+    gated = _blocks(_model(gated=True))
+    assert gated["chunk0.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"] is None
+    assert gated["chunk0.layers.0.proj.weight"] is not None
+    # a layer without megatron's layer_number: its global index is unknown
+    model = _model()
+    del model.layers[0].layer_number
+    assert all(b is None for b in _blocks(model).values())
