@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TIER2  := .tier2/mcore019
+TIERMILES := .tier-miles/miles-rl-0.0.2
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 test test-long lint tier1 tier2 install clean
+.PHONY: demo demo-tier2 demo-miles test test-long lint tier1 tier2 tier-miles install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,13 @@ $(TIER2)/.emerging-optimizers: $(TIER2)/.installed
 	$(BIN)/pip install -q --no-deps --ignore-requires-python --target $(TIER2) emerging-optimizers==0.3.0 absl-py==2.5.1
 	touch $@
 
+# Real Miles: the `miles-rl` wheel (radixark Miles, pure Python) without its dependencies, in its own
+# folder, put on PYTHONPATH only for the real-Miles test run (marker `realmiles`). What it imports that
+# cannot be installed here is stood in by miles_lora_ckpt/sim/realmiles/standins.py, inside the harness only.
+$(TIERMILES)/.installed: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps --target $(TIERMILES) miles-rl==0.0.2 six==1.17.0 pybase64==1.5.1 'triton==3.7.*'
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -38,6 +46,10 @@ demo: $(VENV)/.installed
 # The demo against megatron-core 0.19.2 (megatron's own Lion and Muon), e.g. ARGS="--optimizer muon".
 demo-tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
+
+# The demo through the real Miles wheel's modules, e.g. ARGS="--without-plugin".
+demo-miles: $(TIERMILES)/.installed
+	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) $(BIN)/miles-lora-ckpt demo --via miles --miles-shape miles-rl-0.0.2 $(ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -49,11 +61,14 @@ tier1: $(VENV)/.installed
 tier2: $(TIER2)/.emerging-optimizers
 	MILES_LORA_CKPT_TIER=mcore-0.19 PYTHONPATH=$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m megatron $(PYTEST_ARGS)
 
-test: lint tier1 tier2
+tier-miles: $(TIERMILES)/.installed
+	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) $(BIN)/python -m pytest -q -m realmiles $(PYTEST_ARGS)
+
+test: lint tier1 tier2 tier-miles
 
 # The long fuzz runs (tens of thousands of examples); not part of `make test`.
 test-long: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .tier2 build *.egg-info .pytest_cache
+	rm -rf $(VENV) .tier2 .tier-miles build *.egg-info .pytest_cache

@@ -113,6 +113,28 @@ def test_positional_args_shape_without_load_training_state_is_detected():
     assert detect_shape(importer(modules)).name == "positional-args-pr"
 
 
+def test_2026_08_tree_without_load_training_state_binds():
+    """PR #1792's branch and current working branches (contract §10.6): every 2026-08 signature, no
+    `_load_training_state`. The plugin replaces load_lora_adapter whole, so the tree binds."""
+    modules = fake_miles("lora-utils-2026-08")
+    del modules["miles.backends.megatron_utils.lora_utils"]._load_training_state
+    shape = detect_shape(importer(modules))
+    assert shape.name == "lora-utils-2026-08"
+    plan = bindings.plan(shape, importer(modules), modules)
+    bound = {b.where for b in plan.bindings}
+    assert "miles.backends.megatron_utils.checkpoint.load_lora_adapter" in bound
+    assert "miles.backends.megatron_utils.lora_utils._load_training_state: absent, optional: not bound" in plan.notes
+
+
+def test_the_wheel_shape_rebinds_save_lora_checkpoint_in_model_py():
+    """miles-rl 0.0.2's model.py binds save_lora_checkpoint by name (its save_hf_model calls it)."""
+    modules = fake_miles("miles-rl-0.0.2")
+    shape = detect_shape(importer(modules))
+    assert shape.name == "miles-rl-0.0.2"
+    plan = bindings.plan(shape, importer(modules), modules)
+    assert "miles.backends.megatron_utils.model.save_lora_checkpoint" in {b.where for b in plan.bindings}
+
+
 def test_an_unknown_signature_is_refused_naming_module_function_and_signature():
     changed = "(model, adapter_path, *, optimizer=..., opt_param_scheduler=..., load_optimizer=..., strict=...)"
     modules = fake_miles(
