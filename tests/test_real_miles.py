@@ -1,0 +1,135 @@
+"""The real Miles wheel (miles-rl 0.0.2, `make tier-miles`): binding, and kill/relaunch on its code paths.
+
+Runs only where MILES_LORA_CKPT_REAL_MILES names the tier folder (the Makefile's `tier-miles` run,
+marker `realmiles`); elsewhere these tests skip. Every `miles.*` module a run used must be the
+wheel's (its file under the tier folder); what is stood in is listed in `sim/realmiles/standins.py`.
+A run goes through `sim/realmiles/launch.py`: the wheel's `initialize_model_and_optimizer`,
+`checkpoint.load_checkpoint`, `model.save` and `lora_utils` on the harness's model and megatron's
+DistributedOptimizer (gloo, CPU), with the plugin's init hook or without it (stock Miles).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jobs_paths import JOBS
+from test_miles_resume import _first_difference, failed, ok
+
+from miles_lora_ckpt.sim.realmiles import standins
+
+TIER = standins.tier_folder()
+pytestmark = [
+    pytest.mark.realmiles,
+    pytest.mark.skipif(TIER is None, reason=f"no real Miles wheel: {standins.ENV} unset (make tier-miles)"),
+]
+
+JOB = "miles_lora_ckpt.sim.realmiles.launch:launch_job"
+HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
+TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_fc2", "mixed": None}
+ROLLOUTS = 4  # x 2 optimizer steps; a save after every rollout; the crash is in the save of rollout 2
+USED = (
+    "miles.backends.megatron_utils.lora_utils",
+    "miles.backends.megatron_utils.checkpoint",
+    "miles.backends.megatron_utils.model",
+    "miles.utils.misc",
+    "megatron.training.global_vars",
+)
+
+
+class Run:
+    def __init__(self, launcher, tmp: Path, world: int, adapters: str):
+        self.launcher, self.world = launcher, world
+        self.hf = tmp / "hf-base"
+        self.hf.mkdir(parents=True, exist_ok=True)
+        # the Bridge double reads the architecture; any non-Qwen2 config gives the tiny harness model
+        (self.hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        self.save = tmp / "run"
+        self.config = tmp / "plugin.toml"
+        self.config.write_text("[consensus]\ntimeout_s = 60\n")
+        self.training = ["--megatron-to-hf-mode", "bridge", "--hf-checkpoint", str(self.hf), "--bf16"]
+        self.training += ["--num-rollout", str(ROLLOUTS), "--lora-rank", "4", "--lora-alpha", "4"]
+        self.training += ["--target-modules", TARGETS[adapters]] if TARGETS[adapters] else []
+
+    def command(self, *more: str, plugin: bool = True) -> list[str]:
+        saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
+        return (HOOK if plugin else []) + self.training + saving + list(more)
+
+    def launch(self, argv, crash=None):
+        return self.launcher.run(
+            self.world,
+            JOB,
+            {"argv": argv, "crash": crash, "tier": str(TIER)},
+            env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
+            sys_path=[JOBS],
+            timeout_s=300,
+            failure_grace_s=5.0,
+        )
+
+
+def assert_from_the_wheel(report: dict) -> None:
+    modules = report["modules"]
+    for name in USED:
+        assert Path(modules[name]).resolve().is_relative_to(TIER), (name, modules.get(name))
+    for name, path in modules.items():  # nothing named miles comes from elsewhere (a stand-in tree)
+        assert not path or Path(path).resolve().is_relative_to(TIER), (name, path)
+    assert {name.split(".")[0] for name in report["standins"]} <= set(standins.STANDINS), report["standins"]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 3])
+def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world):
+    """The hook binds to the wheel (shape miles-rl-0.0.2); a rank killed mid-save, the same command
+    relaunched: every tensor, counter and loss equals an uninterrupted run's (dense, mixed, expert-only)."""
+    for adapters in ("dense", "mixed", "expert-only"):
+        run = Run(prewarmed, tmp_path / adapters, world, adapters)
+        reference = ok(run.launch(run.training))
+        crashed = run.launch(run.command(), crash={"rollout": 2, "rank": world - 1, "phase": "mid-write"})
+        assert crashed[world - 1].exitcode == -9, adapters
+        resumed = ok(run.launch(run.command()))
+        for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
+            assert_from_the_wheel(got)
+            assert got["plugin"]["shape"] == "miles-rl-0.0.2", got["plugin"]
+            assert "miles.backends.megatron_utils.model.save_lora_checkpoint" in got["plugin"]["bindings"]
+            assert got["start_rollout_id"] == 2, (adapters, rank)
+            assert got["rollouts"] == [2, 3], (adapters, rank)
+            assert got["after_init"]["scheduler_num_steps"] == 2 * 8, (adapters, rank)  # stepped once
+            saved = (crashed[rank].result or {}).get("at_save", {}).get("1")
+            if saved is not None:
+                assert got["after_init"]["digests"] == saved, _first_difference(saved, got["after_init"]["digests"])
+            for step, loss in got["losses"].items():
+                assert loss == ref["losses"][step], (adapters, rank, step)
+            assert got["final"] == ref["final"], (adapters, rank, _first_difference(ref["final"], got["final"]))
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
+    """Negative control, plugin not installed (contract §10.4): the wheel's own LoRA save/load."""
+    run = Run(prewarmed, tmp_path / "dense", 2, "dense")
+    reference = ok(run.launch(run.training))
+    # killed after rollout 3 trained, before its save: stock Miles' save of rollout 2 is complete
+    crashed = run.launch(run.command(plugin=False), crash={"rollout": 3, "rank": 1, "phase": "between-saves"})
+    assert crashed[1].exitcode == -9
+    assert_from_the_wheel(crashed[0].result)
+    assert crashed[0].result["plugin"] is None
+    saved = crashed[0].result["at_save"]["2"]
+    adapter = str(run.save / "iter_0000002" / "adapter")
+    resumed = ok(run.launch(run.training + ["--lora-adapter-path", adapter]))
+    for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
+        after = got["after_init"]
+        assert got["start_rollout_id"] == 0, rank  # the rollout counter starts over
+        assert after["scheduler_num_steps"] == 24 + 2 * 4, rank  # restored 24 samples, then + 2 x 4 again
+        assert not after["masters_match_adapter"], rank  # stale fp32 masters under the loaded adapter
+        if rank == 0:
+            params = [n for n in saved if n.startswith("param/")]
+            assert params and all(after["digests"][n] == saved[n] for n in params)  # the adapter did load
+            state = [n for n in saved if "/master/" in n or n.endswith("/exp_avg") or n.endswith("/exp_avg_sq")]
+            assert state and all(after["digests"].get(n) != saved[n] for n in state)  # masters, moments did not
+        assert got["final"] != ref["final"], rank
+
+    expert = Run(prewarmed, tmp_path / "expert", 2, "expert-only")
+    errors = failed(expert.launch(expert.command(plugin=False)))
+    assert all("AttributeError" in e for e in errors), errors  # stub child: state_dict() raises on every rank
