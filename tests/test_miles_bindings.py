@@ -293,3 +293,34 @@ def test_every_shape_names_miles_context_for_bridge_calls():
         context.patch_megatron_model = lambda model: None
         modules[context.__name__] = context
         assert peft.model_context(shape, importer(modules)) == (context.patch_megatron_model, "")
+
+
+def test_train_fault_tolerance_is_refused_naming_what_the_user_set(tmp_path):
+    """Miles' validation sets non_persistent_ckpt_type = "local" itself under --ft-components train
+    (2026-08 and later; the miles-rl 0.0.2 wheel has no fault tolerance): the refusal names the flags the
+    user passed, not one they never wrote."""
+    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
+
+    argv = [
+        "--lora-rank",
+        "4",
+        "--megatron-to-hf-mode",
+        "bridge",
+        "--hf-checkpoint",
+        str(tmp_path),
+        "--num-rollout",
+        "2",
+    ]
+    args = standin_args.build_parser("enable_gloo_process_groups").parse_args(
+        argv + ["--use-fault-tolerance", "--ft-components", "train", "rollout"]
+    )
+    standin_args.validate(args)
+    assert args.non_persistent_ckpt_type == "local"  # set by Miles' validation, not by the user
+    modules = fake_miles("lora-utils-2026-08")
+    before = attributes(modules)
+    with pytest.raises(CheckpointError) as info:
+        install(args, environ={}, import_module=importer(modules))
+    text = str(info.value)
+    assert "--use-fault-tolerance --ft-components train (Miles turns it into --non-persistent-ckpt-type local)" in text
+    assert "drop 'train' from --ft-components" in text
+    assert attributes(modules) == before

@@ -133,3 +133,88 @@ def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
     expert = Run(prewarmed, tmp_path / "expert", 2, "expert-only")
     errors = failed(expert.launch(expert.command(plugin=False)))
     assert all("AttributeError" in e for e in errors), errors  # stub child: state_dict() raises on every rank
+
+
+# functions whose signature is the same in the 2026-08 snapshot and the miles-rl 0.0.2 wheel (contract
+# §1, §2, §10.5): the 2026-08 stand-in must render them exactly as the real wheel does
+SHARED = {
+    "miles.utils.misc": ("load_function", "should_run_periodic_action"),
+    "miles.backends.megatron_utils.lora_utils": (
+        "save_lora_checkpoint",
+        "load_lora_adapter",
+        "_load_training_state",
+        "is_lora_enabled",
+        "is_lora_model",
+    ),
+    "miles.backends.megatron_utils.checkpoint": ("load_checkpoint", "save_checkpoint_with_lora"),
+    "miles.backends.megatron_utils.model": ("setup_model_and_optimizer",),
+}
+_SIGNATURES = """
+import importlib, json, sys
+from miles_lora_ckpt.integration.shapes import detect_shape, render_signature
+if sys.argv[1] == "wheel":
+    from miles_lora_ckpt.sim.realmiles import standins
+    standins.activate(sys.argv[2])
+else:
+    sys.path.insert(0, sys.argv[2])
+shared = json.loads(sys.argv[3])
+out = {"signatures": {}, "files": {}}
+for module, names in shared.items():
+    m = importlib.import_module(module)
+    out["files"][module] = m.__file__
+    for name in names:
+        out["signatures"][module + "." + name] = render_signature(getattr(m, name))
+out["shape"] = detect_shape().name
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _signatures(kind: str, path: str) -> dict:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNATURES, kind, path, json.dumps(SHARED)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT") :])
+
+
+def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatures():
+    from miles_lora_ckpt.sim.miles_standin import shape_path
+
+    wheel = _signatures("wheel", str(TIER))
+    assert wheel["shape"] == "miles-rl-0.0.2"
+    for module, path in wheel["files"].items():
+        assert Path(path).resolve().is_relative_to(TIER), (module, path)
+    standin = _signatures("standin", shape_path("lora-utils-2026-08"))
+    assert standin["shape"] == "lora-utils-2026-08"
+    differing = {
+        name: (standin["signatures"][name], real)
+        for name, real in wheel["signatures"].items()
+        if standin["signatures"][name] != real
+    }
+    assert not differing, differing
+
+
+def test_the_stand_ins_are_not_importable_outside_the_harness():
+    """Importing the plugin (and its Miles hook) installs no stand-in: `import ray` still fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import miles_lora_ckpt.hooks, miles_lora_ckpt.integration.install\n"
+        "import importlib\n"
+        f"for name in {sorted(standins.STANDINS)!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise SystemExit('importable: ' + name)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
