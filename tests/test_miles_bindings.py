@@ -235,6 +235,7 @@ def test_the_post_save_hook_is_routed_through_the_plugin():
     [
         ({"non_persistent_ckpt_type": "local"}, "--non-persistent-ckpt-type local"),
         ({"multi_lora_n_adapters": 2}, "--multi-lora-n-adapters"),
+        ({"megatron_to_hf_mode": "raw"}, "--megatron-to-hf-mode raw with --lora-rank"),  # native LoRA (§10.6)
         ({"use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer"),
         ({"save": "/ckpt/run", "lora_adapter_path": "/ckpt/run/lora"}, "--lora-adapter-path /ckpt/run/lora"),
     ],

@@ -173,6 +173,13 @@ def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
             f"optimizer state (stock Miles loses it silently): {_in_memory_remedy(args)}; a relaunch resumes "
             "from disk"
         )
+    if (getattr(args, "lora_rank", 0) or 0) > 0 and getattr(args, "megatron_to_hf_mode", None) == "raw":
+        problems.append(
+            "--megatron-to-hf-mode raw with --lora-rank: Miles' native LoRA (miles_plugins/lora, PR #1792) keeps "
+            "its adapters and optimizer state in megatron-core dist_checkpointing (<adapter dir>/torch_dist), "
+            "which miles-lora-ckpt does not save or restore; use --megatron-to-hf-mode bridge, or remove "
+            "--custom-megatron-init-path for this run"
+        )
     if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
         problems += _multi_lora_problems(args, config, multi_lora)
     problems += _async_save_problems(args, config)
