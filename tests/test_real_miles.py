@@ -218,3 +218,25 @@ def test_the_stand_ins_are_not_importable_outside_the_harness():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_demo_runs_the_real_wheel_and_stock_is_the_negative_control(prewarmed, tmp_path, capsys):
+    from miles_lora_ckpt.tools import demo_miles
+    from miles_lora_ckpt.tools.cli import build_parser
+
+    small = ["--world-size", "2", "--steps", "4", "--save-every", "1", "--miles-shape", "miles-rl-0.0.2"]
+
+    def demo(*more: str) -> int:
+        args = build_parser().parse_args(["demo", "--via", "miles", *small, *more])
+        return demo_miles.run(args, launcher=prewarmed)
+
+    assert demo("--workdir", str(tmp_path / "plugin")) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == "RESULT: bit-exact"
+    assert "(miles-rl-0.0.2 real wheel)" in out and "bound to Miles shape miles-rl-0.0.2" in out
+    assert demo("--workdir", str(tmp_path / "stock"), "--without-plugin") == 1
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("RESULT: MISMATCH rollout counter resumed at 0")
+    assert "--custom-megatron-init-path" not in out
