@@ -28,6 +28,7 @@ pytestmark = [
 JOB = "miles_lora_ckpt.sim.realmiles.launch:launch_job"
 HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
 TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_fc2", "mixed": None}
+QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
 ROLLOUTS = 4  # x 2 optimizer steps; a save after every rollout; the crash is in the save of rollout 2
 USED = (
     "miles.backends.megatron_utils.lora_utils",
@@ -39,18 +40,21 @@ USED = (
 
 
 class Run:
-    def __init__(self, launcher, tmp: Path, world: int, adapters: str):
+    def __init__(self, launcher, tmp: Path, world: int, adapters: str, hf: Path | None = None):
         self.launcher, self.world = launcher, world
-        self.hf = tmp / "hf-base"
-        self.hf.mkdir(parents=True, exist_ok=True)
-        # the Bridge double reads the architecture; any non-Qwen2 config gives the tiny harness model
-        (self.hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        self.hf = hf or tmp / "hf-base"
+        if hf is None:
+            self.hf.mkdir(parents=True, exist_ok=True)
+            # the Bridge double reads the architecture; any non-Qwen2 config gives the tiny harness model
+            (self.hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        tmp.mkdir(parents=True, exist_ok=True)
         self.save = tmp / "run"
         self.config = tmp / "plugin.toml"
         self.config.write_text("[consensus]\ntimeout_s = 60\n")
         self.training = ["--megatron-to-hf-mode", "bridge", "--hf-checkpoint", str(self.hf), "--bf16"]
         self.training += ["--num-rollout", str(ROLLOUTS), "--lora-rank", "4", "--lora-alpha", "4"]
-        self.training += ["--target-modules", TARGETS[adapters]] if TARGETS[adapters] else []
+        targets = QWEN2_TARGETS[adapters] if hf is not None else TARGETS[adapters]
+        self.training += ["--target-modules", targets] if targets else []
 
     def command(self, *more: str, plugin: bool = True) -> list[str]:
         saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
@@ -240,3 +244,25 @@ def test_demo_runs_the_real_wheel_and_stock_is_the_negative_control(prewarmed, t
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("RESULT: MISMATCH rollout counter resumed at 0")
     assert "--custom-megatron-init-path" not in out
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+@pytest.mark.peft
+def test_save_hf_on_the_wheel_publishes_the_adapter_though_the_merged_export_fails(prewarmed, tmp_path):
+    """The wheel's save_hf_model runs the adapter export (save_lora_checkpoint, the plugin's --save-hf
+    publication) after the merged-model export's try block: Bridge's merged export failing (the double
+    has no save_hf_pretrained) does not skip it. Every --save-hf adapter is a loadable HF PEFT adapter."""
+    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    hf = build_tiny_qwen2(tmp_path / "hf-base", Qwen2SimConfig().hf_config_kwargs())
+    run = Run(prewarmed, tmp_path / "run", 2, "dense", hf=hf)
+    out = tmp_path / "hf-out"
+    results = ok(run.launch(run.command("--save-hf", str(out / "{rollout_id}"))))
+    assert results[0]["plugin"]["shape"] == "miles-rl-0.0.2"
+    for rollout in range(ROLLOUTS):
+        assert not (out / str(rollout) / "config.json").exists()  # the merged export failed (Miles logged it)
+        report = load_report(out / str(rollout) / "adapter" / "latest", hf)
+        assert report.ok and report.loaded_tensors > 0, (rollout, report.headline())
