@@ -16,10 +16,14 @@ works (`from ray.actor import ActorHandle`, `class X(ray.Something)`), *calling*
 raises `StandInCalled` naming the stand-in and its reason. Nothing on the LoRA checkpoint path
 calls them; a test that reached one would fail loudly.
 
-`install()` puts them into `sys.modules`. Only the harness calls it (a real-Miles harness job, the
-`realmiles` tests' conftest fixture, the demo's `--miles-shape miles-rl-0.0.2`), never a
-production path, so the real names are never stood in outside the harness; `installed()` says
-which are in place.
+`install()` puts them into `sys.modules`. Only the harness calls it (`activate`, from the real-Miles
+harness job `sim/realmiles/launch.py`, which the `realmiles` tests and the demo's
+`--miles-shape miles-rl-0.0.2` launch, and from the tests' signature subprocess), never a production
+path, so the real names are never stood in outside the harness (`tests/test_real_miles.py` checks
+that importing the plugin leaves `import ray` failing); `installed()` says which are in place.
+
+`SUBSTITUTIONS` lists the other harness pieces of a real-Miles run: names inside the wheel's modules
+that the job replaces, and the parts of Miles it does not run (with the reason for each).
 """
 
 from __future__ import annotations
@@ -44,6 +48,30 @@ STANDINS: dict[str, str] = {
     "aiohttp": "async HTTP client of the rollout code (binary wheel); never called",
     "httpx": "HTTP client of the rollout code; never called",
     "IPython": "notebook display helper imported by a debug utility; never called",
+}
+
+
+# what else a real-Miles run (sim/realmiles/launch.py) does not take from the wheel, and why
+SUBSTITUTIONS: dict[str, str] = {
+    "miles.backends.megatron_utils.model.setup_model_and_optimizer": (
+        "replaced by the harness's builder (sim.train.build_run: the harness model, megatron's optimizers, Miles' "
+        "scheduler); Miles' builds a GPTModel through Megatron-LM's get_model on GPU"
+    ),
+    "miles.backends.megatron_utils.model.clear_memory": "gc only: Miles' calls torch.cuda.synchronize/empty_cache",
+    "miles.backends.megatron_utils.initialize.init": (
+        "not run: it asserts numpy 1.x and runs Megatron-LM's NCCL and tokenizer set-up; the job does its steps "
+        "(real set_args, megatron's groups, the wheel's create_megatron_parallel_state/set_parallel_state, the "
+        "hook through the wheel's load_function)"
+    ),
+    "miles.utils.arguments (parse_args, miles_validate_args)": (
+        "not run: it imports SGLang's server runtime (PIL, starlette, torchvision, openai, ...); the stand-in "
+        "parser and validation of sim/miles_standin/common/args.py instead"
+    ),
+    "miles.backends.megatron_utils.actor.MegatronTrainRayActor": (
+        "not run: it imports Ray and SGLang's runtime; RealWheelActor follows its call order (init, model "
+        "setup and load, train, model.save, save_hf_model)"
+    ),
+    "megatron.bridge": "the harness's Bridge double (sim.bridge_double); its load_hf_weights writes nothing",
 }
 
 
