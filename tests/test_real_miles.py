@@ -60,11 +60,11 @@ class Run:
         saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
         return (HOOK if plugin else []) + self.training + saving + list(more)
 
-    def launch(self, argv, crash=None):
+    def launch(self, argv, crash=None, wheel_validation=False):
         return self.launcher.run(
             self.world,
             JOB,
-            {"argv": argv, "crash": crash, "tier": str(TIER)},
+            {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_validation": wheel_validation},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
             sys_path=[JOBS],
             timeout_s=300,
@@ -92,6 +92,11 @@ def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world
         reference = ok(run.launch(run.training))
         crashed = run.launch(run.command(), crash={"rollout": 2, "rank": world - 1, "phase": "mid-write"})
         assert crashed[world - 1].exitcode == -9, adapters
+        if world == 2 and adapters == "dense":
+            # the wheel's own validation forces start_rollout_id = 0 in bridge mode (fixed by Miles #2682):
+            # its driver would replay from rollout 0 over the resumed state; refused on every rank
+            errors = failed(run.launch(run.command(), wheel_validation=True))
+            assert all("start_rollout_id is already 0" in e and "PR #2682" in e for e in errors), errors
         resumed = ok(run.launch(run.command()))
         for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
             assert_from_the_wheel(got)

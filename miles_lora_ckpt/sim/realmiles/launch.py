@@ -23,7 +23,9 @@ The harness's part, and why:
 - Megatron-Bridge: the harness's double (`sim.bridge_double`), whose `load_hf_weights` writes nothing
   (the frozen base weights are the run's seeded ones).
 
-Payload and report are those of `miles_standin.launch` (`argv`, `crash`, the per-rank report).
+Payload and report are those of `miles_standin.launch` (`argv`, `crash`, the per-rank report), plus
+`tier` (the wheel's folder) and `wheel_validation`: apply the wheel's own rule that
+`start_rollout_id = 0` in bridge mode whatever `--load` holds (its driver then replays from 0).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class RealWheelActor:
             wheel_model.save_hf_model(self.args, rollout_id, self.model)
 
 
-def run(argv: list[str], probe):
+def run(argv: list[str], probe, wheel_validation: bool = False):
     """Parse, init, train every rollout from the actors' start rollout, saving at Miles' cadence."""
     from miles.utils.misc import should_run_periodic_action
 
@@ -104,6 +106,8 @@ def run(argv: list[str], probe):
 
     args = standin_args.build_parser("enable_gloo_process_groups").parse_args(argv)
     standin_args.validate(args)
+    if wheel_validation and args.megatron_to_hf_mode == "bridge":
+        args.start_rollout_id = 0  # the wheel's miles_validate_args, even when --load holds a tracker
     for name, value in WHEEL_DEFAULTS.items():
         setattr(args, name, getattr(args, name, value))
     actor = RealWheelActor()
@@ -146,7 +150,7 @@ def launch_job(payload: dict, ctx) -> dict:
     report = observer.report
     report["failed"] = None
     try:
-        actor = run(list(payload["argv"]), observer)
+        actor = run(list(payload["argv"]), observer, payload.get("wheel_validation", False))
         report["final"] = standin_launch._digests(actor)
     except Exception:  # noqa: BLE001 - the launch failed on this rank: say how, keep what was observed
         report["failed"] = traceback.format_exc()[-4000:]

@@ -58,6 +58,10 @@ SUBSTITUTIONS: dict[str, str] = {
         "scheduler); Miles' builds a GPTModel through Megatron-LM's get_model on GPU"
     ),
     "miles.backends.megatron_utils.model.clear_memory": "gc only: Miles' calls torch.cuda.synchronize/empty_cache",
+    "miles.backends.megatron_utils.model.train": (
+        "not run: it runs a GPTModel's forward over rollout data; the harness's train step (sim.train.train_step, "
+        "data a function of seed, step and DP rank) steps the same megatron optimizer and Miles' scheduler"
+    ),
     "miles.backends.megatron_utils.initialize.init": (
         "not run: it asserts numpy 1.x and runs Megatron-LM's NCCL and tokenizer set-up; the job does its steps "
         "(real set_args, megatron's groups, the wheel's create_megatron_parallel_state/set_parallel_state, the "
