@@ -1,16 +1,18 @@
 # Two user-facing targets: `make demo` and `make test` (and `make demo-tier2 ARGS=...` after
 # `make test`: the demo against megatron-core 0.19.2; `make demo-bridge ARGS=--export-peft`: its PEFT
-# export through the real Megatron-Bridge 0.6.2; `make docs`: the documentation site into site/).
+# export through the real Megatron-Bridge 0.6.2; `make demo-miles`: the Miles demo through the real
+# miles-rl wheel; `make docs`: the documentation site into site/).
 # Everything else is plumbing.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 TIER2  := .tier2/mcore019
 TIER3  := .tier3/bridge
+TIERMILES := .tier-miles/miles-rl-0.0.2
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 demo-bridge test test-long lint docs tier1 tier2 tier-bridge install clean
+.PHONY: demo demo-tier2 demo-bridge demo-miles test test-long lint docs tier1 tier2 tier-bridge tier-miles install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +44,13 @@ $(TIER3)/.installed: $(TIER2)/.emerging-optimizers
 		transformers==5.12.1 'huggingface-hub>=1.5,<2' tokenizers==0.22.2 httpx httpcore certifi sniffio omegaconf einops
 	touch $@
 
+# Real Miles: the `miles-rl` wheel (radixark Miles, pure Python) without its dependencies, in its own
+# folder, put on PYTHONPATH only for the real-Miles test run (marker `realmiles`). What it imports that
+# cannot be installed here is stood in by miles_lora_ckpt/sim/realmiles/standins.py, inside the harness only.
+$(TIERMILES)/.installed: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps --target $(TIERMILES) miles-rl==0.0.2 six==1.17.0 pybase64==1.5.1 'triton==3.7.*'
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -54,6 +63,10 @@ demo-tier2: $(TIER2)/.emerging-optimizers
 # The demo's PEFT export through the real Megatron-Bridge 0.6.2, e.g. ARGS="--export-peft".
 demo-bridge: $(TIER3)/.installed
 	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
+
+# The demo through the real Miles wheel's modules, e.g. ARGS="--without-plugin".
+demo-miles: $(TIERMILES)/.installed
+	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) $(BIN)/miles-lora-ckpt demo --via miles --miles-shape miles-rl-0.0.2 $(ARGS)
 
 # lint includes the documentation site: a broken link, an unknown anchor or a page missing from the
 # nav fails `mkdocs build --strict` (mkdocs.yml; tests/test_docs.py checks the same and more). Never add
@@ -77,11 +90,15 @@ tier2: $(TIER2)/.emerging-optimizers
 tier-bridge: $(TIER3)/.installed
 	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m bridge $(PYTEST_ARGS)
 
-test: lint tier1 tier2 tier-bridge
+# Only the tests marked `realmiles` (the real miles-rl 0.0.2 wheel; sim/realmiles/standins.py lists what is stood in).
+tier-miles: $(TIERMILES)/.installed
+	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) $(BIN)/python -m pytest -q -m realmiles $(PYTEST_ARGS)
+
+test: lint tier1 tier2 tier-bridge tier-miles
 
 # The long fuzz runs (tens of thousands of examples); not part of `make test`.
 test-long: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .tier2 .tier3 build site *.egg-info .pytest_cache
+	rm -rf $(VENV) .tier2 .tier3 .tier-miles build site *.egg-info .pytest_cache

@@ -119,3 +119,12 @@ def test_export_peft_takes_tp_2_only_where_the_world_has_room():
 
     assert tp("--world-size", "2") == "2" and tp("--world-size", "4", "--pp", "2") == "2"
     assert tp("--world-size", "2", "--pp", "2") is None and tp("--world-size", "3") is None  # no room: TP=1
+
+
+def test_the_wheel_shape_without_the_real_miles_tier_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MILES_LORA_CKPT_REAL_MILES", raising=False)
+    argv = ["demo", "--via", "miles", "--miles-shape", "miles-rl-0.0.2", "--workdir", str(tmp_path)]
+    assert cli(argv) == 2
+    assert "make demo-miles" in capsys.readouterr().err
+    assert cli([*argv, "--slots", "2"]) == 2
+    assert "no multi-LoRA" in capsys.readouterr().err

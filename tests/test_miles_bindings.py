@@ -113,6 +113,28 @@ def test_positional_args_shape_without_load_training_state_is_detected():
     assert detect_shape(importer(modules)).name == "positional-args-pr"
 
 
+def test_2026_08_tree_without_load_training_state_binds():
+    """PR #1792's branch and current working branches (contract §10.6): every 2026-08 signature, no
+    `_load_training_state`. The plugin replaces load_lora_adapter whole, so the tree binds."""
+    modules = fake_miles("lora-utils-2026-08")
+    del modules["miles.backends.megatron_utils.lora_utils"]._load_training_state
+    shape = detect_shape(importer(modules))
+    assert shape.name == "lora-utils-2026-08"
+    plan = bindings.plan(shape, importer(modules), modules)
+    bound = {b.where for b in plan.bindings}
+    assert "miles.backends.megatron_utils.checkpoint.load_lora_adapter" in bound
+    assert "miles.backends.megatron_utils.lora_utils._load_training_state: absent, optional: not bound" in plan.notes
+
+
+def test_the_wheel_shape_rebinds_save_lora_checkpoint_in_model_py():
+    """miles-rl 0.0.2's model.py binds save_lora_checkpoint by name (its save_hf_model calls it)."""
+    modules = fake_miles("miles-rl-0.0.2")
+    shape = detect_shape(importer(modules))
+    assert shape.name == "miles-rl-0.0.2"
+    plan = bindings.plan(shape, importer(modules), modules)
+    assert "miles.backends.megatron_utils.model.save_lora_checkpoint" in {b.where for b in plan.bindings}
+
+
 def test_an_unknown_signature_is_refused_naming_module_function_and_signature():
     changed = "(model, adapter_path, *, optimizer=..., opt_param_scheduler=..., load_optimizer=..., strict=...)"
     modules = fake_miles(
@@ -213,6 +235,7 @@ def test_the_post_save_hook_is_routed_through_the_plugin():
     [
         ({"non_persistent_ckpt_type": "local"}, "--non-persistent-ckpt-type local"),
         ({"multi_lora_n_adapters": 2}, "--multi-lora-n-adapters"),
+        ({"megatron_to_hf_mode": "raw"}, "--megatron-to-hf-mode raw with --lora-rank"),  # native LoRA (§10.6)
         ({"use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer"),
         ({"save": "/ckpt/run", "lora_adapter_path": "/ckpt/run/lora"}, "--lora-adapter-path /ckpt/run/lora"),
     ],
@@ -271,3 +294,34 @@ def test_every_shape_names_miles_context_for_bridge_calls():
         context.patch_megatron_model = lambda model: None
         modules[context.__name__] = context
         assert peft.model_context(shape, importer(modules)) == (context.patch_megatron_model, "")
+
+
+def test_train_fault_tolerance_is_refused_naming_what_the_user_set(tmp_path):
+    """Miles' validation sets non_persistent_ckpt_type = "local" itself under --ft-components train
+    (2026-08 and later; the miles-rl 0.0.2 wheel has no fault tolerance): the refusal names the flags the
+    user passed, not one they never wrote."""
+    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
+
+    argv = [
+        "--lora-rank",
+        "4",
+        "--megatron-to-hf-mode",
+        "bridge",
+        "--hf-checkpoint",
+        str(tmp_path),
+        "--num-rollout",
+        "2",
+    ]
+    args = standin_args.build_parser("enable_gloo_process_groups").parse_args(
+        argv + ["--use-fault-tolerance", "--ft-components", "train", "rollout"]
+    )
+    standin_args.validate(args)
+    assert args.non_persistent_ckpt_type == "local"  # set by Miles' validation, not by the user
+    modules = fake_miles("lora-utils-2026-08")
+    before = attributes(modules)
+    with pytest.raises(CheckpointError) as info:
+        install(args, environ={}, import_module=importer(modules))
+    text = str(info.value)
+    assert "--use-fault-tolerance --ft-components train (Miles turns it into --non-persistent-ckpt-type local)" in text
+    assert "drop 'train' from --ft-components" in text
+    assert attributes(modules) == before

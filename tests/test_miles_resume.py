@@ -54,11 +54,11 @@ class Run:
         saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
         return (HOOK if plugin else []) + self.training + saving + list(more)
 
-    def launch(self, argv, crash=None, env=None, send_ckpt=False):
+    def launch(self, argv, crash=None, env=None, send_ckpt=False, drop=()):
         results = self.launcher.run(
             self.world,
             JOB,
-            {"argv": argv, "crash": crash, "send_ckpt": send_ckpt},
+            {"argv": argv, "crash": crash, "send_ckpt": send_ckpt, "drop": list(drop)},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
             sys_path=[shape_path(self.shape), JOBS],
             timeout_s=240,
@@ -151,6 +151,21 @@ def _check_post_save_hook(run: Run) -> None:
         generation = verify_generation(Path(record["checkpoint_dir"]))
         assert generation.intact and generation.manifest.iteration == rollout, record
         assert record["hf_checkpoint_dir"] is None  # no --save-hf
+
+
+def test_a_2026_08_tree_without_load_training_state_binds_and_resumes_bit_exact(launcher, tmp_path):
+    """PR #1792's branch and current working branches: the 2026-08 tree minus `_load_training_state`
+    (contract §10.6) binds as lora-utils-2026-08 and resumes bit-exact after a kill mid-save."""
+    drop = ["miles.backends.megatron_utils.lora_utils._load_training_state"]
+    run = Run(launcher, tmp_path, "lora-utils-2026-08", 2, "mixed", "bf16")
+    reference = run.reference()
+    crashed = run.launch(run.command(), crash={"rollout": 2, "rank": 1, "phase": "mid-write"}, drop=drop)
+    assert crashed[1].exitcode == -9
+    resumed = ok(run.launch(run.command(), drop=drop))
+    assert_resumed_exactly(reference, crashed, resumed, resumed_at=2)
+    for got in resumed:
+        assert got["plugin"]["shape"] == "lora-utils-2026-08"
+        assert not any(b.endswith("_load_training_state") for b in got["plugin"]["bindings"]), got["plugin"]
 
 
 def test_without_the_plugin_stock_defects_show(launcher, tmp_path):

@@ -119,8 +119,8 @@ REAL_MILES = importlib.util.find_spec("miles")
 
 @pytest.mark.skipif(
     REAL_MILES is None,
-    reason="Miles is not installed here (radixark/miles is on no package registry this project reaches); "
-    "put a Miles source tree on PYTHONPATH to run this test",
+    reason="no Miles on sys.path: the real miles-rl wheel is tested in the realmiles tier (make tier-miles, "
+    "tests/test_real_miles.py); put a Miles source tree on PYTHONPATH to run this test against it",
 )
 def test_real_miles_matches_a_known_shape():
     """Real Miles' LoRA module matches a known shape, and the plugin can bind to it in a fresh process.

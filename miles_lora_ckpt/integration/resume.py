@@ -17,7 +17,9 @@ The plugin's answer, in order:
    `initialize_model_and_optimizer` returns: the scheduler is stepped exactly once.
 4. A launch whose `--load` is not the plugin's (no `--load`, or its tracker was deleted) while
    `--save` holds committed generations is refused at startup (`check_relaunch`): Miles would
-   restart at rollout 0 on top of a resumed adapter.
+   restart at rollout 0 on top of a resumed adapter. So is a resume whose `start_rollout_id` is
+   already set (Miles before #2682, e.g. the miles-rl 0.0.2 wheel, forces 0 in bridge mode even
+   with the tracker; or a user's `--start-rollout-id`): the driver would not continue after it.
 """
 
 from __future__ import annotations
@@ -120,6 +122,16 @@ def check_relaunch(config: PluginConfig, args) -> list[str]:
     if newest is None:
         return []
     resume_root = plugin_root(config, load)
+    forced = getattr(args, "start_rollout_id", None)
+    if resume_root is not None and forced is not None and not getattr(args, "finetune", False):
+        parsed = parse_generation_dir_name(newest.name)
+        raise ResumeRefused(
+            f"--load {load} holds committed generations (newest rollout {parsed[0] if parsed else '?'}), but Miles' "
+            f"start_rollout_id is already {forced}: Miles' driver would train from rollout {forced} on top of the "
+            "resumed state instead of continuing after it. Miles before PR #2682 (e.g. the miles-rl 0.0.2 wheel) "
+            "sets start_rollout_id = 0 in bridge mode even when --load holds a checkpoint: upgrade Miles; "
+            "or drop --start-rollout-id if you passed it; or start a new run with a new --save directory."
+        )
     if resume_root is not None:
         if resume_root.resolve() != root.resolve():
             return [f"resuming from --load {load} although --save {save} also holds generations ({newest.name})"]

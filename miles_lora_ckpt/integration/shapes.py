@@ -143,14 +143,57 @@ def _model_targets() -> tuple[Target, ...]:
     )
 
 
-def _lora_targets(lora_module: str, load_signature: str, training_state: str | None, optional_state: bool):
+def _wheel_model_targets() -> tuple[Target, ...]:
+    """checkpoint.py / model.py targets of the miles-rl 0.0.2 wheel (contract §10.5): model.py has
+    `initialize_model_and_optimizer(args, role=...)` and `save(iteration, model, optimizer,
+    opt_param_scheduler)`; the actor (which imports Ray and SGLang's runtime) is a late consumer."""
+    return (
+        Target(
+            "save_checkpoint_with_lora",
+            CHECKPOINT,
+            "save_checkpoint_with_lora",
+            "(iteration, model, optimizer, opt_param_scheduler)",
+            consumers=(MODEL,),
+        ),
+        Target(
+            "load_checkpoint",
+            CHECKPOINT,
+            "load_checkpoint",
+            "(ddp_model, optimizer, opt_param_scheduler, checkpointing_context, skip_load_to_model_and_opt)",
+            consumers=(MODEL,),
+            late_consumers=(ACTOR, DEBUG_WORKER),
+        ),
+        Target(
+            "initialize_model_and_optimizer",
+            MODEL,
+            "initialize_model_and_optimizer",
+            "(args, role=...)",
+            late_consumers=(ACTOR,),
+        ),
+        Target(
+            "save",
+            MODEL,
+            "save",
+            "(iteration, model, optimizer, opt_param_scheduler)",
+            late_consumers=(ACTOR,),
+        ),
+    )
+
+
+def _lora_targets(
+    lora_module: str,
+    load_signature: str,
+    training_state: str | None,
+    optional_state: bool,
+    save_consumers: tuple[str, ...] = (CHECKPOINT,),
+):
     targets = [
         Target(
             "save_lora_checkpoint",
             lora_module,
             "save_lora_checkpoint",
             _SAVE_LORA,
-            consumers=(CHECKPOINT,),
+            consumers=save_consumers,
             late_consumers=(HF_EXPORT,),
         ),
         Target("load_lora_adapter", lora_module, "load_lora_adapter", load_signature, consumers=(CHECKPOINT,)),
@@ -235,17 +278,35 @@ SHAPES: tuple[Shape, ...] = (
     ),
     Shape(
         "lora-utils-2026-08",
-        "the 2026-08 snapshot (31f1ca961a94): backends/megatron_utils/lora_utils.py",
+        "the 2026-08 snapshot (31f1ca961a94): backends/megatron_utils/lora_utils.py; also the trees of PR #1792 "
+        "and of working branches, which lack _load_training_state (§10.6)",
         LORA_UTILS_2026_08,
         "enable_gloo_process_groups",
         _lora_targets(
             LORA_UTILS_2026_08,
             "(model, adapter_path, *, optimizer=..., opt_param_scheduler=...)",
             "(adapter_dir, optimizer, opt_param_scheduler)",
-            optional_state=False,
+            optional_state=True,  # the plugin replaces load_lora_adapter whole; it never calls it
         )
         + _model_targets()
         + _multi_lora_v1_targets(),
+        PATCH_MEGATRON_MODEL,
+    ),
+    Shape(
+        "miles-rl-0.0.2",
+        "the miles-rl 0.0.2 wheel on PyPI (2026-05): lora_utils.py as 2026-08; model.py has "
+        "initialize_model_and_optimizer(args, role=...) and save(iteration, model, optimizer, opt_param_scheduler) "
+        "and binds save_lora_checkpoint by name; no multi-LoRA, hf_export or ft/ (§10.5)",
+        LORA_UTILS_2026_08,
+        "enable_gloo_process_groups",
+        _lora_targets(
+            LORA_UTILS_2026_08,
+            "(model, adapter_path, *, optimizer=..., opt_param_scheduler=...)",
+            "(adapter_dir, optimizer, opt_param_scheduler)",
+            optional_state=True,
+            save_consumers=(CHECKPOINT, MODEL),
+        )
+        + _wheel_model_targets(),
         PATCH_MEGATRON_MODEL,
     ),
 )

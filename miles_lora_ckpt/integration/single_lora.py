@@ -179,7 +179,9 @@ def save(original: Callable, target) -> Callable:
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         call = bind(args, kwargs)
-        if (call["non_persistent_ckpt"] or _in_memory(call["checkpointing_context"])) and _is_lora_model(call["model"]):
+        # the miles-rl 0.0.2 wheel's save has neither parameter (contract §10.5)
+        in_memory = call.get("non_persistent_ckpt") or _in_memory(call.get("checkpointing_context"))
+        if in_memory and _is_lora_model(call["model"]):
             raise UnsupportedConfiguration(_IN_MEMORY_REFUSAL)
         return original(*args, **kwargs)
 

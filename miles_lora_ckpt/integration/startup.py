@@ -141,14 +141,44 @@ def _async_save_problems(args, config) -> list[str]:
     return problems
 
 
+def _train_ft(args) -> bool:
+    """`--use-fault-tolerance --ft-components train`: Miles' validation (2026-08 and later) then sets
+    `non_persistent_ckpt_type = "local"` by itself (the user never passed that flag)."""
+    components = getattr(args, "ft_components", None) or ()
+    if isinstance(components, str):
+        components = components.replace(",", " ").split()
+    return "train" in components
+
+
+def _in_memory_flags(args) -> str:
+    if _train_ft(args):
+        fault = "--use-fault-tolerance " if getattr(args, "use_fault_tolerance", False) else ""
+        return f"{fault}--ft-components train (Miles turns it into --non-persistent-ckpt-type local)"
+    return "--non-persistent-ckpt-type local"
+
+
+def _in_memory_remedy(args) -> str:
+    if _train_ft(args):
+        return "drop 'train' from --ft-components (or drop --use-fault-tolerance)"
+    return "drop the flag"
+
+
 def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
     from miles_lora_ckpt.integration.resume import save_root
 
     problems = []
     if getattr(args, "non_persistent_ckpt_type", None) == "local":
         problems.append(
-            "--non-persistent-ckpt-type local (Miles' in-memory fault-tolerance checkpoint) cannot hold a LoRA "
-            "optimizer state (stock Miles loses it silently): drop the flag; a relaunch resumes from disk"
+            f"{_in_memory_flags(args)} (Miles' in-memory fault-tolerance checkpoint) cannot hold a LoRA "
+            f"optimizer state (stock Miles loses it silently): {_in_memory_remedy(args)}; a relaunch resumes "
+            "from disk"
+        )
+    if (getattr(args, "lora_rank", 0) or 0) > 0 and getattr(args, "megatron_to_hf_mode", None) == "raw":
+        problems.append(
+            "--megatron-to-hf-mode raw with --lora-rank: Miles' native LoRA (miles_plugins/lora, PR #1792) keeps "
+            "its adapters and optimizer state in megatron-core dist_checkpointing (<adapter dir>/torch_dist), "
+            "which miles-lora-ckpt does not save or restore; use --megatron-to-hf-mode bridge, or remove "
+            "--custom-megatron-init-path for this run"
         )
     if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:
         problems += _multi_lora_problems(args, config, multi_lora)

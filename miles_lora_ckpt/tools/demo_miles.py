@@ -28,6 +28,12 @@ loaded with the real PEFT onto DIR/hf-base (`PEFT: loadable (0 missing, 0 unexpe
 --export-peft --without-plugin is a usage error (exit 2): stock Miles' export (a pickled
 adapter_model.bin that PEFT cannot load, its errors swallowed) is not imitated by the stand-in.
 
+--miles-shape miles-rl-0.0.2: the real Miles wheel's modules instead of a stand-in tree (its
+`lora_utils`, `checkpoint`, `model`; `sim/realmiles/launch.py`), from the real-Miles tier folder that
+`make test` installs (`MILES_LORA_CKPT_REAL_MILES`, set by `make demo-miles`); exit 2 without it.
+Stock 0.0.2 has no fault points: with --without-plugin the stock launch is killed after rollout
+(crash rollout + 1) trained, before its save, so the stock save of the crash rollout is complete.
+
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
 `RESULT: MISMATCH <what>` (exit 1). With --slots N the Miles multi-LoRA demo runs instead
 (`miles_lora_ckpt.tools.demo_miles_slots`).
@@ -53,6 +59,8 @@ TARGETS = {
 }
 QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
 JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
+WHEEL_JOB = "miles_lora_ckpt.sim.realmiles.launch:launch_job"
+WHEEL_SHAPE = "miles-rl-0.0.2"  # the real wheel (sim/realmiles), not a stand-in tree
 
 
 def add_arguments(demo) -> None:
@@ -68,9 +76,10 @@ def add_arguments(demo) -> None:
     )
     demo.add_argument(
         "--miles-shape",
-        choices=tuple(SHAPES),
+        choices=(*SHAPES, WHEEL_SHAPE),
         default=DEFAULT_SHAPE,
-        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE}); with --slots: "
+        help=f"with --via miles: which Miles version the stand-in imitates (default {DEFAULT_SHAPE}), or "
+        f"{WHEEL_SHAPE}: the real miles-rl wheel's modules (after `make test`; `make demo-miles`); with --slots: "
         "lora-utils-2026-08 is multi-LoRA v1 (multi_lora_utils), lora-package-2026-09 v2 (lora/checkpoint.py)",
     )
     demo.add_argument(
@@ -104,6 +113,7 @@ class Scenario:
         self.saves = [r for r in range(args.steps) if (r + 1) % args.save_every == 0 or r == args.steps - 1]
         self.crash_rollout = max(r for r in self.saves if r < args.steps - 1)
         self.crash_rank = self.world - 1 if args.crash_rank is None else args.crash_rank
+        self.wheel = args.miles_shape == WHEEL_SHAPE
 
     def training_flags(self) -> list[str]:
         """Everything that defines the training itself (shared by the reference)."""
@@ -160,6 +170,12 @@ class Scenario:
 
 def run(args, launcher=None) -> int:
     """The `--via miles` demo; returns the exit code."""
+    if getattr(args, "slots", None) is not None and args.miles_shape == WHEEL_SHAPE:
+        print(
+            f"ERROR --slots with --miles-shape {WHEEL_SHAPE}: the miles-rl 0.0.2 wheel has no multi-LoRA",
+            file=sys.stderr,
+        )
+        return 2
     if getattr(args, "slots", None) is not None:  # multi-LoRA: tools/demo_miles_slots.py
         from miles_lora_ckpt.tools import demo_miles_slots
 
@@ -179,7 +195,7 @@ def run(args, launcher=None) -> int:
         if args.crash_at not in STOCK_PHASES:
             print(f"ERROR stock Miles' save has only {', '.join(STOCK_PHASES)} to crash at", file=sys.stderr)
             return 2
-    problem = _peft_usage_problem(args)
+    problem = _peft_usage_problem(args) or _wheel_problem(args)
     if problem:
         print(f"ERROR {problem}", file=sys.stderr)
         return 2
@@ -198,7 +214,10 @@ def run(args, launcher=None) -> int:
         _qwen2_base(scenario.hf)
     else:
         scenario.hf.mkdir(exist_ok=True)
-        (scenario.hf / "config.json").write_text("{}\n")
+        # the wheel's base load asks Bridge (the harness's double) for the architecture; any non-Qwen2
+        # config gives the tiny harness model
+        base = '{"architectures": ["LlamaForCausalLM"]}\n' if scenario.wheel else "{}\n"
+        (scenario.hf / "config.json").write_text(base)
     scenario.config.write_text(CONFIG_TEXT + (PEFT_CONFIG_TEXT if scenario.peft else ""))
     from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
 
@@ -209,6 +228,22 @@ def run(args, launcher=None) -> int:
     finally:
         if own:
             launcher.close()
+
+
+def _wheel_problem(args) -> str | None:
+    """--miles-shape miles-rl-0.0.2 needs the real-Miles tier; the wheel has no Bridge export here."""
+    if args.miles_shape != WHEEL_SHAPE:
+        return None
+    from miles_lora_ckpt.sim.realmiles import standins
+
+    if standins.tier_folder() is None:
+        return (
+            f"--miles-shape {WHEEL_SHAPE} runs the real Miles wheel: install it with `make test` (or "
+            f"`make .tier-miles/miles-rl-0.0.2/.installed`) and run `make demo-miles`, or set {standins.ENV}"
+        )
+    if getattr(args, "export_peft", False):
+        return f"--export-peft with --miles-shape {WHEEL_SHAPE}: the wheel runs without Megatron-Bridge's export here"
+    return None
 
 
 def _peft_usage_problem(args) -> str | None:
@@ -251,7 +286,8 @@ def _run_phases(scenario: Scenario, launcher) -> int:
     args = scenario.args
     mode = "with miles-lora-ckpt" if scenario.plugin else "WITHOUT the plugin (stock Miles)"
     print(
-        f"demo via Miles ({args.miles_shape} stand-in) {mode}: {scenario.world} ranks, {args.dtype}, "
+        f"demo via Miles ({args.miles_shape} {'real wheel' if scenario.wheel else 'stand-in'}) {mode}: "
+        f"{scenario.world} ranks, {args.dtype}, "
         f"{args.adapters} adapters, {args.optimizer}, {args.steps} rollouts x 2 steps, --save-interval "
         f"{args.save_every}, workdir {scenario.dir}"
     )
@@ -277,12 +313,20 @@ def _launch(scenario: Scenario, launcher, argv: list[str], crash: dict | None = 
     from miles_lora_ckpt.sim.miles_standin import shape_path
 
     started = time.monotonic()
+    if scenario.wheel:
+        from miles_lora_ckpt.sim.realmiles import standins
+
+        job, payload, sys_path = WHEEL_JOB, {"argv": argv, "crash": crash, "tier": str(standins.tier_folder())}, []
+        if crash and not scenario.plugin:  # stock 0.0.2 has no fault points: killed before the next save
+            payload["crash"] = {**crash, "rollout": crash["rollout"] + 1, "phase": "between-saves"}
+    else:
+        job, payload, sys_path = JOB, {"argv": argv, "crash": crash}, [shape_path(scenario.args.miles_shape)]
     results = launcher.run(
         scenario.world,
-        JOB,
-        {"argv": argv, "crash": crash},
+        job,
+        payload,
         env=scenario.env() if env is None else env,
-        sys_path=[shape_path(scenario.args.miles_shape)],
+        sys_path=sys_path,
         timeout_s=scenario.args.timeout,
         failure_grace_s=5.0,
     )
@@ -315,6 +359,11 @@ def _first_launch(scenario: Scenario, launcher) -> None:
     where = (
         f"rank {scenario.crash_rank} SIGKILLs itself at {args.crash_at} while saving rollout {scenario.crash_rollout}"
     )
+    if scenario.wheel and not scenario.plugin:  # stock 0.0.2 has no fault points (see _launch)
+        where = (
+            f"rank {scenario.crash_rank} SIGKILLs itself after training rollout {scenario.crash_rollout + 1}, "
+            "before its save (stock Miles has no fault points)"
+        )
     print(f"launch 1: {where if crash else 'no crash injected'} ({seconds:.1f}s)")
     for result in results:
         if result.exitcode is not None and result.exitcode < 0:

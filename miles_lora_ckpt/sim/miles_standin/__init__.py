@@ -1,6 +1,7 @@
 """Stand-ins of Miles' module tree, one directory per supported shape, for the tests and the demo.
 
-Miles is not installable here. Each shape directory holds a `miles` package written from the
+The Miles shapes that exist in no installable wheel (the real miles-rl 0.0.2 wheel runs in the
+real-Miles tier: `sim/realmiles`, `make tier-miles`). Each shape directory holds a `miles` package written from the
 contract (miles-contract.md; never copied from Miles): module paths, function signatures, the
 train actor's call order (init hook, model setup, load, train steps, save, ref/old-actor loads),
 and stock Miles' checkpoint behaviour with its defects (§10.4): per-rank pickles, Adam moments

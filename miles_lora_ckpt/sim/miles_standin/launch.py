@@ -9,7 +9,11 @@ observes the run through the driver's probe, and may SIGKILL one rank during one
 raise there (`payload["crash"]`):
 
     {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write", "action": "kill"} | None,
-     "send_ckpt": false, "bridge": "nvidia"}
+     "send_ckpt": false, "bridge": "nvidia", "drop": ["miles.backends.megatron_utils.lora_utils._load_training_state"]}
+
+`drop` (optional) derives a tree variant from the shape: each named function is deleted from its
+module before the launch, e.g. the 2026-08 tree without `_load_training_state` of PR #1792's branch
+and current working branches (contract §10.6).
 
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; stock Miles' save has
 `before-write`, `mid-write` and `after-write`), a PEFT export phase (`core.faults.PEFT_PHASES`), or
@@ -81,6 +85,11 @@ def launch_job(payload: dict, ctx) -> dict:
         from miles_lora_ckpt.sim import bridge_double
 
         bridge_double.install(variant=payload.get("bridge", "nvidia"))
+    for qualified in payload.get("drop", ()):
+        import importlib
+
+        module, _, name = qualified.rpartition(".")
+        delattr(importlib.import_module(module), name)
     observer = _Observer(ctx.rank, payload.get("crash"))
     report = observer.report
     report["failed"] = None

@@ -45,6 +45,8 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     add("--override-opt-param-scheduler", action="store_true")
     add("--disable-gloo-process-groups", dest=gloo_dest, action="store_false")
     add("--non-persistent-ckpt-type", default=None, choices=("global", "local", "in_memory"))
+    add("--use-fault-tolerance", action="store_true")
+    add("--ft-components", nargs="+", default=None, help="FT components, e.g. train rollout")
     add("--start-rollout-id", type=int, default=None)
     add("--hf-checkpoint", default=None)
     add("--ref-load", default=None)
@@ -103,6 +105,8 @@ def validate(args) -> None:
         raise ValueError("--save-interval requires --save")
     if args.custom_megatron_post_save_hook_path is not None and args.save is None:
         raise ValueError("--custom-megatron-post-save-hook-path requires --save")
+    if args.use_fault_tolerance and "train" in (args.ft_components or ()):
+        args.non_persistent_ckpt_type = "local"  # Miles' in-memory checkpoint for the train FT heal path
     if args.multi_lora_n_adapters > 0:
         validate_multi_lora_args(args)
         return
@@ -135,8 +139,17 @@ def validate_multi_lora_args(args) -> None:
     args.use_distributed_optimizer = False  # set_default_megatron_args
 
 
-def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
-    """Miles' save cadence: every `interval` rollouts, and the last rollout."""
+def should_run_periodic_action(
+    rollout_id: int,
+    interval: int | None,
+    num_rollout_per_epoch: int | None = None,
+    num_rollout: int | None = None,
+) -> bool:
+    """Miles' save cadence (miles/utils/misc.py; the signature of the real wheel's, compared in
+    tests/test_real_miles.py): every `interval` rollouts, at an epoch boundary, and the last rollout."""
     if interval is None:
         return False
-    return (rollout_id + 1) % interval == 0 or rollout_id == num_rollout - 1
+    if num_rollout is not None and rollout_id == num_rollout - 1:
+        return True
+    step = rollout_id + 1
+    return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)

@@ -48,7 +48,7 @@ def run(argv: list[str], probe: Probe | None = None):
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         losses = actor.train(rollout_id)
         probe.after_rollout(actor, rollout_id, losses)
-        if should_run_periodic_action(rollout_id, args.save_interval, args.num_rollout):
+        if should_run_periodic_action(rollout_id, args.save_interval, None, args.num_rollout):
             probe.before_save(actor, rollout_id)
             actor.save_model(rollout_id)
             probe.after_save(actor, rollout_id)

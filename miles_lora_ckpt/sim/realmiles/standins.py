@@ -1,0 +1,196 @@
+"""Every stand-in the real-Miles tier uses, with its reason: the one list (issue 19 item 1).
+
+The real-Miles tier runs the `miles-rl` wheel (radixark Miles 0.0.2, pure Python), installed with
+`--no-deps` into its own folder (`make tier-miles`, `.tier-miles/miles-rl-0.0.2`). The wheel ships
+Miles (`miles`, `miles_plugins`), its own copy of Megatron-LM (`megatron/core` 0.16.0rc0 and
+`megatron/training`) and of SGLang's Python tree (`sglang`). The tier folder is *appended* to
+`sys.path` (`activate`): `megatron` is a namespace package, so `megatron.core` stays the real
+megatron-core of the test tier (0.16.1 in .venv) and `megatron.training` is the wheel's real
+Megatron-LM. Real pure-Python dependencies the wheel's modules need are installed into the same
+folder by the Makefile (`six`, `pybase64`, `triton`: megatron-core's batch-invariant kernels import
+it at module level).
+
+What remains is GPU-only or cluster software, or a network client the checkpoint path never calls.
+Each name below becomes a module whose every attribute is a placeholder: importing and naming it
+works (`from ray.actor import ActorHandle`, `class X(ray.Something)`), *calling* or instantiating it
+raises `StandInCalled` naming the stand-in and its reason. Nothing on the LoRA checkpoint path
+calls them; a test that reached one would fail loudly.
+
+`install()` puts them into `sys.modules`. Only the harness calls it (`activate`, from the real-Miles
+harness job `sim/realmiles/launch.py`, which the `realmiles` tests and the demo's
+`--miles-shape miles-rl-0.0.2` launch, and from the tests' signature subprocess), never a production
+path, so the real names are never stood in outside the harness (`tests/test_real_miles.py` checks
+that importing the plugin leaves `import ray` failing); `installed()` says which are in place.
+
+`SUBSTITUTIONS` lists the other harness pieces of a real-Miles run: names inside the wheel's modules
+that the job replaces, and the parts of Miles it does not run (with the reason for each).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from pathlib import Path
+
+ENV = "MILES_LORA_CKPT_REAL_MILES"  # the tier folder (the Makefile sets it for the realmiles run)
+WHEEL = "miles-rl==0.0.2"
+SHAPE = "miles-rl-0.0.2"
+
+# top-level name -> why it is stood in rather than installed
+STANDINS: dict[str, str] = {
+    "ray": "Ray (cluster runtime, 2.60, binary): Miles' actors and placement; the harness runs one process per rank",
+    "torch_memory_saver": "GPU memory pausing for colocated SGLang (CUDA only)",
+    "sglang_router": "SGLang's Rust router (binary wheel): rollout serving only",
+    "requests": "HTTP client the wheel's SGLang copy and rollout code import at module level; never called",
+    "aiohttp": "async HTTP client of the rollout code (binary wheel); never called",
+    "httpx": "HTTP client of the rollout code; never called",
+    "IPython": "notebook display helper imported by a debug utility; never called",
+}
+
+
+# what else a real-Miles run (sim/realmiles/launch.py) does not take from the wheel, and why
+SUBSTITUTIONS: dict[str, str] = {
+    "miles.backends.megatron_utils.model.setup_model_and_optimizer": (
+        "replaced by the harness's builder (sim.train.build_run: the harness model, megatron's optimizers, Miles' "
+        "scheduler); Miles' builds a GPTModel through Megatron-LM's get_model on GPU"
+    ),
+    "miles.backends.megatron_utils.model.clear_memory": "gc only: Miles' calls torch.cuda.synchronize/empty_cache",
+    "miles.backends.megatron_utils.model.train": (
+        "not run: it runs a GPTModel's forward over rollout data; the harness's train step (sim.train.train_step, "
+        "data a function of seed, step and DP rank) steps the same megatron optimizer and Miles' scheduler"
+    ),
+    "miles.backends.megatron_utils.initialize.init": (
+        "not run: it asserts numpy 1.x and runs Megatron-LM's NCCL and tokenizer set-up; the job does its steps "
+        "(real set_args, megatron's groups, the wheel's create_megatron_parallel_state/set_parallel_state, the "
+        "hook through the wheel's load_function)"
+    ),
+    "miles.utils.arguments (parse_args, miles_validate_args)": (
+        "not run: it imports SGLang's server runtime (PIL, starlette, torchvision, openai, ...); the stand-in "
+        "parser and validation of sim/miles_standin/common/args.py instead"
+    ),
+    "miles.backends.megatron_utils.actor.MegatronTrainRayActor": (
+        "not run: it imports Ray and SGLang's runtime; RealWheelActor follows its call order (init, model "
+        "setup and load, train, model.save, save_hf_model)"
+    ),
+    "megatron.bridge": "the harness's Bridge double (sim.bridge_double); its load_hf_weights writes nothing",
+}
+
+
+class StandInCalled(RuntimeError):
+    """Code under test called into a stand-in: the real package is not installed here."""
+
+
+def _placeholder(qualified: str, reason: str) -> type:
+    def refuse(*_args, **_kwargs):
+        raise StandInCalled(f"{qualified} is a real-Miles-tier stand-in ({reason}); it cannot be called here")
+
+    class _Meta(type):
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _placeholder(f"{qualified}.{name}", reason)
+
+        def __call__(cls, *args, **kwargs):
+            refuse()
+
+        def __getitem__(cls, item):  # type annotations such as ActorHandle[Foo]
+            return cls
+
+    return _Meta(qualified.rsplit(".", 1)[-1], (), {"__module__": qualified.rsplit(".", 1)[0], "refuse": refuse})
+
+
+def _ray_remote(*args, **kwargs):
+    """`@ray.remote` and `@ray.remote(num_cpus=...)` at import time: the object, undecorated (its
+    `.remote(...)` does not exist, so a call through Ray fails)."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return args[0]
+    return lambda obj: obj
+
+
+# attributes a stand-in must really provide because Miles uses them at import time
+_IMPORT_TIME = {"ray.remote": _ray_remote}
+
+
+class _StandInModule(types.ModuleType):
+    def __init__(self, name: str, reason: str):
+        super().__init__(name, f"real-Miles tier stand-in: {reason}")
+        self.__path__ = []  # a package: submodules resolve through the finder below
+        self.__miles_lora_ckpt_standin__ = reason
+        self.__spec__ = importlib.machinery.ModuleSpec(name, _FINDER, is_package=True)
+        for qualified, value in _IMPORT_TIME.items():
+            if qualified.rsplit(".", 1)[0] == name:
+                setattr(self, qualified.rsplit(".", 1)[1], value)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(f"{self.__name__}.{name}", self.__miles_lora_ckpt_standin__)
+        setattr(self, name, value)
+        return value
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves `ray.util.state` and friends below an installed stand-in."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        top = fullname.split(".", 1)[0]
+        if top in _installed and top in STANDINS:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StandInModule(spec.name, STANDINS[spec.name.split(".", 1)[0]])
+
+    def exec_module(self, module):
+        return None
+
+
+_FINDER = _Finder()
+_installed: set[str] = set()
+
+
+def tier_folder() -> Path | None:
+    """The real-Miles tier folder named by MILES_LORA_CKPT_REAL_MILES, if it holds the wheel."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        return None
+    path = Path(folder).resolve()
+    return path if (path / "miles" / "__init__.py").is_file() else None
+
+
+def activate(folder: str | Path | None = None) -> Path:
+    """Append the tier folder to sys.path (after site-packages) and install the stand-ins."""
+    path = Path(folder).resolve() if folder is not None else tier_folder()
+    if path is None or not (path / "miles" / "__init__.py").is_file():
+        raise RuntimeError(f"no real Miles wheel: set {ENV} to the tier folder (make tier-miles installs {WHEEL})")
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+    install()
+    return path
+
+
+def install() -> None:
+    """Put every stand-in of STANDINS into sys.modules (those whose real package is not importable)."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    for name, reason in STANDINS.items():
+        if name in sys.modules and name not in _installed:
+            continue  # the real package is already imported: keep it
+        _installed.add(name)
+        sys.modules.setdefault(name, _StandInModule(name, reason))
+
+
+def installed() -> dict[str, str]:
+    """The stand-ins in sys.modules now: name -> reason."""
+    return {
+        name: module.__miles_lora_ckpt_standin__
+        for name, module in sys.modules.items()
+        if isinstance(module, _StandInModule)
+    }
+
+
+def is_standin(module: types.ModuleType) -> bool:
+    return isinstance(module, _StandInModule)

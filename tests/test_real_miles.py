@@ -1,0 +1,273 @@
+"""The real Miles wheel (miles-rl 0.0.2, `make tier-miles`): binding, and kill/relaunch on its code paths.
+
+Runs only where MILES_LORA_CKPT_REAL_MILES names the tier folder (the Makefile's `tier-miles` run,
+marker `realmiles`); elsewhere these tests skip. Every `miles.*` module a run used must be the
+wheel's (its file under the tier folder); what is stood in is listed in `sim/realmiles/standins.py`.
+A run goes through `sim/realmiles/launch.py`: the wheel's `initialize_model_and_optimizer`,
+`checkpoint.load_checkpoint`, `model.save` and `lora_utils` on the harness's model and megatron's
+DistributedOptimizer (gloo, CPU), with the plugin's init hook or without it (stock Miles).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jobs_paths import JOBS
+from test_miles_resume import _first_difference, failed, ok
+
+from miles_lora_ckpt.sim.realmiles import standins
+
+TIER = standins.tier_folder()
+pytestmark = [
+    pytest.mark.realmiles,
+    pytest.mark.skipif(TIER is None, reason=f"no real Miles wheel: {standins.ENV} unset (make tier-miles)"),
+]
+
+JOB = "miles_lora_ckpt.sim.realmiles.launch:launch_job"
+HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
+TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_fc2", "mixed": None}
+QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
+ROLLOUTS = 4  # x 2 optimizer steps; a save after every rollout; the crash is in the save of rollout 2
+USED = (
+    "miles.backends.megatron_utils.lora_utils",
+    "miles.backends.megatron_utils.checkpoint",
+    "miles.backends.megatron_utils.model",
+    "miles.utils.misc",
+    "megatron.training.global_vars",
+)
+
+
+class Run:
+    def __init__(self, launcher, tmp: Path, world: int, adapters: str, hf: Path | None = None):
+        self.launcher, self.world = launcher, world
+        self.hf = hf or tmp / "hf-base"
+        if hf is None:
+            self.hf.mkdir(parents=True, exist_ok=True)
+            # the Bridge double reads the architecture; any non-Qwen2 config gives the tiny harness model
+            (self.hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.save = tmp / "run"
+        self.config = tmp / "plugin.toml"
+        self.config.write_text("[consensus]\ntimeout_s = 60\n")
+        self.training = ["--megatron-to-hf-mode", "bridge", "--hf-checkpoint", str(self.hf), "--bf16"]
+        self.training += ["--num-rollout", str(ROLLOUTS), "--lora-rank", "4", "--lora-alpha", "4"]
+        targets = QWEN2_TARGETS[adapters] if hf is not None else TARGETS[adapters]
+        self.training += ["--target-modules", targets] if targets else []
+
+    def command(self, *more: str, plugin: bool = True) -> list[str]:
+        saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
+        return (HOOK if plugin else []) + self.training + saving + list(more)
+
+    def launch(self, argv, crash=None, wheel_validation=False):
+        return self.launcher.run(
+            self.world,
+            JOB,
+            {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_validation": wheel_validation},
+            env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
+            sys_path=[JOBS],
+            timeout_s=300,
+            failure_grace_s=5.0,
+        )
+
+
+def assert_from_the_wheel(report: dict) -> None:
+    modules = report["modules"]
+    for name in USED:
+        assert Path(modules[name]).resolve().is_relative_to(TIER), (name, modules.get(name))
+    for name, path in modules.items():  # nothing named miles comes from elsewhere (a stand-in tree)
+        assert not path or Path(path).resolve().is_relative_to(TIER), (name, path)
+    assert {name.split(".")[0] for name in report["standins"]} <= set(standins.STANDINS), report["standins"]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 3])
+def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world):
+    """The hook binds to the wheel (shape miles-rl-0.0.2); a rank killed mid-save, the same command
+    relaunched: every tensor, counter and loss equals an uninterrupted run's (dense, mixed, expert-only)."""
+    for adapters in ("dense", "mixed", "expert-only"):
+        run = Run(prewarmed, tmp_path / adapters, world, adapters)
+        reference = ok(run.launch(run.training))
+        crashed = run.launch(run.command(), crash={"rollout": 2, "rank": world - 1, "phase": "mid-write"})
+        assert crashed[world - 1].exitcode == -9, adapters
+        if world == 2 and adapters == "dense":
+            # the wheel's own validation forces start_rollout_id = 0 in bridge mode (fixed by Miles #2682):
+            # its driver would replay from rollout 0 over the resumed state; refused on every rank
+            errors = failed(run.launch(run.command(), wheel_validation=True))
+            assert all("start_rollout_id is already 0" in e and "PR #2682" in e for e in errors), errors
+        resumed = ok(run.launch(run.command()))
+        for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
+            assert_from_the_wheel(got)
+            assert got["plugin"]["shape"] == "miles-rl-0.0.2", got["plugin"]
+            assert "miles.backends.megatron_utils.model.save_lora_checkpoint" in got["plugin"]["bindings"]
+            assert got["start_rollout_id"] == 2, (adapters, rank)
+            assert got["rollouts"] == [2, 3], (adapters, rank)
+            assert got["after_init"]["scheduler_num_steps"] == 2 * 8, (adapters, rank)  # stepped once
+            saved = (crashed[rank].result or {}).get("at_save", {}).get("1")
+            if saved is not None:
+                assert got["after_init"]["digests"] == saved, _first_difference(saved, got["after_init"]["digests"])
+            for step, loss in got["losses"].items():
+                assert loss == ref["losses"][step], (adapters, rank, step)
+            assert got["final"] == ref["final"], (adapters, rank, _first_difference(ref["final"], got["final"]))
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
+    """Negative control, plugin not installed (contract §10.4): the wheel's own LoRA save/load."""
+    run = Run(prewarmed, tmp_path / "dense", 2, "dense")
+    reference = ok(run.launch(run.training))
+    # killed after rollout 3 trained, before its save: stock Miles' save of rollout 2 is complete
+    crashed = run.launch(run.command(plugin=False), crash={"rollout": 3, "rank": 1, "phase": "between-saves"})
+    assert crashed[1].exitcode == -9
+    assert_from_the_wheel(crashed[0].result)
+    assert crashed[0].result["plugin"] is None
+    saved = crashed[0].result["at_save"]["2"]
+    adapter = str(run.save / "iter_0000002" / "adapter")
+    resumed = ok(run.launch(run.training + ["--lora-adapter-path", adapter]))
+    for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
+        after = got["after_init"]
+        assert got["start_rollout_id"] == 0, rank  # the rollout counter starts over
+        assert after["scheduler_num_steps"] == 24 + 2 * 4, rank  # restored 24 samples, then + 2 x 4 again
+        assert not after["masters_match_adapter"], rank  # stale fp32 masters under the loaded adapter
+        if rank == 0:
+            params = [n for n in saved if n.startswith("param/")]
+            assert params and all(after["digests"][n] == saved[n] for n in params)  # the adapter did load
+            state = [n for n in saved if "/master/" in n or n.endswith("/exp_avg") or n.endswith("/exp_avg_sq")]
+            assert state and all(after["digests"].get(n) != saved[n] for n in state)  # masters, moments did not
+        assert got["final"] != ref["final"], rank
+
+    expert = Run(prewarmed, tmp_path / "expert", 2, "expert-only")
+    errors = failed(expert.launch(expert.command(plugin=False)))
+    assert all("AttributeError" in e for e in errors), errors  # stub child: state_dict() raises on every rank
+
+
+# functions whose signature is the same in the 2026-08 snapshot and the miles-rl 0.0.2 wheel (contract
+# §1, §2, §10.5): the 2026-08 stand-in must render them exactly as the real wheel does
+SHARED = {
+    "miles.utils.misc": ("load_function", "should_run_periodic_action"),
+    "miles.backends.megatron_utils.lora_utils": (
+        "save_lora_checkpoint",
+        "load_lora_adapter",
+        "_load_training_state",
+        "is_lora_enabled",
+        "is_lora_model",
+    ),
+    "miles.backends.megatron_utils.checkpoint": ("load_checkpoint", "save_checkpoint_with_lora"),
+    "miles.backends.megatron_utils.model": ("setup_model_and_optimizer",),
+}
+_SIGNATURES = """
+import importlib, json, sys
+from miles_lora_ckpt.integration.shapes import detect_shape, render_signature
+if sys.argv[1] == "wheel":
+    from miles_lora_ckpt.sim.realmiles import standins
+    standins.activate(sys.argv[2])
+else:
+    sys.path.insert(0, sys.argv[2])
+shared = json.loads(sys.argv[3])
+out = {"signatures": {}, "files": {}}
+for module, names in shared.items():
+    m = importlib.import_module(module)
+    out["files"][module] = m.__file__
+    for name in names:
+        out["signatures"][module + "." + name] = render_signature(getattr(m, name))
+out["shape"] = detect_shape().name
+print("RESULT" + json.dumps(out))
+"""
+
+
+def _signatures(kind: str, path: str) -> dict:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNATURES, kind, path, json.dumps(SHARED)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[len("RESULT") :])
+
+
+def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatures():
+    from miles_lora_ckpt.sim.miles_standin import shape_path
+
+    wheel = _signatures("wheel", str(TIER))
+    assert wheel["shape"] == "miles-rl-0.0.2"
+    for module, path in wheel["files"].items():
+        assert Path(path).resolve().is_relative_to(TIER), (module, path)
+    standin = _signatures("standin", shape_path("lora-utils-2026-08"))
+    assert standin["shape"] == "lora-utils-2026-08"
+    differing = {
+        name: (standin["signatures"][name], real)
+        for name, real in wheel["signatures"].items()
+        if standin["signatures"][name] != real
+    }
+    assert not differing, differing
+
+
+def test_the_stand_ins_are_not_importable_outside_the_harness():
+    """Importing the plugin (and its Miles hook) installs no stand-in: `import ray` still fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import miles_lora_ckpt.hooks, miles_lora_ckpt.integration.install\n"
+        "import importlib\n"
+        f"for name in {sorted(standins.STANDINS)!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise SystemExit('importable: ' + name)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_demo_runs_the_real_wheel_and_stock_is_the_negative_control(prewarmed, tmp_path, capsys):
+    from miles_lora_ckpt.tools import demo_miles
+    from miles_lora_ckpt.tools.cli import build_parser
+
+    small = ["--world-size", "2", "--steps", "4", "--save-every", "1", "--miles-shape", "miles-rl-0.0.2"]
+
+    def demo(*more: str) -> int:
+        args = build_parser().parse_args(["demo", "--via", "miles", *small, *more])
+        return demo_miles.run(args, launcher=prewarmed)
+
+    assert demo("--workdir", str(tmp_path / "plugin")) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == "RESULT: bit-exact"
+    assert "(miles-rl-0.0.2 real wheel)" in out and "bound to Miles shape miles-rl-0.0.2" in out
+    assert demo("--workdir", str(tmp_path / "stock"), "--without-plugin") == 1
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("RESULT: MISMATCH rollout counter resumed at 0")
+    assert "--custom-megatron-init-path" not in out
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+@pytest.mark.peft
+def test_save_hf_on_the_wheel_publishes_the_adapter_though_the_merged_export_fails(prewarmed, tmp_path):
+    """The wheel's save_hf_model runs the adapter export (save_lora_checkpoint, the plugin's --save-hf
+    publication) after the merged-model export's try block: Bridge's merged export failing (the double
+    has no save_hf_pretrained) does not skip it. Every --save-hf adapter is a loadable HF PEFT adapter."""
+    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    hf = build_tiny_qwen2(tmp_path / "hf-base", Qwen2SimConfig().hf_config_kwargs())
+    run = Run(prewarmed, tmp_path / "run", 2, "dense", hf=hf)
+    out = tmp_path / "hf-out"
+    results = ok(run.launch(run.command("--save-hf", str(out / "{rollout_id}"))))
+    assert results[0]["plugin"]["shape"] == "miles-rl-0.0.2"
+    for rollout in range(ROLLOUTS):
+        assert not (out / str(rollout) / "config.json").exists()  # the merged export failed (Miles logged it)
+        report = load_report(out / str(rollout) / "adapter" / "latest", hf)
+        assert report.ok and report.loaded_tensors > 0, (rollout, report.headline())
