@@ -51,7 +51,7 @@ def load_slot_checkpoint(
       own children (and those only where no optimizer state was saved, or `load_optim=False`).
     - Refused on every rank before anything changes (IncompatibleCheckpoint inside the
       CheckpointError): a generation of another saver, of another slot index, another
-      model-parallel layout that cannot reshard (CP; v1/v2 generations; with `rename_slot`; see
+      model-parallel layout that cannot reshard (v1/v2 generations; with `rename_slot`; see
       `megatron.reshard`; DP may change), or one that does not cover every
       parameter of the slot on this rank (the empty-shard guard), or a filter that matches nothing.
     - Another slot index: with `rename_slot` (a `remap.SlotRenamer`, e.g. the Miles bindings'
