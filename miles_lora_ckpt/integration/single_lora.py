@@ -259,6 +259,7 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
             opt_param_scheduler=scheduler if restore_optimizer else None,
             load_optim=not flags.no_load_optim,
             weights_only=flags.finetune or not with_optimizer,
+            hyperparameters=resume.hyperparameter_policy(rt.config, rt.args),
         )
     except CheckpointError as exc:  # raised on every rank alike; model and optimizer were rolled back
         if "OptimizerParamScheduler" not in str(exc):
