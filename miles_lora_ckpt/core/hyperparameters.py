@@ -32,6 +32,7 @@ from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import to_json
 
 POLICIES = ("checkpoint", "launch", "refuse")
+REFUSED = "the checkpoint's hyperparameters differ from the ones this launch built"  # starts the refusal
 NOT_COMPARED = ("params", "param_names", "lr", "weight_decay", "step")
 # megatron's OptimizerParamScheduler fields its `load_state_dict` checks (`_check_and_set`)
 SCHEDULER_FIELDS = (
@@ -109,7 +110,7 @@ class Reconciler:
         """Under 'refuse', raise IncompatibleCheckpoint naming every difference found."""
         if self.policy == "refuse" and self.differences:
             raise IncompatibleCheckpoint(
-                "the checkpoint's hyperparameters differ from the ones this launch built: "
+                f"{REFUSED}: "
                 + "; ".join(self.differences)
                 + ". Continue with the checkpoint's (--use-checkpoint-opt-param-scheduler, or resume.hyperparameters "
                 '= "checkpoint"), keep the launch\'s (--override-opt-param-scheduler, or resume.hyperparameters = '
