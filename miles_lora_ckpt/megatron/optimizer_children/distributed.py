@@ -32,7 +32,7 @@ format 1 too) load the same way: each rank reads its ranges from that file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -372,6 +372,7 @@ class _Restore:
     keys: tuple[str, ...]
     state: dict  # the DP root's `state_dict()` (decoded, groups settled): param groups and step
     buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard)]
+    groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
 
 
 class DistributedFamily:
@@ -471,12 +472,21 @@ class DistributedFamily:
                 ]  # one bucket's master shard at a time, read again at install
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
-        return _Restore(read.keys, state, buckets)
+        return _Restore(read.keys, state, buckets, groups)
 
     def allocate(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
         had = {id(p): set(s) for p, s in opt.optimizer.state.items()}
-        opt.load_state_dict(restore.state)  # param groups (settled in preflight), step; allocates the moments
+        # megatron pairs saved and live param groups by identifying keys (0.19: max_lr and min_lr
+        # among them), so a checkpoint whose values differ from the launch's would find no group:
+        # it is handed the live groups (and the saved step), then every group gets the settled
+        # saved values, in order (core.hyperparameters compared them pairwise in preflight)
+        live = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        steps = [{"step": g["step"]} if "step" in g else {} for g in restore.groups]
+        paired = [{**group, **step} for group, step in zip(live, steps, strict=True)]
+        opt.load_state_dict({**restore.state, "optimizer": {**restore.state["optimizer"], "param_groups": paired}})
+        for group, saved in zip(opt.optimizer.param_groups, restore.groups, strict=True):
+            group.update(saved)
         _drop_planted_keys(opt, restore.keys, had)
 
     def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
