@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -66,6 +67,28 @@ def rebind(gen: Path, rel: str, **binding: str) -> None:
         body["files"][rel]["binding"].update(binding)
 
     edit_manifest(gen, change)
+
+
+def transplant_tensors(gen: Path, rel: str, donor: Path, donor_rel: str | None = None) -> None:
+    """Put the tensors of `donor`'s file (another generation's, or another file's) into `rel`, under
+    `rel`'s own stamp, resealed: every digest, stamp and binding agrees; only the content is foreign."""
+    foreign, _ = storage.load_tensors(donor / (donor_rel or rel))
+    foreign = {k: v.clone() for k, v in foreign.items()}
+
+    def change(tensors):
+        tensors.clear()
+        tensors.update(foreign)
+
+    rewrite_tensors(gen, rel, change)
+
+
+def swap_tensors(gen: Path, first: str, second: str) -> None:
+    """Exchange the tensors of two files, each keeping its own stamp and binding (resealed): a swap
+    that stamps, bindings and digests all accept."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(gen, Path(tmp) / "copy")
+        transplant_tensors(gen, first, Path(tmp) / "copy", second)
+        transplant_tensors(gen, second, Path(tmp) / "copy", first)
 
 
 def drop_file(gen: Path, rel: str) -> None:

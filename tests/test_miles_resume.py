@@ -304,9 +304,10 @@ def test_initial_adapter_and_scheduler_flags_keep_their_meaning(launcher, tmp_pa
         assert all(after["digests"][n] == d for n, d in params.items()), rank
         assert sorted(got["tags"]["ref"].values()) == sorted(params.values()), rank
 
-    # a changed schedule is refused on resume (megatron's check) unless --use-checkpoint-opt-param-scheduler
-    # (the warmup: megatron 0.19 keys optimizer param groups by their lr, so a changed --lr fails earlier)
+    # a changed schedule is refused on resume (resume.strict, before anything changes) unless
+    # --use-checkpoint-opt-param-scheduler; the refusal names the field and both values
     errors = failed(donor.launch(donor.command("--lr-warmup-iters", "2")))
-    assert all("do not match" in e and "add --use-checkpoint-opt-param-scheduler" in e for e in errors), errors[0]
+    assert all("scheduler: lr_warmup_steps differs: checkpoint " in e for e in errors), errors[0]
+    assert all("add --use-checkpoint-opt-param-scheduler" in e for e in errors), errors[0]
     resumed = ok(donor.launch(donor.command("--lr-warmup-iters", "2", "--use-checkpoint-opt-param-scheduler")))
     assert all(r["start_rollout_id"] == ROLLOUTS and r["after_init"]["scheduler_num_steps"] == 32 for r in resumed)

@@ -308,3 +308,14 @@ def test_a_whole_parameter_file_bound_to_another_child_is_refused_before_anythin
         in (errors[0])
     )
     assert all(o["changed"] is None for o in outcomes), [o["changed"] for o in outcomes]
+
+
+def test_whole_parameter_masters_of_another_generation_are_refused_before_anything_changes(w2):
+    """The child's files of a generation one step later under this generation's stamps (every
+    digest, stamp and binding agrees): its masters are not the ones the adapter was cast from."""
+    outcomes = [r["rebound"]["transplanted"] for r in w2]
+    errors = [o["error"] for o in outcomes]
+    assert all(errors) and errors[0] == errors[1], errors
+    assert "is not the bfloat16 cast of its fp32 master in optimizer/child0_" in errors[0], errors[0]
+    assert "(optimizer child 0)" in errors[0] and "adapter/dense_tp000_pp000.safetensors" in errors[0], errors[0]
+    assert all(o["changed"] is None for o in outcomes), [o["changed"] for o in outcomes]

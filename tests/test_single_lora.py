@@ -22,8 +22,10 @@ from damage import (
     rewrite_tensors,
     set_param_group,
     swap_files,
+    swap_tensors,
     to_gathered_layout,
     torch_pickle_bytes,
+    transplant_tensors,
 )
 from jobs_paths import JOBS
 
@@ -112,9 +114,10 @@ def saved_root(tmp_path_factory):
         "steps": 2,
         "saves": 2,
         "no_optim_root": str(root.parent / "no-optim"),
+        "later_root": str(root.parent / "later"),  # one step further: a donor of foreign files
     }
     results = run(2, "train_and_save", payload)
-    return root, results[0]["paths"]
+    return root, results[0]["paths"], results[0]["later"]
 
 
 def _copy_generation(gen: str, dest) -> str:
@@ -124,7 +127,7 @@ def _copy_generation(gen: str, dest) -> str:
 
 
 def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path):
-    root, (older, newer) = saved_root
+    root, (older, newer), later = saved_root
     optim = "optimizer/child0_tp000_pp000_ep000_etp000_s000of002.safetensors"  # DP rank 0's slice
     optim1 = "optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors"
     cases = {}
@@ -170,10 +173,32 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     case("optimizer file of another generation", lambda g: reseal_file(g, optim, (Path(older) / optim).read_bytes()))
     case("optimizer files swapped between children", lambda g: swap_files(g, optim, optim1))
     case("optimizer file bound to another child", lambda g: rebind(g, optim, child="1"))
+    # unkeyed semantic cross-checks: every stamp, binding and digest agrees, only the adapter and the
+    # masters tell (the adapter must be the bf16 cast of its fp32 master, as megatron keeps it)
+    adapter = "adapter/dense_tp000_pp000.safetensors"
+    case("adapter of another generation, restamped", lambda g: transplant_tensors(g, adapter, Path(later)))
+    case("optimizer slices of another generation, restamped", lambda g: transplant_tensors(g, optim, Path(later)))
+    case(
+        "optimizer children swapped with their stamps",
+        lambda g: [swap_tensors(g, optim.replace("s000", s), optim1.replace("s000", s)) for s in ("s000", "s001")],
+    )
     case(
         "eps NaN through the JSON codec",
         lambda g: edit_training_state(g, lambda s: set_param_group(s, eps={"__float__": "nan"})),
     )
+    # training state against the launch: unknown keys never reach the live optimizer; under the
+    # "refuse" policy (resume.strict without --use-checkpoint-opt-param-scheduler) any difference is refused
+    case(
+        "param group with an unknown key",
+        lambda g: edit_training_state(g, lambda s: set_param_group(s, surprise=0.5)),
+    )
+    case("betas differ, policy refuse", lambda g: edit_training_state(g, lambda s: set_param_group(s, betas=BETAS)))
+    case(
+        "scheduler max_lr differs, policy refuse",
+        lambda g: edit_training_state(g, lambda s: s["scheduler"].update(max_lr=s["scheduler"]["max_lr"] * 2)),
+    )
+    refuse = {"hyperparameters": "refuse"}
+    case_kwargs = {"betas differ, policy refuse": refuse, "scheduler max_lr differs, policy refuse": refuse}
     case(
         "negative scheduler num_steps", lambda g: edit_training_state(g, lambda s: s["scheduler"].update(num_steps=-1))
     )
@@ -215,7 +240,8 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     cases["iterations differ across ranks"] = [older, newer]
     cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
     failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
-    outcomes = run(2, "try_loads", {"config": cfg(2), "cases": cases, "pre_steps": 1, "faults": failing})
+    payload = {"config": cfg(2), "cases": cases, "pre_steps": 1, "faults": failing, "case_kwargs": case_kwargs}
+    outcomes = run(2, "try_loads", payload)
     expected_words = {
         "invalid state structure": "exp_avg_sq",
         "wrong numel": "buf0.bucket0.exp_avg",
@@ -230,6 +256,15 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "optimizer file of another generation": f"{optim}: the file says it is [generation {Path(older).name[-16:]}",
         "optimizer files swapped between children": f"{optim}: the file says it is [generation",
         "optimizer file bound to another child": f"{optim}: the manifest binds it to {{'child': '1',",
+        "adapter of another generation, restamped": f"the adapter in {adapter} is not the bfloat16 cast of its fp32 "
+        "master in optimizer/child0_tp000_pp000_ep000_etp000_s00",
+        "optimizer slices of another generation, restamped": f"the adapter in {adapter} is not the bfloat16 cast of "
+        f"its fp32 master in {optim} (optimizer child 0)",
+        "optimizer children swapped with their stamps": "optimizer child",
+        "param group with an unknown key": "param group 0: the checkpoint holds keys this run's optimizer does not "
+        "have: ['surprise']",
+        "betas differ, policy refuse": "param group 0: betas differs: checkpoint (0.5, 0.999), launch (",
+        "scheduler max_lr differs, policy refuse": "scheduler: max_lr differs: checkpoint",
         "eps NaN through the JSON codec": "param_groups[0].eps is 'nan' (not finite)",
         "negative scheduler num_steps": "scheduler.num_steps is -1",
         "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",
@@ -258,12 +293,26 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     to_gathered_layout(Path(gathered))
     pre_family = _copy_generation(gathered, tmp_path / "pre-family")
     edit_manifest(Path(pre_family), _to_pre_family_metadata)
+    # hyperparameters that differ from the launch's: reported under every policy, settled by it
+    launch_case = _copy_generation(newer, tmp_path / "launch-policy")
+    edit_training_state(Path(launch_case), _change_hyperparameters)
+    default_case = _copy_generation(newer, tmp_path / "default-policy")
+    edit_training_state(Path(default_case), lambda s: set_param_group(s, betas=BETAS))
+    checkpoint_case = _copy_generation(newer, tmp_path / "checkpoint-policy")
+    edit_training_state(Path(checkpoint_case), _change_hyperparameters)
     cases = {
         "newest": str(root),
         "no-optim": str(no_optim),
         "newer": newer,
         "gathered": gathered,
         "pre-family": pre_family,
+        "launch policy": launch_case,
+        "default policy": default_case,
+        "checkpoint policy": checkpoint_case,
+    }
+    case_kwargs = {
+        "launch policy": {"hyperparameters": "launch"},
+        "checkpoint policy": {"hyperparameters": "checkpoint"},
     }
     # a late failure (after install overwrote masters and moments) of a load into a fresh optimizer
     # rolls back bit for bit, with no copy of its masters: they are remade from the parameters
@@ -271,8 +320,15 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     sane = run(
         2,
         "try_loads",
-        {"config": cfg(2), "cases": cases, "fresh_cases": fresh, "install_faults": {next(iter(fresh)): 1}},
+        {
+            "config": cfg(2),
+            "cases": cases,
+            "fresh_cases": fresh,
+            "install_faults": {next(iter(fresh)): 1},
+            "case_kwargs": case_kwargs,
+        },
     )
+    _check_hyperparameter_policies(sane)
     for o in sane:
         late = o["install fails on rank 1, fresh optimizer"]
         assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
@@ -300,6 +356,41 @@ def _int32_slice_with_its_block_index(gen: Path, rel: str) -> None:
     tensors = {k: (v.view(torch.int32) if k == "buf0.bucket0.exp_avg" else v).clone() for k, v in tensors.items()}
     record = storage.save_tensors(gen / rel, tensors, metadata=metadata, blocks=True)
     edit_manifest(gen, lambda b: b["files"][rel].update({**record.to_dict(), "binding": b["files"][rel]["binding"]}))
+
+
+BETAS = {"__tuple__": [0.5, 0.999]}  # as the JSON codec writes a tuple
+
+
+def _change_hyperparameters(state: dict) -> None:
+    """A relaunch with other betas and twice the learning rate, seen from the checkpoint's side."""
+    set_param_group(state, betas=BETAS, max_lr=state["scheduler"]["max_lr"] * 2)
+    state["scheduler"]["max_lr"] *= 2
+
+
+def _check_hyperparameter_policies(outcomes: list[dict]) -> None:
+    for rank, o in enumerate(outcomes):
+        original = o["newer"]["hyperparameters"]  # the launch's values (the unforged checkpoint's)
+        assert original["groups"][0]["betas"] != BETAS, original
+        launch, default, checkpoint = o["launch policy"], o["default policy"], o["checkpoint policy"]
+        for case in (launch, default, checkpoint):
+            assert case["error"] is None and case["result"]["optimizer_restored"], case["error"]
+        # "launch": every difference named with both values, the launch's kept (groups and scheduler)
+        found = launch["result"]["hyperparameter_differences"]
+        assert len(found) == 3, found
+        assert "param group 0: betas differs: checkpoint (0.5, 0.999), launch (" in found[0], found
+        assert "param group 0: max_lr differs: checkpoint " in found[1] and "(the launch's kept)" in found[1], found
+        assert found[2].startswith("scheduler: max_lr differs: checkpoint "), found
+        assert launch["hyperparameters"] == original, (launch["hyperparameters"], original)
+        # default (megatron's behaviour): the checkpoint's param groups, each difference reported,
+        # as a warning on rank 0 only
+        found = default["result"]["hyperparameter_differences"]
+        assert len(found) == 1 and "betas differs: checkpoint (0.5, 0.999)" in found[0], found
+        assert default["hyperparameters"]["groups"][0]["betas"] == BETAS
+        assert any(found[0] in line for line in default["logged"]) == (rank == 0), default["logged"]
+        # "checkpoint" (--use-checkpoint-opt-param-scheduler): the checkpoint's groups and schedule
+        assert checkpoint["hyperparameters"]["scheduler_max_lr"] == 2 * original["scheduler_max_lr"]
+        assert checkpoint["hyperparameters"]["groups"][0]["max_lr"] == 2 * original["groups"][0]["max_lr"]
+        assert any("scheduler: max_lr differs" in d for d in checkpoint["result"]["hyperparameter_differences"])
 
 
 def _to_pre_family_metadata(body: dict) -> None:
@@ -450,7 +541,7 @@ def test_dp_elastic_restore_is_bit_exact(direction, name, request):
 
 
 def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler(saved_root):
-    root, _ = saved_root
+    root = saved_root[0]
     outcomes = run(
         2, "try_loads", {"config": cfg(2), "cases": {"root": str(root)}, "load_kwargs": {"load_optim": False}}
     )
@@ -463,7 +554,7 @@ def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler
 def test_optimizer_mismatch_is_refused_unless_weights_only(saved_root, tmp_path):
     """Adam <-> Lion with megatron's default children (0.16: both DistributedOptimizer; 0.19: Lion is
     a Float16 child). test_optimizer_children.py covers every other mismatch."""
-    adam_root, _ = saved_root
+    adam_root = saved_root[0]
     lion_root = tmp_path / "lion"
     run(2, "train_and_save", {"config": cfg(2, optimizer="lion"), "root": str(lion_root), "steps": 2})
     into_lion = run(2, "try_loads", {"config": cfg(2, optimizer="lion"), "cases": {"adam->lion": str(adam_root)}})

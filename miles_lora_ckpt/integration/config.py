@@ -23,6 +23,7 @@ File shape (TOML; YAML nests the same tables)::
     timeout_s = 600
     [resume]
     strict = true
+    hyperparameters = "auto"   # or "checkpoint", "launch", "refuse"
     [export]
     peft = false
 """
@@ -139,6 +140,20 @@ KEYS: tuple[Key, ...] = (
         "true: resume only from the newest committed generation, exactly (a damaged newest generation, or one "
         "without optimizer state while neither --no-load-optim nor --no-save-optim is given, stops the run); "
         "false: fall back to the newest intact generation and accept an inexact resume, with a warning",
+    ),
+    Key(
+        "resume.hyperparameters",
+        str,
+        "auto",
+        "MILES_LORA_CKPT_HYPERPARAMETERS",
+        "what a resume does where the checkpoint's optimizer hyperparameters (param groups: betas, eps, max_lr, "
+        "min_lr, ...; scheduler: max_lr, min_lr, warmup, decay and weight-decay schedule) differ from the ones this "
+        "launch built (every difference is logged on rank 0 with both values). 'auto': Miles' "
+        "--override-opt-param-scheduler keeps the launch's, --use-checkpoint-opt-param-scheduler restores the "
+        "checkpoint's; with neither, resume.strict refuses the resume and resume.strict = false restores the "
+        "checkpoint's. 'checkpoint', 'launch', 'refuse': that, whatever the flags. A saved param-group key this "
+        "launch's optimizer lacks is refused always",
+        choices=("auto", "checkpoint", "launch", "refuse"),
     ),
     Key(
         "export.peft",

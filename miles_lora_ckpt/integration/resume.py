@@ -229,6 +229,20 @@ def choose_generation(config: PluginConfig, root: Path, flags: LoadFlags, *, wit
     return str(newest)
 
 
+def hyperparameter_policy(config: PluginConfig, args) -> str:
+    """The `core.hyperparameters` policy of this resume: `resume.hyperparameters`, or with "auto"
+    Miles' scheduler flags as megatron reads them (override wins), else "refuse" under
+    `resume.strict` and "checkpoint" without it."""
+    chosen = config["resume.hyperparameters"]
+    if chosen != "auto":
+        return chosen
+    if getattr(args, "override_opt_param_scheduler", False):
+        return "launch"
+    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        return "checkpoint"
+    return "refuse" if config["resume.strict"] else "checkpoint"
+
+
 def samples_per_rollout(args) -> int:
     """Samples one rollout trains on: what Miles' scheduler advances per rollout (§2.2)."""
     try:

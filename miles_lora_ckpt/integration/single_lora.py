@@ -29,6 +29,7 @@ import inspect
 import logging
 from collections.abc import Callable
 
+from miles_lora_ckpt.core import hyperparameters
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.integration import peft, resume, runtime
@@ -261,14 +262,16 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
             opt_param_scheduler=scheduler if restore_optimizer else None,
             load_optim=not flags.no_load_optim,
             weights_only=flags.finetune or not with_optimizer,
+            hyperparameters=resume.hyperparameter_policy(rt.config, rt.args),
         )
     except CheckpointError as exc:  # raised on every rank alike; model and optimizer were rolled back
-        if "OptimizerParamScheduler" not in str(exc):
+        if "OptimizerParamScheduler" not in str(exc) and hyperparameters.REFUSED not in str(exc):
             raise
         raise resume.ResumeRefused(
-            f"{exc}\nThe command's learning-rate schedule differs from the checkpoint's: add "
-            "--use-checkpoint-opt-param-scheduler (continue the saved schedule) or --override-opt-param-scheduler "
-            "(use the command's), or relaunch the original command"
+            f"{exc}\nThe command's optimizer hyperparameters or learning-rate schedule differ from the checkpoint's: "
+            "add --use-checkpoint-opt-param-scheduler (continue with the checkpoint's) or "
+            "--override-opt-param-scheduler (use the command's), or set resume.hyperparameters, or relaunch the "
+            "original command"
         ) from exc
     for warning in result.warnings:
         log.warning("miles-lora-ckpt: %s", warning)

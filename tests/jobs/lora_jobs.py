@@ -148,7 +148,8 @@ def child_classes(run) -> list[str]:
 
 def train_and_save(payload: dict, ctx) -> dict:
     """Train `steps` steps, then save into `root` (`saves` times, default once), and into
-    `no_optim_root` (if given) once more as `--no-save-optim` would."""
+    `no_optim_root` (if given) once more as `--no-save-optim` would; with `later_root`, train one
+    more step and save there (a generation of another training state, for transplants)."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
     run_steps(run, 0, payload["steps"])
@@ -157,7 +158,12 @@ def train_and_save(payload: dict, ctx) -> dict:
         no_optim = Args()
         no_optim.no_save_optim = True
         save(run, payload["no_optim_root"], payload["steps"], consensus, no_optim)
-    return {"paths": paths, "digests": snapshot_digests(snapshot(run))}
+    digests = snapshot_digests(snapshot(run))
+    later = None
+    if payload.get("later_root"):
+        run_steps(run, payload["steps"], payload["steps"] + 1)
+        later = save(run, payload["later_root"], payload["steps"] + 1, consensus)
+    return {"paths": paths, "digests": digests, "later": later}
 
 
 def try_loads(payload: dict, ctx) -> dict:
@@ -191,8 +197,9 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
         install = _failing_install(real_install, payload.get("install_faults", {}).get(name) == ctx.rank, ctx.rank)
         capture = _recording_capture(undo.UndoRecord.capture, records)
         load_module._install, undo.UndoRecord.capture = install, capture
+        kwargs = {**payload.get("load_kwargs", {}), **payload.get("case_kwargs", {}).get(name, {})}
         try:
-            result = load(run, path, consensus, **payload.get("load_kwargs", {}))
+            result = load(run, path, consensus, **kwargs)
             error = None
         except CheckpointError as exc:
             result, error = None, str(exc)
@@ -206,6 +213,7 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
             "result": result.__dict__ if result else None,
             "logged": list(logged),
             "state_digests": after,  # what the run holds after this case (model, optimizer, scheduler)
+            "hyperparameters": live_hyperparameters(run),  # after this case: first child's groups, scheduler
             # the undo record's masters: how many, and how many are remade from the parameters
             "undo_masters": [
                 len(masters),
@@ -213,6 +221,16 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
             ],
         }
     return outcomes
+
+
+def live_hyperparameters(run) -> dict:
+    """The first non-stub child's param groups (JSON, no parameters) and the scheduler's max_lr."""
+    from miles_lora_ckpt.core.jsoncodec import to_json
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    child = next(c for c in leaf_children(run.optimizer) if not c.is_stub)
+    groups = [to_json({k: v for k, v in g.items() if k != "params"}) for g in child.optimizer.optimizer.param_groups]
+    return {"groups": groups, "scheduler_max_lr": run.scheduler.max_lr}
 
 
 def _failing_install(real, fail: bool, rank: int):

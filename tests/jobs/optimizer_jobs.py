@@ -236,8 +236,12 @@ def refusals(case: dict, ctx, consensus: Consensus) -> dict:
 def rebound_file(case: dict, ctx, consensus: Consensus) -> dict:
     """A whole-parameter child's file re-stamped and re-listed as another child's (stamp and manifest
     agree, so the generation verifies): the family's binding check refuses it before any change.
+    And `transplanted`: the child's files of a generation one step later put under this
+    generation's stamps (everything verifies): the masters are not the adapter's, refused too.
     Needs the tests folder on the workers' sys.path (damage.py)."""
-    from damage import rebind
+    import shutil
+
+    from damage import rebind, transplant_tensors
 
     from miles_lora_ckpt.core.consensus import Outcome, attempt
 
@@ -245,18 +249,28 @@ def rebound_file(case: dict, ctx, consensus: Consensus) -> dict:
     run_steps(run, 0, 2)
     generation = Path(save(run, ctx.scratch_dir / "rebound", 2, consensus))
     files = sorted(p.relative_to(generation).as_posix() for p in (generation / "optimizer").glob("child0_*"))
+    copy = ctx.scratch_dir / "transplanted" / generation.name
+    copied = attempt(lambda: str(shutil.copytree(generation, copy))) if consensus.rank == 0 else Outcome.success()
+    consensus.agree("copy", copied)
     damaged = attempt(rebind, generation, files[0], child="1") if consensus.rank == 0 else Outcome.success()
     consensus.agree("rebind", damaged)
-    before = snapshot_digests(snapshot(run))
-    try:
-        load(run, str(generation), consensus)
-        error = None
-    except CheckpointError as exc:
-        error = str(exc)
-    changed = compare_digests(before, snapshot_digests(snapshot(run)))
+    outcomes = {}
+    for name, path in (("rebound", generation), ("transplanted", copy)):
+        if name == "transplanted":  # one step later, then that generation's child-0 files into the copy
+            run_steps(run, 2, 3)
+            later = Path(save(run, ctx.scratch_dir / "later", 3, consensus))
+            forged = [attempt(transplant_tensors, copy, f, later) for f in files] if consensus.rank == 0 else []
+            consensus.agree("transplant", next((f for f in forged if not f.ok), Outcome.success()))
+        before = snapshot_digests(snapshot(run))
+        try:
+            load(run, str(path), consensus)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        outcomes[name] = {"error": error, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
     children = child_classes(run)
     teardown(run)
-    return {"file": files[0], "error": error, "changed": changed, "children": children}
+    return {"file": files[0], **outcomes["rebound"], "transplanted": outcomes["transplanted"], "children": children}
 
 
 def diverged_replicas(case: dict, ctx, consensus: Consensus) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.hyperparameters import Reconciler
 from miles_lora_ckpt.megatron.adapter_shards import strip_wrappers
 from miles_lora_ckpt.megatron.optimizer_children import FAMILIES, family_of
 from miles_lora_ckpt.megatron.optimizer_children.child import (
@@ -226,18 +227,29 @@ def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[st
 
 
 def preflight(
-    optimizer, view: RankView, descriptions, saved: dict[str, dict], tensors, states: dict, ranges=None
+    optimizer,
+    view: RankView,
+    descriptions,
+    saved: dict[str, dict],
+    tensors,
+    states: dict,
+    ranges=None,
+    adapter=None,
+    hyperparameters=None,
 ) -> dict:
     """Local, no mutation: `{index: restore}` for every described child saved with state.
 
     `tensors(relpath, binding)` reads one of this rank's files, `ranges(relpath, binding)` the
-    element ranges it asked of one, each refusing a file bound to anything else (see `ReadContext`)."""
+    element ranges it asked of one, each refusing a file bound to anything else (see `ReadContext`);
+    `adapter(model parameter)` the saved adapter tensor restored into it, which every restored
+    master must have been cast to (`masters.check_master`; None: not checked); `hyperparameters` the
+    `core.hyperparameters.Reconciler` every saved param group goes through (None: a report-only one)."""
     restores = {}
     described = by_index(descriptions)
     for child in select(optimizer, [d["index"] for d in descriptions[view.rank]]):
         entry = saved[str(child.index)]
         if entry["stepped"]:
-            read = ReadContext(tensors, states, tuple(entry["keys"]), ranges)
+            read = ReadContext(tensors, states, tuple(entry["keys"]), ranges, adapter, hyperparameters or Reconciler())
             restores[child.index] = family_of(child).preflight(
                 child, view, described[child.index], entry["layout"], read
             )

@@ -32,7 +32,7 @@ format 1 too) load the same way: each rank reads its ranges from that file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     ReadContext,
     file_binding,
 )
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -381,14 +382,30 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
                     raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
 
+def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
+    """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
+    tensor)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    for model_param, ranges in _param_maps(child.optimizer, layout).items():
+        source = adapter(model_param)
+        if source is None:
+            continue
+        start, end, first = ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start
+        for file, offset, tensor in parts:
+            lo, hi = max(start, offset), min(end, offset + tensor.numel())
+            if hi > lo:
+                where = f"{file} (optimizer child {child.index})"
+                check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
+
+
 # --------------------------------------------------------------------------- the family
 
 
 @dataclass
 class _Restore:
     keys: tuple[str, ...]
-    state: dict  # the DP root's `state_dict()` as JSON: param groups and step
+    state: dict  # the DP root's `state_dict()` (decoded, groups settled): param groups and step
     buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard)]
+    groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
 
 
 class DistributedFamily:
@@ -462,6 +479,13 @@ class DistributedFamily:
         state = read.states.get(f"{child.index}:{root_key}")
         if state is None:
             raise ValueError(f"the training state holds no optimizer state for child {child.index} at {root_key}")
+        state = from_json(state)
+        groups = state.get("optimizer", {}).get("param_groups") if isinstance(state, dict) else None
+        if not isinstance(groups, list):
+            raise ValueError(f"the training state of optimizer child {child.index} at {root_key} has no param groups")
+        # unknown keys refused, differences from the launch reported and settled (core.hyperparameters)
+        where = f"optimizer child {child.index} at {root_key}"
+        read.hyperparameters.param_groups(where, groups, child.optimizer.optimizer.param_groups)
         if mine["numel_unpadded"] != unpadded_numels(child.optimizer):
             raise ValueError(f"optimizer child {child.index} changed its buckets since it was described")
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
@@ -474,12 +498,29 @@ class DistributedFamily:
                 raise ValueError(
                     f"optimizer child {child.index}: {buf} bucket {b}: {filled} of {end - begin} elements saved"
                 )
-        return _Restore(read.keys, state, buckets)
+        if read.adapter is not None:  # the saved adapter must be the cast of these masters (masters.py)
+            for layout, pieces in zip(bucket_layouts(child.optimizer), buckets, strict=True):
+                parts = [
+                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop))
+                    for piece, source, first, stop, offset in pieces
+                ]  # one bucket's master shard at a time, read again at install
+                check_master_shard(child, layout, parts, read.adapter)
+                del parts
+        return _Restore(read.keys, state, buckets, groups)
 
     def allocate(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
         had = {id(p): set(s) for p, s in opt.optimizer.state.items()}
-        opt.load_state_dict(from_json(restore.state))  # param groups, step; allocates the moments
+        # megatron pairs saved and live param groups by identifying keys (0.19: max_lr and min_lr
+        # among them), so a checkpoint whose values differ from the launch's would find no group:
+        # it is handed the live groups (and the saved step), then every group gets the settled
+        # saved values, in order (core.hyperparameters compared them pairwise in preflight)
+        live = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        steps = [{"step": g["step"]} if "step" in g else {} for g in restore.groups]
+        paired = [{**group, **step} for group, step in zip(live, steps, strict=True)]
+        opt.load_state_dict({**restore.state, "optimizer": {**restore.state["optimizer"], "param_groups": paired}})
+        for group, saved in zip(opt.optimizer.param_groups, restore.groups, strict=True):
+            group.update(saved)
         _drop_planted_keys(opt, restore.keys, had)
 
     def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:

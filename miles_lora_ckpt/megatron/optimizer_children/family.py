@@ -71,6 +71,12 @@ class ReadContext:
     # (relpath, expected binding) -> {(tensor name, first, stop): 1-D tensor}: the element ranges
     # this rank asked for with a `protocol.PartialRead` (or cut from a file it read whole), checked
     ranges: Callable[[str, dict[str, str]], dict] | None = None
+    # model parameter -> the saved adapter tensor restored into it (`masters.AdapterLookup`): every
+    # master a family restores must be the one that adapter tensor was cast from (`masters.check_master`)
+    adapter: Callable[[torch.Tensor], Any] | None = None
+    # the checkpoint's param groups against the launch's (`core.hyperparameters.Reconciler`): each
+    # family hands it the saved groups (decoded; settled in place) and the live ones, in order
+    hyperparameters: Any = None
 
 
 class ChildFamily(Protocol):

@@ -45,6 +45,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     ReadContext,
     file_binding,
 )
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -233,14 +234,9 @@ class WholeParameterFamily:
                 f"the training state holds no optimizer state for child {child.index} at {coords.model_parallel_key}"
             )
         groups = [from_json(g) for g in state["param_groups"]]
-        current = opt.optimizer.param_groups
-        if len(groups) != len(current) or any(
-            set(saved) != set(live) - {"params"} for saved, live in zip(groups, current, strict=False)
-        ):
-            raise ValueError(
-                f"optimizer child {child.index}: param groups differ: checkpoint {[sorted(g) for g in groups]}, "
-                f"this run {[sorted(set(g) - {'params'}) for g in current]}"
-            )
+        # unknown keys refused, differences from the launch reported and settled (core.hyperparameters)
+        where = f"optimizer child {child.index} at {coords.model_parallel_key}"
+        read.hyperparameters.param_groups(where, groups, opt.optimizer.param_groups)
         restore = _Restore(groups, state.get("grad_scaler"))
         files: dict[str, dict] = {}
         for group, model_param, main, _ in param_states(opt):
@@ -260,6 +256,9 @@ class WholeParameterFamily:
                 restore.params.append((group, main, *_entry_tensors(found, name, main, read.keys)))
             except ValueError as exc:
                 raise ValueError(f"{saved['file']}: {exc}") from None
+            source = read.adapter(model_param) if read.adapter is not None else None
+            if source is not None:  # the saved adapter must be this master's cast (masters.py)
+                check_master(source, restore.params[-1][2], f"{saved['file']} (optimizer child {child.index})")
         return restore
 
     def allocate(self, child: Child, restore: _Restore) -> None:

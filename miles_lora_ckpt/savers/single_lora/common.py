@@ -202,3 +202,6 @@ class LoadResult:
     scheduler_restored: bool = False  # False with a scheduler: it was repositioned from the iteration
     masters_refreshed: bool = False  # masters copied from the loaded adapter (no saved masters used)
     warnings: list[str] = field(default_factory=list)
+    # each checkpoint hyperparameter that differs from the launch's, both values named, and how it
+    # was settled (core.hyperparameters); rank 0 also logs them as warnings
+    hyperparameter_differences: list[str] = field(default_factory=list)

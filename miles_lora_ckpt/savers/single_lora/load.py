@@ -30,12 +30,15 @@ from miles_lora_ckpt.core.errors import (
     NothingCommitted,
     RankFailure,
 )
+from miles_lora_ckpt.core.hyperparameters import Reconciler
+from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_dir
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
+from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource
 from miles_lora_ckpt.megatron.reshard import ReshardPlan
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
 from miles_lora_ckpt.megatron.topology import Coordinates
@@ -77,6 +80,7 @@ def load_lora_checkpoint(
     weights_only: bool = False,
     scheduler_increment_per_iteration: int | None = None,
     optimizer_children: Iterable[int] | None = None,
+    hyperparameters: str | None = None,
 ) -> LoadResult:
     """Collective. Restore the newest intact generation under `path` (or `path` itself).
 
@@ -92,6 +96,14 @@ def load_lora_checkpoint(
       only, refresh the masters from it and reposition the scheduler from the iteration.
     - A stock Miles adapter directory warm-starts the adapter weights only, with a warning.
     - A missing path, or a save root with no committed generation yet, loads nothing.
+    - Every restored param group and the scheduler's fields are compared with the optimizer and
+      scheduler this launch built (`core.hyperparameters`): a saved key the live optimizer lacks is
+      refused; each difference is reported (`LoadResult.hyperparameter_differences`, a warning on
+      rank 0) and settled by `hyperparameters`: "checkpoint" restores the checkpoint's values,
+      "launch" keeps the launch's, "refuse" refuses the load; None (default) does what megatron
+      does (param groups from the checkpoint, the scheduler's own flags for its fields).
+    - Every restored fp32 master must be the one the saved adapter was cast from
+      (`optimizer_children.masters`): a generation assembled from two training states is refused.
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
     return load_adapter_generation(
@@ -104,6 +116,7 @@ def load_lora_checkpoint(
         weights_only=weights_only,
         scheduler_increment_per_iteration=scheduler_increment_per_iteration,
         optimizer_children=optimizer_children,
+        hyperparameters=hyperparameters,
     )
 
 
@@ -136,9 +149,11 @@ def load_adapter_generation(
     scheduler_increment_per_iteration: int | None = None,
     optimizer_children: Iterable[int] | None = None,
     check: SaverCheck = SaverCheck(),
+    hyperparameters: str | None = None,
 ) -> LoadResult:
     """`load_lora_checkpoint` for other savers' generations (`check`: see `SaverCheck`)."""
     consensus = consensus or Consensus.default()
+    Reconciler(hyperparameters)  # an unknown policy is refused before anything collective
     restore_optimizer = load_optim and not weights_only
     selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
     result = _load(
@@ -151,14 +166,18 @@ def load_adapter_generation(
         scheduler_increment_per_iteration,
         selection,
         check,
+        hyperparameters,
     )
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
         log.warning("LoRA checkpoint %s: %s", path, warning)
+    if consensus.rank == 0:  # the same launch on every rank: rank 0 reports the differences it found
+        for difference in result.hyperparameter_differences:
+            log.warning("LoRA checkpoint %s: %s", path, difference)
     return result
 
 
 def _load(
-    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection, check
+    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection, check, policy
 ) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
@@ -176,7 +195,16 @@ def _load(
     # plan: who holds what, so every rank can find its children's files and DP roots
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))
     request = attempt(
-        LoadRequest, model, optimizer, opt_param_scheduler, plans, consensus.rank, restore_optimizer, selection, check
+        LoadRequest,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        plans,
+        consensus.rank,
+        restore_optimizer,
+        selection,
+        check,
+        policy,
     )
     consensus.agree("plan", attempt(request.value.check_selection) if request.ok else request)
     request = request.value
@@ -236,10 +264,11 @@ class LoadPlan:
     adapter: list[tuple[dict, dict]]  # (params, saved tensors)
     restore_children: dict[int, object]  # index -> the family's restore (what preflight read)
     fresh_children: list[int]  # selected children whose masters are refreshed from the adapter
-    scheduler: dict | None
+    scheduler: dict | None  # decoded, its fields settled against the launch's (core.hyperparameters)
     saved_num_steps: int | None
     summary: dict
     warnings: list[str]
+    hyperparameters: Reconciler | None = None  # what the launch's hyperparameters comparison found
 
 
 @dataclass
@@ -253,6 +282,7 @@ class LoadRequest:
     selection: list[int] | None  # chosen optimizer children (None: all)
     check: SaverCheck = SaverCheck()
     reshard: ReshardPlan | None = None  # set by files_for_rank when the model-parallel layout changed
+    policy: str | None = None  # the hyperparameters policy (core.hyperparameters)
 
     def check_selection(self) -> None:
         """The adapter filter's guard (every rank sees the same plans, so raises the same)."""
@@ -340,10 +370,13 @@ class LoadRequest:
         check_binding(opened, TRAINING_STATE, TRAINING_STATE_BINDING)
         state = opened.json(TRAINING_STATE)
         warnings = self._check_optimizer_claim(manifest)
+        reconciler = Reconciler(self.policy)
         if self.reshard is not None:
-            adapter = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding)
+            # a resharding load assembles the adapter from the files' global blocks; the masters'
+            # cross-check (masters.py) and the param groups' reconciliation run on same-layout loads
+            adapter, sources = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding), {}
         else:
-            adapter = self._preflight_adapter(opened)
+            adapter, sources = self._preflight_adapter(opened)
         restore, fresh = {}, []
         if self._optimizer_in(manifest) and self.reshard is not None:
             restore = self.reshard.restores(
@@ -359,11 +392,17 @@ class LoadRequest:
                 bound_tensors(opened),
                 state.get("optimizer_children", {}),
                 bound_ranges(opened),
+                adapter=lambda param: sources.get(id(param)),  # every master: its adapter's (masters.py)
+                hyperparameters=reconciler,
             )
             fresh = [i for i in self.selected() if i not in restore]
         elif self.optimizer is not None:
             fresh = self.selected()
         scheduler = state.get("scheduler") if self._optimizer_in(manifest) else None
+        if scheduler is not None and self.scheduler is not None:
+            scheduler = from_json(scheduler)
+            reconciler.scheduler(scheduler, self.scheduler.state_dict())
+        reconciler.settle()  # "refuse": every difference, before anything changes
         saved_steps = (state.get("scheduler") or {}).get("num_steps")
         summary = {
             "generation": manifest.generation,
@@ -371,7 +410,10 @@ class LoadRequest:
             "optimizer": bool(restore),
             "scheduler": scheduler is not None and self.scheduler is not None,
         }
-        return LoadPlan(manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary, warnings)
+        warnings += reconciler.notes
+        return LoadPlan(
+            manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary, warnings, reconciler
+        )
 
     def _check_optimizer_claim(self, manifest: Manifest) -> list[str]:
         """`optimizer_saved: false` must mean no optimizer files (else the manifest was edited), and
@@ -387,7 +429,8 @@ class LoadRequest:
             "fresh and the fp32 masters are refreshed from the adapter"
         ]
 
-    def _preflight_adapter(self, opened) -> list[tuple[dict, dict]]:
+    def _preflight_adapter(self, opened) -> tuple[list[tuple[dict, dict]], dict[int, AdapterSource]]:
+        """`(params, saved tensors)` per adapter file, checked, and `{id(param): AdapterSource}`."""
         params = self.adapter_params()
         if not params:
             what = (
@@ -397,7 +440,7 @@ class LoadRequest:
             )
             raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
         dense, expert = shards.split_by_kind(params)
-        checked = []
+        checked, sources = [], {}
         for kind, group, file, key in (
             ("dense", dense, shards.dense_file(self.coords), self.coords.dense_key),
             ("expert", expert, shards.expert_file(self.coords), self.coords.expert_key),
@@ -410,7 +453,8 @@ class LoadRequest:
                     saved = {n: t for n, t in saved.items() if n in group}
                 shards.preflight_adapter(group, saved, file)
                 checked.append((group, saved))
-        return checked
+                sources.update({id(p): AdapterSource(n, saved[n], file) for n, p in group.items()})
+        return checked, sources
 
     def _check_child_layout(self, manifest: Manifest) -> None:
         recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
@@ -462,10 +506,11 @@ def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None)
         optimizer_restored=bool(plan.restore_children),
         masters_refreshed=bool(plan.fresh_children),
         warnings=[*opened.warnings, *plan.warnings],
+        hyperparameter_differences=list(plan.hyperparameters.differences) if plan.hyperparameters else [],
     )
     if request.scheduler is not None:
         if plan.scheduler is not None:
-            restore_scheduler(request.scheduler, plan.scheduler)
+            restore_scheduler(request.scheduler, plan.scheduler, checkpoint_fields=request.policy == "checkpoint")
             result.scheduler_restored = True
         else:
             step = increment or _increment_from_saved(plan)

@@ -1,0 +1,118 @@
+"""The checkpoint's hyperparameters against the ones the launch built.
+
+A resume restores the optimizer's param groups and the scheduler from the checkpoint. Left alone,
+that silently overrides what the relaunched command says (a new `--lr`, other betas): the saved
+`max_lr` in each param group wins. Here every restored param group and the scheduler's fields are
+compared, before anything changes, with the optimizer and scheduler the launch built:
+
+- a saved param group with a key the live group does not have is refused, whatever the policy
+  (it would end up in the live optimizer);
+- a key the live group has and the checkpoint lacks keeps the launch's value (reported);
+- every other difference is reported, naming the parameter group, the key and both values, and
+  settled by the policy:
+
+    "checkpoint"  the checkpoint's values are restored (megatron's --use-checkpoint-opt-param-scheduler)
+    "launch"      the launch's values are kept, in the param groups and the scheduler
+                  (--override-opt-param-scheduler)
+    "refuse"      any difference refuses the load (IncompatibleCheckpoint), before anything changes
+    None          megatron's own behaviour: param groups from the checkpoint, the scheduler's
+                  fields checked by its `load_state_dict` (its two flags decide); differences reported
+
+Not compared: `params`, `param_names`; `lr` and `weight_decay`, which the scheduler sets at every
+step from `max_lr`/`min_lr` and the weight-decay schedule (compared through those); the counter
+`step` that megatron's DistributedOptimizer writes into each saved group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.jsoncodec import to_json
+
+POLICIES = ("checkpoint", "launch", "refuse")
+REFUSED = "the checkpoint's hyperparameters differ from the ones this launch built"  # starts the refusal
+NOT_COMPARED = ("params", "param_names", "lr", "weight_decay", "step")
+# megatron's OptimizerParamScheduler fields its `load_state_dict` checks (`_check_and_set`)
+SCHEDULER_FIELDS = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return to_json(a, "checkpoint value") == to_json(b, "launch value")
+    except TypeError:
+        return False
+
+
+def _show(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+@dataclass
+class Reconciler:
+    """One load's policy (see the module docstring) and the differences it found."""
+
+    policy: str | None = None
+    differences: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # launch values kept for keys the checkpoint lacks
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"hyperparameters policy {self.policy!r} is not one of {list(POLICIES)} or None")
+
+    def param_groups(self, where: str, saved: list[dict], live: list[dict]) -> None:
+        """Check the saved param groups (decoded, changed in place) against the live ones, in order.
+
+        Raises ValueError for another number of groups or a key the live group does not have."""
+        if len(saved) != len(live):
+            raise ValueError(f"{where}: the checkpoint has {len(saved)} param groups, this run's optimizer {len(live)}")
+        for index, (ours, theirs) in enumerate(zip(saved, live, strict=True)):
+            label = f"{where} param group {index}"
+            unknown = sorted(set(ours) - set(theirs) - set(NOT_COMPARED))
+            if unknown:
+                raise ValueError(
+                    f"{label}: the checkpoint holds keys this run's optimizer does not have: {unknown} "
+                    f"(it has {sorted(set(theirs) - {'params'})}); refusing to put them into the live optimizer"
+                )
+            for key in sorted(set(theirs) - set(NOT_COMPARED)):
+                if key not in ours:
+                    ours[key] = theirs[key]
+                    self.notes.append(f"{label}: the checkpoint has no {key!r}, the launch's {_show(theirs[key])} kept")
+                elif not _same(ours[key], theirs[key]):
+                    self._differ(f"{label}: {key}", ours, key, theirs[key])
+
+    def scheduler(self, saved: dict, live: dict) -> None:
+        """Check the saved scheduler state (decoded, changed in place under 'launch') against the live one."""
+        for key in SCHEDULER_FIELDS:
+            if key in saved and key in live and not _same(saved[key], live[key]):
+                self._differ(f"scheduler: {key}", saved, key, live[key])
+
+    def _differ(self, label: str, saved: dict, key: str, launch: Any) -> None:
+        kept = {"checkpoint": "the checkpoint's restored", "launch": "the launch's kept", "refuse": "refused"}
+        outcome = kept.get(self.policy, "the checkpoint's restored (megatron's behaviour)")
+        self.differences.append(f"{label} differs: checkpoint {_show(saved[key])}, launch {_show(launch)} ({outcome})")
+        if self.policy == "launch":
+            saved[key] = launch
+
+    def settle(self) -> None:
+        """Under 'refuse', raise IncompatibleCheckpoint naming every difference found."""
+        if self.policy == "refuse" and self.differences:
+            raise IncompatibleCheckpoint(
+                f"{REFUSED}: "
+                + "; ".join(self.differences)
+                + ". Continue with the checkpoint's (--use-checkpoint-opt-param-scheduler, or resume.hyperparameters "
+                '= "checkpoint"), keep the launch\'s (--override-opt-param-scheduler, or resume.hyperparameters = '
+                '"launch"), or relaunch the original command'
+            )
