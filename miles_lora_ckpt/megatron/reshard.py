@@ -37,6 +37,7 @@ import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
+from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron import reshard_whole
 from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
@@ -209,9 +210,12 @@ class ReshardPlan:
             self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
         self.files += [PartialRead(f, tuple(sorted(r)), keep=False) for f, r in sorted(requests.items())]
 
-    def restores(self, optimizer, bound_ranges, bound_tensors, states: dict) -> dict:
+    def restores(self, optimizer, bound_ranges, bound_tensors, states: dict, hyperparameters=None) -> dict:
         """`{index: the family's restore}` for `chain.allocate` / `chain.install`. A DistributedOptimizer
-        child's ranges are read at install; a whole-parameter child's files are read here."""
+        child's ranges are read at install; a whole-parameter child's files are read here.
+        `hyperparameters` (a `core.hyperparameters.Reconciler`) checks every child's saved param
+        groups against the live ones, as a same-layout load does: unknown keys refused, differences
+        reported and settled by its policy."""
         out = {}
         for index, plan in self.children.items():
             child = chain.select(optimizer, [index])[0].optimizer
@@ -229,11 +233,15 @@ class ReshardPlan:
                 ]
                 for parts in plan.buckets
             ]
-            out[index] = distributed._Restore(plan.keys, state, buckets)
+            state = from_json(state)  # as the same-layout preflight hands it to `allocate`
+            groups = state.get("optimizer", {}).get("param_groups", [])
+            if hyperparameters is not None:
+                hyperparameters.param_groups(f"optimizer child {index}", groups, child.optimizer.param_groups)
+            out[index] = distributed._Restore(plan.keys, state, buckets, groups)
         for index, (plan, keys) in self.whole.items():
             child = chain.select(optimizer, [index])[0].optimizer
             state = _one_state(index, plan.coordinates, states)
-            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys)
+            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys, hyperparameters)
         return out
 
 

@@ -90,14 +90,19 @@ def _coordinate_of(shard: str, name: str, saved: dict) -> str | None:
     return None
 
 
-def restore(plan: WholePlan, child, read_tensors, state: dict, keys_wanted: tuple[str, ...]) -> float16._Restore:
-    """Read the files (binding checked) and assemble every parameter's master and state."""
+def restore(
+    plan: WholePlan, child, read_tensors, state: dict, keys_wanted: tuple[str, ...], hyperparameters=None
+) -> float16._Restore:
+    """Read the files (binding checked) and assemble every parameter's master and state; the saved
+    param groups are checked against the live ones by `hyperparameters` (a `Reconciler`) if given."""
     groups = [from_json(g) for g in state["param_groups"]]
     current = child.optimizer.param_groups
     if len(groups) != len(current):
         raise IncompatibleCheckpoint(
             f"optimizer child {plan.index}: the checkpoint has {len(groups)} param group(s), this run {len(current)}"
         )
+    if hyperparameters is not None:
+        hyperparameters.param_groups(f"optimizer child {plan.index}", groups, current)
     out = float16._Restore(groups, state.get("grad_scaler"))
     files = {
         file: float16._by_parameter(read_tensors(file, file_binding(plan.index, coordinate)))

@@ -241,6 +241,33 @@ def _damaged_slice(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def _unknown_group_key(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` whose every saved param group (every child, every
+    coordinate, so they still agree) holds a key megatron's optimizer does not have, resealed (needs
+    the tests folder on the workers' sys.path: damage.py)."""
+    import shutil
+    from pathlib import Path
+
+    from damage import edit_training_state
+
+    from miles_lora_ckpt.core.verify import resolve
+
+    def add_key(node) -> None:
+        if isinstance(node, dict):
+            for group in node.get("param_groups", []) if isinstance(node.get("param_groups"), list) else []:
+                group["momentum_decay"] = 0.5
+            for value in node.values():
+                add_key(value)
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"groupkey-{abs(hash(name)) % 10**8}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        edit_training_state(target, lambda state: add_key(state["optimizer_children"]))
+    dist.barrier()
+    return str(target)
+
+
 def _first_difference(a: dict, b: dict) -> str | None:
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -297,6 +324,8 @@ def reshard_job(payload: dict, ctx) -> dict:
             root = _as_format_v2(root, case["name"], consensus)
         if case.get("damage"):
             root = _damaged_slice(root, case["name"], consensus)
+        if case.get("unknown_group_key"):
+            root = _unknown_group_key(root, case["name"], consensus)
         run = build_run(config_from_dict(case["config"]))
         run_steps(run, 0, 1)
         digests = snapshot_digests(snapshot(run))

@@ -380,7 +380,11 @@ class LoadRequest:
         restore, fresh = {}, []
         if self._optimizer_in(manifest) and self.reshard is not None:
             restore = self.reshard.restores(
-                self.optimizer, bound_ranges(opened), bound_tensors(opened), state.get("optimizer_children", {})
+                self.optimizer,
+                bound_ranges(opened),
+                bound_tensors(opened),
+                state.get("optimizer_children", {}),
+                hyperparameters=reconciler,  # the saved param groups against the launch's, as below
             )
             fresh = [i for i in self.selected() if i not in restore]
         elif self._optimizer_in(manifest):
