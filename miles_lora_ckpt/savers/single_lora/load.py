@@ -281,8 +281,8 @@ class LoadRequest:
     restore_optimizer: bool  # False for load_optim=False or weights_only=True
     selection: list[int] | None  # chosen optimizer children (None: all)
     check: SaverCheck = SaverCheck()
-    reshard: ReshardPlan | None = None  # set by files_for_rank when the model-parallel layout changed
     policy: str | None = None  # the hyperparameters policy (core.hyperparameters)
+    reshard: ReshardPlan | None = None  # set by files_for_rank when the model-parallel layout changed
 
     def check_selection(self) -> None:
         """The adapter filter's guard (every rank sees the same plans, so raises the same)."""

@@ -102,7 +102,7 @@ def run(argv: list[str], probe, wheel_validation: bool = False):
     from miles.utils.misc import should_run_periodic_action
 
     from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
-    from miles_lora_ckpt.sim.miles_standin.common.driver import _gather_int
+    from miles_lora_ckpt.sim.miles_standin.common.driver import drive
 
     args = standin_args.build_parser("enable_gloo_process_groups").parse_args(argv)
     standin_args.validate(args)
@@ -112,20 +112,7 @@ def run(argv: list[str], probe, wheel_validation: bool = False):
         setattr(args, name, getattr(args, name, value))
     actor = RealWheelActor()
     start = actor.init(copy.deepcopy(args), "actor")
-    if args.start_rollout_id is None:  # placement_group.create_training_models
-        starts = _gather_int(start)
-        if len(set(starts)) != 1:
-            raise AssertionError(f"train actors returned different start rollouts: {starts}")
-        args.start_rollout_id = starts[0]
-    probe.after_init(actor, args.start_rollout_id)
-    for rollout_id in range(args.start_rollout_id, args.num_rollout):
-        losses = actor.train(rollout_id)
-        probe.after_rollout(actor, rollout_id, losses)
-        if should_run_periodic_action(rollout_id, args.save_interval, None, args.num_rollout):
-            probe.before_save(actor, rollout_id)
-            actor.save_model(rollout_id)
-            probe.after_save(actor, rollout_id)
-    return actor
+    return drive(actor, args, start, probe, should_run_periodic_action)  # with the wheel's cadence
 
 
 def wheel_modules() -> dict[str, str]:

@@ -39,6 +39,13 @@ def run(argv: list[str], probe: Probe | None = None):
     miles_validate_args(args)
     actor = MegatronTrainRayActor()
     start = actor.init(copy.deepcopy(args), "actor", with_ref=args.use_kl_loss)
+    return drive(actor, args, start, probe, should_run_periodic_action)
+
+
+def drive(actor, args, start: int, probe: Probe, should_run_periodic_action):
+    """The driver after the actors' init: the start rollout from the actors when `args` has none
+    (all must agree), then the rollout loop with saves at `should_run_periodic_action`'s cadence
+    (the stand-in's or the real wheel's function). Returns the actor."""
     if args.start_rollout_id is None:  # placement_group.create_training_models
         starts = _gather_int(start)
         if len(set(starts)) != 1:
