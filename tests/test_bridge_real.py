@@ -76,11 +76,13 @@ def story(tmp_path_factory):
         "exports": str(work / "resume" / "exports"),
     }
     crashed = run_workers(2, "bridge_jobs:crash_mid_export", resume | {"timeout_s": 15}, sys_path=[JOBS], timeout_s=600)
+    # what the kill left in the export root, before the resumed run's export reclaims it
+    left = sorted(p.name for p in (work / "resume" / "exports").iterdir() if p.name.startswith(".staging-"))
     cases = [{"name": name, "config": config.to_dict()} for name, config in CASES.items()]
     payload = {"hf": hf, "scratch": str(work), "cases": cases, "steps": STEPS, "resume": resume | {"steps": 4}}
     payload["sabotage_case"] = RESUME_CASE
     results = check_all(run_workers(2, "bridge_jobs:export_story", payload, sys_path=[JOBS], timeout_s=1500))
-    return {"work": work, "hf": hf, "crashed": crashed, "results": results}
+    return {"work": work, "hf": hf, "crashed": crashed, "results": results, "staging_after_kill": left}
 
 
 def tensors(adapter_dir) -> dict[str, torch.Tensor]:
@@ -243,8 +245,9 @@ def test_a_kill_mid_export_leaves_generations_and_exports_intact_and_the_resume_
     assert survivor is not None and survivor["error"] and "a peer died or timed out" in survivor["error"]
     work = story["work"] / "resume"
     first = Path(survivor["first"])
+    assert len(story["staging_after_kill"]) == 1  # the killed attempt's staging, never published ...
     stale = [p for p in (work / "exports").iterdir() if p.name.startswith(".staging-")]
-    assert len(stale) == 1  # the killed attempt's staging, never published
+    assert stale == []  # ... and reclaimed by the resumed run's export (it holds the writer lease)
     resumed = story["results"][0]["resume"]
     assert resumed["iteration"] == 2
     assert resumed["resumed_losses"] == resumed["reference_losses"][2:]
