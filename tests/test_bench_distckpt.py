@@ -28,6 +28,10 @@ def test_distckpt_section_prints_finite_ratios(tmp_path, capsys):
     assert (tmp_path / "distckpt2" / "ours").is_dir() and any((tmp_path / "distckpt2").glob("dc*")), out
 
 
-def test_unknown_bench_section_is_a_usage_error(capsys):
+def test_usage_errors_of_the_section_exit_2_before_any_worker(capsys):
     assert cli(["bench", "--sections", "distckpt,nope"]) == 2
     assert "unknown sections ['nope']" in capsys.readouterr().out
+    for flags in (["--distckpt-worlds", "2,3"], ["--distckpt-worlds", "x"], ["--distckpt-bucket-mib", "0"]):
+        assert cli(["bench", "--sections", "distckpt", *flags]) == 2, flags
+        out = capsys.readouterr().out
+        assert "--distckpt-" in out and "DISTCKPT" not in out, out

@@ -80,6 +80,9 @@ def run_bench(args) -> int:
     if unknown:
         print(f"bench: unknown sections {sorted(unknown)} (known: ratio, mem, scale, async, distckpt)")
         return 2
+    if "distckpt" in sections and (problem := bench_distckpt.check_args(args)):
+        print(f"bench: {problem}")
+        return 2
     if "ratio" in sections:
         _ratio_section(args)
     if "mem" in sections:

@@ -51,6 +51,19 @@ def add_arguments(bench) -> None:
     )
 
 
+def check_args(args) -> str | None:
+    """A usage problem of the section's flags, or None."""
+    try:
+        worlds = [int(w) for w in args.distckpt_worlds.split(",") if w.strip()]
+    except ValueError:
+        worlds = []
+    if not worlds or any(w < 2 or w % 2 for w in worlds):
+        return f"--distckpt-worlds must list even world sizes >= 2 (the resharding load runs at TP 2), got {args.distckpt_worlds!r}"
+    if not args.distckpt_bucket_mib > 0:
+        return f"--distckpt-bucket-mib must be positive, got {args.distckpt_bucket_mib}"
+    return None
+
+
 def run_section(args) -> None:
     """Run the section for each world size and print its DISTCKPT and RESHARD lines."""
     from miles_lora_ckpt.sim.launch import check_all, run_workers
