@@ -33,6 +33,8 @@ DEMO_AND_BENCH = (
     "tools/demo_miles_slots.py",
     "tools/bench.py",
     "tools/bench_async.py",
+    "tools/bench_distckpt.py",
+    "tools/demo_reshard.py",
 )
 
 

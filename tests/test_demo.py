@@ -165,3 +165,66 @@ def test_usage_errors_of_the_optimizer_flags_exit_2_before_any_worker(tmp_path, 
         err = capsys.readouterr().err
         assert words in err, (flags, err)
     assert not (tmp_path / "miles").exists() and not (tmp_path / "ckpt").exists()
+
+
+RESHARDS = {  # demo flags: words the output must hold
+    # TP 2 -> 1 at the same DP size (1): the losses differ by reduction order only
+    ("--tp", "2", "--resume-tp", "1", "--resume-world-size", "1"): "resumed at tp1 pp1 vpp1 ep1 cp1 dp1",
+    ("--pp", "2", "--vpp", "2", "--resume-pp", "1", "--resume-vpp", "1"): "resumed at tp1 pp1 vpp1 ep1 cp1 dp2",
+}
+
+
+@TIER1_ONLY
+@pytest.mark.parametrize("flags", sorted(RESHARDS), ids=" ".join)
+def test_resharding_resume_is_bit_exact_at_the_load(tmp_path, capsys, flags):
+    assert cli(["demo", "--workdir", str(tmp_path), *flags]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert RESHARDS[flags] in out and "killed by signal 9 (crash injected at mid-write)" in out
+    assert "from gen-000000004" in out and "(iteration 4) at the new layout" in out
+    assert "(adapter, exp_avg, exp_avg_sq, groups, master, step) at step 4" in out, out
+    assert lines[-3] == "RESULT: bit-exact", out
+    words = lines[-1].split()
+    assert words[:4] == ["LOSS:", "max", "relative", "difference"] and words[-3:] == ["over", "4", "steps"], lines[-1]
+    assert 0 <= float(words[4]) < 1, lines[-1]
+    if "--resume-tp" in flags:  # the same data at both layouts: reduction order only
+        assert float(words[4]) < 1e-2, lines[-1]
+
+
+@TIER1_ONLY
+def test_a_resharding_resume_reports_a_mismatch_naming_the_global_tensor(tmp_path, capsys):
+    """The reference's global view of one tensor altered: the resume names that tensor."""
+    import json
+
+    base = ["demo", "--workdir", str(tmp_path), "--tp", "2", "--resume-tp", "1", "--resume-world-size", "1"]
+    assert cli([*base, "--phase", "reference"]) == 0
+    assert cli([*base, "--phase", "train"]) == 0
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    view = reference["views"]["6"]  # --phase train alone crashes nothing: the newest save is step 6
+    victim = sorted(k for k in view if k.startswith("exp_avg_sq:") and "linear_qkv" in k)[0]
+    view[victim] = "0" * 32
+    (tmp_path / "reference.json").write_text(json.dumps(reference))
+    capsys.readouterr()
+    assert cli([*base, "--phase", "resume"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3] == f"RESULT: MISMATCH {victim}", lines
+    assert lines[-1].startswith("LOSS: max relative difference "), lines
+
+
+def test_resharding_usage_errors_exit_2_before_any_worker(tmp_path, capsys):
+    base = ["demo", "--workdir", str(tmp_path), "--world-size", "2"]
+    cases = {
+        ("--resume-tp", "3"): "ERROR invalid resume layout: tp must be 1 or 2",
+        ("--resume-pp", "2", "--resume-world-size", "3"): "ERROR invalid resume layout: world size 3",
+        ("--resume-tp", "2", "--resume-etp", "1"): "--resume-etp 1 differs from the resume's TP 2",
+        ("--resume-tp", "1"): "nothing to reshard",
+        ("--via", "miles", "--resume-tp", "2"): "--resume-* runs on the CPU harness only",
+        ("--slots", "2", "--resume-tp", "2"): "drop --slots",
+        ("--export-peft", "--resume-world-size", "1"): "drop --export-peft",
+    }
+    for flags, words in cases.items():
+        assert cli([*base, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert words in err, (flags, err)
+    assert not (tmp_path / "miles").exists() and not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "reference.json").exists()

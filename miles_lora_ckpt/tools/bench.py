@@ -14,7 +14,7 @@ Before each read the files' pages are dropped from the page cache (posix_fadvise
 raw and protocol reads alike. Prints medians and the line
 `RATIO save/raw=<x> load/raw=<y> save/torch_save=<z> save/dcp=<w>`.
 
-More sections (`--sections`, default all four):
+More sections (`--sections`; default ratio,mem,scale,async, `distckpt` on request):
 
     mem     W=--mem-world (4) real processes with megatron's DistributedOptimizer (the sim harness,
             a LoRA whose one bucket is about --mem-bucket-mib MiB of fp32): after a training step,
@@ -29,6 +29,11 @@ More sections (`--sections`, default all four):
             `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
     async   the time an asynchronous save blocks training over a synchronous save's (`bench_async`):
             `ASYNC blocked/sync=<x> (blocked <b>s, sync <s>s, async commit <c>s) ...`
+    distckpt  the same LoRA run's state (DistributedOptimizer, W = each of --distckpt-worlds) saved
+            and loaded by the plugin and by megatron-core's dist_checkpointing with the
+            `fully_reshardable` optimizer format (`bench_distckpt`), and a resharding load (TP 1 ->
+            2) against a same-layout one: `DISTCKPT W=<w> save/ours=<x> load/ours=<y> ...` and
+            `RESHARD W=<w> load/same=<z> ...`
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.tools import bench_async
+from miles_lora_ckpt.tools import bench_async, bench_distckpt
 
 PHASES = ("raw_save", "protocol_save", "torch_save", "dcp_save", "raw_load", "protocol_load")
 
@@ -56,7 +61,7 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "--sections",
         default="ratio,mem,scale,async",
-        help="which of ratio, mem, scale, async to run (default: all four)",
+        help="which of ratio, mem, scale, async, distckpt to run (default: ratio,mem,scale,async; distckpt takes about ten minutes more here)",
     )
     bench.add_argument("--mem-world", type=int, default=4, help="processes of the MEM section (default 4)")
     bench.add_argument(
@@ -65,14 +70,18 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--scale-worlds", default="2,4,8", help="world sizes of the SCALE section (default 2,4,8)")
     bench.add_argument("--scale-size-mib", type=int, default=64, help="total MiB of the SCALE section (default 64)")
     bench_async.add_arguments(bench)
+    bench_distckpt.add_arguments(bench)
     bench.set_defaults(handler=run_bench)
 
 
 def run_bench(args) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    unknown = sections - {"ratio", "mem", "scale", "async"}
+    unknown = sections - {"ratio", "mem", "scale", "async", "distckpt"}
     if unknown:
-        print(f"bench: unknown sections {sorted(unknown)} (known: ratio, mem, scale, async)")
+        print(f"bench: unknown sections {sorted(unknown)} (known: ratio, mem, scale, async, distckpt)")
+        return 2
+    if "distckpt" in sections and (problem := bench_distckpt.check_args(args)):
+        print(f"bench: {problem}")
         return 2
     if "ratio" in sections:
         _ratio_section(args)
@@ -82,6 +91,8 @@ def run_bench(args) -> int:
         _scale_section(args)
     if "async" in sections:
         bench_async.run_section(args)
+    if "distckpt" in sections:
+        bench_distckpt.run_section(args)
     return 0
 
 

@@ -26,6 +26,15 @@ pp * vpp chunks the same number. Examples:
     miles-lora-ckpt demo --vpp 2 --pp 2 --world-size 2   two pipeline stages, two chunks each
     miles-lora-ckpt demo --tp 2 --ep 2 --world-size 4    tensor and expert parallel
 
+With --resume-tp/--resume-pp/--resume-ep/--resume-etp/--resume-vpp/--resume-world-size the resume
+runs at another layout: the checkpoint is resharded at the load, every global tensor (adapter, fp32
+masters, every moment, steps) is compared with the uninterrupted run's at that step, and a last line
+`LOSS: max relative difference <x> over <n> steps` follows the RESULT line (see
+`miles_lora_ckpt.tools.demo_reshard`), e.g.
+
+    miles-lora-ckpt demo --tp 2 --resume-tp 1
+    miles-lora-ckpt demo --pp 2 --vpp 2 --resume-pp 1 --resume-vpp 1
+
 With --via miles the same three phases run a Miles launch command with the plugin's init hook
 through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`).
 
@@ -45,7 +54,7 @@ from pathlib import Path
 
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
-from miles_lora_ckpt.tools import demo_miles, demo_slots
+from miles_lora_ckpt.tools import demo_miles, demo_reshard, demo_slots
 from miles_lora_ckpt.tools.demo_report import report_train
 
 OPTIMIZERS = ("adam", "lion", "muon")
@@ -159,6 +168,7 @@ def add_parser(subparsers) -> None:
     )
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before a phase's workers are killed")
     demo_miles.add_arguments(demo)
+    demo_reshard.add_arguments(demo)
     demo.add_argument(
         "--export-peft",
         action="store_true",
@@ -187,6 +197,10 @@ def run_demo(args) -> int:
             "ERROR --async-save covers single-LoRA saves without a PEFT export: drop --slots/--export-peft",
             file=sys.stderr,
         )
+        return 2
+    resharding = demo_reshard.requested(args)
+    if resharding and (problem := demo_reshard.check_args(args)):
+        print(f"ERROR {problem}", file=sys.stderr)
         return 2
     if args.via == "miles":
         return demo_miles.run(args)
@@ -237,6 +251,13 @@ def run_demo(args) -> int:
     except ValueError as exc:
         print(f"ERROR invalid layout: {exc}", file=sys.stderr)
         return 2
+    if resharding:
+        try:
+            resume = demo_reshard.resume_config(args, config)
+            check_layout(**{k: resume[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
+        except ValueError as exc:
+            print(f"ERROR invalid resume layout: {exc}", file=sys.stderr)
+            return 2
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     crash_at = args.crash_at or ("mid-write" if args.phase == "all" else None)
@@ -256,6 +277,10 @@ def run_demo(args) -> int:
         _peft_setup(workdir, config)
     if args.slots is not None:
         return demo_slots.run(args, config, workdir)
+    if resharding:
+        return demo_reshard.run(
+            args, config, resume, workdir, lambda: _phase_train(workdir, config, args, crash_at, crash_rank)
+        )
     status = 0
     try:
         if args.phase in ("all", "reference"):
