@@ -263,4 +263,19 @@ def distckpt_job(payload: dict, ctx) -> dict:
         if not result.optimizer_restored:
             raise RuntimeError("the resharding load did not restore the optimizer")
     teardown(resharded)
+    _stop_dc_writer_manager()
     return {**times, "lora_fp32_mib": lora * 4 / 2**20}
+
+
+def _stop_dc_writer_manager() -> None:
+    """Shut down the `multiprocessing` manager process megatron's `FileSystemWriterAsync` starts for
+    its results queue (`filesystem_async._get_write_results_queue`, once per process, never shut
+    down): a harness worker leaves through `os._exit`, which skips the manager's finalizer, so the
+    manager (a spawned Python of ~300 MiB) would outlive the bench."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    filesystem_async._results_queue = None
