@@ -55,7 +55,7 @@ from pathlib import Path
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 from miles_lora_ckpt.tools import demo_miles, demo_reshard, demo_slots
-from miles_lora_ckpt.tools.demo_report import report_train
+from miles_lora_ckpt.tools.demo_report import load_newest, report_train
 
 OPTIMIZERS = ("adam", "lion", "muon")
 
@@ -595,21 +595,14 @@ def _async_saves(run, payload: dict):
 
 
 def resume_job(payload: dict, ctx) -> dict:
-    from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.core.errors import CheckpointError
-    from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
 
     run, unbuildable = _build(payload)
     if unbuildable:
         return unbuildable
-    consensus = Consensus.for_world(timeout_s=60)
-    try:
-        result = load_lora_checkpoint(
-            run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
-        )
-    except CheckpointError as exc:  # the same refusal on every rank: reported as one line
-        return {"refused": " ".join(line.strip() for line in str(exc).splitlines())}
+    result, consensus, refused = load_newest(run, payload["root"], timeout_s=60)
+    if refused is not None:  # the same refusal on every rank: reported as one line
+        return {"refused": refused}
     start = result.iteration or 0
     losses = {str(step): _train_step(run, step) for step in range(start, payload["steps"])}
     if result.loaded:

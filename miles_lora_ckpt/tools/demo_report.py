@@ -15,3 +15,20 @@ def report_train(results: list, crash_at: str | None) -> None:
             print(f"  rank {result.rank}: failed: {(result.error or '').strip().splitlines()[-1:]}")
     if crash_at is None and not all(r.ok for r in results):
         raise SystemExit("train phase failed without an injected crash:\n" + "\n".join(r.error or "" for r in results))
+
+
+def load_newest(run, root, timeout_s: float):
+    """`(result, consensus, refusal)`: the run loads the newest intact generation under `root` on a
+    fresh consensus; a refusal (the same on every rank) comes back as one line instead of raising."""
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.errors import CheckpointError
+    from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
+
+    consensus = Consensus.for_world(timeout_s=timeout_s)
+    try:
+        result = load_lora_checkpoint(
+            run.model, root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+        )
+    except CheckpointError as exc:
+        return None, consensus, " ".join(line.strip() for line in str(exc).splitlines())
+    return result, consensus, None

@@ -224,22 +224,16 @@ def reference_job(payload: dict, ctx) -> dict:
 
 def resume_job(payload: dict, ctx) -> dict:
     """Load the newest intact generation at this layout; the global view just after; train on."""
-    from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.core.errors import CheckpointError
-    from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint
     from miles_lora_ckpt.sim.global_view import global_view
     from miles_lora_ckpt.sim.train import train_step
+    from miles_lora_ckpt.tools.demo_report import load_newest
 
     run, unbuildable = _build(payload)
     if unbuildable:
         return unbuildable
-    consensus = Consensus.for_world(timeout_s=120)
-    try:
-        result = load_lora_checkpoint(
-            run.model, payload["root"], optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
-        )
-    except CheckpointError as exc:  # the same refusal on every rank: reported as one line
-        return {"refused": " ".join(line.strip() for line in str(exc).splitlines())}
+    result, consensus, refused = load_newest(run, payload["root"], timeout_s=120)
+    if refused is not None:  # the same refusal on every rank: reported as one line
+        return {"refused": refused}
     if not result.loaded:
         return {"iteration": None}
     view = global_view(run, consensus)
