@@ -15,6 +15,11 @@ fault in `--save-hf`'s export is logged by Miles and publishes nothing), and a M
 (refused at startup).
 
 With the real Megatron-Bridge importable (Miles' GPU image), `prepare` builds it from a tiny HF base.
+
+Why the launches use the Bridge double, not the real 0.6.2: the stand-in builds its model itself
+(`sim/miles_standin/common/training.py`: the harness's Qwen2-shaped model, whose LoRA is ours and
+which 0.6.2 cannot export), not through Bridge; the startup with the real Bridge runs in
+tests/test_bridge_real.py.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ def launch_job(payload: dict, ctx) -> dict:
     if payload.get("bridge", "nvidia") is not None:
         from miles_lora_ckpt.sim import bridge_double
 
+        # the double: the stand-in trains the harness's own model (our LoRA), which 0.6.2 cannot export
         bridge_double.install(variant=payload.get("bridge", "nvidia"))
     for qualified in payload.get("drop", ()):
         import importlib
