@@ -17,8 +17,10 @@ that 0.6.2 lacks, and why it stays:
 Where it is still used, and why (the real Bridge is the default wherever it can run the scenario):
 `tests/test_peft_export.py` (the harness's Qwen2-shaped model, whose LoRA is ours and which 0.6.2
 cannot export; the fp64 reference; the fork's tuples), the Miles stand-in launches of
-`tests/test_miles_peft.py` (the stand-in builds the harness model, not a Bridge-built one), the
-multi-LoRA slot exports (`expose_adapter_slot`) and the real-Miles launches (`sim.realmiles`).
+`tests/test_miles_peft.py` in tiers 1 and 2 (the bf16 harness model; the fork's tuples; a Miles
+without Bridge; in the Bridge tier two of them run on the real Bridge), the multi-LoRA slot exports
+(`expose_adapter_slot`) and the real-Miles launches (`sim.realmiles`: megatron-core 0.16.1, with
+which 0.6.2 does not import).
 
 Every remaining difference from the real 0.6.2 where they overlap:
 
