@@ -6,12 +6,17 @@ is trained through megatron's real DistributedOptimizer at TP=1 (DP=2), TP=2 and
 plugin exports it with `export_peft(..., source=BridgeSource(real AutoBridge))`, standalone and
 inside a checkpoint generation (`peft/`). Checked here: the real PEFT loads every export with 0
 missing and 0 unexpected keys, and HF-with-PEFT logits equal megatron-with-LoRA logits within fp32
-tolerance; the plugin's export equals Bridge's own `save_hf_adapter`; the Bridge double
-(`sim/bridge_double`) exports the same names and values as the real Bridge on the same models
-(with negative controls: a double with altered names or order fails the comparison); a SIGKILL
-mid-export leaves the committed generation and exports intact, and the resume is bit-exact.
+tolerance; the plugin's export equals Bridge's own `save_hf_adapter`, byte for byte; the Bridge
+double (`sim/bridge_double`) exports the same names and values as the real Bridge on the same
+models (with negative controls: a double with altered names or order fails the comparison); a
+SIGKILL mid-export leaves the committed generation and exports intact, and the resume is bit-exact.
+The export scenarios ported from tests/test_peft_export.py run here on the real Bridge: the fault
+matrix (a raise at every phase on every rank), a failing export inside a checkpoint save, partial
+and rank-inconsistent exports, a rank killed inside the real collective export, wrong-split
+negative controls, `verify-peft` and the offline `export-peft`.
 
-Two spawned W=2 jobs for the whole module (the crash, then everything else). Bridge is imported
+Three spawned W=2 jobs for the whole module (a kill mid-write, a kill inside the export, then
+everything else). Bridge is imported
 only in the harness workers, where `sim.bridge_shims` is installed; this process never imports it.
 Elsewhere (tiers 1 and 2) the module is skipped; in the Bridge tier a missing Bridge fails.
 """
@@ -78,11 +83,21 @@ def story(tmp_path_factory):
     crashed = run_workers(2, "bridge_jobs:crash_mid_export", resume | {"timeout_s": 15}, sys_path=[JOBS], timeout_s=600)
     # what the kill left in the export root, before the resumed run's export reclaims it
     left = sorted(p.name for p in (work / "resume" / "exports").iterdir() if p.name.startswith(".staging-"))
+    killed_root = work / "killed-inside" / "exports"
+    killed = run_workers(
+        2,
+        "bridge_jobs:kill_inside_export",
+        {"config": CASES[RESUME_CASE].to_dict(), "hf": hf["qwen2"], "root": str(killed_root), "timeout_s": 15}
+        | {"kill_rank": 1},
+        sys_path=[JOBS],
+        timeout_s=600,
+    )
     cases = [{"name": name, "config": config.to_dict()} for name, config in CASES.items()]
     payload = {"hf": hf, "scratch": str(work), "cases": cases, "steps": STEPS, "resume": resume | {"steps": 4}}
     payload["sabotage_case"] = RESUME_CASE
     results = check_all(run_workers(2, "bridge_jobs:export_story", payload, sys_path=[JOBS], timeout_s=1500))
-    return {"work": work, "hf": hf, "crashed": crashed, "results": results, "staging_after_kill": left}
+    story = {"work": work, "hf": hf, "crashed": crashed, "results": results, "staging_after_kill": left}
+    return story | {"killed_inside": killed, "killed_root": killed_root}
 
 
 def tensors(adapter_dir) -> dict[str, torch.Tensor]:
@@ -158,13 +173,22 @@ def test_every_export_loads_in_peft_with_nothing_missing_and_matches_megatron_lo
         ]
 
 
-def test_the_plugin_export_equals_bridges_own_save_hf_adapter(story):
+def test_the_plugin_export_equals_bridges_own_save_hf_adapter_byte_for_byte(story):
+    from miles_lora_ckpt.core.storage import json_bytes
+
     for name in CASES:
         result = story["results"][0]["cases"][name]
         ours, theirs = Path(result["export"]), Path(result["bridge_own"])
         assert same_tensors(tensors(ours), tensors(theirs)), name
-        # the same adapter_config.json content (ours is written with sorted keys, so the bytes differ)
-        assert json.loads((ours / CONFIG_NAME).read_text()) == json.loads((theirs / CONFIG_NAME).read_text()), name
+        # adapter_config.json: the very bytes Bridge's save_hf_adapter writes, in the export root and
+        # in a checkpoint generation's peft/
+        theirs_bytes = (theirs / CONFIG_NAME).read_bytes()
+        assert (ours / CONFIG_NAME).read_bytes() == theirs_bytes, name
+        assert (Path(result["ckpt"]) / "peft" / CONFIG_NAME).read_bytes() == theirs_bytes, name
+        # negative control: the plugin's own JSON form (sorted keys, indent 1), what it wrote before,
+        # holds the same content in other bytes, and the comparison above tells them apart
+        earlier = json_bytes(json.loads(theirs_bytes))
+        assert json.loads(earlier) == json.loads(theirs_bytes) and earlier != theirs_bytes, name
 
 
 _MODULE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1", "up_proj": "fc1"}
@@ -282,3 +306,145 @@ def test_the_demo_exports_through_the_real_bridge_and_resumes_bit_exact(tmp_path
     )
     generations = sorted((tmp_path / "ckpt").glob("gen-*"))
     assert generations and all((g / "peft" / "adapter_config.json").is_file() for g in generations)
+
+
+# --------------------------------------------------------------------------- on the real Bridge: the
+# fault matrix, partial and inconsistent exports, verify-peft and the offline export (ported from
+# tests/test_peft_export.py, which runs them on the Bridge double in tier 1)
+
+PHASE_SEEN_AS = {  # the phase every rank's CheckpointError names, for a fault armed at each phase of the export
+    "peft-setup": "peft-setup",
+    "after-prepare": "prepare",
+    "peft-export": "peft-export",
+    "before-write": "write",
+    "mid-write": "write",
+    "after-write": "write",
+    "after-consensus": "commit",
+    "mid-manifest": "commit",
+    "before-publish": "commit",
+    "after-publish": "publish",
+}
+
+
+def test_a_fault_at_each_phase_on_each_rank_of_a_real_bridge_export_fails_every_rank_alike(story):
+    """A raise at every export phase on every rank, with the real Bridge's collective export (TP=2:
+    its gathers; a raise at `peft-export` comes inside them): every rank fails with the same error
+    naming the phase and the failing rank, no rank hangs, the previous export stays intact, no
+    staging is published; after `after-publish` the complete export is the new `latest`."""
+    from miles_lora_ckpt.core.layout import TRACKER
+    from miles_lora_ckpt.savers.peft_export import FAULT_PHASES
+
+    matrices = [r["failures"]["matrix"] for r in story["results"]]
+    assert sorted(PHASE_SEEN_AS) == sorted(FAULT_PHASES) and len(matrices[0]) == len(FAULT_PHASES) * 2
+    for index, case in enumerate(matrices[0]):
+        phase, failing = case["phase_armed"], case["failing"]
+        for matrix in matrices:
+            mine = matrix[index]
+            assert mine["error"] == case["error"] and mine["error"] is not None, (phase, failing)
+            assert f"injected fault at phase '{phase}' on rank {failing}" in mine["error"]
+            assert mine["phase"] == PHASE_SEEN_AS[phase] and mine["ranks"] == [failing], (phase, failing, mine)
+            assert mine["removed"] == [], (phase, failing)  # the previous export stays intact
+            if phase == "after-publish":
+                assert len(mine["added"]) == 1 and mine["added"][0].startswith("gen-000000099-"), mine
+                assert mine["latest_moved"] and mine["touched"] == [LATEST, TRACKER], mine
+            else:  # nothing new, no staging left behind, tracker and latest untouched
+                assert mine["added"] == mine["touched"] == [] and not mine["latest_moved"], (phase, failing, mine)
+            assert mine["seconds"] < 60
+    for result in story["results"]:
+        in_generation = result["failures"]["in_generation"]
+        assert in_generation["phase"] == "peft-export" and in_generation["ranks"] == [1]
+        assert in_generation["unchanged"]  # the checkpoint save failed as a whole; its staging was removed
+    work = story["work"] / RESUME_CASE
+    assert cli(["verify", str(work / "exports"), "--all"]) == 0
+    assert cli(["verify", str(work / "ckpt"), "--all"]) == 0
+
+
+def test_a_partial_or_inconsistent_real_bridge_export_is_refused_on_every_rank(story):
+    per_rank = [r["failures"] for r in story["results"]]
+    for failures in per_rank:
+        partial = failures["partial"]
+        assert partial["phase"] == "peft-check" and partial["ranks"] == [0, 1], partial
+        assert "partial adapter export" in partial["error"]
+        assert "layer 1 lacks ['model.layers.*.mlp.down_proj']" in partial["error"]
+        inconsistent = failures["inconsistent"]
+        assert inconsistent["phase"] == "peft-export (ranks disagree)" and inconsistent["ranks"] == [1]
+        assert f"rank 1: exported {ADAPTED - 1} tensors" in inconsistent["error"]
+        assert f"rank 0 exported {ADAPTED}" in inconsistent["error"]
+        assert failures["refused_unchanged"]
+    assert per_rank[0]["partial"]["error"] == per_rank[1]["partial"]["error"]
+
+
+def _megatron_logits_error(adapter_dir: Path, hf: str, megatron: torch.Tensor) -> float:
+    from peft_reference import peft_logits
+
+    from miles_lora_ckpt.tools.peft_tools import load_report
+
+    report = load_report(adapter_dir, hf)
+    assert report.ok, report.headline()
+    got = peft_logits(report.model, INPUT_IDS).float()
+    return float((got - megatron).abs().max() / megatron.abs().max())
+
+
+def test_a_wrong_split_of_the_real_export_would_be_caught_by_the_logits_bound(story, tmp_path):
+    """Negative controls for the logits check: the real export with k/v swapped, and with fc1 split
+    without minding the TP=2 shards, fail the bound the real exports pass."""
+    from safetensors.torch import save_file
+
+    result = story["results"][0]["cases"][RESUME_CASE]
+    export_dir, hf = Path(result["export"]), story["hf"]["qwen2"]
+    megatron = load_tensors(story["work"] / RESUME_CASE / "megatron-logits.safetensors")[0]["logits"]
+    assert _megatron_logits_error(export_dir, hf, megatron) < FP32_BOUND
+    state = tensors(export_dir)
+    key = "base_model.model.model.layers.{}.{}.lora_B.weight"
+    swapped = dict(state)
+    swapped[key.format(0, "self_attn.k_proj")] = state[key.format(0, "self_attn.v_proj")]
+    swapped[key.format(0, "self_attn.v_proj")] = state[key.format(0, "self_attn.k_proj")]
+    naive = dict(state)
+    for layer in range(CASES[RESUME_CASE].num_layers):  # the gathered fc1 as Megatron holds it: [g0; u0; g1; u1]
+        gate, up = state[key.format(layer, "mlp.gate_proj")], state[key.format(layer, "mlp.up_proj")]
+        shards = [torch.cat([g, u]) for g, u in zip(gate.chunk(2), up.chunk(2), strict=True)]
+        naive[key.format(layer, "mlp.gate_proj")], naive[key.format(layer, "mlp.up_proj")] = torch.cat(shards).chunk(2)
+    for label, damaged in (("swapped", swapped), ("naive-fc1", naive)):
+        target = tmp_path / label
+        target.mkdir()
+        (target / CONFIG_NAME).write_bytes((export_dir / CONFIG_NAME).read_bytes())
+        save_file(
+            {k: v.contiguous() for k, v in damaged.items()}, str(target / WEIGHTS_NAME), metadata={"format": "pt"}
+        )
+        assert _megatron_logits_error(target, hf, megatron) > 1e-4, label
+
+
+def test_verify_peft_and_the_offline_export_on_real_bridge_generations(story, tmp_path, capsys):
+    """`verify-peft` reports the real exports loadable; `export-peft` of a generation saved without
+    peft/ (the Megatron shards of Bridge's own LoRA, converted offline) equals the live real-Bridge
+    export, and republishing a generation's peft/ keeps Bridge's config bytes."""
+    hf, work = story["hf"]["qwen2"], story["work"] / RESUME_CASE
+    live_dir = Path(story["results"][0]["cases"][RESUME_CASE]["export"])
+    capsys.readouterr()
+    for adapter in (work / "exports", work / "exports" / LATEST, work / "ckpt"):
+        assert cli(["verify-peft", str(adapter), "--base", hf]) == 0, adapter
+        assert capsys.readouterr().out.strip().endswith("PEFT: loadable (0 missing, 0 unexpected)")
+    plain = Path(story["results"][0]["failures"]["plain"])
+    offline = tmp_path / "offline"
+    assert cli(["export-peft", str(plain), "--out", str(offline), "--base", hf]) == 0
+    assert same_tensors(tensors(offline / LATEST), tensors(live_dir))
+    assert (offline / LATEST / CONFIG_NAME).read_bytes() == (live_dir / CONFIG_NAME).read_bytes()
+    again = tmp_path / "republished"
+    assert cli(["export-peft", str(work / "ckpt"), "--out", str(again)]) == 0
+    assert same_tensors(tensors(again / LATEST), tensors(live_dir))
+    assert (again / LATEST / CONFIG_NAME).read_bytes() == (live_dir / CONFIG_NAME).read_bytes()
+
+
+def test_a_rank_killed_inside_the_real_bridges_collective_export_fails_its_peer_without_a_hang(story):
+    """Rank 1 SIGKILLed at the first weight the real Bridge yields (rank 0 is in Bridge's TP gathers):
+    rank 0 fails with a CheckpointError within the timeout, and nothing new is published."""
+    killed = story["killed_inside"]
+    assert killed[1].exitcode == -9, killed[1]
+    survivor = killed[0].result
+    assert survivor is not None and survivor["error"], killed[0]
+    assert survivor["phase"] == "peft-export" and survivor["seconds"] < 60, survivor
+    root = story["killed_root"]
+    first = Path(survivor["first"])
+    assert os.readlink(root / LATEST) == first.name  # the committed export is still the newest
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("gen-")) == [first.name]
+    assert cli(["verify", str(root), "--all"]) == 0

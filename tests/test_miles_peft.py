@@ -15,6 +15,12 @@ fault in `--save-hf`'s export is logged by Miles and publishes nothing), and a M
 (refused at startup).
 
 With the real Megatron-Bridge importable (Miles' GPU image), `prepare` builds it from a tiny HF base.
+
+In the Bridge tier, `test_export_peft_and_save_hf_through_miles_with_the_real_bridge` runs the first
+two launches with the REAL Megatron-Bridge 0.6.2 building the stand-in's model (a tiny Qwen2, fp32)
+and exporting it. The other launches keep the double, each for a reason: the fork's three-item
+tuples (no installable Bridge yields them), a Miles without Bridge (no Bridge at all), and the
+bf16 Qwen2-shaped harness model (our LoRA, which 0.6.2 cannot export) for tiers 1 and 2.
 """
 
 from __future__ import annotations
@@ -339,9 +345,10 @@ class Launch:
         directory.mkdir(parents=True)
         self.config.write_text("[consensus]\ntimeout_s = 60\n[export]\npeft = true\n")
 
-    def command(self, target_modules: str = "all-linear") -> list[str]:
+    def command(self, target_modules: str = "all-linear", bf16: bool = True) -> list[str]:
         return HOOK + [
-            *("--megatron-to-hf-mode", "bridge", "--hf-checkpoint", str(self.hf), "--bf16"),
+            *("--megatron-to-hf-mode", "bridge", "--hf-checkpoint", str(self.hf)),
+            *(("--bf16",) if bf16 else ()),
             *(
                 "--num-rollout",
                 str(ROLLOUTS),
@@ -364,7 +371,7 @@ class Launch:
             {"argv": argv, "crash": crash, "bridge": self.bridge},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
             sys_path=[shape_path(self.shape), JOBS],
-            timeout_s=240,
+            timeout_s=400 if self.bridge == "real" else 240,
             failure_grace_s=5.0,
         )
 
@@ -464,6 +471,55 @@ def test_export_peft_and_save_hf_through_miles(prewarmed, tmp_path, hf_base):
         assert "export.peft = true" in text and "--save-hf" in text and "import megatron.bridge" in text, text
         assert "set export.peft = false" in text and "drop --save-hf" in text, text
     assert not (bare.save / "lora").exists() and not bare.hf_out.exists()
+
+
+@pytest.mark.bridge
+@pytest.mark.multirank
+@pytest.mark.peft
+def test_export_peft_and_save_hf_through_miles_with_the_real_bridge(prewarmed, tmp_path):
+    """The first two launches above with the REAL Megatron-Bridge 0.6.2 (the Bridge tier): the
+    stand-in's model is built by Bridge from a tiny HF Qwen2 (`AutoBridge`, its provider and its
+    LoRA; fp32) and the plugin exports it through the real `AutoBridge` that the init hook builds
+    from --hf-checkpoint. A PEFT-phase fault fails rollout 1's save on every rank; the identical
+    relaunch resumes with peft/ in every generation; every export loads in the real PEFT."""
+    import os
+
+    from miles_lora_ckpt.sim import bridge_shims
+
+    if not bridge_shims.available():
+        if os.environ.get("MILES_LORA_CKPT_TIER") == "bridge":
+            pytest.fail("the Bridge tier runs without megatron-bridge: run make tier-bridge")
+        pytest.skip("megatron.bridge is not installed here (the Bridge tier: make tier-bridge)")
+    from miles_lora_ckpt.sim.bridge_model import BridgeRunConfig, build_hf_base
+
+    hf = build_hf_base(tmp_path / "hf-qwen2", BridgeRunConfig(family="qwen2"))
+    on = Launch(prewarmed, tmp_path / "on", hf, "lora-package-2026-09", bridge="real")
+    crash = {"rollout": 1, "rank": 1, "phase": "peft-export", "action": "raise"}
+    crashed = on.run(on.command(bf16=False), crash=crash)
+    errors = failures(crashed)
+    assert all("CheckpointError" in e and "peft-export" in e and "injected fault" in e for e in errors), errors[0]
+    assert [r.result["rollouts"] for r in crashed] == [[0, 1]] * 2
+    generations = on.generations()
+    assert [verify_generation(g).manifest.iteration for g in generations] == [0]
+    assert holds_peft(generations[0]) and not list((on.save / "lora").glob(".staging-*"))
+    loads_in_peft(generations[0] / "peft", hf)
+    loads_in_peft(on.hf_out / "0" / "adapter" / "latest", hf)
+    same = adapter_tensors(generations[0] / "peft"), adapter_tensors(on.hf_out / "0" / "adapter" / "latest")
+    assert sorted(same[0]) == sorted(same[1]) and all(torch.equal(same[0][k], same[1][k]) for k in same[0])
+    assert all(r.result["bridge_context_entries"] == 3 for r in crashed)
+    manifest = verify_generation(generations[0]).manifest
+    assert manifest.metadata["peft"]["bridge_helpers"] == ["convert", "target_modules", "rank_pattern", "build_config"]
+
+    resumed = ok(on.run(on.command(bf16=False)))
+    for report in resumed:  # the real 0.6.2 built the model: Bridge's own LoRA wraps the fused QKV
+        assert report["real_bridge"]["version"].startswith(bridge_shims.BRIDGE_VERSION), report["real_bridge"]
+        assert not report["real_bridge"]["is_double"]
+        assert report["real_bridge"]["qkv_wrapper"].startswith("megatron.bridge.peft."), report["real_bridge"]
+    assert all(r["start_rollout_id"] == 1 and r["rollouts"] == [1, 2] for r in resumed)
+    assert [verify_generation(g).manifest.iteration for g in on.generations()] == [2, 1, 0]
+    assert all(holds_peft(g) for g in on.generations())
+    for rollout in (1, 2):
+        loads_in_peft(on.hf_out / str(rollout) / "adapter" / "latest", hf)
 
 
 # The real Megatron-Bridge: `prepare` building the real AutoBridge from a tiny HF base, and refusing a

@@ -1,5 +1,9 @@
 """The PEFT export's phases across real processes with a collective export (plain gloo, no megatron):
-a raise at every phase on every rank of three, and a rank killed inside the collective export."""
+a raise at every phase on every rank of three, and a rank killed inside the collective export.
+
+Stays in tier 1 on a synthetic collective exporter (no Bridge, no double): it is the megatron-free
+guard that runs without the Bridge tier, at W=3. The same matrix and the kill inside the export run
+on the real Megatron-Bridge 0.6.2's collective export in tests/test_bridge_real.py (W=2, TP=2)."""
 
 from __future__ import annotations
 

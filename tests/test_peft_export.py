@@ -1,8 +1,17 @@
-"""PEFT export end to end: a Qwen2-shaped megatron model trained with LoRA through the real
-DistributedOptimizer (TP=2, and PP=2), exported through the Bridge double, loaded by the real HF PEFT
-onto a real HF Qwen2 built from a config (no hub), checked against an fp64 reference computed from
-the raw Megatron-side adapter shards. Also: faults at every phase on every rank, partial, inconsistent
-and empty adapters, the retry hazard, `verify`, `verify-peft` and `export-peft`.
+"""PEFT export end to end on the harness's Qwen2-shaped megatron model (our own LoRA, not Bridge's),
+trained through the real DistributedOptimizer (TP=2, and PP=2), exported through the Bridge double,
+loaded by the real HF PEFT onto a real HF Qwen2 built from a config (no hub), checked against an fp64
+reference computed from the raw Megatron-side adapter shards. Also: an adapterless model, the retry
+hazard, `verify`, `verify-peft` and `export-peft`.
+
+Why the double stays here (the real Megatron-Bridge 0.6.2 runs these export scenarios on its own
+LoRA in tests/test_bridge_real.py, the Bridge tier, including the fault matrix, partial and
+rank-inconsistent exports, `verify-peft` and `export-peft`):
+- the model: 0.6.2 cannot export this harness model, whose LoRA is ours (`'Adapter' object has no
+  attribute 'alpha'`), and the fp64 reference is computed from its raw shards;
+- the fork's three-item tuples (`ForkAutoBridgeDouble`): no installable Bridge yields them;
+- tier 1 runs without the Bridge tier: this keeps the export path (placement in a generation,
+  the crashed-and-retried export at another topology, the CLI's negative cases) proven there.
 
 Two megatron jobs run once for the module (a crashed export, then the story); PEFT and transformers
 are imported once, in this process.
@@ -20,9 +29,8 @@ import torch
 from jobs_paths import JOBS
 from peft_reference import base_logits, hf_deltas, peft_deltas, peft_logits, reference_logits
 
-from miles_lora_ckpt.core.layout import TRACKER
 from miles_lora_ckpt.core.storage import load_tensors
-from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, FAULT_PHASES, LATEST, WEIGHTS_NAME
+from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, LATEST, WEIGHTS_NAME
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 from miles_lora_ckpt.tools.cli import main as cli
@@ -33,18 +41,6 @@ STEPS = 2
 CASES = {
     "tp2": Qwen2SimConfig(world_size=2, tp=2),
     "pp2": Qwen2SimConfig(world_size=2, pp=2),  # another topology: it also retries the crashed export
-}
-PHASE_SEEN_AS = {  # the phase every rank's CheckpointError names, for a fault armed at each phase of the export
-    "peft-setup": "peft-setup",
-    "after-prepare": "prepare",
-    "peft-export": "peft-export",
-    "before-write": "write",
-    "mid-write": "write",
-    "after-write": "write",
-    "after-consensus": "commit",
-    "mid-manifest": "commit",
-    "before-publish": "commit",
-    "after-publish": "publish",
 }
 INPUT_IDS = torch.tensor([[3, 17, 42, 99, 5, 64, 1, 127], [8, 8, 120, 33, 71, 2, 0, 55]])
 BOUND = 1e-9  # relative to the logits' scale (fp64; HF's RMSNorm rounds through fp32, both sides alike)
@@ -171,49 +167,11 @@ def test_both_bridge_shapes_and_both_helper_paths_write_the_same_adapter(story):
         assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["rank_pattern"] == {}
 
 
-def test_a_fault_at_each_phase_on_each_rank_fails_every_rank_alike_and_changes_nothing(story):
-    matrices = [r["cases"]["tp2"]["failures"]["matrix"] for r in story["results"]]
-    assert sorted(PHASE_SEEN_AS) == sorted(FAULT_PHASES) and len(matrices[0]) == len(FAULT_PHASES) * 2
-    for index, case in enumerate(matrices[0]):
-        phase, failing = case["phase_armed"], case["failing"]
-        for matrix in matrices:
-            mine = matrix[index]
-            assert mine["error"] == case["error"] and mine["error"] is not None, (phase, failing)
-            assert f"injected fault at phase '{phase}' on rank {failing}" in mine["error"]
-            assert mine["phase"] == PHASE_SEEN_AS[phase] and mine["ranks"] == [failing], (phase, failing, mine)
-            assert mine["removed"] == [], (phase, failing)  # the previous export stays intact
-            if phase == "after-publish":
-                # the coordinator had published a complete export (the commit was agreed everywhere);
-                # every rank still learns of the failure
-                assert len(mine["added"]) == 1 and mine["added"][0].startswith("gen-000000099-"), mine
-                assert mine["latest_moved"] and mine["touched"] == [LATEST, TRACKER]
-            else:  # nothing new, no staging left behind, tracker and latest untouched
-                assert mine["added"] == mine["touched"] == [] and not mine["latest_moved"], (phase, failing, mine)
-            assert mine["seconds"] < 20
+def test_an_adapterless_model_is_refused_on_every_rank_before_anything_exists(story):
     for result in story["results"]:
-        failures = result["cases"]["tp2"]["failures"]
-        in_generation = failures["in_generation"]
-        assert in_generation["phase"] == "peft-export" and in_generation["ranks"] == [1]
-        assert in_generation["unchanged"]  # the checkpoint save failed as a whole; its staging was removed
-    work = story["work"] / "tp2"
-    assert cli(["verify", str(work / "exports"), "--all"]) == 0
-    assert cli(["verify", str(work / "ckpt"), "--all"]) == 0
-
-
-def test_partial_inconsistent_and_empty_adapters_are_refused_on_every_rank(story):
-    per_rank = [r["cases"]["tp2"]["failures"] for r in story["results"]]
-    for failures in per_rank:
-        assert failures["partial"]["phase"] == "peft-check" and failures["partial"]["ranks"] == [0, 1]
-        assert "partial adapter export" in failures["partial"]["error"]
-        assert "layer 1 lacks ['model.layers.*.mlp.down_proj']" in failures["partial"]["error"]
-        inconsistent = failures["inconsistent"]
-        assert inconsistent["phase"] == "peft-export (ranks disagree)" and inconsistent["ranks"] == [1]
-        assert "rank 1: exported 27 tensors" in inconsistent["error"] and "rank 0 exported 28" in inconsistent["error"]
-        assert failures["refused_unchanged"]
-        empty = failures["empty"]
+        empty = result["cases"]["tp2"]["failures"]["empty"]
         assert empty["phase"] == "peft-plan" and empty["ranks"] == [0, 1] and "no adapter parameters" in empty["error"]
         assert empty["root_exists"] is False
-    assert per_rank[0]["partial"]["error"] == per_rank[1]["partial"]["error"]
 
 
 def test_a_retry_at_another_topology_never_publishes_the_crashed_attempts_files(story):

@@ -7,13 +7,14 @@ import collections
 import inspect
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core import faults, storage
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE, MANIFEST, TRACKER, Topology
@@ -561,7 +562,7 @@ def test_peft_files_write_weights_before_the_config(tmp_path):
     writer = SimpleNamespace(
         rank=0,
         write_tensors=lambda rel, *a, **k: order.append(rel),
-        write_json=lambda rel, obj, **k: order.append(rel),
+        write_bytes=lambda rel, data, **k: order.append(rel),
     )
     files.write(writer, "peft/")
     assert order == ["peft/" + WEIGHTS_NAME, "peft/" + CONFIG_NAME]
@@ -594,3 +595,22 @@ def test_a_slot_export_slices_each_weight_to_the_slot_rank_through_the_source():
     with pytest.raises(ValueError, match="non-zero values beyond rank 2"):
         source.export(None)
     assert bridge.consumed == len(padded)
+
+
+def test_the_config_is_written_in_bridges_own_bytes_whoever_built_it(tmp_path):
+    """`adapter_config.json` is written as Bridge's `save_hf_adapter` writes it (`json.dump(config,
+    f, indent=2)`, the builder's key order), whether our `build_config` or Bridge's
+    `build_adapter_config_dict` built it (here the double's copy of it; the real 0.6.2's bytes are
+    compared in tests/test_bridge_real.py); a non-finite number is refused."""
+    from miles_lora_ckpt.sim.bridge_double import peft_bridge as double_helpers
+
+    targets = sorted(fmt.infer_target_modules([w.param_name for w in weights()]))
+    ours = fmt.build_config(replace(LORA, base_model_name_or_path="/base"), targets)
+    bridge_config = SimpleNamespace(dim=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout)
+    theirs = double_helpers.build_adapter_config_dict(bridge_config, targets, base_model_name_or_path="/base")
+    assert fmt.config_bytes(ours) == json.dumps(theirs, indent=2).encode() == fmt.config_bytes(theirs)
+    assert not fmt.config_bytes(ours).endswith(b"\n") and fmt.config_bytes(ours).startswith(b'{\n  "peft_type"')
+    # republished: parsed (order kept) and written again gives the same bytes
+    assert fmt.config_bytes(storage.parse_json(fmt.config_bytes(ours))) == fmt.config_bytes(ours)
+    with pytest.raises(ValueError):
+        fmt.config_bytes({**ours, "lora_alpha": float("nan")})

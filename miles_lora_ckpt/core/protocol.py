@@ -119,7 +119,14 @@ class StagingWriter:
         self._record(relpath, replace(record, binding=binding))
 
     def write_json(self, relpath: str, obj, *, binding: dict[str, str] | None = None) -> None:
+        """Write one JSON file in the plugin's own form (`storage.json_bytes`: sorted keys, indent 1)."""
         record = storage.write_json(self._target(relpath), obj)
+        self._record(relpath, replace(record, binding=_checked_binding(binding)))
+
+    def write_bytes(self, relpath: str, data: bytes, *, binding: dict[str, str] | None = None) -> None:
+        """Write one file of already-encoded bytes (a format whose bytes another tool defines, e.g. the
+        PEFT `adapter_config.json` in Megatron-Bridge's form); recorded and bound like any file."""
+        record = storage.write_file_atomic(self._target(relpath), [bytes(data)])
         self._record(relpath, replace(record, binding=_checked_binding(binding)))
 
     def _target(self, relpath: str) -> Path:

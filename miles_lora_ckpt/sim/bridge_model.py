@@ -131,8 +131,13 @@ def build_bridge_run(config: BridgeRunConfig, hf_dir: str | Path) -> BridgeRun:
 
     if dist.get_world_size() != config.world_size:
         raise ValueError(f"config.world_size={config.world_size}, job world size {dist.get_world_size()}")
-    destroy_model_parallel()
-    init_model_parallel(tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp)
+    initialized = parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    ) == (config.tp, config.pp)
+    if not initialized:  # keep a layout the caller (e.g. the Miles stand-in's init) already set up
+        destroy_model_parallel()
+        init_model_parallel(tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     torch.manual_seed(config.seed)
 
@@ -217,8 +222,9 @@ def _positions(config: BridgeRunConfig):
     return torch.arange(config.seq_length).unsqueeze(0).expand(config.micro_batch, -1)
 
 
-def bridge_train_step(run: BridgeRun, step: int) -> float:
-    """One training iteration (see the module docstring); returns the mean local loss over ranks."""
+def bridge_train_step(run: BridgeRun, step: int, scheduler_increment: int = 1) -> float:
+    """One training iteration (see the module docstring); returns the mean local loss over ranks.
+    The scheduler advances by `scheduler_increment` (Miles counts samples: the global batch size)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -244,7 +250,7 @@ def bridge_train_step(run: BridgeRun, step: int) -> float:
     finalize_model_grads(run.model)
     update_successful, _grad_norm, _zeros = run.optimizer.step()
     if update_successful:
-        run.scheduler.step(increment=1)
+        run.scheduler.step(increment=scheduler_increment)
     total = loss.detach().float().reshape(1).clone()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()

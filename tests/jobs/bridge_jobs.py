@@ -7,6 +7,8 @@ DistributedOptimizer) and exported by the plugin through `BridgeSource(real Auto
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -15,7 +17,8 @@ import torch.distributed as dist
 from miles_lora_ckpt.core import faults, storage
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport, export_peft
+from miles_lora_ckpt.core.layout import LEASE
+from miles_lora_ckpt.savers.peft_export import FAULT_PHASES, BridgeSource, LoraSpec, PeftExport, export_peft
 from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
 from miles_lora_ckpt.sim import bridge_model as bm
 from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
@@ -104,6 +107,8 @@ def export_story(payload: dict, ctx) -> dict:
         _save_tensors_rank0(where / "double-export.safetensors", doubled, ctx.rank)
         if case["name"] == payload["sabotage_case"]:
             out["sabotaged"] = _sabotaged_double_exports(double, run.model, where, ctx.rank)
+            plain = _save(run, where / "plain", payload["steps"], consensus, None)
+            out["failures"] = failure_scenarios(run, where, hf, consensus, ctx) | {"plain": str(plain)}
         out["cases"][case["name"]] = {
             "losses": losses,
             "export": str(export_dir),
@@ -297,3 +302,129 @@ def resume_story(payload: dict, consensus) -> dict:
         "reference": reference_digests,
         "retry": str(retry),
     }
+
+
+# --------------------------------------------------------------------------- the fault matrix
+
+
+def _save(run: bm.BridgeRun, root: Path, iteration: int, consensus, peft: PeftExport | None) -> str:
+    return str(
+        save_lora_checkpoint(
+            run.model,
+            Args(run.config),
+            root,
+            optimizer=run.optimizer,
+            opt_param_scheduler=run.scheduler,
+            iteration=iteration,
+            consensus=consensus,
+            peft=peft,
+        )
+    )
+
+
+def _listing(root: Path) -> dict:
+    """The root's entries and mtimes, without the writer lease (its holder renews it in the background)."""
+    dist.barrier()  # the coordinator removes a failed attempt's staging after the last collective
+    if not root.exists():
+        return {}
+    return {p.name: p.lstat().st_mtime_ns for p in sorted(root.iterdir()) if not p.name.startswith(LEASE)}
+
+
+def _attempt(fn, *args) -> dict:
+    started = time.monotonic()
+    try:
+        fn(*args)
+        return {"error": None, "seconds": time.monotonic() - started}
+    except CheckpointError as exc:
+        return {"error": str(exc), "phase": exc.phase, "ranks": exc.failed_ranks, "seconds": time.monotonic() - started}
+
+
+class DroppingBridge:
+    """The real AutoBridge whose export loses `dropped` names on `ranks` (all when None): it still
+    iterates the real, collective export fully, so the peers' gathers stay matched. A sabotage for
+    the partial / inconsistent refusals, not a double: every yielded item is the real Bridge's."""
+
+    def __init__(self, bridge, dropped: list[str], ranks: list[int] | None = None):
+        self.bridge, self.dropped, self.ranks = bridge, set(dropped), ranks
+
+    def export_adapter_weights(self, model, cpu=True, show_progress=True, exclude_adapter_base_prefixes=None):
+        drop = self.ranks is None or dist.get_rank() in self.ranks
+        kwargs = {"cpu": cpu, "show_progress": show_progress}
+        if exclude_adapter_base_prefixes is not None:
+            kwargs["exclude_adapter_base_prefixes"] = exclude_adapter_base_prefixes
+        for item in self.bridge.export_adapter_weights(model, **kwargs):
+            if not (drop and item[0] in self.dropped):
+                yield item
+
+
+def failure_scenarios(run: bm.BridgeRun, where: Path, hf: str, consensus, ctx) -> dict:
+    """The export's fault matrix on the real Bridge: a raise at every phase (`FAULT_PHASES`) on every
+    rank, into the root that already holds this case's export (a raise at `peft-export` happens inside
+    the real Bridge's collective export, whose TP gathers the other rank is in); a failing export
+    inside a checkpoint save; a partial export (a module lost on every rank) and an inconsistent one
+    (lost on rank 1 only)."""
+    spec = lora_spec(run.config, hf)
+
+    def export(root, iteration, bridge=None):
+        source = BridgeSource(bridge or run.bridge)
+        return export_peft(run.model, root, source=source, lora=spec, iteration=iteration, consensus=consensus)
+
+    root = where / "exports"
+    matrix = []
+    for phase in FAULT_PHASES:
+        for failing in range(ctx.world_size):
+            before, latest = _listing(root), os.readlink(root / "latest")
+            if ctx.rank == failing:
+                faults.arm(phase, failing, "raise")
+            outcome = _attempt(export, root, 99)
+            faults.disarm()
+            after = _listing(root)
+            outcome |= {
+                "phase_armed": phase,
+                "failing": failing,
+                "latest_moved": os.readlink(root / "latest") != latest,
+            }
+            outcome |= {"added": sorted(set(after) - set(before)), "removed": sorted(set(before) - set(after))}
+            outcome |= {"touched": sorted(n for n in set(before) & set(after) if before[n] != after[n])}
+            matrix.append(outcome)
+    ckpt = where / "ckpt"
+    before = _listing(ckpt)
+    if ctx.rank == 1:
+        faults.arm("peft-export", 1, "raise")
+    in_generation = _attempt(_save, run, ckpt, 100, consensus, PeftExport(source=BridgeSource(run.bridge), lora=spec))
+    faults.disarm()
+    in_generation["unchanged"] = _listing(ckpt) == before
+    dropped = ["model.layers.1.mlp.down_proj.lora_A.weight", "model.layers.1.mlp.down_proj.lora_B.weight"]
+    before = _listing(root)
+    partial = _attempt(export, root, 101, DroppingBridge(run.bridge, dropped))
+    inconsistent = _attempt(export, root, 102, DroppingBridge(run.bridge, dropped[1:], ranks=[1]))
+    refused_unchanged = _listing(root) == before
+    return {
+        "matrix": matrix,
+        "in_generation": in_generation,
+        "partial": partial,
+        "inconsistent": inconsistent,
+        "refused_unchanged": refused_unchanged,
+    }
+
+
+def kill_inside_export(payload: dict, ctx) -> dict:
+    """A committed export; then rank `kill_rank` SIGKILLs itself inside the real Bridge's collective
+    export (at its first yielded weight, while the peers are in its TP gathers): the survivor must
+    fail with a clear error within the timeout, never hang, and publish nothing."""
+    consensus = Consensus.for_world(timeout_s=payload["timeout_s"])
+    config = bm.BridgeRunConfig.from_dict(payload["config"])
+    hf, root = payload["hf"], Path(payload["root"])
+    run = bm.build_bridge_run(config, hf)
+    bm.bridge_train_step(run, 0)
+    spec = lora_spec(config, hf)
+    first = export_peft(run.model, root, source=BridgeSource(run.bridge), lora=spec, iteration=1, consensus=consensus)
+    bm.bridge_train_step(run, 1)
+    if ctx.rank == payload["kill_rank"]:
+        faults.arm("peft-export", ctx.rank, "kill")
+    outcome = _attempt(
+        lambda: export_peft(
+            run.model, root, source=BridgeSource(run.bridge), lora=spec, iteration=2, consensus=consensus
+        )
+    )
+    return outcome | {"first": str(first)}

@@ -432,7 +432,7 @@ def peft(case: dict, ctx, consensus) -> dict:
     from miles_lora_ckpt.sim import bridge_double
     from miles_lora_ckpt.sim.train import config_from_dict
 
-    bridge_double.install()
+    bridge_double.install()  # the double: slot exports need expose_adapter_slot (Bridge main only, not 0.6.2)
     run = build_run(config_from_dict(case["config"]))
     lora = LoraSpec(r=run.config.lora_rank, alpha=run.config.lora_alpha, base_model_name_or_path=case["hf_base"])
     spec = PeftExport(source=BridgeSource(hf_checkpoint=case["hf_base"]), lora=lora)

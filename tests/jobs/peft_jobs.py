@@ -4,7 +4,6 @@ workers only)."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from miles_lora_ckpt.core import faults, storage
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
-from miles_lora_ckpt.savers.peft_export import FAULT_PHASES, BridgeSource, LoraSpec, PeftExport, export_peft
+from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport, export_peft
 from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
 from miles_lora_ckpt.sim import bridge_double
 from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown, train_step
@@ -31,6 +30,7 @@ def lora(config, hf: str) -> LoraSpec:
 
 
 def source(hf: str, variant: str = "nvidia", peft_helpers: bool = True) -> BridgeSource:
+    # the double: 0.6.2 cannot export this harness model (our LoRA), nor yield the fork's 3-item tuples
     auto_bridge = bridge_double.install(variant=variant, peft_helpers=peft_helpers)
     return BridgeSource(auto_bridge.from_hf_pretrained(hf))
 
@@ -132,54 +132,14 @@ def save(run, root, iteration, consensus, peft) -> str:
 
 
 def failure_scenarios(run, config, where: Path, hf: str, consensus, ctx) -> dict:
-    root = where / "exports"
-    matrix = []
-    for phase in FAULT_PHASES:
-        for failing in range(ctx.world_size):
-            before, latest = listing(root), os.readlink(root / "latest")
-            if ctx.rank == failing:
-                faults.arm(phase, failing, "raise")
-            outcome = attempt(export, run, root, hf, 99, consensus)
-            faults.disarm()
-            after = listing(root)
-            outcome |= {
-                "phase_armed": phase,
-                "failing": failing,
-                "latest_moved": os.readlink(root / "latest") != latest,
-            }
-            outcome |= {"added": sorted(set(after) - set(before)), "removed": sorted(set(before) - set(after))}
-            outcome |= {"touched": sorted(n for n in set(before) & set(after) if before[n] != after[n])}
-            matrix.append(outcome)
-    # inside a checkpoint save: the export fails on one rank, so the whole save fails everywhere (and
-    # its staging directory is removed)
-    ckpt = where / "ckpt"
-    before = listing(ckpt)
-    if ctx.rank == 1:
-        faults.arm("peft-export", 1, "raise")
-    in_generation = attempt(save, run, ckpt, 100, consensus, PeftExport(source(hf), lora(config, hf)))
-    faults.disarm()
-    in_generation["unchanged"] = listing(ckpt) == before
-    # partial: one module lost on every rank; inconsistent: lost on rank 1 only
-    dropped = ["model.layers.1.mlp.down_proj.lora_A.weight", "model.layers.1.mlp.down_proj.lora_B.weight"]
-    partial_source, odd_source = source(hf), source(hf)
-    partial_source.bridge.drop_for_test(dropped)
-    odd_source.bridge.drop_for_test(dropped[1:], ranks=[1])
-    before = listing(root)
-    partial = attempt(export, run, root, hf, 101, consensus, partial_source)
-    inconsistent = attempt(export, run, root, hf, 102, consensus, odd_source)
-    refused_unchanged = listing(root) == before
-    # empty: a model without adapters is refused on every rank before anything exists
+    """What stays on this harness model: a model without adapters is refused on every rank at
+    `peft-plan`, from the model's parameters, before any Bridge call. (The fault matrix, the failing
+    export inside a checkpoint save, partial and rank-inconsistent exports run on the real Bridge:
+    tests/test_bridge_real.py.)"""
     empty_root = where / "empty-export"
     empty = attempt(export, _model_without_adapters(config), empty_root, hf, 1, consensus)
     empty["root_exists"] = empty_root.exists()
-    return {
-        "matrix": matrix,
-        "in_generation": in_generation,
-        "partial": partial,
-        "inconsistent": inconsistent,
-        "refused_unchanged": refused_unchanged,
-        "empty": empty,
-    }
+    return {"empty": empty}
 
 
 class _Run:

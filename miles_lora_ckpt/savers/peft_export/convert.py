@@ -70,7 +70,8 @@ class PeftFiles:
     def write(self, writer: StagingWriter, prefix: str = "") -> None:
         """Write both files into a staging directory (weights first: a config never goes alone), each
         bound to its role (`fmt.WEIGHTS_BINDING`, `fmt.CONFIG_BINDING`); the weights also carry the
-        protocol's stamp next to `format: pt`. Their mode follows the umask like any file's (0644
+        protocol's stamp next to `format: pt`. The config's bytes are Megatron-Bridge's own
+        (`fmt.config_bytes`). Their mode follows the umask like any file's (0644
         under 022), not safetensors' fixed 0600."""
         writer.write_tensors(
             prefix + fmt.WEIGHTS_NAME,
@@ -79,7 +80,7 @@ class PeftFiles:
             binding=fmt.WEIGHTS_BINDING,
             finite=True,
         )
-        writer.write_json(prefix + fmt.CONFIG_NAME, self.config, binding=fmt.CONFIG_BINDING)
+        writer.write_bytes(prefix + fmt.CONFIG_NAME, fmt.config_bytes(self.config), binding=fmt.CONFIG_BINDING)
 
     def summary(self) -> dict[str, Any]:
         """What the manifest's metadata records about the export."""

@@ -5,7 +5,8 @@ An adapter directory holds two files (what `PeftModel.from_pretrained(base, path
     adapter_model.safetensors   tensors `base_model.model.<HF module path>.lora_A.weight` [r, in] and
                                 `.lora_B.weight` [out, r]; no adapter name in the key; header
                                 metadata `{"format": "pt", ...}`; mode 0644 (readable by a server)
-    adapter_config.json         `peft_type` "LORA", `r`, `lora_alpha`, `target_modules`, `rank_pattern`, ...
+    adapter_config.json         `peft_type` "LORA", `r`, `lora_alpha`, `target_modules`, `rank_pattern`, ...;
+                                bytes as Megatron-Bridge's `save_hf_adapter` writes them (`config_bytes`)
 
 PEFT is lenient when it loads: a key it does not expect is dropped silently, a module it adapts but
 finds no key for keeps its init (B = 0, no effect) with only a warning. So the exporter proves the
@@ -21,6 +22,7 @@ holds our own conversion helpers, used where the installed Megatron-Bridge lacks
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -175,6 +177,16 @@ def infer_rank_pattern(weights: Iterable, *, default_rank: int) -> dict[str, int
         if ranks.setdefault(module, rank) != rank:
             raise ValueError(f"{module}: inconsistent LoRA ranks {ranks[module]} and {rank}")
     return {m: rank for m, rank in sorted(ranks.items()) if rank != default_rank}
+
+
+def config_bytes(config: Mapping[str, Any]) -> bytes:
+    """The bytes of `adapter_config.json`: what Megatron-Bridge's `save_hf_adapter` writes
+    (`json.dump(config, f, indent=2)`: keys in the order the config was built, two-space indent, no
+    trailing newline), except that a non-finite number is refused. The key order is a fixed function
+    of the code that built the dict (`build_config` and Bridge's `build_adapter_config_dict` list the
+    same keys in the same order) and a republished config keeps its file's order, so the same adapter
+    always gives the same bytes and digest."""
+    return json.dumps(dict(config), indent=2, allow_nan=False).encode()
 
 
 def build_config(

@@ -12,8 +12,15 @@ that 0.6.2 lacks, and why it stays:
   tuples and the fork's narrower signature (the fork, radixark/Megatron-Bridge@7f0fb345, is not
   installable here);
 - `multi_lora_layers.expose_adapter_slot` (only on Bridge `main`, not in 0.6.2);
-- `expand_shared_outer` in the export signature (Bridge `main`; 0.6.2 has no such parameter);
-- `drop_for_test` (sabotage for partial / rank-inconsistent exports; no Bridge has it).
+- `expand_shared_outer` in the export signature (Bridge `main`; 0.6.2 has no such parameter).
+
+Where it is still used, and why (the real Bridge is the default wherever it can run the scenario):
+`tests/test_peft_export.py` (the harness's Qwen2-shaped model, whose LoRA is ours and which 0.6.2
+cannot export; the fp64 reference; the fork's tuples), the Miles stand-in launches of
+`tests/test_miles_peft.py` in tiers 1 and 2 (the bf16 harness model; the fork's tuples; a Miles
+without Bridge; in the Bridge tier two of them run on the real Bridge), the multi-LoRA slot exports
+(`expose_adapter_slot`) and the real-Miles launches (`sim.realmiles`: megatron-core 0.16.1, with
+which 0.6.2 does not import).
 
 Every remaining difference from the real 0.6.2 where they overlap:
 
@@ -23,8 +30,9 @@ Every remaining difference from the real 0.6.2 where they overlap:
   `lora_A` before `lora_B`, q/k/v and gate/up in that order. The plugin never depends on the order
   (ranks only have to agree with each other).
 - Collectives: the double exchanges JSON lists over the PP group, all-gathers TP shards and
-  broadcasts from the owning stage; 0.6.2 runs its own gathers. Fault tests on the double prove
-  the plugin's handling, not Bridge's collective pattern.
+  broadcasts from the owning stage; 0.6.2 runs its own gathers. The export's fault matrix (a raise
+  at every phase on every rank, a rank killed inside the collective export) runs on the real
+  0.6.2 in `tests/test_bridge_real.py`.
 - `from_hf_pretrained` reads `config.json` only (no weights), and maps only `Qwen2ForCausalLM` and
   `LlamaForCausalLM` dense decoders: no MoE experts, no virtual pipeline chunks, no other families.
 - `peft_bridge` helpers raise on 3-D expert stacks (0.6.2 packs them).

@@ -40,7 +40,6 @@ class AutoBridgeDouble:
 
     def __init__(self, hf_config: dict):
         self.hf_config = hf_config
-        self.test_drop: tuple[set[str], set[int] | None] = (set(), None)
 
     @classmethod
     def from_hf_pretrained(cls, path, **kwargs):
@@ -50,11 +49,6 @@ class AutoBridgeDouble:
         if not any(a in ARCHITECTURES for a in archs):
             raise ValueError(f"the Bridge double maps {ARCHITECTURES}, not {archs}")
         return cls(config)
-
-    def drop_for_test(self, names, ranks=None) -> None:
-        """Sabotage for tests: leave `names` out of what ranks `ranks` (None: all) yield, after the
-        gathers (collectives stay aligned): a partial or rank-inconsistent export."""
-        self.test_drop = (set(names), None if ranks is None else set(ranks))
 
     def export_adapter_weights(
         self, model, cpu=True, show_progress=True, exclude_adapter_base_prefixes=None, expand_shared_outer=False
@@ -82,8 +76,6 @@ def _export(bridge: AutoBridgeDouble, model, cpu: bool, exclude):
     mcfg = chunks[0].config
     local = _local_modules(chunks[0], mcfg, mpu)
     tasks = _all_stages(local, mpu)  # [(module, owner pp rank, {"in": meta, "out": meta})]
-    drop, drop_ranks = bridge.test_drop
-    rank = dist.get_rank()
     for module, owner, metas in tasks:
         if exclude and any(module.startswith(prefix) for prefix in exclude):
             continue
@@ -92,8 +84,6 @@ def _export(bridge: AutoBridgeDouble, model, cpu: bool, exclude):
             param = local[module][which] if module in local else None
             factors[which] = _full_tensor(param, owner, metas[which], mpu)
         for hf_name, tensor, megatron_name in _to_hf(module, factors["in"], factors["out"], mcfg, mpu):
-            if hf_name in drop and (drop_ranks is None or rank in drop_ranks):
-                continue
             yield hf_name, (tensor.cpu() if cpu else tensor), megatron_name
 
 

@@ -4,7 +4,8 @@ The job runs the stand-in's driver (Miles' train.py) with `payload["argv"]`, the
 already on sys.path and the launch's environment (e.g. `MILES_LORA_CKPT_CONFIG`) already set by
 the launcher, exactly as a user's launch command would run. Miles' GPU image has Megatron-Bridge,
 so every rank first installs the Bridge double as `megatron.bridge` (`sim.bridge_double`; variant
-`payload["bridge"]`: "nvidia" by default, "fork", or None for a Miles without Bridge). The harness
+`payload["bridge"]`: "nvidia" by default, "fork", or None for a Miles without Bridge; "real" in the
+Bridge tier: the real Megatron-Bridge 0.6.2 builds the model and exports it, no double). The harness
 observes the run through the driver's probe, and may SIGKILL one rank during one save, or make it
 raise there (`payload["crash"]`):
 
@@ -81,9 +82,14 @@ def launch_job(payload: dict, ctx) -> dict:
     """Run the launch; a rank whose run raised returns what it saw so far, with `failed` set."""
     from miles_lora_ckpt.sim.miles_standin.common import bridge_utils
 
-    if payload.get("bridge", "nvidia") is not None:
+    if payload.get("bridge") == "real":  # the Bridge tier: the real Megatron-Bridge builds and exports
+        from miles_lora_ckpt.sim.miles_standin.common import training
+
+        training.use_real_bridge()
+    elif payload.get("bridge", "nvidia") is not None:
         from miles_lora_ckpt.sim import bridge_double
 
+        # the double: the stand-in trains the harness's own model (our LoRA), which 0.6.2 cannot export
         bridge_double.install(variant=payload.get("bridge", "nvidia"))
     for qualified in payload.get("drop", ()):
         import importlib
@@ -100,6 +106,8 @@ def launch_job(payload: dict, ctx) -> dict:
         report["plugin"] = _plugin_report()
         report["bridge_context_entries"] = bridge_utils.entries()
         return report
+    if payload.get("bridge") == "real":
+        report["real_bridge"] = _real_bridge_facts(actor)
     report["final"] = _digests(actor)
     report["tags"] = actor.weights.tags
     report["plugin"] = _plugin_report()
@@ -111,6 +119,18 @@ def launch_job(payload: dict, ctx) -> dict:
         except Exception as exc:  # noqa: BLE001 - the report says what Miles' FT path did
             report["send_ckpt_error"] = f"{type(exc).__name__}: {exc}"
     return report
+
+
+def _real_bridge_facts(actor) -> dict:
+    """Which Megatron-Bridge this rank ran, and whose LoRA wraps the model's fused QKV."""
+    import megatron.bridge
+
+    qkv = _run(actor).inner_model.decoder.layers[0].self_attention.linear_qkv
+    return {
+        "version": megatron.bridge.__version__,
+        "is_double": getattr(megatron.bridge, "IS_TEST_DOUBLE", False),
+        "qkv_wrapper": f"{type(qkv).__module__}.{type(qkv).__name__}",
+    }
 
 
 def _run(actor):

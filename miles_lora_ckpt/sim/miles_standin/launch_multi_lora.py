@@ -105,6 +105,7 @@ def launch_job(payload: dict, ctx) -> dict:
     if payload.get("bridge", "nvidia") is not None:
         from miles_lora_ckpt.sim import bridge_double
 
+        # the double: slot exports need multi_lora_layers.expose_adapter_slot (Bridge main only, not 0.6.2)
         bridge_double.install(variant=payload.get("bridge", "nvidia"))
     observer = _Observer(ctx.rank, payload.get("crash"))
     report = observer.report

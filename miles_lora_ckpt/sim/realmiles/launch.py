@@ -131,6 +131,7 @@ def launch_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.sim.realmiles import standins
 
     folder = standins.activate(payload["tier"])
+    # the double: the real-Miles tier runs on megatron-core 0.16.1, with which Bridge 0.6.2 does not import
     bridge_double.install(variant="nvidia")
     bridge_double.AutoBridgeDouble.load_hf_weights = lambda self, model: None
     observer = standin_launch._Observer(ctx.rank, payload.get("crash"))

@@ -19,6 +19,10 @@ the Megatron model from the HF config:
   No experts, context parallelism or virtual pipelines.
 - any other `config.json` (e.g. `{}`): the tiny LoRA model of `sim.model`; `--target-modules` picks
   dense (`linear_qkv,linear_proj`), expert (`linear_fc1,linear_fc2`) or both (the default).
+- after `use_real_bridge()` (the Bridge tier only): the model is built by the REAL Megatron-Bridge
+  0.6.2 from `--hf-checkpoint` (a tiny Qwen2 or Llama of `sim.bridge_model.build_hf_base`), with
+  Bridge's own LoRA on the four linears (`--target-modules all-linear`), fp32 (no `--bf16`), and
+  megatron's DistributedOptimizer with Adam (`sim.bridge_model`), as Miles' bridge mode does.
 The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
 torch alone, as Miles' `lora_utils` does (contract §8).
 """
@@ -30,7 +34,54 @@ from pathlib import Path
 
 DENSE_TARGETS = ("linear_qkv", "linear_proj")
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
-_RUNS: dict = {}  # id(model list) -> sim.train.SimRun
+_RUNS: dict = {}  # id(model list) -> sim.train.SimRun (or sim.bridge_model.BridgeRun)
+_REAL_BRIDGE = {"on": False}
+BRIDGE_FAMILIES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+def use_real_bridge() -> None:
+    """Build this process's models with the real Megatron-Bridge (`sim.bridge_model`); installs the
+    Bridge shims (harness workers of the Bridge tier only)."""
+    from miles_lora_ckpt.sim import bridge_model
+
+    bridge_model.setup()
+    _REAL_BRIDGE["on"] = True
+
+
+def bridge_config(args):
+    """Miles' flags and --hf-checkpoint's config as a `sim.bridge_model.BridgeRunConfig`."""
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.sim.bridge_model import BridgeRunConfig
+
+    hf = hf_config(args)
+    family = next((BRIDGE_FAMILIES[a] for a in hf.get("architectures") or [] if a in BRIDGE_FAMILIES), None)
+    if family is None:
+        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: the real-Bridge run builds {sorted(BRIDGE_FAMILIES)}")
+    if args.bf16 or args.fp16:
+        raise ValueError("the real-Bridge stand-in run is fp32: drop --bf16 / --fp16")
+    if args.target_modules not in (None, "all-linear") or args.optimizer != "adam":
+        raise ValueError("the real-Bridge stand-in run adapts all four linears (all-linear) with Adam")
+    parallel = (args.expert_model_parallel_size, args.context_parallel_size, args.virtual_pipeline_model_parallel_size)
+    if parallel not in ((1, 1, None), (1, 1, 1)):
+        raise ValueError("the real-Bridge stand-in run has no EP, CP or virtual pipeline")
+    return BridgeRunConfig(
+        family=family,
+        world_size=dist.get_world_size(),
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden=int(hf["hidden_size"]),
+        ffn_hidden=int(hf["intermediate_size"]),
+        heads=int(hf["num_attention_heads"]),
+        kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        vocab=int(hf["vocab_size"]),
+        lora_rank=args.lora_rank,
+        lora_alpha=float(args.lora_alpha),
+        lr=args.lr,
+        min_lr=args.min_lr,
+        seed=args.seed,
+    )
 
 
 def adapter_kind(target_modules: str | None) -> str:
@@ -174,9 +225,14 @@ def initialize_model_parallel(args) -> None:
 
 def setup_model_and_optimizer(args, role: str = "actor"):
     """`(model, optimizer, opt_param_scheduler)` as Miles' setup_model_and_optimizer returns them."""
-    from miles_lora_ckpt.sim.train import build_run
+    if _REAL_BRIDGE["on"]:
+        from miles_lora_ckpt.sim.bridge_model import build_bridge_run
 
-    run = build_run(sim_config(args))
+        run = build_bridge_run(bridge_config(args), args.hf_checkpoint)
+    else:
+        from miles_lora_ckpt.sim.train import build_run
+
+        run = build_run(sim_config(args))
     run.scheduler = miles_scheduler(args, run.optimizer)
     _RUNS[id(run.model)] = run
     return run.model, run.optimizer, run.scheduler
@@ -229,6 +285,10 @@ def train_one_step(args, rollout_id: int, step_id: int, model, optimizer, opt_pa
     if run.optimizer is not optimizer or run.scheduler is not opt_param_scheduler:
         raise RuntimeError("train_one_step got an optimizer or scheduler its model was not built with")
     step = rollout_id * steps_per_rollout(args) + step_id
+    if _REAL_BRIDGE["on"]:
+        from miles_lora_ckpt.sim.bridge_model import bridge_train_step
+
+        return bridge_train_step(run, step, scheduler_increment=args.global_batch_size)
     return train_step(run, step, scheduler_increment=args.global_batch_size)
 
 
