@@ -130,7 +130,7 @@ class ReshardPlan:
                     check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
                     read[source.where] = opened.tensors(source.where)
                 tensor = read[source.where].get(source.name)
-                if tensor is None or tuple(tensor.shape) != source.block.shape or tensor.dtype != param.dtype:
+                if tensor is None or not source.block.holds(tensor.shape) or tensor.dtype != param.dtype:
                     got = "nothing" if tensor is None else f"{tensor.dtype}{list(tensor.shape)}"
                     raise ValueError(
                         f"{source.where}: {source.name} is {got}, the manifest says "
@@ -139,7 +139,7 @@ class ReshardPlan:
                 local[copy.into : copy.into + copy.count] = tensor.reshape(-1)[copy.first : copy.first + copy.count]
             if local.is_floating_point() and not torch.isfinite(local).all():
                 raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
-            out[name] = local.view(block.shape)
+            out[name] = local.view(param.shape)
         return [(params, out)] if out else []
 
     # ----------------------------------------------------------------------- optimizer
