@@ -48,7 +48,10 @@ CASES = {  # name: (saved layout, loaded layout)
     # swiglu (megatron's swiglu ShardedTensorFactory: [gate_r; up_r] per TP rank) and GQA's fused QKV
     "qwen2 swiglu+gqa tp2 -> tp1 (bf16)": (qwen2(tp=2), qwen2()),
     "qwen2 swiglu+gqa tp1 -> tp2 (fp32)": (qwen2("fp32"), qwen2("fp32", tp=2)),
+    # a v3 generation written before the gate/up axis: its gated fc1 outputs recorded whole ([G, r])
+    "qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)": (qwen2(), qwen2(tp=2)),
 }
+WHOLE_GATED = {"qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)"}
 QWEN2 = {name for name in CASES if name.startswith("qwen2")}
 SLOTS = {  # name: (saved layout, loaded layout): slot 1 of a 2-slot run (per-slot layer-wise children)
     "slot 1, tp2 -> tp1": (cfg(tp=2, slots=2), cfg(slots=2)),
@@ -64,6 +67,12 @@ REFUSALS = {  # name: (saved case, run config, words the error must hold[, "v2" 
         "qwen2 swiglu+gqa tp1 -> tp2 (fp32)",
         qwen2("fp32", tp=2, query_groups=4),
         ("self_attention.linear_qkv.adapter.linear_out", "in the checkpoint, [", "model shape"),
+    ),
+    # a non-gated fc1 of the same size (2 x ffn_hidden outputs): another model, named as such
+    "swiglu vs a plain fc1": (
+        "qwen2 swiglu+gqa tp1 -> tp2 (fp32)",
+        qwen2("fp32", tp=2, swiglu=False, ffn_hidden=256),
+        ("mlp.linear_fc1.adapter.linear_out", "[2, 128, 4] in the checkpoint, [256, 4] in this run", "swiglu"),
     ),
     "other target modules": (
         "tp1 -> tp2 (bf16)",
@@ -103,7 +112,14 @@ def resharded(tmp_path_factory):
     base = tmp_path_factory.mktemp("reshard")
     payload = {
         "cases": [
-            {"name": name, "save": saved, "load": loaded, "root": str(base / f"case{i}"), "steps": 2}
+            {
+                "name": name,
+                "save": saved,
+                "load": loaded,
+                "root": str(base / f"case{i}"),
+                "steps": 2,
+                "whole_gated_blocks": name in WHOLE_GATED,
+            }
             for i, (name, (saved, loaded)) in enumerate(CASES.items())
         ],
         "slots": [

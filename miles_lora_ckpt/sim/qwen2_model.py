@@ -81,6 +81,9 @@ class Qwen2SimConfig(DictConfig):
     # megatron's plain split of a seeded master weight, so each TP rank's gate and up halves depend
     # on the TP size (as the export tests were written)
     same_model_at_every_tp: bool = False
+    # False: a plain (non-gated) fc1 of ffn_hidden outputs and gelu, as a non-swiglu megatron MLP
+    # (`gated_linear_unit=False`); not a Qwen2 (the HF export maps a gated MLP only)
+    swiglu: bool = True
 
     def __post_init__(self):
         if self.model != MODEL:
@@ -143,7 +146,7 @@ class Qwen2SimConfig(DictConfig):
             num_attention_heads=self.heads,
             num_query_groups=self.query_groups,
             kv_channels=self.head_dim,
-            gated_linear_unit=True,
+            gated_linear_unit=self.swiglu,
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             pipeline_dtype=self.torch_dtype,
@@ -274,15 +277,19 @@ class Mlp(torch.nn.Module):
         super().__init__()
         lora = config.adapters == "all"
         self.config = mcfg  # as megatron's MLP: `gated_linear_unit` marks fc1's fused [gate; up] (param_blocks)
-        gated_tp = config.tp if config.same_model_at_every_tp else 0
+        self.swiglu = config.swiglu
+        gated_tp = config.tp if config.same_model_at_every_tp and config.swiglu else 0
+        fc1_out = (2 if config.swiglu else 1) * config.ffn_hidden
         self.linear_fc1 = LoraWrapped(
-            mcfg, config, f"{prefix}.linear_fc1", "column", config.hidden, 2 * config.ffn_hidden, lora, gated_tp
+            mcfg, config, f"{prefix}.linear_fc1", "column", config.hidden, fc1_out, lora, gated_tp
         )
         self.linear_fc2 = LoraWrapped(
             mcfg, config, f"{prefix}.linear_fc2", "row", config.ffn_hidden, config.hidden, lora
         )
 
     def forward(self, x):
+        if not self.swiglu:
+            return self.linear_fc2(torch.nn.functional.gelu(self.linear_fc1(x)))
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # this TP rank's [gate; up] shard
         return self.linear_fc2(torch.nn.functional.silu(gate) * up)
 

@@ -105,6 +105,39 @@ def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` (saved at TP 1) whose manifest records each gated
+    fc1 output (`linear_fc1.adapter.linear_out`) as format v3 did before the gate/up axis: one whole
+    `[G, ...]` block (resealed: an intact generation of that writer)."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"whole-{hashlib.sha256(name.encode()).hexdigest()[:8]}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        body = json.loads((target / MANIFEST).read_text())
+        body.pop("manifest_digest")
+        body.pop("signature", None)
+        edited = 0
+        for blocks in body["metadata"]["global_layout"]["params"].values():
+            for param, block in blocks.items():
+                if "linear_fc1.adapter.linear_out" in param:
+                    two, half, *rest = block["global_shape"]
+                    assert two == 2 and block["shape"] == block["global_shape"], block  # saved whole at TP 1
+                    whole = [two * half, *rest]
+                    block.update(global_shape=whole, offset=[0] * len(whole), shape=whole)
+                    edited += 1
+        assert edited, "no gated fc1 output in the manifest"
+        (target / MANIFEST).write_bytes(seal_manifest(body))
+    dist.barrier()
+    return str(target)
+
+
 def probe_loss(run, step: int) -> float | None:
     """Collective. The loss of DP rank 0's micro-batch of `step` under the current weights, no update
     (every rank runs the forward; TP ranks cooperate); None with pipeline stages, context or expert
@@ -216,8 +249,11 @@ def reshard_job(payload: dict, ctx) -> dict:
         continued = run_steps(before, 2, 2 + case["steps"])
         teardown(before)
 
+        source = case["root"]
+        if case.get("whole_gated_blocks"):
+            source = _whole_gated_blocks(source, case["name"], consensus)
         after = build_run(config_from_dict(case["load"]))
-        result = load(after, case["root"], consensus)
+        result = load(after, source, consensus)
         loaded_view = global_view(after, consensus)
         loaded_halves = gated_fc1_halves(after)
         probe_loaded = probe_loss(after, 2)
