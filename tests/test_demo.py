@@ -218,7 +218,10 @@ def test_resharding_usage_errors_exit_2_before_any_worker(tmp_path, capsys):
         ("--resume-pp", "2", "--resume-world-size", "3"): "ERROR invalid resume layout: world size 3",
         ("--resume-tp", "2", "--resume-etp", "1"): "--resume-etp 1 differs from the resume's TP 2",
         ("--resume-tp", "1"): "nothing to reshard",
-        ("--via", "miles", "--resume-tp", "2"): "--resume-* runs on the CPU harness only",
+        # through Miles: TP and world size only; stock Miles has no resharding load
+        ("--via", "miles", "--resume-pp", "2"): "only --resume-tp and --resume-world-size reshard through Miles",
+        ("--via", "miles", "--without-plugin", "--resume-tp", "2"): "stock Miles has no resharding load",
+        ("--via", "miles", "--resume-tp", "3"): "ERROR invalid resume layout: tp must be 1 or 2",
         ("--slots", "2", "--resume-tp", "2"): "drop --slots",
         ("--export-peft", "--resume-world-size", "1"): "drop --export-peft",
     }

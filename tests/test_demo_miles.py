@@ -28,6 +28,36 @@ def test_demo_via_miles_through_the_cli_resumes_bit_exact(tmp_path, capsys):
     assert "rank 1: killed by signal 9" in out and "rank 0: stopped: CheckpointError" in out
 
 
+RESHARD = ["--tp", "2", "--resume-tp", "1", "--resume-world-size", "1", "--steps", "4", "--save-every", "1"]
+
+
+def test_demo_via_miles_reshards_tp_and_world_size_bit_exact(tmp_path, capsys):
+    """Launch 2 at TP 1 on one rank loads launch 1's TP-2 generation through Miles' init (the
+    plugin's resharding load): its global view equals the uninterrupted run's at that rollout."""
+    import json
+
+    assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), *RESHARD]) == 0
+    lines, out = output(capsys)
+    assert "rank 1: killed by signal 9" in out and "launch 2: the same command at tp=1 on 1 ranks" in out
+    assert "ROLLOUT: resumed at 2" in lines
+    assert "(adapter, exp_avg, exp_avg_sq, groups, master, step) at rollout 1" in out, out
+    assert lines[-3] == "RESULT: bit-exact", out
+    words = lines[-1].split()
+    assert words[:4] == ["LOSS:", "max", "relative", "difference"] and words[-1] == "steps", lines[-1]
+    assert 0 <= float(words[4]) < 1e-2, lines[-1]  # same data, reduction order only
+    # launch 1 again (launch 2 saved on at TP 1), the reference's view of one global tensor altered:
+    # the resume names it
+    assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), *RESHARD, "--phase", "train"]) == 0
+    path = tmp_path / "miles" / "reference-reshard.json"
+    reference = json.loads(path.read_text())
+    victim = sorted(k for k in reference["views"]["1"] if k.startswith("master:") and "linear_fc1" in k)[0]
+    reference["views"]["1"][victim] = "0" * 32
+    path.write_text(json.dumps(reference))
+    assert cli(["demo", "--via", "miles", "--workdir", str(tmp_path), *RESHARD, "--phase", "resume"]) == 1
+    lines, _ = output(capsys)
+    assert lines[-3] == f"RESULT: MISMATCH {victim}", lines
+
+
 def run(prewarmed, argv: list[str]) -> int:
     args = build_parser().parse_args(["demo", "--via", "miles", *argv])
     return demo_miles.run(args, launcher=prewarmed)

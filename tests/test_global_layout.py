@@ -79,3 +79,31 @@ def test_blocks_round_trip_and_bad_ones_are_refused():
         Block.from_dict(bad, "x")
     with pytest.raises(ValueError, match="expected global"):
         Block.from_dict({**block.to_dict(), "extra": 1}, "x")
+
+
+@pytest.mark.parametrize("saved_tp, wanted_tp", [(2, 1), (1, 2), (2, 4)])
+def test_swiglu_gate_and_up_halves_reshard(saved_tp, wanted_tp):
+    """A gated fc1 output: TP rank r holds [gate_r; up_r] as [2 * L, n]; its block is [2, L, n] of
+    [gate; up] read as [2, G, n] (`param_blocks`). Any TP's local tensors give any other's."""
+    gate, up = torch.arange(24.0).view(8, 3), 100 + torch.arange(24.0).view(8, 3)
+
+    def local(tp):  # what each TP rank holds, from the logical weight
+        return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
+
+    def blocks(tp):
+        return [Block("w", (2, 8, 3), (0, r * 8 // tp, 0), (2, 8 // tp, 3)) for r in range(tp)]
+
+    saved = blocks(saved_tp)
+    assert all(b.holds(t.shape) for b, t in zip(saved, local(saved_tp), strict=True))
+    for wanted, expected in zip(blocks(wanted_tp), local(wanted_tp), strict=True):
+        assert torch.equal(_assemble(wanted, 0, wanted.numel, saved, local(saved_tp)), expected.reshape(-1))
+        assert torch.equal(_assemble(wanted, 5, 11, saved, local(saved_tp)), expected.reshape(-1)[5:11])
+
+
+def test_holds_is_the_same_shape_or_the_gate_up_axis_merged():
+    assert Block("w", (4, 3), (0, 0), (4, 3)).holds((4, 3))
+    assert not Block("w", (4, 3), (0, 0), (4, 3)).holds((3, 4))
+    gated = Block("w", (2, 4, 3), (0, 2, 0), (2, 2, 3))
+    assert gated.holds((2, 2, 3)) and gated.holds((4, 3))
+    assert not gated.holds((2, 6)) and not gated.holds((12,))
+    assert Block("b", (2, 4), (0, 2), (2, 2)).holds((4,))  # a gated bias

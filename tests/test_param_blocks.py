@@ -88,7 +88,7 @@ def test_layers_and_experts_get_global_numbers_and_megatron_says_the_split():
 
 
 def test_what_megatron_cannot_describe_as_one_block_is_unknown():
-    # swiglu: a TP-split weight under a gated linear_fc1 holds a gate and an up half, not one block
+    # swiglu: a gated linear_fc1 whose sharded_state_dict entry megatron's swiglu factory cannot take
     gated = _blocks(_model(gated=True))
     assert gated["chunk0.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"] is None
     assert gated["chunk0.layers.0.proj.weight"] is not None
@@ -96,3 +96,65 @@ def test_what_megatron_cannot_describe_as_one_block_is_unknown():
     model = _model()
     del model.layers[0].layer_number
     assert all(b is None for b in _blocks(model).values())
+
+
+class RealColumn(torch.nn.Module):
+    """A column-parallel linear on TP rank `rank` of `tp` whose `sharded_state_dict` is megatron's
+    own `ShardedTensor` (global [8, 3], split on axis 0)."""
+
+    def __init__(self, rank: int, tp: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(8 // tp, 3))
+        self.rank, self.tp = rank, tp
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        entry = ShardedTensor.from_rank_offsets(f"{prefix}weight", self.weight, (0, self.rank, self.tp))
+        return {f"{prefix}weight": entry}
+
+
+RealColumn.__module__ = "megatron.core.tensor_parallel.fake"
+
+
+class Adapter(torch.nn.Module):  # Bridge-style: linear_in (replicated here) and linear_out
+    def __init__(self, rank: int, tp: int):
+        super().__init__()
+        self.linear_in = torch.nn.Linear(3, 3, bias=False)
+        self.linear_out = RealColumn(rank, tp)
+
+
+def _gated_mlp(gated: bool, rank: int, tp: int) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.layer_number = 1
+    layer.mlp = torch.nn.Module()
+    layer.mlp.config = SimpleNamespace(gated_linear_unit=gated)
+    layer.mlp.linear_fc1 = torch.nn.Module()
+    layer.mlp.linear_fc1.adapter = Adapter(rank, tp)
+    layer.mlp.linear_fc2 = torch.nn.Module()
+    layer.mlp.linear_fc2.adapter = Adapter(rank, tp)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+@pytest.mark.parametrize("rank, tp", [(0, 1), (0, 2), (1, 2), (3, 4)])
+def test_a_gated_fc1_output_is_one_block_of_gate_and_up_from_megatrons_swiglu_factory(rank, tp):
+    blocks = _blocks(_gated_mlp(True, rank, tp))
+    out = blocks["chunk0.layers.0.mlp.linear_fc1.adapter.linear_out.weight"]
+    # [gate; up] of [8, 3] read as [2, 4, 3]: TP rank r holds gate rows and up rows r*4/tp.. of each half
+    half = 4 // tp
+    assert out == Block(
+        "layers.0.mlp.linear_fc1.adapter.linear_out.weight",
+        (2, 4, 3),
+        (0, rank * half, 0),
+        (2, half, 3),
+        "torch.float32",
+    )
+    assert out.holds((2 * half, 3)) and not out.holds((half, 6))
+    # the adapter's input factor and a non-gated linear's output keep megatron's plain ShardedTensor
+    plain = blocks["chunk0.layers.0.mlp.linear_fc2.adapter.linear_out.weight"]
+    assert plain == Block(plain.name, (8, 3), (rank * 8 // tp, 0), (8 // tp, 3), "torch.float32")
+    assert blocks["chunk0.layers.0.mlp.linear_fc1.adapter.linear_in.weight"].global_shape == (3, 3)
+    ungated = _blocks(_gated_mlp(False, rank, tp))["chunk0.layers.0.mlp.linear_fc1.adapter.linear_out.weight"]
+    assert ungated.global_shape == (8, 3)  # a gated and a non-gated fc1 never look alike

@@ -16,12 +16,21 @@ from jobs_paths import JOBS
 
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.sim.model import SimConfig
+from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
 
 def cfg(dtype: str = "bf16", adapters: str = "mixed", **extra) -> dict:
     return SimConfig(world_size=2, dtype=dtype, adapters=adapters, **extra).to_dict()
+
+
+def qwen2(dtype: str = "bf16", **extra) -> dict:
+    """The Qwen2-shaped model (Bridge-style LoRA `adapter.linear_in/out`): fused QKV with grouped
+    query attention (4 heads, 2 query groups) and swiglu's fused `linear_fc1` ([gate; up], each TP
+    rank holding its own halves), the same model at every TP size."""
+    extra.setdefault("same_model_at_every_tp", True)
+    return Qwen2SimConfig(world_size=2, dtype=dtype, **extra).to_dict()
 
 
 CASES = {  # name: (saved layout, loaded layout)
@@ -36,7 +45,14 @@ CASES = {  # name: (saved layout, loaded layout)
     "tp2 -> tp1 (bf16, Float16 children)": (cfg(tp=2, distributed=False), cfg(distributed=False)),
     # a LayerWiseDistributedOptimizer: whole parameters, one DP owner each (DP 1 -> 2 here)
     "tp2 -> tp1 (bf16, layer-wise)": (cfg(tp=2, layer_wise=True), cfg(layer_wise=True)),
+    # swiglu (megatron's swiglu ShardedTensorFactory: [gate_r; up_r] per TP rank) and GQA's fused QKV
+    "qwen2 swiglu+gqa tp2 -> tp1 (bf16)": (qwen2(tp=2), qwen2()),
+    "qwen2 swiglu+gqa tp1 -> tp2 (fp32)": (qwen2("fp32"), qwen2("fp32", tp=2)),
+    # a v3 generation written before the gate/up axis: its gated fc1 outputs recorded whole ([G, r])
+    "qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)": (qwen2(), qwen2(tp=2)),
 }
+WHOLE_GATED = {"qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)"}
+QWEN2 = {name for name in CASES if name.startswith("qwen2")}
 SLOTS = {  # name: (saved layout, loaded layout): slot 1 of a 2-slot run (per-slot layer-wise children)
     "slot 1, tp2 -> tp1": (cfg(tp=2, slots=2), cfg(slots=2)),
 }
@@ -45,6 +61,18 @@ REFUSALS = {  # name: (saved case, run config, words the error must hold[, "v2" 
         "tp1 -> tp2 (bf16)",
         cfg(tp=2, lora_rank=8),
         ("has global shape [4, ", "] in the checkpoint, [8, ", "another LoRA rank"),
+    ),
+    # another number of query groups: linear_qkv's fused output has another size
+    "another GQA grouping": (
+        "qwen2 swiglu+gqa tp1 -> tp2 (fp32)",
+        qwen2("fp32", tp=2, query_groups=4),
+        ("self_attention.linear_qkv.adapter.linear_out", "in the checkpoint, [", "model shape"),
+    ),
+    # a non-gated fc1 of the same size (2 x ffn_hidden outputs): another model, named as such
+    "swiglu vs a plain fc1": (
+        "qwen2 swiglu+gqa tp1 -> tp2 (fp32)",
+        qwen2("fp32", tp=2, swiglu=False, ffn_hidden=256),
+        ("mlp.linear_fc1.adapter.linear_out", "[2, 128, 4] in the checkpoint, [256, 4] in this run", "swiglu"),
     ),
     "other target modules": (
         "tp1 -> tp2 (bf16)",
@@ -84,7 +112,14 @@ def resharded(tmp_path_factory):
     base = tmp_path_factory.mktemp("reshard")
     payload = {
         "cases": [
-            {"name": name, "save": saved, "load": loaded, "root": str(base / f"case{i}"), "steps": 2}
+            {
+                "name": name,
+                "save": saved,
+                "load": loaded,
+                "root": str(base / f"case{i}"),
+                "steps": 2,
+                "whole_gated_blocks": name in WHOLE_GATED,
+            }
             for i, (name, (saved, loaded)) in enumerate(CASES.items())
         ],
         "slots": [
@@ -106,7 +141,12 @@ def test_reshard_is_bit_exact_at_the_load(resharded, name):
         compared = case["compared"]
         for kind in ("adapter:", "master:", "exp_avg:", "exp_avg_sq:", "step:", "groups:"):
             assert any(k.startswith(kind) for k in compared), (kind, compared)
-        assert any("mlp.experts" in k for k in compared) and any("linear_qkv" in k for k in compared)
+        assert any("linear_qkv" in k for k in compared), compared
+        if name in QWEN2:  # swiglu's halves, checked from the harness's own knowledge of them too
+            assert any("linear_fc1.adapter.linear_out" in k for k in compared), compared
+            assert len(case["gated_fc1"]) == 2 and case["gated_fc1_difference"] is None, case
+        else:
+            assert any("mlp.experts" in k for k in compared), compared
         assert case["first_difference"] is None, case["first_difference"]
         assert case["result"]["optimizer_restored"] and case["result"]["iteration"] == 2
     case = resharded[0]["cases"][name]
@@ -145,5 +185,5 @@ def test_unmappable_changes_are_refused_naming_the_parameter(resharded, name):
     for o in outcomes:
         assert o["error"] and all(w in o["error"] for w in words), o["error"]
         if not REFUSALS[name][3:]:
-            assert "lora_" in o["error"], o["error"]  # names the parameter
+            assert "lora_" in o["error"] or "adapter.linear_" in o["error"], o["error"]  # names the parameter
         assert o["changed"] is None, o

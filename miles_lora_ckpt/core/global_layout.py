@@ -6,7 +6,9 @@ records for every saved tensor, and the planning of a resharding load from it.
 A `Block` says that a local tensor (a rank's parameter, C-contiguous) is the sub-block
 `[offset[d], offset[d] + shape[d])` of every dimension `d` of the global tensor `name` of shape
 `global_shape` (megatron's `ShardedTensor`: key, global shape, global offset, local shape). A
-tensor that is not split is the block at offset zero of its own shape.
+tensor that is not split is the block at offset zero of its own shape. A block may carry one more
+leading axis than the local tensor it describes (a gated `linear_fc1` output: `[2, L, ...]` for
+the gate and up halves a TP rank holds as `[2 * L, ...]`); both read alike in C order (`holds`).
 
 `plan_copies` takes the flat element range `[first, stop)` of one wanted block (what a rank of the
 new layout needs: a whole adapter weight, or the part of a parameter its DistributedOptimizer shard
@@ -53,6 +55,20 @@ class Block:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def holds(self, shape: Sequence[int]) -> bool:
+        """Whether a local tensor of `shape`, read in C order, is this block: the same shape, or, for a
+        block with a leading gate/up axis (a gated `linear_fc1` output, `param_blocks`), the block's
+        shape with its first two dimensions merged (`[2, L, ...]` held as `[2 * L, ...]`)."""
+        shape = tuple(shape)
+        if shape == self.shape:
+            return True
+        return (
+            len(self.shape) == len(shape) + 1
+            and len(shape) >= 1
+            and shape[0] == self.shape[0] * self.shape[1]
+            and shape[1:] == self.shape[2:]
+        )
 
     @property
     def region(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

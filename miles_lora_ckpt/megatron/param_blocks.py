@@ -15,15 +15,16 @@ names it) a `core.global_layout.Block`:
 - the global shape and this rank's offsets in it: from the owning module's `sharded_state_dict`
   (megatron's `ShardedTensor`: global shape, global offset; a column-parallel linear splits
   axis 0, a row-parallel one axis 1), or, for a module without one, the whole parameter (a
-  replicated LoRA factor).
+  replicated LoRA factor);
+- under a gated (swiglu) `linear_fc1`, the adapter's output factor (`linear_out` / `lora_B`, whose
+  axis 0 is the fused `[gate; up]` output: each TP rank holds its own gate and up halves) is
+  described from megatron's swiglu `ShardedTensorFactory` as one block of the global `[gate; up]`
+  tensor viewed with a leading gate/up axis of 2 (`_swiglu_block`), at every TP size.
 
 What cannot be described is None (and a model view without modules, e.g. a slot remap's, is
 described as None throughout) (the parameter is then refused by a resharding load, never
 guessed): a parameter megatron marks tensor-parallel whose module gives no `ShardedTensor` for it,
-one split over TP under a gated (swiglu) `linear_fc1`, which megatron describes with a
-`ShardedTensorFactory` at the MLP (each TP rank holds its own gate and up halves: not resharded
-yet; at TP 1 it is whole), a
-layer index without a `layer_number`, or a local expert without `local_expert_indices` (grouped
+a gated fc1 output whose swiglu factory pieces are not two halves of one block, a layer index without a `layer_number`, or a local expert without `local_expert_indices` (grouped
 experts' `weight{i}` are not renumbered yet).
 """
 
@@ -131,14 +132,22 @@ def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict, s
             return None  # split by megatron, but no ShardedTensor says how
         shape = tuple(param.shape)
         return Block(name, shape, (0,) * len(shape), shape, dtype)
-    if tuple(sharded.global_shape) != tuple(param.shape) and _under_gated_fc1(local, modules):
-        return None  # swiglu: each TP rank holds its own gate and up halves, not one block
+    if owner_name.rpartition(".")[2] in (*SWIGLU_OUTPUTS, "linear_fc1") and _under_gated_fc1(local, modules):
+        return _swiglu_block(name, sharded, param, dtype)
     return Block(name, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(param.shape), dtype)
+
+
+# The adapter factor whose axis 0 is a gated `linear_fc1`'s fused [gate; up] output: Bridge's LoRA
+# (`linear_out`, to which its `ParallelLinearAdapter.sharded_state_dict` applies megatron's swiglu
+# factory; its `linear_in` keeps the plain ShardedTensor) and the harness's (`lora_B`); and the
+# `linear_fc1` linear's own weight and bias (megatron's MLP applies the factory to them; trainable
+# only in a full fine-tune).
+SWIGLU_OUTPUTS = ("linear_out", "lora_B")
 
 
 def _under_gated_fc1(local: str, modules: dict) -> bool:
     """Whether `local` lies under a `linear_fc1` whose MLP uses a gated linear unit (swiglu): megatron
-    describes such a split with a `ShardedTensorFactory` at the MLP, which is not resharded yet."""
+    describes its output's TP split with a `ShardedTensorFactory` at the MLP (`_swiglu_block`)."""
     parts = local.split(".")
     for depth, part in enumerate(parts[:-1]):
         if part == "linear_fc1":
@@ -146,6 +155,50 @@ def _under_gated_fc1(local: str, modules: dict) -> bool:
             if getattr(config, "gated_linear_unit", False):
                 return True
     return False
+
+
+def _swiglu_block(name: str, sharded, param, dtype: str) -> Block | None:
+    """The block of a gated fc1 output parameter, from megatron's swiglu factory.
+
+    Each TP rank holds `[gate_r; up_r]` on axis 0; megatron's `apply_swiglu_sharded_factory` splits
+    that into two `ShardedTensor`s of the one global tensor `[gate; up]` (2 * TP fragments on axis
+    0: the gate half at fragment `r`, the up half at `r + TP`). Read in C order, that global tensor
+    is `[2, G/2, ...]` and rank `r`'s local tensor is its block at `(0, o, 0...)` of shape
+    `[2, L/2, ...]`: one plain `Block` with a leading gate/up axis (the same at every TP size, also
+    TP 1, so a gated fc1 reshards and never meets a non-gated one of equal shape). None where the
+    factory's pieces do not have that form (refused, never guessed)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    if param.dim() < 1 or param.shape[0] % 2:
+        return None
+    try:
+        pieces = apply_swiglu_sharded_factory(sharded, ()).build()
+    except Exception:  # noqa: BLE001 - a layout megatron's factory does not take is refused
+        return None
+    if len(pieces) != 2:
+        return None
+    gate, up = pieces
+    global_shape = tuple(gate.global_shape)
+    half = global_shape[0] // 2
+    local = tuple(gate.local_shape)
+    plain = (
+        tuple(up.global_shape) == global_shape
+        and tuple(up.local_shape) == local
+        and global_shape[0] % 2 == 0
+        and local[0] * 2 == param.shape[0]
+        and tuple(gate.global_offset[1:]) == tuple(up.global_offset[1:])
+        and gate.global_offset[0] + local[0] <= half
+        and up.global_offset[0] == gate.global_offset[0] + half
+    )
+    if not plain:
+        return None
+    return Block(
+        name,
+        (2, half, *global_shape[1:]),
+        (0, *gate.global_offset),
+        (2, *local),
+        dtype,
+    )
 
 
 def _sharded_tensor(owner, leaf: str, param):

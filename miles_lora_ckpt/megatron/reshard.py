@@ -30,6 +30,7 @@ coordinate this rank draws from agree. Nothing is changed before the load's pref
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -87,8 +88,9 @@ class ReshardPlan:
                 f"and generation {manifest.generation} (format v{manifest.format_version}) records no global layout "
                 "to reshard from (only the data-parallel size may change)"
             )
-        saved = _saved_blocks(layout)
-        _check_same_model(saved, [plan["global"] for plan in request.plans], changes)
+        running = [plan["global"] for plan in request.plans]
+        saved = _gate_up_axis(_saved_blocks(layout), running)
+        _check_same_model(saved, running, changes)
         plan = cls()
         plan._plan_adapter(layout, saved, request)
         if restore_optimizer:
@@ -130,7 +132,7 @@ class ReshardPlan:
                     check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
                     read[source.where] = opened.tensors(source.where)
                 tensor = read[source.where].get(source.name)
-                if tensor is None or tuple(tensor.shape) != source.block.shape or tensor.dtype != param.dtype:
+                if tensor is None or not source.block.holds(tensor.shape) or tensor.dtype != param.dtype:
                     got = "nothing" if tensor is None else f"{tensor.dtype}{list(tensor.shape)}"
                     raise ValueError(
                         f"{source.where}: {source.name} is {got}, the manifest says "
@@ -139,7 +141,7 @@ class ReshardPlan:
                 local[copy.into : copy.into + copy.count] = tensor.reshape(-1)[copy.first : copy.first + copy.count]
             if local.is_floating_point() and not torch.isfinite(local).all():
                 raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
-            out[name] = local.view(block.shape)
+            out[name] = local.view(param.shape)
         return [(params, out)] if out else []
 
     # ----------------------------------------------------------------------- optimizer
@@ -283,6 +285,33 @@ def _saved_blocks(layout: dict) -> dict[str, dict[str, Block | None]]:
     }
 
 
+def _gate_up_axis(saved: dict, running: list[dict]) -> dict:
+    """`saved` with each whole block of a gated fc1 output as `param_blocks` now describes it.
+
+    A v3 generation written before gated fc1 outputs were described with their gate/up axis
+    recorded such a parameter whole at TP 1 (`[G, ...]`; split over TP it was recorded unknown).
+    Whole, `[G, ...]` and `[2, G/2, ...]` are the same elements in the same C order, so such a
+    block is taken as the one of the gate/up axis this run describes (same name)."""
+    ours: dict[str, Block] = {}
+    for described in running:
+        for data in described.values():
+            if isinstance(data, dict) and len(data.get("global_shape", [])) >= 2:
+                block = Block.from_dict(data, "this run's global layout")
+                ours.setdefault(block.name, block)
+    out = {}
+    for key, blocks in saved.items():
+        out[key] = {}
+        for name, block in blocks.items():
+            mine = None if block is None else ours.get(block.name)
+            whole = block is not None and block.shape == block.global_shape and not any(block.offset)
+            g = None if mine is None else mine.global_shape
+            if whole and g is not None and len(g) == len(block.global_shape) + 1:
+                if (g[0] * g[1], *g[2:]) == block.global_shape:
+                    block = Block(block.name, g, (0,) * len(g), g, block.dtype)
+            out[key][name] = block
+    return out
+
+
 def _block_of(described: dict, name: str) -> Block:
     data = described.get(name)
     if data is None:
@@ -328,9 +357,17 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
     for name in sorted(ours):
         a, b = theirs[name], ours[name]
         if a.global_shape != b.global_shape:
+            gated = len(a.global_shape) != len(b.global_shape) and math.prod(a.global_shape) == math.prod(
+                b.global_shape
+            )
+            why = (
+                "a gated (swiglu) linear_fc1 in one, not in the other?"
+                if gated
+                else "another LoRA rank or model shape?"
+            )
             raise IncompatibleCheckpoint(
                 f"cannot reshard ({changes}): {name} has global shape {list(a.global_shape)} in the checkpoint, "
-                f"{list(b.global_shape)} in this run (another LoRA rank or model shape?)"
+                f"{list(b.global_shape)} in this run ({why})"
             )
         if a.dtype != b.dtype:
             raise IncompatibleCheckpoint(

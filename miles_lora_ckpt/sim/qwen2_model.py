@@ -76,6 +76,14 @@ class Qwen2SimConfig(DictConfig):
     train_iters: int = 10
     weight_decay: float = 0.01
     clip_grad: float = 1.0
+    # True: fc1's [gate; up] rows (base and adapter output) are initialised from the logical TP-1
+    # weight, so every TP size builds the same model (what a resharding comparison needs); False:
+    # megatron's plain split of a seeded master weight, so each TP rank's gate and up halves depend
+    # on the TP size (as the export tests were written)
+    same_model_at_every_tp: bool = False
+    # False: a plain (non-gated) fc1 of ffn_hidden outputs and gelu, as a non-swiglu megatron MLP
+    # (`gated_linear_unit=False`); not a Qwen2 (the HF export maps a gated MLP only)
+    swiglu: bool = True
 
     def __post_init__(self):
         if self.model != MODEL:
@@ -138,7 +146,7 @@ class Qwen2SimConfig(DictConfig):
             num_attention_heads=self.heads,
             num_query_groups=self.query_groups,
             kv_channels=self.head_dim,
-            gated_linear_unit=True,
+            gated_linear_unit=self.swiglu,
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
             pipeline_dtype=self.torch_dtype,
@@ -153,16 +161,37 @@ class Qwen2SimConfig(DictConfig):
 
 def _linear(mcfg, kind: str, in_size: int, out_size: int, name: str, std: float, **extra):
     init = seeded_init(extra.pop("seed"), f"{name}.weight", std=std)
+    gated_tp = extra.pop("gated_tp", 0)
+    if gated_tp:
+        init = _gated_rows(init, gated_tp)
     common = dict(config=mcfg, init_method=init, bias=False)
     if kind == "column":
         return tensor_parallel.ColumnParallelLinear(in_size, out_size, **common, **extra)
     return tensor_parallel.RowParallelLinear(in_size, out_size, input_is_parallel=True, skip_bias_add=False, **common)
 
 
+def _gated_rows(init, tp: int):
+    """An `init_method` for a gated fc1's output rows: the logical `[gate; up]` weight (as at TP 1)
+    reordered into what megatron's plain split of the master weight gives each TP rank,
+    `[gate_0; up_0; gate_1; up_1; ...]`, so that TP rank `r` holds `[gate_r; up_r]` of the same
+    logical weight at every TP size (`Qwen2SimConfig.same_model_at_every_tp`)."""
+
+    def reordered(tensor: torch.Tensor) -> torch.Tensor:
+        init(tensor)
+        with torch.no_grad():
+            gate, up = tensor.clone().chunk(2)
+            rows = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
+            return tensor.copy_(torch.cat(rows))
+
+    return reordered
+
+
 class Adapter(torch.nn.Module):
     """Bridge-style LoRA factors `linear_in` [r, in] and `linear_out` [out, r] of one base linear."""
 
-    def __init__(self, mcfg, config: Qwen2SimConfig, name: str, parallel: str, in_size: int, out_size: int):
+    def __init__(
+        self, mcfg, config: Qwen2SimConfig, name: str, parallel: str, in_size: int, out_size: int, gated_tp: int = 0
+    ):
         super().__init__()
         r, seed = config.lora_rank, config.seed
         if parallel == "column":
@@ -174,23 +203,45 @@ class Adapter(torch.nn.Module):
         # B is small but not zero, so the adapter matters from step 0
         gather = parallel == "row"
         self.linear_out = _linear(
-            mcfg, "column", r, out_size, f"{name}.linear_out", 0.1 * r**-0.5, seed=seed, gather_output=gather
+            mcfg,
+            "column",
+            r,
+            out_size,
+            f"{name}.linear_out",
+            0.1 * r**-0.5,
+            seed=seed,
+            gather_output=gather,
+            gated_tp=gated_tp,
         )
 
 
 class LoraWrapped(torch.nn.Module):
     """`to_wrap` (frozen megatron base linear) plus `scale * linear_out(linear_in(x))`."""
 
-    def __init__(self, mcfg, config: Qwen2SimConfig, name: str, parallel: str, in_size: int, out_size: int, lora: bool):
+    def __init__(
+        self,
+        mcfg,
+        config: Qwen2SimConfig,
+        name: str,
+        parallel: str,
+        in_size: int,
+        out_size: int,
+        lora: bool,
+        gated_tp: int = 0,
+    ):
         super().__init__()
         self.parallel = parallel
         self.scale = config.lora_alpha / config.lora_rank
         extra = {"gather_output": False} if parallel == "column" else {}
+        if gated_tp:
+            extra["gated_tp"] = gated_tp
         self.to_wrap = _linear(
             mcfg, parallel, in_size, out_size, f"{name}.to_wrap", 0.5 * in_size**-0.5, seed=config.seed, **extra
         )
         self.to_wrap.weight.requires_grad_(False)
-        self.adapter = Adapter(mcfg, config, f"{name}.adapter", parallel, in_size, out_size) if lora else None
+        self.adapter = None
+        if lora:
+            self.adapter = Adapter(mcfg, config, f"{name}.adapter", parallel, in_size, out_size, gated_tp=gated_tp)
 
     def forward(self, x):
         out, _ = self.to_wrap(x)
@@ -225,14 +276,20 @@ class Mlp(torch.nn.Module):
     def __init__(self, mcfg, config: Qwen2SimConfig, prefix: str):
         super().__init__()
         lora = config.adapters == "all"
+        self.config = mcfg  # as megatron's MLP: `gated_linear_unit` marks fc1's fused [gate; up] (param_blocks)
+        self.swiglu = config.swiglu
+        gated_tp = config.tp if config.same_model_at_every_tp and config.swiglu else 0
+        fc1_out = (2 if config.swiglu else 1) * config.ffn_hidden
         self.linear_fc1 = LoraWrapped(
-            mcfg, config, f"{prefix}.linear_fc1", "column", config.hidden, 2 * config.ffn_hidden, lora
+            mcfg, config, f"{prefix}.linear_fc1", "column", config.hidden, fc1_out, lora, gated_tp
         )
         self.linear_fc2 = LoraWrapped(
             mcfg, config, f"{prefix}.linear_fc2", "row", config.ffn_hidden, config.hidden, lora
         )
 
     def forward(self, x):
+        if not self.swiglu:
+            return self.linear_fc2(torch.nn.functional.gelu(self.linear_fc1(x)))
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)  # this TP rank's [gate; up] shard
         return self.linear_fc2(torch.nn.functional.silu(gate) * up)
 
@@ -240,6 +297,7 @@ class Mlp(torch.nn.Module):
 class Layer(torch.nn.Module):
     def __init__(self, mcfg, config: Qwen2SimConfig, index: int):
         super().__init__()
+        self.layer_number = index + 1  # as megatron's TransformerLayer: global, from 1 (param_blocks)
         self.self_attention = Attention(mcfg, config, f"decoder.layers.{index}.self_attention")
         self.mlp = Mlp(mcfg, config, f"decoder.layers.{index}.mlp")
 

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
+from miles_lora_ckpt.tools import demo_miles_reshard
 from miles_lora_ckpt.tools.demo_miles_config import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
 
 TARGETS = {
@@ -209,6 +210,13 @@ def run(args, launcher=None) -> int:
     if not 0 <= scenario.crash_rank < scenario.world:
         print(f"ERROR --crash-rank must be in [0, {scenario.world})", file=sys.stderr)
         return 2
+    resume = None
+    if demo_miles_reshard.requested(args):  # --resume-*: launch 2 runs at another layout
+        try:
+            resume = demo_miles_reshard.resume_scenario(scenario)
+        except ValueError as exc:
+            print(f"ERROR invalid resume layout: {exc}", file=sys.stderr)
+            return 2
     scenario.dir.mkdir(parents=True, exist_ok=True)
     if scenario.peft:
         _qwen2_base(scenario.hf)
@@ -224,6 +232,8 @@ def run(args, launcher=None) -> int:
     own = launcher is None
     launcher = launcher or PrewarmedLauncher()
     try:
+        if resume is not None:
+            return demo_miles_reshard.run_phases(scenario, resume, launcher)
         return _run_phases(scenario, launcher)
     finally:
         if own:
@@ -309,7 +319,9 @@ def _run_phases(scenario: Scenario, launcher) -> int:
     return 0
 
 
-def _launch(scenario: Scenario, launcher, argv: list[str], crash: dict | None = None, env=None):
+def _launch(scenario: Scenario, launcher, argv: list[str], crash: dict | None = None, env=None, extra=None):
+    """One launch of `argv` on `scenario.world` fresh ranks; `extra` adds keys to a stand-in launch's
+    payload (`sim.miles_standin.launch`, e.g. `{"views": True}`)."""
     from miles_lora_ckpt.sim.miles_standin import shape_path
 
     started = time.monotonic()
@@ -321,6 +333,7 @@ def _launch(scenario: Scenario, launcher, argv: list[str], crash: dict | None = 
             payload["crash"] = {**crash, "rollout": crash["rollout"] + 1, "phase": "between-saves"}
     else:
         job, payload, sys_path = JOB, {"argv": argv, "crash": crash}, [shape_path(scenario.args.miles_shape)]
+        payload.update(extra or {})
     results = launcher.run(
         scenario.world,
         job,

@@ -59,8 +59,6 @@ def requested(args) -> bool:
 
 def check_args(args) -> str | None:
     """A usage problem of the `--resume-*` flags with the demo's other flags, or None."""
-    if args.via == "miles":
-        return "--resume-* runs on the CPU harness only (--via harness): the Miles stand-in demo does not reshard"
     clashes = [
         flag
         for flag, on in (
@@ -72,6 +70,10 @@ def check_args(args) -> str | None:
     ]
     if clashes:
         return f"--resume-* resumes one adapter run at another layout: drop {', '.join(clashes)}"
+    if args.via == "miles":  # launch 2 at another layout: tools/demo_miles_reshard.py
+        from miles_lora_ckpt.tools import demo_miles_reshard
+
+        return demo_miles_reshard.usage_problem(args)
     return None
 
 

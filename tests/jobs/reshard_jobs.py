@@ -105,6 +105,39 @@ def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` (saved at TP 1) whose manifest records each gated
+    fc1 output (`linear_fc1.adapter.linear_out`) as format v3 did before the gate/up axis: one whole
+    `[G, ...]` block (resealed: an intact generation of that writer)."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"whole-{hashlib.sha256(name.encode()).hexdigest()[:8]}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        body = json.loads((target / MANIFEST).read_text())
+        body.pop("manifest_digest")
+        body.pop("signature", None)
+        edited = 0
+        for blocks in body["metadata"]["global_layout"]["params"].values():
+            for param, block in blocks.items():
+                if "linear_fc1.adapter.linear_out" in param:
+                    two, half, *rest = block["global_shape"]
+                    assert two == 2 and block["shape"] == block["global_shape"], block  # saved whole at TP 1
+                    whole = [two * half, *rest]
+                    block.update(global_shape=whole, offset=[0] * len(whole), shape=whole)
+                    edited += 1
+        assert edited, "no gated fc1 output in the manifest"
+        (target / MANIFEST).write_bytes(seal_manifest(body))
+    dist.barrier()
+    return str(target)
+
+
 def probe_loss(run, step: int) -> float | None:
     """Collective. The loss of DP rank 0's micro-batch of `step` under the current weights, no update
     (every rank runs the forward; TP ranks cooperate); None with pipeline stages, context or expert
@@ -169,6 +202,34 @@ def _unknown_group_key(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def gated_fc1_halves(run) -> dict[str, str]:
+    """Collective (TP group). `{parameter: digest}` of every gated fc1 adapter output weight
+    (`...linear_fc1.adapter.linear_out.weight`, the Qwen2-shaped model) as the logical `[gate; up]`
+    tensor, assembled from the harness's own knowledge, not `param_blocks`: each TP rank's local
+    tensor is its `[gate_r; up_r]` (its forward chunks it so), gathered over the TP group in rank
+    order. An independent check of the swiglu mapping: a description that moved the halves wrongly
+    would still agree with itself in `global_view`, never here."""
+    import hashlib
+
+    from megatron.core import parallel_state
+
+    from miles_lora_ckpt.sim.global_view import _bits
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for chunk in run.model:
+        for name, param in chunk.named_parameters():
+            if not name.endswith("linear_fc1.adapter.linear_out.weight"):
+                continue
+            parts = [torch.empty_like(param.data) for _ in range(size)]
+            dist.all_gather(parts, param.data.contiguous(), group=group)
+            halves = [part.chunk(2) for part in parts]
+            logical = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            out[name.split("decoder.", 1)[-1]] = hashlib.sha256(_bits(logical).numpy().tobytes()).hexdigest()[:32]
+    return out
+
+
 def reshard_job(payload: dict, ctx) -> dict:
     """`payload["cases"]`: `[{"name", "save", "load", "root", "steps"}]` (configs as dicts): train
     `save` 2 steps, record its global view, save, train on `steps` more; build `load`, load the
@@ -181,15 +242,20 @@ def reshard_job(payload: dict, ctx) -> dict:
         before = build_run(config_from_dict(case["save"]))
         run_steps(before, 0, 2)
         saved_view = global_view(before, consensus)
+        saved_halves = gated_fc1_halves(before)
         roots[case["name"]] = case["root"]
         save(before, case["root"], 2, consensus, Args())
         probe_saved = probe_loss(before, 2)
         continued = run_steps(before, 2, 2 + case["steps"])
         teardown(before)
 
+        source = case["root"]
+        if case.get("whole_gated_blocks"):
+            source = _whole_gated_blocks(source, case["name"], consensus)
         after = build_run(config_from_dict(case["load"]))
-        result = load(after, case["root"], consensus)
+        result = load(after, source, consensus)
         loaded_view = global_view(after, consensus)
+        loaded_halves = gated_fc1_halves(after)
         probe_loaded = probe_loss(after, 2)
         resumed = run_steps(after, 2, 2 + case["steps"])
         teardown(after)
@@ -198,6 +264,8 @@ def reshard_job(payload: dict, ctx) -> dict:
             "first_difference": _first_difference(saved_view["digests"], loaded_view["digests"]),
             "compared": sorted(saved_view["digests"]),
             "problems": saved_view["problems"] + loaded_view["problems"],
+            "gated_fc1": sorted(saved_halves),
+            "gated_fc1_difference": _first_difference(saved_halves, loaded_halves),
             "loss_max_rel_diff": diff,
             "probe": [probe_saved, probe_loaded],
             "losses": [continued, resumed],

@@ -10,7 +10,8 @@ observes the run through the driver's probe, and may SIGKILL one rank during one
 raise there (`payload["crash"]`):
 
     {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write", "action": "kill"} | None,
-     "send_ckpt": false, "bridge": "nvidia", "drop": ["miles.backends.megatron_utils.lora_utils._load_training_state"]}
+     "send_ckpt": false, "bridge": "nvidia", "drop": ["miles.backends.megatron_utils.lora_utils._load_training_state"],
+     "views": false}
 
 `drop` (optional) derives a tree variant from the shape: each named function is deleted from its
 module before the launch, e.g. the 2026-08 tree without `_load_training_state` of PR #1792's branch
@@ -25,7 +26,10 @@ Each rank returns: the start rollout, the rollouts trained and their losses by g
 of every training-state tensor after init, at each save and at the end (`sim.snapshot`), whether
 the fp32 masters equal the adapter after init, the scheduler's step count after init, the adapter
 digests of ref / old-actor loads, what the plugin installed (when it is installed), and how many
-times Miles' `patch_megatron_model` (the context of every Bridge call) was entered.
+times Miles' `patch_megatron_model` (the context of every Bridge call) was entered. With `views`
+(the resharding demo, `tools.demo_miles_reshard`) also the layout-independent global view
+(`sim.global_view`: digests of every global adapter weight, master and moment, steps, param groups)
+after init (`view_after_init`) and after each rollout trained (`views`, by rollout id).
 """
 
 from __future__ import annotations
@@ -38,14 +42,28 @@ from miles_lora_ckpt.sim.miles_standin.common import driver
 
 
 class _Observer(driver.Probe):
-    def __init__(self, rank: int, crash: dict | None):
+    def __init__(self, rank: int, crash: dict | None, views: bool = False):
         self.rank = rank
         self.crash = crash
-        self.report: dict = {"losses": {}, "rollouts": [], "at_save": {}}
+        self.views = views
+        self._consensus = None
+        self.report: dict = {"losses": {}, "rollouts": [], "at_save": {}, "views": {}}
+
+    def _view(self, actor) -> dict:
+        """Collective: the global view of the actor's run (every rank reaches the same probe point)."""
+        from miles_lora_ckpt.core.consensus import Consensus
+        from miles_lora_ckpt.sim.global_view import global_view
+
+        if self._consensus is None:
+            self._consensus = Consensus.for_world(timeout_s=120)
+        view = global_view(_run(actor), self._consensus)
+        return {"digests": view["digests"], "problems": view["problems"]}
 
     def after_init(self, actor, start_rollout_id: int) -> None:
         self.report["start_rollout_id"] = start_rollout_id
         self.report["after_init"] = _state(actor)
+        if self.views:
+            self.report["view_after_init"] = self._view(actor)
 
     def after_rollout(self, actor, rollout_id: int, losses: list[float]) -> None:
         from miles_lora_ckpt.sim.miles_standin.common.training import steps_per_rollout
@@ -54,6 +72,8 @@ class _Observer(driver.Probe):
         self.report["rollouts"].append(rollout_id)
         for step_id, loss in enumerate(losses):
             self.report["losses"][str(rollout_id * per + step_id)] = loss
+        if self.views:
+            self.report["views"][str(rollout_id)] = self._view(actor)
         if self._crashes_at(rollout_id, "between-saves"):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -96,7 +116,7 @@ def launch_job(payload: dict, ctx) -> dict:
 
         module, _, name = qualified.rpartition(".")
         delattr(importlib.import_module(module), name)
-    observer = _Observer(ctx.rank, payload.get("crash"))
+    observer = _Observer(ctx.rank, payload.get("crash"), bool(payload.get("views")))
     report = observer.report
     report["failed"] = None
     try:
