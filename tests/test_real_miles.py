@@ -144,6 +144,87 @@ def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
     assert all("AttributeError" in e for e in errors), errors  # stub child: state_dict() raises on every rank
 
 
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, tmp_path):
+    """The wheel's `parse_args` (its Megatron-LM parser, SGLang's server arguments, `hf_validate_args`,
+    `miles_validate_args`, Megatron-LM's `validate_args`) on a realistic LoRA command, then the wheel's
+    `initialize.init`, which calls the plugin's hook (W=2, one job, cases in order).
+
+    Fault tolerance, as miles-rl 0.0.2 has it: `--use-fault-tolerance` is rollout health checking only;
+    the wheel has no `--ft-components` (its parser refuses the flag) and its validation never sets
+    `non_persistent_ckpt_type` (the 2026-08 shape's `--ft-components train` does; tests/test_miles_*
+    cover that on the stand-in). So: with `--use-fault-tolerance` the hook binds; the in-memory checkpoint
+    the user asks for with `--non-persistent-ckpt-type local` (which Megatron-LM's validation accepts with
+    `--non-persistent-local-ckpt-dir`) is refused on every rank naming exactly that flag, and no flag the
+    user did not pass."""
+    from miles_lora_ckpt.sim.realmiles import wheel_args
+
+    hf = wheel_args.write_hf_config(tmp_path / "hf")
+    config = tmp_path / "plugin.toml"
+    config.write_text("[consensus]\ntimeout_s = 60\n")
+    local = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(tmp_path / "local")]
+    cases = {
+        "ft-components": wheel_args.command(hf, tmp_path / "a", 2, "--use-fault-tolerance", "--ft-components", "train"),
+        "in-memory": wheel_args.command(hf, tmp_path / "b", 2, "--use-fault-tolerance", *local),
+        "stock": wheel_args.command(hf, tmp_path / "c", 2, *local, plugin=False),
+        "rollout-ft": wheel_args.command(hf, tmp_path / "d", 2, "--use-fault-tolerance"),
+        "plain": wheel_args.command(hf, tmp_path / "e", 2),
+    }
+    results = ok(
+        prewarmed.run(
+            2,
+            "miles_lora_ckpt.sim.realmiles.wheel_args:validation_job",
+            {"cases": cases, "tier": str(TIER)},
+            env={"MILES_LORA_CKPT_CONFIG": str(config)},
+            timeout_s=300,
+            failure_grace_s=5.0,
+        )
+    )
+    for rank, result in enumerate(results):
+        modules = result["modules"]
+        for name in (
+            "miles.utils.arguments",
+            "miles.backends.megatron_utils.initialize",
+            "megatron.training.arguments",
+        ):
+            assert Path(modules[name]).resolve().is_relative_to(TIER), (name, modules.get(name))
+        assert set(result["standins"]) >= {"sglang_router", "openai"}, result["standins"]
+        assert {n.split(".")[0] for n in result["standins"]} <= set(standins.STANDINS) | set(standins.ARGUMENT_STANDINS)
+        got = result["cases"]
+        # 0.0.2 has no --ft-components: its own parser refuses it
+        assert got["ft-components"]["exit"] == 2, got["ft-components"]
+        assert "unrecognized arguments: --ft-components train" in got["ft-components"]["refused"]
+        # the user's in-memory checkpoint: validated by the wheel, refused by the hook naming the user's flag
+        memory = got["in-memory"]
+        assert memory["parsed"]["non_persistent_ckpt_type"] == "local", memory
+        assert memory["plugin"] is None and "UnsupportedConfiguration" in memory["error"], memory
+        assert "--non-persistent-ckpt-type local (Miles' in-memory" in memory["error"], memory["error"]
+        assert "--ft-components" not in memory["error"] and "--use-fault-tolerance" not in memory["error"]
+        assert "rank 0:" in memory["error"] and "rank 1:" in memory["error"]  # raised on every rank
+        # stock Miles (no hook) initialises with the same flags: the refusal is the plugin's, not the wheel's
+        assert got["stock"]["error"] is None and got["stock"]["initialized"], got["stock"]
+        assert got["stock"]["plugin"] is None
+        for name in ("rollout-ft", "plain"):
+            case = got[name]
+            assert case["error"] is None and case["initialized"], (rank, name, case)
+            assert case["parsed"]["non_persistent_ckpt_type"] is None, case
+            assert case["parsed"]["target_modules"] == [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            assert case["parsed"]["data_parallel_size"] == 2 and case["parsed"]["use_distributed_optimizer"]
+            assert case["plugin"]["shape"] == "miles-rl-0.0.2", case["plugin"]
+            assert "miles.backends.megatron_utils.model.save" in case["plugin"]["bindings"]
+            assert "miles.backends.megatron_utils.checkpoint.load_checkpoint" in case["plugin"]["bindings"]
+        assert got["rollout-ft"]["parsed"]["use_fault_tolerance"] is True
+
+
 # functions whose signature is the same in the 2026-08 snapshot and the miles-rl 0.0.2 wheel (contract
 # §1, §2, §10.5): the 2026-08 stand-in must render them exactly as the real wheel does
 SHARED = {
@@ -218,7 +299,7 @@ def test_the_stand_ins_are_not_importable_outside_the_harness():
     code = (
         "import miles_lora_ckpt.hooks, miles_lora_ckpt.integration.install\n"
         "import importlib\n"
-        f"for name in {sorted(standins.STANDINS)!r}:\n"
+        f"for name in {sorted({**standins.STANDINS, **standins.ARGUMENT_STANDINS})!r}:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ModuleNotFoundError:\n"
