@@ -37,6 +37,7 @@ USED = (
     "miles.utils.misc",
     "megatron.training.global_vars",
 )
+ACTOR = "miles.backends.megatron_utils.actor"
 
 
 class Run:
@@ -60,11 +61,12 @@ class Run:
         saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
         return (HOOK if plugin else []) + self.training + saving + list(more)
 
-    def launch(self, argv, crash=None, wheel_validation=False):
+    def launch(self, argv, crash=None, wheel_validation=False, wheel_actor=False):
+        payload = {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_validation": wheel_validation}
         return self.launcher.run(
             self.world,
             JOB,
-            {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_validation": wheel_validation},
+            {**payload, "wheel_actor": wheel_actor},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
             sys_path=[JOBS],
             timeout_s=300,
@@ -78,7 +80,8 @@ def assert_from_the_wheel(report: dict) -> None:
         assert Path(modules[name]).resolve().is_relative_to(TIER), (name, modules.get(name))
     for name, path in modules.items():  # nothing named miles comes from elsewhere (a stand-in tree)
         assert not path or Path(path).resolve().is_relative_to(TIER), (name, path)
-    assert {name.split(".")[0] for name in report["standins"]} <= set(standins.STANDINS), report["standins"]
+    listed = {**standins.STANDINS, **standins.ARGUMENT_STANDINS, **standins.ACTOR_STANDINS}
+    assert {name.split(".")[0] for name in report["standins"]} <= set(listed), report["standins"]
 
 
 @pytest.mark.megatron
@@ -90,16 +93,22 @@ def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world
     for adapters in ("dense", "mixed", "expert-only"):
         run = Run(prewarmed, tmp_path / adapters, world, adapters)
         reference = ok(run.launch(run.training))
-        crashed = run.launch(run.command(), crash={"rollout": 2, "rank": world - 1, "phase": "mid-write"})
+        # W=2 dense saves through the wheel's own MegatronTrainRayActor.save_model (its by-name `save`)
+        actor = world == 2 and adapters == "dense"
+        crash = {"rollout": 2, "rank": world - 1, "phase": "mid-write"}
+        crashed = run.launch(run.command(), crash=crash, wheel_actor=actor)
         assert crashed[world - 1].exitcode == -9, adapters
         if world == 2 and adapters == "dense":
             # the wheel's own validation forces start_rollout_id = 0 in bridge mode (fixed by Miles #2682):
             # its driver would replay from rollout 0 over the resumed state; refused on every rank
             errors = failed(run.launch(run.command(), wheel_validation=True))
             assert all("start_rollout_id is already 0" in e and "PR #2682" in e for e in errors), errors
-        resumed = ok(run.launch(run.command()))
+        resumed = ok(run.launch(run.command(), wheel_actor=actor))
         for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
             assert_from_the_wheel(got)
+            if actor:
+                assert Path(got["modules"][ACTOR]).resolve().is_relative_to(TIER)
+                assert f"{ACTOR}.save" in got["plugin"]["bindings"], got["plugin"]["bindings"]
             assert got["plugin"]["shape"] == "miles-rl-0.0.2", got["plugin"]
             assert "miles.backends.megatron_utils.model.save_lora_checkpoint" in got["plugin"]["bindings"]
             assert got["start_rollout_id"] == 2, (adapters, rank)
@@ -346,8 +355,10 @@ def test_save_hf_on_the_wheel_publishes_the_adapter_though_the_merged_export_fai
     hf = build_tiny_qwen2(tmp_path / "hf-base", Qwen2SimConfig().hf_config_kwargs())
     run = Run(prewarmed, tmp_path / "run", 2, "dense", hf=hf)
     out = tmp_path / "hf-out"
-    results = ok(run.launch(run.command("--save-hf", str(out / "{rollout_id}"))))
+    # saved through the wheel's own MegatronTrainRayActor.save_model (model.save, then save_hf_model)
+    results = ok(run.launch(run.command("--save-hf", str(out / "{rollout_id}")), wheel_actor=True))
     assert results[0]["plugin"]["shape"] == "miles-rl-0.0.2"
+    assert f"{ACTOR}.save" in results[0]["plugin"]["bindings"]
     for rollout in range(ROLLOUTS):
         assert not (out / str(rollout) / "config.json").exists()  # the merged export failed (Miles logged it)
         report = load_report(out / str(rollout) / "adapter" / "latest", hf)

@@ -72,7 +72,15 @@ ARGUMENT_STANDINS: dict[str, str] = {
         "when --non-persistent-ckpt-type local is set; never called"
     ),
 }
-_REASONS = {**STANDINS, **ARGUMENT_STANDINS}
+# top-level name -> why it is stood in: what the wheel's train actor module
+# (`miles.backends.megatron_utils.actor`) imports on top of ARGUMENT_STANDINS (its weight-update and
+# quantisation paths, which a checkpoint never runs). Installed only by `install_for_actor`.
+ACTOR_STANDINS: dict[str, str] = {
+    "compressed_tensors": "quantisation formats of the weight-update path to SGLang; never called by a save",
+    "gguf": "GGUF weight format of SGLang's model loader; never called by a save",
+    "mooncake": "Mooncake transfer engine (RDMA, binary) of the weight-update path; never called by a save",
+}
+_REASONS = {**STANDINS, **ARGUMENT_STANDINS, **ACTOR_STANDINS}
 
 
 # what else a real-Miles run (sim/realmiles/launch.py) does not take from the wheel, and why
@@ -256,3 +264,9 @@ def install_for_arguments() -> None:
     import transformers.models.auto.processing_auto  # noqa: F401 - runs transformers' probes now
 
     install(ARGUMENT_STANDINS)
+
+
+def install_for_actor() -> None:
+    """What the wheel's train actor module needs: `install_for_arguments()`, then ACTOR_STANDINS."""
+    install_for_arguments()
+    install(ACTOR_STANDINS)
