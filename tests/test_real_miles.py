@@ -234,37 +234,67 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
         assert got["rollout-ft"]["parsed"]["use_fault_tolerance"] is True
 
 
-# functions whose signature is the same in the 2026-08 snapshot and the miles-rl 0.0.2 wheel (contract
-# §1, §2, §10.5): the 2026-08 stand-in must render them exactly as the real wheel does
-SHARED = {
-    "miles.utils.misc": ("load_function", "should_run_periodic_action"),
-    "miles.backends.megatron_utils.lora_utils": (
-        "save_lora_checkpoint",
-        "load_lora_adapter",
-        "_load_training_state",
-        "is_lora_enabled",
-        "is_lora_model",
+# Every function and method the 2026-08 stand-in (sim/miles_standin/lora_utils_2026_08) defines or
+# re-exports in a module the wheel also has is compared with the wheel's, as `render_signature` writes
+# them (names, kinds, defaults). Only these differ, each exactly as recorded: the 2026-08 shape's own
+# signatures where Miles changed after the 0.0.2 wheel (contract §2.2, §2.3, §10.5).
+KNOWN_2026_08_DIFFERENCES = {
+    "miles.backends.megatron_utils.model.initialize_model_and_optimizer": (
+        "(args, role=..., checkpointing_context=...)",
+        "(args, role=...)",
     ),
-    "miles.backends.megatron_utils.checkpoint": ("load_checkpoint", "save_checkpoint_with_lora"),
-    "miles.backends.megatron_utils.model": ("setup_model_and_optimizer",),
+    "miles.backends.megatron_utils.model.save": (
+        "(iteration, model, optimizer, opt_param_scheduler, checkpointing_context=..., non_persistent_ckpt=...)",
+        "(iteration, model, optimizer, opt_param_scheduler)",
+    ),
+    "miles.backends.megatron_utils.actor.MegatronTrainRayActor.init": (
+        "(self, args, role, *, with_ref=..., with_opd_teacher=..., recv_ckpt_src_rank=...)",
+        "(self, args, role, with_ref=...)",
+    ),
+}
+# the actor binds these two by name: the same difference
+for _name in ("initialize_model_and_optimizer", "save"):
+    KNOWN_2026_08_DIFFERENCES[f"miles.backends.megatron_utils.actor.{_name}"] = KNOWN_2026_08_DIFFERENCES[
+        f"miles.backends.megatron_utils.model.{_name}"
+    ]
+# Megatron-LM functions the stand-in only names (sim/miles_standin/common/megatron_lm.py): any call raises
+MEGATRON_LM_PLACEHOLDERS = {
+    "miles.backends.megatron_utils.checkpoint.save_checkpoint",
+    "miles.backends.megatron_utils.checkpoint._load_checkpoint_megatron",
+    "miles.backends.megatron_utils.model.save_checkpoint",
 }
 _SIGNATURES = """
-import importlib, json, sys
+import importlib, inspect, json, pathlib, sys
 from miles_lora_ckpt.integration.shapes import detect_shape, render_signature
-if sys.argv[1] == "wheel":
+kind, path, tree = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+if kind == "wheel":
     from miles_lora_ckpt.sim.realmiles import standins
-    standins.activate(sys.argv[2])
+    standins.activate(path)
+    standins.install_for_actor()  # the actor module imports SGLang's runtime
 else:
-    sys.path.insert(0, sys.argv[2])
-shared = json.loads(sys.argv[3])
-out = {"signatures": {}, "files": {}}
-for module, names in shared.items():
-    m = importlib.import_module(module)
-    out["files"][module] = m.__file__
-    for name in names:
-        out["signatures"][module + "." + name] = render_signature(getattr(m, name))
-out["shape"] = detect_shape().name
-print("RESULT" + json.dumps(out))
+    sys.path.insert(0, path)
+names = {}
+files = {}
+for file in sorted(tree.rglob("*.py")):
+    module = ".".join(file.relative_to(tree).with_suffix("").parts).removesuffix(".__init__")
+    try:
+        m = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if kind == "wheel" and error.name is not None and module.startswith(error.name):
+            continue  # a module of the 2026-08 shape the wheel does not have
+        raise
+    files[module] = m.__file__
+    for name, obj in vars(m).items():
+        defined = (getattr(obj, "__module__", None) or "").startswith(("miles.", "miles_lora_ckpt."))
+        if name.startswith("__") or not (defined or kind == "wheel"):  # the stand-in's own names
+            continue
+        if inspect.isfunction(obj):
+            names[f"{module}.{name}"] = render_signature(obj)
+        elif inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if inspect.isfunction(member) and (attr == "__init__" or not attr.startswith("__")):
+                    names[f"{module}.{name}.{attr}"] = render_signature(member)
+print("RESULT" + json.dumps({"signatures": names, "files": files, "shape": detect_shape().name}))
 """
 
 
@@ -272,18 +302,40 @@ def _signatures(kind: str, path: str) -> dict:
     import subprocess
     import sys
 
+    from miles_lora_ckpt.sim.miles_standin import shape_path
+
+    tree = shape_path("lora-utils-2026-08")
     proc = subprocess.run(
-        [sys.executable, "-c", _SIGNATURES, kind, path, json.dumps(SHARED)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", _SIGNATURES, kind, path, tree], capture_output=True, text=True, timeout=300
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line, proc.stderr[-3000:]
     return json.loads(line[len("RESULT") :])
 
 
+def signature_drift(standin: dict[str, str], wheel: dict[str, str]) -> dict[str, tuple[str, str | None]]:
+    """Every name in both whose stand-in signature differs from the wheel's, except the recorded
+    differences when they are exactly as recorded; a placeholder must render `(*args, **kwargs)`."""
+    drift = {}
+    for name, ours in standin.items():
+        real = wheel.get(name)
+        if real is None:
+            continue  # not in the wheel: nothing to compare with
+        if name in MEGATRON_LM_PLACEHOLDERS:
+            if ours != "(*args, **kwargs)":
+                drift[name] = (ours, real)
+        elif name in KNOWN_2026_08_DIFFERENCES:
+            if (ours, real) != KNOWN_2026_08_DIFFERENCES[name]:
+                drift[name] = (ours, real)
+        elif ours != real:
+            drift[name] = (ours, real)
+    return drift
+
+
 def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatures():
+    """inspect.signature of every function/method present in both (issue 19 item 6): save_model(force_sync),
+    train(rollout_data_ref), parse_args(add_custom_arguments), ... agree; the harness's own step is not
+    named like Miles' train_one_step. Negative control: a drifted or unrecorded signature is reported."""
     from miles_lora_ckpt.sim.miles_standin import shape_path
 
     wheel = _signatures("wheel", str(TIER))
@@ -292,12 +344,29 @@ def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatur
         assert Path(path).resolve().is_relative_to(TIER), (module, path)
     standin = _signatures("standin", shape_path("lora-utils-2026-08"))
     assert standin["shape"] == "lora-utils-2026-08"
-    differing = {
-        name: (standin["signatures"][name], real)
-        for name, real in wheel["signatures"].items()
-        if standin["signatures"][name] != real
+    ours, real = standin["signatures"], wheel["signatures"]
+    compared = {name for name in ours if name in real}
+    for name in (
+        "miles.backends.megatron_utils.actor.MegatronTrainRayActor.save_model",
+        "miles.backends.megatron_utils.actor.MegatronTrainRayActor.train",
+        "miles.backends.megatron_utils.lora_utils.load_lora_adapter",
+        "miles.backends.megatron_utils.initialize.init",
+        "miles.utils.arguments.parse_args",
+        "miles.utils.misc.should_run_periodic_action",
+    ):
+        assert name in compared, name
+    assert set(KNOWN_2026_08_DIFFERENCES) | MEGATRON_LM_PLACEHOLDERS <= compared  # no stale entry
+    assert not signature_drift(ours, real), signature_drift(ours, real)
+    # negative control: the stand-in as it was before issue 19 item 6, and a recorded difference that moved
+    before = dict(ours)
+    before["miles.backends.megatron_utils.actor.MegatronTrainRayActor.save_model"] = "(self, rollout_id)"
+    before["miles.utils.arguments.parse_args"] = "(argv=...)"
+    before["miles.backends.megatron_utils.model.save"] = "(iteration, model, optimizer, opt_param_scheduler)"
+    assert set(signature_drift(before, real)) == {
+        "miles.backends.megatron_utils.actor.MegatronTrainRayActor.save_model",
+        "miles.utils.arguments.parse_args",
+        "miles.backends.megatron_utils.model.save",
     }
-    assert not differing, differing
 
 
 def test_the_stand_ins_are_not_importable_outside_the_harness():

@@ -92,7 +92,7 @@ class RealWheelActor:
         self.weights = WeightBackups(self.model)
         return loaded + 1
 
-    def train(self, rollout_id: int) -> list[float]:
+    def train(self, rollout_id: int, rollout_data_ref=None) -> list[float]:
         from miles_lora_ckpt.sim.miles_standin.common import training
 
         return [
