@@ -61,17 +61,30 @@ class Run:
         saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
         return (HOOK if plugin else []) + self.training + saving + list(more)
 
-    def launch(self, argv, crash=None, wheel_validation=False, wheel_actor=False):
-        payload = {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_validation": wheel_validation}
+    def launch(self, argv, crash=None, wheel_actor=False):
         return self.launcher.run(
             self.world,
             JOB,
-            {**payload, "wheel_actor": wheel_actor},
+            {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_actor": wheel_actor},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
             sys_path=[JOBS],
             timeout_s=300,
             failure_grace_s=5.0,
         )
+
+
+def validation(launcher, run: Run, cases: dict[str, list[str]]) -> list[dict]:
+    """The wheel's parse_args, then its initialize.init with the hook, for each case (sim/realmiles/wheel_args.py)."""
+    return ok(
+        launcher.run(
+            run.world,
+            "miles_lora_ckpt.sim.realmiles.wheel_args:validation_job",
+            {"cases": cases, "tier": str(TIER)},
+            env={"MILES_LORA_CKPT_CONFIG": str(run.config)},
+            timeout_s=300,
+            failure_grace_s=5.0,
+        )
+    )
 
 
 def assert_from_the_wheel(report: dict) -> None:
@@ -90,6 +103,9 @@ def assert_from_the_wheel(report: dict) -> None:
 def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world):
     """The hook binds to the wheel (shape miles-rl-0.0.2); a rank killed mid-save, the same command
     relaunched: every tensor, counter and loss equals an uninterrupted run's (dense, mixed, expert-only)."""
+    from miles_lora_ckpt.sim.realmiles import wheel_args
+
+    qwen2 = wheel_args.write_hf_config(tmp_path / "hf-qwen2")  # what hf_validate_args reads
     for adapters in ("dense", "mixed", "expert-only"):
         run = Run(prewarmed, tmp_path / adapters, world, adapters)
         reference = ok(run.launch(run.training))
@@ -99,10 +115,14 @@ def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world
         crashed = run.launch(run.command(), crash=crash, wheel_actor=actor)
         assert crashed[world - 1].exitcode == -9, adapters
         if world == 2 and adapters == "dense":
-            # the wheel's own validation forces start_rollout_id = 0 in bridge mode (fixed by Miles #2682):
-            # its driver would replay from rollout 0 over the resumed state; refused on every rank
-            errors = failed(run.launch(run.command(), wheel_validation=True))
-            assert all("start_rollout_id is already 0" in e and "PR #2682" in e for e in errors), errors
+            # the wheel's own parse_args and init on the relaunch: its validation forces start_rollout_id = 0
+            # in bridge mode (fixed by Miles #2682), so its driver would replay from rollout 0 over the resumed
+            # state; the hook refuses on every rank
+            relaunch = validation(prewarmed, run, {"relaunch": wheel_args.command(qwen2, run.save, 2)})
+            for result in relaunch:  # raised on every rank (rank 0 checked the save directory)
+                error = result["cases"]["relaunch"]["error"]
+                assert result["cases"]["relaunch"]["parsed"]["start_rollout_id"] == 0, result["cases"]
+                assert "start_rollout_id is already 0" in error and "PR #2682" in error, error
         resumed = ok(run.launch(run.command(), wheel_actor=actor))
         for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
             assert_from_the_wheel(got)
@@ -170,8 +190,6 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
     from miles_lora_ckpt.sim.realmiles import wheel_args
 
     hf = wheel_args.write_hf_config(tmp_path / "hf")
-    config = tmp_path / "plugin.toml"
-    config.write_text("[consensus]\ntimeout_s = 60\n")
     local = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(tmp_path / "local")]
     cases = {
         "ft-components": wheel_args.command(hf, tmp_path / "a", 2, "--use-fault-tolerance", "--ft-components", "train"),
@@ -180,16 +198,7 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
         "rollout-ft": wheel_args.command(hf, tmp_path / "d", 2, "--use-fault-tolerance"),
         "plain": wheel_args.command(hf, tmp_path / "e", 2),
     }
-    results = ok(
-        prewarmed.run(
-            2,
-            "miles_lora_ckpt.sim.realmiles.wheel_args:validation_job",
-            {"cases": cases, "tier": str(TIER)},
-            env={"MILES_LORA_CKPT_CONFIG": str(config)},
-            timeout_s=300,
-            failure_grace_s=5.0,
-        )
-    )
+    results = validation(prewarmed, Run(prewarmed, tmp_path / "run", 2, "dense"), cases)
     for rank, result in enumerate(results):
         modules = result["modules"]
         for name in (

@@ -19,14 +19,13 @@ The harness's part, and why:
   and `clear_memory` (torch.cuda.synchronize) is gc only;
 - the driver loop: the start rollout is 0 when `--load` has no Megatron tracker, else the actors'
   returned one (2026-08 Miles, after #2682; the wheel's own `miles_validate_args` forces 0 in bridge
-  mode even with a tracker, so its driver would replay from rollout 0), train, save at Miles' cadence;
+  mode even with a tracker, so its driver would replay from rollout 0: the real-validation job,
+  `sim/realmiles/wheel_args.py`, shows the hook refusing that relaunch), train, save at Miles' cadence;
 - Megatron-Bridge: the harness's double (`sim.bridge_double`), whose `load_hf_weights` writes nothing
   (the frozen base weights are the run's seeded ones).
 
 Payload and report are those of `miles_standin.launch` (`argv`, `crash`, the per-rank report), plus
-`tier` (the wheel's folder), `wheel_validation`: apply the wheel's own rule that
-`start_rollout_id = 0` in bridge mode whatever `--load` holds (its driver then replays from 0), and
-`wheel_actor`: load the wheel's train actor module before the hook (as Miles does: the hook runs
+`tier` (the wheel's folder) and `wheel_actor`: load the wheel's train actor module before the hook (as Miles does: the hook runs
 inside the actor's init) and save through its own `MegatronTrainRayActor.save_model`
 (`standins.ACTOR_STANDINS`; the actor's by-name `save` is the plugin's late consumer).
 """
@@ -121,7 +120,7 @@ class RealWheelActor:
             wheel_model.save_hf_model(self.args, rollout_id, self.model)
 
 
-def run(argv: list[str], probe, wheel_validation: bool = False, wheel_actor: bool = False):
+def run(argv: list[str], probe, wheel_actor: bool = False):
     """Parse, init, train every rollout from the actors' start rollout, saving at Miles' cadence."""
     from miles.utils.misc import should_run_periodic_action
 
@@ -130,8 +129,6 @@ def run(argv: list[str], probe, wheel_validation: bool = False, wheel_actor: boo
 
     args = standin_args.build_parser("enable_gloo_process_groups").parse_args(argv)
     standin_args.validate(args)
-    if wheel_validation and args.megatron_to_hf_mode == "bridge":
-        args.start_rollout_id = 0  # the wheel's miles_validate_args, even when --load holds a tracker
     for name, value in WHEEL_DEFAULTS.items():
         setattr(args, name, getattr(args, name, value))
     actor = RealWheelActor(wheel_actor)
@@ -161,12 +158,7 @@ def launch_job(payload: dict, ctx) -> dict:
     report = observer.report
     report["failed"] = None
     try:
-        actor = run(
-            list(payload["argv"]),
-            observer,
-            payload.get("wheel_validation", False),
-            payload.get("wheel_actor", False),
-        )
+        actor = run(list(payload["argv"]), observer, payload.get("wheel_actor", False))
         report["final"] = standin_launch._digests(actor)
     except Exception:  # noqa: BLE001 - the launch failed on this rank: say how, keep what was observed
         report["failed"] = traceback.format_exc()[-4000:]
