@@ -96,8 +96,8 @@ SUBSTITUTIONS: dict[str, str] = {
     ),
     "miles.backends.megatron_utils.initialize.init": (
         "run for real by the validation job (sim/realmiles/wheel_args.py: megatron's groups over gloo, the seeds, "
-        "Megatron-LM's NullTokenizer, the hook), with its numpy-1.x assertion answered by a numpy whose "
-        "__version__ reads 1.x; the kill/relaunch launch (launch.py) does its steps instead (real set_args, "
+        "Megatron-LM's NullTokenizer, the hook); its numpy-1.x assertion runs as is under make tier-miles (numpy "
+        "1.26.4 first on PYTHONPATH), elsewhere it is answered by a numpy whose __version__ reads 1.x; the kill/relaunch launch (launch.py) does its steps instead (real set_args, "
         "megatron's groups, the wheel's create_megatron_parallel_state/set_parallel_state, the hook through the "
         "wheel's load_function), because its stand-in parser's args lack what init reads"
     ),

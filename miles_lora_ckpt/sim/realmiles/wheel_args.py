@@ -12,11 +12,11 @@ What is not the wheel's, and why:
 - the modules `standins.ARGUMENT_STANDINS` lists (SGLang's server tree imports them; none is called
   while parsing), and `sglang_router`'s `RouterArgs`, which declares no `--router-*` flag;
 - `init`'s `assert np.__version__.startswith("1.")` (Megatron-LM issue 1563: its dataset index helpers
-  under numpy 2): the harness runs numpy 2 and never builds a Megatron dataset, so `init` sees, for
-  that one name, a numpy whose `__version__` reads `1.x` (`numpy_1_for_init`); every other numpy
-  attribute is the real numpy's. A numpy 1.x cannot be installed in the tier folder instead: the folder
-  comes after site-packages on sys.path (`standins.activate`), and putting it first would replace numpy
-  under torch, megatron-core and transformers too.
+  under numpy 2) runs unchanged under `make tier-miles`, which puts numpy 1.26.4 first on PYTHONPATH
+  (`.tier-miles/numpy-1.26.4`; measured: this project's torch 2.13, megatron-core 0.16.1 and
+  transformers import and run with it). Run elsewhere under numpy 2 (pytest by hand), `init` sees, for
+  that one name, a numpy whose `__version__` reads `1.x` (`numpy_1_for_init`; every other attribute is
+  the real numpy's): the harness never builds a Megatron dataset. The job reports which numpy it ran.
 
 `command` builds a realistic LoRA command for the harness's tiny Qwen2 base (the model flags match
 the `--hf-checkpoint` config, as `hf_validate_args` demands). The job parses each case of the payload
@@ -126,6 +126,9 @@ def numpy_1_for_init():
     from miles.backends.megatron_utils import initialize
 
     real = initialize.np
+    if real.__version__.startswith("1."):  # a numpy 1.x first on the path: the wheel's assertion runs as is
+        yield
+        return
     initialize.np = _Numpy1(real)
     try:
         yield
@@ -209,4 +212,5 @@ def validation_job(payload: dict, ctx) -> dict:
         "modules": realmiles_launch.wheel_modules(),
         "tier": str(folder),
         "standins": standins.installed(),
+        "numpy": sys.modules["numpy"].__version__,  # 2.x: init saw _Numpy1; 1.x: its assertion ran as is
     }
