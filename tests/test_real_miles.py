@@ -386,7 +386,7 @@ def test_the_stand_ins_are_not_importable_outside_the_harness():
     code = (
         "import miles_lora_ckpt.hooks, miles_lora_ckpt.integration.install\n"
         "import importlib\n"
-        f"for name in {sorted({**standins.STANDINS, **standins.ARGUMENT_STANDINS})!r}:\n"
+        f"for name in {sorted({**standins.STANDINS, **standins.ARGUMENT_STANDINS, **standins.ACTOR_STANDINS})!r}:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ModuleNotFoundError:\n"
