@@ -51,6 +51,20 @@ $(TIERMILES)/.installed: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --target $(TIERMILES) miles-rl==0.0.2 six==1.17.0 pybase64==1.5.1 'triton==3.7.*'
 	touch $@
 
+# The wheel's own argument parsing imports SGLang's server-argument tree, whose model configs need the
+# real pillow (image-processor registration) and dill at import time (sim/realmiles/wheel_args.py).
+$(TIERMILES)/.argparse: $(TIERMILES)/.installed
+	$(BIN)/pip install -q --no-deps --target $(TIERMILES) pillow==13.0.0 dill==0.4.1
+	touch $@
+
+# Megatron-LM (and so the wheel's initialize.init) asserts numpy 1.x. The real-Miles test run puts
+# numpy 1.26.4 first on PYTHONPATH (measured: torch 2.13, megatron-core 0.16.1 and transformers import
+# and run with it), so init's assertion runs unchanged; sim/realmiles/wheel_args.py: numpy_1_for_init.
+TIERNUMPY1 := .tier-miles/numpy-1.26.4
+$(TIERNUMPY1)/.installed: $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps --target $(TIERNUMPY1) numpy==1.26.4
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -65,7 +79,7 @@ demo-bridge: $(TIER3)/.installed
 	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/miles-lora-ckpt demo $(ARGS)
 
 # The demo through the real Miles wheel's modules, e.g. ARGS="--without-plugin".
-demo-miles: $(TIERMILES)/.installed
+demo-miles: $(TIERMILES)/.argparse
 	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) $(BIN)/miles-lora-ckpt demo --via miles --miles-shape miles-rl-0.0.2 $(ARGS)
 
 # lint includes the documentation site: a broken link, an unknown anchor or a page missing from the
@@ -91,8 +105,8 @@ tier-bridge: $(TIER3)/.installed
 	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m bridge $(PYTEST_ARGS)
 
 # Only the tests marked `realmiles` (the real miles-rl 0.0.2 wheel; sim/realmiles/standins.py lists what is stood in).
-tier-miles: $(TIERMILES)/.installed
-	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) $(BIN)/python -m pytest -q -m realmiles $(PYTEST_ARGS)
+tier-miles: $(TIERMILES)/.argparse $(TIERNUMPY1)/.installed
+	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) PYTHONPATH=$(CURDIR)/$(TIERNUMPY1) $(BIN)/python -m pytest -q -m realmiles $(PYTEST_ARGS)
 
 test: lint tier1 tier2 tier-bridge tier-miles
 

@@ -37,6 +37,7 @@ USED = (
     "miles.utils.misc",
     "megatron.training.global_vars",
 )
+ACTOR = "miles.backends.megatron_utils.actor"
 
 
 class Run:
@@ -60,16 +61,30 @@ class Run:
         saving = ["--save", str(self.save), "--load", str(self.save), "--save-interval", "1"]
         return (HOOK if plugin else []) + self.training + saving + list(more)
 
-    def launch(self, argv, crash=None, wheel_validation=False):
+    def launch(self, argv, crash=None, wheel_actor=False):
         return self.launcher.run(
             self.world,
             JOB,
-            {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_validation": wheel_validation},
+            {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_actor": wheel_actor},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
             sys_path=[JOBS],
             timeout_s=300,
             failure_grace_s=5.0,
         )
+
+
+def validation(launcher, run: Run, cases: dict[str, list[str]]) -> list[dict]:
+    """The wheel's parse_args, then its initialize.init with the hook, for each case (sim/realmiles/wheel_args.py)."""
+    return ok(
+        launcher.run(
+            run.world,
+            "miles_lora_ckpt.sim.realmiles.wheel_args:validation_job",
+            {"cases": cases, "tier": str(TIER)},
+            env={"MILES_LORA_CKPT_CONFIG": str(run.config)},
+            timeout_s=300,
+            failure_grace_s=5.0,
+        )
+    )
 
 
 def assert_from_the_wheel(report: dict) -> None:
@@ -78,7 +93,8 @@ def assert_from_the_wheel(report: dict) -> None:
         assert Path(modules[name]).resolve().is_relative_to(TIER), (name, modules.get(name))
     for name, path in modules.items():  # nothing named miles comes from elsewhere (a stand-in tree)
         assert not path or Path(path).resolve().is_relative_to(TIER), (name, path)
-    assert {name.split(".")[0] for name in report["standins"]} <= set(standins.STANDINS), report["standins"]
+    listed = {**standins.STANDINS, **standins.ARGUMENT_STANDINS, **standins.ACTOR_STANDINS}
+    assert {name.split(".")[0] for name in report["standins"]} <= set(listed), report["standins"]
 
 
 @pytest.mark.megatron
@@ -87,19 +103,32 @@ def assert_from_the_wheel(report: dict) -> None:
 def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world):
     """The hook binds to the wheel (shape miles-rl-0.0.2); a rank killed mid-save, the same command
     relaunched: every tensor, counter and loss equals an uninterrupted run's (dense, mixed, expert-only)."""
+    from miles_lora_ckpt.sim.realmiles import wheel_args
+
+    qwen2 = wheel_args.write_hf_config(tmp_path / "hf-qwen2")  # what hf_validate_args reads
     for adapters in ("dense", "mixed", "expert-only"):
         run = Run(prewarmed, tmp_path / adapters, world, adapters)
         reference = ok(run.launch(run.training))
-        crashed = run.launch(run.command(), crash={"rollout": 2, "rank": world - 1, "phase": "mid-write"})
+        # W=2 dense saves through the wheel's own MegatronTrainRayActor.save_model (its by-name `save`)
+        actor = world == 2 and adapters == "dense"
+        crash = {"rollout": 2, "rank": world - 1, "phase": "mid-write"}
+        crashed = run.launch(run.command(), crash=crash, wheel_actor=actor)
         assert crashed[world - 1].exitcode == -9, adapters
         if world == 2 and adapters == "dense":
-            # the wheel's own validation forces start_rollout_id = 0 in bridge mode (fixed by Miles #2682):
-            # its driver would replay from rollout 0 over the resumed state; refused on every rank
-            errors = failed(run.launch(run.command(), wheel_validation=True))
-            assert all("start_rollout_id is already 0" in e and "PR #2682" in e for e in errors), errors
-        resumed = ok(run.launch(run.command()))
+            # the wheel's own parse_args and init on the relaunch: its validation forces start_rollout_id = 0
+            # in bridge mode (fixed by Miles #2682), so its driver would replay from rollout 0 over the resumed
+            # state; the hook refuses on every rank
+            relaunch = validation(prewarmed, run, {"relaunch": wheel_args.command(qwen2, run.save, 2)})
+            for result in relaunch:  # raised on every rank (rank 0 checked the save directory)
+                error = result["cases"]["relaunch"]["error"]
+                assert result["cases"]["relaunch"]["parsed"]["start_rollout_id"] == 0, result["cases"]
+                assert "start_rollout_id is already 0" in error and "PR #2682" in error, error
+        resumed = ok(run.launch(run.command(), wheel_actor=actor))
         for rank, (ref, got) in enumerate(zip(reference, resumed, strict=True)):
             assert_from_the_wheel(got)
+            if actor:
+                assert Path(got["modules"][ACTOR]).resolve().is_relative_to(TIER)
+                assert f"{ACTOR}.save" in got["plugin"]["bindings"], got["plugin"]["bindings"]
             assert got["plugin"]["shape"] == "miles-rl-0.0.2", got["plugin"]
             assert "miles.backends.megatron_utils.model.save_lora_checkpoint" in got["plugin"]["bindings"]
             assert got["start_rollout_id"] == 2, (adapters, rank)
@@ -144,37 +173,137 @@ def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
     assert all("AttributeError" in e for e in errors), errors  # stub child: state_dict() raises on every rank
 
 
-# functions whose signature is the same in the 2026-08 snapshot and the miles-rl 0.0.2 wheel (contract
-# §1, §2, §10.5): the 2026-08 stand-in must render them exactly as the real wheel does
-SHARED = {
-    "miles.utils.misc": ("load_function", "should_run_periodic_action"),
-    "miles.backends.megatron_utils.lora_utils": (
-        "save_lora_checkpoint",
-        "load_lora_adapter",
-        "_load_training_state",
-        "is_lora_enabled",
-        "is_lora_model",
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, tmp_path):
+    """The wheel's `parse_args` (its Megatron-LM parser, SGLang's server arguments, `hf_validate_args`,
+    `miles_validate_args`, Megatron-LM's `validate_args`) on a realistic LoRA command, then the wheel's
+    `initialize.init`, which calls the plugin's hook (W=2, one job, cases in order).
+
+    Fault tolerance, as miles-rl 0.0.2 has it: `--use-fault-tolerance` is rollout health checking only;
+    the wheel has no `--ft-components` (its parser refuses the flag) and its validation never sets
+    `non_persistent_ckpt_type` (the 2026-08 shape's `--ft-components train` does; tests/test_miles_*
+    cover that on the stand-in). So: with `--use-fault-tolerance` the hook binds; the in-memory checkpoint
+    the user asks for with `--non-persistent-ckpt-type local` (which Megatron-LM's validation accepts with
+    `--non-persistent-local-ckpt-dir`) is refused on every rank naming exactly that flag, and no flag the
+    user did not pass."""
+    from miles_lora_ckpt.sim.realmiles import wheel_args
+
+    hf = wheel_args.write_hf_config(tmp_path / "hf")
+    local = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(tmp_path / "local")]
+    cases = {
+        "ft-components": wheel_args.command(hf, tmp_path / "a", 2, "--use-fault-tolerance", "--ft-components", "train"),
+        "in-memory": wheel_args.command(hf, tmp_path / "b", 2, "--use-fault-tolerance", *local),
+        "stock": wheel_args.command(hf, tmp_path / "c", 2, *local, plugin=False),
+        "rollout-ft": wheel_args.command(hf, tmp_path / "d", 2, "--use-fault-tolerance"),
+        "plain": wheel_args.command(hf, tmp_path / "e", 2),
+    }
+    results = validation(prewarmed, Run(prewarmed, tmp_path / "run", 2, "dense"), cases)
+    for rank, result in enumerate(results):
+        modules = result["modules"]
+        for name in (
+            "miles.utils.arguments",
+            "miles.backends.megatron_utils.initialize",
+            "megatron.training.arguments",
+        ):
+            assert Path(modules[name]).resolve().is_relative_to(TIER), (name, modules.get(name))
+        assert set(result["standins"]) >= {"sglang_router", "openai"}, result["standins"]
+        assert {n.split(".")[0] for n in result["standins"]} <= set(standins.STANDINS) | set(standins.ARGUMENT_STANDINS)
+        got = result["cases"]
+        # 0.0.2 has no --ft-components: its own parser refuses it
+        assert got["ft-components"]["exit"] == 2, got["ft-components"]
+        assert "unrecognized arguments: --ft-components train" in got["ft-components"]["refused"]
+        # the user's in-memory checkpoint: validated by the wheel, refused by the hook naming the user's flag
+        memory = got["in-memory"]
+        assert memory["parsed"]["non_persistent_ckpt_type"] == "local", memory
+        assert memory["plugin"] is None and "UnsupportedConfiguration" in memory["error"], memory
+        assert "--non-persistent-ckpt-type local (Miles' in-memory" in memory["error"], memory["error"]
+        assert "--ft-components" not in memory["error"] and "--use-fault-tolerance" not in memory["error"]
+        assert "rank 0:" in memory["error"] and "rank 1:" in memory["error"]  # raised on every rank
+        # stock Miles (no hook) initialises with the same flags: the refusal is the plugin's, not the wheel's
+        assert got["stock"]["error"] is None and got["stock"]["initialized"], got["stock"]
+        assert got["stock"]["plugin"] is None
+        for name in ("rollout-ft", "plain"):
+            case = got[name]
+            assert case["error"] is None and case["initialized"], (rank, name, case)
+            assert case["parsed"]["non_persistent_ckpt_type"] is None, case
+            assert case["parsed"]["target_modules"] == [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            assert case["parsed"]["data_parallel_size"] == 2 and case["parsed"]["use_distributed_optimizer"]
+            assert case["plugin"]["shape"] == "miles-rl-0.0.2", case["plugin"]
+            assert "miles.backends.megatron_utils.model.save" in case["plugin"]["bindings"]
+            assert "miles.backends.megatron_utils.checkpoint.load_checkpoint" in case["plugin"]["bindings"]
+        assert got["rollout-ft"]["parsed"]["use_fault_tolerance"] is True
+
+
+# Every function and method the 2026-08 stand-in (sim/miles_standin/lora_utils_2026_08) defines or
+# re-exports in a module the wheel also has is compared with the wheel's, as `render_signature` writes
+# them (names, kinds, defaults). Only these differ, each exactly as recorded: the 2026-08 shape's own
+# signatures where Miles changed after the 0.0.2 wheel (contract §2.2, §2.3, §10.5).
+KNOWN_2026_08_DIFFERENCES = {
+    "miles.backends.megatron_utils.model.initialize_model_and_optimizer": (
+        "(args, role=..., checkpointing_context=...)",
+        "(args, role=...)",
     ),
-    "miles.backends.megatron_utils.checkpoint": ("load_checkpoint", "save_checkpoint_with_lora"),
-    "miles.backends.megatron_utils.model": ("setup_model_and_optimizer",),
+    "miles.backends.megatron_utils.model.save": (
+        "(iteration, model, optimizer, opt_param_scheduler, checkpointing_context=..., non_persistent_ckpt=...)",
+        "(iteration, model, optimizer, opt_param_scheduler)",
+    ),
+    "miles.backends.megatron_utils.actor.MegatronTrainRayActor.init": (
+        "(self, args, role, *, with_ref=..., with_opd_teacher=..., recv_ckpt_src_rank=...)",
+        "(self, args, role, with_ref=...)",
+    ),
+}
+# the actor binds these two by name: the same difference
+for _name in ("initialize_model_and_optimizer", "save"):
+    KNOWN_2026_08_DIFFERENCES[f"miles.backends.megatron_utils.actor.{_name}"] = KNOWN_2026_08_DIFFERENCES[
+        f"miles.backends.megatron_utils.model.{_name}"
+    ]
+# Megatron-LM functions the stand-in only names (sim/miles_standin/common/megatron_lm.py): any call raises
+MEGATRON_LM_PLACEHOLDERS = {
+    "miles.backends.megatron_utils.checkpoint.save_checkpoint",
+    "miles.backends.megatron_utils.checkpoint._load_checkpoint_megatron",
+    "miles.backends.megatron_utils.model.save_checkpoint",
 }
 _SIGNATURES = """
-import importlib, json, sys
+import importlib, inspect, json, pathlib, sys
 from miles_lora_ckpt.integration.shapes import detect_shape, render_signature
-if sys.argv[1] == "wheel":
+kind, path, tree = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+if kind == "wheel":
     from miles_lora_ckpt.sim.realmiles import standins
-    standins.activate(sys.argv[2])
+    standins.activate(path)
+    standins.install_for_actor()  # the actor module imports SGLang's runtime
 else:
-    sys.path.insert(0, sys.argv[2])
-shared = json.loads(sys.argv[3])
-out = {"signatures": {}, "files": {}}
-for module, names in shared.items():
-    m = importlib.import_module(module)
-    out["files"][module] = m.__file__
-    for name in names:
-        out["signatures"][module + "." + name] = render_signature(getattr(m, name))
-out["shape"] = detect_shape().name
-print("RESULT" + json.dumps(out))
+    sys.path.insert(0, path)
+names = {}
+files = {}
+for file in sorted(tree.rglob("*.py")):
+    module = ".".join(file.relative_to(tree).with_suffix("").parts).removesuffix(".__init__")
+    try:
+        m = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if kind == "wheel" and error.name is not None and module.startswith(error.name):
+            continue  # a module of the 2026-08 shape the wheel does not have
+        raise
+    files[module] = m.__file__
+    for name, obj in vars(m).items():
+        defined = (getattr(obj, "__module__", None) or "").startswith(("miles.", "miles_lora_ckpt."))
+        if name.startswith("__") or not (defined or kind == "wheel"):  # the stand-in's own names
+            continue
+        if inspect.isfunction(obj):
+            names[f"{module}.{name}"] = render_signature(obj)
+        elif inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if inspect.isfunction(member) and (attr == "__init__" or not attr.startswith("__")):
+                    names[f"{module}.{name}.{attr}"] = render_signature(member)
+print("RESULT" + json.dumps({"signatures": names, "files": files, "shape": detect_shape().name}))
 """
 
 
@@ -182,18 +311,40 @@ def _signatures(kind: str, path: str) -> dict:
     import subprocess
     import sys
 
+    from miles_lora_ckpt.sim.miles_standin import shape_path
+
+    tree = shape_path("lora-utils-2026-08")
     proc = subprocess.run(
-        [sys.executable, "-c", _SIGNATURES, kind, path, json.dumps(SHARED)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", _SIGNATURES, kind, path, tree], capture_output=True, text=True, timeout=300
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line, proc.stderr[-3000:]
     return json.loads(line[len("RESULT") :])
 
 
+def signature_drift(standin: dict[str, str], wheel: dict[str, str]) -> dict[str, tuple[str, str | None]]:
+    """Every name in both whose stand-in signature differs from the wheel's, except the recorded
+    differences when they are exactly as recorded; a placeholder must render `(*args, **kwargs)`."""
+    drift = {}
+    for name, ours in standin.items():
+        real = wheel.get(name)
+        if real is None:
+            continue  # not in the wheel: nothing to compare with
+        if name in MEGATRON_LM_PLACEHOLDERS:
+            if ours != "(*args, **kwargs)":
+                drift[name] = (ours, real)
+        elif name in KNOWN_2026_08_DIFFERENCES:
+            if (ours, real) != KNOWN_2026_08_DIFFERENCES[name]:
+                drift[name] = (ours, real)
+        elif ours != real:
+            drift[name] = (ours, real)
+    return drift
+
+
 def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatures():
+    """inspect.signature of every function/method present in both (issue 19 item 6): save_model(force_sync),
+    train(rollout_data_ref), parse_args(add_custom_arguments), ... agree; the harness's own step is not
+    named like Miles' train_one_step. Negative control: a drifted or unrecorded signature is reported."""
     from miles_lora_ckpt.sim.miles_standin import shape_path
 
     wheel = _signatures("wheel", str(TIER))
@@ -202,12 +353,29 @@ def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatur
         assert Path(path).resolve().is_relative_to(TIER), (module, path)
     standin = _signatures("standin", shape_path("lora-utils-2026-08"))
     assert standin["shape"] == "lora-utils-2026-08"
-    differing = {
-        name: (standin["signatures"][name], real)
-        for name, real in wheel["signatures"].items()
-        if standin["signatures"][name] != real
+    ours, real = standin["signatures"], wheel["signatures"]
+    compared = {name for name in ours if name in real}
+    for name in (
+        "miles.backends.megatron_utils.actor.MegatronTrainRayActor.save_model",
+        "miles.backends.megatron_utils.actor.MegatronTrainRayActor.train",
+        "miles.backends.megatron_utils.lora_utils.load_lora_adapter",
+        "miles.backends.megatron_utils.initialize.init",
+        "miles.utils.arguments.parse_args",
+        "miles.utils.misc.should_run_periodic_action",
+    ):
+        assert name in compared, name
+    assert set(KNOWN_2026_08_DIFFERENCES) | MEGATRON_LM_PLACEHOLDERS <= compared  # no stale entry
+    assert not signature_drift(ours, real), signature_drift(ours, real)
+    # negative control: the stand-in as it was before issue 19 item 6, and a recorded difference that moved
+    before = dict(ours)
+    before["miles.backends.megatron_utils.actor.MegatronTrainRayActor.save_model"] = "(self, rollout_id)"
+    before["miles.utils.arguments.parse_args"] = "(argv=...)"
+    before["miles.backends.megatron_utils.model.save"] = "(iteration, model, optimizer, opt_param_scheduler)"
+    assert set(signature_drift(before, real)) == {
+        "miles.backends.megatron_utils.actor.MegatronTrainRayActor.save_model",
+        "miles.utils.arguments.parse_args",
+        "miles.backends.megatron_utils.model.save",
     }
-    assert not differing, differing
 
 
 def test_the_stand_ins_are_not_importable_outside_the_harness():
@@ -218,7 +386,7 @@ def test_the_stand_ins_are_not_importable_outside_the_harness():
     code = (
         "import miles_lora_ckpt.hooks, miles_lora_ckpt.integration.install\n"
         "import importlib\n"
-        f"for name in {sorted(standins.STANDINS)!r}:\n"
+        f"for name in {sorted({**standins.STANDINS, **standins.ARGUMENT_STANDINS, **standins.ACTOR_STANDINS})!r}:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ModuleNotFoundError:\n"
@@ -265,8 +433,10 @@ def test_save_hf_on_the_wheel_publishes_the_adapter_though_the_merged_export_fai
     hf = build_tiny_qwen2(tmp_path / "hf-base", Qwen2SimConfig().hf_config_kwargs())
     run = Run(prewarmed, tmp_path / "run", 2, "dense", hf=hf)
     out = tmp_path / "hf-out"
-    results = ok(run.launch(run.command("--save-hf", str(out / "{rollout_id}"))))
+    # saved through the wheel's own MegatronTrainRayActor.save_model (model.save, then save_hf_model)
+    results = ok(run.launch(run.command("--save-hf", str(out / "{rollout_id}")), wheel_actor=True))
     assert results[0]["plugin"]["shape"] == "miles-rl-0.0.2"
+    assert f"{ACTOR}.save" in results[0]["plugin"]["bindings"]
     for rollout in range(ROLLOUTS):
         assert not (out / str(rollout) / "config.json").exists()  # the merged export failed (Miles logged it)
         report = load_report(out / str(rollout) / "adapter" / "latest", hf)

@@ -19,19 +19,22 @@ The harness's part, and why:
   and `clear_memory` (torch.cuda.synchronize) is gc only;
 - the driver loop: the start rollout is 0 when `--load` has no Megatron tracker, else the actors'
   returned one (2026-08 Miles, after #2682; the wheel's own `miles_validate_args` forces 0 in bridge
-  mode even with a tracker, so its driver would replay from rollout 0), train, save at Miles' cadence;
+  mode even with a tracker, so its driver would replay from rollout 0: the real-validation job,
+  `sim/realmiles/wheel_args.py`, shows the hook refusing that relaunch), train, save at Miles' cadence;
 - Megatron-Bridge: the harness's double (`sim.bridge_double`), whose `load_hf_weights` writes nothing
   (the frozen base weights are the run's seeded ones).
 
 Payload and report are those of `miles_standin.launch` (`argv`, `crash`, the per-rank report), plus
-`tier` (the wheel's folder) and `wheel_validation`: apply the wheel's own rule that
-`start_rollout_id = 0` in bridge mode whatever `--load` holds (its driver then replays from 0).
+`tier` (the wheel's folder) and `wheel_actor`: load the wheel's train actor module before the hook (as Miles does: the hook runs
+inside the actor's init) and save through its own `MegatronTrainRayActor.save_model`
+(`standins.ACTOR_STANDINS`; the actor's by-name `save` is the plugin's late consumer).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import sys
 import traceback
 
@@ -47,11 +50,16 @@ WHEEL_DEFAULTS = {
     "low_memory_resume": False,
     "overlap_param_gather": False,
     "align_param_gather": False,
+    "debug_rollout_only": False,
+    "offload_train": False,
 }
 
 
 class RealWheelActor:
     """The train actor's order of calls (init hook, model setup + load, train, save) on the wheel."""
+
+    def __init__(self, wheel_actor: bool = False):
+        self.wheel_actor = wheel_actor  # save through the wheel's MegatronTrainRayActor.save_model
 
     def init(self, args, role: str = "actor") -> int:
         from megatron.training.global_vars import set_args
@@ -67,6 +75,11 @@ class RealWheelActor:
         set_args(args)
         training.initialize_model_parallel(args)
         set_parallel_state(create_megatron_parallel_state())  # as the wheel's init does
+        if self.wheel_actor:  # in Miles the actor module is loaded before its init calls the hook
+            from miles_lora_ckpt.sim.realmiles import standins
+
+            standins.install_for_actor()
+            importlib.import_module("miles.backends.megatron_utils.actor")
         if args.custom_megatron_init_path:
             load_function(args.custom_megatron_init_path)(args)
         wheel_model.setup_model_and_optimizer = training.setup_model_and_optimizer
@@ -78,7 +91,7 @@ class RealWheelActor:
         self.weights = WeightBackups(self.model)
         return loaded + 1
 
-    def train(self, rollout_id: int) -> list[float]:
+    def train(self, rollout_id: int, rollout_data_ref=None) -> list[float]:
         from miles_lora_ckpt.sim.miles_standin.common import training
 
         return [
@@ -89,15 +102,25 @@ class RealWheelActor:
         ]
 
     def save_model(self, rollout_id: int) -> None:
-        """The actor's save_model on the wheel: model.save, then save_hf_model with --save-hf."""
+        """The actor's save_model on the wheel: model.save, then save_hf_model with --save-hf.
+
+        With `wheel_actor`, the wheel's own `MegatronTrainRayActor.save_model` runs on this object (it
+        reads `args`, `role`, `model`, `optimizer`, `opt_param_scheduler`, and calls the `save` the actor
+        module bound by name at import, which the plugin rebinds as a late consumer)."""
         from miles.backends.megatron_utils import model as wheel_model
+
+        if self.wheel_actor:
+            from miles.backends.megatron_utils.actor import MegatronTrainRayActor
+
+            MegatronTrainRayActor.save_model(self, rollout_id)
+            return
 
         wheel_model.save(rollout_id, self.model, self.optimizer, self.opt_param_scheduler)
         if self.args.save_hf is not None and self.role == "actor":
             wheel_model.save_hf_model(self.args, rollout_id, self.model)
 
 
-def run(argv: list[str], probe, wheel_validation: bool = False):
+def run(argv: list[str], probe, wheel_actor: bool = False):
     """Parse, init, train every rollout from the actors' start rollout, saving at Miles' cadence."""
     from miles.utils.misc import should_run_periodic_action
 
@@ -106,11 +129,9 @@ def run(argv: list[str], probe, wheel_validation: bool = False):
 
     args = standin_args.build_parser("enable_gloo_process_groups").parse_args(argv)
     standin_args.validate(args)
-    if wheel_validation and args.megatron_to_hf_mode == "bridge":
-        args.start_rollout_id = 0  # the wheel's miles_validate_args, even when --load holds a tracker
     for name, value in WHEEL_DEFAULTS.items():
         setattr(args, name, getattr(args, name, value))
-    actor = RealWheelActor()
+    actor = RealWheelActor(wheel_actor)
     start = actor.init(copy.deepcopy(args), "actor")
     return drive(actor, args, start, probe, should_run_periodic_action)  # with the wheel's cadence
 
@@ -138,7 +159,7 @@ def launch_job(payload: dict, ctx) -> dict:
     report = observer.report
     report["failed"] = None
     try:
-        actor = run(list(payload["argv"]), observer, payload.get("wheel_validation", False))
+        actor = run(list(payload["argv"]), observer, payload.get("wheel_actor", False))
         report["final"] = standin_launch._digests(actor)
     except Exception:  # noqa: BLE001 - the launch failed on this rank: say how, keep what was observed
         report["failed"] = traceback.format_exc()[-4000:]

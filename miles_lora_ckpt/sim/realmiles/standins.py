@@ -22,6 +22,11 @@ harness job `sim/realmiles/launch.py`, which the `realmiles` tests and the demo'
 path, so the real names are never stood in outside the harness (`tests/test_real_miles.py` checks
 that importing the plugin leaves `import ray` failing); `installed()` says which are in place.
 
+`ARGUMENT_STANDINS` lists what the wheel's argument parsing needs on top (SGLang's server-argument tree
+imports them); only the validation job (`sim/realmiles/wheel_args.py`) installs them
+(`install_for_arguments`). The wheel's folder also gets the real `pillow` (a small binary wheel) and the pure-Python `dill` that
+SGLang's model configs use at import time (registering image processors, serialising a logit processor).
+
 `SUBSTITUTIONS` lists the other harness pieces of a real-Miles run: names inside the wheel's modules
 that the job replaces, and the parts of Miles it does not run (with the reason for each).
 """
@@ -50,6 +55,33 @@ STANDINS: dict[str, str] = {
     "IPython": "notebook display helper imported by a debug utility; never called",
 }
 
+# top-level name -> why it is stood in: what the wheel's argument parsing imports (`miles.utils.arguments`
+# imports SGLang's `server_args`, whose module tree imports these at module level; none is called while
+# parsing or validating). Installed only by `install_for_arguments` (sim/realmiles/wheel_args.py), after
+# transformers has probed which optional packages exist, so transformers never takes one for the real one.
+ARGUMENT_STANDINS: dict[str, str] = {
+    "orjson": "fast JSON (binary wheel) of SGLang's utils; never called while parsing arguments",
+    "starlette": "ASGI framework of SGLang's HTTP server; never called while parsing arguments",
+    "torchvision": "image decoding in SGLang's utils (a binary wheel per torch build); never called here",
+    "openai": "OpenAI client types SGLang's protocol models name as pydantic field types; never called",
+    "partial_json_parser": "SGLang's function-call parser helper; never called while parsing arguments",
+    "zmq": "ZeroMQ (binary wheel) of SGLang's scheduler IPC; never called while parsing arguments",
+    "sentencepiece": "tokenizer (binary wheel) imported by SGLang's model configs; never called here",
+    "nvidia_resiliency_ext": (
+        "NVIDIA's resiliency extension (CUDA): Megatron-LM's validate_args imports its LocalCheckpointManager "
+        "when --non-persistent-ckpt-type local is set; never called"
+    ),
+}
+# top-level name -> why it is stood in: what the wheel's train actor module
+# (`miles.backends.megatron_utils.actor`) imports on top of ARGUMENT_STANDINS (its weight-update and
+# quantisation paths, which a checkpoint never runs). Installed only by `install_for_actor`.
+ACTOR_STANDINS: dict[str, str] = {
+    "compressed_tensors": "quantisation formats of the weight-update path to SGLang; never called by a save",
+    "gguf": "GGUF weight format of SGLang's model loader; never called by a save",
+    "mooncake": "Mooncake transfer engine (RDMA, binary) of the weight-update path; never called by a save",
+}
+_REASONS = {**STANDINS, **ARGUMENT_STANDINS, **ACTOR_STANDINS}
+
 
 # what else a real-Miles run (sim/realmiles/launch.py) does not take from the wheel, and why
 SUBSTITUTIONS: dict[str, str] = {
@@ -63,13 +95,17 @@ SUBSTITUTIONS: dict[str, str] = {
         "data a function of seed, step and DP rank) steps the same megatron optimizer and Miles' scheduler"
     ),
     "miles.backends.megatron_utils.initialize.init": (
-        "not run: it asserts numpy 1.x and runs Megatron-LM's NCCL and tokenizer set-up; the job does its steps "
-        "(real set_args, megatron's groups, the wheel's create_megatron_parallel_state/set_parallel_state, the "
-        "hook through the wheel's load_function)"
+        "run for real by the validation job (sim/realmiles/wheel_args.py: megatron's groups over gloo, the seeds, "
+        "Megatron-LM's NullTokenizer, the hook); its numpy-1.x assertion runs as is under make tier-miles (numpy "
+        "1.26.4 first on PYTHONPATH), elsewhere it is answered by a numpy whose __version__ reads 1.x; the kill/relaunch launch (launch.py) does its steps instead (real set_args, "
+        "megatron's groups, the wheel's create_megatron_parallel_state/set_parallel_state, the hook through the "
+        "wheel's load_function), because its stand-in parser's args lack what init reads"
     ),
     "miles.utils.arguments (parse_args, miles_validate_args)": (
-        "not run: it imports SGLang's server runtime (PIL, starlette, torchvision, openai, ...); the stand-in "
-        "parser and validation of sim/miles_standin/common/args.py instead"
+        "run for real by the validation job (sim/realmiles/wheel_args.py) with ARGUMENT_STANDINS; the kill/relaunch "
+        "launch parses with the stand-in parser (sim/miles_standin/common/args.py), because the wheel's "
+        "miles_validate_args forces start_rollout_id = 0 in bridge mode (fixed upstream by #2682), so its driver "
+        "would replay from rollout 0"
     ),
     "miles.backends.megatron_utils.actor.MegatronTrainRayActor": (
         "not run: it imports Ray and SGLang's runtime; RealWheelActor follows its call order (init, model "
@@ -99,7 +135,18 @@ def _placeholder(qualified: str, reason: str) -> type:
         def __getitem__(cls, item):  # type annotations such as ActorHandle[Foo]
             return cls
 
-    return _Meta(qualified.rsplit(".", 1)[-1], (), {"__module__": qualified.rsplit(".", 1)[0], "refuse": refuse})
+    def pydantic_schema(cls, _source, _handler):
+        # SGLang's OpenAI protocol models (pydantic) name openai's types as field types at import time
+        from pydantic_core import core_schema
+
+        return core_schema.any_schema()
+
+    namespace = {
+        "__module__": qualified.rsplit(".", 1)[0],
+        "refuse": refuse,
+        "__get_pydantic_core_schema__": classmethod(pydantic_schema),
+    }
+    return _Meta(qualified.rsplit(".", 1)[-1], (), namespace)
 
 
 def _ray_remote(*args, **kwargs):
@@ -110,8 +157,19 @@ def _ray_remote(*args, **kwargs):
     return lambda obj: obj
 
 
-# attributes a stand-in must really provide because Miles uses them at import time
-_IMPORT_TIME = {"ray.remote": _ray_remote}
+class _RouterArgs:
+    """`sglang_router.launch_router.RouterArgs` for the wheel's parser: Miles calls
+    `RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)` while building its
+    parser; here it declares none of the router's `--router-*` flags (rollout serving only), so a
+    command with one is refused as an unknown flag."""
+
+    @staticmethod
+    def add_cli_args(parser, use_router_prefix: bool = False, exclude_host_port: bool = False):
+        return parser
+
+
+# attributes a stand-in must really provide because Miles uses them at import time or while parsing
+_IMPORT_TIME = {"ray.remote": _ray_remote, "sglang_router.launch_router.RouterArgs": _RouterArgs}
 
 
 class _StandInModule(types.ModuleType):
@@ -137,12 +195,12 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         top = fullname.split(".", 1)[0]
-        if top in _installed and top in STANDINS:
+        if top in _installed and top in _REASONS:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
-        return _StandInModule(spec.name, STANDINS[spec.name.split(".", 1)[0]])
+        return _StandInModule(spec.name, _REASONS[spec.name.split(".", 1)[0]])
 
     def exec_module(self, module):
         return None
@@ -172,11 +230,12 @@ def activate(folder: str | Path | None = None) -> Path:
     return path
 
 
-def install() -> None:
-    """Put every stand-in of STANDINS into sys.modules (those whose real package is not importable)."""
+def install(names: dict[str, str] | None = None) -> None:
+    """Put every stand-in of STANDINS (or of `names`) into sys.modules, unless the real package is
+    already imported."""
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
-    for name, reason in STANDINS.items():
+    for name, reason in (STANDINS if names is None else names).items():
         if name in sys.modules and name not in _installed:
             continue  # the real package is already imported: keep it
         _installed.add(name)
@@ -194,3 +253,20 @@ def installed() -> dict[str, str]:
 
 def is_standin(module: types.ModuleType) -> bool:
     return isinstance(module, _StandInModule)
+
+
+def install_for_arguments() -> None:
+    """What the wheel's `miles.utils.arguments` needs on top of `install()`: ARGUMENT_STANDINS.
+
+    transformers decides once (cached) whether optional packages such as torchvision exist, by
+    `importlib.util.find_spec`, which a stand-in would answer: its availability probes run first
+    (importing its auto-processing module), with the real environment."""
+    import transformers.models.auto.processing_auto  # noqa: F401 - runs transformers' probes now
+
+    install(ARGUMENT_STANDINS)
+
+
+def install_for_actor() -> None:
+    """What the wheel's train actor module needs: `install_for_arguments()`, then ACTOR_STANDINS."""
+    install_for_arguments()
+    install(ACTOR_STANDINS)

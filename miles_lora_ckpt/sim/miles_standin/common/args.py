@@ -13,7 +13,9 @@ Stand-in simplifications: parameters are bf16 with `--bf16` and fp32 otherwise (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
 
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -95,6 +97,25 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     add("--n-samples-per-prompt", type=int, default=2)
     add("--global-batch-size", type=int, default=4)
     return parser
+
+
+def parse(gloo_dest: str, add_custom_arguments=None) -> argparse.Namespace:
+    """Miles' `parse_args(add_custom_arguments=None)`: the command line is `sys.argv` (see `command_line`);
+    `add_custom_arguments(parser)` may add flags, as Miles' parser hook does."""
+    parser = build_parser(gloo_dest)
+    if add_custom_arguments is not None:
+        add_custom_arguments(parser)
+    return parser.parse_args(sys.argv[1:])
+
+
+@contextlib.contextmanager
+def command_line(argv: list[str]):
+    """`sys.argv` is `train.py <argv>` inside the block (Miles' entry points parse sys.argv)."""
+    saved, sys.argv = sys.argv, ["train.py", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 def validate(args) -> None:

@@ -15,6 +15,8 @@ import copy
 import torch
 import torch.distributed as dist
 
+from miles_lora_ckpt.sim.miles_standin.common.args import command_line
+
 
 class Probe:
     """Harness observation points; the default does nothing."""
@@ -35,7 +37,8 @@ def run(argv: list[str], probe: Probe | None = None):
     from miles.utils.misc import should_run_periodic_action
 
     probe = probe or Probe()
-    args = parse_args(argv)
+    with command_line(argv):
+        args = parse_args()
     miles_validate_args(args)
     actor = MegatronTrainRayActor()
     start = actor.init(copy.deepcopy(args), "actor", with_ref=args.use_kl_loss)
@@ -53,7 +56,7 @@ def drive(actor, args, start: int, probe: Probe, should_run_periodic_action):
         args.start_rollout_id = starts[0]
     probe.after_init(actor, args.start_rollout_id)
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
-        losses = actor.train(rollout_id)
+        losses = actor.train(rollout_id, None)  # no Ray object ref: the harness's data is seeded
         probe.after_rollout(actor, rollout_id, losses)
         if should_run_periodic_action(rollout_id, args.save_interval, None, args.num_rollout):
             probe.before_save(actor, rollout_id)

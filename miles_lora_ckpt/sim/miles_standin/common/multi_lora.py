@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from miles_lora_ckpt.sim.miles_standin.common.args import command_line
+
 _RUNS: dict = {}  # id(model list) -> sim.train.SimRun
 
 
@@ -213,7 +215,8 @@ def run(argv: list[str], lifecycle_factory, probe: Probe | None = None):
     from miles.utils.arguments import miles_validate_args, parse_args
 
     probe = probe or Probe()
-    args = parse_args(argv)
+    with command_line(argv):
+        args = parse_args()
     miles_validate_args(args)
     args = copy.deepcopy(args)  # what the train actor gets (Ray)
     init(args)  # parallel state, then the --custom-megatron-init-path hook

@@ -3,8 +3,9 @@
 from miles_lora_ckpt.sim.miles_standin.common import args as common
 
 
-def parse_args(argv=None):
-    return common.build_parser("use_gloo_process_groups").parse_args(argv)
+def parse_args(add_custom_arguments=None):
+    """Miles' signature: the command line is sys.argv (`common.command_line`)."""
+    return common.parse("use_gloo_process_groups", add_custom_arguments)
 
 
 def miles_validate_args(args) -> None:

@@ -29,7 +29,8 @@ def initialize_model_and_optimizer(args, role: str = "actor", checkpointing_cont
     return model, optimizer, opt_param_scheduler, iteration
 
 
-def train_one_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> float:
+def harness_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> float:
+    """The harness's optimizer step (not Miles' train_one_step, which takes a data iterator)."""
     return training.train_one_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from miles.backends.megatron_utils.checkpoint import load_checkpoint
 from miles.backends.megatron_utils.initialize import init
-from miles.backends.megatron_utils.model import initialize_model_and_optimizer, save, train_one_step
+from miles.backends.megatron_utils.model import harness_train_step, initialize_model_and_optimizer, save
 from miles.utils.misc import load_function
 from miles_lora_ckpt.sim.miles_standin.common import training
 from miles_lora_ckpt.sim.miles_standin.common.megatron_lm import get_checkpoint_name
@@ -33,13 +33,16 @@ class MegatronTrainRayActor:
             self.load_other_checkpoint("old_actor", args.load)
         return start_rollout_id
 
-    def train(self, rollout_id: int) -> list[float]:
+    def train(self, rollout_id: int, rollout_data_ref) -> list[float]:
+        """`rollout_data_ref`: Miles' Ray object ref of the rollout data; the harness's data is a function of
+        seed, step and DP rank, so the driver passes None."""
         return [
-            train_one_step(self.args, rollout_id, step_id, self.model, self.optimizer, self.opt_param_scheduler)
+            harness_train_step(self.args, rollout_id, step_id, self.model, self.optimizer, self.opt_param_scheduler)
             for step_id in range(training.steps_per_rollout(self.args))
         ]
 
-    def save_model(self, rollout_id: int) -> None:
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        """`force_sync`: Miles finalises an async save before returning; the stand-in saves synchronously."""
         save(rollout_id, self.model, self.optimizer, self.opt_param_scheduler)
         if self.args.save_hf is not None and self.role == "actor":
             from miles.backends.megatron_utils.hf_export import save_hf_model

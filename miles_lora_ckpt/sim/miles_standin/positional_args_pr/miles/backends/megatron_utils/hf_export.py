@@ -13,7 +13,7 @@ log = logging.getLogger("miles.stand-in")
 HF_EXPORT_COMPLETE_MARKER = ".complete"
 
 
-def save_hf_model(args, rollout_id: int, model, path=None, raise_on_error: bool = False) -> None:
+def save_hf_model(args, rollout_id: int, model, *, path=None, raise_on_error: bool = False) -> None:
     path = Path(path or args.save_hf.format(rollout_id=rollout_id))
     try:
         if dist.get_rank() == 0:
