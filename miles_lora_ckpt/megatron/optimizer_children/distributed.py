@@ -21,10 +21,11 @@ empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one t
 Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
 protocol verifies every other block round-robin), after checking that the saved slices tile every
-bucket exactly (no overlap, no gap). The ranges are verified at open one at a time and not kept
-(`keep=False`); `install` reads them again (each block checked again), one bucket and one key at a
-time, straight into the masters and moments, so a load holds one bucket's key of optimizer state
-beyond what the optimizer holds. Param groups and the
+bucket exactly (no overlap, no gap). All of a file's ranges are read and verified at open in one
+pass (each block read and hashed once per load) and kept; the masters' cross-check (preflight) and
+`install` (one bucket and one key at a time, straight into the masters and moments) slice them
+from those verified buffers, so a load holds this rank's shard of the optimizer state once beyond
+what the optimizer holds. Param groups and the
 step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
 gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
 format 1 too) load the same way: each rank reads its ranges from that file.
@@ -463,15 +464,15 @@ class DistributedFamily:
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
         """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
-        shard (at equal DP sizes: all of its own slice), verified at open one range at a time and
-        not kept (`keep=False`): `install` reads them again, one bucket at a time."""
+        shard (at equal DP sizes: all of its own slice), read and verified at open in one pass
+        per file and kept (`install` slices them from the verified buffers)."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
         keys = (MASTER_KEY, *mine["keys"])
         requests: dict[str, set] = {}
         for _, piece, first, stop, _ in reads_for(pieces, mine):
             requests.setdefault(piece.file, set()).update((f"{piece.prefix}.{k}", first, stop) for k in keys)
-        return [PartialRead(file, tuple(sorted(ranges)), keep=False) for file, ranges in sorted(requests.items())]
+        return [PartialRead(file, tuple(sorted(ranges))) for file, ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -490,7 +491,7 @@ class DistributedFamily:
             raise ValueError(f"optimizer child {child.index} changed its buckets since it was described")
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
         for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
-            source = read.ranges(piece.file, piece.binding)  # binding checked here, data read at install
+            source = read.ranges(piece.file, piece.binding)  # binding checked; ranges verified at open
             buckets[position].append((piece, source, first, stop, offset))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
             filled = sum(stop - first for _, _, first, stop, _ in buckets[position])
@@ -503,7 +504,7 @@ class DistributedFamily:
                 parts = [
                     (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop))
                     for piece, source, first, stop, offset in pieces
-                ]  # one bucket's master shard at a time, read again at install
+                ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
         return _Restore(read.keys, state, buckets, groups)
@@ -527,9 +528,9 @@ class DistributedFamily:
         """No collectives: every rank read its own ranges (no scatter from a DP root)."""
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:
-        """Bucket by bucket and key by key: read this rank's pieces of one bucket for one key (each
-        block verified again), copy them straight into the master or the state of the parameters
-        they overlap (no shard is assembled), read those elements back bit for bit, and drop them."""
+        """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
+        the ranges verified at open), copied straight into the master or the state of the parameters
+        they overlap (no shard is assembled), then those elements read back bit for bit."""
         opt = child.optimizer
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
             for key in (MASTER_KEY, *restore.keys):  # one key of one bucket in memory at a time
