@@ -24,6 +24,7 @@ disagreement with it becomes a warning that names both sides.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 from dataclasses import dataclass, field
@@ -153,11 +154,12 @@ def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -
     dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
     content_rules.check_tensor_file(relpath, manifest, metadata or {}, dtypes)
     by_name: dict[str, list] = {}
-    for (name, first, stop), tensor in tensors.items():
+    for (name, first, stop), tensor in sorted(tensors.items(), key=lambda item: item[0]):
         by_name.setdefault(name, []).append((first, stop, tensor))
+    starts = {name: [span[0] for span in spans] for name, spans in by_name.items()}
     out = {}
-    for name, first, stop in asked:
-        lo, _, tensor = next(s for s in by_name[name] if s[0] <= first and stop <= s[1])
+    for name, first, stop in asked:  # the merged span holding it: the last one starting at or before it
+        lo, _, tensor = by_name[name][bisect.bisect_right(starts[name], first) - 1]
         out[(name, first, stop)] = tensor[first - lo : stop - lo]
     return out
 

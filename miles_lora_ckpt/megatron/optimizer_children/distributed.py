@@ -33,6 +33,7 @@ format 1 too) load the same way: each rank reads its ranges from that file.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -358,44 +359,69 @@ def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, in
     return out
 
 
+def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """`(span index, part index, lo, hi)` for every non-empty overlap `[lo, hi)` of `spans`
+    (`(start, end)`, pairwise disjoint, as megatron's parameters in one bucket are) with `parts`
+    (`(offset, count)`): each part finds its spans by bisection, so the cost is the number of parts
+    and overlaps (a resharding load has thousands of pieces per bucket), not their product."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    starts = [spans[i][0] for i in order]
+    for before, after in zip(order, order[1:], strict=False):
+        if spans[before][1] > spans[after][0]:
+            raise ValueError(f"parameters overlap in a bucket: elements {spans[before]} and {spans[after]}")
+    out = []
+    for j, (offset, count) in enumerate(parts):
+        k = max(bisect.bisect_right(starts, offset) - 1, 0)
+        while k < len(order) and spans[order[k]][0] < offset + count:
+            start, end = spans[order[k]]
+            lo, hi = max(start, offset), min(end, offset + count)
+            if hi > lo:
+                out.append((order[k], j, lo, hi))
+            k += 1
+    return out
+
+
 def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
     """Copy `(key, offset in this rank's shard of the bucket, tensor)` pieces into the masters and
     the allocated state of every parameter they overlap; then compare every copied element."""
-    targets = []
+    targets: dict[str, list] = {key: [] for key in (MASTER_KEY, *keys)}
     for model_param, ranges in _param_maps(child, layout).items():
         main_param, state = main_and_state(child, model_param)
         start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
         for key in (MASTER_KEY, *keys):
             if key != MASTER_KEY and key not in state:
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
-            targets.append((key, start, end, main_param if key == MASTER_KEY else state[key]))
+            targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
+    copies = []  # (key, destination view, source view)
+    for key, spans in targets.items():
+        mine = [(offset, tensor) for part_key, offset, tensor in parts if part_key == key]
+        found = overlaps([(a, b) for a, b, _ in spans], [(offset, tensor.numel()) for offset, tensor in mine])
+        for i, j, lo, hi in found:
+            start, _, dest = spans[i]
+            offset, tensor = mine[j]
+            copies.append((key, dest.view(-1)[lo - start : hi - start], tensor[lo - offset : hi - offset]))
     with torch.no_grad():
-        for key, start, end, dest in targets:
-            for part_key, offset, tensor in parts:
-                lo, hi = max(start, offset), min(end, offset + tensor.numel())
-                if part_key == key and hi > lo:
-                    dest.view(-1)[lo - start : hi - start].copy_(tensor[lo - offset : hi - offset])
-    for key, start, end, dest in targets:  # megatron's own loader can drop state silently: not here
-        for part_key, offset, tensor in parts:
-            lo, hi = max(start, offset), min(end, offset + tensor.numel())
-            if part_key == key and hi > lo:
-                if not torch.equal(dest.detach().view(-1)[lo - start : hi - start], tensor[lo - offset : hi - offset]):
-                    raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+        for _, dest, source in copies:
+            dest.copy_(source)
+    for key, dest, source in copies:  # megatron's own loader can drop state silently: not here
+        if not torch.equal(dest.detach(), source):
+            raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
     """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
     tensor)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    params = []
     for model_param, ranges in _param_maps(child.optimizer, layout).items():
         source = adapter(model_param)
-        if source is None:
-            continue
-        start, end, first = ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start
-        for file, offset, tensor in parts:
-            lo, hi = max(start, offset), min(end, offset + tensor.numel())
-            if hi > lo:
-                where = f"{file} (optimizer child {child.index})"
-                check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
+        if source is not None:
+            params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
+    found = overlaps([(a, b) for a, b, _, _ in params], [(offset, tensor.numel()) for _, offset, tensor in parts])
+    for i, j, lo, hi in found:
+        start, _, first, source = params[i]
+        file, offset, tensor = parts[j]
+        where = f"{file} (optimizer child {child.index})"
+        check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
 
 
 # --------------------------------------------------------------------------- the family
