@@ -559,7 +559,7 @@ class DistributedFamily:
         they overlap (no shard is assembled), then those elements read back bit for bit."""
         opt = child.optimizer
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
-            for key in (MASTER_KEY, *restore.keys):  # one key of one bucket in memory at a time
+            for key in (MASTER_KEY, *restore.keys):  # one key of one bucket at a time
                 parts = [
                     (key, offset, _read_piece(piece, source, key, first, stop))
                     for piece, source, first, stop, offset in pieces
