@@ -73,6 +73,7 @@ from miles_lora_ckpt.core.verify import (
     check_file_content,
     check_file_ranges,
     check_structure,
+    coalesce_ranges,
     find_candidates,
     reason,
 )
@@ -650,7 +651,7 @@ def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
     read: set[int] = set()
     for plan in plans:
         if rel in plan["ranges"]:
-            read |= storage.blocks_needed(index, [tuple(item) for item in plan["ranges"][rel]])
+            read |= storage.blocks_needed(index, coalesce_ranges(tuple(item) for item in plan["ranges"][rel]))
     return [i for i in range(len(index.digests)) if i not in read]
 
 

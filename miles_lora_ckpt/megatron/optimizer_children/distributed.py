@@ -392,20 +392,41 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
             if key != MASTER_KEY and key not in state:
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
             targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
-    copies = []  # (key, destination view, source view)
+    matched = []  # (key, destination, [(first element in it, source view)]) per parameter and key
     for key, spans in targets.items():
         mine = [(offset, tensor) for part_key, offset, tensor in parts if part_key == key]
-        found = overlaps([(a, b) for a, b, _ in spans], [(offset, tensor.numel()) for offset, tensor in mine])
-        for i, j, lo, hi in found:
-            start, _, dest = spans[i]
+        by_target: dict[int, list] = {}
+        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, t.numel()) for o, t in mine]):
             offset, tensor = mine[j]
-            copies.append((key, dest.view(-1)[lo - start : hi - start], tensor[lo - offset : hi - offset]))
+            by_target.setdefault(i, []).append((lo - spans[i][0], tensor[lo - offset : hi - offset]))
+        matched += [(key, spans[i][2].view(-1), pieces) for i, pieces in sorted(by_target.items())]
     with torch.no_grad():
-        for _, dest, source in copies:
-            dest.copy_(source)
-    for key, dest, source in copies:  # megatron's own loader can drop state silently: not here
-        if not torch.equal(dest.detach(), source):
+        for _, dest, pieces in matched:
+            if len(pieces) == 1:  # the same-layout case: one contiguous piece
+                first, source = pieces[0]
+                dest[first : first + source.numel()].copy_(source)
+            else:
+                dest.index_copy_(0, *_gathered(pieces))
+    for key, dest, pieces in matched:  # megatron's own loader can drop state silently: not here
+        if len(pieces) == 1:
+            first, source = pieces[0]
+            got = dest[first : first + source.numel()]
+        else:
+            index, source = _gathered(pieces)
+            got = dest.index_select(0, index)
+        if not torch.equal(got.detach(), source):
             raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+
+
+def _gathered(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(positions, values)` of `(first element, values)` pieces of one flat destination: one index
+    copy (and one read-back) per parameter and key, however many pieces a resharding load cut it
+    into (one per row of a row-parallel split at another TP)."""
+    firsts = torch.tensor([first for first, _ in pieces], dtype=torch.int64)
+    counts = torch.tensor([piece.numel() for _, piece in pieces], dtype=torch.int64)
+    before = torch.cumsum(counts, 0) - counts
+    index = torch.repeat_interleave(firsts - before, counts) + torch.arange(int(counts.sum()), dtype=torch.int64)
+    return index, torch.cat([piece for _, piece in pieces])
 
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
