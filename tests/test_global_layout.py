@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -107,3 +109,50 @@ def test_holds_is_the_same_shape_or_the_gate_up_axis_merged():
     assert gated.holds((2, 2, 3)) and gated.holds((4, 3))
     assert not gated.holds((2, 6)) and not gated.holds((12,))
     assert Block("b", (2, 4), (0, 2), (2, 2)).holds((4,))  # a gated bias
+
+
+def _grid(name: str, shape: tuple, splits: tuple) -> list[Block]:
+    """Every block of `shape` cut into `splits[d]` equal parts along each dimension d."""
+    import itertools
+
+    steps = [g // n for g, n in zip(shape, splits, strict=True)]
+    return [
+        Block(name, shape, tuple(i * s for i, s in zip(index, steps, strict=True)), tuple(steps))
+        for index in itertools.product(*(range(n) for n in splits))
+    ]
+
+
+def test_run_based_plan_matches_element_by_element_on_random_grids():
+    """`plan_copies` works run by run (`runs`): on random 1-3-d shapes, cut into random grids
+    (saved and wanted), every sub-range assembles to the wanted elements, and a dropped or doubled
+    saved block is counted element by element as the all-elements definition counts it."""
+    import random
+
+    rng = random.Random(21)
+    for _ in range(300):
+        dims = rng.randint(1, 3)
+        splits_saved = tuple(rng.choice([1, 2, 4]) for _ in range(dims))
+        splits_wanted = tuple(rng.choice([1, 2, 4]) for _ in range(dims))
+        shape = tuple(4 * rng.randint(1, 3) for _ in range(dims))
+        full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+        saved = _grid("w", shape, splits_saved)
+        tensors = [_slice(full, b) for b in saved]
+        wanted = rng.choice(_grid("w", shape, splits_wanted))
+        first = rng.randint(0, wanted.numel)
+        stop = rng.randint(first, wanted.numel)
+        expected = _slice(full, wanted).reshape(-1)[first:stop]
+        assert torch.equal(_assemble(wanted, first, stop, saved, tensors), expected), (shape, wanted, first, stop)
+        # against the element-by-element definition: drop one saved block, or give one twice
+        broken = list(saved)
+        if rng.random() < 0.5:
+            broken.pop(rng.randrange(len(broken)))
+        else:
+            broken.append(Block("w", shape, (0,) * dims, shape))
+        need = global_indices(wanted, first, stop)
+        hits = sum((torch.isin(need, global_indices(b)).to(torch.int64) for b in broken), torch.zeros_like(need))
+        missing, twice = int((hits == 0).sum()), int((hits > 1).sum())
+        if missing or twice:
+            with pytest.raises(ValueError, match=f"give {missing} wanted element.* and {twice} by more than one"):
+                plan_copies(wanted, first, stop, broken)
+        else:
+            assert torch.equal(_assemble(wanted, first, stop, broken, [_slice(full, b) for b in broken]), expected)

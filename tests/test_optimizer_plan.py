@@ -136,3 +136,28 @@ def test_a_family_that_cannot_change_dp_size_is_refused_when_it_changes(monkeypa
     chain.check_against(saved, [[child(0)]], 0, dp_changed=False)
     with pytest.raises(ValueError, match=r"child 0 \(replicated\) cannot be restored exactly at another data-parallel"):
         chain.check_against(saved, [[child(0)]], 0, dp_changed=True)
+
+
+def test_overlaps_finds_every_overlap_of_disjoint_spans_with_parts():
+    """`distributed.overlaps` (bisection, used by the install and the masters' cross-check) against
+    the all-pairs definition, on random disjoint spans (shuffled) and random parts; overlapping
+    spans are refused."""
+    import random
+
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import overlaps
+
+    rng = random.Random(21)
+    for _ in range(500):
+        cuts = sorted(rng.sample(range(200), rng.randint(2, 20)))
+        spans = [(cuts[k], cuts[k + 1]) for k in range(0, len(cuts) - 1, rng.choice([1, 2]))]
+        rng.shuffle(spans)
+        parts = [(rng.randint(0, 200), rng.randint(0, 50)) for _ in range(rng.randint(0, 15))]
+        every = [
+            (i, j, max(a, o), min(b, o + n))
+            for i, (a, b) in enumerate(spans)
+            for j, (o, n) in enumerate(parts)
+            if min(b, o + n) > max(a, o)
+        ]
+        assert sorted(overlaps(spans, parts)) == sorted(every), (spans, parts)
+    with pytest.raises(ValueError, match="parameters overlap in a bucket"):
+        overlaps([(0, 10), (5, 12)], [(0, 1)])

@@ -141,34 +141,81 @@ def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) ->
             others = [b for i, b in enumerate(saved) if i != source and _overlaps(b, wanted)]
             if not others:
                 return [Copy(source, first, stop - first, 0)] if stop > first else []
-    need = global_indices(wanted, first, stop)
-    covered = torch.zeros(need.numel(), dtype=torch.int64)
+    # general case, run by run (a run: elements contiguous both in the block and in the global
+    # tensor, e.g. one row of a row-parallel split): saved runs meeting the wanted runs, merged
+    need = runs(wanted, first, stop)
     copies: list[Copy] = []
     for source, block in enumerate(saved):
-        have = global_indices(block)
-        if have.numel() == 0 or need.numel() == 0:
+        if block.numel == 0 or not _overlaps(block, wanted):
             continue
-        at = torch.searchsorted(have, need).clamp(max=have.numel() - 1)
-        hit = have[at] == need
-        into = torch.nonzero(hit).view(-1)
-        if into.numel() == 0:
-            continue
-        covered[into] += 1
-        src = at[into]
-        # cut into runs where both the saved and the wanted positions advance by one
-        breaks = torch.nonzero((into[1:] - into[:-1] != 1) | (src[1:] - src[:-1] != 1)).view(-1) + 1
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
-        ends = torch.cat([breaks, torch.tensor([into.numel()])])
-        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            copies.append(Copy(source, int(src[s]), e - s, int(into[s])))
-    if need.numel() and not bool((covered == 1).all()):
-        missing = int((covered == 0).sum())
-        twice = int((covered > 1).sum())
+        have, j = runs(block, 0, block.numel), 0
+        for start, local, count in need:
+            while j < len(have) and have[j][0] + have[j][2] <= start:
+                j += 1
+            k = j
+            while k < len(have) and have[k][0] < start + count:
+                lo, hi = max(start, have[k][0]), min(start + count, have[k][0] + have[k][2])
+                if hi > lo:
+                    into, at = local - first + lo - start, have[k][1] + lo - have[k][0]
+                    last = copies[-1] if copies else None
+                    if (
+                        last
+                        and last.source == source
+                        and last.into + last.count == into
+                        and last.first + last.count == at
+                    ):
+                        copies[-1] = Copy(source, last.first, last.count + hi - lo, last.into)
+                    else:
+                        copies.append(Copy(source, at, hi - lo, into))
+                k += 1
+    copies.sort(key=lambda c: (c.into, c.source))
+    missing, twice = _coverage([(c.into, c.into + c.count) for c in copies], stop - first)
+    if missing or twice:
         raise ValueError(
             f"{wanted.name}: the saved blocks give {missing} wanted element(s) of [{first}, {stop}) by none "
             f"and {twice} by more than one"
         )
-    return sorted(copies, key=lambda c: c.into)
+    return copies
+
+
+def runs(block: Block, first: int, stop: int) -> list[tuple[int, int, int]]:
+    """`(global flat start, local flat start, count)` of the block's local flat elements
+    `[first, stop)`, cut into maximal runs contiguous in both (increasing in both)."""
+    if stop <= first:
+        return []
+    shape, offset, global_shape = block.shape, block.offset, block.global_shape
+    if not shape:
+        return [(0, 0, 1)]
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(len(shape))]
+    d, run = len(shape) - 1, shape[-1]
+    while d > 0 and shape[d] == global_shape[d]:  # a whole trailing dimension: runs span the one before it
+        d -= 1
+        run *= shape[d]
+    base = sum(o * st for o, st in zip(offset[d:], strides[d:], strict=True))
+    out = []
+    for k in range(first // run, -(-stop // run)):
+        rest, where = k, base
+        for dim in range(d - 1, -1, -1):  # unravel k over the leading dimensions
+            rest, index = divmod(rest, shape[dim])
+            where += (offset[dim] + index) * strides[dim]
+        lo, hi = max(first, k * run), min(stop, (k + 1) * run)
+        out.append((where + lo - k * run, lo, hi - lo))
+    return out
+
+
+def _coverage(spans: list[tuple[int, int]], total: int) -> tuple[int, int]:
+    """(elements of `[0, total)` in no span, elements in more than one) of `(begin, end)` spans."""
+    events = sorted([(b, 1) for b, _ in spans] + [(e, -1) for _, e in spans] + [(0, 0), (total, 0)])
+    missing = twice = depth = 0
+    previous = 0
+    for at, change in events:
+        width = min(at, total) - max(previous, 0)
+        if width > 0:
+            missing += width if depth == 0 else 0
+            twice += width if depth > 1 else 0
+        previous = max(previous, at)
+        depth += change
+    return missing, twice
 
 
 def _overlaps(a: Block, b: Block) -> bool:

@@ -73,6 +73,7 @@ from miles_lora_ckpt.core.verify import (
     check_file_content,
     check_file_ranges,
     check_structure,
+    coalesce_ranges,
     find_candidates,
     reason,
 )
@@ -491,19 +492,6 @@ class OpenedGeneration:
         return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
-class DeferredRanges:
-    """Element ranges verified at open but not kept (`PartialRead(keep=False)`): `.get` reads one
-    again, every block it touches checked against its digest once more, when the caller is ready
-    for it (e.g. one bucket at a time), so the caller's memory holds one range at a time."""
-
-    def __init__(self, gen_dir: Path, relpath: str, manifest: Manifest):
-        self.gen_dir, self.relpath, self.manifest = gen_dir, relpath, manifest
-
-    def get(self, wanted, default=None):
-        item = tuple(wanted)
-        return check_file_ranges(self.gen_dir, self.relpath, self.manifest, [item])[item]
-
-
 class WholeFileRanges:
     """Element ranges cut from the tensors of a file read whole (see `OpenedGeneration.tensor_ranges`)."""
 
@@ -524,11 +512,12 @@ class WholeFileRanges:
 class PartialRead:
     """A loader's request for some element ranges of one tensor file: `(tensor name, first, stop)`
     of the flattened tensor. Only the blocks holding them are read (and verified) when the manifest
-    records a block index for the file; otherwise the whole file is read and checked."""
+    records a block index for the file; otherwise the whole file is read and checked. A rank's
+    requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
+    is read and verified once per load, and the ranges are kept as views of the verified spans."""
 
     relpath: str
     ranges: tuple[storage.ElementRange, ...]
-    keep: bool = True  # False: verify now, one range at a time; read again later (`DeferredRanges`)
 
 
 # returns relpaths (whole files) and PartialReads; raises IncompatibleCheckpoint to refuse, anything else: damage
@@ -539,8 +528,8 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     """Collective. Resolve `path` (a save root or one generation) and read this rank's files.
 
     Every rank reads `files_for_rank(manifest)` with every content check (whole files, and the
-    element ranges of each `PartialRead`, kept, or with `keep=False` verified one range at a time
-    and read again on demand); the files no rank asked for, and the blocks of partially
+    element ranges of each `PartialRead`: all of one file's in one verified pass, kept); the files
+    no rank asked for, and the blocks of partially
     read files no rank read, are verified round-robin, so every listed byte is checked. All ranks agree on
     one generation; a root falls back past damaged generations with a warning (an error raised by
     `files_for_rank` is damage too, except `IncompatibleCheckpoint`, which fails the load), an
@@ -607,11 +596,8 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         wanted = files_for_rank(gen.manifest)
         whole = sorted({w for w in wanted if isinstance(w, str)})
         ranges: dict[str, list] = {}
-        deferred: set[str] = set()
         for request in (w for w in wanted if isinstance(w, PartialRead)):
             ranges.setdefault(request.relpath, []).extend([name, int(a), int(b)] for name, a, b in request.ranges)
-            if not request.keep:
-                deferred.add(request.relpath)
         listed = gen.manifest.files
         for rel, items in ranges.items():
             index = listed[rel].blocks if rel in listed else None
@@ -629,8 +615,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         for rel in sorted({*whole, *ranges})
         if rel not in gen.manifest.files
     ]
-    deferred = sorted(deferred - set(whole))
-    return gen, {"files": whole, "ranges": ranges, "deferred": deferred, "problems": missing}
+    return gen, {"files": whole, "ranges": ranges, "problems": missing}
 
 
 def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plans: list[dict]):
@@ -653,11 +638,7 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
             wanted = [tuple(item) for item in items]
             if rel in files:  # read whole (no block index, or also asked whole): cut the ranges from it
                 ranges[rel] = _cut(files[rel], wanted)
-            elif rel in mine.get("deferred", ()):  # verified one range at a time, read again later
-                for item in wanted:
-                    check_file_ranges(candidate, rel, manifest, [item])
-                ranges[rel] = DeferredRanges(candidate, rel, manifest)
-            elif rel not in mine["files"]:
+            elif rel not in mine["files"]:  # every range of the file in one verified pass, kept
                 ranges[rel] = check_file_ranges(candidate, rel, manifest, wanted)
         except Exception as exc:  # noqa: BLE001 - total
             problems.append(f"{candidate / rel}: {reason(exc)}")
@@ -677,7 +658,7 @@ def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
     read: set[int] = set()
     for plan in plans:
         if rel in plan["ranges"]:
-            read |= storage.blocks_needed(index, [tuple(item) for item in plan["ranges"][rel]])
+            read |= storage.blocks_needed(index, coalesce_ranges(tuple(item) for item in plan["ranges"][rel]))
     return [i for i in range(len(index.digests)) if i not in read]
 
 

@@ -10,7 +10,8 @@
   each file through this function (`protocol.open_generation`): verify and loaders cannot drift.
 - `check_file_ranges` reads some element ranges of a tensor file written with a block index
   (`storage.read_ranges`: only the blocks holding them, each block's digest checked, the header
-  checked against the index, every returned value finite) and applies the same rules.
+  checked against the index, every returned value finite) and applies the same rules; the ranges
+  are coalesced first, so one call reads and verifies each block it needs once.
 - `verify_generation` does both for every file.
 
 Verification is total: any failure while examining a generation (whatever its exception type) is a
@@ -23,6 +24,7 @@ disagreement with it becomes a warning that names both sides.
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 from dataclasses import dataclass, field
@@ -137,13 +139,40 @@ def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep:
 
 def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -> dict:
     """Read some element ranges of one listed tensor file (see `storage.read_ranges`), with the
-    rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`."""
+    rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`.
+
+    One pass over the file: the ranges asked are coalesced first (overlapping or touching ranges
+    of one tensor merged, in file order), so the header and every block they touch are read and
+    verified once, whatever the number of ranges; each range asked is a view of its merged span."""
     record = manifest.files[relpath]
-    tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, record, ranges)
+    asked = [(str(name), int(first), int(stop)) for name, first, stop in ranges]
+    spans = coalesce_ranges(asked)
+    if record.blocks is not None:  # in file order: each block read (and hashed) once, never re-read
+        spans.sort(key=lambda span: storage.byte_range(record.blocks, span))
+    tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, record, spans)
     # read_ranges checked the header against the block index: its dtypes are the file's
     dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
     content_rules.check_tensor_file(relpath, manifest, metadata or {}, dtypes)
-    return tensors
+    by_name: dict[str, list] = {}
+    for (name, first, stop), tensor in sorted(tensors.items(), key=lambda item: item[0]):
+        by_name.setdefault(name, []).append((first, stop, tensor))
+    starts = {name: [span[0] for span in spans] for name, spans in by_name.items()}
+    out = {}
+    for name, first, stop in asked:  # the merged span holding it: the last one starting at or before it
+        lo, _, tensor = by_name[name][bisect.bisect_right(starts[name], first) - 1]
+        out[(name, first, stop)] = tensor[first - lo : stop - lo]
+    return out
+
+
+def coalesce_ranges(ranges) -> list[tuple[str, int, int]]:
+    """`(name, first, stop)` element ranges merged where they overlap or touch (per tensor), sorted."""
+    merged: list[list] = []
+    for name, first, stop in sorted(set(ranges)):
+        if merged and merged[-1][0] == name and first <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], stop)
+        else:
+            merged.append([name, first, stop])
+    return [tuple(span) for span in merged]
 
 
 def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:

@@ -43,6 +43,7 @@ from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron import reshard_whole
 from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
+from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource
 from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
 
 WHOLE_FAMILIES = ("replicated", "layer-wise")  # Float16 / FP32 and layer-wise children (reshard_whole)
@@ -144,6 +145,17 @@ class ReshardPlan:
             out[name] = local.view(param.shape)
         return [(params, out)] if out else []
 
+    def adapter_sources(self, assembled: list[tuple[dict, dict]]) -> dict[int, AdapterSource]:
+        """`{id(model parameter): AdapterSource}` of every assembled adapter weight (`adapter_tensors`'
+        result), naming the saved adapter files it was assembled from: every master this load
+        restores must be its cast (`masters.check_master`), as on a same-layout load."""
+        out = {}
+        for params, tensors in assembled:
+            for name, tensor in tensors.items():
+                files = sorted({source.where for source, _ in self.adapter[name][1]})
+                out[id(params[name])] = AdapterSource(name, tensor, " + ".join(files))
+        return out
+
     # ----------------------------------------------------------------------- optimizer
 
     def _plan_optimizer(self, saved: dict, request, saved_children: dict) -> None:
@@ -210,17 +222,23 @@ class ReshardPlan:
                                 )
                 buckets.append(parts)
             self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
-        self.files += [PartialRead(f, tuple(sorted(r)), keep=False) for f, r in sorted(requests.items())]
+        self.files += [PartialRead(f, tuple(sorted(r))) for f, r in sorted(requests.items())]
 
-    def restores(self, optimizer, bound_ranges, bound_tensors, states: dict, hyperparameters=None) -> dict:
+    def restores(
+        self, optimizer, bound_ranges, bound_tensors, states: dict, hyperparameters=None, adapter=None
+    ) -> dict:
         """`{index: the family's restore}` for `chain.allocate` / `chain.install`. A DistributedOptimizer
-        child's ranges are read at install; a whole-parameter child's files are read here.
-        `hyperparameters` (a `core.hyperparameters.Reconciler`) checks every child's saved param
-        groups against the live ones, as a same-layout load does: unknown keys refused, differences
-        reported and settled by its policy."""
+        child's ranges were verified at open (kept; installed from there); a whole-parameter child's
+        files are read here. `hyperparameters` (a `core.hyperparameters.Reconciler`) checks every
+        child's saved param groups against the live ones, as a same-layout load does: unknown keys
+        refused, differences reported and settled by its policy. `adapter(model parameter)` is the
+        assembled adapter weight restored into it (`adapter_sources`): every master restored must be
+        its cast (`masters.check_master`, naming the parameter, the adapter files and the optimizer
+        file), as on a same-layout load; None: not checked."""
         out = {}
         for index, plan in self.children.items():
-            child = chain.select(optimizer, [index])[0].optimizer
+            selected = chain.select(optimizer, [index])[0]
+            child = selected.optimizer
             state = _one_state(index, plan.coordinates, states)
             groups = len(state.get("optimizer", {}).get("param_groups", [])) if isinstance(state, dict) else None
             if groups is not None and groups != len(child.optimizer.param_groups):
@@ -235,6 +253,13 @@ class ReshardPlan:
                 ]
                 for parts in plan.buckets
             ]
+            if adapter is not None:  # one bucket's master shard at a time, views of the verified ranges
+                for layout, parts in zip(distributed.bucket_layouts(child), buckets, strict=True):
+                    masters = [
+                        (piece.file, offset, distributed._read_piece(piece, source, MASTER_KEY, first, stop))
+                        for piece, source, first, stop, offset in parts
+                    ]
+                    distributed.check_master_shard(selected, layout, masters, adapter)
             state = from_json(state)  # as the same-layout preflight hands it to `allocate`
             groups = state.get("optimizer", {}).get("param_groups", [])
             if hyperparameters is not None:
@@ -243,7 +268,7 @@ class ReshardPlan:
         for index, (plan, keys) in self.whole.items():
             child = chain.select(optimizer, [index])[0].optimizer
             state = _one_state(index, plan.coordinates, states)
-            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys, hyperparameters)
+            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys, hyperparameters, adapter)
         return out
 
 

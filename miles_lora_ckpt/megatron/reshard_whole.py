@@ -22,6 +22,7 @@ from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.megatron.optimizer_children import float16
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
 from miles_lora_ckpt.megatron.optimizer_children.family import file_binding
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class WholePlan:
 
     index: int
     files: dict[str, str]  # file -> its writer's coordinate (binding)
-    params: list[tuple[int, str, torch.Tensor, list]]  # (group, name, master, [(entry, copy)])
+    params: list[tuple[int, str, torch.Tensor, list, torch.Tensor]]  # (group, name, master, [(entry, copy)], param)
     coordinates: list[str]
 
 
@@ -75,7 +76,7 @@ def plan_child(index: int, layout: dict, child, names: dict, mine: dict, saved: 
             pieces.append((source, copy))
             plan.files[source.file] = layout["files"][source.file]
             used.add(source.coordinate)
-        plan.params.append((group, name, main, pieces))
+        plan.params.append((group, name, main, pieces, model_param))
     plan.coordinates = sorted(used)
     return plan
 
@@ -91,10 +92,18 @@ def _coordinate_of(shard: str, name: str, saved: dict) -> str | None:
 
 
 def restore(
-    plan: WholePlan, child, read_tensors, state: dict, keys_wanted: tuple[str, ...], hyperparameters=None
+    plan: WholePlan,
+    child,
+    read_tensors,
+    state: dict,
+    keys_wanted: tuple[str, ...],
+    hyperparameters=None,
+    adapter=None,
 ) -> float16._Restore:
     """Read the files (binding checked) and assemble every parameter's master and state; the saved
-    param groups are checked against the live ones by `hyperparameters` (a `Reconciler`) if given."""
+    param groups are checked against the live ones by `hyperparameters` (a `Reconciler`) if given,
+    every assembled master against the adapter weight `adapter(model parameter)` restored into it
+    (`masters.check_master`: the adapter must be its cast) if given."""
     groups = [from_json(g) for g in state["param_groups"]]
     current = child.optimizer.param_groups
     if len(groups) != len(current):
@@ -108,7 +117,7 @@ def restore(
         file: float16._by_parameter(read_tensors(file, file_binding(plan.index, coordinate)))
         for file, coordinate in sorted(plan.files.items())
     }
-    for group, name, main, pieces in plan.params:
+    for group, name, main, pieces, model_param in plan.params:
         keys = None
         assembled: dict[str, torch.Tensor] = {}
         for source, copy in pieces:
@@ -129,6 +138,10 @@ def restore(
                 target = assembled.setdefault(key, torch.empty(main.numel(), dtype=tensor.dtype))
                 target[copy.into : copy.into + copy.count] = tensor.reshape(-1)[copy.first : copy.first + copy.count]
         master = assembled.pop(MASTER_KEY).view(main.shape)
+        saved_adapter = adapter(model_param) if adapter is not None else None
+        if saved_adapter is not None:
+            drawn = ", ".join(sorted({entry.file for entry, _ in pieces}))
+            check_master(saved_adapter, master, f"{drawn} (optimizer child {plan.index})")
         state_tensors = {k: (v if v.dim() == 0 else v.view(main.shape)) for k, v in assembled.items()}
         try:
             out.params.append(

@@ -23,6 +23,10 @@ resharding load), against the same-layout loads above.
 Prints, from the medians over rounds of the slowest rank's times,
 `DISTCKPT W=<w> save/ours=<x> load/ours=<y>` (dist_checkpointing's time over ours) and
 `RESHARD W=<w> load/same=<z>` (our resharding load's time over our same-layout load).
+
+With --distckpt-profile DIR, rank 0 runs our loads under cProfile (the timed figures then include
+the profiler's overhead) and writes `DIR/W{w}-same.prof` (the same-layout loads) and
+`DIR/W{w}-reshard.prof` (the resharding loads), readable with `python -m pstats`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ def add_arguments(bench) -> None:
         default=64,
         help="fp32 MiB of the DISTCKPT section's LoRA bucket (default 64)",
     )
+    bench.add_argument(
+        "--distckpt-profile",
+        default=None,
+        metavar="DIR",
+        help="profile rank 0's loads of the DISTCKPT section with cProfile into DIR/W<w>-same.prof and "
+        "DIR/W<w>-reshard.prof (the figures then include the profiler's overhead)",
+    )
 
 
 def check_args(args) -> str | None:
@@ -72,6 +83,10 @@ def run_section(args) -> None:
         base = Path(args.dir) / f"distckpt{world}" if args.dir else Path(tempfile.mkdtemp(prefix="mlc-bench-dc-"))
         base.mkdir(parents=True, exist_ok=True)
         payload = {"dir": str(base), "bucket_mib": args.distckpt_bucket_mib, "repeats": max(1, args.repeats)}
+        profile = getattr(args, "distckpt_profile", None)
+        if profile:
+            Path(profile).mkdir(parents=True, exist_ok=True)
+            payload["profile"] = str(Path(profile).resolve() / f"W{world}")
         try:
             results = check_all(
                 run_workers(world, "miles_lora_ckpt.tools.bench_distckpt:distckpt_job", payload, timeout_s=1800)
@@ -209,6 +224,17 @@ def distckpt_job(payload: dict, ctx) -> dict:
         lora_alpha = 128.0
         no_save_optim = False
 
+    profiles: dict = {}
+
+    def profiled(what: str, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)`, under rank 0's cProfile of `what` when --distckpt-profile is given."""
+        if not payload.get("profile") or ctx.rank != 0:
+            return fn(*args, **kwargs)
+        import cProfile
+
+        profiler = profiles.setdefault(what, cProfile.Profile())
+        return profiler.runcall(fn, *args, **kwargs)
+
     run = build_run(_config(world, payload["bucket_mib"], tp=1))
     train_step(run, 0)
     before = snapshot_digests(snapshot(run))
@@ -217,7 +243,7 @@ def distckpt_job(payload: dict, ctx) -> dict:
     steps = {
         "ours_save": lambda i: save_lora_checkpoint(run.model, _Args(), ours_root, iteration=i + 1, keep=2, **kwargs),
         "dc_save": lambda i: _dc_save(run, base / f"dc{i}"),
-        "ours_load": lambda i: load_lora_checkpoint(run.model, ours_root, **kwargs),
+        "ours_load": lambda i: profiled("same", load_lora_checkpoint, run.model, ours_root, **kwargs),
         "dc_load": lambda i: _dc_load(run, base / f"dc{i}"),
     }
     for index in range(payload["repeats"]):
@@ -251,7 +277,9 @@ def distckpt_job(payload: dict, ctx) -> dict:
             _drop_cache(base)
         dist.barrier()
         started = time.perf_counter()
-        result = load_lora_checkpoint(
+        result = profiled(
+            "reshard",
+            load_lora_checkpoint,
             resharded.model,
             ours_root,
             optimizer=resharded.optimizer,
@@ -263,6 +291,8 @@ def distckpt_job(payload: dict, ctx) -> dict:
         if not result.optimizer_restored:
             raise RuntimeError("the resharding load did not restore the optimizer")
     teardown(resharded)
+    for what, profiler in profiles.items():
+        profiler.dump_stats(f"{payload['profile']}-{what}.prof")
     _stop_dc_writer_manager()
     return {**times, "lora_fp32_mib": lora * 4 / 2**20}
 

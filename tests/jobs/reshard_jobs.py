@@ -11,11 +11,15 @@ on and the losses are compared (max relative difference).
 from __future__ import annotations
 
 import json
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import PurePath
 
 import torch
 import torch.distributed as dist
 from lora_jobs import Args, _failing_install, load, run_steps, save
 
+from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.savers.single_lora import load as load_module
@@ -230,6 +234,57 @@ def gated_fc1_halves(run) -> dict[str, str]:
     return out
 
 
+@contextmanager
+def counting_reads():
+    """Count, on this rank, each verified partial read of a file (`storage.read_ranges`: one open,
+    one header parse) and each block digest computed (`storage._BlockFile.block`, keyed by the
+    file's digest and the block number; a block served from the reader's one-block cache is no new
+    read). Yields `{"range_reads": Counter(file), "block_checks": Counter((file digest, block))}`."""
+    counts = {"range_reads": Counter(), "block_checks": Counter()}
+    real_read, real_block = storage.read_ranges, storage._BlockFile.block
+
+    def read_ranges(path, record, wanted):
+        counts["range_reads"]["/".join(PurePath(path).parts[-2:])] += 1
+        return real_read(path, record, wanted)
+
+    def block(self, i):
+        if self._last is None or self._last[0] != i:
+            counts["block_checks"][(self.record.digest, i)] += 1
+        return real_block(self, i)
+
+    storage.read_ranges, storage._BlockFile.block = read_ranges, block
+    try:
+        yield counts
+    finally:
+        storage.read_ranges, storage._BlockFile.block = real_read, real_block
+
+
+def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` whose dense adapter file has one element of its
+    first tensor changed, resealed with its own stamp (every digest, stamp and binding agrees): only
+    the cross-check against the fp32 masters can tell (needs the tests folder on sys.path: damage.py)."""
+    import shutil
+    from pathlib import Path
+
+    from damage import rewrite_tensors
+
+    from miles_lora_ckpt.core.verify import resolve
+
+    def nudge(tensors) -> None:
+        flat = tensors[sorted(tensors)[0]].view(-1)
+        flat[0] = flat[0] + max(abs(float(flat[0])), 1.0)
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"forged-{abs(hash(name)) % 10**8}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        rewrite_tensors(
+            target, sorted(p.relative_to(target).as_posix() for p in target.glob("adapter/dense_*"))[0], nudge
+        )
+    dist.barrier()
+    return str(target)
+
+
 def reshard_job(payload: dict, ctx) -> dict:
     """`payload["cases"]`: `[{"name", "save", "load", "root", "steps"}]` (configs as dicts): train
     `save` 2 steps, record its global view, save, train on `steps` more; build `load`, load the
@@ -253,7 +308,8 @@ def reshard_job(payload: dict, ctx) -> dict:
         if case.get("whole_gated_blocks"):
             source = _whole_gated_blocks(source, case["name"], consensus)
         after = build_run(config_from_dict(case["load"]))
-        result = load(after, source, consensus)
+        with counting_reads() as counts:
+            result = load(after, source, consensus)
         loaded_view = global_view(after, consensus)
         loaded_halves = gated_fc1_halves(after)
         probe_loaded = probe_loss(after, 2)
@@ -270,6 +326,9 @@ def reshard_job(payload: dict, ctx) -> dict:
             "probe": [probe_saved, probe_loaded],
             "losses": [continued, resumed],
             "result": result.__dict__,
+            # the resharding load's reads on this rank: each file read (and each block verified) once
+            "range_reads": dict(counts["range_reads"]),
+            "max_block_checks": max(counts["block_checks"].values(), default=0),
         }
         if payload.get("debug"):
             out[case["name"]]["debug"] = {
@@ -288,6 +347,8 @@ def reshard_job(payload: dict, ctx) -> dict:
             root = _damaged_slice(root, case["name"], consensus)
         if case.get("unknown_group_key"):
             root = _unknown_group_key(root, case["name"], consensus)
+        if case.get("forged_adapter"):
+            root = _forged_adapter(root, case["name"], consensus)
         run = build_run(config_from_dict(case["config"]))
         run_steps(run, 0, 1)
         digests = snapshot_digests(snapshot(run))

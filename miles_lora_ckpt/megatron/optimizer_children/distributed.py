@@ -21,10 +21,11 @@ empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one t
 Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
 protocol verifies every other block round-robin), after checking that the saved slices tile every
-bucket exactly (no overlap, no gap). The ranges are verified at open one at a time and not kept
-(`keep=False`); `install` reads them again (each block checked again), one bucket and one key at a
-time, straight into the masters and moments, so a load holds one bucket's key of optimizer state
-beyond what the optimizer holds. Param groups and the
+bucket exactly (no overlap, no gap). All of a file's ranges are read and verified at open in one
+pass (each block read and hashed once per load) and kept; the masters' cross-check (preflight) and
+`install` (one bucket and one key at a time, straight into the masters and moments) slice them
+from those verified buffers, so a load holds this rank's shard of the optimizer state once beyond
+what the optimizer holds. Param groups and the
 step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
 gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
 format 1 too) load the same way: each rank reads its ranges from that file.
@@ -32,6 +33,7 @@ format 1 too) load the same way: each rank reads its ranges from that file.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -357,44 +359,90 @@ def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, in
     return out
 
 
+def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """`(span index, part index, lo, hi)` for every non-empty overlap `[lo, hi)` of `spans`
+    (`(start, end)`, pairwise disjoint, as megatron's parameters in one bucket are) with `parts`
+    (`(offset, count)`): each part finds its spans by bisection, so the cost is the number of parts
+    and overlaps (a resharding load has thousands of pieces per bucket), not their product."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i])
+    starts = [spans[i][0] for i in order]
+    for before, after in zip(order, order[1:], strict=False):
+        if spans[before][1] > spans[after][0]:
+            raise ValueError(f"parameters overlap in a bucket: elements {spans[before]} and {spans[after]}")
+    out = []
+    for j, (offset, count) in enumerate(parts):
+        k = max(bisect.bisect_right(starts, offset) - 1, 0)
+        while k < len(order) and spans[order[k]][0] < offset + count:
+            start, end = spans[order[k]]
+            lo, hi = max(start, offset), min(end, offset + count)
+            if hi > lo:
+                out.append((order[k], j, lo, hi))
+            k += 1
+    return out
+
+
 def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
     """Copy `(key, offset in this rank's shard of the bucket, tensor)` pieces into the masters and
     the allocated state of every parameter they overlap; then compare every copied element."""
-    targets = []
+    targets: dict[str, list] = {key: [] for key in (MASTER_KEY, *keys)}
     for model_param, ranges in _param_maps(child, layout).items():
         main_param, state = main_and_state(child, model_param)
         start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
         for key in (MASTER_KEY, *keys):
             if key != MASTER_KEY and key not in state:
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
-            targets.append((key, start, end, main_param if key == MASTER_KEY else state[key]))
+            targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
+    matched = []  # (key, destination, [(first element in it, source view)]) per parameter and key
+    for key, spans in targets.items():
+        mine = [(offset, tensor) for part_key, offset, tensor in parts if part_key == key]
+        by_target: dict[int, list] = {}
+        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, t.numel()) for o, t in mine]):
+            offset, tensor = mine[j]
+            by_target.setdefault(i, []).append((lo - spans[i][0], tensor[lo - offset : hi - offset]))
+        matched += [(key, spans[i][2].view(-1), pieces) for i, pieces in sorted(by_target.items())]
     with torch.no_grad():
-        for key, start, end, dest in targets:
-            for part_key, offset, tensor in parts:
-                lo, hi = max(start, offset), min(end, offset + tensor.numel())
-                if part_key == key and hi > lo:
-                    dest.view(-1)[lo - start : hi - start].copy_(tensor[lo - offset : hi - offset])
-    for key, start, end, dest in targets:  # megatron's own loader can drop state silently: not here
-        for part_key, offset, tensor in parts:
-            lo, hi = max(start, offset), min(end, offset + tensor.numel())
-            if part_key == key and hi > lo:
-                if not torch.equal(dest.detach().view(-1)[lo - start : hi - start], tensor[lo - offset : hi - offset]):
-                    raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+        for _, dest, pieces in matched:
+            if len(pieces) == 1:  # the same-layout case: one contiguous piece
+                first, source = pieces[0]
+                dest[first : first + source.numel()].copy_(source)
+            else:
+                dest.index_copy_(0, *_gathered(pieces))
+    for key, dest, pieces in matched:  # megatron's own loader can drop state silently: not here
+        if len(pieces) == 1:
+            first, source = pieces[0]
+            got = dest[first : first + source.numel()]
+        else:
+            index, source = _gathered(pieces)
+            got = dest.index_select(0, index)
+        if not torch.equal(got.detach(), source):
+            raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+
+
+def _gathered(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(positions, values)` of `(first element, values)` pieces of one flat destination: one index
+    copy (and one read-back) per parameter and key, however many pieces a resharding load cut it
+    into (one per row of a row-parallel split at another TP)."""
+    firsts = torch.tensor([first for first, _ in pieces], dtype=torch.int64)
+    counts = torch.tensor([piece.numel() for _, piece in pieces], dtype=torch.int64)
+    before = torch.cumsum(counts, 0) - counts
+    index = torch.repeat_interleave(firsts - before, counts) + torch.arange(int(counts.sum()), dtype=torch.int64)
+    return index, torch.cat([piece for _, piece in pieces])
 
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
     """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
     tensor)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    params = []
     for model_param, ranges in _param_maps(child.optimizer, layout).items():
         source = adapter(model_param)
-        if source is None:
-            continue
-        start, end, first = ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start
-        for file, offset, tensor in parts:
-            lo, hi = max(start, offset), min(end, offset + tensor.numel())
-            if hi > lo:
-                where = f"{file} (optimizer child {child.index})"
-                check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
+        if source is not None:
+            params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
+    found = overlaps([(a, b) for a, b, _, _ in params], [(offset, tensor.numel()) for _, offset, tensor in parts])
+    for i, j, lo, hi in found:
+        start, _, first, source = params[i]
+        file, offset, tensor = parts[j]
+        where = f"{file} (optimizer child {child.index})"
+        check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
 
 
 # --------------------------------------------------------------------------- the family
@@ -463,15 +511,15 @@ class DistributedFamily:
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
         """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
-        shard (at equal DP sizes: all of its own slice), verified at open one range at a time and
-        not kept (`keep=False`): `install` reads them again, one bucket at a time."""
+        shard (at equal DP sizes: all of its own slice), read and verified at open in one pass
+        per file and kept (`install` slices them from the verified buffers)."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
         keys = (MASTER_KEY, *mine["keys"])
         requests: dict[str, set] = {}
         for _, piece, first, stop, _ in reads_for(pieces, mine):
             requests.setdefault(piece.file, set()).update((f"{piece.prefix}.{k}", first, stop) for k in keys)
-        return [PartialRead(file, tuple(sorted(ranges)), keep=False) for file, ranges in sorted(requests.items())]
+        return [PartialRead(file, tuple(sorted(ranges))) for file, ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -490,7 +538,7 @@ class DistributedFamily:
             raise ValueError(f"optimizer child {child.index} changed its buckets since it was described")
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
         for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
-            source = read.ranges(piece.file, piece.binding)  # binding checked here, data read at install
+            source = read.ranges(piece.file, piece.binding)  # binding checked; ranges verified at open
             buckets[position].append((piece, source, first, stop, offset))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
             filled = sum(stop - first for _, _, first, stop, _ in buckets[position])
@@ -503,7 +551,7 @@ class DistributedFamily:
                 parts = [
                     (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop))
                     for piece, source, first, stop, offset in pieces
-                ]  # one bucket's master shard at a time, read again at install
+                ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
         return _Restore(read.keys, state, buckets, groups)
@@ -527,12 +575,12 @@ class DistributedFamily:
         """No collectives: every rank read its own ranges (no scatter from a DP root)."""
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:
-        """Bucket by bucket and key by key: read this rank's pieces of one bucket for one key (each
-        block verified again), copy them straight into the master or the state of the parameters
-        they overlap (no shard is assembled), read those elements back bit for bit, and drop them."""
+        """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
+        the ranges verified at open), copied straight into the master or the state of the parameters
+        they overlap (no shard is assembled), then those elements read back bit for bit."""
         opt = child.optimizer
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
-            for key in (MASTER_KEY, *restore.keys):  # one key of one bucket in memory at a time
+            for key in (MASTER_KEY, *restore.keys):  # one key of one bucket at a time
                 parts = [
                     (key, offset, _read_piece(piece, source, key, first, stop))
                     for piece, source, first, stop, offset in pieces

@@ -372,9 +372,10 @@ class LoadRequest:
         warnings = self._check_optimizer_claim(manifest)
         reconciler = Reconciler(self.policy)
         if self.reshard is not None:
-            # a resharding load assembles the adapter from the files' global blocks; the masters'
-            # cross-check (masters.py) and the param groups' reconciliation run on same-layout loads
-            adapter, sources = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding), {}
+            # a resharding load assembles the adapter from the files' global blocks; every restored
+            # master is checked against it below (masters.py), as on a same-layout load
+            adapter = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding)
+            sources = self.reshard.adapter_sources(adapter)
         else:
             adapter, sources = self._preflight_adapter(opened)
         restore, fresh = {}, []
@@ -385,6 +386,7 @@ class LoadRequest:
                 bound_tensors(opened),
                 state.get("optimizer_children", {}),
                 hyperparameters=reconciler,  # the saved param groups against the launch's, as below
+                adapter=lambda param: sources.get(id(param)),  # every master: its adapter's (masters.py)
             )
             fresh = [i for i in self.selected() if i not in restore]
         elif self._optimizer_in(manifest):
