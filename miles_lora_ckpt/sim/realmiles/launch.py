@@ -9,11 +9,16 @@ hook, binds to these very module objects.
 
 The harness's part, and why:
 - argument parsing: the stand-in parser (`miles_standin.common.args`) plus the attributes the wheel's
-  functions read; the wheel's `miles.utils.arguments` imports SGLang's server runtime (orjson, ...);
+  functions read; the wheel's own `parse_args` forces `start_rollout_id = 0` in bridge mode (before
+  Miles #2682), so its driver would replay from rollout 0 (the wheel's parsing and validation run for
+  real in `sim/realmiles/wheel_args.py`, which shows the hook refusing that relaunch);
 - `initialize.init`: the harness sets the args (real `set_args`), builds megatron's parallel state,
   Miles' `ParallelState` from it (the wheel's `create_megatron_parallel_state`, `set_parallel_state`)
-  and calls the hook with the wheel's `load_function`, as `init` does at its end; the wheel's `init` asserts
-  numpy 1.x and runs Megatron-LM's NCCL setup and tokenizer;
+  and calls the hook with the wheel's `load_function`, as `init` does at its end; `init` reads what the
+  stand-in parser's args lack (the wheel's own `init` runs for real in `wheel_args.py`);
+- the train actor: with `wheel_actor`, the wheel's actor module is imported before the hook and its own
+  `MegatronTrainRayActor.save_model` saves; its `init` and `train` need Ray and rollout data, so
+  `RealWheelActor` follows their order of calls;
 - in the wheel's `model` module, two names are replaced: `setup_model_and_optimizer` builds the
   harness's model and megatron optimizers (`sim.train.build_run`; Miles' own builds a GPTModel on GPU),
   and `clear_memory` (torch.cuda.synchronize) is gc only;

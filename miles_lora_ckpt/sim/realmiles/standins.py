@@ -108,8 +108,9 @@ SUBSTITUTIONS: dict[str, str] = {
         "would replay from rollout 0"
     ),
     "miles.backends.megatron_utils.actor.MegatronTrainRayActor": (
-        "not run: it imports Ray and SGLang's runtime; RealWheelActor follows its call order (init, model "
-        "setup and load, train, model.save, save_hf_model)"
+        "its module is imported (with ACTOR_STANDINS) and its own save_model runs in the launches with "
+        "wheel_actor (launch.py); its init and train need Ray and rollout data: RealWheelActor follows their "
+        "call order (init hook, model setup and load, train)"
     ),
     "megatron.bridge": "the harness's Bridge double (sim.bridge_double); its load_hf_weights writes nothing",
 }
