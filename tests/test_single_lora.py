@@ -578,14 +578,76 @@ def test_optimizer_mismatch_is_refused_unless_weights_only(saved_root, tmp_path)
         assert result["adapter_restored"] and not result["optimizer_restored"] and result["masters_refreshed"]
 
 
-def test_stock_miles_adapter_directory_warm_starts_the_adapter_only(tmp_path):
-    results = run(2, "legacy_warm_start", {"config": cfg(2), "dir": str(tmp_path / "legacy")})
+@pytest.fixture(scope="module")
+def stock_dirs(tmp_path_factory):
+    """One W=2 launch: a stock .pt adapter directory and a REAL stock native torch_dist checkpoint
+    (megatron-core dist_checkpointing.save of the trained run's adapter, optimizer and scheduler),
+    then a fresh run that tries the native one (refused) and warm-starts from the .pt one."""
+    base = tmp_path_factory.mktemp("stock")
+    payload = {"config": cfg(2), "dir": str(base / "legacy"), "native_dir": str(base / "native")}
+    return base, run(2, "legacy_warm_start", payload)
+
+
+def test_stock_miles_adapter_directory_warm_starts_the_adapter_only(stock_dirs):
+    _, results = stock_dirs
     for r in results:
         result = r["result"]
         assert result["source"] == "legacy-miles" and result["loaded"] and result["iteration"] == 2
         assert r["same_adapter"] and r["masters_match_adapter"]
         assert not result["optimizer_restored"] and not result["scheduler_restored"]
         assert "NOT restored" in result["warnings"][0] and "optimizer moments" in result["warnings"][0]
+
+
+def test_stock_native_torch_dist_checkpoint_is_refused_on_every_rank_never_a_fresh_start(stock_dirs):
+    """A stock Miles native (raw-mode) adapter checkpoint is a pickled dist_checkpointing directory
+    the plugin does not read: loading it (the adapter dir or its torch_dist) raises the same error
+    on every rank, naming every rank, the directory, what it is, why and the remedy; nothing changes."""
+    base, results = stock_dirs
+    torch_dist = base / "native" / "iter_0000002" / "adapter" / "torch_dist"
+    assert (torch_dist / "metadata.json").is_file() and (torch_dist / ".metadata").is_file()
+    assert list(torch_dist.glob("*.distcp")) and (torch_dist / "common.pt").is_file()
+    errors = []
+    for r in results:
+        for name in ("adapter dir", "torch_dist dir"):
+            outcome = r["native"][name]
+            error = outcome["error"]
+            assert error is not None and outcome["result"] is None, (name, outcome)
+            assert outcome["changed"] is None, (name, outcome["changed"])
+            assert "rank 0:" in error and "rank 1:" in error, error
+            assert "stock Miles native LoRA checkpoint" in error and str(torch_dist) in error, error
+            assert "pickles" in error and "Remedy:" in error and "'torch_dist'" in error, error
+            errors.append((name, error))
+    assert errors[0] == errors[2] and errors[1] == errors[3]  # the same error on both ranks
+
+
+def test_startup_refuses_a_launch_over_a_stock_native_checkpoint(stock_dirs, tmp_path):
+    """The init hook (rank 0, agreed) refuses --lora-adapter-path naming a native checkpoint, and a
+    --load/--save holding one with no plugin generation: the run would otherwise train a fresh adapter."""
+    from types import SimpleNamespace
+
+    from miles_lora_ckpt.integration import resume
+    from miles_lora_ckpt.integration.config import load_config
+
+    base, _ = stock_dirs
+    native_save = base / "native"
+    adapter = native_save / "iter_0000002" / "adapter"
+    config = load_config({})
+    fresh = str(tmp_path / "fresh")
+    launches = {
+        "--lora-adapter-path": dict(lora_adapter_path=str(adapter), save=fresh, load=fresh),
+        "--load": dict(lora_adapter_path=None, save=fresh, load=str(native_save)),
+        "--save": dict(lora_adapter_path=None, save=str(native_save), load=None),
+    }
+    for flag, values in launches.items():
+        with pytest.raises(resume.ResumeRefused) as refused:
+            resume.check_relaunch(config, SimpleNamespace(start_rollout_id=None, finetune=False, **values))
+        message = str(refused.value)
+        assert message.startswith(f"{flag}: ") and "stock Miles native LoRA checkpoint" in message, message
+        assert str(adapter / "torch_dist") in message and "Remedy:" in message, message
+    # a Megatron base-model checkpoint (dist_checkpointing too, e.g. raw mode's --ref-load) is not one
+    ref = tmp_path / "ref"
+    shutil.copytree(adapter / "torch_dist", ref / "iter_0000000")
+    assert resume.check_relaunch(config, SimpleNamespace(lora_adapter_path=None, save=fresh, load=str(ref))) == []
 
 
 def _soak(cycles: int, every: int) -> list[dict]:

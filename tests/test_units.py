@@ -146,3 +146,36 @@ def test_names_read_from_disk_elsewhere_are_ascii_only_too():
     assert resume._MEGATRON_ITER_DIR.match("iter_0000001")
     assert not resume._MEGATRON_ITER_DIR.match("iter_0000001\n")
     assert not resume._MEGATRON_ITER_DIR.match("iter_000000\u0661")
+
+
+def test_native_dist_recognises_only_torch_dist_adapter_checkpoints(tmp_path):
+    """`core.native_dist`: megatron's metadata.json or DCP's .metadata + *.distcp, in a directory
+    named torch_dist (itself or below an adapter dir / iter dir); never a base checkpoint or junk."""
+    import json
+
+    from miles_lora_ckpt.core import native_dist
+
+    adapter = tmp_path / "save" / "iter_0000003" / "adapter"
+    (adapter / "torch_dist").mkdir(parents=True)
+    (adapter / "torch_dist" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    assert native_dist.find_native_checkpoint(adapter) == adapter / "torch_dist"
+    assert native_dist.find_native_checkpoint(adapter / "torch_dist") == adapter / "torch_dist"
+    assert native_dist.native_checkpoints_in(tmp_path / "save") == [adapter / "torch_dist"]
+    assert "'torch_dist'" in native_dist.refusal(adapter, adapter / "torch_dist")
+    # DCP files alone also count
+    dcp = tmp_path / "dcp" / "torch_dist"
+    dcp.mkdir(parents=True)
+    (dcp / ".metadata").write_bytes(b"x")
+    (dcp / "__0_0.distcp").write_bytes(b"x")
+    assert native_dist.find_native_checkpoint(dcp.parent) == dcp
+    # a base-model checkpoint (iter dir, not torch_dist), bad JSON, JSON without a backend: none
+    base = tmp_path / "ref" / "iter_0000000"
+    base.mkdir(parents=True)
+    (base / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    assert native_dist.find_native_checkpoint(base) is None and native_dist.native_checkpoints_in(base.parent) == []
+    for text in ("{not json", json.dumps({"other": 1}), json.dumps([1])):
+        junk = tmp_path / f"junk{len(text)}" / "torch_dist"
+        junk.mkdir(parents=True)
+        (junk / "metadata.json").write_text(text)
+        assert native_dist.find_native_checkpoint(junk.parent) is None, text
+    assert native_dist.find_native_checkpoint(tmp_path / "missing") is None

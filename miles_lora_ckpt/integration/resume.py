@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import native_dist, storage
 from miles_lora_ckpt.core.errors import NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, is_save_root
@@ -115,6 +115,7 @@ def check_relaunch(config: PluginConfig, args) -> list[str]:
     Miles' validation replaced `--load` (no `--load`, another directory, or a deleted tracker).
     """
     save, load = getattr(args, "save", None), getattr(args, "load", None)
+    _refuse_native_checkpoints(config, args)
     if not save:
         return []
     root = save_root(config, save)
@@ -145,6 +146,27 @@ def check_relaunch(config: PluginConfig, args) -> list[str]:
         f"--save) and relaunch; {Path(save) / MEGATRON_TRACKER} is in place. To start a new run instead, use a "
         "new --save directory."
     )
+
+
+def _refuse_native_checkpoints(config: PluginConfig, args) -> None:
+    """Raise ResumeRefused when this launch would train a fresh adapter over a stock Miles native
+    (raw-mode, `torch_dist`) LoRA checkpoint the plugin does not read (`core.native_dist`):
+    `--lora-adapter-path` names one, or `--load`/`--save` hold one and no plugin generation."""
+    adapter = getattr(args, "lora_adapter_path", None)
+    if adapter:
+        found = native_dist.find_native_checkpoint(adapter)
+        if found is not None:
+            raise ResumeRefused(f"--lora-adapter-path: {native_dist.refusal(adapter, found)}")
+    for flag in ("load", "save"):
+        directory = getattr(args, flag, None)
+        if not directory or newest_committed(save_root(config, directory)) is not None:
+            continue
+        found = native_dist.native_checkpoints_in(directory)
+        if found:
+            raise ResumeRefused(
+                f"--{flag}: {native_dist.refusal(directory, found[-1])} Stock native checkpoints found: "
+                f"{[str(f) for f in found]}; to start a new plugin run instead, use a new --save directory."
+            )
 
 
 # --------------------------------------------------------------------------- loading

@@ -399,14 +399,50 @@ def legacy_warm_start(payload: dict, ctx) -> dict:
     adapter = {n: p.data.cpu() for n, p in trained.model[0].named_parameters() if is_adapter_param_name(n)}
     torch.save(adapter, legacy / f"adapter_megatron_rank{ctx.rank}.pt")
     torch.save({"iteration": 2, "optimizer": {"param_groups": []}}, legacy / f"training_state_rank{ctx.rank}.pt")
+    if payload.get("native_dir"):
+        _write_native_torch_dist(trained, Path(payload["native_dir"]))
     teardown(trained)
 
     consensus = Consensus.for_world(timeout_s=60)
     fresh = build_run(config)
+    native = _try_native_loads(fresh, payload, consensus) if payload.get("native_dir") else {}
     result = load(fresh, legacy, consensus)
     loaded = {n: p for n, p in fresh.model[0].named_parameters() if is_adapter_param_name(n)}
     same_adapter = sorted(adapter) == sorted(loaded) and all(torch.equal(adapter[n], loaded[n]) for n in adapter)
-    return {"result": result.__dict__, "same_adapter": same_adapter, "masters_match_adapter": _masters_match(fresh)}
+    return {
+        "result": result.__dict__,
+        "same_adapter": same_adapter,
+        "masters_match_adapter": _masters_match(fresh),
+        "native": native,
+    }
+
+
+def _write_native_torch_dist(run, save_dir: Path) -> None:
+    """What stock Miles' native (raw-mode) LoRA save writes (contract §10.6): ONE megatron-core
+    dist_checkpointing checkpoint in `<save>/iter_NNNNNNN/adapter/torch_dist` holding the adapter's
+    sharded state dict, the optimizer's fully_reshardable sharded state and the scheduler."""
+    from miles_lora_ckpt.tools.bench_distckpt import _dc_save
+
+    _dc_save(run, save_dir / "iter_0000002" / "adapter" / "torch_dist")
+
+
+def _try_native_loads(run, payload: dict, consensus) -> dict:
+    """Load the stock native adapter dir and its torch_dist dir; report each error and whether the
+    run's model, optimizer or scheduler changed."""
+    adapter = Path(payload["native_dir"]) / "iter_0000002" / "adapter"
+    outcomes = {}
+    for name, path in (("adapter dir", adapter), ("torch_dist dir", adapter / "torch_dist")):
+        before = snapshot_digests(snapshot(run))
+        try:
+            result, error = load(run, path, consensus).__dict__, None
+        except CheckpointError as exc:
+            result, error = None, str(exc)
+        outcomes[name] = {
+            "error": error,
+            "result": result,
+            "changed": compare_digests(before, snapshot_digests(snapshot(run))),
+        }
+    return outcomes
 
 
 def _masters_match(run) -> bool:

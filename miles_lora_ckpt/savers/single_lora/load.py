@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import content_rules, faults
+from miles_lora_ckpt.core import content_rules, faults, native_dist
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
@@ -34,7 +34,12 @@ from miles_lora_ckpt.core.hyperparameters import Reconciler
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
-from miles_lora_ckpt.core.verify import committed_candidates, is_legacy_miles_dir
+from miles_lora_ckpt.core.verify import (
+    committed_candidates,
+    is_generation_dir,
+    is_legacy_miles_dir,
+    is_save_root,
+)
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
@@ -191,6 +196,11 @@ def _load(
                 "classify", [RankFailure(0, f"{path} is a stock Miles adapter directory, not a {check.saver} root")]
             )
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
+    if kind == "native-dist":
+        # never a fresh start over it: the same refusal on every rank, each rank named, before anything changes
+        found = native_dist.find_native_checkpoint(path) or Path(path) / native_dist.NATIVE_SUBDIR
+        message = native_dist.refusal(path, found)
+        raise CheckpointError("classify", [RankFailure(r, message) for r in range(consensus.world_size)])
 
     # plan: who holds what, so every rank can find its children's files and DP roots
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))
@@ -238,9 +248,13 @@ def _load(
 
 
 def _classify(path: Path) -> str:
-    """missing | empty-root (an empty directory too) | legacy-miles | generation; raises when `path` is none of those."""
+    """missing | empty-root (an empty directory too) | legacy-miles | native-dist (a stock Miles native
+    `torch_dist` checkpoint, or an adapter dir holding one, and no generation) | generation; raises
+    when `path` is none of those."""
     if not path.exists():
         return "missing"
+    if native_dist.find_native_checkpoint(path) is not None and not is_save_root(path) and not is_generation_dir(path):
+        return "native-dist"
     if path.is_dir() and not path.is_symlink() and not os.listdir(path):
         # a save root whose only attempt failed (its staging removed, its lease released) is an
         # empty directory, like a --save directory made before the first save
