@@ -1,4 +1,4 @@
-"""Resharding on resume (format v3): a generation saved at one TP / EP / PP / VPP / CP layout loads at another.
+"""Resharding on resume (format v3): a generation saved at one TP / EP / ETP / PP / VPP / CP layout loads at another.
 
 One spawned W=2 job runs every case (`jobs/reshard_jobs.py`): at the load, every global tensor
 (adapter weights, fp32 masters, every moment, per-parameter steps, param groups) must be
@@ -41,6 +41,10 @@ CASES = {  # name: (saved layout, loaded layout)
     "cp1 -> cp2 (bf16)": (cfg(), cfg(cp=2)),
     # experts numbered globally (megatron's local_expert_indices): 2 experts, one per EP rank -> both on each rank
     "ep2 -> ep1 (bf16, mixed adapters)": (cfg(ep=2, num_experts=2), cfg(num_experts=2)),
+    # expert-TP 2 -> 1 at TP 1 (megatron's expert_tensor_parallel_size): the expert linears and their
+    # adapters split over the expert-TP group at the save, whole at the load
+    "etp2 -> etp1 (bf16, mixed adapters)": (cfg(etp=2), cfg()),
+    "etp2 -> etp1 (fp32, numbered experts)": (cfg("fp32", etp=2, num_experts=2), cfg("fp32", num_experts=2)),
     # Float16OptimizerWithFloat16Params children (no distributed optimizer): whole parameters
     "tp2 -> tp1 (bf16, Float16 children)": (cfg(tp=2, distributed=False), cfg(distributed=False)),
     # a LayerWiseDistributedOptimizer: whole parameters, one DP owner each (DP 1 -> 2 here)
@@ -192,6 +196,58 @@ def test_a_resharding_load_reads_each_file_once(resharded):
             assert case["max_block_checks"] <= 1, (name, case["max_block_checks"])
             partial += len(case["range_reads"])
     assert partial > 0  # the DistributedOptimizer cases did read in part
+
+
+ETP = {  # name: the saved expert-TP size (TP 1); the load is at ETP 1
+    "etp2 -> etp1 (bf16, mixed adapters)": 2,
+    "etp2 -> etp1 (fp32, numbered experts)": 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ETP))
+def test_expert_tp_other_than_tp_is_recorded_on_the_expert_tp_group(resharded, name):
+    """The save ran at TP 1 with megatron's expert-TP group of 2 (`initialize_model_parallel(...,
+    expert_tensor_parallel_size=2)`), and the global blocks recorded in the manifest split the expert
+    adapters over that group as megatron does: a column-parallel linear's `lora_B` on axis 0, a
+    row-parallel linear's `lora_A` on axis 1, the other factor whole on every expert-TP rank."""
+    ffn = SimConfig().ffn_hidden
+    for rank, r in enumerate(resharded):
+        saved, loaded = r["cases"][name]["expert_layout"]
+        assert saved["tp"] == 1 and saved["etp"] == [rank, ETP[name]], saved
+        assert loaded["etp"] == [0, 1], loaded
+        blocks = saved["blocks"]
+        kinds = {"fc1.lora_A": 0, "fc1.lora_B": 0, "fc2.lora_A": 0, "fc2.lora_B": 0}
+        for param, (global_shape, offset, shape) in blocks.items():
+            kind = next(k for k in kinds if f"linear_{k}.weight" in param)
+            kinds[kind] += 1
+            if kind == "fc1.lora_B":  # column-parallel output factor: split on axis 0
+                assert global_shape[0] == ffn and shape[0] == ffn // 2 and offset == [rank * ffn // 2, 0], param
+            elif kind == "fc2.lora_A":  # row-parallel input factor: split on axis 1
+                assert global_shape[1] == ffn and shape[1] == ffn // 2 and offset == [0, rank * ffn // 2], param
+            else:  # replicated over the expert-TP group: whole
+                assert shape == global_shape and offset == [0, 0], param
+        assert all(kinds.values()), kinds
+        # the loaded run (ETP 1) holds every expert adapter whole
+        assert all(b[0] == b[2] for b in loaded["blocks"].values()), loaded["blocks"]
+    # the manifest records each expert-TP rank's blocks under its coordinate (`..._etp000`, `..._etp001`)
+    params = _manifest(resharded[0]["cases"][name]["root"])["metadata"]["global_layout"]["params"]
+    expert_coordinates = sorted(c for c in params if c.startswith("tp000_pp000_ep000_etp"))
+    assert expert_coordinates == ["tp000_pp000_ep000_etp000", "tp000_pp000_ep000_etp001"], sorted(params)
+    for rank, coordinate in enumerate(expert_coordinates):
+        for block in params[coordinate].values():
+            if "linear_fc1.lora_B" in block["global"]:
+                assert block["offset"] == [rank * ffn // 2, 0] and block["shape"][0] == ffn // 2, block
+            if "linear_fc2.lora_A" in block["global"]:
+                assert block["offset"] == [0, rank * ffn // 2] and block["shape"][1] == ffn // 2, block
+
+
+def _manifest(root: str) -> dict:
+    import json
+
+    from miles_lora_ckpt.core.layout import MANIFEST
+    from miles_lora_ckpt.core.verify import resolve
+
+    return json.loads((resolve(Path(root)).generation.path / MANIFEST).read_text())
 
 
 @pytest.mark.parametrize("name", sorted(SLOTS))
