@@ -21,9 +21,9 @@ expert block runs exactly like the dense one. With ``etp != tp`` (``tp == 1``: `
 model is built with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``; every expert
 linear takes the expert-TP group (``parallel_state.get_expert_tensor_parallel_group``) as its
 ``tp_group``, so its split, its ``sharded_state_dict`` (global shape, offsets) and its all-reduces
-are on that group, and the expert block gathers its input tokens over the group and scatters its output back (as
-megatron's ``gather_from_sequence_parallel_region`` / ``scatter_to_sequence_parallel_region``), as megatron's MoE token dispatcher brings the tokens of
-the expert-TP group's data-parallel replicas to their experts.
+are on that group; and the expert block gathers its input tokens over the group and scatters its
+output back (``_expert_tokens``), as megatron's MoE token dispatcher brings the tokens of the
+expert-TP group's data-parallel replicas to their experts.
 
 Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them:
 parallel state with ``context_parallel_size`` / ``virtual_pipeline_model_parallel_size``, inputs of
@@ -366,17 +366,17 @@ class SimLayer(torch.nn.Module):
             "linear_fc2": LoraLinear(mcfg, config, f"{prefix}.mlp.experts.linear_fc2", "row", **expert),
         }
         self.mlp = torch.nn.ModuleDict({"experts": torch.nn.ModuleDict(experts)})
-        self.config_ = config
+        self.sim_config = config
 
     def forward(self, x):
         x = _up_down(x, self.linear_qkv, self.linear_proj)
         if isinstance(self.mlp, SimMoE):
             return self.mlp(x)
         experts = self.mlp["experts"]
-        if not self.config_.expert_tp_differs:  # the default: unchanged
+        if not self.sim_config.expert_tp_differs:  # the default: unchanged
             return _up_down(x, experts["linear_fc1"], experts["linear_fc2"])
         fc1, fc2 = experts["linear_fc1"], experts["linear_fc2"]
-        return _expert_tokens(self.config_, x, lambda t: fc2(torch.nn.functional.gelu(fc1(t))))
+        return _expert_tokens(self.sim_config, x, lambda t: fc2(torch.nn.functional.gelu(fc1(t))))
 
 
 class SimMoE(torch.nn.Module):
@@ -403,11 +403,11 @@ class SimMoE(torch.nn.Module):
             )
         self.experts = torch.nn.Module()
         self.experts.local_experts = torch.nn.ModuleList(experts)
-        self.config_ = config
+        self.sim_config = config
 
     def forward(self, x):
-        if self.config_.expert_tp_differs:
-            return _expert_tokens(self.config_, x, lambda t: self._experts(t, torch.zeros_like(t)))
+        if self.sim_config.expert_tp_differs:
+            return _expert_tokens(self.sim_config, x, lambda t: self._experts(t, torch.zeros_like(t)))
         return self._experts(x, x)
 
     def _experts(self, x, out):
