@@ -1,4 +1,4 @@
-"""Resharding on resume (format v3): a generation saved at one TP / EP / PP / VPP / CP layout loads at another.
+"""Resharding on resume (format v3): a generation saved at one TP / EP / ETP / PP / VPP / CP layout loads at another.
 
 One spawned W=2 job runs every case (`jobs/reshard_jobs.py`): at the load, every global tensor
 (adapter weights, fp32 masters, every moment, per-parameter steps, param groups) must be
@@ -41,6 +41,11 @@ CASES = {  # name: (saved layout, loaded layout)
     "cp1 -> cp2 (bf16)": (cfg(), cfg(cp=2)),
     # experts numbered globally (megatron's local_expert_indices): 2 experts, one per EP rank -> both on each rank
     "ep2 -> ep1 (bf16, mixed adapters)": (cfg(ep=2, num_experts=2), cfg(num_experts=2)),
+    # expert-TP 2 -> 1 at TP 1 (megatron's expert_tensor_parallel_size): the expert linears and their
+    # adapters split over the expert-TP group at the save, whole at the load
+    "etp2 -> etp1 (bf16, mixed adapters)": (cfg(etp=2), cfg()),
+    "etp2 -> etp1 (fp32, numbered experts)": (cfg("fp32", etp=2, num_experts=2), cfg("fp32", num_experts=2)),
+    "etp1 -> etp2 (bf16, mixed adapters)": (cfg(), cfg(etp=2)),
     # Float16OptimizerWithFloat16Params children (no distributed optimizer): whole parameters
     "tp2 -> tp1 (bf16, Float16 children)": (cfg(tp=2, distributed=False), cfg(distributed=False)),
     # a LayerWiseDistributedOptimizer: whole parameters, one DP owner each (DP 1 -> 2 here)
@@ -192,6 +197,68 @@ def test_a_resharding_load_reads_each_file_once(resharded):
             assert case["max_block_checks"] <= 1, (name, case["max_block_checks"])
             partial += len(case["range_reads"])
     assert partial > 0  # the DistributedOptimizer cases did read in part
+
+
+ETP = {  # name: (saved expert-TP size, loaded expert-TP size), both at TP 1
+    "etp2 -> etp1 (bf16, mixed adapters)": (2, 1),
+    "etp2 -> etp1 (fp32, numbered experts)": (2, 1),
+    "etp1 -> etp2 (bf16, mixed adapters)": (1, 2),
+}
+
+
+def _check_expert_blocks(layout: dict, rank: int, etp: int, ffn: int) -> None:
+    """megatron's split of the expert adapters over the expert-TP group of size `etp`, as
+    `param_blocks` describes it on `rank`: a column-parallel linear's `lora_B` on axis 0, a
+    row-parallel linear's `lora_A` on axis 1, the other factor whole on every expert-TP rank."""
+    assert layout["tp"] == 1 and layout["etp"] == [rank if etp > 1 else 0, etp], layout
+    kinds = {"fc1.lora_A": 0, "fc1.lora_B": 0, "fc2.lora_A": 0, "fc2.lora_B": 0}
+    part, first = ffn // etp, (rank if etp > 1 else 0) * ffn // etp
+    for param, (global_shape, offset, shape) in layout["blocks"].items():
+        kind = next(k for k in kinds if f"linear_{k}.weight" in param)
+        kinds[kind] += 1
+        if kind == "fc1.lora_B":
+            assert global_shape[0] == ffn and shape[0] == part and offset == [first, 0], param
+        elif kind == "fc2.lora_A":
+            assert global_shape[1] == ffn and shape[1] == part and offset == [0, first], param
+        else:
+            assert shape == global_shape and offset == [0, 0], param
+    assert all(kinds.values()), kinds
+
+
+@pytest.mark.parametrize("name", sorted(ETP))
+def test_expert_tp_other_than_tp_is_recorded_on_the_expert_tp_group(resharded, name):
+    """The ETP 2 side ran at TP 1 with megatron's expert-TP group of 2 (`initialize_model_parallel(...,
+    expert_tensor_parallel_size=2)`), and its global blocks split the expert adapters over that
+    group as megatron does (`_check_expert_blocks`); the manifest records them per expert-TP rank."""
+    ffn = SimConfig().ffn_hidden
+    saved_etp, loaded_etp = ETP[name]
+    # the same DP size and data at both layouts: an ETP 2 run trains as the ETP 1 run does (its
+    # expert block gathers the expert-TP group's tokens), so the further steps differ by reduction
+    # order only
+    assert resharded[0]["cases"][name]["loss_max_rel_diff"] < 1e-2, resharded[0]["cases"][name]["losses"]
+    for rank, r in enumerate(resharded):
+        saved, loaded = r["cases"][name]["expert_layout"]
+        _check_expert_blocks(saved, rank, saved_etp, ffn)
+        _check_expert_blocks(loaded, rank, loaded_etp, ffn)
+    # the manifest records each expert-TP rank's blocks under its coordinate (`..._etp000`, `..._etp001`)
+    params = _manifest(resharded[0]["cases"][name]["root"])["metadata"]["global_layout"]["params"]
+    expert_coordinates = sorted(c for c in params if c.startswith("tp000_pp000_ep000_etp"))
+    assert expert_coordinates == [f"tp000_pp000_ep000_etp{r:03d}" for r in range(saved_etp)], sorted(params)
+    for rank, coordinate in enumerate(expert_coordinates):
+        for block in params[coordinate].values():
+            if "linear_fc1.lora_B" in block["global"]:
+                assert block["offset"] == [rank * ffn // saved_etp, 0] and block["shape"][0] == ffn // saved_etp, block
+            if "linear_fc2.lora_A" in block["global"]:
+                assert block["offset"] == [0, rank * ffn // saved_etp] and block["shape"][1] == ffn // saved_etp, block
+
+
+def _manifest(root: str) -> dict:
+    import json
+
+    from miles_lora_ckpt.core.layout import MANIFEST
+    from miles_lora_ckpt.core.verify import resolve
+
+    return json.loads((resolve(Path(root)).generation.path / MANIFEST).read_text())
 
 
 @pytest.mark.parametrize("name", sorted(SLOTS))

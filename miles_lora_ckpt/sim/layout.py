@@ -1,13 +1,17 @@
 """Which parallel layouts the CPU harness runs, checked without importing torch or megatron.
 
 The demo's parent process (which never imports megatron) and ``SimConfig`` use the same check, so
-an invalid combination of ``--tp/--pp/--ep/--cp/--vpp/--world-size`` is refused with one clear
+an invalid combination of ``--tp/--pp/--ep/--etp/--cp/--vpp/--world-size`` is refused with one clear
 sentence before any worker starts.
 
 Megatron's rules, as the harness applies them:
 
-* ``world = tp * cp * dp * pp`` (dense mesh, order tp-cp-ep-dp-pp) and ``world = tp * ep * edp * pp``
-  (expert mesh: expert tensor parallel = tp, context parallel folded into the expert DP ``edp``).
+* ``world = tp * cp * dp * pp`` (dense mesh, order tp-cp-ep-dp-pp) and ``world = etp * ep * edp * pp``
+  (expert mesh, order etp-ep-dp-pp: expert tensor parallel ``etp``, by default megatron's
+  ``expert_tensor_parallel_size = tp``; context parallel folded into the expert DP ``edp``).
+* An expert-TP other than TP (``etp != tp``) needs ``tp == 1`` and ``cp == 1``: the expert-TP group
+  then spans data-parallel replicas, each with its own tokens, which the expert block gathers over
+  that group and scatters back (what megatron's MoE token dispatcher does; ``sim.model``).
 * Virtual pipelines interleave chunks across pipeline stages (megatron's ``get_model`` builds chunks
   only when ``pp > 1``); each of the ``pp * vpp`` chunks holds ``num_layers / (pp * vpp)`` layers.
 * Context parallelism splits the sequence into ``2 * cp`` pieces; CP rank r takes pieces r and
@@ -28,17 +32,29 @@ def check_layout(
     vpp: int = 1,
     num_layers: int = 2,
     seq_length: int = 4,
+    etp: int | None = None,
 ) -> None:
-    """Raise ValueError naming the first rule a layout breaks; return None when the harness runs it."""
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("vpp", vpp)):
+    """Raise ValueError naming the first rule a layout breaks; return None when the harness runs it.
+
+    ``etp`` is the expert-tensor-parallel size; None means ``tp`` (megatron's default)."""
+    etp = tp if etp is None else etp
+    axes = (("world_size", world_size), ("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp), ("vpp", vpp))
+    for name, value in axes:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if tp not in SUPPORTED_TP:
         raise ValueError(f"tp must be 1 or 2 (what the CPU harness runs), got tp={tp}")
     if world_size % (tp * cp * pp):
         raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
-    if (world_size // pp) % (tp * ep):
-        raise ValueError(f"world size / pp = {world_size // pp} is not divisible by tp*ep = {tp}*{ep} (expert mesh)")
+    if etp not in SUPPORTED_TP:
+        raise ValueError(f"etp must be 1 or 2 (what the CPU harness runs), got etp={etp}")
+    if etp != tp and (tp != 1 or cp != 1):
+        raise ValueError(
+            f"etp={etp} differs from tp={tp}: the harness runs an expert-TP other than TP with tp=1 and cp=1 "
+            f"only (its expert-TP group then spans data-parallel replicas), got tp={tp}, cp={cp}"
+        )
+    if (world_size // pp) % (etp * ep):
+        raise ValueError(f"world size / pp = {world_size // pp} is not divisible by etp*ep = {etp}*{ep} (expert mesh)")
     if vpp > 1 and pp < 2:
         raise ValueError(f"vpp={vpp} needs pp >= 2: megatron interleaves model chunks across pipeline stages")
     if num_layers % (pp * vpp):

@@ -15,6 +15,16 @@ In a column-parallel linear the ``lora_A`` factor is replicated and ``lora_B`` i
 base output; in a row-parallel linear ``lora_A`` is split with the base input and ``lora_B`` is
 replicated (the usual Megatron LoRA layout).
 
+The expert linears (and their adapters) split over megatron's expert-tensor-parallel group, as
+megatron's experts do: by default it is the TP group (``expert_tensor_parallel_size = tp``) and the
+expert block runs exactly like the dense one. With ``etp != tp`` (``tp == 1``: ``sim.layout``) the
+model is built with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``; every expert
+linear takes the expert-TP group (``parallel_state.get_expert_tensor_parallel_group``) as its
+``tp_group``, so its split, its ``sharded_state_dict`` (global shape, offsets) and its all-reduces
+are on that group; and the expert block gathers its input tokens over the group and scatters its
+output back (``_expert_tokens``), as megatron's MoE token dispatcher brings the tokens of the
+expert-TP group's data-parallel replicas to their experts.
+
 Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them:
 parallel state with ``context_parallel_size`` / ``virtual_pipeline_model_parallel_size``, inputs of
 shape [sequence, batch, hidden] of which each CP rank trains on its own part (``sim.layout.cp_positions``),
@@ -65,6 +75,8 @@ class SimConfig(DictConfig):
     world_size: int = 2
     tp: int = 1
     ep: int = 1  # expert-parallel size: each EP rank holds its own experts (and expert adapters)
+    # expert-tensor-parallel size: the expert linears split over this group; None: tp (megatron's default)
+    etp: int | None = None
     pp: int = 1  # pipeline stages: each holds num_layers/pp layers and trains on a local loss
     cp: int = 1  # context-parallel size: each CP rank trains on its part of every sequence
     vpp: int = 1  # virtual pipeline: model chunks per stage (needs pp >= 2), each with its own DDP
@@ -99,7 +111,9 @@ class SimConfig(DictConfig):
     clip_grad: float = 1.0
 
     def __post_init__(self):
-        check_layout(self.world_size, self.tp, self.pp, self.ep, self.cp, self.vpp, self.num_layers, self.seq_length)
+        check_layout(
+            self.world_size, self.tp, self.pp, self.ep, self.cp, self.vpp, self.num_layers, self.seq_length, self.etp
+        )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.adapters not in ADAPTER_KINDS:
@@ -119,6 +133,16 @@ class SimConfig(DictConfig):
     def dp(self) -> int:
         """Data-parallel size (without context parallelism; the optimizer shards over dp * cp)."""
         return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert-tensor-parallel size megatron is initialised with (``etp``, or ``tp`` when unset)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_tp_differs(self) -> bool:
+        """Whether the expert linears split over their own expert-TP group (``etp != tp``)."""
+        return self.expert_tp != self.tp
 
     @property
     def uses_layer_wise(self) -> bool:
@@ -161,7 +185,9 @@ def seeded_init(seed: int, name: str, std: float):
 
 def transformer_config(config: SimConfig) -> TransformerConfig:
     """The megatron config that the layers, Float16Module and DDP read."""
+    extra = {"expert_tensor_parallel_size": config.expert_tp} if config.expert_tp_differs else {}
     return TransformerConfig(
+        **extra,
         num_layers=config.num_layers,
         hidden_size=config.hidden,
         ffn_hidden_size=config.ffn_hidden,
@@ -194,7 +220,11 @@ class LoraLinear(torch.nn.Module):
         self.scale = config.lora_alpha / config.lora_rank
         if expert and config.ep > 1 and not config.num_experts:  # distinct experts on each expert-parallel rank
             name = f"{name}@ep{parallel_state.get_expert_model_parallel_rank()}"
-        self.base_layer = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.base_layer")
+        # the expert-TP group when it is not the TP group; None: megatron's TP group
+        self.tp_group = (
+            parallel_state.get_expert_tensor_parallel_group() if expert and config.expert_tp_differs else None
+        )
+        self.base_layer = _megatron_linear(mcfg, parallel, *sizes, config.seed, f"{name}.base_layer", self.tp_group)
         self.base_layer.weight.requires_grad_(False)
         self.lora_A = self.lora_B = None
         self.adapter_enabled = True  # False: forward through the base only (another slot is training)
@@ -208,9 +238,11 @@ class LoraLinear(torch.nn.Module):
         rank, seed, bias = config.lora_rank, config.seed, config.adapter_bias
         if self.parallel == "column":  # A replicated, B split like the base output
             self.lora_A = _replicated_linear(in_size, rank, seed, f"{name}.lora_A")
-            self.lora_B = _megatron_linear(mcfg, "column", rank, out_size, seed, f"{name}.lora_B", bias=bias)
+            self.lora_B = _megatron_linear(
+                mcfg, "column", rank, out_size, seed, f"{name}.lora_B", self.tp_group, bias=bias
+            )
         else:  # A split like the base input, B replicated
-            self.lora_A = _megatron_linear(mcfg, "row", in_size, rank, seed, f"{name}.lora_A")
+            self.lora_A = _megatron_linear(mcfg, "row", in_size, rank, seed, f"{name}.lora_A", self.tp_group)
             self.lora_B = _replicated_linear(rank, out_size, seed, f"{name}.lora_B", bias=bias)
 
     def forward(self, x):
@@ -230,13 +262,17 @@ def _init_std(name: str, in_size: int) -> float:
     return (0.1 if ".lora_B" in name else 0.5 if ".base_layer" in name else 1.0) / math.sqrt(in_size)
 
 
-def _megatron_linear(mcfg, parallel, in_size, out_size, seed, name, bias=False):
+def _megatron_linear(mcfg, parallel, in_size, out_size, seed, name, tp_group=None, bias=False):
     init = seeded_init(seed, f"{name}.weight", std=_init_std(name, in_size))
     # is_expert stays False: megatron's expert layers leave TP communication to a MoE token
     # dispatcher (explicit_expert_comm), which this model does not have. The expert adapters are
     # expert-parallel for DDP and the optimizer through ``param.allreduce = False`` alone.
     # A bias starts at zero (megatron's default); it is only ever an adapter's (lora_B) bias.
+    # `tp_group`: the expert-TP group of an expert linear when etp != tp (split, all-reduces and
+    # sharded_state_dict on it); None keeps megatron's TP group.
     common = dict(config=mcfg, init_method=init, bias=bias)
+    if tp_group is not None:
+        common["tp_group"] = tp_group
     if parallel == "column":
         return tensor_parallel.ColumnParallelLinear(in_size, out_size, gather_output=False, **common)
     return tensor_parallel.RowParallelLinear(in_size, out_size, input_is_parallel=True, skip_bias_add=False, **common)
@@ -253,6 +289,61 @@ def _replicated_linear(in_size, out_size, seed, name, bias=False):
 
 def _up_down(x, up, down):
     return x + down(torch.nn.functional.gelu(up(x)))
+
+
+def _expert_tokens(config: SimConfig, x, block):
+    """``x + block(x)`` for an expert block. With ``etp != tp`` the expert-TP group's ranks are
+    data-parallel replicas holding their own tokens: the tokens of the whole group are gathered
+    (sequence axis, rank order), the block (split over the group, its row-parallel linears
+    all-reducing on it) runs on all of them, and each rank keeps its own tokens' output. Backward:
+    the scatter all-gathers the output grads (each expert shard learns from every token of the
+    group), the gather keeps this rank's part of the input grad (already all-reduced over the group
+    by the column-parallel linears)."""
+    if not config.expert_tp_differs:
+        return x + block(x)
+    group = parallel_state.get_expert_tensor_parallel_group()
+    tokens = _GatherTokens.apply(x, group)
+    return x + _ScatterTokens.apply(block(tokens), group)
+
+
+def _all_gather_tokens(tensor: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _own_tokens(tensor: torch.Tensor, group) -> torch.Tensor:
+    return tensor.chunk(torch.distributed.get_world_size(group), dim=0)[torch.distributed.get_rank(group)].clone()
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: every rank's tokens of ``group``, concatenated in rank order on the sequence axis;
+    backward: this rank's part of the grad (megatron's ``gather_from_sequence_parallel_region`` with
+    ``tensor_parallel_output_grad=False``; ours because megatron's allocates on ``cuda`` inside
+    backward, where the harness's CPU device mode does not reach)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _all_gather_tokens(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_tokens(grad, ctx.group), None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Forward: this rank's tokens; backward: the grads of every rank's tokens, concatenated (megatron's
+    ``scatter_to_sequence_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _own_tokens(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_tokens(grad, ctx.group), None
 
 
 class SimLayer(torch.nn.Module):
@@ -275,13 +366,17 @@ class SimLayer(torch.nn.Module):
             "linear_fc2": LoraLinear(mcfg, config, f"{prefix}.mlp.experts.linear_fc2", "row", **expert),
         }
         self.mlp = torch.nn.ModuleDict({"experts": torch.nn.ModuleDict(experts)})
+        self.sim_config = config
 
     def forward(self, x):
         x = _up_down(x, self.linear_qkv, self.linear_proj)
         if isinstance(self.mlp, SimMoE):
             return self.mlp(x)
         experts = self.mlp["experts"]
-        return _up_down(x, experts["linear_fc1"], experts["linear_fc2"])
+        if not self.sim_config.expert_tp_differs:  # the default: unchanged
+            return _up_down(x, experts["linear_fc1"], experts["linear_fc2"])
+        fc1, fc2 = experts["linear_fc1"], experts["linear_fc2"]
+        return _expert_tokens(self.sim_config, x, lambda t: fc2(torch.nn.functional.gelu(fc1(t))))
 
 
 class SimMoE(torch.nn.Module):
@@ -308,9 +403,14 @@ class SimMoE(torch.nn.Module):
             )
         self.experts = torch.nn.Module()
         self.experts.local_experts = torch.nn.ModuleList(experts)
+        self.sim_config = config
 
     def forward(self, x):
-        out = x
+        if self.sim_config.expert_tp_differs:
+            return _expert_tokens(self.sim_config, x, lambda t: self._experts(t, torch.zeros_like(t)))
+        return self._experts(x, x)
+
+    def _experts(self, x, out):
         for expert in self.experts.local_experts:
             out = out + expert["linear_fc2"](torch.nn.functional.gelu(expert["linear_fc1"](x)))
         return out

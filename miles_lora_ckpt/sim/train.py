@@ -190,6 +190,7 @@ def destroy_model_parallel() -> None:
 def _ensure_model_parallel(config: SimConfig) -> None:
     if dist.get_world_size() != config.world_size:
         raise ValueError(f"config.world_size={config.world_size}, job world size {dist.get_world_size()}")
+    etp = getattr(config, "etp", None) or config.tp  # the Qwen2 and multi-LoRA models: megatron's default
     if parallel_state.model_parallel_is_initialized():
         current = (
             parallel_state.get_tensor_model_parallel_world_size(),
@@ -197,8 +198,9 @@ def _ensure_model_parallel(config: SimConfig) -> None:
             parallel_state.get_expert_model_parallel_world_size(),
             parallel_state.get_context_parallel_world_size(),
             parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if current == (config.tp, config.pp, config.ep, config.cp, config.vpp):
+        if current == (config.tp, config.pp, config.ep, config.cp, config.vpp, etp):
             return
     destroy_model_parallel()
     init_model_parallel(
@@ -207,6 +209,8 @@ def _ensure_model_parallel(config: SimConfig) -> None:
         virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
         context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep,
+        # megatron's own expert-TP group (None: the TP size, its default); the expert linears split over it
+        expert_tensor_parallel_size=etp,
     )
 
 

@@ -17,14 +17,17 @@ build the optimizer, the demo says why and exits 2.
                train to --steps and compare every tensor with DIR/reference.json
     all        reference, train with a crash in the middle of a save, resume (the default)
 
-Parallel layout: --tp, --pp, --ep, --cp and --vpp compose with --world-size as in megatron
-(world = tp * cp * dp * pp; the optimizer shards over dp * cp). --vpp needs --pp >= 2 and gives
+Parallel layout: --tp, --pp, --ep, --etp, --cp and --vpp compose with --world-size as in megatron
+(world = tp * cp * dp * pp; the optimizer shards over dp * cp). --etp is megatron's expert tensor
+parallel size (its default: --tp); another value than --tp needs --tp 1 and --cp 1, and the expert
+linears then split over megatron's expert-TP group. --vpp needs --pp >= 2 and gives
 every rank --vpp model chunks; the model gets the fewest layers (at least 2) that give each of the
 pp * vpp chunks the same number. Examples:
 
     miles-lora-ckpt demo --cp 2 --world-size 4           context parallel 2, data parallel 2
     miles-lora-ckpt demo --vpp 2 --pp 2 --world-size 2   two pipeline stages, two chunks each
     miles-lora-ckpt demo --tp 2 --ep 2 --world-size 4    tensor and expert parallel
+    miles-lora-ckpt demo --etp 2 --world-size 2          experts split over expert-TP 2, dense TP 1
 
 With --resume-tp/--resume-pp/--resume-ep/--resume-etp/--resume-vpp/--resume-world-size the resume
 runs at another layout: the checkpoint is resharded at the load, every global tensor (adapter, fp32
@@ -34,6 +37,7 @@ masters, every moment, steps) is compared with the uninterrupted run's at that s
 
     miles-lora-ckpt demo --tp 2 --resume-tp 1
     miles-lora-ckpt demo --pp 2 --vpp 2 --resume-pp 1 --resume-vpp 1
+    miles-lora-ckpt demo --etp 2 --resume-etp 1
 
 With --via miles the same three phases run a Miles launch command with the plugin's init hook
 through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`); with --resume-tp and/or
@@ -87,6 +91,14 @@ def add_parser(subparsers) -> None:
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages, each on a local loss (default 1)")
     layout.add_argument(
         "--ep", type=int, default=1, help="expert-parallel size: each EP rank its own experts (default 1)"
+    )
+    layout.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert-tensor-parallel size: 1 or 2 (default: --tp, megatron's default); another value than --tp "
+        "needs --tp 1 and --cp 1 (the harness model only: not with --via miles, --slots or --export-peft)",
     )
     layout.add_argument(
         "--cp",
@@ -202,6 +214,9 @@ def run_demo(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.etp is not None and (args.via == "miles" or args.slots is not None or args.export_peft):
+        print("ERROR --etp runs the harness demo's model: drop --via miles/--slots/--export-peft", file=sys.stderr)
+        return 2
     resharding = demo_reshard.requested(args)
     if resharding and (problem := demo_reshard.check_args(args)):
         print(f"ERROR {problem}", file=sys.stderr)
@@ -250,15 +265,17 @@ def run_demo(args) -> int:
     }
     if args.slots is not None:
         config["distributed"] = False
+    if args.etp is not None:
+        config["etp"] = args.etp  # absent: megatron's default (the TP size)
     try:
-        check_layout(**{k: config[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
+        check_layout(**_layout_of(config))
     except ValueError as exc:
         print(f"ERROR invalid layout: {exc}", file=sys.stderr)
         return 2
     if resharding:
         try:
             resume = demo_reshard.resume_config(args, config)
-            check_layout(**{k: resume[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")})
+            check_layout(**_layout_of(resume))
         except ValueError as exc:
             print(f"ERROR invalid resume layout: {exc}", file=sys.stderr)
             return 2
@@ -311,9 +328,18 @@ def run_demo(args) -> int:
 
 
 def describe_layout(config: dict) -> str:
-    """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived."""
+    """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived; the expert
+    tensor parallel size after `ep` (`ep1 etp2`) only where it is not the TP size."""
     dp = config["world_size"] // (config["tp"] * config["cp"] * config["pp"])
-    return " ".join(f"{axis}{config[axis]}" for axis in ("tp", "pp", "vpp", "ep", "cp")) + f" dp{dp}"
+    etp = config.get("etp") or config["tp"]
+    axes = ("tp", "pp", "vpp", "ep", *(("etp",) if etp != config["tp"] else ()), "cp")
+    return " ".join(f"{axis}{config[axis]}" for axis in axes) + f" dp{dp}"
+
+
+def _layout_of(config: dict) -> dict:
+    """The `check_layout` arguments of a demo config."""
+    layout = {k: config[k] for k in ("world_size", "tp", "pp", "ep", "cp", "vpp", "num_layers")}
+    return {**layout, "etp": config.get("etp")}
 
 
 def _peft_setup(workdir: Path, config: dict) -> None:

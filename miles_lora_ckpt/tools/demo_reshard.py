@@ -42,8 +42,8 @@ def add_arguments(demo) -> None:
         "tp": "tensor-parallel size of the resume (1 or 2)",
         "pp": "pipeline stages of the resume",
         "ep": "expert-parallel size of the resume",
-        "etp": "expert-tensor-parallel size of the resume: the harness ties it to the TP size, so it must "
-        "equal the resume's TP",
+        "etp": "expert-tensor-parallel size of the resume: 1 or 2 (default: the demo's --etp, else the resume's "
+        "TP); another value than the resume's TP needs a resume at TP 1 and CP 1",
         "vpp": "virtual-pipeline chunks per stage of the resume (needs --resume-pp >= 2)",
         "world_size": "worker processes of the resume (data parallel follows)",
     }
@@ -81,16 +81,13 @@ def resume_config(args, config: dict) -> dict:
     """The resume's run config (the demo's `config` with the `--resume-*` axes), after giving both the
     same model (layer count, globally numbered experts). Raises ValueError naming a layout rule."""
     resume = dict(config)
-    for axis in ("tp", "pp", "ep", "vpp", "world_size"):
+    for axis in AXES:
         value = getattr(args, f"resume_{axis}")
         if value is not None:
             resume[axis] = value
-    etp = args.resume_etp
-    if etp is not None and etp != resume["tp"]:
-        raise ValueError(
-            f"--resume-etp {etp} differs from the resume's TP {resume['tp']}: the CPU harness ties expert "
-            "tensor parallelism to TP (megatron's default expert_tensor_parallel_size)"
-        )
+    for c in (config, resume):  # an expert-TP equal to the TP size is megatron's default: dropped
+        if c.get("etp") in (None, c["tp"]):
+            c.pop("etp", None)
     chunks = math.lcm(config["pp"] * config["vpp"], resume["pp"] * resume["vpp"])
     layers = -(-2 // chunks) * chunks
     experts = math.lcm(config["ep"], resume["ep"]) if max(config["ep"], resume["ep"]) > 1 else 0

@@ -285,6 +285,28 @@ def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def expert_layout(run) -> dict:
+    """This rank's expert-TP coordinate from megatron's parallel state and the block `param_blocks`
+    records for each expert adapter weight (`{global name: [global shape, offset, shape]}`), as the
+    manifest gets them: with an expert-TP other than TP, the split follows the expert-TP group."""
+    from megatron.core import parallel_state
+
+    from miles_lora_ckpt.megatron import param_blocks
+
+    blocks = {}
+    for block in param_blocks.describe(run.model).values():
+        if block is not None and ".mlp.experts." in block["global"]:
+            blocks[block["global"]] = [block["global_shape"], block["offset"], block["shape"]]
+    return {
+        "etp": [
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        ],
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "blocks": blocks,
+    }
+
+
 def reshard_job(payload: dict, ctx) -> dict:
     """`payload["cases"]`: `[{"name", "save", "load", "root", "steps"}]` (configs as dicts): train
     `save` 2 steps, record its global view, save, train on `steps` more; build `load`, load the
@@ -298,6 +320,7 @@ def reshard_job(payload: dict, ctx) -> dict:
         run_steps(before, 0, 2)
         saved_view = global_view(before, consensus)
         saved_halves = gated_fc1_halves(before)
+        saved_experts = expert_layout(before)
         roots[case["name"]] = case["root"]
         save(before, case["root"], 2, consensus, Args())
         probe_saved = probe_loss(before, 2)
@@ -313,6 +336,7 @@ def reshard_job(payload: dict, ctx) -> dict:
         loaded_view = global_view(after, consensus)
         loaded_halves = gated_fc1_halves(after)
         probe_loaded = probe_loss(after, 2)
+        loaded_experts = expert_layout(after)
         resumed = run_steps(after, 2, 2 + case["steps"])
         teardown(after)
         diff = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(continued, resumed, strict=True))
@@ -322,6 +346,8 @@ def reshard_job(payload: dict, ctx) -> dict:
             "problems": saved_view["problems"] + loaded_view["problems"],
             "gated_fc1": sorted(saved_halves),
             "gated_fc1_difference": _first_difference(saved_halves, loaded_halves),
+            "expert_layout": [saved_experts, loaded_experts],
+            "root": case["root"],
             "loss_max_rel_diff": diff,
             "probe": [probe_saved, probe_loaded],
             "losses": [continued, resumed],
