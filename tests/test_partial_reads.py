@@ -158,6 +158,43 @@ def test_slice_bounds_of_the_plan_tile_every_bucket():
     ]
 
 
+def test_only_a_same_layout_load_defers_its_reads():
+    """`maps_one_to_one` decides a DistributedOptimizer load's memory: a rank whose every bucket
+    shard is one whole saved slice (same DP size, same layout) verifies at open and reads again at
+    install (one bucket's key in memory); a rank that assembles its shard from other slices keeps
+    what it read at open (each block read once)."""
+    padded, unpadded = {"buf0": [12, 8]}, CURRENT
+    for n in (2, 4):
+        pieces = dopt.saved_pieces(
+            3, _plan([dopt.slice_bounds(padded, unpadded, r, n)["buf0"] for r in range(n)]), "k", CURRENT
+        )
+        for r in range(n):
+            desc = {"dp_rank": r, "dp_size": n, "numel_padded": padded, "numel_unpadded": unpadded}
+            assert dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc), (n, r)
+    # saved at DP=4, loaded at DP=2: rank 1's bucket 0 comes from two slices
+    pieces = dopt.saved_pieces(
+        3, _plan([dopt.slice_bounds(padded, unpadded, r, 4)["buf0"] for r in range(4)]), "k", CURRENT
+    )
+    for r in range(2):
+        desc = {"dp_rank": r, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
+        assert not dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc), r
+    # saved at DP=2, loaded at DP=4: every shard is part of a saved slice, not the whole of one
+    pieces = dopt.saved_pieces(
+        3, _plan([dopt.slice_bounds(padded, unpadded, r, 2)["buf0"] for r in range(2)]), "k", CURRENT
+    )
+    desc = {"dp_rank": 0, "dp_size": 4, "numel_padded": padded, "numel_unpadded": unpadded}
+    assert not dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc)
+    # a shard with nothing saved for it is not a same-layout load either
+    desc = {"dp_rank": 0, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
+    reads = dopt.reads_for(
+        dopt.saved_pieces(
+            3, _plan([dopt.slice_bounds(padded, unpadded, r, 2)["buf0"] for r in range(2)]), "k", CURRENT
+        ),
+        desc,
+    )
+    assert not dopt.maps_one_to_one(reads[:1], desc)
+
+
 @pytest.mark.parametrize(
     "bounds, words",
     [
@@ -228,6 +265,15 @@ def test_partial_reads_across_ranks_verify_every_byte_somewhere(tmp_path):
         "flip read by rank 1 only": {"flip": in_rank1_block, "ranges": ranges},
         "flip read by nobody": {"flip": nobody, "ranges": ranges},
         "flip read by nobody, rank 1 asks nothing": {"flip": nobody, "ranges": [ranges[0], []]},
+        # keep=False: verified at open, not kept, read and verified again when asked for
+        "deferred intact": {"flip": None, "ranges": ranges, "keep": False},
+        "deferred, flipped after open": {
+            "flip": None,
+            "ranges": ranges,
+            "keep": False,
+            "flip_after_open": in_rank1_block,
+        },
+        "kept, flipped after open": {"flip": None, "ranges": ranges, "flip_after_open": in_rank1_block},
     }
     results = check_all(
         run_workers(
@@ -239,7 +285,21 @@ def test_partial_reads_across_ranks_verify_every_byte_somewhere(tmp_path):
         )
     )
     for r in results:
-        assert r["cases"]["intact"] == {"error": None, "exact": True, "got": 1}
+        assert r["cases"]["intact"] == {"error": None, "exact": True, "got": 1, "kept": True, "late_error": None}
+        assert r["cases"]["deferred intact"] == {
+            "error": None,
+            "exact": True,
+            "got": 1,
+            "kept": False,
+            "late_error": None,
+        }
+        # kept ranges are the bytes verified at open: a later change of the file cannot reach them
+        assert r["cases"]["kept, flipped after open"]["exact"] is True
+    # deferred ranges are verified again when read: the change is caught where it is read (rank 1)
+    late = [r["cases"]["deferred, flipped after open"] for r in results]
+    assert late[0]["late_error"] is None and late[0]["exact"] is True, late[0]
+    block = cases["deferred, flipped after open"]["flip_after_open"] // BLOCK
+    assert f"block {block} " in late[1]["late_error"] and "digest mismatch" in late[1]["late_error"], late[1]
     for name in ("flip read by rank 1 only", "flip read by nobody", "flip read by nobody, rank 1 asks nothing"):
         errors = [r["cases"][name]["error"] for r in results]
         assert errors[0] and errors[0] == errors[1], (name, errors)  # the same error on every rank
