@@ -82,6 +82,38 @@ def test_nan_in_a_read_range_is_refused(tmp_path):
         storage.check_blocks(path, record, storage.blocks_needed(record.blocks, [("a", 150, 151)]))
 
 
+def test_short_ranges_in_the_same_blocks_are_read_into_one_buffer(tmp_path):
+    """`verify.merge_within_blocks`: ranges of one tensor whose in-between elements lie in blocks
+    read anyway become one span (one buffer, one finiteness check); a gap that would add a block
+    to the read, another tensor, or an empty range are never merged. Each asked range is still
+    exactly its elements (`check_file_ranges`)."""
+    from miles_lora_ckpt.core.verify import merge_within_blocks
+
+    _, record = _write(tmp_path, _tensors())  # a: 300 fp32 (1200 bytes), 64 elements per 256-byte block
+    index = record.blocks
+    a0 = index.tensors["a"][1]
+
+    def block(element):
+        return (a0 + element * 4) // 256
+
+    x = next(e for e in range(300) if block(e) == block(e + 30))  # 30 elements inside one block
+    assert merge_within_blocks(index, [("a", x, x + 5), ("a", x + 20, x + 30)]) == [("a", x, x + 30)]
+    far = next(e for e in range(x, 300) if block(e) == block(x + 5) + 2)  # would add a block between
+    assert merge_within_blocks(index, [("a", x, x + 5), ("a", far, far + 1)]) == [("a", x, x + 5), ("a", far, far + 1)]
+    near = next(e for e in range(x, 300) if block(e) == block(x + 4) + 1)  # the next block: read anyway
+    assert merge_within_blocks(index, [("a", x, x + 5), ("a", near, near + 1)]) == [("a", x, near + 1)]
+    assert merge_within_blocks(index, [("a", 0, 0), ("a", 1, 2)]) == [("a", 0, 0), ("a", 1, 2)]
+    assert len(merge_within_blocks(index, [("a", 290, 300), ("b", 0, 1)])) == 2
+    # the merged spans read the same blocks, and every asked range is cut from them exactly
+    asked = [("a", x, x + 5), ("a", x + 20, x + 30), ("a", near, near + 1), ("a", far, far + 1)]
+    spans = merge_within_blocks(index, asked)
+    assert storage.blocks_needed(index, spans) == storage.blocks_needed(index, asked)
+    got, _ = storage.read_ranges(tmp_path / "t.safetensors", record, spans)
+    for name, first, stop in asked:
+        lo, span = next((lo, t) for (n, lo, hi), t in got.items() if n == name and lo <= first and stop <= hi)
+        assert torch.equal(span[first - lo : stop - lo], _tensors()[name][first:stop])
+
+
 def test_the_writer_pulls_lazy_tensors_one_at_a_time(tmp_path):
     """A file of lazily produced tensors never holds more than one of them: each is produced when
     its bytes are due, and released before the next one is produced."""

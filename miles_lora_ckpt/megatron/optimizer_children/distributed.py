@@ -55,7 +55,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     ReadContext,
     file_binding,
 )
-from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -456,11 +456,18 @@ def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter)
         if source is not None:
             params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
     found = overlaps([(a, b) for a, b, _, _ in params], [(offset, tensor.numel()) for _, offset, tensor in parts])
+    grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master)]
     for i, j, lo, hi in found:
-        start, _, first, source = params[i]
+        start, _, first, _ = params[i]
         file, offset, tensor = parts[j]
+        grouped.setdefault((i, file), []).append((first + lo - start, tensor[lo - offset : hi - offset]))
+    for (i, file), pieces in grouped.items():  # one comparison per parameter and file, not per piece
         where = f"{file} (optimizer child {child.index})"
-        check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
+        if len(pieces) == 1:
+            check_master(params[i][3], pieces[0][1], where, pieces[0][0])
+        else:
+            positions, values = _gathered(pieces)
+            check_master_elements(params[i][3], values, where, positions)
 
 
 # --------------------------------------------------------------------------- the family
