@@ -227,6 +227,31 @@ def test_only_a_same_layout_load_defers_its_reads():
     assert not dopt.maps_one_to_one(reads[:1], desc)
 
 
+def test_the_family_asks_a_same_layout_load_to_read_again_and_a_resharding_one_to_keep():
+    """`DistributedFamily.files_to_read` wires `maps_one_to_one` into the `PartialRead`s: a same-layout
+    load's are `keep=False` (verified at open, read and verified again at install: one bucket's key
+    in memory), a resharding load's (saved at DP=4, loaded at DP=2) `keep=True` (each block once)."""
+    from types import SimpleNamespace
+
+    padded, unpadded = {"buf0": [12, 8]}, CURRENT
+
+    def asked(saved_dp, dp_size, dp_rank):
+        plan = _plan([dopt.slice_bounds(padded, unpadded, r, saved_dp)["buf0"] for r in range(saved_dp)])
+        desc = {"dp_rank": dp_rank, "dp_size": dp_size, "dp_root": 0, "keys": ["exp_avg"]}
+        desc |= {"numel_padded": padded, "numel_unpadded": unpadded}
+        view = SimpleNamespace(rank=dp_rank, ranks=[SimpleNamespace(model_parallel_key="k")] * dp_size)
+        described = [desc if r == dp_rank else None for r in range(dp_size)]
+        return dopt.FAMILY.files_to_read(3, view, described, plan)
+
+    same = asked(2, 2, 1)
+    assert [r.relpath for r in same] == [dopt.slice_file_name(3, "k", 1, 2)] and not same[0].keep
+    assert {name for name, _, _ in same[0].ranges} == {
+        f"buf0.bucket{b}.{k}" for b in (0, 1) for k in ("param", "exp_avg")
+    }
+    resharding = asked(4, 2, 0)
+    assert len(resharding) == 2 and all(r.keep for r in resharding)
+
+
 @pytest.mark.parametrize(
     "bounds, words",
     [
