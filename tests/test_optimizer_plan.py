@@ -161,3 +161,24 @@ def test_overlaps_finds_every_overlap_of_disjoint_spans_with_parts():
         assert sorted(overlaps(spans, parts)) == sorted(every), (spans, parts)
     with pytest.raises(ValueError, match="parameters overlap in a bucket"):
         overlaps([(0, 10), (5, 12)], [(0, 1)])
+
+
+def test_masters_of_many_pieces_are_checked_in_one_comparison_naming_the_element():
+    """`masters.check_master_elements`: a resharding load's pieces of one parameter (scattered
+    element positions) checked together against the adapter, the first differing element named."""
+    import torch
+
+    from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource, check_master_elements
+
+    master = torch.linspace(-1, 1, 24, dtype=torch.float32)
+    source = AdapterSource("p", master.to(torch.bfloat16).reshape(4, 6), "adapter/x.safetensors")
+    positions = torch.tensor([1, 2, 7, 8, 13, 14, 19, 20])  # one column pair of each row
+    check_master_elements(source, master[positions], "opt.safetensors", positions)
+    wrong = master[positions].clone()
+    wrong[5] += 0.5
+    with pytest.raises(
+        ValueError, match=r"p: the adapter in adapter/x.safetensors is not the bfloat16 cast .* \(element 14:"
+    ):
+        check_master_elements(source, wrong, "opt.safetensors", positions)
+    with pytest.raises(ValueError, match="holds master elements up to 24"):
+        check_master_elements(source, master[:2], "opt.safetensors", torch.tensor([0, 24]))

@@ -82,6 +82,38 @@ def test_nan_in_a_read_range_is_refused(tmp_path):
         storage.check_blocks(path, record, storage.blocks_needed(record.blocks, [("a", 150, 151)]))
 
 
+def test_short_ranges_in_the_same_blocks_are_read_into_one_buffer(tmp_path):
+    """`verify.merge_within_blocks`: ranges of one tensor whose in-between elements lie in blocks
+    read anyway become one span (one buffer, one finiteness check); a gap that would add a block
+    to the read, another tensor, or an empty range are never merged. Each asked range is still
+    exactly its elements (`check_file_ranges`)."""
+    from miles_lora_ckpt.core.verify import merge_within_blocks
+
+    _, record = _write(tmp_path, _tensors())  # a: 300 fp32 (1200 bytes), 64 elements per 256-byte block
+    index = record.blocks
+    a0 = index.tensors["a"][1]
+
+    def block(element):
+        return (a0 + element * 4) // 256
+
+    x = next(e for e in range(300) if block(e) == block(e + 30))  # 30 elements inside one block
+    assert merge_within_blocks(index, [("a", x, x + 5), ("a", x + 20, x + 30)]) == [("a", x, x + 30)]
+    far = next(e for e in range(x, 300) if block(e) == block(x + 5) + 2)  # would add a block between
+    assert merge_within_blocks(index, [("a", x, x + 5), ("a", far, far + 1)]) == [("a", x, x + 5), ("a", far, far + 1)]
+    near = next(e for e in range(x, 300) if block(e) == block(x + 4) + 1)  # the next block: read anyway
+    assert merge_within_blocks(index, [("a", x, x + 5), ("a", near, near + 1)]) == [("a", x, near + 1)]
+    assert merge_within_blocks(index, [("a", 0, 0), ("a", 1, 2)]) == [("a", 0, 0), ("a", 1, 2)]
+    assert len(merge_within_blocks(index, [("a", 290, 300), ("b", 0, 1)])) == 2
+    # the merged spans read the same blocks, and every asked range is cut from them exactly
+    asked = [("a", x, x + 5), ("a", x + 20, x + 30), ("a", near, near + 1), ("a", far, far + 1)]
+    spans = merge_within_blocks(index, asked)
+    assert storage.blocks_needed(index, spans) == storage.blocks_needed(index, asked)
+    got, _ = storage.read_ranges(tmp_path / "t.safetensors", record, spans)
+    for name, first, stop in asked:
+        lo, span = next((lo, t) for (n, lo, hi), t in got.items() if n == name and lo <= first and stop <= hi)
+        assert torch.equal(span[first - lo : stop - lo], _tensors()[name][first:stop])
+
+
 def test_the_writer_pulls_lazy_tensors_one_at_a_time(tmp_path):
     """A file of lazily produced tensors never holds more than one of them: each is produced when
     its bytes are due, and released before the next one is produced."""
@@ -158,6 +190,68 @@ def test_slice_bounds_of_the_plan_tile_every_bucket():
     ]
 
 
+def test_only_a_same_layout_load_defers_its_reads():
+    """`maps_one_to_one` decides a DistributedOptimizer load's memory: a rank whose every bucket
+    shard is one whole saved slice (same DP size, same layout) verifies at open and reads again at
+    install (one bucket's key in memory); a rank that assembles its shard from other slices keeps
+    what it read at open (each block read once)."""
+    padded, unpadded = {"buf0": [12, 8]}, CURRENT
+    for n in (2, 4):
+        pieces = dopt.saved_pieces(
+            3, _plan([dopt.slice_bounds(padded, unpadded, r, n)["buf0"] for r in range(n)]), "k", CURRENT
+        )
+        for r in range(n):
+            desc = {"dp_rank": r, "dp_size": n, "numel_padded": padded, "numel_unpadded": unpadded}
+            assert dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc), (n, r)
+    # saved at DP=4, loaded at DP=2: rank 1's bucket 0 comes from two slices
+    pieces = dopt.saved_pieces(
+        3, _plan([dopt.slice_bounds(padded, unpadded, r, 4)["buf0"] for r in range(4)]), "k", CURRENT
+    )
+    for r in range(2):
+        desc = {"dp_rank": r, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
+        assert not dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc), r
+    # saved at DP=2, loaded at DP=4: every shard is part of a saved slice, not the whole of one
+    pieces = dopt.saved_pieces(
+        3, _plan([dopt.slice_bounds(padded, unpadded, r, 2)["buf0"] for r in range(2)]), "k", CURRENT
+    )
+    desc = {"dp_rank": 0, "dp_size": 4, "numel_padded": padded, "numel_unpadded": unpadded}
+    assert not dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc)
+    # a shard with nothing saved for it is not a same-layout load either
+    desc = {"dp_rank": 0, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
+    reads = dopt.reads_for(
+        dopt.saved_pieces(
+            3, _plan([dopt.slice_bounds(padded, unpadded, r, 2)["buf0"] for r in range(2)]), "k", CURRENT
+        ),
+        desc,
+    )
+    assert not dopt.maps_one_to_one(reads[:1], desc)
+
+
+def test_the_family_asks_a_same_layout_load_to_read_again_and_a_resharding_one_to_keep():
+    """`DistributedFamily.files_to_read` wires `maps_one_to_one` into the `PartialRead`s: a same-layout
+    load's are `keep=False` (verified at open, read and verified again at install: one bucket's key
+    in memory), a resharding load's (saved at DP=4, loaded at DP=2) `keep=True` (each block once)."""
+    from types import SimpleNamespace
+
+    padded, unpadded = {"buf0": [12, 8]}, CURRENT
+
+    def asked(saved_dp, dp_size, dp_rank):
+        plan = _plan([dopt.slice_bounds(padded, unpadded, r, saved_dp)["buf0"] for r in range(saved_dp)])
+        desc = {"dp_rank": dp_rank, "dp_size": dp_size, "dp_root": 0, "keys": ["exp_avg"]}
+        desc |= {"numel_padded": padded, "numel_unpadded": unpadded}
+        view = SimpleNamespace(rank=dp_rank, ranks=[SimpleNamespace(model_parallel_key="k")] * dp_size)
+        described = [desc if r == dp_rank else None for r in range(dp_size)]
+        return dopt.FAMILY.files_to_read(3, view, described, plan)
+
+    same = asked(2, 2, 1)
+    assert [r.relpath for r in same] == [dopt.slice_file_name(3, "k", 1, 2)] and not same[0].keep
+    assert {name for name, _, _ in same[0].ranges} == {
+        f"buf0.bucket{b}.{k}" for b in (0, 1) for k in ("param", "exp_avg")
+    }
+    resharding = asked(4, 2, 0)
+    assert len(resharding) == 2 and all(r.keep for r in resharding)
+
+
 @pytest.mark.parametrize(
     "bounds, words",
     [
@@ -228,6 +322,15 @@ def test_partial_reads_across_ranks_verify_every_byte_somewhere(tmp_path):
         "flip read by rank 1 only": {"flip": in_rank1_block, "ranges": ranges},
         "flip read by nobody": {"flip": nobody, "ranges": ranges},
         "flip read by nobody, rank 1 asks nothing": {"flip": nobody, "ranges": [ranges[0], []]},
+        # keep=False: verified at open, not kept, read and verified again when asked for
+        "deferred intact": {"flip": None, "ranges": ranges, "keep": False},
+        "deferred, flipped after open": {
+            "flip": None,
+            "ranges": ranges,
+            "keep": False,
+            "flip_after_open": in_rank1_block,
+        },
+        "kept, flipped after open": {"flip": None, "ranges": ranges, "flip_after_open": in_rank1_block},
     }
     results = check_all(
         run_workers(
@@ -239,7 +342,21 @@ def test_partial_reads_across_ranks_verify_every_byte_somewhere(tmp_path):
         )
     )
     for r in results:
-        assert r["cases"]["intact"] == {"error": None, "exact": True, "got": 1}
+        assert r["cases"]["intact"] == {"error": None, "exact": True, "got": 1, "kept": True, "late_error": None}
+        assert r["cases"]["deferred intact"] == {
+            "error": None,
+            "exact": True,
+            "got": 1,
+            "kept": False,
+            "late_error": None,
+        }
+        # kept ranges are the bytes verified at open: a later change of the file cannot reach them
+        assert r["cases"]["kept, flipped after open"]["exact"] is True
+    # deferred ranges are verified again when read: the change is caught where it is read (rank 1)
+    late = [r["cases"]["deferred, flipped after open"] for r in results]
+    assert late[0]["late_error"] is None and late[0]["exact"] is True, late[0]
+    block = cases["deferred, flipped after open"]["flip_after_open"] // BLOCK
+    assert f"block {block} " in late[1]["late_error"] and "digest mismatch" in late[1]["late_error"], late[1]
     for name in ("flip read by rank 1 only", "flip read by nobody", "flip read by nobody, rank 1 asks nothing"):
         errors = [r["cases"][name]["error"] for r in results]
         assert errors[0] and errors[0] == errors[1], (name, errors)  # the same error on every rank

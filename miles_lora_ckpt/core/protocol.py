@@ -492,6 +492,19 @@ class OpenedGeneration:
         return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
+class DeferredRanges:
+    """Element ranges verified at open but not kept (`PartialRead(keep=False)`): `.get` reads one
+    again, every block it touches checked against its digest once more, when the caller is ready
+    for it (e.g. one bucket's key at a time), so the caller's memory holds one range at a time."""
+
+    def __init__(self, gen_dir: Path, relpath: str, manifest: Manifest):
+        self.gen_dir, self.relpath, self.manifest = gen_dir, relpath, manifest
+
+    def get(self, wanted, default=None):
+        item = tuple(wanted)
+        return check_file_ranges(self.gen_dir, self.relpath, self.manifest, [item])[item]
+
+
 class WholeFileRanges:
     """Element ranges cut from the tensors of a file read whole (see `OpenedGeneration.tensor_ranges`)."""
 
@@ -514,10 +527,14 @@ class PartialRead:
     of the flattened tensor. Only the blocks holding them are read (and verified) when the manifest
     records a block index for the file; otherwise the whole file is read and checked. A rank's
     requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
-    is read and verified once per load, and the ranges are kept as views of the verified spans."""
+    is read and verified once per load, and the ranges are kept as views of the verified spans.
+    With `keep=False` the ranges are verified at open one at a time and not kept; the loader reads
+    each again, verified again, when it installs it (`DeferredRanges`): one range in memory at a
+    time instead of all of them, for one more read of each."""
 
     relpath: str
     ranges: tuple[storage.ElementRange, ...]
+    keep: bool = True  # False: verify now, one range at a time; read again later (`DeferredRanges`)
 
 
 # returns relpaths (whole files) and PartialReads; raises IncompatibleCheckpoint to refuse, anything else: damage
@@ -596,8 +613,11 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         wanted = files_for_rank(gen.manifest)
         whole = sorted({w for w in wanted if isinstance(w, str)})
         ranges: dict[str, list] = {}
+        kept: set[str] = set()
         for request in (w for w in wanted if isinstance(w, PartialRead)):
             ranges.setdefault(request.relpath, []).extend([name, int(a), int(b)] for name, a, b in request.ranges)
+            if request.keep:
+                kept.add(request.relpath)
         listed = gen.manifest.files
         for rel, items in ranges.items():
             index = listed[rel].blocks if rel in listed else None
@@ -615,7 +635,8 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         for rel in sorted({*whole, *ranges})
         if rel not in gen.manifest.files
     ]
-    return gen, {"files": whole, "ranges": ranges, "problems": missing}
+    deferred = sorted(set(ranges) - kept - set(whole))  # a file asked kept by any request is kept
+    return gen, {"files": whole, "ranges": ranges, "deferred": deferred, "problems": missing}
 
 
 def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plans: list[dict]):
@@ -638,6 +659,10 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
             wanted = [tuple(item) for item in items]
             if rel in files:  # read whole (no block index, or also asked whole): cut the ranges from it
                 ranges[rel] = _cut(files[rel], wanted)
+            elif rel in mine.get("deferred", ()):  # verified one range at a time, read again later
+                for item in wanted:
+                    check_file_ranges(candidate, rel, manifest, [item])
+                ranges[rel] = DeferredRanges(candidate, rel, manifest)
             elif rel not in mine["files"]:  # every range of the file in one verified pass, kept
                 ranges[rel] = check_file_ranges(candidate, rel, manifest, wanted)
         except Exception as exc:  # noqa: BLE001 - total

@@ -149,6 +149,7 @@ def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -
     spans = coalesce_ranges(asked)
     if record.blocks is not None:  # in file order: each block read (and hashed) once, never re-read
         spans.sort(key=lambda span: storage.byte_range(record.blocks, span))
+        spans = merge_within_blocks(record.blocks, spans)
     tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, record, spans)
     # read_ranges checked the header against the block index: its dtypes are the file's
     dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
@@ -162,6 +163,24 @@ def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -
         lo, _, tensor = by_name[name][bisect.bisect_right(starts[name], first) - 1]
         out[(name, first, stop)] = tensor[first - lo : stop - lo]
     return out
+
+
+def merge_within_blocks(index, spans: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Spans of one tensor (in file order) merged where the elements between them lie in blocks
+    that are read and verified anyway (the last block of one, the first block of the next): one
+    buffer, one finiteness check, for the many short ranges of a resharding load (one per row of a
+    row-parallel split at another TP). No block is added to the read; the elements between are
+    verified like every byte of those blocks, and kept (at most the blocks' bytes)."""
+    merged: list[list] = []
+    for name, first, stop in spans:
+        if merged and merged[-1][0] == name and merged[-1][1] < merged[-1][2] and first < stop:
+            _, end = storage.byte_range(index, tuple(merged[-1]))
+            begin, _ = storage.byte_range(index, (name, first, stop))
+            if end <= begin and begin // index.block_bytes <= (end - 1) // index.block_bytes + 1:
+                merged[-1][2] = stop
+                continue
+        merged.append([name, first, stop])
+    return [tuple(span) for span in merged]
 
 
 def coalesce_ranges(ranges) -> list[tuple[str, int, int]]:

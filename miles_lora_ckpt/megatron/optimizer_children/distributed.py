@@ -21,10 +21,14 @@ empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one t
 Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
 protocol verifies every other block round-robin), after checking that the saved slices tile every
-bucket exactly (no overlap, no gap). All of a file's ranges are read and verified at open in one
-pass (each block read and hashed once per load) and kept; the masters' cross-check (preflight) and
+bucket exactly (no overlap, no gap). A same-layout load (each bucket of a rank's shard is one
+whole saved slice, `maps_one_to_one`) verifies its ranges at open without keeping them and reads
+each bucket's key again, verified again, for the masters' cross-check and at install, so it holds
+one bucket's key of optimizer state beyond what the optimizer holds. Any other load (another DP
+size or model-parallel layout) reads and verifies all of a file's ranges at open in one pass (each
+block read and hashed once per load) and keeps them; the masters' cross-check (preflight) and
 `install` (one bucket and one key at a time, straight into the masters and moments) slice them
-from those verified buffers, so a load holds this rank's shard of the optimizer state once beyond
+from those verified buffers, so it holds this rank's shard of the optimizer state once beyond
 what the optimizer holds. Param groups and the
 step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
 gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
@@ -51,7 +55,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     ReadContext,
     file_binding,
 )
-from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -359,6 +363,20 @@ def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, in
     return out
 
 
+def maps_one_to_one(reads: list[tuple[int, Piece, int, int, int]], desc: dict) -> bool:
+    """Whether `reads_for`'s reads are a same-layout load's: one saved piece per non-empty bucket
+    of this rank's shard, read whole, and exactly that shard (nothing to assemble from several)."""
+    shards = [(begin, end) for _, _, begin, end in shard_ranges(desc)]
+    seen: set[int] = set()
+    for position, piece, first, stop, offset in reads:
+        begin, end = shards[position]
+        whole = first == 0 and stop == piece.end - piece.begin and offset == 0
+        if position in seen or not whole or (piece.begin, piece.end) != (begin, end):
+            return False
+        seen.add(position)
+    return seen == {i for i, (begin, end) in enumerate(shards) if end > begin}
+
+
 def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
     """`(span index, part index, lo, hi)` for every non-empty overlap `[lo, hi)` of `spans`
     (`(start, end)`, pairwise disjoint, as megatron's parameters in one bucket are) with `parts`
@@ -438,11 +456,18 @@ def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter)
         if source is not None:
             params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
     found = overlaps([(a, b) for a, b, _, _ in params], [(offset, tensor.numel()) for _, offset, tensor in parts])
+    grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master)]
     for i, j, lo, hi in found:
-        start, _, first, source = params[i]
+        start, _, first, _ = params[i]
         file, offset, tensor = parts[j]
+        grouped.setdefault((i, file), []).append((first + lo - start, tensor[lo - offset : hi - offset]))
+    for (i, file), pieces in grouped.items():  # one comparison per parameter and file, not per piece
         where = f"{file} (optimizer child {child.index})"
-        check_master(source, tensor[lo - offset : hi - offset], where, first + lo - start)
+        if len(pieces) == 1:
+            check_master(params[i][3], pieces[0][1], where, pieces[0][0])
+        else:
+            positions, values = _gathered(pieces)
+            check_master_elements(params[i][3], values, where, positions)
 
 
 # --------------------------------------------------------------------------- the family
@@ -511,15 +536,24 @@ class DistributedFamily:
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
         """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
-        shard (at equal DP sizes: all of its own slice), read and verified at open in one pass
-        per file and kept (`install` slices them from the verified buffers)."""
+        shard (at equal DP sizes: all of its own slice).
+
+        Memory vs reads: when every saved piece this rank reads is whole and is its whole shard of
+        that bucket (`maps_one_to_one`: a same-layout load), the ranges are verified at open and
+        not kept (`keep=False`): the masters' cross-check and `install` read each bucket's key
+        again, verified again, one at a time, so the load holds one bucket's key beyond what the
+        optimizer holds. Otherwise (another DP size or layout: a rank's shard is cut from several
+        saved slices) all of a file's ranges are read and verified at open in one pass and kept,
+        and `install` slices them from those verified buffers (each block read once per load)."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
         keys = (MASTER_KEY, *mine["keys"])
+        reads = reads_for(pieces, mine)
+        keep = not maps_one_to_one(reads, mine)
         requests: dict[str, set] = {}
-        for _, piece, first, stop, _ in reads_for(pieces, mine):
+        for _, piece, first, stop, _ in reads:
             requests.setdefault(piece.file, set()).update((f"{piece.prefix}.{k}", first, stop) for k in keys)
-        return [PartialRead(file, tuple(sorted(ranges))) for file, ranges in sorted(requests.items())]
+        return [PartialRead(file, tuple(sorted(ranges)), keep=keep) for file, ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]

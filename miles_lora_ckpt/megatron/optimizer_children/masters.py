@@ -64,3 +64,27 @@ def check_master(source: AdapterSource, master: torch.Tensor, where: str, first:
         f"{dtype} {cast[at].item()!r}): the adapter and the optimizer state come from different training "
         "states (files of another generation, or optimizer files swapped)"
     )
+
+
+def check_master_elements(source: AdapterSource, master: torch.Tensor, where: str, positions: torch.Tensor) -> None:
+    """`check_master` for master elements at `positions` (int64) of the flattened parameter, in
+    one comparison: a resharding load's pieces of one parameter (one per row of a row-parallel
+    split at another TP) checked together, not one by one."""
+    saved = source.tensor.reshape(-1)
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= saved.numel()):
+        raise ValueError(
+            f"{source.name}: {where} holds master elements up to {int(positions.max())}, the adapter in "
+            f"{source.file} has {saved.numel()}: the optimizer state is not this adapter's"
+        )
+    saved = saved.index_select(0, positions.to(saved.device))
+    cast = master.detach().reshape(-1).to(device=saved.device, dtype=saved.dtype)
+    if torch.equal(cast, saved):
+        return
+    at = int((cast != saved).nonzero()[0].item())
+    dtype = str(saved.dtype).removeprefix("torch.")
+    raise ValueError(
+        f"{source.name}: the adapter in {source.file} is not the {dtype} cast of its fp32 master in {where} "
+        f"(element {int(positions[at])}: adapter {saved[at].item()!r}, master {master.reshape(-1)[at].item()!r}, "
+        f"as {dtype} {cast[at].item()!r}): the adapter and the optimizer state come from different training "
+        "states (files of another generation, or optimizer files swapped)"
+    )
