@@ -10,9 +10,11 @@ loop with the plugin's init hook on the Qwen2-shaped harness model (picked by `-
 tiny HF Qwen2 built from a config, no hub), with the Bridge double installed as `megatron.bridge`
 in every rank, as Miles' GPU image has Bridge. The exported adapters are loaded with the real HF
 PEFT onto that base, in this process. Four launches: export on (a PEFT-phase fault fails a save on
-every rank), the identical relaunch, export off in another Miles shape with the fork's Bridge (a
-fault in `--save-hf`'s export is logged by Miles and publishes nothing), and a Miles without Bridge
-(refused at startup).
+every rank), the identical relaunch (Miles' merged HF export fails at one rollout: `save_hf_model`
+returns before the adapter export, as Miles 2026-08 does, and the generation is unaffected), export
+off in another Miles shape with the fork's Bridge (a fault in `--save-hf`'s adapter export is logged
+by Miles and publishes nothing; a merged-export failure at another rollout skips its adapter), and a
+Miles without Bridge (refused at startup).
 
 With the real Megatron-Bridge importable (Miles' GPU image), `prepare` builds it from a tiny HF base.
 
