@@ -10,9 +10,11 @@ loop with the plugin's init hook on the Qwen2-shaped harness model (picked by `-
 tiny HF Qwen2 built from a config, no hub), with the Bridge double installed as `megatron.bridge`
 in every rank, as Miles' GPU image has Bridge. The exported adapters are loaded with the real HF
 PEFT onto that base, in this process. Four launches: export on (a PEFT-phase fault fails a save on
-every rank), the identical relaunch, export off in another Miles shape with the fork's Bridge (a
-fault in `--save-hf`'s export is logged by Miles and publishes nothing), and a Miles without Bridge
-(refused at startup).
+every rank), the identical relaunch (Miles' merged HF export fails at one rollout: `save_hf_model`
+returns before the adapter export, as Miles 2026-08 does, and the generation is unaffected), export
+off in another Miles shape with the fork's Bridge (a fault in `--save-hf`'s adapter export is logged
+by Miles and publishes nothing; a merged-export failure at another rollout skips its adapter), and a
+Miles without Bridge (refused at startup).
 
 With the real Megatron-Bridge importable (Miles' GPU image), `prepare` builds it from a tiny HF base.
 
@@ -364,11 +366,11 @@ class Launch:
             *("--custom-megatron-post-save-hook-path", "miles_hooks.record_post_save"),
         ]
 
-    def run(self, argv, crash=None, env=None):
+    def run(self, argv, crash=None, env=None, hf_merged_fails=()):
         return self.launcher.run(
             2,
             JOB,
-            {"argv": argv, "crash": crash, "bridge": self.bridge},
+            {"argv": argv, "crash": crash, "bridge": self.bridge, "hf_merged_fails": list(hf_merged_fails)},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
             sys_path=[shape_path(self.shape), JOBS],
             timeout_s=400 if self.bridge == "real" else 240,
@@ -437,31 +439,43 @@ def test_export_peft_and_save_hf_through_miles(prewarmed, tmp_path, hf_base):
     # every export ran inside Miles' patch_megatron_model: rollout 0 (peft/ and --save-hf), rollout 1's peft/
     assert all(r.result["bridge_context_entries"] == 3 for r in crashed)
 
-    # --- the identical command resumes from rollout 0's generation; every save holds peft/ again
-    resumed = ok(on.run(on.command()))
+    # --- the identical command resumes from rollout 0's generation; every save holds peft/ again. Miles'
+    # merged HF export (Bridge) fails at rollout 1 on every rank: save_hf_model logs it and returns before
+    # the adapter export, as Miles does, so <save-hf>/1/adapter is not published and gets no .complete;
+    # rollout 1's generation (written by the save before it) is committed, verifies and holds peft/
+    resumed = on.run(on.command(), hf_merged_fails=[1])
+    assert all("save_hf_model failed for rollout 1: merged HF export" in r.stderr_tail for r in resumed)
+    resumed = ok(resumed)
     assert all(r["start_rollout_id"] == 1 and r["rollouts"] == [1, 2] for r in resumed)
     assert [verify_generation(g).manifest.iteration for g in on.generations()] == [2, 1, 0]
     assert all(holds_peft(g) for g in on.generations())
-    for rollout in (1, 2):
-        assert check_peft_dir(on.hf_out / str(rollout) / "adapter" / "latest") == []
+    loads_in_peft(on.generations()[1] / "peft", hf_base)
+    assert not (on.hf_out / "1" / "adapter").exists() and not (on.hf_out / "1" / ".complete").exists()
+    assert (on.hf_out / "2" / ".complete").exists()  # the next rollout's --save-hf export works
+    assert check_peft_dir(on.hf_out / "2" / "adapter" / "latest") == []
+    loads_in_peft(on.hf_out / "2" / "adapter" / "latest", hf_base)
 
     # --- export.peft = false (the environment wins over the file), another Miles shape, the fork's Bridge
     # (three-item tuples), Miles' HF spellings of the targets: no peft/ anywhere, and --save-hf still
-    # publishes; a fault in rollout 1's --save-hf export raises on every rank inside Miles' save_hf_model,
-    # which logs it and goes on: rollout 1 gets no .complete and no export, nothing half-published
+    # publishes; a fault in rollout 1's --save-hf adapter export raises on every rank inside Miles'
+    # save_hf_model, which logs it and goes on: rollout 1 gets no .complete and no export, nothing
+    # half-published. The 2026-08 save_hf_model's early return: Miles' merged export fails at rollout 0, so
+    # rollout 0's adapter export never runs (no <save-hf>/0/adapter, no .complete); its generation stands
     off = Launch(prewarmed, tmp_path / "off", hf_base, "lora-utils-2026-08", bridge="fork")
     crash = {"rollout": 1, "rank": 0, "phase": "peft-export", "action": "raise"}
     targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    done = off.run(off.command(targets), crash=crash, env={"MILES_LORA_CKPT_PEFT_EXPORT": "0"})
+    env = {"MILES_LORA_CKPT_PEFT_EXPORT": "0"}
+    done = off.run(off.command(targets), crash=crash, env=env, hf_merged_fails=[0])
     assert all(r["rollouts"] == [0, 1, 2] for r in ok(done))
-    assert all("save_hf_model failed for rollout 1" in r.stderr_tail for r in done)
+    assert all("save_hf_model failed for rollout 0: merged HF export" in r.stderr_tail for r in done)
+    assert all("save_hf_model failed for rollout 1: LoRA adapter export" in r.stderr_tail for r in done)
     assert [verify_generation(g).manifest.iteration for g in off.generations()] == [2, 1, 0]
     assert not any(holds_peft(g) for g in off.generations())
+    assert not (off.hf_out / "0" / "adapter").exists() and not (off.hf_out / "0" / ".complete").exists()
     assert not (off.hf_out / "1" / ".complete").exists()
     assert sorted(p.name for p in (off.hf_out / "1" / "adapter").iterdir()) == []
-    for rollout in (0, 2):
-        assert (off.hf_out / str(rollout) / ".complete").exists()
-        assert check_peft_dir(off.hf_out / str(rollout) / "adapter" / "latest") == []
+    assert (off.hf_out / "2" / ".complete").exists()
+    assert check_peft_dir(off.hf_out / "2" / "adapter" / "latest") == []
     loads_in_peft(off.hf_out / "2" / "adapter" / "latest", hf_base)
 
     # --- a Miles without Megatron-Bridge: refused at startup on every rank, naming the key and the flag

@@ -11,7 +11,7 @@ raise there (`payload["crash"]`):
 
     {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write", "action": "kill"} | None,
      "send_ckpt": false, "bridge": "nvidia", "drop": ["miles.backends.megatron_utils.lora_utils._load_training_state"],
-     "views": false}
+     "views": false, "hf_merged_fails": [1]}
 
 `drop` (optional) derives a tree variant from the shape: each named function is deleted from its
 module before the launch, e.g. the 2026-08 tree without `_load_training_state` of PR #1792's branch
@@ -21,6 +21,9 @@ and current working branches (contract §10.6).
 `before-write`, `mid-write` and `after-write`), a PEFT export phase (`core.faults.PEFT_PHASES`), or
 `between-saves`: right after rollout `rollout` trained, before its save (always a kill). `action`
 is "kill" (default) or "raise" (`core.faults.InjectedFault`).
+
+`hf_merged_fails` (optional): the rollouts at which the merged-model half of Miles' `--save-hf`
+export (`save_hf_model`, `common.hf_merged`) fails on every rank, as a failed Bridge export would.
 
 Each rank returns: the start rollout, the rollouts trained and their losses by global step, digests
 of every training-state tensor after init, at each save and at the end (`sim.snapshot`), whether
@@ -116,6 +119,10 @@ def launch_job(payload: dict, ctx) -> dict:
 
         module, _, name = qualified.rpartition(".")
         delattr(importlib.import_module(module), name)
+    if payload.get("hf_merged_fails"):
+        from miles_lora_ckpt.sim.miles_standin.common import hf_merged
+
+        hf_merged.fail_at.update(int(r) for r in payload["hf_merged_fails"])
     observer = _Observer(ctx.rank, payload.get("crash"), bool(payload.get("views")))
     report = observer.report
     report["failed"] = None
