@@ -35,6 +35,7 @@ DEMO_AND_BENCH = (
     "tools/bench_async.py",
     "tools/bench_distckpt.py",
     "tools/demo_reshard.py",
+    "tools/demo_miles_reshard.py",
 )
 
 
