@@ -28,3 +28,35 @@ def export_merged(path: Path, rollout_id: int) -> None:
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text("{}\n")
+
+
+HF_EXPORT_COMPLETE_MARKER = ".complete"
+
+
+def save_hf_model_flow(
+    args, rollout_id: int, model, *, path, raise_on_error: bool, is_lora_model, save_lora_checkpoint, log
+) -> None:
+    """The body every stand-in tree's `save_hf_model` runs, with that tree's `is_lora_model` and
+    `save_lora_checkpoint` as its module holds them at call time (the plugin rebinds the latter):
+    Miles' 2026-08 control flow, described in the trees' `hf_export.py`."""
+    path = Path(path or args.save_hf.format(rollout_id=rollout_id))
+    try:  # the merged model; Miles clears a stale marker first
+        if dist.get_rank() == 0 and path.is_dir():
+            (path / HF_EXPORT_COMPLETE_MARKER).unlink(missing_ok=True)
+        export_merged(path, rollout_id)
+        dist.barrier()
+    except Exception as exc:
+        log.error("save_hf_model failed for rollout %s: merged HF export: %s", rollout_id, exc)
+        if raise_on_error:
+            raise
+        return  # as Miles: the adapter export below does not run for this rollout
+    if is_lora_model(model):
+        try:
+            save_lora_checkpoint(model, args, str(path / "adapter"))
+        except Exception as exc:
+            log.error("save_hf_model failed for rollout %s: LoRA adapter export: %s", rollout_id, exc)
+            if raise_on_error:
+                raise
+            return
+    if dist.get_rank() == 0:
+        (path / HF_EXPORT_COMPLETE_MARKER).touch()

@@ -14,36 +14,22 @@ the merged one: a merged failure skips the adapter export there too.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-
-import torch.distributed as dist
 
 from miles.backends.megatron_utils.lora.utils import is_lora_model, save_lora_checkpoint
 from miles_lora_ckpt.sim.miles_standin.common import hf_merged
+from miles_lora_ckpt.sim.miles_standin.common.hf_merged import HF_EXPORT_COMPLETE_MARKER  # noqa: F401 (Miles' name)
 
 log = logging.getLogger("miles.stand-in")
-HF_EXPORT_COMPLETE_MARKER = ".complete"
 
 
 def save_hf_model(args, rollout_id: int, model, *, path=None, raise_on_error: bool = False) -> None:
-    path = Path(path or args.save_hf.format(rollout_id=rollout_id))
-    try:  # the merged model; Miles clears a stale marker first
-        if dist.get_rank() == 0 and path.is_dir():
-            (path / HF_EXPORT_COMPLETE_MARKER).unlink(missing_ok=True)
-        hf_merged.export_merged(path, rollout_id)
-        dist.barrier()
-    except Exception as exc:
-        log.error("save_hf_model failed for rollout %s: merged HF export: %s", rollout_id, exc)
-        if raise_on_error:
-            raise
-        return  # as Miles: the adapter export below does not run for this rollout
-    if is_lora_model(model):
-        try:
-            save_lora_checkpoint(model, args, str(path / "adapter"))
-        except Exception as exc:
-            log.error("save_hf_model failed for rollout %s: LoRA adapter export: %s", rollout_id, exc)
-            if raise_on_error:
-                raise
-            return
-    if dist.get_rank() == 0:
-        (path / HF_EXPORT_COMPLETE_MARKER).touch()
+    hf_merged.save_hf_model_flow(
+        args,
+        rollout_id,
+        model,
+        path=path,
+        raise_on_error=raise_on_error,
+        is_lora_model=is_lora_model,
+        save_lora_checkpoint=save_lora_checkpoint,  # this module's name, as the plugin may have rebound it
+        log=log,
+    )
