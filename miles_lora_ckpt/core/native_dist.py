@@ -3,7 +3,8 @@
 Miles' native LoRA (`miles_plugins/lora`, PR #1792; contract §10.6) writes its adapters, and with
 an optimizer its optimizer state, as ONE megatron-core `dist_checkpointing` checkpoint in
 `<adapter dir>/torch_dist`. Its `.metadata` is a plain pickle of torch's DCP dataclasses and its
-`common.pt` is `torch.save`d (a pickle too); the plugin never unpickles, so it does not read that
+common state is a pickle too (megatron-core 0.16: a `torch.save`d `common.pt`; 0.19: inside the
+DCP files); the plugin never unpickles, so it does not read that
 checkpoint. Pointed at one (`--lora-adapter-path`, `--load`, a load path), the plugin refuses
 loudly instead of starting a fresh adapter (`refusal`).
 
@@ -74,7 +75,7 @@ def refusal(path: str | os.PathLike, found: Path) -> str:
         f"{path} is a stock Miles native LoRA checkpoint (megatron-core dist_checkpointing, backend "
         f"{backend_of(found)!r}, in {found}), not a miles-lora-ckpt generation: refusing to load it and refusing to "
         "start a fresh adapter instead. The plugin does not read it because its metadata (.metadata) and common "
-        "state (common.pt) are pickles and it never unpickles, and because its tensors are keyed by Miles' native "
+        "state (common.pt, or inside the DCP files) are pickles and it never unpickles, and because its tensors are keyed by Miles' native "
         "adapter names. Remedy: keep training from it with stock Miles (--megatron-to-hf-mode raw, without "
         "--custom-megatron-init-path), or start from a miles-lora-ckpt save root or generation, or from a stock "
         "Miles adapter directory of per-rank .pt files (weights-only warm start), or drop this path to train a new "
