@@ -52,18 +52,7 @@ def check_master(source: AdapterSource, master: torch.Tensor, where: str, first:
             f"{source.name}: {where} holds master elements [{first}, {stop}), the adapter in {source.file} has "
             f"{saved.numel()}: the optimizer state is not this adapter's"
         )
-    saved = saved[first:stop]
-    cast = master.detach().reshape(-1).to(device=saved.device, dtype=saved.dtype)
-    if torch.equal(cast, saved):
-        return
-    at = int((cast != saved).nonzero()[0].item())
-    dtype = str(saved.dtype).removeprefix("torch.")
-    raise ValueError(
-        f"{source.name}: the adapter in {source.file} is not the {dtype} cast of its fp32 master in {where} "
-        f"(element {first + at}: adapter {saved[at].item()!r}, master {master.reshape(-1)[at].item()!r}, as "
-        f"{dtype} {cast[at].item()!r}): the adapter and the optimizer state come from different training "
-        "states (files of another generation, or optimizer files swapped)"
-    )
+    _require_cast(source, saved[first:stop], master, where, lambda at: first + at)
 
 
 def check_master_elements(source: AdapterSource, master: torch.Tensor, where: str, positions: torch.Tensor) -> None:
@@ -77,6 +66,12 @@ def check_master_elements(source: AdapterSource, master: torch.Tensor, where: st
             f"{source.file} has {saved.numel()}: the optimizer state is not this adapter's"
         )
     saved = saved.index_select(0, positions.to(saved.device))
+    _require_cast(source, saved, master, where, lambda at: int(positions[at]))
+
+
+def _require_cast(source: AdapterSource, saved: torch.Tensor, master: torch.Tensor, where: str, element) -> None:
+    """Raise ValueError unless `master` (flattened) cast to `saved`'s dtype equals `saved` (the adapter
+    elements it pairs with); `element(i)` is the parameter's element index of position i, for the message."""
     cast = master.detach().reshape(-1).to(device=saved.device, dtype=saved.dtype)
     if torch.equal(cast, saved):
         return
@@ -84,7 +79,7 @@ def check_master_elements(source: AdapterSource, master: torch.Tensor, where: st
     dtype = str(saved.dtype).removeprefix("torch.")
     raise ValueError(
         f"{source.name}: the adapter in {source.file} is not the {dtype} cast of its fp32 master in {where} "
-        f"(element {int(positions[at])}: adapter {saved[at].item()!r}, master {master.reshape(-1)[at].item()!r}, "
-        f"as {dtype} {cast[at].item()!r}): the adapter and the optimizer state come from different training "
+        f"(element {element(at)}: adapter {saved[at].item()!r}, master {master.reshape(-1)[at].item()!r}, as "
+        f"{dtype} {cast[at].item()!r}): the adapter and the optimizer state come from different training "
         "states (files of another generation, or optimizer files swapped)"
     )
