@@ -639,21 +639,24 @@ def test_native_warm_start_reshards_a_tp2_checkpoint_into_tp1(stock_dirs):
 
 
 def test_native_warm_start_refuses_a_missing_parameter_or_another_lora_rank_on_every_rank(stock_dirs):
-    """A native checkpoint missing one adapter parameter, or one of another LoRA rank, is refused
-    with the same error on every rank, naming every rank, the parameter and (shape) both global
-    shapes; nothing changes (every tensor compared before and after)."""
+    """A native checkpoint missing one adapter parameter, one of another LoRA rank, or one holding
+    adapter weights the model lacks is refused with the same error on every rank, naming every rank,
+    the parameter and (shape) both global shapes; nothing changes (every tensor compared before and
+    after)."""
     _, results = stock_dirs
     errors = {}
     for r in results:
         refusals = r["native_refusals"]
-        missing, other = refusals["missing"], refusals["lora rank 8"]
-        for outcome in (missing, other):
+        missing, other, extra = refusals["missing"], refusals["lora rank 8"], refusals["dense only"]
+        for outcome in (missing, other, extra):
             assert outcome["result"] is None and outcome["error"], outcome
             assert outcome["changed"] is None, outcome["changed"]
             assert "rank 0:" in outcome["error"] and "rank 1:" in outcome["error"], outcome["error"]
         assert "has no adapter parameter" in missing["error"] and repr(missing["dropped"]) in missing["error"], missing
         assert "global shape [4, " in other["error"] and "[8, " in other["error"], other["error"]
+        assert "adapter parameter(s) this model does not have" in extra["error"] and "experts" in extra["error"], extra
         errors.setdefault("missing", set()).add(missing["error"])
+        errors.setdefault("extra", set()).add(extra["error"])
         errors.setdefault("other", set()).add(other["error"])
     assert all(len(e) == 1 for e in errors.values()), errors  # the same error on both ranks
 

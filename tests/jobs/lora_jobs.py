@@ -490,7 +490,8 @@ def _native_warm_starts(run, payload: dict, consensus, adapter: dict) -> dict:
 def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
     """Refused warm starts, every tensor compared before and after: a native checkpoint missing one
     adapter parameter (megatron-core dist_checkpointing.save of the adapter's sharded state dict
-    without it), and the full one into a run of another LoRA rank."""
+    without it), and the full one into a run of another LoRA rank and into one without the expert
+    adapters the checkpoint holds."""
     from megatron.core import dist_checkpointing
 
     from miles_lora_ckpt.tools.bench_distckpt import model_sharded_state_dict
@@ -505,9 +506,11 @@ def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
     dist_checkpointing.save({"model": sharded}, str(partial))
     outcomes["missing"] = {**_refused(run, partial.parent, consensus), "dropped": dropped}
     teardown(run)
-    other = build_run(SimConfig.from_dict({**config.to_dict(), "lora_rank": 8}))
-    outcomes["lora rank 8"] = _refused(other, native_dir / "iter_0000002" / "adapter", consensus)
-    teardown(other)
+    saved = native_dir / "iter_0000002" / "adapter"
+    for name, change in (("lora rank 8", {"lora_rank": 8}), ("dense only", {"adapters": "dense"})):
+        other = build_run(SimConfig.from_dict({**config.to_dict(), **change}))
+        outcomes[name] = _refused(other, saved, consensus)
+        teardown(other)
     return outcomes
 
 
