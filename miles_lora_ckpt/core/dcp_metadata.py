@@ -38,21 +38,15 @@ _MAX_MARKS = 64  # nested MARKs (DCP's metadata nests 8 deep)
 _MAX_DIMS = 32  # dimensions of a tensor
 
 _DCP = "torch.distributed.checkpoint"
-# (module, name) -> the record kind it stands for: the only classes the stream may instantiate
-_CLASSES = {
-    (f"{_DCP}.metadata", "Metadata"): "Metadata",
-    (f"{_DCP}.metadata", "TensorStorageMetadata"): "TensorStorageMetadata",
-    (f"{_DCP}.metadata", "BytesStorageMetadata"): "BytesStorageMetadata",
-    (f"{_DCP}.metadata", "ChunkStorageMetadata"): "ChunkStorageMetadata",
-    (f"{_DCP}.metadata", "TensorProperties"): "TensorProperties",
-    (f"{_DCP}.metadata", "MetadataIndex"): "MetadataIndex",
-    (f"{_DCP}.metadata", "StorageMeta"): "StorageMeta",
-    (f"{_DCP}.filesystem", "_StorageInfo"): "_StorageInfo",
-    (f"{_DCP}.planner", "SavePlan"): "SavePlan",
-    (f"{_DCP}.planner", "WriteItem"): "WriteItem",
-    (f"{_DCP}.planner", "TensorWriteData"): "TensorWriteData",
-    (f"{_DCP}.planner", "BytesIOWriteData"): "BytesIOWriteData",
+# (module, name) -> the record kind it stands for (its class name): the only classes the stream may
+# instantiate, per module of torch.distributed.checkpoint
+_CLASS_NAMES = {
+    "metadata": "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties "
+    "MetadataIndex StorageMeta",
+    "filesystem": "_StorageInfo",
+    "planner": "SavePlan WriteItem TensorWriteData BytesIOWriteData",
 }
+_CLASSES = {(f"{_DCP}.{module}", name): name for module, names in _CLASS_NAMES.items() for name in names.split()}
 _DTYPES = (
     "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool complex64 complex128 "
     "float8_e4m3fn float8_e5m2 uint16 uint32 uint64"
@@ -281,20 +275,10 @@ def _memoize(self: _Interpreter, at: int):
     self.memo.append(self.top(at, "MEMOIZE"))
 
 
-def _get(self: _Interpreter, at: int, index: int, op: str):
+def _get(self: _Interpreter, at: int, index: int, op: str) -> None:
     if index >= len(self.memo):
         raise self.fail(at, f"{op} {index}: no such memo entry ({len(self.memo)} stored)")
     self.push(self.memo[index], at)
-
-
-@_op(b"h")
-def _binget(self: _Interpreter, at: int):
-    _get(self, at, self.take(1, at, "BINGET")[0], "BINGET")
-
-
-@_op(b"j")
-def _long_binget(self: _Interpreter, at: int):
-    _get(self, at, struct.unpack("<I", self.take(4, at, "LONG_BINGET"))[0], "LONG_BINGET")
 
 
 def _text(self: _Interpreter, at: int, size: int, op: str) -> None:
@@ -304,29 +288,29 @@ def _text(self: _Interpreter, at: int, size: int, op: str) -> None:
         raise self.fail(at, f"{op}: not UTF-8") from None
 
 
-@_op(b"\x8c")
-def _short_binunicode(self: _Interpreter, at: int):
-    _text(self, at, self.take(1, at, "SHORT_BINUNICODE")[0], "SHORT_BINUNICODE")
+def _int(self: _Interpreter, at: int, value: int, op: str) -> None:
+    self.push(value, at)
 
 
-@_op(b"X")
-def _binunicode(self: _Interpreter, at: int):
-    _text(self, at, struct.unpack("<I", self.take(4, at, "BINUNICODE"))[0], "BINUNICODE")
+def _with_argument(name: str, fmt: str, use):
+    """The handler of an opcode with one fixed-size little-endian argument (`fmt`), given to `use`."""
+
+    def handler(self: _Interpreter, at: int):
+        use(self, at, struct.unpack(fmt, self.take(struct.calcsize(fmt), at, name))[0], name)
+
+    return handler
 
 
-@_op(b"K")
-def _binint1(self: _Interpreter, at: int):
-    self.push(self.take(1, at, "BININT1")[0], at)
-
-
-@_op(b"M")
-def _binint2(self: _Interpreter, at: int):
-    self.push(struct.unpack("<H", self.take(2, at, "BININT2"))[0], at)
-
-
-@_op(b"J")
-def _binint(self: _Interpreter, at: int):
-    self.push(struct.unpack("<i", self.take(4, at, "BININT"))[0], at)
+for _code, _name, _fmt, _use in (
+    (b"h", "BINGET", "<B", _get),
+    (b"j", "LONG_BINGET", "<I", _get),
+    (b"\x8c", "SHORT_BINUNICODE", "<B", _text),  # the argument: the string's length in bytes
+    (b"X", "BINUNICODE", "<I", _text),
+    (b"K", "BININT1", "<B", _int),
+    (b"M", "BININT2", "<H", _int),
+    (b"J", "BININT", "<i", _int),
+):
+    _OPCODES[_code] = _with_argument(_name, _fmt, _use)
 
 
 @_op(b"\x8a")
