@@ -642,7 +642,7 @@ def test_native_warm_start_refuses_a_missing_parameter_or_another_lora_rank_on_e
     """A native checkpoint missing one adapter parameter, one of another LoRA rank, or one holding
     adapter weights the model lacks is refused with the same error on every rank, naming every rank,
     the parameter and (shape) both global shapes; nothing changes (every tensor compared before and
-    after)."""
+    after), also when the install fails on one rank after the other installed."""
     _, results = stock_dirs
     errors = {}
     for r in results:
@@ -654,6 +654,8 @@ def test_native_warm_start_refuses_a_missing_parameter_or_another_lora_rank_on_e
             assert "rank 0:" in outcome["error"] and "rank 1:" in outcome["error"], outcome["error"]
         assert "has no adapter parameter" in missing["error"] and repr(missing["dropped"]) in missing["error"], missing
         assert "global shape [4, " in other["error"] and "[8, " in other["error"], other["error"]
+        failed = refusals["install fails on rank 1"]  # rank 0 installed, then rolled back
+        assert failed["error"] and "InjectedFault" in failed["error"] and failed["changed"] is None, failed
         assert "adapter parameter(s) this model does not have" in extra["error"] and "experts" in extra["error"], extra
         errors.setdefault("missing", set()).add(missing["error"])
         errors.setdefault("extra", set()).add(extra["error"])

@@ -491,7 +491,8 @@ def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
     """Refused warm starts, every tensor compared before and after: a native checkpoint missing one
     adapter parameter (megatron-core dist_checkpointing.save of the adapter's sharded state dict
     without it), and the full one into a run of another LoRA rank and into one without the expert
-    adapters the checkpoint holds."""
+    adapters the checkpoint holds; and a warm start whose install fails on rank 1 after rank 0
+    installed (an injected fault): rank 0 rolls its model and optimizer back."""
     from megatron.core import dist_checkpointing
 
     from miles_lora_ckpt.tools.bench_distckpt import model_sharded_state_dict
@@ -505,6 +506,13 @@ def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
     partial.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save({"model": sharded}, str(partial))
     outcomes["missing"] = {**_refused(run, partial.parent, consensus), "dropped": dropped}
+    # the install fails on rank 1 (nothing changed there) after rank 0 installed: rank 0 rolls back
+    run_steps(run, 0, 1)
+    faults.arm("after-preflight", 1, "raise")
+    try:
+        outcomes["install fails on rank 1"] = _refused(run, native_dir / "iter_0000002" / "adapter", consensus)
+    finally:
+        faults.disarm()
     teardown(run)
     saved = native_dir / "iter_0000002" / "adapter"
     for name, change in (("lora rank 8", {"lora_rank": 8}), ("dense only", {"adapters": "dense"})):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.dcp_metadata import read_metadata
 from miles_lora_ckpt.core.errors import CheckpointError
@@ -45,7 +46,7 @@ def warm_start_native(consensus: Consensus, model, path: Path, found: Path, opti
 
     # install, undone on every rank if it fails on any
     try:
-        consensus.agree("native-install", attempt(_install, model, children, saved))
+        consensus.agree("native-install", attempt(_install, model, children, saved, consensus.rank))
     except CheckpointError:
         undo.restore()
         raise
@@ -70,7 +71,8 @@ def _read(model, found: Path, metadata, blocks, wanted: set[str], children: list
     return saved, undo
 
 
-def _install(model, children: list, saved: dict) -> None:
+def _install(model, children: list, saved: dict, rank: int) -> None:
+    faults.point("after-preflight", rank)  # tests: a rank failing here, the others already installed
     shards.copy_into(shards.adapter_params(model), saved)
     for child in children:
         child.reload_model_params()  # masters from the loaded adapter, or step 1 would undo it
