@@ -583,7 +583,8 @@ def test_optimizer_mismatch_is_refused_unless_weights_only(saved_root, tmp_path)
 def stock_dirs(tmp_path_factory):
     """One W=2 launch: a stock .pt adapter directory and a REAL stock native torch_dist checkpoint
     (megatron-core dist_checkpointing.save of the trained run's adapter, optimizer and scheduler),
-    then a fresh run that tries the native one (refused) and warm-starts from the .pt one."""
+    then a fresh run that warm-starts from the native one (adapter dir, then its torch_dist dir) and
+    from the .pt one; then the refused native warm starts and a TP 2 native checkpoint into TP 1."""
     base = tmp_path_factory.mktemp("stock")
     payload = {"config": cfg(2), "dir": str(base / "legacy"), "native_dir": str(base / "native")}
     return base, run(2, "legacy_warm_start", payload)
@@ -599,33 +600,73 @@ def test_stock_miles_adapter_directory_warm_starts_the_adapter_only(stock_dirs):
         assert "NOT restored" in result["warnings"][0] and "optimizer moments" in result["warnings"][0]
 
 
-def test_stock_native_torch_dist_checkpoint_is_refused_on_every_rank_never_a_fresh_start(stock_dirs):
-    """A stock Miles native (raw-mode) adapter checkpoint is a pickled dist_checkpointing directory
-    the plugin does not read: loading it (the adapter dir or its torch_dist) raises the same error
-    on every rank, naming every rank, the directory, what it is, why and the remedy; nothing changes."""
+def test_stock_native_torch_dist_checkpoint_warm_starts_the_adapter_weights_only(stock_dirs):
+    """A stock Miles native (raw-mode) adapter checkpoint (the adapter dir or its torch_dist dir)
+    warm-starts the adapter: every adapter tensor bit-identical to the saved run's, every fp32
+    master the cast of it, moments and scheduler untouched, and a WARNING saying what is not restored."""
     base, results = stock_dirs
     torch_dist = base / "native" / "iter_0000002" / "adapter" / "torch_dist"
     assert (torch_dist / "metadata.json").is_file() and (torch_dist / ".metadata").is_file()
     assert list(torch_dist.glob("*.distcp"))
     # megatron-core 0.16 keeps the common state in a torch.save'd common.pt; 0.19 inside the DCP files
     assert (torch_dist / "common.pt").is_file() == version("megatron-core").startswith("0.16.")
-    errors = []
     for r in results:
         for name in ("adapter dir", "torch_dist dir"):
             outcome = r["native"][name]
-            error = outcome["error"]
-            assert error is not None and outcome["result"] is None, (name, outcome)
-            assert outcome["changed"] is None, (name, outcome["changed"])
-            assert "rank 0:" in error and "rank 1:" in error, error
-            assert "stock Miles native LoRA checkpoint" in error and str(torch_dist) in error, error
-            assert "pickles" in error and "Remedy:" in error and "'torch_dist'" in error, error
-            errors.append((name, error))
-    assert errors[0] == errors[2] and errors[1] == errors[3]  # the same error on both ranks
+            result = outcome["result"]
+            assert result["source"] == "native-dist" and result["loaded"] and result["adapter_restored"], outcome
+            assert not result["optimizer_restored"] and not result["scheduler_restored"], outcome
+            assert result["masters_refreshed"] and result["iteration"] is None, outcome
+            assert outcome["same_adapter"] and outcome["masters_match_adapter"], outcome
+            assert outcome["kept_moments"] > 0 and outcome["kept_scheduler"], outcome
+            assert outcome["rest_unchanged"] == [], outcome  # moments, steps and scheduler as they were
+            warning = result["warnings"][0]
+            assert "NOT restored" in warning and "optimizer moments" in warning and "step counters" in warning
+            assert "scheduler" in warning and str(torch_dist) in warning, warning
+            assert any(warning in line for line in outcome["logged"]), outcome["logged"]
 
 
-def test_startup_refuses_a_launch_over_a_stock_native_checkpoint(stock_dirs, tmp_path):
-    """The init hook (rank 0, agreed) refuses --lora-adapter-path naming a native checkpoint, and a
-    --load/--save holding one with no plugin generation: the run would otherwise train a fresh adapter."""
+def test_native_warm_start_reshards_a_tp2_checkpoint_into_tp1(stock_dirs):
+    """Saved at TP 2, loaded at TP 1: the adapter equals what megatron's own dist_checkpointing.load
+    reshards into the same run, tensor by tensor; masters are the cast of it."""
+    _, results = stock_dirs
+    for r in results:
+        outcome = r["native_tp2_into_tp1"]
+        assert outcome["result"]["source"] == "native-dist" and outcome["result"]["adapter_restored"], outcome
+        assert outcome["names"] > 0 and outcome["differ"] == [], outcome
+        assert outcome["masters_match_adapter"], outcome
+        assert any("NOT restored" in line for line in outcome["logged"]), outcome["logged"]
+
+
+def test_native_warm_start_refuses_a_missing_parameter_or_another_lora_rank_on_every_rank(stock_dirs):
+    """A native checkpoint missing one adapter parameter, one of another LoRA rank, or one holding
+    adapter weights the model lacks is refused with the same error on every rank, naming every rank,
+    the parameter and (shape) both global shapes; nothing changes (every tensor compared before and
+    after), also when the install fails on one rank after the other installed."""
+    _, results = stock_dirs
+    errors = {}
+    for r in results:
+        refusals = r["native_refusals"]
+        missing, other, extra = refusals["missing"], refusals["lora rank 8"], refusals["dense only"]
+        for outcome in (missing, other, extra):
+            assert outcome["result"] is None and outcome["error"], outcome
+            assert outcome["changed"] is None, outcome["changed"]
+            assert "rank 0:" in outcome["error"] and "rank 1:" in outcome["error"], outcome["error"]
+        assert "has no adapter parameter" in missing["error"] and repr(missing["dropped"]) in missing["error"], missing
+        assert "global shape [4, " in other["error"] and "[8, " in other["error"], other["error"]
+        failed = refusals["install fails on rank 1"]  # rank 0 installed, then rolled back
+        assert failed["error"] and "InjectedFault" in failed["error"] and failed["changed"] is None, failed
+        assert "adapter parameter(s) this model does not have" in extra["error"] and "experts" in extra["error"], extra
+        errors.setdefault("missing", set()).add(missing["error"])
+        errors.setdefault("extra", set()).add(extra["error"])
+        errors.setdefault("other", set()).add(other["error"])
+    assert all(len(e) == 1 for e in errors.values()), errors  # the same error on both ranks
+
+
+def test_startup_refuses_a_launch_over_a_stock_native_checkpoint_in_load_or_save(stock_dirs, tmp_path):
+    """The init hook (rank 0, agreed) refuses a --load/--save holding a stock native checkpoint and no
+    plugin generation (a resume would need its optimizer state); --lora-adapter-path naming one is
+    the deliberate weights-only warm start and passes."""
     from types import SimpleNamespace
 
     from miles_lora_ckpt.integration import resume
@@ -637,7 +678,6 @@ def test_startup_refuses_a_launch_over_a_stock_native_checkpoint(stock_dirs, tmp
     config = load_config({})
     fresh = str(tmp_path / "fresh")
     launches = {
-        "--lora-adapter-path": dict(lora_adapter_path=str(adapter), save=fresh, load=fresh),
         "--load": dict(lora_adapter_path=None, save=fresh, load=str(native_save)),
         "--save": dict(lora_adapter_path=None, save=str(native_save), load=None),
     }
@@ -647,10 +687,51 @@ def test_startup_refuses_a_launch_over_a_stock_native_checkpoint(stock_dirs, tmp
         message = str(refused.value)
         assert message.startswith(f"{flag}: ") and "stock Miles native LoRA checkpoint" in message, message
         assert str(adapter / "torch_dist") in message and "Remedy:" in message, message
+        assert f"--lora-adapter-path {adapter}" in message, message
+    warm = SimpleNamespace(
+        start_rollout_id=None, finetune=False, lora_adapter_path=str(adapter), save=fresh, load=fresh
+    )
+    assert resume.check_relaunch(config, warm) == []
     # a Megatron base-model checkpoint (dist_checkpointing too, e.g. raw mode's --ref-load) is not one
     ref = tmp_path / "ref"
     shutil.copytree(adapter / "torch_dist", ref / "iter_0000000")
     assert resume.check_relaunch(config, SimpleNamespace(lora_adapter_path=None, save=fresh, load=str(ref))) == []
+
+
+def test_dcp_metadata_reader_reads_megatrons_real_metadata_as_torch_does(stock_dirs):
+    """The data-only reader (`core.dcp_metadata`) on the .metadata megatron-core wrote on this tier:
+    every item, dtype, size, chunk and storage range equals what torch's own reader (which
+    unpickles; here in the test only, as the reference) finds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from miles_lora_ckpt.core.dcp_metadata import BytesEntry, read_metadata
+
+    base, _ = stock_dirs
+    for directory in (
+        base / "native" / "iter_0000002" / "adapter" / "torch_dist",
+        base / "native" / "tp2" / "adapter" / "torch_dist",
+    ):
+        ours = read_metadata(directory / ".metadata")
+        theirs = FileSystemReader(str(directory)).read_metadata()
+        assert sorted(ours.entries) == sorted(theirs.state_dict_metadata) and ours.entries
+        for name, item in theirs.state_dict_metadata.items():
+            mine = ours.entries[name]
+            if isinstance(item, BytesStorageMetadata):
+                assert isinstance(mine, BytesEntry), name
+                continue
+            assert f"torch.{mine.dtype}" == str(item.properties.dtype) and mine.size == tuple(item.size), name
+            assert [(c.offsets, c.sizes) for c in mine.chunks] == [
+                (tuple(c.offsets), tuple(c.sizes)) for c in item.chunks
+            ]
+        expected = {
+            (i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
+            for i, s in theirs.storage_data.items()
+        }
+        assert {k: (v.relative_path, v.offset, v.length) for k, v in ours.storage.items()} == expected
+        assert ours.version == theirs.version
+        if directory.parent.parent.name == "tp2":  # saved at TP 2: some adapter weights in two chunks
+            assert any(len(e.chunks) == 2 for e in ours.entries.values() if not isinstance(e, BytesEntry))
 
 
 def _soak(cycles: int, every: int) -> list[dict]:

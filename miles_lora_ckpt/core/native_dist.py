@@ -1,22 +1,33 @@
-"""Recognise a stock Miles native (raw-mode) LoRA checkpoint, which the plugin refuses to read.
+"""Recognise and read a stock Miles native (raw-mode) LoRA checkpoint, data only.
 
 Miles' native LoRA (`miles_plugins/lora`, PR #1792; contract §10.6) writes its adapters, and with
 an optimizer its optimizer state, as ONE megatron-core `dist_checkpointing` checkpoint in
-`<adapter dir>/torch_dist`. Its `.metadata` is a plain pickle of torch's DCP dataclasses and its
-common state is a pickle too (megatron-core 0.16: a `torch.save`d `common.pt`; 0.19: inside the
-DCP files); the plugin never unpickles, so it does not read that
-checkpoint. Pointed at one (`--lora-adapter-path`, `--load`, a load path), the plugin refuses
-loudly instead of starting a fresh adapter (`refusal`).
+`<adapter dir>/torch_dist`. Its `.metadata` is a pickle of torch's DCP dataclasses, read here by
+the plugin's own data-only reader (`core.dcp_metadata`: no code runs, an allowlist of types); its
+tensors are `torch.save`d chunks inside the `*.distcp` files, read by byte range with
+`torch.load(weights_only=True)` (`read_chunk`). Its common state (megatron-core 0.16: a
+`torch.save`d `common.pt`; 0.19: BYTE_IO items inside the DCP files) is a pickle and never read.
 
-Only file names and megatron's own `metadata.json` (plain JSON) are inspected: nothing is
-unpickled, nothing is imported from megatron.
+Pointed at one through a load path (`--lora-adapter-path`), the single-LoRA load warm-starts the
+adapter weights from it (`savers.single_lora.native_warm`); a `--load`/`--save` directory that
+holds one and no plugin generation is still refused (`refusal`): resuming a run needs the
+optimizer state the plugin does not restore from it.
+
+Recognition inspects only file names and megatron's own `metadata.json` (plain JSON); nothing is
+imported from megatron.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
+
+import torch
+
+from miles_lora_ckpt.core.dcp_metadata import Chunk, Metadata, TensorEntry
+from miles_lora_ckpt.core.regular_files import open_regular
 
 NATIVE_SUBDIR = "torch_dist"  # where Miles' native LoRA puts its checkpoint inside the adapter dir
 _MEGATRON_METADATA = "metadata.json"  # megatron-core dist_checkpointing: {"sharded_backend": ...}
@@ -69,18 +80,72 @@ def backend_of(directory: Path) -> str:
 
 
 def refusal(path: str | os.PathLike, found: Path) -> str:
-    """The error text for a load pointed at a stock native checkpoint: which directory, what it
-    is, why the plugin does not read it, and what to do instead."""
+    """The error text for a `--load`/`--save` directory holding a stock native checkpoint and no
+    plugin generation: which directory, what it is, why the plugin does not resume from it, and
+    what to do instead."""
     return (
-        f"{path} is a stock Miles native LoRA checkpoint (megatron-core dist_checkpointing, backend "
-        f"{backend_of(found)!r}, in {found}), not a miles-lora-ckpt generation: refusing to load it and refusing to "
-        "start a fresh adapter instead. The plugin does not read it because its metadata (.metadata) and common "
-        "state (common.pt, or inside the DCP files) are pickles and it never unpickles, and because its tensors are keyed by Miles' native "
-        "adapter names. Remedy: keep training from it with stock Miles (--megatron-to-hf-mode raw, without "
-        "--custom-megatron-init-path), or start from a miles-lora-ckpt save root or generation, or from a stock "
-        "Miles adapter directory of per-rank .pt files (weights-only warm start), or drop this path to train a new "
-        "adapter deliberately."
+        f"{path} holds a stock Miles native LoRA checkpoint (megatron-core dist_checkpointing, backend "
+        f"{backend_of(found)!r}, in {found}), not a miles-lora-ckpt generation: refusing to resume from it and "
+        "refusing to start a fresh adapter over it. The plugin restores only its adapter weights (a warm start); "
+        "its optimizer moments, step counters and scheduler live in megatron's optimizer items and pickled common "
+        "state, which it does not read. Remedy: keep training from it with stock Miles (--megatron-to-hf-mode raw, "
+        f"without --custom-megatron-init-path); or warm-start the adapter weights from it with --lora-adapter-path "
+        f"{found.parent} and a new --save directory; or start from a miles-lora-ckpt save root or generation."
     )
+
+
+def read_chunk(directory: Path, metadata: Metadata, name: str, chunk: Chunk) -> torch.Tensor:
+    """One saved chunk of tensor item `name`: its byte range of its `*.distcp` file (from
+    `metadata.storage`), loaded with `torch.load(weights_only=True)` (never a fallback), checked to
+    be a tensor of the chunk's sizes and the item's dtype. Raises ValueError or OSError naming the
+    file."""
+    entry = metadata.entries.get(name)
+    if not isinstance(entry, TensorEntry):
+        raise ValueError(f"{directory}: {name!r} is not a tensor item of the checkpoint")
+    info = metadata.storage.get((name, chunk.offsets))
+    if info is None:
+        raise ValueError(f"{directory}/.metadata: no storage entry for {name!r} at {list(chunk.offsets)}")
+    file = directory / info.relative_path
+    if not info.relative_path.endswith(".distcp") or Path(info.relative_path).name != info.relative_path:
+        raise ValueError(f"{directory}/.metadata: {name!r} lies in {info.relative_path!r}, not a .distcp file here")
+    if info.transforms:
+        raise ValueError(f"{file}: {name!r} is stored with transforms {list(info.transforms)} the plugin does not read")
+    itemsize = torch.empty(0, dtype=getattr(torch, entry.dtype)).element_size()
+    numel = 1
+    for size in chunk.sizes:
+        numel *= size
+    if info.length > numel * itemsize + _CHUNK_OVERHEAD:
+        raise ValueError(f"{file}: {name!r} takes {info.length} bytes, more than its {numel} {entry.dtype} values need")
+    fd, st = open_regular(file)
+    try:
+        if info.offset + info.length > st.st_size:
+            raise ValueError(
+                f"{file}: {name!r} at bytes [{info.offset}, +{info.length}) runs past its {st.st_size} bytes"
+            )
+        data = os.pread(fd, info.length, info.offset)
+    finally:
+        os.close(fd)
+    if len(data) != info.length:
+        raise ValueError(f"{file}: {name!r}: read {len(data)} of {info.length} bytes")
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - weights_only refusals and damage alike: named, never retried
+        raise ValueError(
+            f"{file}: {name!r} at byte {info.offset}: torch.load(weights_only=True) refused: {exc}"
+        ) from None
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tuple(tensor.shape) != chunk.sizes
+        or tensor.dtype != getattr(torch, entry.dtype)
+    ):
+        what = f"{tensor.dtype}{list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(
+            f"{file}: {name!r} at byte {info.offset} holds {what}, the metadata says {entry.dtype}{list(chunk.sizes)}"
+        )
+    return tensor
+
+
+_CHUNK_OVERHEAD = 1 << 16  # torch.save's zip container around one tensor's bytes
 
 
 def native_checkpoints_in(directory: str | os.PathLike) -> list[Path]:

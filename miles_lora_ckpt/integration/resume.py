@@ -149,14 +149,11 @@ def check_relaunch(config: PluginConfig, args) -> list[str]:
 
 
 def _refuse_native_checkpoints(config: PluginConfig, args) -> None:
-    """Raise ResumeRefused when this launch would train a fresh adapter over a stock Miles native
-    (raw-mode, `torch_dist`) LoRA checkpoint the plugin does not read (`core.native_dist`):
-    `--lora-adapter-path` names one, or `--load`/`--save` hold one and no plugin generation."""
-    adapter = getattr(args, "lora_adapter_path", None)
-    if adapter:
-        found = native_dist.find_native_checkpoint(adapter)
-        if found is not None:
-            raise ResumeRefused(f"--lora-adapter-path: {native_dist.refusal(adapter, found)}")
+    """Raise ResumeRefused when `--load`/`--save` hold a stock Miles native (raw-mode, `torch_dist`)
+    LoRA checkpoint and no plugin generation: resuming from it needs optimizer state the plugin does
+    not restore (`core.native_dist.refusal`), and a fresh adapter would silently replace it.
+    `--lora-adapter-path` naming one is the deliberate warm start of its adapter weights
+    (`savers.single_lora.native_warm`), not refused."""
     for flag in ("load", "save"):
         directory = getattr(args, flag, None)
         if not directory or newest_committed(save_root(config, directory)) is not None:

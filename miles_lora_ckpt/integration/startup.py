@@ -177,7 +177,7 @@ def _miles_problems(args, config, multi_lora: str | None = None) -> list[str]:
         problems.append(
             "--megatron-to-hf-mode raw with --lora-rank: Miles' native LoRA (miles_plugins/lora, PR #1792) keeps "
             "its adapters and optimizer state in megatron-core dist_checkpointing (<adapter dir>/torch_dist), "
-            "which miles-lora-ckpt does not save or restore; use --megatron-to-hf-mode bridge, or remove "
+            "which miles-lora-ckpt does not save or resume from (it only warm-starts adapter weights from one); use --megatron-to-hf-mode bridge, or remove "
             "--custom-megatron-init-path for this run"
         )
     if (getattr(args, "multi_lora_n_adapters", 0) or 0) > 0:

@@ -385,7 +385,8 @@ def _live_shard(opt, layout, key: str, numel: int):
 
 
 def legacy_warm_start(payload: dict, ctx) -> dict:
-    """Write a stock-Miles adapter directory (torch.save per global rank), warm-start from it."""
+    """Write a stock-Miles adapter directory (torch.save per global rank) and, with `native_dir`, a
+    stock native torch_dist checkpoint (megatron-core dist_checkpointing.save); warm-start from each."""
     import torch
 
     from miles_lora_ckpt.megatron.adapter_shards import is_adapter_param_name
@@ -403,18 +404,24 @@ def legacy_warm_start(payload: dict, ctx) -> dict:
         _write_native_torch_dist(trained, Path(payload["native_dir"]))
     teardown(trained)
 
-    consensus = Consensus.for_world(timeout_s=60)
+    consensus = Consensus.for_world(timeout_s=120)
     fresh = build_run(config)
-    native = _try_native_loads(fresh, payload, consensus) if payload.get("native_dir") else {}
+    run_steps(fresh, 0, 1)  # moments and step counters exist: the native warm start must leave them
+    native = _native_warm_starts(fresh, payload, consensus, adapter) if payload.get("native_dir") else {}
     result = load(fresh, legacy, consensus)
     loaded = {n: p for n, p in fresh.model[0].named_parameters() if is_adapter_param_name(n)}
     same_adapter = sorted(adapter) == sorted(loaded) and all(torch.equal(adapter[n], loaded[n]) for n in adapter)
-    return {
+    out = {
         "result": result.__dict__,
         "same_adapter": same_adapter,
         "masters_match_adapter": _masters_match(fresh),
         "native": native,
     }
+    teardown(fresh)
+    if payload.get("native_dir"):
+        out["native_refusals"] = _native_refusals(config, Path(payload["native_dir"]), consensus)
+        out["native_tp2_into_tp1"] = _native_across_tp(config, Path(payload["native_dir"]), consensus)
+    return out
 
 
 def _write_native_torch_dist(run, save_dir: Path) -> None:
@@ -426,23 +433,139 @@ def _write_native_torch_dist(run, save_dir: Path) -> None:
     _dc_save(run, save_dir / "iter_0000002" / "adapter" / "torch_dist")
 
 
-def _try_native_loads(run, payload: dict, consensus) -> dict:
-    """Load the stock native adapter dir and its torch_dist dir; report each error and whether the
-    run's model, optimizer or scheduler changed."""
-    adapter = Path(payload["native_dir"]) / "iter_0000002" / "adapter"
+class _Warnings:
+    """The WARNING records the plugin logs (logger `miles_lora_ckpt`) while it is installed."""
+
+    def __init__(self):
+        import logging
+
+        self.records: list[str] = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.records.append(record.getMessage())
+        self.logger = logging.getLogger("miles_lora_ckpt")
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+def _native_warm_starts(run, payload: dict, consensus, adapter: dict) -> dict:
+    """Warm-start `run` from the stock native adapter dir, then (its adapter scrambled first) from
+    its torch_dist dir; per path: the result, the warnings logged, whether every adapter tensor is
+    bit-identical to the saved run's and every master the cast of it, and whether the optimizer
+    moments and scheduler were left as they were."""
+    import torch
+
+    from miles_lora_ckpt.megatron.adapter_shards import is_adapter_param_name
+
+    native = Path(payload["native_dir"]) / "iter_0000002" / "adapter"
     outcomes = {}
-    for name, path in (("adapter dir", adapter), ("torch_dist dir", adapter / "torch_dist")):
-        before = snapshot_digests(snapshot(run))
-        try:
-            result, error = load(run, path, consensus).__dict__, None
-        except CheckpointError as exc:
-            result, error = None, str(exc)
+    for name, path in (("adapter dir", native), ("torch_dist dir", native / "torch_dist")):
+        with torch.no_grad():  # every adapter weight different from the saved one before the load
+            for n, p in run.model[0].named_parameters():
+                if is_adapter_param_name(n):
+                    p.add_(1.0)
+        before = snapshot(run)
+        with _Warnings() as logged:
+            result = load(run, path, consensus)
+        after = snapshot(run)
+        loaded = {n: p for n, p in run.model[0].named_parameters() if is_adapter_param_name(n)}
+        kept = [k for k in before if not k.startswith("param/") and "/master/" not in k]
         outcomes[name] = {
-            "error": error,
-            "result": result,
-            "changed": compare_digests(before, snapshot_digests(snapshot(run))),
+            "result": result.__dict__,
+            "logged": list(logged),
+            "same_adapter": sorted(adapter) == sorted(loaded)
+            and all(torch.equal(adapter[n], loaded[n]) for n in adapter),
+            "masters_match_adapter": _masters_match(run),
+            "rest_unchanged": [k for k in kept if not torch.equal(before[k], after[k])],
+            "kept_moments": sum(k.endswith(("/exp_avg", "/exp_avg_sq")) for k in kept),
+            "kept_scheduler": "scheduler" in kept,
         }
     return outcomes
+
+
+def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
+    """Refused warm starts, every tensor compared before and after: a native checkpoint missing one
+    adapter parameter (megatron-core dist_checkpointing.save of the adapter's sharded state dict
+    without it), and the full one into a run of another LoRA rank and into one without the expert
+    adapters the checkpoint holds; and a warm start whose install fails on rank 1 after rank 0
+    installed (an injected fault): rank 0 rolls its model and optimizer back."""
+    from megatron.core import dist_checkpointing
+
+    from miles_lora_ckpt.tools.bench_distckpt import model_sharded_state_dict
+
+    outcomes = {}
+    run = build_run(config)
+    partial = native_dir / "partial" / "torch_dist"
+    sharded = model_sharded_state_dict(run)
+    dropped = sorted(sharded)[0]
+    del sharded[dropped]
+    partial.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": sharded}, str(partial))
+    outcomes["missing"] = {**_refused(run, partial.parent, consensus), "dropped": dropped}
+    # the install fails on rank 1 (nothing changed there) after rank 0 installed: rank 0 rolls back
+    run_steps(run, 0, 1)
+    faults.arm("after-preflight", 1, "raise")
+    try:
+        outcomes["install fails on rank 1"] = _refused(run, native_dir / "iter_0000002" / "adapter", consensus)
+    finally:
+        faults.disarm()
+    teardown(run)
+    saved = native_dir / "iter_0000002" / "adapter"
+    for name, change in (("lora rank 8", {"lora_rank": 8}), ("dense only", {"adapters": "dense"})):
+        other = build_run(SimConfig.from_dict({**config.to_dict(), **change}))
+        outcomes[name] = _refused(other, saved, consensus)
+        teardown(other)
+    return outcomes
+
+
+def _refused(run, path: Path, consensus) -> dict:
+    before = snapshot_digests(snapshot(run))
+    try:
+        result, error = load(run, path, consensus).__dict__, None
+    except CheckpointError as exc:
+        result, error = None, str(exc)
+    return {"error": error, "result": result, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
+
+
+def _native_across_tp(config: SimConfig, native_dir: Path, consensus) -> dict:
+    """A native checkpoint saved at TP 2 (megatron-core dist_checkpointing.save) warm-starts a TP 1
+    run: its adapter equals, bit for bit, what megatron's own dist_checkpointing.load reshards into
+    the same run; masters are the cast of it."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from miles_lora_ckpt.megatron.adapter_shards import adapter_params
+    from miles_lora_ckpt.tools.bench_distckpt import model_sharded_state_dict
+
+    tp2 = build_run(SimConfig.from_dict({**config.to_dict(), "tp": 2}))
+    run_steps(tp2, 0, 1)
+    saved = native_dir / "tp2" / "adapter" / "torch_dist"
+    saved.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": model_sharded_state_dict(tp2)}, str(saved))
+    teardown(tp2)
+    run = build_run(config)
+    with _Warnings() as logged:
+        result = load(run, saved.parent, consensus)
+    ours = {n: p.detach().clone() for n, p in adapter_params(run.model).items()}
+    masters = _masters_match(run)
+    with torch.no_grad():
+        for p in adapter_params(run.model).values():
+            p.zero_()
+    dist_checkpointing.load({"model": model_sharded_state_dict(run)}, str(saved))  # megatron's own reshard
+    theirs = adapter_params(run.model)
+    out = {
+        "result": result.__dict__,
+        "logged": list(logged),
+        "names": len(ours),
+        "differ": [n for n in ours if not torch.equal(ours[n], theirs[n].detach())],
+        "masters_match_adapter": masters,
+    }
+    teardown(run)
+    return out
 
 
 def _masters_match(run) -> bool:

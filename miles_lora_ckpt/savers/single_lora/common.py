@@ -195,7 +195,7 @@ class LoadResult:
 
     loaded: bool
     iteration: int | None
-    source: str  # "generation", "legacy-miles" or "none"
+    source: str  # "generation", "legacy-miles", "native-dist" or "none"
     path: str | None = None
     adapter_restored: bool = False
     optimizer_restored: bool = False  # fp32 masters and every moment of every stepped child

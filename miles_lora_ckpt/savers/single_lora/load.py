@@ -64,6 +64,7 @@ from miles_lora_ckpt.savers.single_lora.common import (
     saved_metadata,
 )
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
+from miles_lora_ckpt.savers.single_lora.native_warm import warm_start_native
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,9 @@ def load_lora_checkpoint(
       scheduler that drives only those children, or None.
     - `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter
       only, refresh the masters from it and reposition the scheduler from the iteration.
-    - A stock Miles adapter directory warm-starts the adapter weights only, with a warning.
+    - A stock Miles adapter directory warm-starts the adapter weights only, with a warning: one of
+      per-rank `.pt` files (`legacy_miles`), or a native `torch_dist` checkpoint, resharded to this
+      run's TP/PP/EP (`native_warm`; its metadata read by the plugin's data-only reader).
     - A missing path, or a save root with no committed generation yet, loads nothing.
     - Every restored param group and the scheduler's fields are compared with the optimizer and
       scheduler this launch built (`core.hyperparameters`): a saved key the live optimizer lacks is
@@ -197,10 +200,18 @@ def _load(
             )
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
     if kind == "native-dist":
-        # never a fresh start over it: the same refusal on every rank, each rank named, before anything changes
         found = native_dist.find_native_checkpoint(path) or Path(path) / native_dist.NATIVE_SUBDIR
-        message = native_dist.refusal(path, found)
-        raise CheckpointError("classify", [RankFailure(r, message) for r in range(consensus.world_size)])
+        if not check.legacy:
+            raise CheckpointError(
+                "classify",
+                [
+                    RankFailure(
+                        r, f"{path} is a stock Miles native LoRA checkpoint ({found}), not a {check.saver} root"
+                    )
+                    for r in range(consensus.world_size)
+                ],
+            )
+        return warm_start_native(consensus, model, Path(path), found, optimizer, opt_param_scheduler)
 
     # plan: who holds what, so every rank can find its children's files and DP roots
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))

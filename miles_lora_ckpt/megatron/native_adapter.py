@@ -1,0 +1,94 @@
+"""This rank's adapter weights from a stock Miles native `torch_dist` checkpoint, at any TP.
+
+For every adapter parameter of the current model, its place in the global model comes from
+megatron's own layout knowledge (`megatron.param_blocks`: the global name megatron's
+`sharded_state_dict` gives it, its global shape and this rank's offsets). The checkpoint's item of
+that name (`core.dcp_metadata`) must exist with the same global shape and dtype; its saved chunks
+are blocks of the same global tensor, so `core.global_layout.plan_copies` says which elements of
+which chunk this rank needs, whatever TP the checkpoint was saved at. Only the chunks needed are
+read (`core.native_dist.read_chunk`). Nothing here is collective and nothing is changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from miles_lora_ckpt.core import native_dist
+from miles_lora_ckpt.core.dcp_metadata import Metadata, TensorEntry
+from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
+from miles_lora_ckpt.megatron import adapter_shards, param_blocks
+
+
+def adapter_blocks(model) -> dict[str, Block]:
+    """`{chunk-qualified name: Block}` of every adapter parameter; ValueError naming a parameter
+    whose place in the global model megatron does not describe."""
+    described = param_blocks.describe(model)
+    blocks = {}
+    for name in adapter_shards.adapter_params(model):
+        block = described.get(name)
+        if block is None:
+            raise ValueError(f"{name}: megatron does not describe its place in the global model, so it cannot be read")
+        blocks[name] = Block.from_dict(block, name)
+    return blocks
+
+
+def check_names(directory: Path, metadata: Metadata, wanted: set[str]) -> None:
+    """Every adapter item of the checkpoint (not an optimizer item) must be one some rank of this
+    model reads (`wanted`: the global names of all ranks): else the checkpoint holds adapter
+    weights this model lacks (another set of target modules), refused naming them."""
+    extra = sorted(
+        n
+        for n, e in metadata.entries.items()
+        if isinstance(e, TensorEntry)
+        and not n.startswith("optimizer.")
+        and adapter_shards.is_adapter_param_name(n)
+        and n not in wanted
+    )
+    if extra:
+        raise ValueError(
+            f"{directory}: the checkpoint holds {len(extra)} adapter parameter(s) this model does not have, e.g. {extra[:3]}"
+        )
+
+
+def read_adapter(model, directory: Path, metadata: Metadata, blocks: dict[str, Block]) -> dict[str, torch.Tensor]:
+    """`{chunk-qualified name: tensor}` of this rank's adapter parameters, assembled from the
+    checkpoint's chunks; ValueError naming the parameter on a missing item, a global-shape or dtype
+    mismatch, missing elements, or a non-finite value."""
+    out = {}
+    for name, param in adapter_shards.adapter_params(model).items():
+        block = blocks[name]
+        entry = metadata.entries.get(block.name)
+        if not isinstance(entry, TensorEntry):
+            raise ValueError(
+                f"{directory}: the checkpoint has no adapter parameter {block.name!r} (this model's {name}, "
+                f"global shape {list(block.global_shape)})"
+            )
+        if entry.size != block.global_shape:
+            raise ValueError(
+                f"{directory}: adapter parameter {block.name!r} has global shape {list(entry.size)} in the "
+                f"checkpoint, {list(block.global_shape)} in this model (another LoRA rank or model size?)"
+            )
+        if getattr(torch, entry.dtype) != param.dtype:
+            raise ValueError(
+                f"{directory}: adapter parameter {block.name!r} is {entry.dtype} there, {param.dtype} here"
+            )
+        saved = [Block(block.name, entry.size, c.offsets, c.sizes) for c in entry.chunks]
+        keep = distinct(saved)
+        try:
+            copies = plan_copies(block, 0, block.numel, [saved[i] for i in keep])
+        except ValueError as exc:
+            raise ValueError(f"{directory}: {exc}") from None
+        target = torch.empty(block.numel, dtype=param.dtype)
+        chunks: dict[int, torch.Tensor] = {}
+        for copy in copies:
+            index = keep[copy.source]
+            if index not in chunks:
+                chunks[index] = native_dist.read_chunk(directory, metadata, block.name, entry.chunks[index]).reshape(-1)
+            target[copy.into : copy.into + copy.count] = chunks[index][copy.first : copy.first + copy.count]
+        tensor = target.view(param.shape)
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{directory}: adapter parameter {block.name!r} holds NaN or Inf")
+        out[name] = tensor
+    return out

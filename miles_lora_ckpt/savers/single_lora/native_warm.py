@@ -1,0 +1,78 @@
+"""Warm start from a stock Miles native `torch_dist` adapter checkpoint: weights only.
+
+Collective; reads as phases::
+
+    prepare (every rank: the metadata, data only, and its adapter blocks) -> agree
+    -> read (every rank its own slices, checked; a copy of what it holds now) -> agree
+    -> install (adapter, masters refreshed from it) -> agree, undone on every rank if any failed
+
+The metadata is read by the plugin's data-only reader (`core.dcp_metadata`), the adapter chunks
+with `torch.load(weights_only=True)` (`core.native_dist.read_chunk`); the optimizer items and the
+pickled common state are never read, so moments, step counters and scheduler are not restored,
+and the warning says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.core.dcp_metadata import read_metadata
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.megatron import adapter_shards as shards
+from miles_lora_ckpt.megatron import native_adapter
+from miles_lora_ckpt.megatron.optimizer_children import chain
+from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.single_lora.common import LoadResult
+
+SOURCE = "native-dist"  # LoadResult.source of this warm start
+
+
+def warm_start_native(consensus: Consensus, model, path: Path, found: Path, optimizer, scheduler) -> LoadResult:
+    """Collective. The adapter weights of the stock native checkpoint `found` (named by `path`),
+    resharded to this run's layout; the fp32 masters refreshed from them; nothing else restored."""
+    children = [c.optimizer for c in chain.select(optimizer)] if optimizer else []
+
+    # prepare: every rank reads the metadata (data only) and describes its adapter parameters
+    prepared = attempt(_prepare, model, found)
+    wanted = consensus.agree("native-prepare", prepared.map(lambda p: sorted(b.name for b in p[1].values())))
+    metadata, blocks = prepared.value
+
+    # read: every rank its own slices, every check before anything changes; and what it holds now
+    read = attempt(_read, model, found, metadata, blocks, {n for names in wanted for n in names}, children, scheduler)
+    consensus.agree("native-read", read.map(lambda _: None))
+    saved, undo = read.value
+
+    # install, undone on every rank if it fails on any
+    try:
+        consensus.agree("native-install", attempt(_install, model, children, saved, consensus.rank))
+    except CheckpointError:
+        undo.restore()
+        raise
+    message = (
+        f"{path} is a stock Miles native LoRA checkpoint ({found}): restored the adapter weights only; NOT "
+        "restored: optimizer moments, step counters, scheduler state (its optimizer items and common state are "
+        "not read); the fp32 master weights were refreshed from the adapter"
+    )
+    return LoadResult(
+        True, None, SOURCE, str(path), adapter_restored=True, masters_refreshed=bool(children), warnings=[message]
+    )
+
+
+def _prepare(model, found: Path):
+    return read_metadata(found / ".metadata"), native_adapter.adapter_blocks(model)
+
+
+def _read(model, found: Path, metadata, blocks, wanted: set[str], children: list, scheduler):
+    native_adapter.check_names(found, metadata, wanted)
+    saved = native_adapter.read_adapter(model, found, metadata, blocks)
+    undo = UndoRecord.capture(shards.adapter_params(model).values(), children, scheduler)
+    return saved, undo
+
+
+def _install(model, children: list, saved: dict, rank: int) -> None:
+    faults.point("after-preflight", rank)  # tests: a rank failing here, the others already installed
+    shards.copy_into(shards.adapter_params(model), saved)
+    for child in children:
+        child.reload_model_params()  # masters from the loaded adapter, or step 1 would undo it
