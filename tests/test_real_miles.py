@@ -246,7 +246,8 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
 # Every function and method the 2026-08 stand-in (sim/miles_standin/lora_utils_2026_08) defines or
 # re-exports in a module the wheel also has is compared with the wheel's, as `render_signature` writes
 # them (names, kinds, defaults). Only these differ, each exactly as recorded: the 2026-08 shape's own
-# signatures where Miles changed after the 0.0.2 wheel (contract §2.2, §2.3, §10.5).
+# signatures where Miles changed after the 0.0.2 wheel (contract §2.2, §2.3, §10.5), as the 2026-08 source
+# has them (sim/miles_standin/source_signatures.py, tests/test_miles_standin_signatures.py).
 KNOWN_2026_08_DIFFERENCES = {
     "miles.backends.megatron_utils.model.initialize_model_and_optimizer": (
         "(args, role=..., checkpointing_context=...)",
@@ -257,14 +258,23 @@ KNOWN_2026_08_DIFFERENCES = {
         "(iteration, model, optimizer, opt_param_scheduler)",
     ),
     "miles.backends.megatron_utils.actor.MegatronTrainRayActor.init": (
-        "(self, args, role, *, with_ref=..., with_opd_teacher=..., recv_ckpt_src_rank=...)",
+        "(self, args, role, *, with_ref=..., with_opd_teacher=..., recv_ckpt_src_rank=..., indep_dp_info)",
         "(self, args, role, with_ref=...)",
     ),
+    "miles.backends.megatron_utils.actor.MegatronTrainRayActor.train": (
+        "(self, rollout_id, rollout_data_ref, witness_info=..., attempt=..., external_data=...)",
+        "(self, rollout_id, rollout_data_ref)",
+    ),
+    "miles.backends.megatron_utils.initialize.init": (
+        "(args, indep_dp_store_addr=..., indep_dp_info=...)",
+        "(args)",
+    ),
+    "miles.utils.misc.load_function": ("(path, *, sync_required=...)", "(path)"),
 }
-# the actor binds these two by name: the same difference
-for _name in ("initialize_model_and_optimizer", "save"):
+# the actor binds these by name: the same difference
+for _name, _module in (("initialize_model_and_optimizer", "model"), ("save", "model"), ("init", "initialize")):
     KNOWN_2026_08_DIFFERENCES[f"miles.backends.megatron_utils.actor.{_name}"] = KNOWN_2026_08_DIFFERENCES[
-        f"miles.backends.megatron_utils.model.{_name}"
+        f"miles.backends.megatron_utils.{_module}.{_name}"
     ]
 # Megatron-LM functions the stand-in only names (sim/miles_standin/common/megatron_lm.py): any call raises
 MEGATRON_LM_PLACEHOLDERS = {
@@ -273,8 +283,9 @@ MEGATRON_LM_PLACEHOLDERS = {
     "miles.backends.megatron_utils.model.save_checkpoint",
 }
 _SIGNATURES = """
-import importlib, inspect, json, pathlib, sys
+import json, pathlib, sys
 from miles_lora_ckpt.integration.shapes import detect_shape, render_signature
+from miles_lora_ckpt.sim.miles_standin.signature_collect import collect
 kind, path, tree = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 if kind == "wheel":
     from miles_lora_ckpt.sim.realmiles import standins
@@ -282,27 +293,10 @@ if kind == "wheel":
     standins.install_for_actor()  # the actor module imports SGLang's runtime
 else:
     sys.path.insert(0, path)
-names = {}
-files = {}
-for file in sorted(tree.rglob("*.py")):
-    module = ".".join(file.relative_to(tree).with_suffix("").parts).removesuffix(".__init__")
-    try:
-        m = importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if kind == "wheel" and error.name is not None and module.startswith(error.name):
-            continue  # a module of the 2026-08 shape the wheel does not have
-        raise
-    files[module] = m.__file__
-    for name, obj in vars(m).items():
-        defined = (getattr(obj, "__module__", None) or "").startswith(("miles.", "miles_lora_ckpt."))
-        if name.startswith("__") or not (defined or kind == "wheel"):  # the stand-in's own names
-            continue
-        if inspect.isfunction(obj):
-            names[f"{module}.{name}"] = render_signature(obj)
-        elif inspect.isclass(obj):
-            for attr, member in vars(obj).items():
-                if inspect.isfunction(member) and (attr == "__init__" or not attr.startswith("__")):
-                    names[f"{module}.{name}.{attr}"] = render_signature(member)
+# the wheel: every name (a module of the 2026-08 shape the wheel does not have is left out); the
+# stand-in: what it defines or binds from other miles modules, not its own imports of torch & co
+functions, files = collect(tree, scope="all" if kind == "wheel" else "miles", skip_missing=kind == "wheel")
+names = {name: render_signature(function) for name, function in functions.items()}
 print("RESULT" + json.dumps({"signatures": names, "files": files, "shape": detect_shape().name}))
 """
 

@@ -75,9 +75,12 @@ class Shape:
     bridge_model_context: str | None = None
 
 
-def render_signature(function: Callable) -> str:
+def render_signature(function: Callable, *, defaults: bool = False) -> str:
     """`(a, b=..., *, c=...)`: parameter names, kinds and which have defaults; no annotations.
 
+    `defaults=True` writes each default's `repr` instead of `...` (`(a, b=None, *, c=False)`), as
+    `ast.unparse` writes a literal default in source: the stand-ins' signature table
+    (`sim/miles_standin/source_signatures.py`) compares defaults too.
     `inspect.signature` follows `__wrapped__`, so a function the plugin already wrapped still
     renders as Miles' own (that is what makes a second registration a no-op).
     """
@@ -95,7 +98,10 @@ def render_signature(function: Callable) -> str:
         if param.kind is param.KEYWORD_ONLY and not star:
             parts.append("*")
             star = True
-        parts.append(param.name + ("=..." if param.default is not param.empty else ""))
+        if param.default is param.empty:
+            parts.append(param.name)
+        else:
+            parts.append(f"{param.name}={param.default!r}" if defaults else f"{param.name}=...")
         following = params[index + 1] if index + 1 < len(params) else None
         if param.kind is param.POSITIONAL_ONLY and (following is None or following.kind is not param.POSITIONAL_ONLY):
             parts.append("/")

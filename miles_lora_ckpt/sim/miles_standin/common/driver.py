@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lora_ckpt.sim.miles_standin.common.args import command_line
+from miles_lora_ckpt.sim.miles_standin.common.indep_dp import IndepDPInfo
 
 
 class Probe:
@@ -41,7 +42,8 @@ def run(argv: list[str], probe: Probe | None = None):
         args = parse_args()
     miles_validate_args(args)
     actor = MegatronTrainRayActor()
-    start = actor.init(copy.deepcopy(args), "actor", with_ref=args.use_kl_loss)
+    # Miles' train group passes the one-cell value unless independent data-parallel cells are configured
+    start = actor.init(copy.deepcopy(args), "actor", with_ref=args.use_kl_loss, indep_dp_info=IndepDPInfo())
     return drive(actor, args, start, probe, should_run_periodic_action)
 
 

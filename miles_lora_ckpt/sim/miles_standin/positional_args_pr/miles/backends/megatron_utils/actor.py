@@ -13,9 +13,12 @@ from miles_lora_ckpt.sim.miles_standin.common.weights import WeightBackups
 
 
 class MegatronTrainRayActor:
-    def init(self, args, role, *, with_ref=False, with_opd_teacher=False, recv_ckpt_src_rank=None) -> int:
+    def init(
+        self, args, role, *, with_ref=False, with_opd_teacher=False, recv_ckpt_src_rank=None, indep_dp_info
+    ) -> int:
+        """`indep_dp_info`: the actor's data-parallel cell (`common/indep_dp.py`), passed on as in Miles."""
         self.args, self.role = args, role
-        init(args)  # ends with the --custom-megatron-init-path hook
+        init(args, indep_dp_store_addr=None, indep_dp_info=indep_dp_info)  # ends with the init hook
         checkpointing_context = None
         if args.non_persistent_ckpt_type == "local":
             from miles.backends.megatron_utils.ft.in_memory_checkpoint import InMemoryCheckpointManager
@@ -25,6 +28,7 @@ class MegatronTrainRayActor:
             args, role, checkpointing_context=checkpointing_context
         )
         start_rollout_id = loaded_rollout_id + 1
+        self._last_rollout_id = loaded_rollout_id  # Miles: set by `train` only; here `send_ckpt` works after a load
         self.weights = WeightBackups(self.model)
         if with_ref:
             self.load_other_checkpoint("ref", args.ref_load)
@@ -32,9 +36,11 @@ class MegatronTrainRayActor:
             self.load_other_checkpoint("old_actor", args.load)
         return start_rollout_id
 
-    def train(self, rollout_id: int, rollout_data_ref) -> list[float]:
-        """`rollout_data_ref`: Miles' Ray object ref of the rollout data; the harness's data is a function of
-        seed, step and DP rank, so the driver passes None."""
+    def train(
+        self, rollout_id: int, rollout_data_ref, witness_info=None, attempt: int = 0, external_data=None
+    ) -> list[float]:
+        """`rollout_data_ref`: Miles' Ray object ref (None: the harness's data is seeded); the others unused."""
+        self._last_rollout_id = rollout_id
         return [
             harness_train_step(self.args, rollout_id, step_id, self.model, self.optimizer, self.opt_param_scheduler)
             for step_id in range(training.steps_per_rollout(self.args))
@@ -70,8 +76,6 @@ class MegatronTrainRayActor:
             for name, value in old.items():
                 setattr(self.args, name, value)
 
-    def send_ckpt(self, rollout_id: int):
-        """The FT heal path's sender: an in-memory checkpoint of the live state."""
-        from miles.backends.megatron_utils.ft.in_memory_checkpoint import save_to_memory
-
-        return save_to_memory(self.model, self.optimizer, self.opt_param_scheduler, rollout_id)
+    def send_ckpt(self, dst_rank: int):
+        """Miles sends to `dst_rank`; one cell here: `training.in_memory_checkpoint` returns it."""
+        return training.in_memory_checkpoint(self)

@@ -14,7 +14,7 @@ class InMemoryCheckpointManager:
         return self.state
 
 
-def save_to_memory(model, optimizer, opt_param_scheduler, iteration: int):
+def save_to_memory(iteration: int, model, optimizer, opt_param_scheduler):
     manager = InMemoryCheckpointManager()
     save(
         iteration,
