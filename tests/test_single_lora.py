@@ -638,6 +638,36 @@ def test_native_warm_start_reshards_a_tp2_checkpoint_into_tp1(stock_dirs):
         assert any("NOT restored" in line for line in outcome["logged"]), outcome["logged"]
 
 
+def test_a_checkpoint_named_as_miles_native_lora_writes_it_warm_starts_bit_exactly_at_tp2(stock_dirs):
+    """Miles' native LoRA names (`<block>.lora_o_adapter.o_A` / `o_B`, the layers stacked on a
+    leading axis or numbered in the key) and layouts (A split on axis 1 over TP 2, B replicated),
+    written by megatron-core's dist_checkpointing.save: the run warm-starts from each form, every
+    adapter tensor bit-identical to the written one, masters the cast of it. Without the mapping
+    (the old behaviour) the same checkpoint is refused; a native split q/k/v adapter is refused
+    naming its item. Nothing changes on a refusal; the same error on both ranks."""
+    _, results = stock_dirs
+    errors = set()
+    for r in results:
+        names = r["native_names"]
+        assert names["expected"] == 4, names  # o_A and o_B of 2 layers on this rank
+        stacked, per_layer = names["stacked"], names["per layer"]
+        assert stacked["keys"] == ["layers.lora_o_adapter.o_A", "layers.lora_o_adapter.o_B"], stacked
+        assert per_layer["keys"] == [f"layers.{g}.lora_o_adapter.o_{f}" for g in (0, 1) for f in "AB"], per_layer
+        for outcome in (stacked, per_layer):
+            assert set(outcome["keys"]) <= set(outcome["items"]), outcome
+            assert outcome["result"]["source"] == "native-dist" and outcome["result"]["adapter_restored"], outcome
+            assert outcome["differ"] == [] and outcome["masters_match_adapter"], outcome
+        unmapped, split = names["unmapped"], names["split"]
+        for outcome in (unmapped, split):
+            assert outcome["result"] is None and outcome["changed"] is None, outcome
+            assert "rank 0:" in outcome["error"] and "rank 1:" in outcome["error"], outcome["error"]
+        assert "this model does not have" in unmapped["error"], unmapped  # the old behaviour: names differ
+        assert "layers.lora_o_adapter.o_A" in unmapped["error"], unmapped
+        assert "'layers.lora_qkv_adapter.q_A'" in split["error"] and "native split adapter" in split["error"], split
+        errors.add(split["error"])
+    assert len(errors) == 1, errors
+
+
 def test_native_warm_start_refuses_a_missing_parameter_or_another_lora_rank_on_every_rank(stock_dirs):
     """A native checkpoint missing one adapter parameter, one of another LoRA rank, or one holding
     adapter weights the model lacks is refused with the same error on every rank, naming every rank,

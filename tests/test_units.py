@@ -148,6 +148,51 @@ def test_names_read_from_disk_elsewhere_are_ascii_only_too():
     assert not resume._MEGATRON_ITER_DIR.match("iter_000000\u0661")
 
 
+def test_native_names_map_miles_native_single_projection_factors_and_refuse_the_rest():
+    """`core.native_names`: this run's factor of a linear Miles' native LoRA adapts with a single
+    projection is read from the native item (per layer, or stacked on a leading layer axis at the
+    layer's index); the fused split / Inkling adapters are refused with the reason; an item that
+    could be read from two places is refused, never guessed."""
+    from miles_lora_ckpt.core.global_layout import Block
+    from miles_lora_ckpt.core.native_names import Source, native_sources, refusal, resolve
+
+    bridge_in = "decoder.layers.3.self_attention.linear_proj.adapter.linear_in.weight"
+    assert native_sources(bridge_in) == [
+        Source("decoder.layers.3.self_attention.lora_o_adapter.o_A"),
+        Source("decoder.layers.self_attention.lora_o_adapter.o_A", 3),
+    ]
+    fc2_out = "decoder.layers.1.mlp.shared_experts.linear_fc2.adapter.linear_out.weight"
+    assert [s.key for s in native_sources(fc2_out)] == [
+        "decoder.layers.1.mlp.shared_experts.lora_fc2_adapter.down_B",
+        "decoder.layers.mlp.shared_experts.lora_fc2_adapter.down_B",
+        "decoder.layers.1.mlp.shared_experts.lora_fc2_adapter.fc2_B",
+        "decoder.layers.mlp.shared_experts.lora_fc2_adapter.fc2_B",
+    ]
+    assert native_sources("layers.0.linear_qkv.lora_B.weight") == []  # split q/k/v: no single item
+    assert native_sources("decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight") == []
+    assert resolve(bridge_in, {bridge_in}) == Source(bridge_in)
+    assert resolve(bridge_in, {"decoder.layers.self_attention.lora_o_adapter.o_A"}).layer == 3
+    assert resolve(bridge_in, set()) is None
+    with pytest.raises(ValueError, match="could be read from 2 items"):
+        resolve(bridge_in, {bridge_in, "decoder.layers.self_attention.lora_o_adapter.o_A"})
+    # a stacked item: this rank's block of layer 3, TP rank 1 of 2 of the row-parallel A
+    wanted = Block(bridge_in, (4, 32), (0, 16), (4, 16))
+    block = Source("decoder.layers.self_attention.lora_o_adapter.o_A", 3).block(wanted, (6, 4, 32))
+    assert (block.global_shape, block.offset, block.shape) == ((6, 4, 32), (3, 0, 16), (1, 4, 16))
+    with pytest.raises(ValueError, match=r"global shape \[6, 8, 32\] in the checkpoint, \[6, 4, 32\]"):
+        Source("decoder.layers.self_attention.lora_o_adapter.o_A", 3).block(wanted, (6, 8, 32))
+    with pytest.raises(ValueError, match="2 layer"):
+        Source("decoder.layers.self_attention.lora_o_adapter.o_A", 3).block(wanted, (2, 4, 32))
+    assert "split adapter" in refusal("decoder.layers.self_attention.lora_qkv_adapter.q_A")
+    assert "linear_fc1" in refusal("decoder.layers.7.mlp.lora_fc1_adapter.gate_B")
+    assert "Inkling's fused gate/up" in refusal("decoder.layers.mlp.lora_fc1_adapter.fc1_B")
+    assert "grouped-expert" in refusal("decoder.layers.2.mlp.experts.lora_fc2_adapter.w2_A")
+    assert "shared-experts" in refusal("decoder.layers.2.mlp.shared_experts.lora_adapter.w1_B")
+    assert "lm_head" in refusal("lora_lm_head_adapter.head_A")
+    assert refusal("decoder.layers.self_attention.lora_o_adapter.o_A") is None  # it maps
+    assert refusal("decoder.layers.0.self_attention.linear_proj.weight") is None
+
+
 def test_native_dist_recognises_only_torch_dist_adapter_checkpoints(tmp_path):
     """`core.native_dist`: megatron's metadata.json or DCP's .metadata + *.distcp, in a directory
     named torch_dist (itself or below an adapter dir / iter dir); never a base checkpoint or junk."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core import native_dist
+from miles_lora_ckpt.core import native_dist, native_names
 from miles_lora_ckpt.core.dcp_metadata import Metadata, TensorEntry
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.megatron import adapter_shards, param_blocks
@@ -34,10 +34,40 @@ def adapter_blocks(model) -> dict[str, Block]:
     return blocks
 
 
+def sources(directory: Path, metadata: Metadata, blocks: dict[str, Block]) -> dict[str, native_names.Source]:
+    """`{chunk-qualified name: the checkpoint item holding it}` (`core.native_names.resolve`) for
+    every adapter parameter the checkpoint holds; ValueError naming the parameter when two items
+    could hold it. A parameter it does not hold is left out (`read_adapter` refuses it)."""
+    out = {}
+    for name, block in blocks.items():
+        try:
+            source = native_names.resolve(block.name, metadata.entries)
+        except ValueError as exc:
+            raise ValueError(f"{directory}: {exc}") from None
+        if source is not None:
+            out[name] = source
+    return out
+
+
 def check_names(directory: Path, metadata: Metadata, wanted: set[str]) -> None:
     """Every adapter item of the checkpoint (not an optimizer item) must be one some rank of this
-    model reads (`wanted`: the global names of all ranks): else the checkpoint holds adapter
-    weights this model lacks (another set of target modules), refused naming them."""
+    model reads (`wanted`: the items all ranks read): else the checkpoint holds adapter weights this
+    model lacks (another set of target modules), refused naming them; a native adapter no
+    single-factor adapter can hold (`core.native_names.refusal`) is refused naming it and why."""
+    unmapped = sorted(
+        (n, reason)
+        for n, e in metadata.entries.items()
+        if isinstance(e, TensorEntry)
+        and not n.startswith("optimizer.")
+        and n not in wanted
+        and (reason := native_names.refusal(n))
+    )
+    if unmapped:
+        name, reason = unmapped[0]
+        raise ValueError(
+            f"{directory}: the checkpoint holds {len(unmapped)} Miles native adapter item(s) this run cannot "
+            f"load, e.g. {name!r}: {reason}"
+        )
     extra = sorted(
         n
         for n, e in metadata.entries.items()
@@ -52,24 +82,26 @@ def check_names(directory: Path, metadata: Metadata, wanted: set[str]) -> None:
         )
 
 
-def read_adapter(model, directory: Path, metadata: Metadata, blocks: dict[str, Block]) -> dict[str, torch.Tensor]:
-    """`{chunk-qualified name: tensor}` of this rank's adapter parameters, assembled from the
-    checkpoint's chunks; ValueError naming the parameter on a missing item, a global-shape or dtype
-    mismatch, missing elements, or a non-finite value."""
+def read_adapter(
+    model, directory: Path, metadata: Metadata, blocks: dict[str, Block], found: dict[str, native_names.Source]
+) -> dict[str, torch.Tensor]:
+    """`{chunk-qualified name: tensor}` of this rank's adapter parameters, assembled from the chunks
+    of the checkpoint items `found` (`sources`) names; ValueError naming the parameter on a missing
+    item, a global-shape or dtype mismatch, missing elements, or a non-finite value."""
     out = {}
     for name, param in adapter_shards.adapter_params(model).items():
-        block = blocks[name]
-        entry = metadata.entries.get(block.name)
+        wanted = blocks[name]
+        source = found.get(name)
+        entry = metadata.entries.get(source.key) if source else None
         if not isinstance(entry, TensorEntry):
             raise ValueError(
-                f"{directory}: the checkpoint has no adapter parameter {block.name!r} (this model's {name}, "
-                f"global shape {list(block.global_shape)})"
+                f"{directory}: the checkpoint has no adapter parameter {wanted.name!r} (this model's {name}, "
+                f"global shape {list(wanted.global_shape)})"
             )
-        if entry.size != block.global_shape:
-            raise ValueError(
-                f"{directory}: adapter parameter {block.name!r} has global shape {list(entry.size)} in the "
-                f"checkpoint, {list(block.global_shape)} in this model (another LoRA rank or model size?)"
-            )
+        try:
+            block = source.block(wanted, entry.size)
+        except ValueError as exc:
+            raise ValueError(f"{directory}: {exc}") from None
         if getattr(torch, entry.dtype) != param.dtype:
             raise ValueError(
                 f"{directory}: adapter parameter {block.name!r} is {entry.dtype} there, {param.dtype} here"

@@ -47,7 +47,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from miles_lora_ckpt.sim.layout import check_layout
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-ADAPTER_KINDS = ("dense", "expert-only", "mixed")
+# "proj": an adapter on linear_proj only (the single-projection adapter a Miles native checkpoint maps onto)
+ADAPTER_KINDS = ("dense", "expert-only", "mixed", "proj")
 OPTIMIZERS = ("adam", "lion", "muon")  # how each is built: sim/optimizers.py
 SCALAR_OPTIMIZERS = ("adam", "lion")  # Muon's `muon_scalar_optimizer` for non-matrix params
 
@@ -81,7 +82,7 @@ class SimConfig(DictConfig):
     cp: int = 1  # context-parallel size: each CP rank trains on its part of every sequence
     vpp: int = 1  # virtual pipeline: model chunks per stage (needs pp >= 2), each with its own DDP
     dtype: str = "bf16"
-    adapters: str = "dense"
+    adapters: str = "dense"  # ADAPTER_KINDS: dense, expert-only, mixed, proj (linear_proj only)
     optimizer: str = "adam"
     muon_scalar: str = "adam"  # Muon only: the optimizer megatron gives non-matrix params (biases)
     # None: what megatron builds for the optimizer (sim/optimizers.py); True: DistributedOptimizer
@@ -161,7 +162,7 @@ class SimConfig(DictConfig):
     @property
     def dense_adapters(self) -> bool:
         """Whether the dense (attention-like) linears carry adapters."""
-        return self.adapters in ("dense", "mixed")
+        return self.adapters in ("dense", "mixed", "proj")
 
     @property
     def expert_adapters(self) -> bool:
@@ -356,7 +357,8 @@ class SimLayer(torch.nn.Module):
         prefix = f"layers.{index}"
         dense = dict(adapter=config.dense_adapters, expert=False)
         expert = dict(adapter=config.expert_adapters, expert=True)
-        self.linear_qkv = LoraLinear(mcfg, config, f"{prefix}.linear_qkv", "column", **dense)
+        qkv = dict(dense, adapter=config.dense_adapters and config.adapters != "proj")
+        self.linear_qkv = LoraLinear(mcfg, config, f"{prefix}.linear_qkv", "column", **qkv)
         self.linear_proj = LoraLinear(mcfg, config, f"{prefix}.linear_proj", "row", **dense)
         if config.num_experts:
             self.mlp = SimMoE(mcfg, config, prefix, expert)

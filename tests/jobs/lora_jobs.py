@@ -421,6 +421,7 @@ def legacy_warm_start(payload: dict, ctx) -> dict:
     if payload.get("native_dir"):
         out["native_refusals"] = _native_refusals(config, Path(payload["native_dir"]), consensus)
         out["native_tp2_into_tp1"] = _native_across_tp(config, Path(payload["native_dir"]), consensus)
+        out["native_names"] = _native_names(config, Path(payload["native_dir"]), consensus)
     return out
 
 
@@ -564,6 +565,92 @@ def _native_across_tp(config: SimConfig, native_dir: Path, consensus) -> dict:
         "differ": [n for n in ours if not torch.equal(ours[n], theirs[n].detach())],
         "masters_match_adapter": masters,
     }
+    teardown(run)
+    return out
+
+
+def _write_miles_native(run, path: Path, stacked: bool, extra: dict | None = None) -> list[str]:
+    """A checkpoint laid out exactly as Miles' native LoRA (miles_plugins/lora, docs/incoming/nnames.md)
+    writes the adapter of each layer's row-parallel `linear_proj`: a `lora_o_adapter` module on the
+    block owning the linear, parameters `o_A` [rank, in] (TP-split on axis 1) and `o_B` [out, rank]
+    (replicated), made ShardedTensors by megatron-core's make_sharded_tensors_for_checkpoint under
+    the local layer prefix, that prefix then replaced as megatron's TransformerBlock replaces it
+    (`stacked`: `layers.` with the global layer on a leading axis of num_layers, its default for
+    homogeneous layers; else `layers.<global>.`); merged as Miles merges them (key|offset) and
+    saved with dist_checkpointing.save beside Miles' common state. `extra`: more native parameters
+    of that module kind, `{adapter attr: ({name: tensor}, {name: TP axis})}`. Returns the keys."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    config, chunk = run.config, run.model[0]
+    layers = [m for _, m in chunk.named_modules() if hasattr(m, "linear_proj") and hasattr(m, "global_index")]
+    sharded = {}
+    for local, layer in enumerate(layers):
+        g = layer.global_index
+        modules = {
+            "lora_o_adapter": (
+                {"o_A": layer.linear_proj.lora_A.weight, "o_B": layer.linear_proj.lora_B.weight},
+                {"o_A": 1},
+            )
+        }
+        modules.update(extra or {})
+        for attr, (params, axes) in modules.items():
+            entries = make_sharded_tensors_for_checkpoint(
+                params, f"layers.{local}.{attr}.", axes, [(0, g, config.num_layers)] if stacked else []
+            )
+            replace_prefix_for_sharding(entries, f"layers.{local}.", "layers." if stacked else f"layers.{g}.")
+            sharded.update({f"{e.key}|{tuple(e.global_offset)}": e for e in entries.values()})
+    path.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": sharded, "iteration": 1, "has_optimizer_state": False}, str(path))
+    return sorted({e.key for e in sharded.values()})
+
+
+def _native_names(config: SimConfig, native_dir: Path, consensus) -> dict:
+    """Miles' native LoRA names and layouts (core.native_names) at TP 2: a run whose adapter sits on
+    linear_proj trains a step; its adapter is written as Miles' native LoRA writes it (both key
+    forms); scrambled, the run warm-starts from each and every adapter tensor is compared with the
+    written one. Negative controls: without the mapping (native_sources giving nothing, the old
+    behaviour) the same checkpoint is refused; a checkpoint that also holds a native split q/k/v
+    adapter is refused naming its item. Nothing changes on a refusal."""
+    import torch
+
+    from miles_lora_ckpt.core import native_names
+    from miles_lora_ckpt.core.dcp_metadata import read_metadata
+    from miles_lora_ckpt.megatron.adapter_shards import adapter_params
+
+    run = build_run(SimConfig.from_dict({**config.to_dict(), "tp": 2, "adapters": "proj"}))
+    run_steps(run, 0, 1)
+    expected = {n: p.detach().clone() for n, p in adapter_params(run.model).items()}
+    base = native_dir / "names"
+    out = {"expected": len(expected)}
+    for form, stacked in (("stacked", True), ("per layer", False)):
+        path = base / form.replace(" ", "-") / "torch_dist"
+        keys = _write_miles_native(run, path, stacked)
+        with torch.no_grad():
+            for p in adapter_params(run.model).values():
+                p.add_(1.0)
+        result = load(run, path.parent, consensus)
+        loaded = adapter_params(run.model)
+        out[form] = {
+            "keys": keys,
+            "items": sorted(read_metadata(path / ".metadata").entries),
+            "result": result.__dict__,
+            "differ": [n for n in expected if not torch.equal(expected[n], loaded[n].detach())],
+            "masters_match_adapter": _masters_match(run),
+        }
+    mapped = native_names.native_sources
+    native_names.native_sources = lambda name: []  # the unmapped (old) behaviour
+    try:
+        out["unmapped"] = _refused(run, base / "stacked", consensus)
+    finally:
+        native_names.native_sources = mapped
+    a, b = torch.ones(config.lora_rank, config.hidden), torch.ones(config.hidden // 2, config.lora_rank)
+    split = {
+        "lora_qkv_adapter": ({"q_A": a.to(run.config.torch_dtype), "q_B": b.to(run.config.torch_dtype)}, {"q_B": 0})
+    }
+    _write_miles_native(run, base / "split" / "torch_dist", True, split)
+    out["split"] = _refused(run, base / "split", consensus)
     teardown(run)
     return out
 

@@ -2,7 +2,7 @@
 
 Collective; reads as phases::
 
-    prepare (every rank: the metadata, data only, and its adapter blocks) -> agree
+    prepare (every rank: the metadata, data only, its adapter blocks and the items holding them) -> agree
     -> read (every rank its own slices, checked; a copy of what it holds now) -> agree
     -> install (adapter, masters refreshed from it) -> agree, undone on every rank if any failed
 
@@ -36,11 +36,12 @@ def warm_start_native(consensus: Consensus, model, path: Path, found: Path, opti
 
     # prepare: every rank reads the metadata (data only) and describes its adapter parameters
     prepared = attempt(_prepare, model, found)
-    wanted = consensus.agree("native-prepare", prepared.map(lambda p: sorted(b.name for b in p[1].values())))
-    metadata, blocks = prepared.value
+    wanted = consensus.agree("native-prepare", prepared.map(lambda p: sorted(s.key for s in p[2].values())))
+    metadata, blocks, sources = prepared.value
 
     # read: every rank its own slices, every check before anything changes; and what it holds now
-    read = attempt(_read, model, found, metadata, blocks, {n for names in wanted for n in names}, children, scheduler)
+    keys = {n for names in wanted for n in names}
+    read = attempt(_read, model, found, metadata, blocks, sources, keys, children, scheduler)
     consensus.agree("native-read", read.map(lambda _: None))
     saved, undo = read.value
 
@@ -61,12 +62,13 @@ def warm_start_native(consensus: Consensus, model, path: Path, found: Path, opti
 
 
 def _prepare(model, found: Path):
-    return read_metadata(found / ".metadata"), native_adapter.adapter_blocks(model)
+    metadata, blocks = read_metadata(found / ".metadata"), native_adapter.adapter_blocks(model)
+    return metadata, blocks, native_adapter.sources(found, metadata, blocks)
 
 
-def _read(model, found: Path, metadata, blocks, wanted: set[str], children: list, scheduler):
+def _read(model, found: Path, metadata, blocks, sources, wanted: set[str], children: list, scheduler):
     native_adapter.check_names(found, metadata, wanted)
-    saved = native_adapter.read_adapter(model, found, metadata, blocks)
+    saved = native_adapter.read_adapter(model, found, metadata, blocks, sources)
     undo = UndoRecord.capture(shards.adapter_params(model).values(), children, scheduler)
     return saved, undo
 
