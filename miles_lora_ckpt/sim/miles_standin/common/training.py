@@ -19,6 +19,9 @@ the Megatron model from the HF config:
   No experts, context parallelism or virtual pipelines.
 - any other `config.json` (e.g. `{}`): the tiny LoRA model of `sim.model`; `--target-modules` picks
   dense (`linear_qkv,linear_proj`), expert (`linear_fc1,linear_fc2`) or both (the default).
+  Megatron-LM's `--expert-tensor-parallel-size` (default: the TP size) splits the expert linears
+  over megatron's expert-TP group, and `--num-experts N` numbers N experts globally (N / EP per
+  EP rank, the same model at every EP size; without it, one expert per EP rank).
 - after `use_real_bridge()` (the Bridge tier only): the model is built by the REAL Megatron-Bridge
   0.6.2 from `--hf-checkpoint` (a tiny Qwen2 or Llama of `sim.bridge_model.build_hf_base`), with
   Bridge's own LoRA on the four linears (`--target-modules all-linear`), fp32 (no `--bf16`), and
@@ -63,8 +66,9 @@ def bridge_config(args):
     if args.target_modules not in (None, "all-linear") or args.optimizer != "adam":
         raise ValueError("the real-Bridge stand-in run adapts all four linears (all-linear) with Adam")
     parallel = (args.expert_model_parallel_size, args.context_parallel_size, args.virtual_pipeline_model_parallel_size)
-    if parallel not in ((1, 1, None), (1, 1, 1)):
-        raise ValueError("the real-Bridge stand-in run has no EP, CP or virtual pipeline")
+    moe = (getattr(args, "num_experts", None), getattr(args, "expert_tensor_parallel_size", None))
+    if parallel not in ((1, 1, None), (1, 1, 1)) or moe != (None, None):
+        raise ValueError("the real-Bridge stand-in run has no EP, expert-TP, experts, CP or virtual pipeline")
     return BridgeRunConfig(
         family=family,
         world_size=dist.get_world_size(),
@@ -153,6 +157,12 @@ def _qwen2_config(args, hf: dict):
 
     from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 
+    moe = {"--num-experts": getattr(args, "num_experts", None)}
+    moe["--expert-tensor-parallel-size"] = getattr(args, "expert_tensor_parallel_size", None)
+    if any(v is not None for v in moe.values()):
+        raise ValueError(
+            f"{', '.join(k for k, v in moe.items() if v is not None)}: the Qwen2-shaped model has no experts"
+        )
     expected = Qwen2SimConfig().hf_config_kwargs()
     differing = {k: (hf.get(k), v) for k, v in expected.items() if k in hf and hf.get(k) != v}
     if differing:
@@ -191,6 +201,8 @@ def _tiny_config(args):
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
         ep=args.expert_model_parallel_size,
+        etp=getattr(args, "expert_tensor_parallel_size", None),
+        num_experts=getattr(args, "num_experts", None) or 0,
         cp=args.context_parallel_size,
         vpp=args.virtual_pipeline_model_parallel_size or 1,
         num_layers=layers_for(args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1),
@@ -220,6 +232,7 @@ def initialize_model_parallel(args) -> None:
             expert_model_parallel_size=args.expert_model_parallel_size,
             context_parallel_size=args.context_parallel_size,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         )
 
 
