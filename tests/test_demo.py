@@ -227,11 +227,9 @@ def test_resharding_usage_errors_exit_2_before_any_worker(tmp_path, capsys):
         ("--etp", "2", "--resume-etp", "2"): "nothing to reshard",
         ("--etp", "2", "--via", "miles", "--miles-shape", "miles-rl-0.0.2"): "--etp runs the harness demo's model",
         ("--resume-tp", "1"): "nothing to reshard",
-        # through Miles: TP, EP, expert-TP and world size only; stock Miles has no resharding load
-        ("--via", "miles", "--resume-pp", "2"): (
-            "only --resume-tp, --resume-ep, --resume-etp and --resume-world-size reshard through Miles"
-        ),
-        ("--via", "miles", "--pp", "2", "--vpp", "2", "--resume-vpp", "1"): "--resume-vpp with --via miles",
+        # through Miles: every axis, the resume's layout checked; stock Miles has no resharding load
+        ("--via", "miles", "--resume-pp", "2", "--resume-world-size", "3"): "ERROR invalid resume layout: world size 3",
+        ("--via", "miles", "--pp", "2", "--resume-vpp", "2", "--resume-pp", "1"): "vpp=2 needs pp >= 2",
         ("--via", "miles", "--without-plugin", "--resume-tp", "2"): "stock Miles has no resharding load",
         ("--via", "miles", "--resume-tp", "3"): "ERROR invalid resume layout: tp must be 1 or 2",
         ("--slots", "2", "--resume-tp", "2"): "drop --slots",

@@ -41,14 +41,14 @@ masters, every moment, steps) is compared with the uninterrupted run's at that s
     miles-lora-ckpt demo --etp 2 --resume-etp 1
 
 With --via miles the same three phases run a Miles launch command with the plugin's init hook
-through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`); with --resume-tp,
---resume-ep, --resume-etp and/or --resume-world-size too, launch 2 runs at that layout and ends the
-same way, RESULT then LOSS (`miles_lora_ckpt.tools.demo_miles_reshard`; --resume-pp and
---resume-vpp: harness only), e.g.
+through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`); with --resume-* flags too,
+launch 2 runs at that layout and ends the same way, RESULT then LOSS
+(`miles_lora_ckpt.tools.demo_miles_reshard`), e.g.
 
     miles-lora-ckpt demo --via miles --tp 2 --resume-tp 1 --resume-world-size 1
     miles-lora-ckpt demo --via miles --ep 2 --resume-ep 1
     miles-lora-ckpt demo --via miles --etp 2 --resume-etp 1
+    miles-lora-ckpt demo --via miles --pp 2 --vpp 2 --resume-pp 1 --resume-vpp 1
 
 The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
 `RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint; a usage error (an

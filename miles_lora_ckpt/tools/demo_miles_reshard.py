@@ -17,15 +17,13 @@ The output ends with `ROLLOUT: resumed at <id>`, `RESULT: bit-exact` (exit 0), `
 difference <x> over <n> steps` (rank 0's losses after the load against the reference's: another TP
 changes the reduction order, another DP size the data each rank trains on).
 
-`--resume-tp`, `--resume-ep`, `--resume-etp` and `--resume-world-size` go through Miles. When either
-launch has expert parallelism, both launches pass Megatron-LM's `--num-experts` (the least common
-multiple of the two EP sizes): the stand-in then numbers its experts globally, as megatron's MoE
-layer does, so both launches train the same model. `--resume-pp` and `--resume-vpp` do not: the
-stand-in derives its model's layer count from the pipeline layout (as Miles' model provider gets it
-from the launch's flags), so another PP or VPP is another model there; those axes reshard on the
-harness demo (`tools.demo_reshard`). Stock Miles (`--without-plugin`) has no resharding load, and
-the real wheel's launch (`--miles-shape miles-rl-0.0.2`) has no global-view probe: both are usage
-errors (exit 2).
+Every `--resume-*` axis goes through Miles (TP, PP, EP, expert TP, VPP, world size), and both
+launches train the same model: when either has expert parallelism, both pass Megatron-LM's
+`--num-experts` (the least common multiple of the two EP sizes; the stand-in then numbers its
+experts globally, as megatron's MoE layer does), and when the pipeline layouts differ, both pass
+Megatron-LM's `--num-layers` (the fewest layers, at least 2, that every model chunk of both
+divides). Stock Miles (`--without-plugin`) has no resharding load, and the real wheel's launch
+(`--miles-shape miles-rl-0.0.2`) has no global-view probe: both are usage errors (exit 2).
 """
 
 from __future__ import annotations
@@ -37,27 +35,19 @@ import sys
 
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 
-AXES = ("tp", "ep", "etp", "world_size")  # what launch 2 may change through Miles
-ELSEWHERE = ("pp", "vpp")  # harness demo only
+# what launch 2 may change through Miles: {--resume-* axis: the Scenario attribute}
+AXES = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "vpp": "vpp", "world_size": "world"}
 
 
 def requested(args) -> bool:
     """Whether any `--resume-*` flag was given."""
-    return any(getattr(args, f"resume_{axis}", None) is not None for axis in (*AXES, *ELSEWHERE))
+    return any(getattr(args, f"resume_{axis}", None) is not None for axis in AXES)
 
 
 def usage_problem(args) -> str | None:
     """Why these `--resume-*` flags cannot run through Miles, or None."""
     from miles_lora_ckpt.tools.demo_miles import WHEEL_SHAPE
 
-    others = [f"--resume-{axis}" for axis in ELSEWHERE if getattr(args, f"resume_{axis}", None) is not None]
-    if others:
-        return (
-            f"{', '.join(others)} with --via miles: the Miles stand-in builds its model's layer count from the "
-            "pipeline layout, so another PP or VPP is another model there; only --resume-tp, --resume-ep, "
-            "--resume-etp and --resume-world-size reshard through Miles. Run these without --via miles (the "
-            "harness demo reshards every axis)"
-        )
     if args.without_plugin:
         return "--resume-* --without-plugin: stock Miles has no resharding load (it loads at the saved layout only)"
     if args.miles_shape == WHEEL_SHAPE:
@@ -66,13 +56,13 @@ def usage_problem(args) -> str | None:
 
 
 def resume_scenario(scenario):
-    """Launch 2's scenario: `scenario` with the `--resume-tp` / `--resume-ep` / `--resume-etp` /
-    `--resume-world-size` layout; with expert parallelism on either side, both get `--num-experts`
-    (the same globally numbered experts). Raises ValueError naming a layout rule, or when nothing
-    changes."""
+    """Launch 2's scenario: `scenario` with the `--resume-*` layout; with expert parallelism on either
+    side both get `--num-experts` (the same globally numbered experts), with another pipeline layout
+    both get `--num-layers` (the same layers). Raises ValueError naming a layout rule, or when
+    nothing changes."""
     args = scenario.args
     resume = copy.copy(scenario)
-    for axis, attribute in (("tp", "tp"), ("ep", "ep"), ("etp", "etp"), ("world_size", "world")):
+    for axis, attribute in AXES.items():
         value = getattr(args, f"resume_{axis}")
         if value is not None:
             setattr(resume, attribute, value)
@@ -80,12 +70,15 @@ def resume_scenario(scenario):
     for s in (scenario, resume):  # an expert-TP equal to the TP size is megatron's default: dropped
         if s.etp == s.tp:
             s.etp = None
-    if (resume.tp, resume.ep, resume.etp, resume.world) == (scenario.tp, scenario.ep, scenario.etp, scenario.world):
+    if all(getattr(resume, a) == getattr(scenario, a) for a in AXES.values()):
         raise ValueError("the --resume-* flags give the demo's own layout: nothing to reshard")
     if max(scenario.ep, resume.ep) > 1:
         scenario.num_experts = resume.num_experts = math.lcm(scenario.ep, resume.ep)
-    layers = 2 if scenario.peft else layers_for(args.pp, args.vpp)
-    check_layout(resume.world, resume.tp, args.pp, resume.ep, args.cp, args.vpp, layers, etp=resume.etp)
+    if (scenario.pp, scenario.vpp) != (resume.pp, resume.vpp):
+        chunks = math.lcm(scenario.pp * scenario.vpp, resume.pp * resume.vpp)
+        scenario.num_layers = resume.num_layers = -(-2 // chunks) * chunks
+    layers = resume.num_layers or layers_for(resume.pp, resume.vpp)
+    check_layout(resume.world, resume.tp, resume.pp, resume.ep, args.cp, resume.vpp, layers, etp=resume.etp)
     return resume
 
 
@@ -115,10 +108,11 @@ def run_phases(scenario, resume, launcher) -> int:
 
 
 def _layout(scenario) -> str:
-    """`tp=2`, then `ep=2` and `etp=1` only where they are not megatron's defaults (1 and the TP size)."""
-    ep = f" ep={scenario.ep}" if scenario.ep != 1 else ""
+    """`tp=2`, then `pp=2`, `vpp=2`, `ep=2` and `etp=1` only where they are not megatron's defaults
+    (1, and the TP size for `etp`)."""
+    others = "".join(f" {a}={getattr(scenario, a)}" for a in ("pp", "vpp", "ep") if getattr(scenario, a) != 1)
     etp = f" etp={scenario.etp}" if scenario.etp not in (None, scenario.tp) else ""
-    return f"tp={scenario.tp}{ep}{etp}"
+    return f"tp={scenario.tp}{others}{etp}"
 
 
 def _reference_file(scenario):
@@ -200,7 +194,7 @@ def _relaunch(scenario, resume, launcher) -> int:
     worst = max((abs(a - b) / max(abs(a), 1e-30) for a, b in pairs), default=0.0)
     print(
         "loss: rank 0's, resumed against the uninterrupted run's: another TP changes the reduction order, "
-        "another number of ranks the data each trains on"
+        "another number of ranks the data each trains on, another pipeline layout rank 0's (stage-local) loss"
     )
     print(f"LOSS: max relative difference {worst:.3g} over {len(pairs)} steps")
     return 0 if mismatch is None else 1
