@@ -1,9 +1,9 @@
 """`miles-lora-ckpt demo --via miles --tp 2 --resume-tp 1 --resume-world-size 1`: resharding through Miles.
 
 The `--via miles` demo (`tools.demo_miles`) with its launch 2 at another layout: the user's launch
-command with another `--tensor-model-parallel-size`, `--expert-model-parallel-size`,
-`--expert-tensor-parallel-size` and/or number of ranks (data parallelism follows), the plugin's init
-hook resharding the newest committed generation at the load. Phases:
+command with other Megatron parallel sizes (tensor, pipeline, virtual pipeline, expert, expert
+tensor) and/or another number of ranks (data parallelism follows), the plugin's init hook
+resharding the newest committed generation at the load. Phases:
 
     reference  the training uninterrupted at the saved layout, no checkpoints; after each rollout
                the global view of the trainable state (`sim.global_view`: every adapter weight,
