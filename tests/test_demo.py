@@ -171,8 +171,10 @@ RESHARDS = {  # demo flags: words the output must hold
     # TP 2 -> 1 at the same DP size (1): the losses differ by reduction order only
     ("--tp", "2", "--resume-tp", "1", "--resume-world-size", "1"): "resumed at tp1 pp1 vpp1 ep1 cp1 dp1",
     ("--pp", "2", "--vpp", "2", "--resume-pp", "1", "--resume-vpp", "1"): "resumed at tp1 pp1 vpp1 ep1 cp1 dp2",
-    # expert-TP 2 -> 1 at TP 1 (megatron's expert-TP group): the same data at both layouts
-    ("--etp", "2", "--resume-etp", "1"): "saved at tp1 pp1 vpp1 ep1 etp2 cp1 dp2, resumed at tp1 pp1 vpp1 ep1 cp1 dp2",
+    # expert-TP 2 -> 1 at TP 1 (megatron's expert-TP group), on one rank (world size 1)
+    ("--etp", "2", "--resume-etp", "1", "--resume-world-size", "1"): (
+        "saved at tp1 pp1 vpp1 ep1 etp2 cp1 dp2, resumed at tp1 pp1 vpp1 ep1 cp1 dp1"
+    ),
 }
 
 
@@ -189,7 +191,7 @@ def test_resharding_resume_is_bit_exact_at_the_load(tmp_path, capsys, flags):
     words = lines[-1].split()
     assert words[:4] == ["LOSS:", "max", "relative", "difference"] and words[-3:] == ["over", "4", "steps"], lines[-1]
     assert 0 <= float(words[4]) < 1, lines[-1]
-    if "--resume-tp" in flags or "--resume-etp" in flags:  # the same data at both layouts: reduction order only
+    if "--resume-tp" in flags:  # the same data at both layouts: reduction order only
         assert float(words[4]) < 1e-2, lines[-1]
 
 
@@ -218,13 +220,16 @@ def test_resharding_usage_errors_exit_2_before_any_worker(tmp_path, capsys):
     cases = {
         ("--resume-tp", "3"): "ERROR invalid resume layout: tp must be 1 or 2",
         ("--resume-pp", "2", "--resume-world-size", "3"): "ERROR invalid resume layout: world size 3",
-        ("--resume-tp", "2", "--resume-etp", "1"): "ERROR invalid resume layout: etp=1 differs from tp=2",
+        ("--resume-tp", "2", "--resume-etp", "2", "--resume-ep", "2"): "ERROR invalid resume layout: world size / pp",
+        # an expert-TP 2 save resumed on one rank keeps expert-TP 2 unless --resume-etp says otherwise
+        ("--etp", "2", "--resume-world-size", "1"): "is not divisible by etp*ep = 2*1 (expert mesh)",
         ("--etp", "3"): "ERROR invalid layout: etp must be 1 or 2",
         ("--etp", "2", "--resume-etp", "2"): "nothing to reshard",
-        ("--etp", "2", "--via", "miles", "--resume-tp", "2"): "--etp runs the harness demo's model",
+        ("--etp", "2", "--via", "miles", "--miles-shape", "miles-rl-0.0.2"): "--etp runs the harness demo's model",
         ("--resume-tp", "1"): "nothing to reshard",
-        # through Miles: TP and world size only; stock Miles has no resharding load
-        ("--via", "miles", "--resume-pp", "2"): "only --resume-tp and --resume-world-size reshard through Miles",
+        # through Miles: every axis, the resume's layout checked; stock Miles has no resharding load
+        ("--via", "miles", "--resume-pp", "2", "--resume-world-size", "3"): "ERROR invalid resume layout: world size 3",
+        ("--via", "miles", "--pp", "2", "--resume-vpp", "2", "--resume-pp", "1"): "vpp=2 needs pp >= 2",
         ("--via", "miles", "--without-plugin", "--resume-tp", "2"): "stock Miles has no resharding load",
         ("--via", "miles", "--resume-tp", "3"): "ERROR invalid resume layout: tp must be 1 or 2",
         ("--slots", "2", "--resume-tp", "2"): "drop --slots",

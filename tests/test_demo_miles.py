@@ -63,6 +63,50 @@ def run(prewarmed, argv: list[str]) -> int:
     return demo_miles.run(args, launcher=prewarmed)
 
 
+MILES_RESHARDS = {  # flags: (launch 1's layout flags, launch 2's, launch 1's manifest coordinates)
+    ("--ep", "2", "--resume-ep", "1"): (
+        "--expert-model-parallel-size 2 --num-experts 2 --load",
+        "--bf16 --num-experts 2 --load",
+        ["tp000_pp000_ep000_etp000", "tp000_pp000_ep001_etp000"],
+    ),
+    ("--etp", "2", "--resume-etp", "1"): (
+        "--bf16 --expert-tensor-parallel-size 2 --load",
+        "--bf16 --load",
+        ["tp000_pp000_ep000_etp000", "tp000_pp000_ep000_etp001"],
+    ),
+    ("--pp", "2", "--vpp", "2", "--resume-pp", "1", "--resume-vpp", "1"): (
+        "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 --num-layers 4 --load",
+        "--bf16 --num-layers 4 --load",
+        ["tp000_pp000_ep000_etp000", "tp000_pp001_ep000_etp000"],
+    ),
+}
+
+
+@pytest.mark.parametrize("flags", sorted(MILES_RESHARDS), ids=" ".join)
+def test_demo_via_miles_reshards_expert_and_pipeline_layouts_bit_exact(prewarmed, tmp_path, capsys, flags):
+    """Launch 1 with Megatron-LM's expert or pipeline flags (EP 2 with globally numbered experts,
+    expert-TP 2, or PP 2 with VPP 2 and a layer count both layouts divide), launch 2 without them:
+    Miles' init loads launch 1's generation through the plugin, resharded across EP, expert-TP or
+    the pipeline layout, and its global view equals the uninterrupted run's at that rollout."""
+    import json
+
+    flags_1, flags_2, coordinates = MILES_RESHARDS[flags]
+    assert run(prewarmed, [*SMALL, "--workdir", str(tmp_path), *flags]) == 0
+    lines, out = output(capsys)
+    launch_1, launch_2 = (line for line in lines if line.startswith("  ") and " train.py " in line)
+    assert flags_1 in launch_1 and flags_2 in launch_2, (launch_1, launch_2)
+    assert "launch 2: the same command at tp=1 on 2 ranks" in out and "ROLLOUT: resumed at 2" in lines
+    assert "(adapter, exp_avg, exp_avg_sq, groups, master, step) at rollout 1" in out, out
+    assert lines[-3] == "RESULT: bit-exact", out
+    words = lines[-1].split()
+    assert words[:4] == ["LOSS:", "max", "relative", "difference"] and words[-1] == "steps", lines[-1]
+    # launch 1 ran at the expert layout asked for: its generation's manifest records each EP or
+    # expert-TP rank's blocks under its own coordinate
+    (generation,) = (tmp_path / "miles" / "run" / "lora").glob("gen-000000001-*")  # launch 1's, the one loaded
+    manifest = json.loads((generation / "manifest.json").read_text())
+    assert sorted(manifest["metadata"]["global_layout"]["params"]) == coordinates, generation
+
+
 def test_other_shapes_flags_and_crash_points_compose(prewarmed, tmp_path, capsys):
     argv = [*SMALL, "--workdir", str(tmp_path), "--miles-shape", "positional-args-pr", "--adapters", "expert-only"]
     argv += ["--dtype", "fp32", "--optimizer", "lion", "--crash-at", "after-publish", "--crash-rank", "0"]

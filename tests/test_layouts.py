@@ -20,8 +20,13 @@ from miles_lora_ckpt.tools.cli import main as cli
         dict(world_size=2, pp=2, vpp=2, num_layers=4),
         dict(world_size=4, tp=2, ep=2),
         dict(world_size=8, tp=2, cp=2, pp=2, vpp=2, num_layers=4),
-        # an expert-TP other than TP (megatron's expert_tensor_parallel_size), at TP 1 and CP 1
+        # an expert-TP other than TP (megatron's expert_tensor_parallel_size): above TP (its group
+        # spans DP or CP replicas) and below it (each TP rank runs the experts on its part of the tokens)
         dict(world_size=2, etp=2),
+        dict(world_size=2, cp=2, etp=2),
+        dict(world_size=4, cp=2, etp=2),
+        dict(world_size=2, tp=2, etp=1),
+        dict(world_size=2, tp=2, etp=1, ep=2),
         dict(world_size=4, etp=2, ep=2),
         dict(world_size=4, etp=2, pp=2),
         dict(world_size=4, tp=2, etp=2),  # equal to TP: megatron's default
@@ -42,8 +47,8 @@ def test_layouts_the_harness_runs(layout):
         (dict(world_size=2, etp=2, ep=2), "not divisible by etp*ep = 2*2"),
         (dict(world_size=2, etp=4), "etp must be 1 or 2"),
         (dict(world_size=2, etp=0), "etp must be a positive integer"),
-        (dict(world_size=2, tp=2, etp=1), "etp=1 differs from tp=2"),
-        (dict(world_size=4, cp=2, etp=2), "with tp=1 and cp=1 only"),
+        (dict(world_size=2, tp=2, etp=1, ep=4), "not divisible by etp*ep = 1*4"),
+        (dict(world_size=2, cp=2, etp=2, ep=2), "not divisible by etp*ep = 2*2"),
         (dict(world_size=4, cp=4, seq_length=4), "seq_length=4 is not divisible by 2*cp"),
         (dict(world_size=2, cp=0), "cp must be a positive integer"),
     ],
@@ -73,7 +78,7 @@ def test_layers_for_gives_every_chunk_the_same_number():
         (["--tp", "3", "--world-size", "3"], "tp must be 1 or 2"),
         (["--ep", "2", "--pp", "2"], "not divisible by etp*ep"),
         (["--pp", "0"], "pp must be a positive integer"),
-        (["--etp", "1", "--tp", "2"], "etp=1 differs from tp=2"),
+        (["--etp", "2", "--tp", "2", "--ep", "2"], "not divisible by etp*ep = 2*2"),
     ],
 )
 def test_demo_refuses_invalid_layouts_with_exit_2(flags, words, tmp_path, capsys):

@@ -325,3 +325,22 @@ def test_train_fault_tolerance_is_refused_naming_what_the_user_set(tmp_path):
     assert "--use-fault-tolerance --ft-components train (Miles turns it into --non-persistent-ckpt-type local)" in text
     assert "drop 'train' from --ft-components" in text
     assert attributes(modules) == before
+
+
+@pytest.mark.parametrize(
+    "flags", [["--num-experts", "2"], ["--expert-tensor-parallel-size", "2"], ["--num-layers", "4"]], ids=" ".join
+)
+def test_the_qwen2_shaped_standin_refuses_megatrons_expert_and_layer_flags(tmp_path, flags):
+    """Megatron-LM's --num-experts, --expert-tensor-parallel-size and --num-layers shape the stand-in's
+    tiny model only: a Qwen2 --hf-checkpoint (fixed layers, no experts) refuses them, naming the flag,
+    rather than building another model than the one asked for."""
+    import json
+
+    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
+    from miles_lora_ckpt.sim.miles_standin.common.training import sim_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    argv = ["--lora-rank", "4", "--hf-checkpoint", str(tmp_path), "--num-rollout", "2", *flags]
+    args = standin_args.build_parser("enable_gloo_process_groups").parse_args(argv)
+    with pytest.raises(ValueError, match=f"{flags[0]}: the Qwen2-shaped model has no experts"):
+        sim_config(args)

@@ -9,9 +9,12 @@ Megatron's rules, as the harness applies them:
 * ``world = tp * cp * dp * pp`` (dense mesh, order tp-cp-ep-dp-pp) and ``world = etp * ep * edp * pp``
   (expert mesh, order etp-ep-dp-pp: expert tensor parallel ``etp``, by default megatron's
   ``expert_tensor_parallel_size = tp``; context parallel folded into the expert DP ``edp``).
-* An expert-TP other than TP (``etp != tp``) needs ``tp == 1`` and ``cp == 1``: the expert-TP group
-  then spans data-parallel replicas, each with its own tokens, which the expert block gathers over
-  that group and scatters back (what megatron's MoE token dispatcher does; ``sim.model``).
+* An expert-TP other than TP (``etp != tp``), both 1 or 2: with ``etp > tp`` the expert-TP group
+  spans data-parallel (or context-parallel) replicas, each with its own tokens, which the expert
+  block gathers over that group and scatters back; with ``etp < tp`` the TP ranks hold the same
+  tokens, and each runs the (unsplit) experts on its own part of them, as megatron's sequence
+  parallelism hands the MoE layer one part of the sequence per TP rank, the outputs gathered back
+  over the TP group (what megatron's MoE token dispatcher does; ``sim.model``).
 * Virtual pipelines interleave chunks across pipeline stages (megatron's ``get_model`` builds chunks
   only when ``pp > 1``); each of the ``pp * vpp`` chunks holds ``num_layers / (pp * vpp)`` layers.
 * Context parallelism splits the sequence into ``2 * cp`` pieces; CP rank r takes pieces r and
@@ -48,11 +51,6 @@ def check_layout(
         raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
     if etp not in SUPPORTED_TP:
         raise ValueError(f"etp must be 1 or 2 (what the CPU harness runs), got etp={etp}")
-    if etp != tp and (tp != 1 or cp != 1):
-        raise ValueError(
-            f"etp={etp} differs from tp={tp}: the harness runs an expert-TP other than TP with tp=1 and cp=1 "
-            f"only (its expert-TP group then spans data-parallel replicas), got tp={tp}, cp={cp}"
-        )
     if (world_size // pp) % (etp * ep):
         raise ValueError(f"world size / pp = {world_size // pp} is not divisible by etp*ep = {etp}*{ep} (expert mesh)")
     if vpp > 1 and pp < 2:

@@ -17,13 +17,14 @@ replicated (the usual Megatron LoRA layout).
 
 The expert linears (and their adapters) split over megatron's expert-tensor-parallel group, as
 megatron's experts do: by default it is the TP group (``expert_tensor_parallel_size = tp``) and the
-expert block runs exactly like the dense one. With ``etp != tp`` (``tp == 1``: ``sim.layout``) the
+expert block runs exactly like the dense one. With ``etp != tp`` (``sim.layout``) the
 model is built with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``; every expert
 linear takes the expert-TP group (``parallel_state.get_expert_tensor_parallel_group``) as its
 ``tp_group``, so its split, its ``sharded_state_dict`` (global shape, offsets) and its all-reduces
 are on that group; and the expert block gathers its input tokens over the group and scatters its
 output back (``_expert_tokens``), as megatron's MoE token dispatcher brings the tokens of the
-expert-TP group's data-parallel replicas to their experts.
+expert-TP group's data-parallel replicas to their experts; with ``etp < tp`` each TP rank runs the
+whole experts on its own part of the sequence (megatron's sequence parallelism at the MoE layer).
 
 Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them:
 parallel state with ``context_parallel_size`` / ``virtual_pipeline_model_parallel_size``, inputs of
@@ -293,15 +294,26 @@ def _up_down(x, up, down):
 
 
 def _expert_tokens(config: SimConfig, x, block):
-    """``x + block(x)`` for an expert block. With ``etp != tp`` the expert-TP group's ranks are
-    data-parallel replicas holding their own tokens: the tokens of the whole group are gathered
-    (sequence axis, rank order), the block (split over the group, its row-parallel linears
-    all-reducing on it) runs on all of them, and each rank keeps its own tokens' output. Backward:
-    the scatter all-gathers the output grads (each expert shard learns from every token of the
-    group), the gather keeps this rank's part of the input grad (already all-reduced over the group
-    by the column-parallel linears)."""
+    """``x + block(x)`` for an expert block. With ``etp > tp`` the expert-TP group's ranks are
+    data-parallel (or context-parallel) replicas holding their own tokens: the tokens of the whole
+    group are gathered (sequence axis, rank order), the block (split over the group, its
+    row-parallel linears all-reducing on it) runs on all of them, and each rank keeps its own
+    tokens' output. Backward: the scatter all-gathers the output grads (each expert shard learns
+    from every token of the group), the gather keeps this rank's part of the input grad (already
+    all-reduced over the group by the column-parallel linears).
+
+    With ``etp < tp`` it is the mirror image: the TP ranks hold the same tokens and the experts
+    whole (an expert-TP group of one), so each TP rank runs the block on its own part of the
+    tokens (sequence axis; megatron's sequence parallelism, which megatron requires for MoE with
+    TP, hands the MoE layer that part) and the outputs are gathered back over the TP group.
+    Backward: the gather keeps this rank's part of the (complete, TP-replicated) output grad, the
+    scatter all-gathers the input grads; each rank's expert grads cover its own tokens, summed over
+    the expert data-parallel group (the TP ranks) by megatron's DDP."""
     if not config.expert_tp_differs:
         return x + block(x)
+    if config.expert_tp < config.tp:
+        group = parallel_state.get_tensor_model_parallel_group()
+        return x + _GatherTokens.apply(block(_ScatterTokens.apply(x, group)), group)
     group = parallel_state.get_expert_tensor_parallel_group()
     tokens = _GatherTokens.apply(x, group)
     return x + _ScatterTokens.apply(block(tokens), group)

@@ -19,8 +19,9 @@ build the optimizer, the demo says why and exits 2.
 
 Parallel layout: --tp, --pp, --ep, --etp, --cp and --vpp compose with --world-size as in megatron
 (world = tp * cp * dp * pp; the optimizer shards over dp * cp). --etp is megatron's expert tensor
-parallel size (its default: --tp); another value than --tp needs --tp 1 and --cp 1, and the expert
-linears then split over megatron's expert-TP group. --vpp needs --pp >= 2 and gives
+parallel size (its default: --tp; 1 or 2), and the expert linears split over megatron's expert-TP
+group (another value than --tp: at TP 1 the group spans DP or CP replicas; at TP 2 each TP rank runs
+the whole experts on its part of the tokens). --vpp needs --pp >= 2 and gives
 every rank --vpp model chunks; the model gets the fewest layers (at least 2) that give each of the
 pp * vpp chunks the same number. Examples:
 
@@ -40,11 +41,14 @@ masters, every moment, steps) is compared with the uninterrupted run's at that s
     miles-lora-ckpt demo --etp 2 --resume-etp 1
 
 With --via miles the same three phases run a Miles launch command with the plugin's init hook
-through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`); with --resume-tp and/or
---resume-world-size too, launch 2 runs at that layout and ends the same way, RESULT then LOSS
-(`miles_lora_ckpt.tools.demo_miles_reshard`; the other --resume-* axes: harness only), e.g.
+through the Miles stand-in (see `miles_lora_ckpt.tools.demo_miles`); with --resume-* flags too,
+launch 2 runs at that layout and ends the same way, RESULT then LOSS
+(`miles_lora_ckpt.tools.demo_miles_reshard`), e.g.
 
     miles-lora-ckpt demo --via miles --tp 2 --resume-tp 1 --resume-world-size 1
+    miles-lora-ckpt demo --via miles --ep 2 --resume-ep 1
+    miles-lora-ckpt demo --via miles --etp 2 --resume-etp 1
+    miles-lora-ckpt demo --via miles --pp 2 --vpp 2 --resume-pp 1 --resume-vpp 1
 
 The last line is `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH <first differing tensor>` (exit 1), or
 `RESULT: ERROR <reason>` (exit 1) when the resume refuses to load the checkpoint; a usage error (an
@@ -97,8 +101,8 @@ def add_parser(subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="expert-tensor-parallel size: 1 or 2 (default: --tp, megatron's default); another value than --tp "
-        "needs --tp 1 and --cp 1 (the harness model only: not with --via miles, --slots or --export-peft)",
+        help="expert-tensor-parallel size: 1 or 2 (default: --tp, megatron's default), also another value than --tp "
+        "(not with --slots, --export-peft or the real wheel's --miles-shape)",
     )
     layout.add_argument(
         "--cp",
@@ -214,8 +218,13 @@ def run_demo(args) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.etp is not None and (args.via == "miles" or args.slots is not None or args.export_peft):
-        print("ERROR --etp runs the harness demo's model: drop --via miles/--slots/--export-peft", file=sys.stderr)
+    wheel = args.via == "miles" and args.miles_shape == demo_miles.WHEEL_SHAPE
+    if args.etp is not None and (args.slots is not None or args.export_peft or wheel):
+        print(
+            "ERROR --etp runs the harness demo's model (with --via miles: the stand-in shapes' model): "
+            f"drop --slots/--export-peft/--miles-shape {demo_miles.WHEEL_SHAPE}",
+            file=sys.stderr,
+        )
         return 2
     resharding = demo_reshard.requested(args)
     if resharding and (problem := demo_reshard.check_args(args)):

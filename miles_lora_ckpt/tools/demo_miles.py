@@ -108,6 +108,12 @@ class Scenario:
         # --export-peft exercises Bridge's TP gather: TP=2 unless --tp is given or the world has no room for it
         room = args.world_size % (2 * args.pp * args.cp) == 0
         self.tp = 2 if self.peft and args.tp == 1 and room else args.tp
+        self.ep, self.pp, self.vpp = args.ep, args.pp, args.vpp
+        self.num_layers = None  # Megatron-LM's --num-layers: set when a resharding demo changes PP or VPP
+        # Megatron-LM's --expert-tensor-parallel-size (None: the TP size) and --num-experts (None: the
+        # stand-in's one expert per EP rank; a resharding demo across EP numbers them globally)
+        self.etp = getattr(args, "etp", None)
+        self.num_experts = None
         self.save = self.dir / "run"
         self.config = self.dir / "miles-lora-ckpt.toml"
         self.plugin = not args.without_plugin
@@ -138,15 +144,24 @@ class Scenario:
         ]
 
     def layout_flags(self) -> list[str]:
-        """The demo's --tp/--pp/--ep/--cp/--vpp as Megatron's parallel-size flags (only those not 1)."""
+        """The demo's --tp/--pp/--ep/--cp/--vpp as Megatron's parallel-size flags (only those not 1),
+        --etp as `--expert-tensor-parallel-size` (only where it is not the TP size), and the expert
+        and layer counts as `--num-experts` and `--num-layers` (only where one is set)."""
         sizes = {
             "--tensor-model-parallel-size": self.tp,
-            "--pipeline-model-parallel-size": self.args.pp,
-            "--expert-model-parallel-size": self.args.ep,
+            "--pipeline-model-parallel-size": self.pp,
+            "--expert-model-parallel-size": self.ep,
             "--context-parallel-size": self.args.cp,
-            "--virtual-pipeline-model-parallel-size": self.args.vpp,
+            "--virtual-pipeline-model-parallel-size": self.vpp,
         }
-        return [part for flag, size in sizes.items() if size != 1 for part in (flag, str(size))]
+        flags = [part for flag, size in sizes.items() if size != 1 for part in (flag, str(size))]
+        if self.etp not in (None, self.tp):
+            flags += ["--expert-tensor-parallel-size", str(self.etp)]
+        if self.num_experts:
+            flags += ["--num-experts", str(self.num_experts)]
+        if self.num_layers:
+            flags += ["--num-layers", str(self.num_layers)]
+        return flags
 
     def command(self) -> list[str]:
         """The user's launch command (its flags), identical for every launch."""
@@ -203,7 +218,7 @@ def run(args, launcher=None) -> int:
     scenario = Scenario(args)
     try:
         layers = 2 if scenario.peft else layers_for(args.pp, args.vpp)  # the Qwen2-shaped model has 2 layers
-        check_layout(args.world_size, scenario.tp, args.pp, args.ep, args.cp, args.vpp, layers)
+        check_layout(args.world_size, scenario.tp, args.pp, args.ep, args.cp, args.vpp, layers, etp=scenario.etp)
     except ValueError as exc:
         print(f"ERROR invalid layout: {exc}", file=sys.stderr)
         return 2

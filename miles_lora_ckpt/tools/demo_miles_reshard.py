@@ -1,8 +1,9 @@
 """`miles-lora-ckpt demo --via miles --tp 2 --resume-tp 1 --resume-world-size 1`: resharding through Miles.
 
 The `--via miles` demo (`tools.demo_miles`) with its launch 2 at another layout: the user's launch
-command with another `--tensor-model-parallel-size` and another number of ranks (data parallelism
-follows), the plugin's init hook resharding the newest committed generation at the load. Phases:
+command with other Megatron parallel sizes (tensor, pipeline, virtual pipeline, expert, expert
+tensor) and/or another number of ranks (data parallelism follows), the plugin's init hook
+resharding the newest committed generation at the load. Phases:
 
     reference  the training uninterrupted at the saved layout, no checkpoints; after each rollout
                the global view of the trainable state (`sim.global_view`: every adapter weight,
@@ -16,10 +17,12 @@ The output ends with `ROLLOUT: resumed at <id>`, `RESULT: bit-exact` (exit 0), `
 difference <x> over <n> steps` (rank 0's losses after the load against the reference's: another TP
 changes the reduction order, another DP size the data each rank trains on).
 
-Only `--resume-tp` and `--resume-world-size` go through Miles: the stand-in derives its model's layer
-count from the pipeline layout (so another PP or VPP is another model) and numbers one expert per EP
-rank (so another EP is too); those axes reshard on the harness demo (`tools.demo_reshard`). Stock
-Miles (`--without-plugin`) has no resharding load, and the real wheel's launch
+Every `--resume-*` axis goes through Miles (TP, PP, EP, expert TP, VPP, world size), and both
+launches train the same model: when either has expert parallelism, both pass Megatron-LM's
+`--num-experts` (the least common multiple of the two EP sizes; the stand-in then numbers its
+experts globally, as megatron's MoE layer does), and when the pipeline layouts differ, both pass
+Megatron-LM's `--num-layers` (the fewest layers, at least 2, that every model chunk of both
+divides). Stock Miles (`--without-plugin`) has no resharding load, and the real wheel's launch
 (`--miles-shape miles-rl-0.0.2`) has no global-view probe: both are usage errors (exit 2).
 """
 
@@ -27,31 +30,24 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 
-AXES = ("tp", "world_size")  # what launch 2 may change through Miles
-ELSEWHERE = ("pp", "ep", "etp", "vpp")  # harness demo only
+# what launch 2 may change through Miles: {--resume-* axis: the Scenario attribute}
+AXES = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "vpp": "vpp", "world_size": "world"}
 
 
 def requested(args) -> bool:
     """Whether any `--resume-*` flag was given."""
-    return any(getattr(args, f"resume_{axis}", None) is not None for axis in (*AXES, *ELSEWHERE))
+    return any(getattr(args, f"resume_{axis}", None) is not None for axis in AXES)
 
 
 def usage_problem(args) -> str | None:
     """Why these `--resume-*` flags cannot run through Miles, or None."""
     from miles_lora_ckpt.tools.demo_miles import WHEEL_SHAPE
 
-    others = [f"--resume-{axis}" for axis in ELSEWHERE if getattr(args, f"resume_{axis}", None) is not None]
-    if others:
-        return (
-            f"{', '.join(others)} with --via miles: the Miles stand-in builds its model from the pipeline and "
-            "expert layout (layer count, one expert per EP rank), so another PP, VPP, EP or expert-TP is another "
-            "model there; only --resume-tp and --resume-world-size reshard through Miles. Run these without "
-            "--via miles (the harness demo reshards every axis)"
-        )
     if args.without_plugin:
         return "--resume-* --without-plugin: stock Miles has no resharding load (it loads at the saved layout only)"
     if args.miles_shape == WHEEL_SHAPE:
@@ -60,17 +56,29 @@ def usage_problem(args) -> str | None:
 
 
 def resume_scenario(scenario):
-    """Launch 2's scenario: `scenario` with the `--resume-tp` / `--resume-world-size` layout. Raises
-    ValueError naming a layout rule, or when nothing changes."""
+    """Launch 2's scenario: `scenario` with the `--resume-*` layout; with expert parallelism on either
+    side both get `--num-experts` (the same globally numbered experts), with another pipeline layout
+    both get `--num-layers` (the same layers). Raises ValueError naming a layout rule, or when
+    nothing changes."""
     args = scenario.args
     resume = copy.copy(scenario)
-    resume.tp = args.resume_tp if args.resume_tp is not None else scenario.tp
-    resume.world = args.resume_world_size if args.resume_world_size is not None else scenario.world
+    for axis, attribute in AXES.items():
+        value = getattr(args, f"resume_{axis}")
+        if value is not None:
+            setattr(resume, attribute, value)
     resume.crash_rank = 0
-    if (resume.tp, resume.world) == (scenario.tp, scenario.world):
+    for s in (scenario, resume):  # an expert-TP equal to the TP size is megatron's default: dropped
+        if s.etp == s.tp:
+            s.etp = None
+    if all(getattr(resume, a) == getattr(scenario, a) for a in AXES.values()):
         raise ValueError("the --resume-* flags give the demo's own layout: nothing to reshard")
-    layers = 2 if scenario.peft else layers_for(args.pp, args.vpp)
-    check_layout(resume.world, resume.tp, args.pp, args.ep, args.cp, args.vpp, layers)
+    if max(scenario.ep, resume.ep) > 1:
+        scenario.num_experts = resume.num_experts = math.lcm(scenario.ep, resume.ep)
+    if (scenario.pp, scenario.vpp) != (resume.pp, resume.vpp):
+        chunks = math.lcm(scenario.pp * scenario.vpp, resume.pp * resume.vpp)
+        scenario.num_layers = resume.num_layers = -(-2 // chunks) * chunks
+    layers = resume.num_layers or layers_for(resume.pp, resume.vpp)
+    check_layout(resume.world, resume.tp, resume.pp, resume.ep, args.cp, resume.vpp, layers, etp=resume.etp)
     return resume
 
 
@@ -80,9 +88,10 @@ def run_phases(scenario, resume, launcher) -> int:
 
     args = scenario.args
     print(
-        f"demo via Miles ({args.miles_shape} stand-in) with miles-lora-ckpt, resharding: saved at tp={scenario.tp} "
-        f"on {scenario.world} ranks, resumed at tp={resume.tp} on {resume.world} ranks; {args.dtype}, "
-        f"{args.adapters} adapters, {args.optimizer}, {args.steps} rollouts, --save-interval {args.save_every}"
+        f"demo via Miles ({args.miles_shape} stand-in) with miles-lora-ckpt, resharding: saved at "
+        f"{_layout(scenario)} on {scenario.world} ranks, resumed at {_layout(resume)} on {resume.world} ranks; "
+        f"{args.dtype}, {args.adapters} adapters, {args.optimizer}, {args.steps} rollouts, "
+        f"--save-interval {args.save_every}"
     )
     print("launch command, launch 1 (every rank):")
     print("  " + scenario.shell(scenario.command()))
@@ -96,6 +105,14 @@ def run_phases(scenario, resume, launcher) -> int:
         return _relaunch(scenario, resume, launcher)
     print("RESULT: reference written" if args.phase == "reference" else "RESULT: trained")
     return 0
+
+
+def _layout(scenario) -> str:
+    """`tp=2`, then `pp=2`, `vpp=2`, `ep=2` and `etp=1` only where they are not megatron's defaults
+    (1, and the TP size for `etp`)."""
+    others = "".join(f" {a}={getattr(scenario, a)}" for a in ("pp", "vpp", "ep") if getattr(scenario, a) != 1)
+    etp = f" etp={scenario.etp}" if scenario.etp not in (None, scenario.tp) else ""
+    return f"tp={scenario.tp}{others}{etp}"
 
 
 def _reference_file(scenario):
@@ -147,7 +164,7 @@ def _relaunch(scenario, resume, launcher) -> int:
         print("RESULT: ERROR no committed generation to resume from: nothing was resharded")
         return 1
     results, seconds = _launch(resume, launcher, resume.command(), extra={"views": True})
-    print(f"launch 2: the same command at tp={resume.tp} on {resume.world} ranks ({seconds:.1f}s)")
+    print(f"launch 2: the same command at {_layout(resume)} on {resume.world} ranks ({seconds:.1f}s)")
     failed = [r for r in results if not r.ok or r.result["failed"]]
     if failed:
         first = failed[0]
@@ -177,7 +194,7 @@ def _relaunch(scenario, resume, launcher) -> int:
     worst = max((abs(a - b) / max(abs(a), 1e-30) for a, b in pairs), default=0.0)
     print(
         "loss: rank 0's, resumed against the uninterrupted run's: another TP changes the reduction order, "
-        "another number of ranks the data each trains on"
+        "another number of ranks the data each trains on, another pipeline layout rank 0's (stage-local) loss"
     )
     print(f"LOSS: max relative difference {worst:.3g} over {len(pairs)} steps")
     return 0 if mismatch is None else 1

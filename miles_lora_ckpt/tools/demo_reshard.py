@@ -43,7 +43,7 @@ def add_arguments(demo) -> None:
         "pp": "pipeline stages of the resume",
         "ep": "expert-parallel size of the resume",
         "etp": "expert-tensor-parallel size of the resume: 1 or 2 (default: the demo's --etp, else the resume's "
-        "TP); another value than the resume's TP needs a resume at TP 1 and CP 1",
+        "TP); a resume on fewer ranks than the save's expert TP needs it (e.g. --resume-etp 1)",
         "vpp": "virtual-pipeline chunks per stage of the resume (needs --resume-pp >= 2)",
         "world_size": "worker processes of the resume (data parallel follows)",
     }

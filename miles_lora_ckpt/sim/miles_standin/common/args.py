@@ -89,6 +89,14 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--expert-model-parallel-size", type=int, default=1)
+    # Megatron-LM's: the expert linears' tensor-parallel size (None: the TP size, as Megatron-LM sets it)
+    add("--expert-tensor-parallel-size", type=int, default=None)
+    # Megatron-LM's MoE expert count (None: the stand-in's one expert per EP rank; N: N experts numbered
+    # globally, N / EP per EP rank, the same model at every EP size)
+    add("--num-experts", type=int, default=None)
+    # Megatron-LM's layer count (None: the stand-in's fewest layers, at least 2, that give every
+    # pipeline / virtual-pipeline chunk the same number; the Qwen2-shaped model takes its config's)
+    add("--num-layers", type=int, default=None)
     add("--context-parallel-size", type=int, default=1)
     add("--virtual-pipeline-model-parallel-size", type=int, default=None)
     # rollouts

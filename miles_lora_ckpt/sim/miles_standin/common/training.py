@@ -19,6 +19,11 @@ the Megatron model from the HF config:
   No experts, context parallelism or virtual pipelines.
 - any other `config.json` (e.g. `{}`): the tiny LoRA model of `sim.model`; `--target-modules` picks
   dense (`linear_qkv,linear_proj`), expert (`linear_fc1,linear_fc2`) or both (the default).
+  Megatron-LM's `--expert-tensor-parallel-size` (default: the TP size) splits the expert linears
+  over megatron's expert-TP group, and `--num-experts N` numbers N experts globally (N / EP per
+  EP rank, the same model at every EP size; without it, one expert per EP rank). `--num-layers`
+  (Megatron-LM's) sets the layer count; without it, the fewest layers (at least 2) that give every
+  pipeline and virtual-pipeline chunk the same number.
 - after `use_real_bridge()` (the Bridge tier only): the model is built by the REAL Megatron-Bridge
   0.6.2 from `--hf-checkpoint` (a tiny Qwen2 or Llama of `sim.bridge_model.build_hf_base`), with
   Bridge's own LoRA on the four linears (`--target-modules all-linear`), fp32 (no `--bf16`), and
@@ -63,8 +68,12 @@ def bridge_config(args):
     if args.target_modules not in (None, "all-linear") or args.optimizer != "adam":
         raise ValueError("the real-Bridge stand-in run adapts all four linears (all-linear) with Adam")
     parallel = (args.expert_model_parallel_size, args.context_parallel_size, args.virtual_pipeline_model_parallel_size)
-    if parallel not in ((1, 1, None), (1, 1, 1)):
-        raise ValueError("the real-Bridge stand-in run has no EP, CP or virtual pipeline")
+    moe = (getattr(args, "num_experts", None), getattr(args, "expert_tensor_parallel_size", None))
+    if parallel not in ((1, 1, None), (1, 1, 1)) or moe != (None, None) or getattr(args, "num_layers", None):
+        raise ValueError(
+            "the real-Bridge stand-in run has no EP, expert-TP, experts, CP or virtual pipeline, and takes its "
+            "layer count from --hf-checkpoint's config"
+        )
     return BridgeRunConfig(
         family=family,
         world_size=dist.get_world_size(),
@@ -153,6 +162,14 @@ def _qwen2_config(args, hf: dict):
 
     from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 
+    fixed = {"--num-experts": getattr(args, "num_experts", None)}
+    fixed["--expert-tensor-parallel-size"] = getattr(args, "expert_tensor_parallel_size", None)
+    fixed["--num-layers"] = getattr(args, "num_layers", None)
+    if any(v is not None for v in fixed.values()):
+        raise ValueError(
+            f"{', '.join(k for k, v in fixed.items() if v is not None)}: the Qwen2-shaped model has no experts "
+            "and takes its layer count from --hf-checkpoint's config"
+        )
     expected = Qwen2SimConfig().hf_config_kwargs()
     differing = {k: (hf.get(k), v) for k, v in expected.items() if k in hf and hf.get(k) != v}
     if differing:
@@ -191,9 +208,12 @@ def _tiny_config(args):
         tp=args.tensor_model_parallel_size,
         pp=args.pipeline_model_parallel_size,
         ep=args.expert_model_parallel_size,
+        etp=getattr(args, "expert_tensor_parallel_size", None),
+        num_experts=getattr(args, "num_experts", None) or 0,
         cp=args.context_parallel_size,
         vpp=args.virtual_pipeline_model_parallel_size or 1,
-        num_layers=layers_for(args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1),
+        num_layers=getattr(args, "num_layers", None)
+        or layers_for(args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1),
         dtype="bf16" if args.bf16 else "fp32",
         adapters=adapter_kind(args.target_modules),
         optimizer=args.optimizer,
@@ -220,6 +240,7 @@ def initialize_model_parallel(args) -> None:
             expert_model_parallel_size=args.expert_model_parallel_size,
             context_parallel_size=args.context_parallel_size,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         )
 
 
