@@ -498,3 +498,36 @@ def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_ag
         ranges.release()
     finally:
         storage.read_ranges = real
+
+
+def test_unread_blocks_are_the_blocks_no_plan_touches_however_many_ranges():
+    """`protocol._unread_blocks` marks blocks range by range (`storage.mark_blocks`, no sort or
+    merge of a resharding load's thousands of rows): the same blocks as `storage.blocks_needed`
+    of the merged ranges, the header's included, empty ranges touching nothing; a range the file
+    does not hold raises as `byte_range` does."""
+    import random
+
+    from miles_lora_ckpt.core.layout import BlockIndex
+    from miles_lora_ckpt.core.protocol import _unread_blocks
+    from miles_lora_ckpt.core.verify import coalesce_ranges
+
+    index = BlockIndex(64, tuple("0" * 32 for _ in range(40)), {"a": ("F32", 100, 900), "b": ("BF16", 900, 2560)})
+    rng = random.Random(7)
+    for _ in range(200):
+        plans = []
+        for _ in range(rng.randint(1, 3)):
+            items = []
+            for _ in range(rng.randint(0, 12)):
+                name, count = rng.choice([("a", 200), ("b", 830)])
+                first = rng.randint(0, count)
+                items.append([name, first, rng.randint(first, min(count, first + rng.choice([0, 1, 5, 40, 300])))])
+            plans.append({"ranges": {"f": items} if items or rng.random() < 0.5 else {}})
+        read = set()
+        for plan in plans:
+            if "f" in plan["ranges"]:
+                read |= storage.blocks_needed(index, coalesce_ranges(tuple(i) for i in plan["ranges"]["f"]))
+        expected = [i for i in range(40) if i not in read]
+        assert _unread_blocks(index, "f", plans) == expected, plans
+    for bad in (["c", 0, 1], ["a", 0, 201], ["a", 5, 4]):
+        with pytest.raises(ValueError, match="not in the file|out of its"):
+            _unread_blocks(index, "f", [{"ranges": {"f": [bad]}}])

@@ -73,7 +73,6 @@ from miles_lora_ckpt.core.verify import (
     check_file_content,
     check_file_ranges,
     check_structure,
-    coalesce_ranges,
     find_candidates,
     reason,
 )
@@ -710,12 +709,15 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
 
 
 def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
-    """The blocks of a partially read file that no rank's ranges touch."""
-    read: set[int] = set()
+    """The blocks of a partially read file that no rank's ranges touch, nor its header's (every
+    reader reads the header)."""
+    read = bytearray(len(index.digests))
     for plan in plans:
         if rel in plan["ranges"]:
-            read |= storage.blocks_needed(index, coalesce_ranges(tuple(item) for item in plan["ranges"][rel]))
-    return [i for i in range(len(index.digests)) if i not in read]
+            for i in index.blocks_for(0, index.data_start):
+                read[i] = 1
+            storage.mark_blocks(index, plan["ranges"][rel], read)
+    return [i for i, touched in enumerate(read) if not touched]
 
 
 def _cut(checked: storage.CheckedFile, wanted: list) -> dict:

@@ -750,6 +750,27 @@ def blocks_needed(index: BlockIndex, wanted: Iterable[ElementRange]) -> set[int]
     return needed
 
 
+def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: bytearray) -> None:
+    """Set `touched[i]` for every block `i` an element range of `wanted` touches (the blocks
+    `blocks_needed` names, less the header's), range by range without sorting or merging them
+    first: one pass over many short ranges (a resharding load's rows). Raises ValueError for a
+    range the file does not hold, as `byte_range` does."""
+    block_bytes, tensors = index.block_bytes, index.tensors
+    for name, first, stop in wanted:
+        if name not in tensors:
+            raise ValueError(f"tensor {name!r} is not in the file")
+        tag, begin, end = tensors[name]
+        itemsize = _DTYPES[tag][1]
+        if not 0 <= first <= stop <= (end - begin) // itemsize:
+            raise ValueError(f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}")
+        if stop > first:
+            lo, hi = (begin + first * itemsize) // block_bytes, (begin + stop * itemsize - 1) // block_bytes
+            if lo == hi:
+                touched[lo] = 1
+            else:
+                touched[lo : hi + 1] = b"\x01" * (hi + 1 - lo)
+
+
 class _BlockFile:
     """Verified random access to one open file, block by block (only the last block is kept)."""
 
