@@ -439,7 +439,7 @@ def test_check_only_ranges_are_verified_in_the_same_pass_and_not_returned(tmp_pa
         storage.read_ranges(path, record, [], check_only=[("a", 100, 200)])
 
 
-def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_again(tmp_path):
+def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_again(tmp_path, monkeypatch):
     """One file with both kinds of `PartialRead` (a same-layout load: masters kept, moments not):
     one verified pass at open; the kept ranges are served from memory (a later change of the file
     cannot reach them) and dropped when the caller says; the others are read again, verified
@@ -449,19 +449,11 @@ def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_ag
     from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead, open_generation, save_generation
 
     tensors = _tensors()
-    storage_block = storage.BLOCK_BYTES
-    storage.BLOCK_BYTES = 256
-    try:
-        gen = save_generation(
-            Consensus.single_process(),
-            tmp_path / "root",
-            iteration=1,
-            saver="test",
-            topology=Topology(),
-            write_files=lambda writer: writer.write_tensors("t.safetensors", tensors, blocks=True),
-        )
-    finally:
-        storage.BLOCK_BYTES = storage_block
+    monkeypatch.setattr(storage, "BLOCK_BYTES", 256)
+    spec = {"iteration": 1, "saver": "test", "topology": Topology()}
+    write = lambda writer: writer.write_tensors("t.safetensors", tensors, blocks=True)  # noqa: E731
+    gen = save_generation(Consensus.single_process(), tmp_path / "root", write_files=write, **spec)
+    monkeypatch.undo()
     kept, later = ("a", 0, 300), ("b", 0, 200)
     reads = []
     real = storage.read_ranges
@@ -470,34 +462,31 @@ def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_ag
         reads.append((sorted(wanted), sorted(kwargs.get("check_only", ()))))
         return real(path, record, wanted, **kwargs)
 
-    storage.read_ranges = counted
-    try:
-        opened = open_generation(
-            Consensus.single_process(),
-            gen,
-            lambda m: [PartialRead("t.safetensors", (kept,)), PartialRead("t.safetensors", (later,), keep=False)],
-        )
-        assert reads == [([kept], [later])]  # one pass: the kept range returned, the other checked
-        ranges = opened.tensor_ranges("t.safetensors")
-        assert isinstance(ranges, DeferredRanges) and list(ranges.kept) == [kept]
-        data = bytearray((gen / "t.safetensors").read_bytes())
-        data[-3] ^= 0x01  # in "b", the last tensor
-        (gen / "t.safetensors").write_bytes(bytes(data))
-        assert torch.equal(ranges.get(kept), tensors["a"]) and len(reads) == 1  # from memory, no read
-        with pytest.raises(ValueError, match="digest mismatch"):
-            ranges.get(later)  # read again, verified again
-        with pytest.raises(ValueError, match="digest mismatch"):
-            ranges.get(later, transient=True)  # into the reused buffer: verified all the same
-        ranges.drop(kept)
-        assert not ranges.kept
-        (gen / "t.safetensors").write_bytes(bytes(data[:-3] + bytes([data[-3] ^ 0x01]) + data[-2:]))
-        one, two = ranges.get(("b", 0, 100), transient=True), ranges.get(("b", 100, 200), transient=True)
-        assert one.data_ptr() == two.data_ptr()  # one buffer, reused read after read
-        assert torch.equal(two, tensors["b"][100:200])
-        assert ranges.get(later).data_ptr() != two.data_ptr()  # a plain get: a fresh buffer
-        ranges.release()
-    finally:
-        storage.read_ranges = real
+    monkeypatch.setattr(storage, "read_ranges", counted)
+    opened = open_generation(
+        Consensus.single_process(),
+        gen,
+        lambda m: [PartialRead("t.safetensors", (kept,)), PartialRead("t.safetensors", (later,), keep=False)],
+    )
+    assert reads == [([kept], [later])]  # one pass: the kept range returned, the other checked
+    ranges = opened.tensor_ranges("t.safetensors")
+    assert isinstance(ranges, DeferredRanges) and list(ranges.kept) == [kept]
+    data = bytearray((gen / "t.safetensors").read_bytes())
+    data[-3] ^= 0x01  # in "b", the last tensor
+    (gen / "t.safetensors").write_bytes(bytes(data))
+    assert torch.equal(ranges.get(kept), tensors["a"]) and len(reads) == 1  # from memory, no read
+    with pytest.raises(ValueError, match="digest mismatch"):
+        ranges.get(later)  # read again, verified again
+    with pytest.raises(ValueError, match="digest mismatch"):
+        ranges.get(later, transient=True)  # into the reused buffer: verified all the same
+    ranges.drop(kept)
+    assert not ranges.kept
+    (gen / "t.safetensors").write_bytes(bytes(data[:-3] + bytes([data[-3] ^ 0x01]) + data[-2:]))
+    one, two = ranges.get(("b", 0, 100), transient=True), ranges.get(("b", 100, 200), transient=True)
+    assert one.data_ptr() == two.data_ptr()  # one buffer, reused read after read
+    assert torch.equal(two, tensors["b"][100:200])
+    assert ranges.get(later).data_ptr() != two.data_ptr()  # a plain get: a fresh buffer
+    ranges.release()
 
 
 def test_unread_blocks_are_the_blocks_no_plan_touches_however_many_ranges():
