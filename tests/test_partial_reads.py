@@ -229,8 +229,8 @@ def test_only_a_same_layout_load_defers_its_reads():
 
 def test_the_family_asks_a_same_layout_load_to_read_again_and_a_resharding_one_to_keep():
     """`DistributedFamily.files_to_read` wires `maps_one_to_one` into the `PartialRead`s: a same-layout
-    load's are `keep=False` (verified at open, read and verified again at install: one bucket's key
-    in memory), a resharding load's (saved at DP=4, loaded at DP=2) `keep=True` (each block once)."""
+    load's moments are `keep=False` (verified at open, read and verified again at install: one
+    bucket's key in memory) and its masters `keep=True`, a resharding load's (saved at DP=4, loaded at DP=2) `keep=True` (each block once)."""
     from types import SimpleNamespace
 
     padded, unpadded = {"buf0": [12, 8]}, CURRENT
@@ -244,9 +244,13 @@ def test_the_family_asks_a_same_layout_load_to_read_again_and_a_resharding_one_t
         return dopt.FAMILY.files_to_read(3, view, described, plan)
 
     same = asked(2, 2, 1)
-    assert [r.relpath for r in same] == [dopt.slice_file_name(3, "k", 1, 2)] and not same[0].keep
-    assert {name for name, _, _ in same[0].ranges} == {
-        f"buf0.bucket{b}.{k}" for b in (0, 1) for k in ("param", "exp_avg")
+    assert [r.relpath for r in same] == [dopt.slice_file_name(3, "k", 1, 2)] * 2
+    # the moments are read again at install; the masters are kept from open (the cross-check and
+    # install use them; each is dropped once installed): read once, not three times
+    by_keep = {r.keep: {name for name, _, _ in r.ranges} for r in same}
+    assert by_keep == {
+        False: {f"buf0.bucket{b}.exp_avg" for b in (0, 1)},
+        True: {f"buf0.bucket{b}.param" for b in (0, 1)},
     }
     resharding = asked(4, 2, 0)
     assert len(resharding) == 2 and all(r.keep for r in resharding)
@@ -382,3 +386,137 @@ def test_read_ahead_of_a_large_kept_file_checks_every_byte(tmp_path):
     record = storage.save_tensors(path, tensors)
     with pytest.raises(ValueError, match="NaN or Inf"):
         storage.load_tensors(path, record)
+
+
+# ------------------------------------------------------------------ reads of a same-layout load (speed3)
+
+
+def test_whole_blocks_are_read_straight_into_the_range_and_verified_there(tmp_path, monkeypatch):
+    """`read_ranges` reads every block lying wholly inside a range straight into the range's own
+    buffer (one copy of each byte, the kernel's) and checks its digest there; only the cut blocks
+    at a range's ends pass through the reader's block buffer. A flipped byte in a block read in
+    place fails the read like any other."""
+    path, record = _write(tmp_path, _tensors())
+    begin = record.blocks.tensors["a"][1]
+    first = -(-begin // 256) * 256  # the first block wholly inside tensor "a"
+    wanted = ("a", 0, 300)
+    seen = []
+    real = storage._BlockFile.block
+    monkeypatch.setattr(
+        storage._BlockFile, "block", lambda self, i, *into: seen.append((i, bool(into))) or real(self, i, *into)
+    )
+    got, _ = storage.read_ranges(path, record, [wanted])
+    assert torch.equal(got[wanted], _tensors()["a"])
+    whole = set(range(first // 256, (begin + 1200) // 256))
+    assert whole and {i for i, into in seen if into} == whole
+    assert all(not into for i, into in seen if i not in whole)
+    data = bytearray(path.read_bytes())
+    data[first + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"block {first // 256} .*digest mismatch"):
+        storage.read_ranges(path, record, [wanted])
+
+
+def test_check_only_ranges_are_verified_in_the_same_pass_and_not_returned(tmp_path):
+    """`read_ranges(check_only=...)`: those ranges are read, digest- and finiteness-checked in the
+    same pass (one open, one header parse) and not returned; a flipped byte or a NaN in them fails
+    the read as in a kept range."""
+    tensors = _tensors()
+    path, record = _write(tmp_path, tensors)
+    got, _ = storage.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 0, 300), ("a", 10, 20)])
+    assert list(got) == [("b", 0, 7)] and torch.equal(got[("b", 0, 7)], tensors["b"][:7])
+    data = bytearray(path.read_bytes())
+    data[record.blocks.tensors["a"][1] + 4 * 150 + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    storage.read_ranges(path, record, [("b", 0, 7)])  # the flip is not in what this reads
+    with pytest.raises(ValueError, match="digest mismatch"):
+        storage.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 100, 200)])
+    nan = dict(tensors, a=tensors["a"].clone())
+    nan["a"][150] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    record = FileRecord.from_dict(storage.save_tensors(path, nan, finite=False, blocks=True, block_bytes=256).to_dict())
+    with pytest.raises(ValueError, match="'a' holds NaN or Inf"):
+        storage.read_ranges(path, record, [], check_only=[("a", 100, 200)])
+
+
+def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_again(tmp_path, monkeypatch):
+    """One file with both kinds of `PartialRead` (a same-layout load: masters kept, moments not):
+    one verified pass at open; the kept ranges are served from memory (a later change of the file
+    cannot reach them) and dropped when the caller says; the others are read again, verified
+    again, when asked for."""
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.layout import Topology
+    from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead, open_generation, save_generation
+
+    tensors = _tensors()
+    monkeypatch.setattr(storage, "BLOCK_BYTES", 256)
+    spec = {"iteration": 1, "saver": "test", "topology": Topology()}
+    write = lambda writer: writer.write_tensors("t.safetensors", tensors, blocks=True)  # noqa: E731
+    gen = save_generation(Consensus.single_process(), tmp_path / "root", write_files=write, **spec)
+    monkeypatch.undo()
+    kept, later = ("a", 0, 300), ("b", 0, 200)
+    reads = []
+    real = storage.read_ranges
+
+    def counted(path, record, wanted, **kwargs):
+        reads.append((sorted(wanted), sorted(kwargs.get("check_only", ()))))
+        return real(path, record, wanted, **kwargs)
+
+    monkeypatch.setattr(storage, "read_ranges", counted)
+    opened = open_generation(
+        Consensus.single_process(),
+        gen,
+        lambda m: [PartialRead("t.safetensors", (kept,)), PartialRead("t.safetensors", (later,), keep=False)],
+    )
+    assert reads == [([kept], [later])]  # one pass: the kept range returned, the other checked
+    ranges = opened.tensor_ranges("t.safetensors")
+    assert isinstance(ranges, DeferredRanges) and list(ranges.kept) == [kept]
+    data = bytearray((gen / "t.safetensors").read_bytes())
+    data[-3] ^= 0x01  # in "b", the last tensor
+    (gen / "t.safetensors").write_bytes(bytes(data))
+    assert torch.equal(ranges.get(kept), tensors["a"]) and len(reads) == 1  # from memory, no read
+    with pytest.raises(ValueError, match="digest mismatch"):
+        ranges.get(later)  # read again, verified again
+    with pytest.raises(ValueError, match="digest mismatch"):
+        ranges.get(later, transient=True)  # into the reused buffer: verified all the same
+    ranges.drop(kept)
+    assert not ranges.kept
+    (gen / "t.safetensors").write_bytes(bytes(data[:-3] + bytes([data[-3] ^ 0x01]) + data[-2:]))
+    one, two = ranges.get(("b", 0, 100), transient=True), ranges.get(("b", 100, 200), transient=True)
+    assert one.data_ptr() == two.data_ptr()  # one buffer, reused read after read
+    assert torch.equal(two, tensors["b"][100:200])
+    assert ranges.get(later).data_ptr() != two.data_ptr()  # a plain get: a fresh buffer
+    ranges.release()
+
+
+def test_unread_blocks_are_the_blocks_no_plan_touches_however_many_ranges():
+    """`protocol._unread_blocks` marks blocks range by range (`storage.mark_blocks`, no sort or
+    merge of a resharding load's thousands of rows): the same blocks as `storage.blocks_needed`
+    of the merged ranges, the header's included, empty ranges touching nothing; a range the file
+    does not hold raises as `byte_range` does."""
+    import random
+
+    from miles_lora_ckpt.core.layout import BlockIndex
+    from miles_lora_ckpt.core.protocol import _unread_blocks
+    from miles_lora_ckpt.core.verify import coalesce_ranges
+
+    index = BlockIndex(64, tuple("0" * 32 for _ in range(40)), {"a": ("F32", 100, 900), "b": ("BF16", 900, 2560)})
+    rng = random.Random(7)
+    for _ in range(200):
+        plans = []
+        for _ in range(rng.randint(1, 3)):
+            items = []
+            for _ in range(rng.randint(0, 12)):
+                name, count = rng.choice([("a", 200), ("b", 830)])
+                first = rng.randint(0, count)
+                items.append([name, first, rng.randint(first, min(count, first + rng.choice([0, 1, 5, 40, 300])))])
+            plans.append({"ranges": {"f": items} if items or rng.random() < 0.5 else {}})
+        read = set()
+        for plan in plans:
+            if "f" in plan["ranges"]:
+                read |= storage.blocks_needed(index, coalesce_ranges(tuple(i) for i in plan["ranges"]["f"]))
+        expected = [i for i in range(40) if i not in read]
+        assert _unread_blocks(index, "f", plans) == expected, plans
+    for bad in (["c", 0, 1], ["a", 0, 201], ["a", 5, 4]):
+        with pytest.raises(ValueError, match="not in the file|out of its"):
+            _unread_blocks(index, "f", [{"ranges": {"f": [bad]}}])

@@ -73,7 +73,6 @@ from miles_lora_ckpt.core.verify import (
     check_file_content,
     check_file_ranges,
     check_structure,
-    coalesce_ranges,
     find_candidates,
     reason,
 )
@@ -493,16 +492,40 @@ class OpenedGeneration:
 
 
 class DeferredRanges:
-    """Element ranges verified at open but not kept (`PartialRead(keep=False)`): `.get` reads one
-    again, every block it touches checked against its digest once more, when the caller is ready
-    for it (e.g. one bucket's key at a time), so the caller's memory holds one range at a time."""
+    """The element ranges of one file, some verified at open and kept (`kept`: those of a
+    `PartialRead(keep=True)`), the others verified at open but not kept (`PartialRead(keep=False)`):
+    `.get` returns a kept one as it is, and reads any other again, every block it touches checked
+    against its digest once more, when the caller is ready for it (e.g. one bucket's key at a
+    time), so the caller's memory holds one such range at a time. `.drop` forgets a kept range
+    once the caller has used it for the last time (its memory goes back)."""
 
-    def __init__(self, gen_dir: Path, relpath: str, manifest: Manifest):
+    def __init__(self, gen_dir: Path, relpath: str, manifest: Manifest, kept: dict | None = None):
         self.gen_dir, self.relpath, self.manifest = gen_dir, relpath, manifest
+        self.kept = dict(kept or {})
+        self._scratch = None  # the buffer `get(transient=True)` reads into, reused
 
-    def get(self, wanted, default=None):
+    def get(self, wanted, default=None, *, transient: bool = False):
+        """A kept range, or one read again (verified again). With `transient=True` a range read
+        again lands in a buffer this object reuses for its next transient read (no fresh memory
+        to fault in, read after read): the caller must be done with the tensor before then."""
         item = tuple(wanted)
-        return check_file_ranges(self.gen_dir, self.relpath, self.manifest, [item])[item]
+        if item in self.kept:
+            return self.kept[item]
+        allocate = self._reused if transient else storage.large_buffer
+        return check_file_ranges(self.gen_dir, self.relpath, self.manifest, [item], allocate=allocate)[item]
+
+    def _reused(self, nbytes: int):
+        if self._scratch is None or len(self._scratch) < nbytes:
+            self._scratch = None  # the old one goes before the new one is made
+            self._scratch = storage.large_buffer(nbytes)
+        return memoryview(self._scratch)[:nbytes]
+
+    def release(self) -> None:
+        """Give back the buffer of transient reads."""
+        self._scratch = None
+
+    def drop(self, wanted) -> None:
+        self.kept.pop(tuple(wanted), None)
 
 
 class WholeFileRanges:
@@ -528,9 +551,10 @@ class PartialRead:
     records a block index for the file; otherwise the whole file is read and checked. A rank's
     requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
     is read and verified once per load, and the ranges are kept as views of the verified spans.
-    With `keep=False` the ranges are verified at open one at a time and not kept; the loader reads
-    each again, verified again, when it installs it (`DeferredRanges`): one range in memory at a
-    time instead of all of them, for one more read of each."""
+    With `keep=False` the ranges are verified at open, in that same pass, one at a time in one
+    reused buffer, and not kept; the loader reads each again, verified again, when it installs it
+    (`DeferredRanges`): one range in memory at a time instead of all of them, for one more read of
+    each. One file may have requests of both kinds (a range asked both ways is kept)."""
 
     relpath: str
     ranges: tuple[storage.ElementRange, ...]
@@ -613,11 +637,12 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         wanted = files_for_rank(gen.manifest)
         whole = sorted({w for w in wanted if isinstance(w, str)})
         ranges: dict[str, list] = {}
-        kept: set[str] = set()
+        kept: set[tuple] = set()
         for request in (w for w in wanted if isinstance(w, PartialRead)):
-            ranges.setdefault(request.relpath, []).extend([name, int(a), int(b)] for name, a, b in request.ranges)
+            items = [[name, int(a), int(b)] for name, a, b in request.ranges]
+            ranges.setdefault(request.relpath, []).extend(items)
             if request.keep:
-                kept.add(request.relpath)
+                kept.update((request.relpath, *item) for item in items)
         listed = gen.manifest.files
         for rel, items in ranges.items():
             index = listed[rel].blocks if rel in listed else None
@@ -635,7 +660,12 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         for rel in sorted({*whole, *ranges})
         if rel not in gen.manifest.files
     ]
-    deferred = sorted(set(ranges) - kept - set(whole))  # a file asked kept by any request is kept
+    # the ranges verified at open and read again later: those no request asked kept, of files not read whole
+    deferred = {
+        rel: [item for item in items if (rel, *item) not in kept]
+        for rel, items in ranges.items()
+        if rel not in whole and any((rel, *item) not in kept for item in items)
+    }
     return gen, {"files": whole, "ranges": ranges, "deferred": deferred, "problems": missing}
 
 
@@ -659,12 +689,12 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
             wanted = [tuple(item) for item in items]
             if rel in files:  # read whole (no block index, or also asked whole): cut the ranges from it
                 ranges[rel] = _cut(files[rel], wanted)
-            elif rel in mine.get("deferred", ()):  # verified one range at a time, read again later
-                for item in wanted:
-                    check_file_ranges(candidate, rel, manifest, [item])
-                ranges[rel] = DeferredRanges(candidate, rel, manifest)
-            elif rel not in mine["files"]:  # every range of the file in one verified pass, kept
-                ranges[rel] = check_file_ranges(candidate, rel, manifest, wanted)
+            elif rel not in mine["files"]:  # every range of the file in one verified pass
+                later = {tuple(item) for item in mine.get("deferred", {}).get(rel, ())}
+                kept = [item for item in wanted if item not in later]
+                read = check_file_ranges(candidate, rel, manifest, kept, check_only=sorted(later))
+                # the deferred ones were verified and dropped: read again, verified again, later
+                ranges[rel] = DeferredRanges(candidate, rel, manifest, read) if later else read
         except Exception as exc:  # noqa: BLE001 - total
             problems.append(f"{candidate / rel}: {reason(exc)}")
     share: dict[str, list[int]] = {}
@@ -679,12 +709,15 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
 
 
 def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
-    """The blocks of a partially read file that no rank's ranges touch."""
-    read: set[int] = set()
+    """The blocks of a partially read file that no rank's ranges touch, nor its header's (every
+    reader reads the header)."""
+    read = bytearray(len(index.digests))
     for plan in plans:
         if rel in plan["ranges"]:
-            read |= storage.blocks_needed(index, coalesce_ranges(tuple(item) for item in plan["ranges"][rel]))
-    return [i for i in range(len(index.digests)) if i not in read]
+            for i in index.blocks_for(0, index.data_start):
+                read[i] = 1
+            storage.mark_blocks(index, plan["ranges"][rel], read)
+    return [i for i, touched in enumerate(read) if not touched]
 
 
 def _cut(checked: storage.CheckedFile, wanted: list) -> dict:

@@ -750,6 +750,27 @@ def blocks_needed(index: BlockIndex, wanted: Iterable[ElementRange]) -> set[int]
     return needed
 
 
+def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: bytearray) -> None:
+    """Set `touched[i]` for every block `i` an element range of `wanted` touches (the blocks
+    `blocks_needed` names, less the header's), range by range without sorting or merging them
+    first: one pass over many short ranges (a resharding load's rows). Raises ValueError for a
+    range the file does not hold, as `byte_range` does."""
+    block_bytes, tensors = index.block_bytes, index.tensors
+    for name, first, stop in wanted:
+        if name not in tensors:
+            raise ValueError(f"tensor {name!r} is not in the file")
+        tag, begin, end = tensors[name]
+        itemsize = _DTYPES[tag][1]
+        if not 0 <= first <= stop <= (end - begin) // itemsize:
+            raise ValueError(f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}")
+        if stop > first:
+            lo, hi = (begin + first * itemsize) // block_bytes, (begin + stop * itemsize - 1) // block_bytes
+            if lo == hi:
+                touched[lo] = 1
+            else:
+                touched[lo : hi + 1] = b"\x01" * (hi + 1 - lo)
+
+
 class _BlockFile:
     """Verified random access to one open file, block by block (only the last block is kept)."""
 
@@ -758,13 +779,22 @@ class _BlockFile:
         self._last: tuple[int, memoryview] | None = None
         self._buffer = large_buffer(min(self.index.block_bytes, record.bytes))  # reused block after block
 
-    def block(self, i: int) -> memoryview:
+    def block(self, i: int, into: memoryview | None = None) -> memoryview:
+        """Block `i`, read and its digest checked: into `into` when given (exactly the block's
+        length: the caller's destination, so its bytes are copied nowhere else), otherwise into
+        the reused buffer, kept as the last block."""
         if self._last is not None and self._last[0] == i:
+            if into is not None:
+                into[:] = self._last[1]
+                return into
             return self._last[1]
-        self._last = None
         start = i * self.index.block_bytes
         length = min(self.index.block_bytes, self.record.bytes - start)
-        buf = memoryview(self._buffer)[:length]
+        if into is None:
+            self._last = None
+            buf = memoryview(self._buffer)[:length]
+        else:
+            buf = into
         view, done = buf, 0
         while done < length:
             got = os.preadv(self.fd, [view[done:]], start + done)
@@ -777,31 +807,46 @@ class _BlockFile:
             raise ValueError(
                 f"block {i} (bytes {start}..{start + length}) digest mismatch (content changed or corrupted)"
             )
-        self._last = (i, buf)
+        if into is None:
+            self._last = (i, buf)
         return buf
 
     def read(self, begin: int, end: int, out: memoryview) -> None:
-        """Copy bytes `[begin, end)` into `out`, every block they touch verified."""
+        """Copy bytes `[begin, end)` into `out`, every block they touch verified: a block wholly
+        inside them is read straight into its place in `out` and verified there (one copy of each
+        byte, the kernel's); only the first and last, cut, pass through the reused buffer."""
         block_bytes = self.index.block_bytes
         pos = begin
         while pos < end:
             i = pos // block_bytes
-            buf = self.block(i)
-            take = min(end, (i + 1) * block_bytes) - pos
             offset = pos - i * block_bytes
-            out[pos - begin : pos - begin + take] = memoryview(buf)[offset : offset + take]
+            take = min(end, (i + 1) * block_bytes) - pos
+            if offset == 0 and take == min(block_bytes, self.record.bytes - pos):
+                self.block(i, out[pos - begin : pos - begin + take])
+            else:
+                buf = self.block(i)
+                out[pos - begin : pos - begin + take] = memoryview(buf)[offset : offset + take]
             pos += take
 
 
 def read_ranges(
-    path: Path, record: FileRecord, wanted: Iterable[ElementRange]
+    path: Path,
+    record: FileRecord,
+    wanted: Iterable[ElementRange],
+    *,
+    check_only: Iterable[ElementRange] = (),
+    allocate=large_buffer,
 ) -> tuple[dict[ElementRange, torch.Tensor], dict[str, str]]:
-    """Read only the blocks that hold `wanted` (element ranges of flattened tensors), each block's
-    digest checked against the manifest's block index, the header parsed strictly and checked
-    against that index, and every returned floating value checked finite.
+    """Read only the blocks that hold `wanted` and `check_only` (element ranges of flattened
+    tensors), each block's digest checked against the manifest's block index, the header parsed
+    strictly and checked against that index, and every floating value read checked finite.
 
-    Returns `({range: a fresh 1-D tensor}, the file's safetensors metadata)`. Memory: the returned
-    tensors and one block. A record without a block index cannot be read partially (ValueError).
+    Returns `({range of wanted: a fresh 1-D tensor}, the file's safetensors metadata)`; the ranges
+    of `check_only` are verified the same way and not returned: they share one buffer, reused from
+    range to range. Memory: the returned tensors, the largest range of `check_only` and one block.
+    `allocate(nbytes)` gives each returned range its buffer (default: a fresh `large_buffer`).
+    All ranges are read in file order. A record without a block index cannot be read partially
+    (ValueError).
     """
     if record.blocks is None:
         raise ValueError("the manifest records no block digests for it: it can only be read whole")
@@ -821,20 +866,21 @@ def read_ranges(
             raise ValueError("the safetensors header length disagrees with the manifest's block index")
         metadata, entries = _parse_header(bytes(head[8:]), index.data_start, record.bytes)
         _check_block_spans(index, entries)
+        items = [(tuple(item), True) for item in wanted] + [(tuple(item), False) for item in check_only]
+        spans = {item: byte_range(index, item) for item, _ in items}
+        scratch = large_buffer(max((spans[item][1] - spans[item][0] for item, kept in items if not kept), default=0))
         out = {}
-        for item in wanted:
-            begin, end = byte_range(index, item)
+        for item, kept in sorted(items, key=lambda entry: spans[entry[0]]):
+            begin, end = spans[item]
             tag = index.tensors[item[0]][0]
-            buf = large_buffer(end - begin)
+            buf = allocate(end - begin) if kept else memoryview(scratch)[: end - begin]
             source.read(begin, end, memoryview(buf))
-            tensor = (
-                torch.frombuffer(buf, dtype=getattr(torch, _DTYPES[tag][0]))
-                if buf
-                else torch.empty(0, dtype=getattr(torch, _DTYPES[tag][0]))
-            )
+            dtype = getattr(torch, _DTYPES[tag][0])
+            tensor = torch.frombuffer(buf, dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
             if tag in _FLOAT_TAGS and not _all_finite(tensor):
                 raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
-            out[tuple(item)] = tensor
+            if kept:
+                out[item] = tensor
         return out, metadata
     finally:
         os.close(fd)

@@ -137,20 +137,28 @@ def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep:
     return checked
 
 
-def check_file_ranges(gen_dir: Path, relpath: str, manifest: Manifest, ranges) -> dict:
+def check_file_ranges(
+    gen_dir: Path, relpath: str, manifest: Manifest, ranges, *, check_only=(), allocate=storage.large_buffer
+) -> dict:
     """Read some element ranges of one listed tensor file (see `storage.read_ranges`), with the
-    rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`.
+    rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`
+    for `ranges`. The ranges of `check_only` are read and verified in the same pass, one at a time
+    in one reused buffer, and not returned. `allocate`: see `storage.read_ranges`.
 
     One pass over the file: the ranges asked are coalesced first (overlapping or touching ranges
     of one tensor merged, in file order), so the header and every block they touch are read and
     verified once, whatever the number of ranges; each range asked is a view of its merged span."""
     record = manifest.files[relpath]
     asked = [(str(name), int(first), int(stop)) for name, first, stop in ranges]
-    spans = coalesce_ranges(asked)
+    spans, checked = coalesce_ranges(asked), coalesce_ranges(check_only)
     if record.blocks is not None:  # in file order: each block read (and hashed) once, never re-read
-        spans.sort(key=lambda span: storage.byte_range(record.blocks, span))
-        spans = merge_within_blocks(record.blocks, spans)
-    tensors, metadata = storage.read_ranges(Path(gen_dir) / relpath, record, spans)
+        spans = merge_within_blocks(record.blocks, sorted(spans, key=lambda s: storage.byte_range(record.blocks, s)))
+        checked = merge_within_blocks(
+            record.blocks, sorted(checked, key=lambda s: storage.byte_range(record.blocks, s))
+        )
+    tensors, metadata = storage.read_ranges(
+        Path(gen_dir) / relpath, record, spans, check_only=checked, allocate=allocate
+    )
     # read_ranges checked the header against the block index: its dtypes are the file's
     dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
     content_rules.check_tensor_file(relpath, manifest, metadata or {}, dtypes)

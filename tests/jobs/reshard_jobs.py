@@ -243,14 +243,14 @@ def counting_reads():
     counts = {"range_reads": Counter(), "block_checks": Counter()}
     real_read, real_block = storage.read_ranges, storage._BlockFile.block
 
-    def read_ranges(path, record, wanted):
+    def read_ranges(path, record, wanted, **kwargs):
         counts["range_reads"]["/".join(PurePath(path).parts[-2:])] += 1
-        return real_read(path, record, wanted)
+        return real_read(path, record, wanted, **kwargs)
 
-    def block(self, i):
+    def block(self, i, *args):
         if self._last is None or self._last[0] != i:
             counts["block_checks"][(self.record.digest, i)] += 1
-        return real_block(self, i)
+        return real_block(self, i, *args)
 
     storage.read_ranges, storage._BlockFile.block = read_ranges, block
     try:

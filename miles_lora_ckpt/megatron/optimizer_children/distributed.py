@@ -22,9 +22,10 @@ Load (no scatter): a rank at any DP size reads exactly the element ranges of the
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
 protocol verifies every other block round-robin), after checking that the saved slices tile every
 bucket exactly (no overlap, no gap). A same-layout load (each bucket of a rank's shard is one
-whole saved slice, `maps_one_to_one`) verifies its ranges at open without keeping them and reads
-each bucket's key again, verified again, for the masters' cross-check and at install, so it holds
-one bucket's key of optimizer state beyond what the optimizer holds. Any other load (another DP
+whole saved slice, `maps_one_to_one`) verifies all its ranges at open in one pass, keeps the
+masters' (the masters' cross-check and `install` use them; each is dropped once installed) and not
+the moments', and reads each bucket's moment again, verified again, at install, so it holds this
+rank's master shard, then one bucket's key, of optimizer state beyond what the optimizer holds. Any other load (another DP
 size or model-parallel layout) reads and verifies all of a file's ranges at open in one pass (each
 block read and hashed once per load) and keeps them; the masters' cross-check (preflight) and
 `install` (one bucket and one key at a time, straight into the masters and moments) slice them
@@ -45,7 +46,7 @@ import torch.distributed as dist
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
-from miles_lora_ckpt.core.protocol import PartialRead
+from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead
 from miles_lora_ckpt.core.storage import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state
 from miles_lora_ckpt.megatron.optimizer_children.family import (
@@ -539,21 +540,27 @@ class DistributedFamily:
         shard (at equal DP sizes: all of its own slice).
 
         Memory vs reads: when every saved piece this rank reads is whole and is its whole shard of
-        that bucket (`maps_one_to_one`: a same-layout load), the ranges are verified at open and
-        not kept (`keep=False`): the masters' cross-check and `install` read each bucket's key
-        again, verified again, one at a time, so the load holds one bucket's key beyond what the
-        optimizer holds. Otherwise (another DP size or layout: a rank's shard is cut from several
-        saved slices) all of a file's ranges are read and verified at open in one pass and kept,
+        that bucket (`maps_one_to_one`: a same-layout load), the masters' ranges are verified at
+        open and kept (`keep=True`) for the masters' cross-check and `install`, which drops each
+        once installed, and the moments' ranges are verified at open and not kept (`keep=False`):
+        `install` reads each bucket's key again, verified again, one at a time, so the load holds
+        this rank's master shard, then one bucket's key, beyond what the optimizer holds.
+        Otherwise (another DP size or layout: a rank's shard is cut from several saved slices) all of a file's ranges are read and verified at open in one pass and kept,
         and `install` slices them from those verified buffers (each block read once per load)."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
         keys = (MASTER_KEY, *mine["keys"])
         reads = reads_for(pieces, mine)
         keep = not maps_one_to_one(reads, mine)
-        requests: dict[str, set] = {}
+        requests: dict[tuple[str, bool], set] = {}
         for _, piece, first, stop, _ in reads:
-            requests.setdefault(piece.file, set()).update((f"{piece.prefix}.{k}", first, stop) for k in keys)
-        return [PartialRead(file, tuple(sorted(ranges)), keep=keep) for file, ranges in sorted(requests.items())]
+            for k in keys:
+                requests.setdefault((piece.file, keep or k == MASTER_KEY), set()).add(
+                    (f"{piece.prefix}.{k}", first, stop)
+                )
+        return [
+            PartialRead(file, tuple(sorted(ranges)), keep=kept) for (file, kept), ranges in sorted(requests.items())
+        ]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -615,18 +622,33 @@ class DistributedFamily:
         opt = child.optimizer
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
             for key in (MASTER_KEY, *restore.keys):  # one key of one bucket at a time
+                # one piece (a same-layout load): a range read again may reuse the last one's buffer
+                transient = len(pieces) == 1
                 parts = [
-                    (key, offset, _read_piece(piece, source, key, first, stop))
+                    (key, offset, _read_piece(piece, source, key, first, stop, transient))
                     for piece, source, first, stop, offset in pieces
                 ]
                 install_pieces(opt, restore.keys, layout, parts)
                 del parts
+                for piece, source, first, stop, _ in pieces:  # a range kept until now is used no more
+                    if isinstance(source, DeferredRanges):
+                        source.drop((f"{piece.prefix}.{key}", first, stop))
+        for pieces in restore.buckets:
+            for _, source, _, _, _ in pieces:
+                if isinstance(source, DeferredRanges):
+                    source.release()
 
 
-def _read_piece(piece: Piece, source, key: str, first: int, stop: int) -> torch.Tensor:
+def _read_piece(piece: Piece, source, key: str, first: int, stop: int, transient: bool = False) -> torch.Tensor:
+    """One range of a piece (`transient`: the source may reuse the buffer of its last one, see
+    `protocol.DeferredRanges.get`)."""
     name = f"{piece.prefix}.{key}"
     try:
-        tensor = source.get((name, first, stop))
+        tensor = (
+            source.get((name, first, stop), transient=True)
+            if transient and isinstance(source, DeferredRanges)
+            else source.get((name, first, stop))
+        )
     except ValueError as exc:
         raise ValueError(f"{piece.file}: {exc}") from None
     if tensor is None:
