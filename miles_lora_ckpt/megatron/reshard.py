@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
-from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
+from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron import reshard_whole
@@ -127,7 +127,10 @@ class ReshardPlan:
         for name, (block, copies) in self.adapter.items():
             param = params[name]
             local = torch.empty(block.numel, dtype=param.dtype)
+            by_source: dict[_Source, list] = {}
             for source, copy in copies:
+                by_source.setdefault(source, []).append((copy.first, copy.into, copy.count))
+            for source, runs in by_source.items():
                 if source.where not in read:
                     kind, key = _ADAPTER_FILE.match(source.where).groups()
                     check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
@@ -139,7 +142,11 @@ class ReshardPlan:
                         f"{source.where}: {source.name} is {got}, the manifest says "
                         f"{param.dtype}{list(source.block.shape)}"
                     )
-                local[copy.into : copy.into + copy.count] = tensor.reshape(-1)[copy.first : copy.first + copy.count]
+                # one strided copy per group of like runs (a row-parallel split: one per tensor), not per row
+                flat, length = tensor.reshape(-1), source.block.numel
+                for g in strided_runs(runs):
+                    into = strided_view(local, block.numel, g.into, g.into_step, g.width, g.n)
+                    into.copy_(strided_view(flat, length, g.first, g.step, g.width, g.n))
             if local.is_floating_point() and not torch.isfinite(local).all():
                 raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
             out[name] = local.view(param.shape)
@@ -256,7 +263,12 @@ class ReshardPlan:
             if adapter is not None:  # one bucket's master shard at a time, views of the verified ranges
                 for layout, parts in zip(distributed.bucket_layouts(child), buckets, strict=True):
                     masters = [
-                        (piece.file, offset, distributed._read_piece(piece, source, MASTER_KEY, first, stop))
+                        (
+                            piece.file,
+                            offset,
+                            distributed._read_piece(piece, source, MASTER_KEY, first, stop),
+                            stop - first,
+                        )
                         for piece, source, first, stop, offset in parts
                     ]
                     distributed.check_master_shard(selected, layout, masters, adapter)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead
 from miles_lora_ckpt.core.storage import LazyTensor
@@ -401,8 +402,10 @@ def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list
 
 
 def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
-    """Copy `(key, offset in this rank's shard of the bucket, tensor)` pieces into the masters and
-    the allocated state of every parameter they overlap; then compare every copied element."""
+    """Copy `(key, offset in this rank's shard of the bucket, tensor, its element count)` pieces into
+    the masters and the allocated state of every parameter they overlap; then compare every copied
+    element. A parameter's pieces (one per row of a row-parallel split at another TP) are copied as
+    few strided groups (`global_layout.strided_runs`): torch calls per parameter, not per row."""
     targets: dict[str, list] = {key: [] for key in (MASTER_KEY, *keys)}
     for model_param, ranges in _param_maps(child, layout).items():
         main_param, state = main_and_state(child, model_param)
@@ -411,57 +414,76 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
             if key != MASTER_KEY and key not in state:
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
             targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
-    matched = []  # (key, destination, [(first element in it, source view)]) per parameter and key
+    matched = []  # (key, destination, its numel, [(first element in it, source view, count)]) per parameter and key
     for key, spans in targets.items():
-        mine = [(offset, tensor) for part_key, offset, tensor in parts if part_key == key]
+        mine = [(offset, tensor, count) for part_key, offset, tensor, count in parts if part_key == key]
         by_target: dict[int, list] = {}
-        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, t.numel()) for o, t in mine]):
-            offset, tensor = mine[j]
-            by_target.setdefault(i, []).append((lo - spans[i][0], tensor[lo - offset : hi - offset]))
-        matched += [(key, spans[i][2].view(-1), pieces) for i, pieces in sorted(by_target.items())]
+        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, c) for o, _, c in mine]):
+            offset, tensor, count = mine[j]
+            whole = lo == offset and hi == offset + count  # no slicing call for a piece inside one parameter
+            by_target.setdefault(i, []).append(
+                (lo - spans[i][0], tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
+            )
+        matched += [
+            (key, spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces) for i, pieces in sorted(by_target.items())
+        ]
+    groups = [(key, dest, _strided_groups(dest, numel, pieces)) for key, dest, numel, pieces in matched]
     with torch.no_grad():
-        for _, dest, pieces in matched:
-            if len(pieces) == 1:  # the same-layout case: one contiguous piece
-                first, source = pieces[0]
-                dest[first : first + source.numel()].copy_(source)
-            else:
-                dest.index_copy_(0, *_gathered(pieces))
-    for key, dest, pieces in matched:  # megatron's own loader can drop state silently: not here
-        if len(pieces) == 1:
-            first, source = pieces[0]
-            got = dest[first : first + source.numel()]
-        else:
-            index, source = _gathered(pieces)
-            got = dest.index_select(0, index)
-        if not torch.equal(got.detach(), source):
-            raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+        for _, _, copies in groups:
+            for into, source in copies:
+                into.copy_(source)
+    for key, _, copies in groups:  # megatron's own loader can drop state silently: not here
+        for into, source in copies:
+            if not torch.equal(into.detach(), source):
+                raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+
+
+def _strided_groups(dest: torch.Tensor, numel: int, pieces: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`[(destination view, source)]` for `(first element, values, count)` pieces of one flat
+    destination of `numel` elements: one pair per group of like pieces (`strided_runs`), the
+    group's values concatenated (one `cat`), the destination a strided `[n, width]` view."""
+    out, at = [], 0
+    runs = []
+    for first, _, count in pieces:
+        runs.append((at, first, count))
+        at += count
+    done = 0
+    for g in strided_runs(runs):
+        values = [piece for _, piece, _ in pieces[done : done + g.n]]
+        done += g.n
+        source = (values[0] if g.n == 1 else torch.cat(values)).view(g.n, g.width)
+        out.append((strided_view(dest, numel, g.into, g.into_step, g.width, g.n), source))
+    return out
 
 
 def _gathered(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(positions, values)` of `(first element, values)` pieces of one flat destination: one index
-    copy (and one read-back) per parameter and key, however many pieces a resharding load cut it
-    into (one per row of a row-parallel split at another TP)."""
-    firsts = torch.tensor([first for first, _ in pieces], dtype=torch.int64)
-    counts = torch.tensor([piece.numel() for _, piece in pieces], dtype=torch.int64)
+    """`(positions, values)` of `(first element, values, count)` pieces of one flat destination: one
+    index copy (and one read-back) per parameter and key, however many pieces a resharding load cut
+    it into (one per row of a row-parallel split at another TP)."""
+    firsts = torch.tensor([first for first, _, _ in pieces], dtype=torch.int64)
+    counts = torch.tensor([count for _, _, count in pieces], dtype=torch.int64)
     before = torch.cumsum(counts, 0) - counts
     index = torch.repeat_interleave(firsts - before, counts) + torch.arange(int(counts.sum()), dtype=torch.int64)
-    return index, torch.cat([piece for _, piece in pieces])
+    return index, torch.cat([piece for _, piece, _ in pieces])
 
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
     """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
-    tensor)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    tensor, its element count)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
     params = []
     for model_param, ranges in _param_maps(child.optimizer, layout).items():
         source = adapter(model_param)
         if source is not None:
             params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
-    found = overlaps([(a, b) for a, b, _, _ in params], [(offset, tensor.numel()) for _, offset, tensor in parts])
-    grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master)]
+    found = overlaps([(a, b) for a, b, _, _ in params], [(offset, count) for _, offset, _, count in parts])
+    grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master, count)]
     for i, j, lo, hi in found:
         start, _, first, _ = params[i]
-        file, offset, tensor = parts[j]
-        grouped.setdefault((i, file), []).append((first + lo - start, tensor[lo - offset : hi - offset]))
+        file, offset, tensor, count = parts[j]
+        whole = lo == offset and hi == offset + count
+        grouped.setdefault((i, file), []).append(
+            (first + lo - start, tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
+        )
     for (i, file), pieces in grouped.items():  # one comparison per parameter and file, not per piece
         where = f"{file} (optimizer child {child.index})"
         if len(pieces) == 1:
@@ -590,7 +612,7 @@ class DistributedFamily:
         if read.adapter is not None:  # the saved adapter must be the cast of these masters (masters.py)
             for layout, pieces in zip(bucket_layouts(child.optimizer), buckets, strict=True):
                 parts = [
-                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop))
+                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop), stop - first)
                     for piece, source, first, stop, offset in pieces
                 ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
@@ -625,7 +647,7 @@ class DistributedFamily:
                 # one piece (a same-layout load): a range read again may reuse the last one's buffer
                 transient = len(pieces) == 1
                 parts = [
-                    (key, offset, _read_piece(piece, source, key, first, stop, transient))
+                    (key, offset, _read_piece(piece, source, key, first, stop, transient), stop - first)
                     for piece, source, first, stop, offset in pieces
                 ]
                 install_pieces(opt, restore.keys, layout, parts)
