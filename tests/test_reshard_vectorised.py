@@ -100,3 +100,23 @@ def test_install_pieces_are_grouped_with_one_copy_per_group():
         assert torch.equal(dest.view(rows, 32)[:, 16:], values)
         assert not dest.view(rows, 32)[:, :16].any()
     assert calls[64] == calls[128], calls
+
+
+def test_the_optimizer_read_plan_asks_one_range_per_row_group_not_per_row():
+    """`reshard._row_parts`: a parameter's half rows of one saved piece (a row-parallel split saved at
+    TP 1, loaded at TP 2) are one part covering them (one range asked per key), with its rows;
+    rows whose gaps would skip a whole block stay parts of their own (nothing more read)."""
+    from types import SimpleNamespace
+
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import Piece
+    from miles_lora_ckpt.megatron.reshard import _row_parts
+
+    piece = Piece("optimizer/x.safetensors", {}, "buf0.bucket0", "buf0", 0, 1 << 20)
+    runs = [(100 + r * 32 + 16, 7 + r * 16, 16) for r in range(64)]  # (first, offset in the shard, count)
+
+    def manifest(block_bytes):
+        return SimpleNamespace(files={piece.file: SimpleNamespace(blocks=SimpleNamespace(block_bytes=block_bytes))})
+
+    assert _row_parts(piece, runs, manifest(1 << 16)) == [(piece, 116, 116 + 63 * 32 + 16, 7, (32, 16, 64, 16))]
+    apart = _row_parts(piece, runs, manifest(32))  # a gap of 16 fp32 elements = 64 bytes > a block of 32
+    assert [(p[1], p[2], p[3], p[4]) for p in apart] == [(f, f + 16, o, None) for f, o, _ in runs]

@@ -57,7 +57,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     ReadContext,
     file_binding,
 )
-from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements, check_master_rows
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -402,10 +402,13 @@ def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list
 
 
 def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
-    """Copy `(key, offset in this rank's shard of the bucket, tensor, its element count)` pieces into
-    the masters and the allocated state of every parameter they overlap; then compare every copied
-    element. A parameter's pieces (one per row of a row-parallel split at another TP) are copied as
-    few strided groups (`global_layout.strided_runs`): torch calls per parameter, not per row."""
+    """Copy `(key, offset in this rank's shard of the bucket, tensor, its element count, rows)` pieces
+    into the masters and the allocated state of every parameter they overlap; then compare every
+    copied element. A parameter's pieces (one per row of a row-parallel split at another TP) are
+    copied as few strided groups (`global_layout.strided_runs`): torch calls per parameter, not per
+    row. `rows` not None: the piece is such a group already (`_Restore.buckets`), row `i` of
+    `(step, width, n, offset step)` its elements `[i * step, ... + width)`, going to
+    `[offset + i * offset step, ... + width)`, inside one parameter."""
     targets: dict[str, list] = {key: [] for key in (MASTER_KEY, *keys)}
     for model_param, ranges in _param_maps(child, layout).items():
         main_param, state = main_and_state(child, model_param)
@@ -415,11 +418,15 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
             targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
     matched = []  # (key, destination, its numel, [(first element in it, source view, count)]) per parameter and key
+    copies = []  # (key, destination view, source view)
     for key, spans in targets.items():
-        mine = [(offset, tensor, count) for part_key, offset, tensor, count in parts if part_key == key]
+        mine = [(o, t, c, rows) for part_key, o, t, c, rows in parts if part_key == key]
         by_target: dict[int, list] = {}
-        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, c) for o, _, c in mine]):
-            offset, tensor, count = mine[j]
+        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, _extent(c, r)) for o, _, c, r in mine]):
+            offset, tensor, count, rows = mine[j]
+            if rows is not None:
+                copies.append((key, *_row_views(spans[i], spans[i][2].view(-1), lo, hi, offset, tensor, count, rows)))
+                continue
             whole = lo == offset and hi == offset + count  # no slicing call for a piece inside one parameter
             by_target.setdefault(i, []).append(
                 (lo - spans[i][0], tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
@@ -427,15 +434,36 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
         matched += [
             (key, spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces) for i, pieces in sorted(by_target.items())
         ]
-    groups = [(key, dest, _strided_groups(dest, numel, pieces)) for key, dest, numel, pieces in matched]
+    for key, dest, numel, pieces in matched:
+        copies += [(key, into, source) for into, source in _strided_groups(dest, numel, pieces)]
     with torch.no_grad():
-        for _, _, copies in groups:
-            for into, source in copies:
-                into.copy_(source)
-    for key, _, copies in groups:  # megatron's own loader can drop state silently: not here
-        for into, source in copies:
-            if not torch.equal(into.detach(), source):
-                raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+        for _, into, source in copies:
+            into.copy_(source)
+    for key, into, source in copies:  # megatron's own loader can drop state silently: not here
+        if not torch.equal(into.detach(), source):
+            raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
+
+
+def _extent(count: int, rows) -> int:
+    """Elements of the shard a part spans: `count`, or its rows' span (`_Restore.buckets`)."""
+    return count if rows is None else (rows[2] - 1) * rows[3] + rows[1]
+
+
+def _rows_inside(lo: int, hi: int, offset: int, count: int, rows) -> None:
+    """Raise unless a strided part's overlap `[lo, hi)` with a parameter is the whole part."""
+    if lo != offset or hi != offset + _extent(count, rows):
+        raise ValueError(f"a resharding load's rows [{offset}, {offset + _extent(count, rows)}) cross a parameter")
+
+
+def _row_views(span: tuple, dest: torch.Tensor, lo: int, hi: int, offset: int, tensor, count: int, rows) -> tuple:
+    """`(destination view, source view)`, both `[n, width]`, of a strided part (`rows`) that must lie
+    inside the parameter whose shard elements are `span` (`(start, end, ...)`)."""
+    _rows_inside(lo, hi, offset, count, rows)
+    step, width, n, into_step = rows
+    return (
+        strided_view(dest, span[1] - span[0], offset - span[0], into_step, width, n),
+        strided_view(tensor, count, 0, step, width, n),
+    )
 
 
 def _strided_groups(dest: torch.Tensor, numel: int, pieces: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -469,17 +497,23 @@ def _gathered(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
     """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
-    tensor, its element count)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    tensor, its element count, rows)` parts, `rows` as in `install_pieces`) is the cast of the saved adapter's matching element (`masters.check_master`)."""
     params = []
     for model_param, ranges in _param_maps(child.optimizer, layout).items():
         source = adapter(model_param)
         if source is not None:
             params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
-    found = overlaps([(a, b) for a, b, _, _ in params], [(offset, count) for _, offset, _, count in parts])
+    found = overlaps([(a, b) for a, b, _, _ in params], [(o, _extent(c, r)) for _, o, _, c, r in parts])
     grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master, count)]
     for i, j, lo, hi in found:
         start, _, first, _ = params[i]
-        file, offset, tensor, count = parts[j]
+        file, offset, tensor, count, rows = parts[j]
+        if rows is not None:  # a strided group of rows inside this parameter: one comparison
+            _rows_inside(lo, hi, offset, count, rows)
+            master = strided_view(tensor, count, 0, rows[0], rows[1], rows[2])
+            where = f"{file} (optimizer child {child.index})"
+            check_master_rows(params[i][3], master, where, first + offset - start, rows[3])
+            continue
         whole = lo == offset and hi == offset + count
         grouped.setdefault((i, file), []).append(
             (first + lo - start, tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
@@ -500,7 +534,9 @@ def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter)
 class _Restore:
     keys: tuple[str, ...]
     state: dict  # the DP root's `state_dict()` (decoded, groups settled): param groups and step
-    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard)]
+    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard, rows)]
+    # rows: None (`[first, stop)` goes to `[offset, ...)`), or a resharding load's strided group of
+    # rows inside one parameter, `(step, width, n, offset step)` (`reshard._row_parts`)
     groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
 
 
@@ -602,9 +638,9 @@ class DistributedFamily:
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
         for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
             source = read.ranges(piece.file, piece.binding)  # binding checked; ranges verified at open
-            buckets[position].append((piece, source, first, stop, offset))
+            buckets[position].append((piece, source, first, stop, offset, None))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
-            filled = sum(stop - first for _, _, first, stop, _ in buckets[position])
+            filled = sum(stop - first for _, _, first, stop, _, _ in buckets[position])
             if filled != end - begin:
                 raise ValueError(
                     f"optimizer child {child.index}: {buf} bucket {b}: {filled} of {end - begin} elements saved"
@@ -612,8 +648,8 @@ class DistributedFamily:
         if read.adapter is not None:  # the saved adapter must be the cast of these masters (masters.py)
             for layout, pieces in zip(bucket_layouts(child.optimizer), buckets, strict=True):
                 parts = [
-                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop), stop - first)
-                    for piece, source, first, stop, offset in pieces
+                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop), stop - first, rows)
+                    for piece, source, first, stop, offset, rows in pieces
                 ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
@@ -647,16 +683,16 @@ class DistributedFamily:
                 # one piece (a same-layout load): a range read again may reuse the last one's buffer
                 transient = len(pieces) == 1
                 parts = [
-                    (key, offset, _read_piece(piece, source, key, first, stop, transient), stop - first)
-                    for piece, source, first, stop, offset in pieces
+                    (key, offset, _read_piece(piece, source, key, first, stop, transient), stop - first, rows)
+                    for piece, source, first, stop, offset, rows in pieces
                 ]
                 install_pieces(opt, restore.keys, layout, parts)
                 del parts
-                for piece, source, first, stop, _ in pieces:  # a range kept until now is used no more
+                for piece, source, first, stop, _, _ in pieces:  # a range kept until now is used no more
                     if isinstance(source, DeferredRanges):
                         source.drop((f"{piece.prefix}.{key}", first, stop))
         for pieces in restore.buckets:
-            for _, source, _, _, _ in pieces:
+            for _, source, _, _, _, _ in pieces:
                 if isinstance(source, DeferredRanges):
                     source.release()
 
