@@ -232,3 +232,51 @@ def distinct(blocks: Sequence[Block]) -> list[int]:
             seen.add(block.region)
             out.append(i)
     return out
+
+
+@dataclass(frozen=True)
+class Strided:
+    """`n` runs of `width` elements: run `i` is source elements `[first + i * step, ... + width)`,
+    going to destination elements `[into + i * into_step, ... + width)` (one strided copy)."""
+
+    first: int
+    step: int
+    into: int
+    into_step: int
+    width: int
+    n: int
+
+
+def strided_runs(runs: Sequence[tuple[int, int, int]]) -> list[Strided]:
+    """`(source first, destination first, width)` runs, in order, merged into `Strided` groups:
+    consecutive runs of one width whose starts advance by a constant positive step on both sides.
+
+    A resharding load's runs of one tensor (one per row of a row-parallel split at another TP)
+    become one group, so each is copied with one strided view, not one torch call per row."""
+    out: list[Strided] = []
+    for first, into, width in runs:
+        if width <= 0:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last.width == width:
+            step, into_step = first - last.first, into - last.into
+            if last.n == 1 and step > 0 and into_step >= width:
+                out[-1] = Strided(last.first, step, last.into, into_step, width, 2)
+                continue
+            if last.n > 1 and first == last.first + last.n * last.step and into == last.into + last.n * last.into_step:
+                out[-1] = Strided(last.first, last.step, last.into, last.into_step, width, last.n + 1)
+                continue
+        out.append(Strided(first, 0, into, 0, width, 1))
+    return out
+
+
+def strided_view(flat: torch.Tensor, length: int, start: int, step: int, width: int, n: int) -> torch.Tensor:
+    """The `[n, width]` view of a flat C-contiguous tensor of `length` elements whose row `i` is
+    elements `[start + i * step, ... + width)`; raises ValueError if a row falls outside
+    (`as_strided` itself checks only the storage, not the tensor's own bounds)."""
+    end = start + (n - 1) * step + width
+    if start < 0 or step < 0 or width < 0 or n < 1 or end > length:
+        raise ValueError(f"rows [{start}, {end}) (step {step}, width {width}) outside a tensor of {length} elements")
+    if n == 1:
+        return flat[start : start + width].view(1, width)
+    return flat.as_strided((n, width), (step, 1), flat.storage_offset() + start)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
-from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
+from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron import reshard_whole
@@ -65,7 +65,7 @@ class _ChildPlan:
     index: int
     keys: tuple[str, ...]
     coordinates: list[str]  # the saved coordinates this rank draws from (their JSON states must agree)
-    buckets: list[list]  # per bucket of this rank: [(piece, first, stop, offset in the shard)]
+    buckets: list[list]  # per bucket of this rank: [(piece, first, stop, offset in the shard, rows)] (`_row_parts`)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class ReshardPlan:
         plan = cls()
         plan._plan_adapter(layout, saved, request)
         if restore_optimizer:
-            plan._plan_optimizer(saved, request, saved_children)
+            plan._plan_optimizer(saved, request, saved_children, manifest)
         return plan
 
     # ----------------------------------------------------------------------- adapter
@@ -127,7 +127,10 @@ class ReshardPlan:
         for name, (block, copies) in self.adapter.items():
             param = params[name]
             local = torch.empty(block.numel, dtype=param.dtype)
+            by_source: dict[_Source, list] = {}
             for source, copy in copies:
+                by_source.setdefault(source, []).append((copy.first, copy.into, copy.count))
+            for source, runs in by_source.items():
                 if source.where not in read:
                     kind, key = _ADAPTER_FILE.match(source.where).groups()
                     check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
@@ -139,7 +142,11 @@ class ReshardPlan:
                         f"{source.where}: {source.name} is {got}, the manifest says "
                         f"{param.dtype}{list(source.block.shape)}"
                     )
-                local[copy.into : copy.into + copy.count] = tensor.reshape(-1)[copy.first : copy.first + copy.count]
+                # one strided copy per group of like runs (a row-parallel split: one per tensor), not per row
+                flat, length = tensor.reshape(-1), source.block.numel
+                for g in strided_runs(runs):
+                    into = strided_view(local, block.numel, g.into, g.into_step, g.width, g.n)
+                    into.copy_(strided_view(flat, length, g.first, g.step, g.width, g.n))
             if local.is_floating_point() and not torch.isfinite(local).all():
                 raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
             out[name] = local.view(param.shape)
@@ -158,7 +165,7 @@ class ReshardPlan:
 
     # ----------------------------------------------------------------------- optimizer
 
-    def _plan_optimizer(self, saved: dict, request, saved_children: dict) -> None:
+    def _plan_optimizer(self, saved: dict, request, saved_children: dict, manifest) -> None:
         descriptions = request.descriptions()
         chain.check_against(saved_children, descriptions, request.rank, False)
         mine = request.plans[request.rank]["global"]
@@ -204,6 +211,7 @@ class ReshardPlan:
                         copies = plan_copies(block, first, stop, [s.block for s in found])
                     except ValueError as exc:
                         raise IncompatibleCheckpoint(f"optimizer child {index}, parameter {name}: {exc}") from None
+                    runs: dict = {}  # id(piece) -> (piece, [(first, offset in the shard, count)]), in shard order
                     for copy in copies:
                         source = found[copy.source]
                         used.add(source.where)
@@ -214,12 +222,15 @@ class ReshardPlan:
                         for piece in pieces[source.where]:
                             a, b = max(lo, piece.begin), min(hi, piece.end)
                             if piece.buf == f"buf{buf}" and b > a:
-                                parts.append((piece, a - piece.begin, b - piece.begin, into + (a - lo)))
-                                ranges_of = requests.setdefault(piece.file, set())
-                                ranges_of.update(
-                                    (f"{piece.prefix}.{k}", a - piece.begin, b - piece.begin)
-                                    for k in (MASTER_KEY, *keys)
+                                runs.setdefault(id(piece), (piece, []))[1].append(
+                                    (a - piece.begin, into + (a - lo), b - a)
                                 )
+                    for piece, found_runs in runs.values():
+                        for part in _row_parts(piece, found_runs, manifest):
+                            parts.append(part)
+                            requests.setdefault(piece.file, set()).update(
+                                (f"{piece.prefix}.{k}", part[1], part[2]) for k in (MASTER_KEY, *keys)
+                            )
                 buckets.append(parts)
             self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
         self.files += [PartialRead(f, tuple(sorted(r))) for f, r in sorted(requests.items())]
@@ -248,16 +259,22 @@ class ReshardPlan:
                 )
             buckets = [
                 [
-                    (piece, bound_ranges(piece.file, piece.binding), first, stop, offset)
-                    for piece, first, stop, offset in parts
+                    (piece, bound_ranges(piece.file, piece.binding), first, stop, offset, rows)
+                    for piece, first, stop, offset, rows in parts
                 ]
                 for parts in plan.buckets
             ]
             if adapter is not None:  # one bucket's master shard at a time, views of the verified ranges
                 for layout, parts in zip(distributed.bucket_layouts(child), buckets, strict=True):
                     masters = [
-                        (piece.file, offset, distributed._read_piece(piece, source, MASTER_KEY, first, stop))
-                        for piece, source, first, stop, offset in parts
+                        (
+                            piece.file,
+                            offset,
+                            distributed._read_piece(piece, source, MASTER_KEY, first, stop),
+                            stop - first,
+                            rows,
+                        )
+                        for piece, source, first, stop, offset, rows in parts
                     ]
                     distributed.check_master_shard(selected, layout, masters, adapter)
             state = from_json(state)  # as the same-layout preflight hands it to `allocate`
@@ -270,6 +287,32 @@ class ReshardPlan:
             state = _one_state(index, plan.coordinates, states)
             out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys, hyperparameters, adapter)
         return out
+
+
+def _row_parts(piece, runs: list, manifest) -> list[tuple]:
+    """One parameter's `(first, offset in the shard, count)` runs of one saved piece, as bucket parts
+    `(piece, first, stop, offset, rows)`: a strided group of rows (`strided_runs`, e.g. the half rows
+    of a row-parallel split at another TP) is one part whose range `[first, stop)` covers them all
+    and `rows` is `(step, width, n, offset step)`; a lone run is `rows` None. A group is covered
+    only where the elements between its rows lie in blocks read and verified anyway (a gap shorter
+    than the file's block: `verify.merge_within_blocks` merges such ranges), so nothing more is
+    read or kept; otherwise its rows stay parts of their own. One range asked per group, not per row."""
+    record = manifest.files.get(piece.file)
+    blocks = getattr(record, "blocks", None)
+    gap_limit = None if blocks is None else blocks.block_bytes // 4  # fp32 elements (`distributed._read_piece`)
+    out = []
+    for g in strided_runs(runs):
+        if g.n == 1:
+            out.append((piece, g.first, g.first + g.width, g.into, None))
+        elif gap_limit is None or g.step - g.width <= gap_limit:
+            stop = g.first + (g.n - 1) * g.step + g.width
+            out.append((piece, g.first, stop, g.into, (g.step, g.width, g.n, g.into_step)))
+        else:
+            out += [
+                (piece, g.first + i * g.step, g.first + i * g.step + g.width, g.into + i * g.into_step, None)
+                for i in range(g.n)
+            ]
+    return out
 
 
 def _one_state(index: int, coordinates: list[str], states: dict):

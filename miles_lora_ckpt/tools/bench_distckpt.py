@@ -22,7 +22,9 @@ resharding load), against the same-layout loads above.
 
 Prints, from the medians over rounds of the slowest rank's times,
 `DISTCKPT W=<w> save/ours=<x> load/ours=<y>` (dist_checkpointing's time over ours) and
-`RESHARD W=<w> load/same=<z>` (our resharding load's time over our same-layout load).
+`RESHARD W=<w> load/same=<z>` (our resharding load's time over our same-layout load), with each
+rank's median process CPU seconds (`time.process_time`) of both loads: less sensitive than wall
+time to other work on the machine.
 
 With --distckpt-profile DIR, rank 0 runs our loads under cProfile (the timed figures then include
 the profiler's overhead) and writes `DIR/W{w}-same.prof` (the same-layout loads) and
@@ -106,8 +108,14 @@ def run_section(args) -> None:
         )
         print(
             f"RESHARD W={world} load/same={med['reshard_load'] / med['ours_load']:.2f} (TP 1 DP {world} saved, "
-            f"loaded at TP 2 DP {world // 2}: {med['reshard_load']:.3f}s; at TP 1 DP {world}: {med['ours_load']:.3f}s)"
+            f"loaded at TP 2 DP {world // 2}: {med['reshard_load']:.3f}s; at TP 1 DP {world}: {med['ours_load']:.3f}s; "
+            f"process CPU per rank {_cpu(results, 'reshard_load')}s and {_cpu(results, 'ours_load')}s)"
         )
+
+
+def _cpu(results: list[dict], key: str) -> str:
+    """Each rank's median process CPU seconds of `key`'s loads, `/`-separated in rank order."""
+    return "/".join(f"{statistics.median(r['cpu'][key]):.3f}" for r in results)
 
 
 # =========================================================================== worker side
@@ -218,6 +226,7 @@ def distckpt_job(payload: dict, ctx) -> dict:
     world = ctx.world_size
     consensus = Consensus.for_world(timeout_s=1200)
     times: dict[str, list[float]] = {k: [] for k in (*PHASES, "reshard_load")}
+    cpus: dict[str, list[float]] = {k: [] for k in (*PHASES, "reshard_load")}  # this process's CPU seconds
 
     class _Args:
         lora_rank = 128
@@ -253,8 +262,9 @@ def distckpt_job(payload: dict, ctx) -> dict:
             if phase.endswith("load") and ctx.rank == 0:
                 _drop_cache(base)
             dist.barrier()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             steps[phase](index)
+            cpus[phase].append(time.process_time() - cpu)
             dist.barrier()
             times[phase].append(time.perf_counter() - started)
         dist.barrier()
@@ -276,7 +286,7 @@ def distckpt_job(payload: dict, ctx) -> dict:
         if ctx.rank == 0:
             _drop_cache(base)
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         result = profiled(
             "reshard",
             load_lora_checkpoint,
@@ -286,6 +296,7 @@ def distckpt_job(payload: dict, ctx) -> dict:
             opt_param_scheduler=resharded.scheduler,
             consensus=consensus,
         )
+        cpus["reshard_load"].append(time.process_time() - cpu)
         dist.barrier()
         times["reshard_load"].append(time.perf_counter() - started)
         if not result.optimizer_restored:
@@ -294,7 +305,7 @@ def distckpt_job(payload: dict, ctx) -> dict:
     for what, profiler in profiles.items():
         profiler.dump_stats(f"{payload['profile']}-{what}.prof")
     _stop_dc_writer_manager()
-    return {**times, "lora_fp32_mib": lora * 4 / 2**20}
+    return {**times, "cpu": cpus, "lora_fp32_mib": lora * 4 / 2**20}
 
 
 def _stop_dc_writer_manager() -> None:

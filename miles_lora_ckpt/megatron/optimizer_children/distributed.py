@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead
 from miles_lora_ckpt.core.storage import LazyTensor
@@ -56,7 +57,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     ReadContext,
     file_binding,
 )
-from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements
+from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements, check_master_rows
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -401,8 +402,13 @@ def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list
 
 
 def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
-    """Copy `(key, offset in this rank's shard of the bucket, tensor)` pieces into the masters and
-    the allocated state of every parameter they overlap; then compare every copied element."""
+    """Copy `(key, offset in this rank's shard of the bucket, tensor, its element count, rows)` pieces
+    into the masters and the allocated state of every parameter they overlap; then compare every
+    copied element. A parameter's pieces (one per row of a row-parallel split at another TP) are
+    copied as few strided groups (`global_layout.strided_runs`): torch calls per parameter, not per
+    row. `rows` not None: the piece is such a group already (`_Restore.buckets`), row `i` of
+    `(step, width, n, offset step)` its elements `[i * step, ... + width)`, going to
+    `[offset + i * offset step, ... + width)`, inside one parameter."""
     targets: dict[str, list] = {key: [] for key in (MASTER_KEY, *keys)}
     for model_param, ranges in _param_maps(child, layout).items():
         main_param, state = main_and_state(child, model_param)
@@ -411,57 +417,107 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
             if key != MASTER_KEY and key not in state:
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
             targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
-    matched = []  # (key, destination, [(first element in it, source view)]) per parameter and key
+    matched = []  # (key, destination, its numel, [(first element in it, source view, count)]) per parameter and key
+    copies = []  # (key, destination view, source view)
     for key, spans in targets.items():
-        mine = [(offset, tensor) for part_key, offset, tensor in parts if part_key == key]
+        mine = [(o, t, c, rows) for part_key, o, t, c, rows in parts if part_key == key]
         by_target: dict[int, list] = {}
-        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, t.numel()) for o, t in mine]):
-            offset, tensor = mine[j]
-            by_target.setdefault(i, []).append((lo - spans[i][0], tensor[lo - offset : hi - offset]))
-        matched += [(key, spans[i][2].view(-1), pieces) for i, pieces in sorted(by_target.items())]
+        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, _extent(c, r)) for o, _, c, r in mine]):
+            offset, tensor, count, rows = mine[j]
+            if rows is not None:
+                copies.append((key, *_row_views(spans[i], spans[i][2].view(-1), lo, hi, offset, tensor, count, rows)))
+                continue
+            whole = lo == offset and hi == offset + count  # no slicing call for a piece inside one parameter
+            by_target.setdefault(i, []).append(
+                (lo - spans[i][0], tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
+            )
+        matched += [
+            (key, spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces) for i, pieces in sorted(by_target.items())
+        ]
+    for key, dest, numel, pieces in matched:
+        copies += [(key, into, source) for into, source in _strided_groups(dest, numel, pieces)]
     with torch.no_grad():
-        for _, dest, pieces in matched:
-            if len(pieces) == 1:  # the same-layout case: one contiguous piece
-                first, source = pieces[0]
-                dest[first : first + source.numel()].copy_(source)
-            else:
-                dest.index_copy_(0, *_gathered(pieces))
-    for key, dest, pieces in matched:  # megatron's own loader can drop state silently: not here
-        if len(pieces) == 1:
-            first, source = pieces[0]
-            got = dest[first : first + source.numel()]
-        else:
-            index, source = _gathered(pieces)
-            got = dest.index_select(0, index)
-        if not torch.equal(got.detach(), source):
+        for _, into, source in copies:
+            into.copy_(source)
+    for key, into, source in copies:  # megatron's own loader can drop state silently: not here
+        if not torch.equal(into.detach(), source):
             raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
 
+def _extent(count: int, rows) -> int:
+    """Elements of the shard a part spans: `count`, or its rows' span (`_Restore.buckets`)."""
+    return count if rows is None else (rows[2] - 1) * rows[3] + rows[1]
+
+
+def _rows_inside(lo: int, hi: int, offset: int, count: int, rows) -> None:
+    """Raise unless a strided part's overlap `[lo, hi)` with a parameter is the whole part."""
+    if lo != offset or hi != offset + _extent(count, rows):
+        raise ValueError(f"a resharding load's rows [{offset}, {offset + _extent(count, rows)}) cross a parameter")
+
+
+def _row_views(span: tuple, dest: torch.Tensor, lo: int, hi: int, offset: int, tensor, count: int, rows) -> tuple:
+    """`(destination view, source view)`, both `[n, width]`, of a strided part (`rows`) that must lie
+    inside the parameter whose shard elements are `span` (`(start, end, ...)`)."""
+    _rows_inside(lo, hi, offset, count, rows)
+    step, width, n, into_step = rows
+    return (
+        strided_view(dest, span[1] - span[0], offset - span[0], into_step, width, n),
+        strided_view(tensor, count, 0, step, width, n),
+    )
+
+
+def _strided_groups(dest: torch.Tensor, numel: int, pieces: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`[(destination view, source)]` for `(first element, values, count)` pieces of one flat
+    destination of `numel` elements: one pair per group of like pieces (`strided_runs`), the
+    group's values concatenated (one `cat`), the destination a strided `[n, width]` view."""
+    out, at = [], 0
+    runs = []
+    for first, _, count in pieces:
+        runs.append((at, first, count))
+        at += count
+    done = 0
+    for g in strided_runs(runs):
+        values = [piece for _, piece, _ in pieces[done : done + g.n]]
+        done += g.n
+        source = (values[0] if g.n == 1 else torch.cat(values)).view(g.n, g.width)
+        out.append((strided_view(dest, numel, g.into, g.into_step, g.width, g.n), source))
+    return out
+
+
 def _gathered(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(positions, values)` of `(first element, values)` pieces of one flat destination: one index
-    copy (and one read-back) per parameter and key, however many pieces a resharding load cut it
-    into (one per row of a row-parallel split at another TP)."""
-    firsts = torch.tensor([first for first, _ in pieces], dtype=torch.int64)
-    counts = torch.tensor([piece.numel() for _, piece in pieces], dtype=torch.int64)
+    """`(positions, values)` of `(first element, values, count)` pieces of one flat destination: one
+    index copy (and one read-back) per parameter and key, however many pieces a resharding load cut
+    it into (one per row of a row-parallel split at another TP)."""
+    firsts = torch.tensor([first for first, _, _ in pieces], dtype=torch.int64)
+    counts = torch.tensor([count for _, _, count in pieces], dtype=torch.int64)
     before = torch.cumsum(counts, 0) - counts
     index = torch.repeat_interleave(firsts - before, counts) + torch.arange(int(counts.sum()), dtype=torch.int64)
-    return index, torch.cat([piece for _, piece in pieces])
+    return index, torch.cat([piece for _, piece, _ in pieces])
 
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
     """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
-    tensor)` parts) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    tensor, its element count, rows)` parts, `rows` as in `install_pieces`) is the cast of the saved adapter's matching element (`masters.check_master`)."""
     params = []
     for model_param, ranges in _param_maps(child.optimizer, layout).items():
         source = adapter(model_param)
         if source is not None:
             params.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end, ranges["param"].start, source))
-    found = overlaps([(a, b) for a, b, _, _ in params], [(offset, tensor.numel()) for _, offset, tensor in parts])
-    grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master)]
+    found = overlaps([(a, b) for a, b, _, _ in params], [(o, _extent(c, r)) for _, o, _, c, r in parts])
+    grouped: dict[tuple[int, str], list] = {}  # (parameter, file) -> [(first element in the parameter, master, count)]
     for i, j, lo, hi in found:
         start, _, first, _ = params[i]
-        file, offset, tensor = parts[j]
-        grouped.setdefault((i, file), []).append((first + lo - start, tensor[lo - offset : hi - offset]))
+        file, offset, tensor, count, rows = parts[j]
+        if rows is not None:  # a strided group of rows inside this parameter: one comparison
+            _rows_inside(lo, hi, offset, count, rows)
+            master = strided_view(tensor, count, 0, rows[0], rows[1], rows[2])
+            where = f"{file} (optimizer child {child.index})"
+            check_master_rows(params[i][3], master, where, first + offset - start, rows[3])
+            continue
+        whole = lo == offset and hi == offset + count
+        grouped.setdefault((i, file), []).append(
+            (first + lo - start, tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
+        )
     for (i, file), pieces in grouped.items():  # one comparison per parameter and file, not per piece
         where = f"{file} (optimizer child {child.index})"
         if len(pieces) == 1:
@@ -478,7 +534,9 @@ def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter)
 class _Restore:
     keys: tuple[str, ...]
     state: dict  # the DP root's `state_dict()` (decoded, groups settled): param groups and step
-    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard)]
+    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard, rows)]
+    # rows: None (`[first, stop)` goes to `[offset, ...)`), or a resharding load's strided group of
+    # rows inside one parameter, `(step, width, n, offset step)` (`reshard._row_parts`)
     groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
 
 
@@ -580,9 +638,9 @@ class DistributedFamily:
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
         for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
             source = read.ranges(piece.file, piece.binding)  # binding checked; ranges verified at open
-            buckets[position].append((piece, source, first, stop, offset))
+            buckets[position].append((piece, source, first, stop, offset, None))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
-            filled = sum(stop - first for _, _, first, stop, _ in buckets[position])
+            filled = sum(stop - first for _, _, first, stop, _, _ in buckets[position])
             if filled != end - begin:
                 raise ValueError(
                     f"optimizer child {child.index}: {buf} bucket {b}: {filled} of {end - begin} elements saved"
@@ -590,8 +648,8 @@ class DistributedFamily:
         if read.adapter is not None:  # the saved adapter must be the cast of these masters (masters.py)
             for layout, pieces in zip(bucket_layouts(child.optimizer), buckets, strict=True):
                 parts = [
-                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop))
-                    for piece, source, first, stop, offset in pieces
+                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop), stop - first, rows)
+                    for piece, source, first, stop, offset, rows in pieces
                 ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
@@ -625,16 +683,16 @@ class DistributedFamily:
                 # one piece (a same-layout load): a range read again may reuse the last one's buffer
                 transient = len(pieces) == 1
                 parts = [
-                    (key, offset, _read_piece(piece, source, key, first, stop, transient))
-                    for piece, source, first, stop, offset in pieces
+                    (key, offset, _read_piece(piece, source, key, first, stop, transient), stop - first, rows)
+                    for piece, source, first, stop, offset, rows in pieces
                 ]
                 install_pieces(opt, restore.keys, layout, parts)
                 del parts
-                for piece, source, first, stop, _ in pieces:  # a range kept until now is used no more
+                for piece, source, first, stop, _, _ in pieces:  # a range kept until now is used no more
                     if isinstance(source, DeferredRanges):
                         source.drop((f"{piece.prefix}.{key}", first, stop))
         for pieces in restore.buckets:
-            for _, source, _, _, _ in pieces:
+            for _, source, _, _, _, _ in pieces:
                 if isinstance(source, DeferredRanges):
                     source.release()
 

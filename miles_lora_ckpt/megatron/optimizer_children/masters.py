@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_lora_ckpt.core.global_layout import strided_view
+
 
 @dataclass(frozen=True)
 class AdapterSource:
@@ -67,6 +69,22 @@ def check_master_elements(source: AdapterSource, master: torch.Tensor, where: st
         )
     saved = saved.index_select(0, positions.to(saved.device))
     _require_cast(source, saved, master, where, lambda at: int(positions[at]))
+
+
+def check_master_rows(source: AdapterSource, master: torch.Tensor, where: str, first: int, step: int) -> None:
+    """`check_master` for an `[n, width]` master whose row `i` holds elements `[first + i * step, ...
+    + width)` of the flattened parameter, in one comparison: a resharding load's strided group of
+    rows (the half rows of a row-parallel split at another TP), checked together."""
+    saved = source.tensor.reshape(-1)
+    n, width = master.shape
+    end = first + (n - 1) * step + width
+    if first < 0 or step < width or end > saved.numel():
+        raise ValueError(
+            f"{source.name}: {where} holds master elements up to {end}, the adapter in {source.file} has "
+            f"{saved.numel()}: the optimizer state is not this adapter's"
+        )
+    rows = strided_view(saved, saved.numel(), first, step, width, n).reshape(-1)
+    _require_cast(source, rows, master, where, lambda at: first + (at // width) * step + at % width)
 
 
 def _require_cast(source: AdapterSource, saved: torch.Tensor, master: torch.Tensor, where: str, element) -> None:
