@@ -95,6 +95,31 @@ def test_launcher_kills_every_rank_at_timeout():
         assert result.error.startswith("timed out")
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for init to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("route", ["spawned", "forked"])
+def test_a_child_process_a_rank_left_running_is_stopped_with_the_rank(route, prewarmed):
+    """megatron's dist_checkpointing starts a multiprocessing Manager and never stops it; a rank
+    leaves by os._exit, so without the launcher's stop the Manager outlived the test run (found as
+    orphans after `make test`, in the native warm-start job's dist_checkpointing.save)."""
+    with launch.route_megatron_jobs(prewarmed if route == "forked" else None):
+        (result,) = check_all(
+            run_workers(1, "harness_jobs:launcher_job", {"actions": ["leave-a-child"]}, sys_path=[JOBS_DIR])
+        )
+    pid = result["child_pid"]
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"the rank's multiprocessing child {pid} outlived it"
+
+
 def test_a_routed_job_sees_what_a_spawned_rank_would(prewarmed, monkeypatch, tmp_path):
     """The suite's fork route: the caller's environment now (set, changed, removed), new PYTHONPATH
     entries first on sys.path, and the same results, errors and signals as a spawned rank."""

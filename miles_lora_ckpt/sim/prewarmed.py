@@ -276,9 +276,10 @@ def _child(request: dict, rank: int, port: int) -> None:
         code = 1
     finally:
         try:
-            from miles_lora_ckpt.sim.worker import release_leases
+            from miles_lora_ckpt.sim.worker import release_leases, stop_child_processes
 
             release_leases()  # os._exit runs no atexit handler
+            stop_child_processes()  # nor any finalizer: megatron's Manager server would be orphaned
         except BaseException:  # noqa: B036 - the child must reach os._exit whatever happens
             traceback.print_exc()
         sys.stdout.flush()

@@ -92,9 +92,31 @@ def release_leases() -> None:
         traceback.print_exc()
 
 
+def stop_child_processes(timeout_s: float = 10.0) -> list[int]:
+    """Stop the `multiprocessing` children this rank started and left running; return their pids.
+
+    megatron-core's `dist_checkpointing` (its async file writer's results queue) starts a
+    `multiprocessing.Manager` server in the saving process and never stops it; a rank leaves
+    through `os._exit`, which runs no finalizer, so that server would outlive the rank, the test
+    run and the demo, waiting for a parent that is gone. Each child is asked to stop (SIGTERM),
+    then killed if it has not stopped within `timeout_s`."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return [child.pid for child in children]
+
+
 if __name__ == "__main__":
     exit_code = main(sys.argv[1])
     release_leases()
+    stop_child_processes()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)  # skip interpreter teardown: gloo threads can stall a normal exit

@@ -298,6 +298,9 @@ def _layout_facts(run) -> dict:
 # ------------------------------------------------------------------------------ launcher behaviour
 
 
+_KEPT: list = []  # what a job keeps alive until its process ends, as a module global would
+
+
 def launcher_job(payload: dict, ctx) -> dict:
     """Per-rank behaviour chosen by the payload: return, raise, SIGKILL itself, or hang."""
     action = payload["actions"][ctx.rank]
@@ -307,6 +310,11 @@ def launcher_job(payload: dict, ctx) -> dict:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "hang":
         time.sleep(3600)
+    if action == "leave-a-child":  # as megatron's dist_checkpointing does: a Manager kept in a global
+        import multiprocessing
+
+        _KEPT.append(multiprocessing.get_context("spawn").Manager())
+        return {"child_pid": _KEPT[-1]._process.pid}
     return {
         "rank": ctx.rank,
         "world_size": ctx.world_size,
