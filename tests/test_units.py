@@ -224,3 +224,24 @@ def test_native_dist_recognises_only_torch_dist_adapter_checkpoints(tmp_path):
         (junk / "metadata.json").write_text(text)
         assert native_dist.find_native_checkpoint(junk.parent) is None, text
     assert native_dist.find_native_checkpoint(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_every_non_finite_value_and_only_those(dtype):
+    from miles_lora_ckpt.core.finite import all_finite
+
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.tensor([1.0, -2.5, 0.0], dtype=dtype))
+    # finite values whose sum overflows: the exact check decides, not the sum
+    assert all_finite(torch.full((8,), big, dtype=dtype))
+    assert all_finite(torch.tensor([big, big, -big, -big], dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.zeros(1000, dtype=dtype)
+        values[617] = bad
+        assert not all_finite(values), bad
+        assert not all_finite(values.view(10, 100)[:, 17]), bad  # a strided view holding it
+        assert all_finite(values.view(10, 100)[:, 18])  # one that does not
+    both = torch.tensor([1.0, float("inf"), float("-inf"), 2.0], dtype=dtype)  # their sum is NaN
+    assert not all_finite(both)
+    assert not all_finite(torch.tensor([big, big, float("nan")], dtype=dtype))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.digest import BlockDigests, StreamingDigest
+from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.layout import BlockIndex, FileRecord
 from miles_lora_ckpt.core.regular_files import file_kind, open_regular, require_regular
 
@@ -490,7 +491,7 @@ def _read_safetensors(reader: _Reader) -> tuple[dict[str, str], dict]:
         while remaining:
             view = reader.read(min(step, remaining))
             remaining -= len(view)
-            if tag in _FLOAT_TAGS and not _all_finite(_torch().frombuffer(view, dtype=getattr(_torch(), torch_name))):
+            if tag in _FLOAT_TAGS and not all_finite(_torch().frombuffer(view, dtype=getattr(_torch(), torch_name))):
                 raise ValueError(f"tensor {name!r} holds NaN or Inf")
     return metadata, entries
 
@@ -577,7 +578,7 @@ def _slices(name: str, spec, *, check_finite: bool):
     step = max(1, SLICE_BYTES // max(1, tensor.element_size()))
     for start in range(0, flat.numel(), step):
         part = flat[start : start + step]
-        if check_finite and not _all_finite(part):
+        if check_finite and not all_finite(part):
             raise ValueError(f"tensor {name!r} holds NaN or Inf; refusing to checkpoint it")
         yield _byte_view(part)
 
@@ -586,17 +587,6 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     return memoryview(tensor.reshape(-1).view(_torch().uint8).numpy())
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    # A sum is finite only if every term is (NaN and Inf propagate): one vectorised pass with no
-    # temporary. Only a non-finite sum, which may also be an overflow of finite values, pays for
-    # the exact element-wise check.
-    if tensor.numel() == 0:
-        return True
-    if math.isfinite(tensor.sum().item()):
-        return True
-    return bool(_torch().isfinite(tensor).all())
 
 
 def parse_safetensors_header(
@@ -697,7 +687,7 @@ def tensors_from_buffer(
         else:
             count = (end - begin) // _DTYPES[tag][1]
             tensor = torch.frombuffer(buf, dtype=dtype, count=count, offset=begin).reshape(shape)
-        if require_finite and tag in _FLOAT_TAGS and not _all_finite(tensor):
+        if require_finite and tag in _FLOAT_TAGS and not all_finite(tensor):
             raise ValueError(f"tensor {name!r} holds NaN or Inf")
         tensors[name] = tensor
     return tensors
@@ -771,6 +761,47 @@ def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: byte
                 touched[lo : hi + 1] = b"\x01" * (hi + 1 - lo)
 
 
+def will_need(fd: int, record: FileRecord, spans: Iterable[tuple[int, int]] | None = None) -> None:
+    """Tell the kernel that the bytes of an open file under `spans` (`[begin, end)` byte ranges,
+    widened to the blocks of `record`'s block index, if any; None: the whole file) are read soon
+    (`POSIX_FADV_WILLNEED`): the disk reads them into the page cache while the reader hashes and
+    checks what it read before. A hint about the page cache only: what is read is verified as
+    ever, and nothing fails if the hint cannot be given."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    size = record.bytes
+    block_bytes = record.blocks.block_bytes if record.blocks is not None else 1
+    widened = []  # block-aligned, clipped to the file, then merged: one call per run of blocks
+    for begin, end in [(0, size)] if spans is None else spans:
+        start, stop = max(0, begin) // block_bytes * block_bytes, min(size, -(-end // block_bytes) * block_bytes)
+        if end > begin and stop > start:
+            widened.append((start, stop))
+    merged: list[list[int]] = []
+    for start, stop in sorted(widened):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    for start, stop in merged:
+        try:
+            os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+
+
+def prefetch(path: Path, record: FileRecord, spans: Iterable[tuple[int, int]] | None = None) -> None:
+    """`will_need` for the file at `path` (opened as a regular file and closed again: the page cache
+    is the file's, not the descriptor's). Anything that prevents it, the reader meets and reports."""
+    try:
+        fd, _ = open_regular(Path(path))
+    except (OSError, ValueError):
+        return
+    try:
+        will_need(fd, record, spans)
+    finally:
+        os.close(fd)
+
+
 class _BlockFile:
     """Verified random access to one open file, block by block (only the last block is kept)."""
 
@@ -810,6 +841,10 @@ class _BlockFile:
         if into is None:
             self._last = (i, buf)
         return buf
+
+    def will_need(self, spans: Iterable[tuple[int, int]]) -> None:
+        """`will_need` on this file: its blocks under the byte spans `[begin, end)` are read next."""
+        will_need(self.fd, self.record, spans)
 
     def read(self, begin: int, end: int, out: memoryview) -> None:
         """Copy bytes `[begin, end)` into `out`, every block they touch verified: a block wholly
@@ -868,6 +903,7 @@ def read_ranges(
         _check_block_spans(index, entries)
         items = [(tuple(item), True) for item in wanted] + [(tuple(item), False) for item in check_only]
         spans = {item: byte_range(index, item) for item, _ in items}
+        source.will_need(spans.values())
         scratch = large_buffer(max((spans[item][1] - spans[item][0] for item, kept in items if not kept), default=0))
         out = {}
         for item, kept in sorted(items, key=lambda entry: spans[entry[0]]):
@@ -877,7 +913,7 @@ def read_ranges(
             source.read(begin, end, memoryview(buf))
             dtype = getattr(torch, _DTYPES[tag][0])
             tensor = torch.frombuffer(buf, dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
-            if tag in _FLOAT_TAGS and not _all_finite(tensor):
+            if tag in _FLOAT_TAGS and not all_finite(tensor):
                 raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
             if kept:
                 out[item] = tensor
@@ -898,7 +934,9 @@ def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
             raise ValueError(f"size is {st.st_size} bytes, manifest says {record.bytes}")
         index = record.blocks
         source = _BlockFile(fd, record)
-        for i in sorted(set(blocks)):
+        chosen = sorted(set(blocks))
+        source.will_need((i * index.block_bytes, (i + 1) * index.block_bytes) for i in chosen)
+        for i in chosen:
             buf = source.block(i)
             start, end = i * index.block_bytes, i * index.block_bytes + len(buf)
             for name, (tag, begin, stop) in index.tensors.items():
@@ -911,7 +949,7 @@ def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
                     part = torch.frombuffer(
                         buf, dtype=getattr(torch, _DTYPES[tag][0]), count=(hi - lo) // itemsize, offset=lo - start
                     )
-                    if not _all_finite(part):
+                    if not all_finite(part):
                         raise ValueError(f"tensor {name!r} holds NaN or Inf")
     finally:
         os.close(fd)

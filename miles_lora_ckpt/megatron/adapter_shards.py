@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -66,7 +67,7 @@ def preflight_adapter(params: dict[str, torch.nn.Parameter], saved: dict[str, to
             raise ValueError(
                 f"{file}: {name} is {tensor.dtype}{list(tensor.shape)}, the model has {param.dtype}{list(param.shape)}"
             )
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.is_floating_point() and not all_finite(tensor):
             raise ValueError(f"{file}: {name} holds NaN or Inf")
 
 

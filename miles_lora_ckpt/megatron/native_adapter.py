@@ -17,6 +17,7 @@ import torch
 
 from miles_lora_ckpt.core import native_dist, native_names
 from miles_lora_ckpt.core.dcp_metadata import Metadata, TensorEntry
+from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.megatron import adapter_shards, param_blocks
 
@@ -120,7 +121,7 @@ def read_adapter(
                 chunks[index] = native_dist.read_chunk(directory, metadata, block.name, entry.chunks[index]).reshape(-1)
             target[copy.into : copy.into + copy.count] = chunks[index][copy.first : copy.first + copy.count]
         tensor = target.view(param.shape)
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.is_floating_point() and not all_finite(tensor):
             raise ValueError(f"{directory}: adapter parameter {block.name!r} holds NaN or Inf")
         out[name] = tensor
     return out

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.protocol import PartialRead
@@ -147,7 +148,7 @@ class ReshardPlan:
                 for g in strided_runs(runs):
                     into = strided_view(local, block.numel, g.into, g.into_step, g.width, g.n)
                     into.copy_(strided_view(flat, length, g.first, g.step, g.width, g.n))
-            if local.is_floating_point() and not torch.isfinite(local).all():
+            if local.is_floating_point() and not all_finite(local):
                 raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
             out[name] = local.view(param.shape)
         return [(params, out)] if out else []

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.adapter_shards import is_expert
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child
@@ -313,7 +314,7 @@ def _entry_tensors(found: dict, name: str, main: torch.Tensor, keys: tuple[str, 
     for key, tensor in [(MASTER_KEY, master), *found.items()]:
         if tensor.dim() and tensor.shape != main.shape:
             raise ValueError(f"{name}.{key} has shape {list(tensor.shape)}, the parameter {list(main.shape)}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.is_floating_point() and not all_finite(tensor):
             raise ValueError(f"{name}.{key}: holds NaN or Inf")
     return master, found
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.errors import Problem
+from miles_lora_ckpt.core.finite import all_finite
 
 if TYPE_CHECKING:
     import torch
@@ -325,12 +326,11 @@ def _pair_problems(module, pair, r, rank_pattern, targets) -> list[str]:
 
 def check_state(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
     """The exporter's self-check on the tensors it is about to write; raises ValueError naming each problem."""
-    import torch
 
     shapes = {key: (_tag(t), list(t.shape)) for key, t in state.items()}
     problems = structure_problems(shapes, config)
     for key, tensor in sorted(state.items()):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not all_finite(tensor):
             problems.append(f"{key}: holds NaN or Inf")
     if problems:
         raise ValueError("PEFT self-check failed: " + "; ".join(problems[:8]) + _more(problems, 8))
