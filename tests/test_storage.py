@@ -262,3 +262,37 @@ def test_tensor_names_with_path_or_control_characters_are_refused_on_write_and_r
     text += b" " * (-len(text) % 8)
     with pytest.raises(ValueError, match="tensor name|path or control character"):
         storage.parse_safetensors_header(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+def test_prefetch_hints_the_blocks_under_the_spans_merged_and_never_fails(tmp_path, monkeypatch):
+    from miles_lora_ckpt.core.layout import BlockIndex, FileRecord
+
+    path = tmp_path / "slice.safetensors"
+    path.write_bytes(b"\0" * 10_000)
+    index = BlockIndex(1024, tuple("d" for _ in range(10)), {"t": ("F32", 8, 10_000)})
+    record = FileRecord(10_000, "d", blocks=index)
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, length, advice: calls.append((start, length, advice)))
+    # widened to whole blocks, overlapping and touching runs merged, clipped to the file, empty spans dropped
+    storage.prefetch(path, record, [(5000, 5001), (10, 20), (1000, 2048), (9500, 20_000), (7000, 7000)])
+    assert calls == [
+        (0, 2048, os.POSIX_FADV_WILLNEED),
+        (4096, 1024, os.POSIX_FADV_WILLNEED),
+        (9216, 784, os.POSIX_FADV_WILLNEED),
+    ]
+    calls.clear()
+    storage.prefetch(path, FileRecord(10_000, "d"), None)  # no block index: the whole file
+    assert calls == [(0, 10_000, os.POSIX_FADV_WILLNEED)]
+    calls.clear()
+    # a hint only: a missing file, a FIFO and a link are left to the verified read to report
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(path)
+    for name in ("missing", "fifo", "link"):
+        storage.prefetch(tmp_path / name, record)
+    assert calls == []
+
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    storage.prefetch(path, record)  # a kernel that refuses the hint fails nothing
