@@ -1,8 +1,10 @@
-"""Package-wide rules: no unpickling anywhere, lazy imports of heavy or optional dependencies."""
+"""Package-wide rules: no unpickling anywhere, lazy imports of heavy or optional dependencies, the layering
+rule, no import circles."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +143,172 @@ def test_imports_follow_the_layering_rule():
         if len(p.relative_to(PACKAGE).parts) > 1
     }
     assert _layering_offences(files) == []
+
+
+# No import circles: the brief's "no import runs back up", for every pair of package modules.
+STANDIN_TREE = re.compile(r"sim/miles_standin/(\w+)/miles(/|\.py$|$)")
+
+
+def _module_name(rel: str) -> str:
+    """`tools/demo.py` -> `miles_lora_ckpt.tools.demo`; a package is its `__init__.py`."""
+    parts = ("miles_lora_ckpt", *rel.removesuffix(".py").split("/"))
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except what runs only for a type checker (`if TYPE_CHECKING:` bodies)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _dotted(node.test).split(".")[-1] == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _import_graph(sources: dict[str, str]) -> dict[str, dict[str, int]]:
+    """`{module: {package module it imports: line}}` for `sources` (`{path under the package: text}`),
+    by the rules of `test_no_import_circles_among_the_package_modules`."""
+    modules = {_module_name(rel): rel for rel in sources}
+    trees: dict[str, dict[str, str]] = {}
+    for name, rel in modules.items():
+        if match := STANDIN_TREE.match(rel):
+            miles_name = "miles" + name.split(f".{match.group(1)}.miles", 1)[1]
+            trees.setdefault(match.group(1), {})[miles_name] = name
+    graph: dict[str, dict[str, int]] = {}
+    for name, rel in modules.items():
+        package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
+        own_tree = STANDIN_TREE.match(rel)
+        aliases = [trees[own_tree.group(1)]] if own_tree else list(trees.values())
+
+        def resolve(module: str, aliases=aliases) -> list[str]:
+            if module in modules:
+                return [module]
+            return [tree[module] for tree in aliases if module in tree]
+
+        edges = graph.setdefault(name, {})
+        for node in _runtime_nodes(ast.parse(sources[rel])):
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [m for alias in node.names for m in resolve(alias.name)]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                for alias in node.names:
+                    found += resolve(f"{base}.{alias.name}") or resolve(base)
+            elif (
+                isinstance(node, ast.Call)
+                and _dotted(node.func) in {"importlib.import_module", "import_module"}
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                found = resolve(node.args[0].value)
+            for target in found:
+                if target != name:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def _import_circles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each import circle of `graph` (a strongly connected set of modules), as one cycle through its
+    first module: `a -> b (line 3) -> a (line 7)`, names without the `miles_lora_ckpt.` prefix."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+    for root in sorted(graph):  # Tarjan's algorithm, iteratively
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    work.append((target, iter(sorted(graph.get(target, {})))))
+                elif target in stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = set()
+                while True:
+                    member = stack.pop()
+                    members.add(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    circles.append(_shortest_cycle(graph, min(members), members))
+    return sorted(circles)
+
+
+def _shortest_cycle(graph: dict[str, dict[str, int]], start: str, members: set[str]) -> str:
+    paths = {start: [start]}
+    queue = [start]
+    for node in queue:  # breadth first inside the circle, back to `start`
+        for target in sorted(graph[node]):
+            if target == start:
+                chain = [*paths[node], start]
+                steps = [f"{b} (line {graph[a][b]})" for a, b in zip(chain, chain[1:], strict=False)]
+                return " -> ".join([start, *steps]).replace("miles_lora_ckpt.", "")
+            if target in members and target not in paths:
+                paths[target] = [*paths[node], target]
+                queue.append(target)
+    raise AssertionError(f"{start} is in no cycle of {sorted(members)}")
+
+
+def test_import_circle_checker_catches_what_it_must():
+    sources = {
+        # a lazy import back: tools/a -> tools/b -> tools/a
+        "tools/a.py": "from miles_lora_ckpt.tools import b\n",
+        "tools/b.py": "def f():\n    from miles_lora_ckpt.tools.a import g\n",
+        # a re-export of the package's __init__ used by a module it re-exports (relative import)
+        "savers/p/__init__.py": "from miles_lora_ckpt.savers.p.x import f\n",
+        "savers/p/x.py": "from . import helper\n",
+        "savers/p/y.py": "from miles_lora_ckpt.savers.p import x\n",  # a submodule: not the __init__
+        # the Miles stand-in: miles.m from common/ is a tree's miles/m.py
+        "sim/miles_standin/common/t.py": "import importlib\ndef f():\n    importlib.import_module('miles.m')\n",
+        "sim/miles_standin/shape/miles/__init__.py": "",
+        "sim/miles_standin/shape/miles/m.py": "from miles_lora_ckpt.sim.miles_standin.common import t\n",
+        # not circles: an import only for type checkers, a parent package initialised on the way
+        "core/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from miles_lora_ckpt.core.d import D\n",
+        "core/d.py": "from miles_lora_ckpt.core import c\n",
+        "core/__init__.py": "from miles_lora_ckpt.core.d import D\n",
+    }
+    circles = _import_circles(_import_graph(sources))
+    assert circles == [
+        "savers.p -> savers.p.x (line 1) -> savers.p (line 1)",
+        "sim.miles_standin.common.t -> sim.miles_standin.shape.miles.m (line 3) -> sim.miles_standin.common.t (line 1)",
+        "tools.a -> tools.b (line 1) -> tools.a (line 2)",
+    ]
+    del sources["tools/b.py"], sources["savers/p/x.py"], sources["sim/miles_standin/shape/miles/m.py"]
+    assert _import_circles(_import_graph(sources)) == []
+
+
+def test_no_import_circles_among_the_package_modules():
+    """No module of the package imports, however lazily, a module that imports it back, directly or
+    through others: a piece two modules share goes into a module both import, downward.
+
+    Counted: every `import` and `from ... import` anywhere in a module (module level, functions, classes,
+    `try`), relative ones resolved, and `importlib.import_module("literal")`; not counted: imports under
+    `if TYPE_CHECKING:` (they never run), and third-party modules. `from pkg import name` is an edge to
+    the module `pkg.name` where the package has one, else to `pkg` itself (its `__init__.py`): so a
+    re-export from an `__init__.py` that imports the importer back is a circle. The parent packages that
+    importing `a.b.c` initialises on the way are not edges (a package whose `__init__.py` re-exports its
+    modules would otherwise be in a circle with each of them; Python imports a submodule of a package
+    whose `__init__.py` is still running without running it again). The Miles stand-in's trees
+    (`sim/miles_standin/<tree>/miles/...`) run as the top-level `miles` in a harness worker: `miles.x`
+    in one of a tree's modules is that tree's `miles.x`; in any other module, `miles.x` of every tree
+    (whichever the worker put on sys.path)."""
+    sources = {p.relative_to(PACKAGE).as_posix(): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert _import_circles(_import_graph(sources)) == []

@@ -67,7 +67,7 @@ from pathlib import Path
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 from miles_lora_ckpt.tools import demo_miles, demo_reshard, demo_slots
-from miles_lora_ckpt.tools.demo_report import load_newest, report_train
+from miles_lora_ckpt.tools.demo_report import describe_layout, load_newest, report_train
 
 OPTIMIZERS = ("adam", "lion", "muon")
 
@@ -334,15 +334,6 @@ def run_demo(args) -> int:
         print(f"RESULT: not run ({exc})")
         return 2
     return status
-
-
-def describe_layout(config: dict) -> str:
-    """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived; the expert
-    tensor parallel size after `ep` (`ep1 etp2`) only where it is not the TP size."""
-    dp = config["world_size"] // (config["tp"] * config["cp"] * config["pp"])
-    etp = config.get("etp") or config["tp"]
-    axes = ("tp", "pp", "vpp", "ep", *(("etp",) if etp != config["tp"] else ()), "cp")
-    return " ".join(f"{axis}{config[axis]}" for axis in axes) + f" dp{dp}"
 
 
 def _layout_of(config: dict) -> dict:

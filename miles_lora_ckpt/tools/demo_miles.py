@@ -42,16 +42,21 @@ The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0)
 from __future__ import annotations
 
 import json
-import re
 import shlex
-import shutil
 import sys
-import time
 from pathlib import Path
 
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 from miles_lora_ckpt.tools import demo_miles_reshard
 from miles_lora_ckpt.tools.demo_miles_config import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
+from miles_lora_ckpt.tools.demo_miles_launch import (
+    WHEEL_SHAPE,
+    first_launch,
+    last_line,
+    launch,
+    newest_rollout,
+    newest_stock_adapter,
+)
 
 TARGETS = {
     "dense": "linear_qkv,linear_proj",
@@ -59,9 +64,6 @@ TARGETS = {
     "mixed": "linear_qkv,linear_proj,linear_fc1,linear_fc2",
 }
 QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
-JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
-WHEEL_JOB = "miles_lora_ckpt.sim.realmiles.launch:launch_job"
-WHEEL_SHAPE = "miles-rl-0.0.2"  # the real wheel (sim/realmiles), not a stand-in tree
 
 
 def add_arguments(demo) -> None:
@@ -327,43 +329,16 @@ def _run_phases(scenario: Scenario, launcher) -> int:
     if args.phase in ("all", "reference"):
         _reference(scenario, launcher)
     if args.phase in ("all", "train"):
-        _first_launch(scenario, launcher)
+        first_launch(scenario, launcher)
     if args.phase in ("all", "resume"):
         return _relaunch(scenario, launcher)
     print("RESULT: reference written" if args.phase == "reference" else "RESULT: trained")
     return 0
 
 
-def _launch(scenario: Scenario, launcher, argv: list[str], crash: dict | None = None, env=None, extra=None):
-    """One launch of `argv` on `scenario.world` fresh ranks; `extra` adds keys to a stand-in launch's
-    payload (`sim.miles_standin.launch`, e.g. `{"views": True}`)."""
-    from miles_lora_ckpt.sim.miles_standin import shape_path
-
-    started = time.monotonic()
-    if scenario.wheel:
-        from miles_lora_ckpt.sim.realmiles import standins
-
-        job, payload, sys_path = WHEEL_JOB, {"argv": argv, "crash": crash, "tier": str(standins.tier_folder())}, []
-        if crash and not scenario.plugin:  # stock 0.0.2 has no fault points: killed before the next save
-            payload["crash"] = {**crash, "rollout": crash["rollout"] + 1, "phase": "between-saves"}
-    else:
-        job, payload, sys_path = JOB, {"argv": argv, "crash": crash}, [shape_path(scenario.args.miles_shape)]
-        payload.update(extra or {})
-    results = launcher.run(
-        scenario.world,
-        job,
-        payload,
-        env=scenario.env() if env is None else env,
-        sys_path=sys_path,
-        timeout_s=scenario.args.timeout,
-        failure_grace_s=5.0,
-    )
-    return results, time.monotonic() - started
-
-
 def _reference(scenario: Scenario, launcher) -> None:
     argv = scenario.training_flags()
-    results, seconds = _launch(scenario, launcher, argv, env={})
+    results, seconds = launch(scenario, launcher, argv, env={})
     failed = [r for r in results if not r.ok or r.result["failed"]]
     if failed:
         raise SystemExit("reference run failed:\n" + "\n".join(r.error or r.result["failed"] for r in failed))
@@ -377,34 +352,6 @@ def _reference(scenario: Scenario, launcher) -> None:
     print(f"reference: {scenario.args.steps} rollouts uninterrupted, no checkpoints ({seconds:.1f}s)")
 
 
-def _first_launch(scenario: Scenario, launcher) -> None:
-    args = scenario.args
-    shutil.rmtree(scenario.save, ignore_errors=True)
-    crash = None
-    if args.crash_at:
-        crash = {"rollout": scenario.crash_rollout, "rank": scenario.crash_rank, "phase": args.crash_at}
-    results, seconds = _launch(scenario, launcher, scenario.command(), crash)
-    where = (
-        f"rank {scenario.crash_rank} SIGKILLs itself at {args.crash_at} while saving rollout {scenario.crash_rollout}"
-    )
-    if scenario.wheel and not scenario.plugin:  # stock 0.0.2 has no fault points (see _launch)
-        where = (
-            f"rank {scenario.crash_rank} SIGKILLs itself after training rollout {scenario.crash_rollout + 1}, "
-            "before its save (stock Miles has no fault points)"
-        )
-    print(f"launch 1: {where if crash else 'no crash injected'} ({seconds:.1f}s)")
-    for result in results:
-        if result.exitcode is not None and result.exitcode < 0:
-            print(f"  rank {result.rank}: killed by signal {-result.exitcode}")
-        elif not result.ok:
-            print(f"  rank {result.rank}: failed: {_last_line(result.error)}")
-        elif result.result["failed"]:
-            print(f"  rank {result.rank}: stopped: {_last_line(result.result['failed'])}")
-        else:
-            print(f"  rank {result.rank}: trained rollouts {_span(result.result['rollouts'])}")
-    print(f"  on disk: {', '.join(_committed(scenario)) or 'nothing committed'}")
-
-
 def _relaunch(scenario: Scenario, launcher) -> int:
     reference_file = scenario.dir / "reference.json"
     reference = json.loads(reference_file.read_text()) if reference_file.exists() else None
@@ -415,24 +362,24 @@ def _relaunch(scenario: Scenario, launcher) -> int:
     ):
         print("ERROR reference.json is missing or was made with other flags; rerun --phase reference", file=sys.stderr)
         return 2
-    newest = _newest_rollout(scenario)
+    newest = newest_rollout(scenario)
     argv = scenario.command()
     if not scenario.plugin:
-        adapter = _newest_stock_adapter(scenario)
+        adapter = newest_stock_adapter(scenario)
         if adapter is not None:
             argv = [*argv, "--lora-adapter-path", adapter]
             print(
                 "stock Miles cannot find its LoRA checkpoint with the same command; relaunching with "
                 f"--lora-adapter-path {adapter} added, as a stock user must"
             )
-    results, seconds = _launch(scenario, launcher, argv)
+    results, seconds = launch(scenario, launcher, argv)
     same = "the identical command" if argv == scenario.command() else "the command plus --lora-adapter-path"
     print(f"launch 2: {same} ({seconds:.1f}s)")
     failed = [r for r in results if not r.ok or r.result["failed"]]
     if failed:
         first = failed[0]
         print(
-            f"RESULT: MISMATCH relaunch failed on rank {first.rank}: {_last_line(first.error or first.result['failed'])}"
+            f"RESULT: MISMATCH relaunch failed on rank {first.rank}: {last_line(first.error or first.result['failed'])}"
         )
         return 1
     report = results[0].result
@@ -511,44 +458,3 @@ def _print_losses(reference: dict, report: dict) -> None:
         same = "" if got is None else ("yes" if got == ref_loss else "NO")
         shown = "(restored)" if got is None else f"{got:.10f}"
         print(f"{int(step):>4}  {ref_loss:>16.10f}  {shown:>16}  {same}")
-
-
-def _committed(scenario: Scenario) -> list[str]:
-    if scenario.plugin:
-        from miles_lora_ckpt.core.verify import is_save_root, scan_root
-
-        root = scenario.save / "lora"
-        if not is_save_root(root):
-            return []
-        return [f"{e.name} ({e.state})" for e in reversed(scan_root(root)) if e.state != "deleting"]
-    return sorted(p.name + "/adapter" for p in scenario.save.glob("iter_*") if (p / "adapter").exists())
-
-
-def _newest_rollout(scenario: Scenario) -> int | None:
-    if scenario.plugin:
-        from miles_lora_ckpt.core.verify import is_save_root, scan_root
-
-        root = scenario.save / "lora"
-        entries = [e for e in scan_root(root) if e.state == "committed"] if is_save_root(root) else []
-        return entries[0].iteration if entries else None
-    adapter = _newest_stock_adapter(scenario)
-    return int(Path(adapter).parent.name.removeprefix("iter_")) if adapter else None
-
-
-def _newest_stock_adapter(scenario: Scenario) -> str | None:
-    found = sorted(p for p in scenario.save.glob("iter_*") if (p / "adapter").exists())
-    return str(found[-1] / "adapter") if found else None
-
-
-def _span(rollouts: list[int]) -> str:
-    return f"{rollouts[0]}..{rollouts[-1]}" if rollouts else "none"
-
-
-def _last_line(text: str | None) -> str:
-    """The exception a traceback ends with, on one line (multi-line messages joined), shortened."""
-    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
-    if not lines:
-        return "(no message)"
-    start = max((i for i, line in enumerate(lines) if line[:1].isalpha() and ": " in line), default=len(lines) - 1)
-    summary = re.sub(r"^[\w.]+\.(\w+): ", r"\1: ", " ".join(line.strip() for line in lines[start:]))
-    return summary if len(summary) <= 240 else summary[:237] + "..."

@@ -46,7 +46,7 @@ def requested(args) -> bool:
 
 def usage_problem(args) -> str | None:
     """Why these `--resume-*` flags cannot run through Miles, or None."""
-    from miles_lora_ckpt.tools.demo_miles import WHEEL_SHAPE
+    from miles_lora_ckpt.tools.demo_miles_launch import WHEEL_SHAPE
 
     if args.without_plugin:
         return "--resume-* --without-plugin: stock Miles has no resharding load (it loads at the saved layout only)"
@@ -84,7 +84,7 @@ def resume_scenario(scenario):
 
 def run_phases(scenario, resume, launcher) -> int:
     """The phases `--phase` selects: reference and launch 1 at `scenario`'s layout, launch 2 at `resume`'s."""
-    from miles_lora_ckpt.tools import demo_miles
+    from miles_lora_ckpt.tools.demo_miles_launch import first_launch
 
     args = scenario.args
     print(
@@ -100,7 +100,7 @@ def run_phases(scenario, resume, launcher) -> int:
     if args.phase in ("all", "reference"):
         _reference(scenario, launcher)
     if args.phase in ("all", "train"):
-        demo_miles._first_launch(scenario, launcher)
+        first_launch(scenario, launcher)
     if args.phase in ("all", "resume"):
         return _relaunch(scenario, resume, launcher)
     print("RESULT: reference written" if args.phase == "reference" else "RESULT: trained")
@@ -120,10 +120,10 @@ def _reference_file(scenario):
 
 
 def _reference(scenario, launcher) -> None:
-    from miles_lora_ckpt.tools.demo_miles import _launch
+    from miles_lora_ckpt.tools.demo_miles_launch import launch
 
     argv = scenario.training_flags()
-    results, seconds = _launch(scenario, launcher, argv, env={}, extra={"views": True})
+    results, seconds = launch(scenario, launcher, argv, env={}, extra={"views": True})
     failed = [r for r in results if not r.ok or r.result["failed"]]
     if failed:
         raise SystemExit("reference run failed:\n" + "\n".join(r.error or r.result["failed"] for r in failed))
@@ -145,7 +145,7 @@ def _reference(scenario, launcher) -> None:
 
 
 def _relaunch(scenario, resume, launcher) -> int:
-    from miles_lora_ckpt.tools.demo_miles import _last_line, _launch, _newest_rollout
+    from miles_lora_ckpt.tools.demo_miles_launch import last_line, launch, newest_rollout
 
     path = _reference_file(scenario)
     reference = json.loads(path.read_text()) if path.exists() else None
@@ -159,18 +159,16 @@ def _relaunch(scenario, resume, launcher) -> int:
             file=sys.stderr,
         )
         return 2
-    newest = _newest_rollout(scenario)
+    newest = newest_rollout(scenario)
     if newest is None:
         print("RESULT: ERROR no committed generation to resume from: nothing was resharded")
         return 1
-    results, seconds = _launch(resume, launcher, resume.command(), extra={"views": True})
+    results, seconds = launch(resume, launcher, resume.command(), extra={"views": True})
     print(f"launch 2: the same command at {_layout(resume)} on {resume.world} ranks ({seconds:.1f}s)")
     failed = [r for r in results if not r.ok or r.result["failed"]]
     if failed:
         first = failed[0]
-        print(
-            f"RESULT: ERROR launch 2 failed on rank {first.rank}: {_last_line(first.error or first.result['failed'])}"
-        )
+        print(f"RESULT: ERROR launch 2 failed on rank {first.rank}: {last_line(first.error or first.result['failed'])}")
         return 1
     report = results[0].result
     start = report["start_rollout_id"]

@@ -1,6 +1,16 @@
-"""What a demo prints of one train job's ranks (shared by the single- and multi-LoRA demos)."""
+"""What a demo prints of its layout and of one train job's ranks (shared by the single- and multi-LoRA demos
+and the resharding demo)."""
 
 from __future__ import annotations
+
+
+def describe_layout(config: dict) -> str:
+    """`"tp1 pp2 vpp2 ep1 cp1 dp1"`: every axis of a demo config, data parallel derived; the expert
+    tensor parallel size after `ep` (`ep1 etp2`) only where it is not the TP size."""
+    dp = config["world_size"] // (config["tp"] * config["cp"] * config["pp"])
+    etp = config.get("etp") or config["tp"]
+    axes = ("tp", "pp", "vpp", "ep", *(("etp",) if etp != config["tp"] else ()), "cp")
+    return " ".join(f"{axis}{config[axis]}" for axis in axes) + f" dp{dp}"
 
 
 def report_train(results: list, crash_at: str | None) -> None:

@@ -100,7 +100,7 @@ def resume_config(args, config: dict) -> dict:
 
 def run(args, config: dict, resume: dict, workdir: Path, train) -> int:
     """The phases `args.phase` selects; `train()` is the demo's own train phase at `config`."""
-    from miles_lora_ckpt.tools.demo import describe_layout
+    from miles_lora_ckpt.tools.demo_report import describe_layout
 
     print(f"reshard: saved at {describe_layout(config)}, resumed at {describe_layout(resume)}")
     try:

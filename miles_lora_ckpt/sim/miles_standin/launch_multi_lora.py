@@ -25,6 +25,7 @@ import hashlib
 import traceback
 
 from miles_lora_ckpt.sim.miles_standin.common import multi_lora
+from miles_lora_ckpt.sim.miles_standin.common.multi_lora_lifecycles import lifecycle_for_shape
 
 
 def slot_digests(model, optimizer, slot: int) -> dict[str, str]:
@@ -111,7 +112,7 @@ def launch_job(payload: dict, ctx) -> dict:
     report = observer.report
     report["failed"] = None
     try:
-        lifecycle = multi_lora.run(list(payload["argv"]), multi_lora.lifecycle_for_shape(), observer)
+        lifecycle = multi_lora.run(list(payload["argv"]), lifecycle_for_shape(), observer)
     except Exception:  # noqa: BLE001 - the launch failed on this rank: say how
         report["failed"] = traceback.format_exc()[-4000:]
         return report

@@ -19,7 +19,7 @@ each at its own cadence, saves each under its own root and retires it when it le
   harness on the slot model (`sim.multi_lora_model`).
 - `run(argv, probe, lifecycle)`: the loop of `train_multi_lora_async.py` (reconcile adapters, train,
   save what is due), with the shape's `lifecycle` (`register(adapters)`, `retire(adapters)`,
-  `save_due()`); each launch first registers every adapter (resuming it), then retires the ones the
+  `save_due()`; the shapes' own are in `common/multi_lora_lifecycles.py`); each launch first registers every adapter (resuming it), then retires the ones the
   schedule has parked, so a relaunch with the same command continues where the last one stopped.
 """
 
@@ -278,56 +278,3 @@ class Lifecycle:
         if not interval:
             return []
         return [a for a in trained if a.step > 0 and a.step % interval == 0 and a.config.save is not None]
-
-
-class V1Lifecycle(Lifecycle):
-    """Multi-LoRA v1 (§3.3): `load_adapters`, `cleanup_adapters`, `save_due_adapter_checkpoints`."""
-
-    @staticmethod
-    def _mlu():
-        import importlib
-
-        return importlib.import_module("miles.backends.megatron_utils.multi_lora_utils")
-
-    def register(self, adapters: list[AdapterRun]) -> None:
-        self._mlu().load_adapters(self.args, self.model, self.optimizer, adapters)
-
-    def retire(self, adapters: list[AdapterRun]) -> None:
-        self._mlu().cleanup_adapters(self.args, self.model, self.optimizer, adapters)
-
-    def save_due(self, trained: list[AdapterRun], probe: Probe) -> None:
-        for adapter in self.due(trained):
-            probe.before_save(self, adapter, "periodic")
-        self._mlu().save_due_adapter_checkpoints(self.args, self.model)
-
-
-class V2Lifecycle(Lifecycle):
-    """Multi-LoRA v2 (§10.2): the actor's `load_slot` / `save_slot` / `unload_slot` at named paths."""
-
-    def __init__(self, args, model, optimizer):
-        from miles.backends.megatron_utils.lora.actor import MultiLoRATrainRayActor
-
-        super().__init__(args, model, optimizer)
-        self.actor = MultiLoRATrainRayActor(args, model, optimizer)
-
-    def register(self, adapters: list[AdapterRun]) -> None:
-        for adapter in adapters:
-            self.actor.load_slot(adapter)
-
-    def retire(self, adapters: list[AdapterRun]) -> None:
-        for adapter in adapters:
-            self.actor.unload_slot(adapter)
-
-    def save_due(self, trained: list[AdapterRun], probe: Probe) -> None:
-        for adapter in self.due(trained):
-            probe.before_save(self, adapter, "periodic")
-            self.actor.save_slot(adapter)
-
-
-def lifecycle_for_shape():
-    """The running shape's lifecycle: v1 where `multi_lora_utils` exists, v2 where `lora/actor.py` does."""
-    import importlib.util
-
-    if importlib.util.find_spec("miles.backends.megatron_utils.multi_lora_utils") is not None:
-        return V1Lifecycle
-    return V2Lifecycle

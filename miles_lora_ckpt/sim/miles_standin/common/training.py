@@ -328,17 +328,3 @@ def load_hf_base(model, optimizer, args, load_path: str) -> tuple[int, int]:
     if (args.bf16 or args.fp16) and optimizer is not None:
         optimizer.reload_model_params()
     return 0, 0
-
-
-def in_memory_checkpoint(actor):
-    """What the train actor's `send_ckpt` sends in Miles: an in-memory checkpoint of the live state at the
-    last trained rollout (Miles sends it to an alive rank of the cross-cell group; the stand-in has one cell
-    and returns it). Stock LoRA fails here: its save goes to disk and leaves the manager empty."""
-    from miles.backends.megatron_utils.ft.in_memory_checkpoint import save_to_memory
-
-    return save_to_memory(
-        iteration=actor._last_rollout_id,
-        model=actor.model,
-        optimizer=actor.optimizer,
-        opt_param_scheduler=actor.opt_param_scheduler,
-    )

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from miles.backends.megatron_utils.checkpoint import load_checkpoint
 from miles.backends.megatron_utils.initialize import init
 from miles.backends.megatron_utils.model import harness_train_step, initialize_model_and_optimizer, save
-from miles_lora_ckpt.sim.miles_standin.common import training
+from miles_lora_ckpt.sim.miles_standin.common import send_ckpt, training
 from miles_lora_ckpt.sim.miles_standin.common.megatron_lm import get_checkpoint_name
 from miles_lora_ckpt.sim.miles_standin.common.weights import WeightBackups
 
@@ -77,5 +77,5 @@ class MegatronTrainRayActor:
                 setattr(self.args, name, value)
 
     def send_ckpt(self, dst_rank: int):
-        """Miles sends to `dst_rank`; one cell here: `training.in_memory_checkpoint` returns it."""
-        return training.in_memory_checkpoint(self)
+        """Miles sends to `dst_rank`; one cell here: `send_ckpt.in_memory_checkpoint` returns it."""
+        return send_ckpt.in_memory_checkpoint(self)
