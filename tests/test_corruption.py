@@ -558,6 +558,12 @@ CASES: dict[str, tuple] = {
         MANIFEST,
         {"key_at_save": True, "key_at_check": True},
     ),
+    "signature mac with non-ASCII characters": (
+        "signing",
+        lambda g, t: _set_signature(g, {"algorithm": "hmac-sha256", "key_id": "x", "mac": "\u00e9" * 64}),
+        MANIFEST,
+        {"key_at_save": True, "key_at_check": True},
+    ),
 }
 
 
@@ -644,6 +650,22 @@ def _(tmp, capsys):
     assert code == 0 and f"keeping {older.name} (content verified)" in out
     assert older.exists() and newest.exists()  # the damaged newer one is left for an operator
     assert load(tmp).path == older
+
+
+@root_case("signing", "a newer generation with a non-ASCII signature mac is skipped, never a crash")
+def _(tmp, capsys):
+    with settings.overridden(hmac_key=KEY):
+        older = make_generation(tmp, 5, key=KEY)
+        newest = make_generation(tmp, 6, key=KEY)
+        _set_signature(newest, {"algorithm": "hmac-sha256", "key_id": "x", "mac": "\u00e9" * 64})
+        code, out, err = run_cli(capsys, "verify", str(tmp))
+        assert code == 0 and older.name in out and newest.name in err
+        assert "signature does not match" in err or "signed with another key" in err, err
+        code, out, err = run_cli(capsys, "ls", str(tmp))
+        assert code == 0 and "damaged" in out
+        assert load(tmp).path == older
+        next_one = make_generation(tmp, 7, key=KEY)  # numbering (next_sequence) skips it too
+    assert next_one.exists()
 
 
 @root_case("retention", "gc never counts a damaged generation among the N kept")

@@ -108,10 +108,13 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     except Exception as exc:  # noqa: BLE001
         return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
     problems = []
-    if key is not None and manifest.format_version < 2:
-        problems.append(Problem(MANIFEST, V1_WITH_KEY))
-    elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
-        problems.append(Problem(MANIFEST, unsigned))
+    try:
+        if key is not None and manifest.format_version < 2:
+            problems.append(Problem(MANIFEST, V1_WITH_KEY))
+        elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
+            problems.append(Problem(MANIFEST, unsigned))
+    except Exception as exc:  # noqa: BLE001 - total: a signature that cannot be checked is damage
+        problems.append(Problem(MANIFEST, reason(exc)))
     problems += _name_problems(gen_dir, manifest)
     try:
         content_rules.check_manifest(manifest)
