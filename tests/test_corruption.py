@@ -410,6 +410,18 @@ CASES: dict[str, tuple] = {
         lambda g, t: edit_training_state(g, set_group(step={"__scalar_tensor__": 2.5, "dtype": "int64"}), rel=STATE),
         STATE,
     ),
+    "scalar tensor of dtype float32 holding 1e300, inf once decoded (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(
+            g, set_group(step={"__scalar_tensor__": 1e300, "dtype": "float32"}), rel=STATE
+        ),
+        STATE,
+    ),
+    "scalar tensor of dtype uint8 holding -1, 255 once decoded (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, set_group(step={"__scalar_tensor__": -1, "dtype": "uint8"}), rel=STATE),
+        STATE,
+    ),
     "malformed tuple tag in the training state (resealed)": (
         "verify-is-load",
         lambda g, t: edit_training_state(g, set_group(betas={"__tuple__": [0.9, 0.99], "x": 1}), rel=STATE),
