@@ -461,6 +461,16 @@ CASES: dict[str, tuple] = {
         lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
         MANIFEST,
     ),
+    "optimizer_saved null with optimizer files listed (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=None)),
+        MANIFEST,
+    ),
+    "optimizer_saved the string false (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved="false")),
+        MANIFEST,
+    ),
     # ------------------------------------------------------------------ names and encodings
     "UTF-16 manifest": (
         "encodings",
