@@ -931,6 +931,21 @@ def _foreign_lease(tmp: Path, *, host: str, pid: int, age_s: float, boot_id: str
     os.utime(tmp / LEASE, (then, then))
 
 
+@root_case("writers", "a lease naming this host with a pid no process can have: ls, gc and a save finish")
+def _(tmp, capsys):
+    gen = make_generation(tmp, 1)
+    (tmp / ".staging-00000000000000aa").mkdir()  # so gc judges the lease too
+    me = lease.me()
+    for pid in (2**31, 0):
+        _foreign_lease(tmp, host=me.host, pid=pid, age_s=0, boot_id=me.boot_id)
+        code, out, _ = run_cli(capsys, "ls", str(tmp))
+        assert code == 0 and gen.name in out
+        assert f"stale: host {me.host} pid {pid}" in out and "is gone" in out, out
+        code, out, _ = run_cli(capsys, "gc", str(tmp), "--keep", "1", "--dry-run", "--staging-min-age", "0")
+        assert code == 0 and "would remove " + str(tmp / ".staging-00000000000000aa") in out, out
+    assert make_generation(tmp, 2).exists()  # the stale lease is taken over
+
+
 @root_case("writers", "#5 a live lease of another writer: the save is refused before anything is written")
 def _(tmp, capsys):
     gen = make_generation(tmp, 1)
