@@ -690,6 +690,21 @@ def _(tmp, capsys):
     assert next_one.exists()
 
 
+@root_case("verify-is-load", "a generation link given as the path: verify and the loader both take its generation")
+def _(tmp, capsys):
+    older = make_generation(tmp, 5)
+    newest = make_generation(tmp, 6)
+    os.symlink(older.name, tmp / "step_5")  # a reader link to an older generation of the root
+    os.symlink(str(newest.resolve()), tmp / "absolute")  # not a relative sibling link: never followed
+    code, out, _ = run_cli(capsys, "verify", str(tmp / "step_5"))
+    assert code == 0 and older.name in out and newest.name not in out
+    assert load(tmp / "step_5").path == older
+    code, out, _ = run_cli(capsys, "verify", str(tmp / "absolute"))
+    assert code == 1 and "generation directory is a symlink" in out, out
+    with pytest.raises(CheckpointError, match="generation directory is a symlink"):
+        load(tmp / "absolute")
+
+
 @root_case("retention", "gc never counts a damaged generation among the N kept")
 def _(tmp, capsys):
     gens = [make_generation(tmp, i) for i in (1, 2, 3, 4)]
