@@ -410,6 +410,18 @@ CASES: dict[str, tuple] = {
         lambda g, t: edit_training_state(g, set_group(step={"__scalar_tensor__": 2.5, "dtype": "int64"}), rel=STATE),
         STATE,
     ),
+    "scalar tensor of dtype float32 holding 1e300, inf once decoded (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(
+            g, set_group(step={"__scalar_tensor__": 1e300, "dtype": "float32"}), rel=STATE
+        ),
+        STATE,
+    ),
+    "scalar tensor of dtype uint8 holding -1, 255 once decoded (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_training_state(g, set_group(step={"__scalar_tensor__": -1, "dtype": "uint8"}), rel=STATE),
+        STATE,
+    ),
     "malformed tuple tag in the training state (resealed)": (
         "verify-is-load",
         lambda g, t: edit_training_state(g, set_group(betas={"__tuple__": [0.9, 0.99], "x": 1}), rel=STATE),
@@ -447,6 +459,16 @@ CASES: dict[str, tuple] = {
     "optimizer_saved false with optimizer files listed (resealed)": (
         "verify-is-load",
         lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
+        MANIFEST,
+    ),
+    "optimizer_saved null with optimizer files listed (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=None)),
+        MANIFEST,
+    ),
+    "optimizer_saved the string false (resealed)": (
+        "verify-is-load",
+        lambda g, t: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved="false")),
         MANIFEST,
     ),
     # ------------------------------------------------------------------ names and encodings
@@ -558,6 +580,12 @@ CASES: dict[str, tuple] = {
         MANIFEST,
         {"key_at_save": True, "key_at_check": True},
     ),
+    "signature mac with non-ASCII characters": (
+        "signing",
+        lambda g, t: _set_signature(g, {"algorithm": "hmac-sha256", "key_id": "x", "mac": "\u00e9" * 64}),
+        MANIFEST,
+        {"key_at_save": True, "key_at_check": True},
+    ),
 }
 
 
@@ -644,6 +672,37 @@ def _(tmp, capsys):
     assert code == 0 and f"keeping {older.name} (content verified)" in out
     assert older.exists() and newest.exists()  # the damaged newer one is left for an operator
     assert load(tmp).path == older
+
+
+@root_case("signing", "a newer generation with a non-ASCII signature mac is skipped, never a crash")
+def _(tmp, capsys):
+    with settings.overridden(hmac_key=KEY):
+        older = make_generation(tmp, 5, key=KEY)
+        newest = make_generation(tmp, 6, key=KEY)
+        _set_signature(newest, {"algorithm": "hmac-sha256", "key_id": "x", "mac": "\u00e9" * 64})
+        code, out, err = run_cli(capsys, "verify", str(tmp))
+        assert code == 0 and older.name in out and newest.name in err
+        assert "signature does not match" in err or "signed with another key" in err, err
+        code, out, err = run_cli(capsys, "ls", str(tmp))
+        assert code == 0 and "damaged" in out
+        assert load(tmp).path == older
+        next_one = make_generation(tmp, 7, key=KEY)  # numbering (next_sequence) skips it too
+    assert next_one.exists()
+
+
+@root_case("verify-is-load", "a generation link given as the path: verify and the loader both take its generation")
+def _(tmp, capsys):
+    older = make_generation(tmp, 5)
+    newest = make_generation(tmp, 6)
+    os.symlink(older.name, tmp / "step_5")  # a reader link to an older generation of the root
+    os.symlink(str(newest.resolve()), tmp / "absolute")  # not a relative sibling link: never followed
+    code, out, _ = run_cli(capsys, "verify", str(tmp / "step_5"))
+    assert code == 0 and older.name in out and newest.name not in out
+    assert load(tmp / "step_5").path == older
+    code, out, _ = run_cli(capsys, "verify", str(tmp / "absolute"))
+    assert code == 1 and "generation directory is a symlink" in out, out
+    with pytest.raises(CheckpointError, match="generation directory is a symlink"):
+        load(tmp / "absolute")
 
 
 @root_case("retention", "gc never counts a damaged generation among the N kept")
@@ -885,6 +944,21 @@ def _foreign_lease(tmp: Path, *, host: str, pid: int, age_s: float, boot_id: str
     (tmp / LEASE).write_text(json.dumps(body))
     then = time.time() - age_s
     os.utime(tmp / LEASE, (then, then))
+
+
+@root_case("writers", "a lease naming this host with a pid no process can have: ls, gc and a save finish")
+def _(tmp, capsys):
+    gen = make_generation(tmp, 1)
+    (tmp / ".staging-00000000000000aa").mkdir()  # so gc judges the lease too
+    me = lease.me()
+    for pid in (2**31, 0):
+        _foreign_lease(tmp, host=me.host, pid=pid, age_s=0, boot_id=me.boot_id)
+        code, out, _ = run_cli(capsys, "ls", str(tmp))
+        assert code == 0 and gen.name in out
+        assert f"stale: host {me.host} pid {pid}" in out and "is gone" in out, out
+        code, out, _ = run_cli(capsys, "gc", str(tmp), "--keep", "1", "--dry-run", "--staging-min-age", "0")
+        assert code == 0 and "would remove " + str(tmp / ".staging-00000000000000aa") in out, out
+    assert make_generation(tmp, 2).exists()  # the stale lease is taken over
 
 
 @root_case("writers", "#5 a live lease of another writer: the save is refused before anything is written")

@@ -437,6 +437,23 @@ def test_an_empty_or_refused_export_leaves_no_staging_and_no_generation(tmp_path
     assert sorted(n for n in entries(root) if n.startswith(".")) == []
 
 
+def test_verify_refuses_a_config_whose_patterns_are_not_regular_expressions(tmp_path, capsys):
+    """PEFT reads a string `target_modules` and every `rank_pattern` key as regular expressions: one
+    that does not compile is a clear refusal of that file (exit 1), never a crash of verify."""
+    for field, value in (("target_modules", "(q_proj"), ("rank_pattern", {"q_proj[": 3})):
+        gen = export(tmp_path / field, iteration=1)
+        config = json.loads((gen / CONFIG_NAME).read_text())
+        config[field] = value
+        reseal(gen, CONFIG_NAME, json.dumps(config).encode())
+        capsys.readouterr()
+        assert cli(["verify", str(gen)]) == 1, field
+        out = capsys.readouterr()
+        assert f"ERROR {CONFIG_NAME}: {field} " in out.out and "not a valid regular expression" in out.out, out
+        assert "INTERNAL ERROR" not in out.err, out
+        problems = fmt.structure_problems({}, config)
+        assert any("not a valid regular expression" in p for p in problems), problems
+
+
 def test_verify_checks_exports_and_a_checkpoints_peft_dir(tmp_path, capsys):
     root = tmp_path / "exports"
     gen = export(root, iteration=1)

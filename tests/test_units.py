@@ -66,6 +66,24 @@ def test_optimizer_state_json_round_trip_is_lossless():
     assert group["max_lr"] == float("inf") and group["lr"] == 0.001
 
 
+def test_scalar_tensor_values_must_fit_their_dtype():
+    """A tagged scalar decodes to exactly its value: one its dtype cannot hold (it would decode to
+    inf, wrap around or raise) is refused by the check verify and the loader share."""
+    from miles_lora_ckpt.core.jsoncodec import check_tags
+
+    for dtype in ("float16", "bfloat16", "float32", "int8", "uint8", "int16", "int32", "int64"):
+        torch_dtype = getattr(torch, dtype)
+        info = torch.finfo(torch_dtype) if torch_dtype.is_floating_point else torch.iinfo(torch_dtype)
+        for extreme in (info.max, info.min):
+            encoded = to_json(torch.tensor(extreme, dtype=torch_dtype))
+            check_tags(encoded)
+            assert from_json(encoded).item() == extreme
+        for outside in (info.max * 2, -info.max * 2) if torch_dtype.is_floating_point else (info.max + 1, info.min - 1):
+            with pytest.raises(ValueError, match=f"dtype {dtype} holding .*, outside"):
+                from_json({"__scalar_tensor__": outside, "dtype": dtype}, "group.step")
+    check_tags({"__scalar_tensor__": 1e300, "dtype": "float64"})
+
+
 def test_non_json_state_is_refused_loudly():
     with pytest.raises(TypeError, match="optimizer.param_groups"):
         to_json({"param_groups": object()}, "optimizer")

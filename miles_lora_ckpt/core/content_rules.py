@@ -63,8 +63,16 @@ def check_manifest(manifest: Manifest) -> None:
 def check_optimizer_claim(manifest: Manifest) -> None:
     """`optimizer_saved: false` must mean no optimizer state: no listed optimizer file (role
     `optimizer`, or under `optimizer/`) and no optimizer child recorded as stepped (in
-    `optimizer_children`, or a pre-family generation's `stepped_children`); else it was edited."""
+    `optimizer_children`, or a pre-family generation's `stepped_children`); else it was edited.
+
+    `optimizer_saved`, when present, is a boolean: loaders restore optimizer state only when it is
+    `true`, so any other value (`null`, `0`, `"false"`) would otherwise drop the saved optimizer
+    state unnoticed, without the refusal that `false` gets."""
     metadata = manifest.metadata
+    if "optimizer_saved" in metadata and not isinstance(metadata["optimizer_saved"], bool):
+        raise ValueError(
+            f"the manifest's optimizer_saved is {metadata['optimizer_saved']!r:.60}, not a boolean (true or false): edited?"
+        )
     if metadata.get("optimizer_saved") is not False:
         return
     listed = sorted(

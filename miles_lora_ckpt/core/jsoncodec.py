@@ -29,6 +29,22 @@ SCALAR_DTYPES = {
     "bool": "boolean",
 }
 
+# The values each dtype holds exactly: a scalar outside them would decode to inf (a float), wrap
+# around (uint8 -1 -> 255) or raise (torch.tensor), so it is refused instead. Floats: the largest
+# finite magnitude (torch.finfo(dtype).max); float64 holds every finite JSON number.
+SCALAR_RANGES = {
+    "float64": (-math.inf, math.inf),
+    "float32": (-3.4028234663852886e38, 3.4028234663852886e38),
+    "float16": (-65504.0, 65504.0),
+    "bfloat16": (-3.3895313892515355e38, 3.3895313892515355e38),
+    "int64": (-(2**63), 2**63 - 1),
+    "int32": (-(2**31), 2**31 - 1),
+    "int16": (-(2**15), 2**15 - 1),
+    "int8": (-(2**7), 2**7 - 1),
+    "uint8": (0, 2**8 - 1),
+    "bool": (False, True),
+}
+
 
 def to_json(obj: Any, where: str = "state") -> Any:
     if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
@@ -75,7 +91,9 @@ def check_tag(obj: dict, where: str) -> str | None:
     """Which tag a JSON object is (None: a plain object); ValueError naming `where` if it holds a
     tag key but is not exactly that tag's shape: `{"__tuple__": [...]}`, `{"__float__": "nan" |
     "inf" | "-inf"}`, `{"__scalar_tensor__": value, "dtype": one of SCALAR_DTYPES}` with a value of
-    that dtype's kind (a bool for bool, an integer for integer dtypes, a number for floating ones)."""
+    that dtype's kind (a bool for bool, an integer for integer dtypes, a number for floating ones)
+    that the dtype holds (`SCALAR_RANGES`: no float that would decode to inf, no integer that would
+    wrap around or overflow)."""
     tags = [t for t in _TAGS if t in obj]
     if not tags:
         return None
@@ -91,6 +109,12 @@ def check_tag(obj: dict, where: str) -> str | None:
             raise ValueError(f"{where} is a scalar tensor of dtype {_show(dtype)}, not one of {sorted(SCALAR_DTYPES)}")
         if not _is_kind(value, kind):
             raise ValueError(f"{where} is a scalar tensor of dtype {dtype} holding {_show(value)}, not a {kind}")
+        low, high = SCALAR_RANGES[dtype]
+        if not low <= value <= high:
+            raise ValueError(
+                f"{where} is a scalar tensor of dtype {dtype} holding {_show(value)}, outside [{low}, {high}] "
+                "(the values that dtype holds)"
+            )
         return tag
     raise ValueError(f"{where} is a malformed {tag} value {_show(obj)}")
 

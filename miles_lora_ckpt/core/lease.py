@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 LEASE_FORMAT = "miles-lora-ckpt-lease"
 MAX_LEASE_BYTES = 64 * 1024
+_MAX_PID = 2**31 - 1  # pid_t
 _ATTEMPTS = 4
 
 
@@ -334,9 +335,14 @@ def _fs_now_ns(root: Path) -> int:
 
 
 def _process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie is gone). A pid no process can have (0,
+    which `kill` takes for our own process group, or one past `pid_t`, which it cannot take) is
+    gone: a lease file naming it is judged, never a crash of its reader."""
+    if not 0 < pid <= _MAX_PID:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True

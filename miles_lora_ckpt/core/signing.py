@@ -85,7 +85,8 @@ def check_shape(signature: Any) -> None:
 
 
 def problem(signature: dict | None, canonical_body: bytes, key: SigningKey | None) -> str | None:
-    """Why a manifest with this signature fails under `key` (None: acceptable).
+    """Why a manifest with this signature fails under `key` (None: acceptable). `signature` has
+    passed `check_shape`; any string it holds (non-ASCII included) is compared, never raised on.
 
     Without a key nothing is checked (a signature is then only informational).
     """
@@ -96,7 +97,9 @@ def problem(signature: dict | None, canonical_body: bytes, key: SigningKey | Non
     if signature["algorithm"] != ALGORITHM:
         return f"signature algorithm {signature['algorithm']!r} is not {ALGORITHM}"
     expected = hmac.new(key.secret, canonical_body, hashlib.sha256).hexdigest()
-    if hmac.compare_digest(expected, signature["mac"]):
+    # compared as bytes: `compare_digest` raises TypeError on a str with non-ASCII characters, and a
+    # forged `mac` may hold any (a refusal, never a crash)
+    if hmac.compare_digest(expected.encode(), signature["mac"].encode("utf-8", "surrogatepass")):
         return None
     if signature["key_id"] != key.key_id:
         return f"signed with another key (key id {signature['key_id']}; the configured key's id is {key.key_id})"

@@ -108,10 +108,13 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     except Exception as exc:  # noqa: BLE001
         return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
     problems = []
-    if key is not None and manifest.format_version < 2:
-        problems.append(Problem(MANIFEST, V1_WITH_KEY))
-    elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
-        problems.append(Problem(MANIFEST, unsigned))
+    try:
+        if key is not None and manifest.format_version < 2:
+            problems.append(Problem(MANIFEST, V1_WITH_KEY))
+        elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
+            problems.append(Problem(MANIFEST, unsigned))
+    except Exception as exc:  # noqa: BLE001 - total: a signature that cannot be checked is damage
+        problems.append(Problem(MANIFEST, reason(exc)))
     problems += _name_problems(gen_dir, manifest)
     try:
         content_rules.check_manifest(manifest)
@@ -471,11 +474,13 @@ class Candidates:
 def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidates:
     """Generation directories to try for `path`, newest first (a save root), or `path` itself.
 
-    Raises NotACheckpoint when `path` holds no generation at all (a legacy Miles directory
-    included: it has no manifest), GenerationDamaged for a staging directory, NothingCommitted for
-    a save root with nothing committed yet.
+    A generation link of a save root (`latest`, a reader name such as `step_6`: a relative symlink
+    naming one sibling `gen-*` directory, see `follow_generation_link`) stands for that generation,
+    for every reader alike (`verify` and the loaders). Raises NotACheckpoint when `path` holds no
+    generation at all (a legacy Miles directory included: it has no manifest), GenerationDamaged
+    for a staging directory, NothingCommitted for a save root with nothing committed yet.
     """
-    path = Path(path)
+    path = follow_generation_link(Path(path))
     try:
         mode = os.stat(path).st_mode  # the path named by the user may itself be a link
     except FileNotFoundError:
@@ -500,6 +505,21 @@ def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidat
         return Candidates([path], False)
     kind = "a legacy Miles adapter directory (no manifest)" if is_legacy_miles_dir(path) else "not a checkpoint"
     raise NotACheckpoint(f"{path} is {kind}")
+
+
+def follow_generation_link(path: Path) -> Path:
+    """The sibling generation a save root's link names (`root/latest -> gen-...` gives
+    `root/gen-...`), or `path` itself when it is not such a link. Only a relative target of one
+    `gen-*` name is followed: a link to anything else stays as it is (a symlink in place of a
+    generation is damage, judged from `lstat`)."""
+    path = Path(path)
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link (or gone): judged as it is
+        return path
+    if "/" not in target and parse_generation_dir_name(target) is not None:
+        return path.parent / target
+    return path
 
 
 def committed_candidates(path: Path) -> tuple[list[Path], bool]:

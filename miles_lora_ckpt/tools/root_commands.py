@@ -70,16 +70,11 @@ def _sequence(manifest) -> str:
 
 def _follow_latest(path: Path) -> Path:
     """A root's generation link stands for the generation it names (a sibling `gen-*`, nothing
-    else): `latest` (see `layout.LATEST`) or a multi-LoRA slot root's reader name such as `step_6`."""
-    import os
+    else): `latest` (see `layout.LATEST`) or a multi-LoRA slot root's reader name such as `step_6`;
+    the rule every reader applies (`core.verify.follow_generation_link`)."""
+    from miles_lora_ckpt.core.verify import follow_generation_link
 
-    from miles_lora_ckpt.core.layout import parse_generation_dir_name
-
-    if path.is_symlink():
-        target = os.readlink(path)
-        if "/" not in target and parse_generation_dir_name(target) is not None:
-            return path.parent / target
-    return path
+    return follow_generation_link(path)
 
 
 def _each_root(args, attr: str, command) -> int | None:

@@ -295,16 +295,35 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
         isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
     ):
         problems.append(f"{CONFIG_NAME}: target_modules is {targets!r}; PEFT would adapt nothing")
+    elif isinstance(targets, str) and (why := _regex_problem(targets)):
+        problems.append(f"{CONFIG_NAME}: target_modules {targets[:80]!r} is not a valid regular expression ({why})")
     pattern = config.get("rank_pattern") or {}
     if not isinstance(pattern, dict) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pattern.values()
     ):
         problems.append(f"{CONFIG_NAME}: rank_pattern is {pattern!r}, expected {{module: positive rank}}")
+    else:
+        for key in pattern:
+            if why := _regex_problem(rf"(.*\.)?({key})$"):
+                problems.append(
+                    f"{CONFIG_NAME}: rank_pattern key {key[:80]!r} is not a valid regular expression ({why})"
+                )
     if config.get("use_dora"):
         problems.append(f"{CONFIG_NAME}: use_dora is set, but DoRA magnitudes are not exported (PEFT would load none)")
     if config.get("target_parameters"):
         problems.append(f"{CONFIG_NAME}: target_parameters (fused expert stacks) are not exported by this tool")
     return problems
+
+
+def _regex_problem(pattern: str) -> str | None:
+    """Why `pattern` does not compile as the regular expression PEFT makes of it (None: it does).
+    A config's patterns are checked before they are matched, so a hostile one is a refusal naming
+    the file, never an exception out of `verify`."""
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError) as exc:
+        return str(exc)[:120] or type(exc).__name__
+    return None
 
 
 def _pair_problems(module, pair, r, rank_pattern, targets) -> list[str]:
