@@ -1286,3 +1286,27 @@ def test_the_name_rules_know_the_savers_that_write_the_single_lora_files():
     from miles_lora_ckpt.savers.single_lora.common import SAVER
 
     assert set(content_rules.BOUND_SAVERS) == {SAVER, SLOT_SAVER}
+
+
+def test_a_forged_tracker_sequence_never_stops_saves_nor_numbers_them(tmp_path, caplog, capsys):
+    """The tracker is an unsigned hint: its `sequence` counts only when it names a generation of the
+    root whose manifest agrees; a forged 2^62 (the last number there is) is a warning, not the end."""
+    root = tmp_path / "root"
+    first = make_generation(root, 1, key=KEY)
+    tracker = json.loads((root / TRACKER).read_text())
+    assert tracker["sequence"] == 1
+    for forged in (
+        dict(tracker, sequence=2**62),  # names the generation there, with another sequence
+        dict(tracker, generation_dir="gen-000000009-0123456789abcdef", generation="0123456789abcdef", sequence=2**62),
+    ):
+        (root / TRACKER).write_text(json.dumps(forged))
+        caplog.clear()
+        with settings.overridden(hmac_key=KEY):
+            gen = make_generation(root, 2, key=KEY)
+        assert json.loads((gen / MANIFEST).read_text())["sequence"] == 2, "numbered after the generations only"
+        assert f"the tracker claims sequence {2**62}" in caplog.text and "not counted" in caplog.text, caplog.text
+        shutil.rmtree(gen)
+    # a tracker that agrees with its generation counts as before (the same number as its manifest)
+    (root / TRACKER).write_text(json.dumps(tracker))
+    assert json.loads((make_generation(root, 2) / MANIFEST).read_text())["sequence"] == 2
+    assert load(root).path != first
