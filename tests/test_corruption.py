@@ -1184,3 +1184,129 @@ def test_an_intact_generation_loads_bit_exact(tmp_path):
     reference = torch.Generator().manual_seed(7)
     assert torch.equal(opened.tensors(ADAPTER)["lora_A"], torch.randn(4, 8, generator=reference))
     assert opened.json(STATE)["generation"] == gen.name[-16:]
+
+
+# =========================================================================== role bindings by name
+
+# The single-LoRA saver's file names, with the binding its loader requires of each (format v2+).
+NAMED_FILES = {
+    "training_state.json": {"role": "training-state"},
+    "adapter/dense_tp000_pp000.safetensors": {"role": "dense-adapter", "coordinate": "tp000_pp000"},
+    "adapter/expert_pp000_ep000_etp000.safetensors": {"role": "expert-adapter", "coordinate": "pp000_ep000_etp000"},
+    "optimizer/child0_tp000_pp000_ep000_etp000_s000of001.safetensors": {
+        "role": "optimizer",
+        "coordinate": "tp000_pp000_ep000_etp000",
+        "child": "0",
+        "slice": "0/1",
+    },
+    "optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors": {
+        "role": "optimizer",
+        "coordinate": "tp000_pp000_ep000_etp000_dp000_cp000",
+        "child": "1",
+    },
+}
+
+
+def make_named_generation(root: Path, saver: str, iteration: int = 7) -> Path:
+    def write(writer):
+        for rel, binding in NAMED_FILES.items():
+            if rel.endswith(".json"):
+                writer.write_json(rel, training_state(iteration, writer.generation), binding=binding)
+            else:
+                writer.write_tensors(rel, {"w": torch.ones(4)}, binding=binding)
+
+    return save_generation(
+        Consensus.single_process(), root, iteration=iteration, saver=saver, topology=Topology(), write_files=write
+    )
+
+
+def _drop_binding(rel: str, *keys: str):
+    def change(body):
+        binding = body["files"][rel].setdefault("binding", {})
+        for key in keys or list(binding):
+            binding.pop(key, None)
+        if not binding:
+            body["files"][rel].pop("binding")
+
+    return change
+
+
+# (file, the manifest edit): the stamps still agree (they are compared on the binding's keys only)
+UNBOUND_CASES = {
+    "training state's role dropped": ("training_state.json", _drop_binding("training_state.json")),
+    "training state's role renamed": (
+        "training_state.json",
+        lambda b: b["files"]["training_state.json"]["binding"].update(role="notes"),
+    ),
+    "dense adapter's binding dropped": (
+        "adapter/dense_tp000_pp000.safetensors",
+        _drop_binding("adapter/dense_tp000_pp000.safetensors"),
+    ),
+    "expert adapter's coordinate dropped": (
+        "adapter/expert_pp000_ep000_etp000.safetensors",
+        _drop_binding("adapter/expert_pp000_ep000_etp000.safetensors", "coordinate"),
+    ),
+    "optimizer slice's slice dropped": (
+        "optimizer/child0_tp000_pp000_ep000_etp000_s000of001.safetensors",
+        _drop_binding("optimizer/child0_tp000_pp000_ep000_etp000_s000of001.safetensors", "slice"),
+    ),
+    "optimizer file's binding dropped": (
+        "optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors",
+        _drop_binding("optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"),
+    ),
+}
+
+
+def test_named_files_with_their_bindings_verify_and_load(tmp_path, capsys):
+    for saver in ("single-lora", "multi-lora-slot", "test"):
+        gen = make_named_generation(tmp_path / saver, saver)
+        assert cli(["verify", str(gen)]) == 0, capsys.readouterr()
+        assert load(gen, files=tuple(NAMED_FILES)).json("training_state.json")["iteration"] == 7
+
+
+@pytest.mark.parametrize("saver", ["single-lora", "multi-lora-slot"])
+@pytest.mark.parametrize("case", sorted(UNBOUND_CASES), ids=lambda name: name.replace(" ", "-"))
+def test_a_file_named_like_a_role_bearing_file_without_its_binding_is_refused(case, saver, tmp_path, capsys):
+    rel, change = UNBOUND_CASES[case]
+    gen = make_named_generation(tmp_path / "root", saver)
+    edit_manifest(gen, change)
+    capsys.readouterr()
+    assert cli(["verify", str(gen)]) == 1
+    out = capsys.readouterr().out
+    why = f"expected {NAMED_FILES[rel]} (the binding a {saver} file of this name carries"
+    assert f"ERROR {rel}: the manifest binds it to " in out and why in out, out
+    with pytest.raises(CheckpointError) as info:
+        load(gen, files=tuple(NAMED_FILES))
+    assert f"{rel}: the manifest binds it to " in str(info.value) and why in str(info.value), str(info.value)
+
+
+def test_the_name_rules_know_the_savers_that_write_the_single_lora_files():
+    from miles_lora_ckpt.core import content_rules
+    from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER
+    from miles_lora_ckpt.savers.single_lora.common import SAVER
+
+    assert set(content_rules.BOUND_SAVERS) == {SAVER, SLOT_SAVER}
+
+
+def test_a_forged_tracker_sequence_never_stops_saves_nor_numbers_them(tmp_path, caplog, capsys):
+    """The tracker is an unsigned hint: its `sequence` counts only when it names a generation of the
+    root whose manifest agrees; a forged 2^62 (the last number there is) is a warning, not the end."""
+    root = tmp_path / "root"
+    first = make_generation(root, 1, key=KEY)
+    tracker = json.loads((root / TRACKER).read_text())
+    assert tracker["sequence"] == 1
+    for forged in (
+        dict(tracker, sequence=2**62),  # names the generation there, with another sequence
+        dict(tracker, generation_dir="gen-000000009-0123456789abcdef", generation="0123456789abcdef", sequence=2**62),
+    ):
+        (root / TRACKER).write_text(json.dumps(forged))
+        caplog.clear()
+        with settings.overridden(hmac_key=KEY):
+            gen = make_generation(root, 2, key=KEY)
+        assert json.loads((gen / MANIFEST).read_text())["sequence"] == 2, "numbered after the generations only"
+        assert f"the tracker claims sequence {2**62}" in caplog.text and "not counted" in caplog.text, caplog.text
+        shutil.rmtree(gen)
+    # a tracker that agrees with its generation counts as before (the same number as its manifest)
+    (root / TRACKER).write_text(json.dumps(tracker))
+    assert json.loads((make_generation(root, 2) / MANIFEST).read_text())["sequence"] == 2
+    assert load(root).path != first

@@ -520,3 +520,40 @@ def test_unread_blocks_are_the_blocks_no_plan_touches_however_many_ranges():
     for bad in (["c", 0, 1], ["a", 0, 201], ["a", 5, 4]):
         with pytest.raises(ValueError, match="not in the file|out of its"):
             _unread_blocks(index, "f", [{"ranges": {"f": [bad]}}])
+
+
+def test_a_partial_read_of_every_block_checks_the_whole_file_digest_as_verify_does(tmp_path, capsys):
+    """Block digests that match the bytes under a file digest that does not: `verify` (a whole
+    read) refuses it; so does a load whose ranges cover every block (a same-layout
+    DistributedOptimizer load reads its whole slice file so), for the same reason, reading nothing more."""
+    import json
+
+    from damage import edit_manifest
+
+    from miles_lora_ckpt.core.consensus import Consensus
+    from miles_lora_ckpt.core.errors import CheckpointError
+    from miles_lora_ckpt.core.layout import MANIFEST, Topology
+    from miles_lora_ckpt.core.protocol import PartialRead, open_generation, save_generation
+    from miles_lora_ckpt.tools.cli import main as cli
+
+    rel, numel = "slice.safetensors", 3 * storage.BLOCK_BYTES // 4 // 2  # 1.5 blocks each
+    tensors = {"param": torch.arange(numel, dtype=torch.float32), "exp_avg": torch.ones(numel)}
+    write = lambda writer: writer.write_tensors(rel, tensors, blocks=True)  # noqa: E731
+    gen = save_generation(
+        Consensus.single_process(), tmp_path / "root", iteration=1, saver="test", topology=Topology(), write_files=write
+    )
+    assert len(json.loads((gen / MANIFEST).read_text())["files"][rel]["blocks"]["digests"]) > 2
+    every = PartialRead(rel, [("param", 0, numel), ("exp_avg", 0, numel)])
+    read_all = lambda manifest: [every]  # noqa: E731
+    assert torch.equal(
+        open_generation(Consensus.single_process(), gen, read_all).tensor_ranges(rel).get(("param", 0, numel)),
+        tensors["param"],
+    )
+    edit_manifest(gen, lambda body: body["files"][rel].update(digest="xxh3_128:" + "0" * 32))
+    capsys.readouterr()
+    assert cli(["verify", str(gen)]) == 1
+    out = capsys.readouterr().out
+    assert f"ERROR {rel}: digest mismatch (content changed or corrupted)" in out, out
+    with pytest.raises(CheckpointError) as info:
+        open_generation(Consensus.single_process(), gen, read_all)
+    assert f"{rel}: digest mismatch (content changed or corrupted)" in str(info.value), str(info.value)

@@ -14,10 +14,14 @@ reason, and no loader holds a content check of its own that `verify` lacks:
 - a `training-state` file satisfies `training_state.check` (scheduler keys and decay styles,
   hyperparameter ranges, tagged values, iteration and generation).
 
-And one rule on the manifest itself (`check_manifest`, applied by `verify.check_structure`, which
-every loader runs first): a manifest whose metadata says `optimizer_saved: false` lists no
-optimizer file and no optimizer child that stepped (`check_optimizer_claim`; the single-LoRA
-loader calls it too).
+And rules on the manifest itself (applied by `verify.check_structure`, which every loader runs
+first): a manifest whose metadata says `optimizer_saved: false` lists no optimizer file and no
+optimizer child that stepped (`check_optimizer_claim`, in `check_manifest`; the single-LoRA loader
+calls it too); and, in a format v2 generation of a saver that writes the single-LoRA files
+(`single-lora`, `multi-lora-slot`), every file named like one of them carries exactly the binding
+its name implies (`binding_problems`): the checks above hinge on a file's role, so a resealed
+manifest that drops or alters it (a `training_state.json` without `role: training-state`) would
+otherwise skip them in `verify`, while the saver's loader refuses the file for its binding.
 
 Imports neither megatron nor Miles: what a saver's loader requires of its files is stated here as
 data the manifest carries (roles, bindings, the optimizer children's families).
@@ -25,6 +29,8 @@ data the manifest carries (roles, bindings, the optimizer children's families).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from miles_lora_ckpt.core import training_state
@@ -33,6 +39,34 @@ from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifes
 ROLE_OPTIMIZER = "optimizer"
 DISTRIBUTED_FAMILY = "distributed"
 DISTRIBUTED_DTYPE = "F32"
+
+# The savers that write the single-LoRA files (`savers.single_lora.SAVER`, `savers.multi_lora.SLOT_SAVER`),
+# and the binding each of their file names implies (`savers/single_lora/common.py`,
+# `megatron/optimizer_children`: what their loaders require of each file they read).
+BOUND_SAVERS = ("single-lora", "multi-lora-slot")
+_COORDINATE = r"tp[0-9]+_pp[0-9]+_ep[0-9]+_etp[0-9]+"
+_NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], ...] = (
+    (re.compile(r"training_state\.json\Z"), lambda m: {"role": ROLE_TRAINING_STATE}),
+    (
+        re.compile(r"adapter/dense_(tp[0-9]+_pp[0-9]+)\.safetensors\Z"),
+        lambda m: {"role": "dense-adapter", "coordinate": m[1]},
+    ),
+    (
+        re.compile(r"adapter/expert_(pp[0-9]+_ep[0-9]+_etp[0-9]+)\.safetensors\Z"),
+        lambda m: {"role": "expert-adapter", "coordinate": m[1]},
+    ),
+    (
+        re.compile(
+            rf"optimizer/child([0-9]+)_({_COORDINATE}(?:_dp[0-9]+_cp[0-9]+)?)(?:_s([0-9]+)of([0-9]+))?\.safetensors\Z"
+        ),
+        lambda m: {
+            "role": ROLE_OPTIMIZER,
+            "coordinate": m[2],
+            "child": m[1],
+            **({"slice": f"{int(m[3])}/{int(m[4])}"} if m[3] is not None else {}),
+        },
+    ),
+)
 
 
 def check_tensor_file(relpath: str, manifest: Manifest, metadata: dict[str, str], dtypes: dict[str, str]) -> None:
@@ -58,6 +92,39 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
 def check_manifest(manifest: Manifest) -> None:
     """Every rule on a manifest's own content (beyond its fields' shapes)."""
     check_optimizer_claim(manifest)
+
+
+def named_binding(saver: str, relpath: str) -> dict[str, str] | None:
+    """The binding a file of `saver` named `relpath` carries (None: no name rule applies)."""
+    if saver not in BOUND_SAVERS:
+        return None
+    for pattern, binding in _NAMED_BINDINGS:
+        if match := pattern.fullmatch(relpath):
+            return binding(match)
+    return None
+
+
+def binding_problems(manifest: Manifest) -> list[tuple[str, str]]:
+    """`(relpath, reason)` for every listed file of a format v2 (and later) single-LoRA or
+    multi-LoRA slot generation whose manifest binding is not exactly the one its name implies
+    (`named_binding`): its role was dropped or altered in a resealed manifest. The content rules
+    (training-state invariants, DistributedOptimizer dtypes) are chosen by role, and the saver's
+    loader refuses such a file for its binding: so must every reader, before reading it."""
+    if manifest.format_version < 2:
+        return []
+    problems = []
+    for relpath, record in sorted(manifest.files.items()):
+        expected = named_binding(manifest.saver, relpath)
+        if expected is not None and record.binding != expected:
+            found = dict(record.binding) or "nothing"
+            problems.append(
+                (
+                    relpath,
+                    f"the manifest binds it to {found}, expected {expected} (the binding a {manifest.saver} file "
+                    "of this name carries: dropped or altered in the manifest?)",
+                )
+            )
+    return problems
 
 
 def check_optimizer_claim(manifest: Manifest) -> None:

@@ -303,10 +303,14 @@ def _discard(staging: Path) -> None:
 
 
 def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
-    """1 + the highest sequence among the root's committed manifests and its tracker.
+    """1 + the highest sequence among the root's committed manifests.
 
-    Damaged generations keep their numbers (a sequence is never reused); with a key configured,
-    only properly signed manifests count (a forged one cannot exhaust the numbers).
+    Damaged generations keep their numbers (a sequence is never reused while its generation is
+    there); with a key configured, only properly signed manifests count (a forged one cannot
+    exhaust the numbers). The tracker is an unsigned hint: its `sequence` counts only when it
+    names a generation of the root whose counted manifest agrees with it (generation, iteration,
+    sequence), which that manifest's number already covers; any other tracker sequence above the
+    highest is a warning, never a number (a forged 2^62 would otherwise stop every later save).
     """
     highest, holder = 0, None
     for name in os.listdir(root):
@@ -318,15 +322,25 @@ def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
             )
         except Exception:  # noqa: BLE001 - an unreadable manifest holds no usable number
             continue
-        if manifest.sequence is not None and manifest.sequence > highest:
-            if signing.problem(manifest.signature, manifest.sealed_body, key) is None:
-                highest, holder = manifest.sequence, name
+        if manifest.sequence is None or signing.problem(manifest.signature, manifest.sealed_body, key) is not None:
+            continue
+        if manifest.sequence > highest:
+            highest, holder = manifest.sequence, name
     try:
-        tracked = Tracker.from_dict(storage.read_json(root / TRACKER)).sequence or 0
+        tracked = Tracker.from_dict(storage.read_json(root / TRACKER))
     except Exception:  # noqa: BLE001 - a missing or unusable tracker adds nothing
-        tracked = 0
-    if tracked > highest:
-        highest, holder = tracked, TRACKER
+        tracked = None
+    # a tracker that agrees with a counted manifest claims that manifest's number, already counted:
+    # a higher claim agrees with no generation here (forged, or its generation was removed)
+    if tracked is not None and tracked.sequence is not None and tracked.sequence > highest:
+        log.warning(
+            "%s: the tracker claims sequence %d for %s, which no generation of this root with that "
+            "manifest holds (the highest is %d): not counted (the tracker is an unsigned hint)",
+            root,
+            tracked.sequence,
+            tracked.generation_dir,
+            highest,
+        )
     if highest >= MAX_SEQUENCE:
         raise ValueError(f"{root}: {holder} claims sequence {highest}, the last one there is; save to a new root")
     return highest + 1

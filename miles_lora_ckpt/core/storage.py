@@ -803,11 +803,16 @@ def prefetch(path: Path, record: FileRecord, spans: Iterable[tuple[int, int]] | 
 
 
 class _BlockFile:
-    """Verified random access to one open file, block by block (only the last block is kept)."""
+    """Verified random access to one open file, block by block (only the last block is kept).
+
+    Blocks read in file order from block 0 on, with none skipped, are also hashed into the whole
+    file's digest: when a reader ends up reading every block so (`whole_digest`), it checks the
+    manifest's file digest too, as a whole read does, without reading anything more."""
 
     def __init__(self, fd: int, record: FileRecord):
         self.fd, self.record, self.index = fd, record, record.blocks
         self._last: tuple[int, memoryview] | None = None
+        self._whole, self._next = StreamingDigest(), 0
         self._buffer = large_buffer(min(self.index.block_bytes, record.bytes))  # reused block after block
 
     def block(self, i: int, into: memoryview | None = None) -> memoryview:
@@ -838,9 +843,16 @@ class _BlockFile:
             raise ValueError(
                 f"block {i} (bytes {start}..{start + length}) digest mismatch (content changed or corrupted)"
             )
+        if i == self._next:
+            self._whole.update(buf)
+            self._next += 1
         if into is None:
             self._last = (i, buf)
         return buf
+
+    def whole_digest(self) -> str | None:
+        """The whole file's digest, when every block was read in file order (else None)."""
+        return self._whole.hexdigest() if self._next == len(self.index.digests) else None
 
     def will_need(self, spans: Iterable[tuple[int, int]]) -> None:
         """`will_need` on this file: its blocks under the byte spans `[begin, end)` are read next."""
@@ -874,7 +886,9 @@ def read_ranges(
 ) -> tuple[dict[ElementRange, torch.Tensor], dict[str, str]]:
     """Read only the blocks that hold `wanted` and `check_only` (element ranges of flattened
     tensors), each block's digest checked against the manifest's block index, the header parsed
-    strictly and checked against that index, and every floating value read checked finite.
+    strictly and checked against that index, and every floating value read checked finite. When
+    the ranges cover every block of the file (a same-layout DistributedOptimizer load reads its
+    slice file so), its whole-file digest is checked as well, as a whole read checks it.
 
     Returns `({range of wanted: a fresh 1-D tensor}, the file's safetensors metadata)`; the ranges
     of `check_only` are verified the same way and not returned: they share one buffer, reused from
@@ -917,6 +931,9 @@ def read_ranges(
                 raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
             if kept:
                 out[item] = tensor
+        whole = source.whole_digest()
+        if whole is not None and whole != record.digest:  # every byte read: the file digest is checked too
+            raise ValueError("digest mismatch (content changed or corrupted)")
         return out, metadata
     finally:
         os.close(fd)

@@ -121,6 +121,10 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     except Exception as exc:  # noqa: BLE001
         problems.append(Problem(MANIFEST, reason(exc)))
     try:
+        problems += [Problem(rel, why) for rel, why in content_rules.binding_problems(manifest)]
+    except Exception as exc:  # noqa: BLE001
+        problems.append(Problem(MANIFEST, reason(exc)))
+    try:
         problems += _listing_problems(gen_dir, manifest.files)
     except Exception as exc:  # noqa: BLE001
         problems.append(Problem(".", reason(exc)))
