@@ -1,6 +1,8 @@
 """Resharding on resume (format v3): a generation saved at one TP / EP / ETP / PP / VPP / CP layout loads at another.
 
-One spawned W=2 job runs every case (`jobs/reshard_jobs.py`): at the load, every global tensor
+Two spawned jobs run every case (`jobs/reshard_jobs.py`): one at W=2, one at W=4 for the layouts
+that need four ranks (an expert TP other than TP together with EP; CP, ETP and EP changed
+together). At the load, every global tensor
 (adapter weights, fp32 masters, every moment, per-parameter steps, param groups) must be
 bit-identical to the saved run's; training then goes on (the loss difference is printed). Changes
 that cannot map (another LoRA rank, other target modules) are refused naming the parameter, before
@@ -22,8 +24,14 @@ from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
 
-def cfg(dtype: str = "bf16", adapters: str = "mixed", **extra) -> dict:
-    return SimConfig(world_size=2, dtype=dtype, adapters=adapters, **extra).to_dict()
+def cfg(dtype: str = "bf16", adapters: str = "mixed", world_size: int = 2, **extra) -> dict:
+    return SimConfig(world_size=world_size, dtype=dtype, adapters=adapters, **extra).to_dict()
+
+
+def cfg4(dtype: str = "bf16", adapters: str = "mixed", **extra) -> dict:
+    """A W=4 layout (the W=4 job), globally numbered experts unless told otherwise."""
+    extra.setdefault("num_experts", 2)
+    return cfg(dtype, adapters, world_size=4, **extra)
 
 
 def qwen2(dtype: str = "bf16", **extra) -> dict:
@@ -56,6 +64,13 @@ CASES = {  # name: (saved layout, loaded layout)
     "tp2 etp1 -> tp2 etp2 (fp32, mixed adapters)": (cfg("fp32", tp=2, etp=1), cfg("fp32", tp=2)),
     # expert-TP 2 over the context-parallel ranks (CP 2) -> ETP 1 at CP 2
     "cp2 etp2 -> cp2 etp1 (bf16, mixed adapters)": (cfg(cp=2, etp=2), cfg(cp=2)),
+    # a CP change together with an ETP change: expert TP 2 over the CP ranks -> CP 1, ETP 1 (DP 1 -> 2),
+    # and the reverse (fp32, numbered experts)
+    "cp2 etp2 -> cp1 etp1 (bf16, mixed adapters)": (cfg(cp=2, etp=2), cfg()),
+    "cp1 etp1 -> cp2 etp2 (fp32, numbered experts)": (
+        cfg("fp32", num_experts=2),
+        cfg("fp32", cp=2, etp=2, num_experts=2),
+    ),
     # an ETP change with megatron's other children: Float16 (no distributed optimizer) and layer-wise
     "etp2 -> etp1 (bf16, Float16 children)": (cfg(etp=2, distributed=False), cfg(distributed=False)),
     "etp1 -> etp2 (bf16, layer-wise)": (cfg(layer_wise=True), cfg(etp=2, layer_wise=True)),
@@ -78,6 +93,19 @@ TIER2_CASES = {
 }
 NOT_BUILT = {name: why_not_buildable(SimConfig.from_dict(saved)) for name, (saved, _) in TIER2_CASES.items()}
 CASES.update({name: case for name, case in TIER2_CASES.items() if NOT_BUILT[name] is None})
+# W=4 (the second job): an expert TP other than TP together with EP, both ways, and CP + ETP + EP at once
+CASES_W4 = {
+    # TP 2 / ETP 1 / EP 2 (experts whole, one per EP rank, each TP rank on its part of the tokens;
+    # DP 2, expert DP 2) -> TP 1 / ETP 2 / EP 1 (both experts split over an expert-TP group of two
+    # DP replicas; DP 4)
+    "w4 tp2 etp1 ep2 -> tp1 etp2 (bf16, numbered experts)": (cfg4(tp=2, etp=1, ep=2), cfg4(etp=2)),
+    "w4 tp1 etp2 -> tp2 etp1 ep2 (bf16, numbered experts)": (cfg4(etp=2), cfg4(tp=2, etp=1, ep=2)),
+    # TP 1 / ETP 2 / EP 2 (the expert mesh all model-parallel: expert DP 1) -> TP 2 / ETP 1 / EP 1
+    "w4 tp1 etp2 ep2 -> tp2 etp1 (fp32, numbered experts)": (cfg4("fp32", etp=2, ep=2), cfg4("fp32", tp=2, etp=1)),
+    # CP 2 / ETP 2 / EP 2 (expert TP over the CP ranks) -> CP 1 / ETP 1 / EP 1 (DP x CP 4 either way)
+    "w4 cp2 etp2 ep2 -> cp1 etp1 (bf16, numbered experts)": (cfg4(cp=2, etp=2, ep=2), cfg4()),
+}
+ALL_CASES = {**CASES, **CASES_W4}
 WHOLE_GATED = {"qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)"}
 QWEN2 = {name for name in CASES if name.startswith("qwen2")}
 SLOTS = {  # name: (saved layout, loaded layout): slot 1 of a 2-slot run (per-slot layer-wise children)
@@ -149,21 +177,25 @@ def _how(how: list) -> dict:
     }
 
 
+def _cases(base: Path, cases: dict) -> list[dict]:
+    return [
+        {
+            "name": name,
+            "save": saved,
+            "load": loaded,
+            "root": str(base / f"case{i}"),
+            "steps": 2,
+            "whole_gated_blocks": name in WHOLE_GATED,
+        }
+        for i, (name, (saved, loaded)) in enumerate(cases.items())
+    ]
+
+
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
     base = tmp_path_factory.mktemp("reshard")
     payload = {
-        "cases": [
-            {
-                "name": name,
-                "save": saved,
-                "load": loaded,
-                "root": str(base / f"case{i}"),
-                "steps": 2,
-                "whole_gated_blocks": name in WHOLE_GATED,
-            }
-            for i, (name, (saved, loaded)) in enumerate(CASES.items())
-        ],
+        "cases": _cases(base, CASES),
         "slots": [
             {"name": name, "save": saved, "load": loaded, "root": str(base / f"slot{i}"), "slot": 1}
             for i, (name, (saved, loaded)) in enumerate(SLOTS.items())
@@ -175,13 +207,28 @@ def resharded(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def resharded_w4(tmp_path_factory):
+    """The W=4 job: every case of `CASES_W4`, in a row."""
+    payload = {"cases": _cases(tmp_path_factory.mktemp("reshard4"), CASES_W4)}
+    return check_all(
+        run_workers(4, "reshard_jobs:reshard_job", payload, sys_path=[JOBS, str(Path(JOBS).parent)], timeout_s=900)
+    )
+
+
+def results_of(request, name: str) -> list[dict]:
+    """Every rank's results of the job that ran case `name` (the W=2 or the W=4 job)."""
+    return request.getfixturevalue("resharded_w4" if name in CASES_W4 else "resharded")
+
+
 # what each optimizer's state holds per parameter (Muon: one momentum buffer, no step)
 STATE_KINDS = {"adam": ("exp_avg:", "exp_avg_sq:", "step:"), "muon": ("momentum_buffer:",)}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_reshard_is_bit_exact_at_the_load(resharded, name):
-    optimizer = CASES[name][0].get("optimizer", "adam")
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
+def test_reshard_is_bit_exact_at_the_load(request, name):
+    resharded = results_of(request, name)
+    optimizer = ALL_CASES[name][0].get("optimizer", "adam")
     for r in resharded:
         case = r["cases"][name]
         assert case["problems"] == [], case["problems"]
@@ -199,10 +246,12 @@ def test_reshard_is_bit_exact_at_the_load(resharded, name):
     case = resharded[0]["cases"][name]
     saved, loaded = case["probe"]
     comparable = saved is not None and loaded is not None
-    probe = f"{abs(saved - loaded) / abs(saved):.3g}" if comparable else "n/a (PP, CP or EP: per-rank losses)"
+    probe = f"{abs(saved - loaded) / abs(saved):.3g}" if comparable else "n/a (PP: stage-local losses)"
     # the probe: the loss of one fixed micro-batch with the weights as loaded, before any update (the
-    # same data at both layouts: only the reduction order differs); the continued training's losses
-    # also differ by data, since the harness's global batch follows the DP size and the stage layout
+    # same data and the same function at both layouts, every expert on every token under EP: only the
+    # reduction order differs); the continued training's losses also differ by data, since the
+    # harness's global batch follows the DP size and the stage layout, and under EP by model (each EP
+    # rank trains its local experts on its own tokens)
     print(
         f"RESHARD {name}: LOSS at the load: relative difference {probe}; "
         f"over {len(case['losses'][0])} further steps: max relative difference {case['loss_max_rel_diff']:.3g}"
@@ -211,18 +260,17 @@ def test_reshard_is_bit_exact_at_the_load(resharded, name):
         assert abs(saved - loaded) <= 1e-2 * abs(saved), case["probe"]  # reduction order only
 
 
-def test_a_resharding_load_reads_each_file_once(resharded):
+def test_a_resharding_load_reads_each_file_once(resharded, resharded_w4):
     """Structural pin of the read-once load: on every rank, each optimizer slice file a resharding
     load reads in part is opened and verified in one pass (one `storage.read_ranges` call: one
     header parse), and no block is hashed twice (the earlier code read and verified every planned
     piece separately, at open and again at install: 1,572 range reads in the bench's W=2 load)."""
     partial = 0
-    for r in resharded:
-        for name in CASES:
-            case = r["cases"][name]
-            assert all(n == 1 for n in case["range_reads"].values()), (name, case["range_reads"])
-            assert case["max_block_checks"] <= 1, (name, case["max_block_checks"])
-            partial += len(case["range_reads"])
+    for r, name in [(r, n) for r in resharded for n in CASES] + [(r, n) for r in resharded_w4 for n in CASES_W4]:
+        case = r["cases"][name]
+        assert all(n == 1 for n in case["range_reads"].values()), (name, case["range_reads"])
+        assert case["max_block_checks"] <= 1, (name, case["max_block_checks"])
+        partial += len(case["range_reads"])
     assert partial > 0  # the DistributedOptimizer cases did read in part
 
 
@@ -237,23 +285,47 @@ ETP = {  # name: ((saved TP, expert-TP), (loaded TP, expert-TP))
     "etp2 -> etp1 (bf16, Float16 children)": ((1, 2), (1, 1)),
     "etp1 -> etp2 (bf16, layer-wise)": ((1, 1), (1, 2)),
     "etp2 -> etp1 (bf16, layer-wise Muon)": ((1, 2), (1, 1)),
+    "cp2 etp2 -> cp1 etp1 (bf16, mixed adapters)": ((1, 2), (1, 1)),
+    "cp1 etp1 -> cp2 etp2 (fp32, numbered experts)": ((1, 1), (1, 2)),
+    "w4 tp2 etp1 ep2 -> tp1 etp2 (bf16, numbered experts)": ((2, 1), (1, 2)),
+    "w4 tp1 etp2 -> tp2 etp1 ep2 (bf16, numbered experts)": ((1, 2), (2, 1)),
+    "w4 tp1 etp2 ep2 -> tp2 etp1 (fp32, numbered experts)": ((1, 2), (2, 1)),
+    "w4 cp2 etp2 ep2 -> cp1 etp1 (bf16, numbered experts)": ((1, 2), (1, 1)),
 }
-# the same DP size and data at both layouts (an ETP 2 run trains as the ETP 1 run does: its expert
-# block gathers the expert-TP group's tokens; a TP 2, ETP 1 run's splits them over the TP ranks), so
-# the further steps differ by reduction order only
-SAME_DATA = {name for name, (saved, loaded) in ETP.items() if saved[0] == loaded[0]}
+EVERY_CASE = {**CASES, **TIER2_CASES, **CASES_W4}  # the 0.19-only cases too, built or not
 
 
-def _check_expert_blocks(layout: dict, rank: int, tp: int, etp: int, ffn: int) -> None:
+def _same_data(saved: dict, loaded: dict) -> bool:
+    """Whether both layouts train on the same data with the same function: the same DP and CP sizes
+    (the harness's global batch follows the DP size; CP ranks split the same sequences), no pipeline
+    stages (stage-local losses) and no EP (each EP rank trains its local experts on its own tokens).
+    An ETP 2 run trains as the ETP 1 run does (its expert block gathers the expert-TP group's tokens;
+    a TP 2, ETP 1 run's splits them over the TP ranks)."""
+    before, after = SimConfig.from_dict(saved), SimConfig.from_dict(loaded)
+    return (before.dp, before.cp) == (after.dp, after.cp) and before.pp == after.pp == 1 and before.ep == after.ep == 1
+
+
+# the further steps of these differ by reduction order only
+SAME_DATA = {name for name in ETP if _same_data(*EVERY_CASE[name])}
+
+
+def _check_expert_blocks(layout: dict, rank: int, tp: int, etp: int, ffn: int, ep: int = 1, experts: int = 0) -> None:
     """megatron's split of the expert adapters over the expert-TP group of size `etp`, as
-    `param_blocks` describes it on `rank`: a column-parallel linear's `lora_B` on axis 0, a
-    row-parallel linear's `lora_A` on axis 1, the other factor whole on every expert-TP rank."""
-    assert layout["tp"] == tp and layout["etp"] == [rank if etp > 1 else 0, etp], layout
+    `param_blocks` describes it on global `rank`: a column-parallel linear's `lora_B` on axis 0, a
+    row-parallel linear's `lora_A` on axis 1, the other factor whole on every expert-TP rank. The
+    expert mesh is megatron's order etp-ep-dp-pp: `rank`'s expert-TP rank is `rank % etp`, its EP
+    rank `(rank // etp) % ep`, whose globally numbered experts (`experts` in all) are the
+    `experts / ep` from `ep_rank * experts / ep` on."""
+    etp_rank, ep_rank = rank % etp, (rank // etp) % ep
+    assert layout["tp"] == tp and layout["etp"] == [etp_rank, etp], layout
     kinds = {"fc1.lora_A": 0, "fc1.lora_B": 0, "fc2.lora_A": 0, "fc2.lora_B": 0}
-    part, first = ffn // etp, (rank if etp > 1 else 0) * ffn // etp
+    part, first = ffn // etp, etp_rank * ffn // etp
+    numbers = set()
     for param, (global_shape, offset, shape) in layout["blocks"].items():
         kind = next(k for k in kinds if f"linear_{k}.weight" in param)
         kinds[kind] += 1
+        if experts:
+            numbers.add(int(param.split("local_experts.", 1)[1].split(".", 1)[0]))
         if kind == "fc1.lora_B":
             assert global_shape[0] == ffn and shape[0] == part and offset == [first, 0], param
         elif kind == "fc2.lora_A":
@@ -261,18 +333,23 @@ def _check_expert_blocks(layout: dict, rank: int, tp: int, etp: int, ffn: int) -
         else:
             assert shape == global_shape and offset == [0, 0], param
     assert all(kinds.values()), kinds
+    local = experts // ep
+    assert numbers == set(range(ep_rank * local, (ep_rank + 1) * local)), (rank, sorted(numbers))
 
 
 @pytest.mark.parametrize("name", sorted(ETP))
-def test_expert_tp_other_than_tp_is_recorded_on_the_expert_tp_group(resharded, name):
+def test_expert_tp_other_than_tp_is_recorded_on_the_expert_tp_group(request, name):
     """Each side ran with megatron's expert-TP group of its size (`initialize_model_parallel(...,
-    expert_tensor_parallel_size=etp)`), above TP 1 or below TP 2, and its global blocks split the
-    expert adapters over that group as megatron does (`_check_expert_blocks`); the manifest records
-    them per expert-TP rank."""
-    if name not in CASES:
+    expert_tensor_parallel_size=etp)`), above TP 1 or below TP 2, with EP or without, and its global
+    blocks split the expert adapters over that group as megatron does, each EP rank holding its own
+    globally numbered experts (`_check_expert_blocks`); the manifest records them per EP and
+    expert-TP rank."""
+    if name not in ALL_CASES:
         pytest.skip(NOT_BUILT[name])
+    resharded = results_of(request, name)
     ffn = SimConfig().ffn_hidden
     (saved_tp, saved_etp), (loaded_tp, loaded_etp) = ETP[name]
+    saved_config, loaded_config = (SimConfig.from_dict(c) for c in ALL_CASES[name])
     case = resharded[0]["cases"][name]
     if name in SAME_DATA:
         assert case["loss_max_rel_diff"] < 1e-2, case["losses"]
@@ -283,18 +360,29 @@ def test_expert_tp_other_than_tp_is_recorded_on_the_expert_tp_group(resharded, n
         assert case["loss_max_rel_diff"] < 1e-6, case["losses"]
     for rank, r in enumerate(resharded):
         saved, loaded = r["cases"][name]["expert_layout"]
-        _check_expert_blocks(saved, rank, saved_tp, saved_etp, ffn)
-        _check_expert_blocks(loaded, rank, loaded_tp, loaded_etp, ffn)
-    # the manifest records each expert-TP rank's blocks under its coordinate (`..._etp000`, `..._etp001`)
+        _check_expert_blocks(saved, rank, saved_tp, saved_etp, ffn, saved_config.ep, saved_config.num_experts)
+        _check_expert_blocks(loaded, rank, loaded_tp, loaded_etp, ffn, loaded_config.ep, loaded_config.num_experts)
+    # the manifest records each rank's blocks under its model-parallel coordinate (`tp..._pp..._ep..._etp...`):
+    # every (EP rank, expert-TP rank) of the save appears (with TP 2, ETP 1, EP 2 at W=4 the TP and EP
+    # ranks coincide: `tp000_..._ep000_etp000` and `tp001_..._ep001_etp000`), with its own experts and
+    # its own part of each split expert factor
     params = _manifest(case["root"])["metadata"]["global_layout"]["params"]
-    expert_coordinates = sorted(c for c in params if c.startswith("tp000_pp000_ep000_etp"))
-    assert expert_coordinates == [f"tp000_pp000_ep000_etp{r:03d}" for r in range(saved_etp)], sorted(params)
-    for rank, coordinate in enumerate(expert_coordinates):
-        for block in params[coordinate].values():
-            if "linear_fc1.lora_B" in block["global"]:
-                assert block["offset"] == [rank * ffn // saved_etp, 0] and block["shape"][0] == ffn // saved_etp, block
-            if "linear_fc2.lora_A" in block["global"]:
-                assert block["offset"] == [0, rank * ffn // saved_etp] and block["shape"][1] == ffn // saved_etp, block
+    seen = set()
+    local = saved_config.num_experts // saved_config.ep
+    for coordinate, blocks in params.items():
+        ep_rank = int(coordinate.split("_ep", 1)[1][:3])
+        etp_rank = int(coordinate.split("_etp", 1)[1][:3])
+        seen.add((ep_rank, etp_rank))
+        part, first = ffn // saved_etp, etp_rank * ffn // saved_etp
+        for block in blocks.values():
+            if "linear_fc1.lora_B" in block["global"] and ".mlp.experts." in block["global"]:
+                assert block["offset"] == [first, 0] and block["shape"][0] == part, (coordinate, block)
+            if "linear_fc2.lora_A" in block["global"] and ".mlp.experts." in block["global"]:
+                assert block["offset"] == [0, first] and block["shape"][1] == part, (coordinate, block)
+            if "local_experts." in block["global"]:
+                number = int(block["global"].split("local_experts.", 1)[1].split(".", 1)[0])
+                assert ep_rank * local <= number < (ep_rank + 1) * local, (coordinate, block["global"])
+    assert seen == {(e, r) for e in range(saved_config.ep) for r in range(saved_etp)}, sorted(params)
 
 
 def _manifest(root: str) -> dict:

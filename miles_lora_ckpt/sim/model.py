@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -418,16 +419,51 @@ class SimMoE(torch.nn.Module):
         self.experts = torch.nn.Module()
         self.experts.local_experts = torch.nn.ModuleList(experts)
         self.sim_config = config
+        # False (training): this EP rank's experts on its own tokens. True (`every_expert_on_every_token`,
+        # no grad): every expert of the layer on every token, dispatched over the EP group
+        self.dispatch = False
 
     def forward(self, x):
+        block = self._dispatched if self.dispatch and self.sim_config.ep > 1 else None
         if self.sim_config.expert_tp_differs:
-            return _expert_tokens(self.sim_config, x, lambda t: self._experts(t, torch.zeros_like(t)))
-        return self._experts(x, x)
+            return _expert_tokens(self.sim_config, x, block or (lambda t: self._experts(t, torch.zeros_like(t))))
+        return x + block(x) if block else self._experts(x, x)
+
+    def _dispatched(self, x):
+        """The output of every expert of the layer (on every EP rank) for this rank's tokens ``x``: the
+        tokens of the EP group gathered (sequence axis, rank order), each rank's local experts run on
+        all of them, their sums added up over the group, and this rank's part kept (what megatron's
+        token dispatcher does with every token routed to every expert). Forward only: its collectives
+        are not autograd functions."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("the dispatched expert forward is for inference only (torch.no_grad)")
+        group = parallel_state.get_expert_model_parallel_group()
+        tokens = _all_gather_tokens(x, group)
+        out = self._experts(tokens, torch.zeros_like(tokens))
+        torch.distributed.all_reduce(out, group=group)
+        return _own_tokens(out, group)
 
     def _experts(self, x, out):
         for expert in self.experts.local_experts:
             out = out + expert["linear_fc2"](torch.nn.functional.gelu(expert["linear_fc1"](x)))
         return out
+
+
+@contextmanager
+def every_expert_on_every_token(modules):
+    """Within the block (forward only, under ``torch.no_grad``), the globally numbered experts of
+    ``modules`` (``SimMoE``) run as the whole model's: every token through every expert of its layer,
+    whichever EP rank holds it (``SimMoE._dispatched``), so that an EP > 1 run computes the same
+    function as an EP 1 run of the same weights (up to reduction order). Training keeps each EP rank's
+    local experts on its own tokens."""
+    layers = [m for module in modules for m in module.modules() if isinstance(m, SimMoE)]
+    for layer in layers:
+        layer.dispatch = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.dispatch = False
 
 
 class SimLoraModel(MegatronModule):

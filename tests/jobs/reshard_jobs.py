@@ -143,17 +143,21 @@ def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
 
 
 def probe_loss(run, step: int) -> float | None:
-    """Collective. The loss of DP rank 0's micro-batch of `step` under the current weights, no update
-    (every rank runs the forward; TP ranks cooperate); None with pipeline stages, context or expert
-    parallelism, whose per-rank losses (stage-local, sequence parts, local experts only in the
-    harness) do not compare across layouts."""
+    """Collective. The loss of DP rank 0's whole micro-batch of `step` under the current weights, no
+    update: every rank runs the forward on the same whole sequences (TP ranks cooperate; the harness's
+    layers are position-wise, so a CP rank computes every position as a CP 1 rank does), and globally
+    numbered experts run as the whole model's, every token through every expert of its layer over the
+    EP group (`sim.model.every_expert_on_every_token`). None with pipeline stages (stage-local
+    losses) and with one expert per EP rank (experts seeded by EP rank: another model at another EP
+    size)."""
+    from miles_lora_ckpt.sim.model import every_expert_on_every_token
     from miles_lora_ckpt.sim.train import batch
 
     config = run.config
-    if config.pp > 1 or config.cp > 1 or config.ep > 1:
+    if config.pp > 1 or (config.ep > 1 and not getattr(config, "num_experts", 0)):
         return None
     inputs, target = batch(config, step, "dp0/pp0/vp0")  # the same data on every rank
-    with torch.no_grad():
+    with torch.no_grad(), every_expert_on_every_token(run.inner_models):
         output = run.model[0](inputs.to(config.torch_dtype))
         loss = torch.nn.functional.mse_loss(output.float(), target)
     return float(loss)
