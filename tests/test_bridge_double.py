@@ -36,6 +36,7 @@ DEMO_AND_BENCH = (
     "tools/bench_distckpt.py",
     "tools/demo_reshard.py",
     "tools/demo_miles_reshard.py",
+    "tools/demo_miles_launch.py",
 )
 
 
