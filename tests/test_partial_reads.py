@@ -190,47 +190,11 @@ def test_slice_bounds_of_the_plan_tile_every_bucket():
     ]
 
 
-def test_only_a_same_layout_load_defers_its_reads():
-    """`maps_one_to_one` decides a DistributedOptimizer load's memory: a rank whose every bucket
-    shard is one whole saved slice (same DP size, same layout) verifies at open and reads again at
-    install (one bucket's key in memory); a rank that assembles its shard from other slices keeps
-    what it read at open (each block read once)."""
-    padded, unpadded = {"buf0": [12, 8]}, CURRENT
-    for n in (2, 4):
-        pieces = dopt.saved_pieces(
-            3, _plan([dopt.slice_bounds(padded, unpadded, r, n)["buf0"] for r in range(n)]), "k", CURRENT
-        )
-        for r in range(n):
-            desc = {"dp_rank": r, "dp_size": n, "numel_padded": padded, "numel_unpadded": unpadded}
-            assert dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc), (n, r)
-    # saved at DP=4, loaded at DP=2: rank 1's bucket 0 comes from two slices
-    pieces = dopt.saved_pieces(
-        3, _plan([dopt.slice_bounds(padded, unpadded, r, 4)["buf0"] for r in range(4)]), "k", CURRENT
-    )
-    for r in range(2):
-        desc = {"dp_rank": r, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
-        assert not dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc), r
-    # saved at DP=2, loaded at DP=4: every shard is part of a saved slice, not the whole of one
-    pieces = dopt.saved_pieces(
-        3, _plan([dopt.slice_bounds(padded, unpadded, r, 2)["buf0"] for r in range(2)]), "k", CURRENT
-    )
-    desc = {"dp_rank": 0, "dp_size": 4, "numel_padded": padded, "numel_unpadded": unpadded}
-    assert not dopt.maps_one_to_one(dopt.reads_for(pieces, desc), desc)
-    # a shard with nothing saved for it is not a same-layout load either
-    desc = {"dp_rank": 0, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
-    reads = dopt.reads_for(
-        dopt.saved_pieces(
-            3, _plan([dopt.slice_bounds(padded, unpadded, r, 2)["buf0"] for r in range(2)]), "k", CURRENT
-        ),
-        desc,
-    )
-    assert not dopt.maps_one_to_one(reads[:1], desc)
-
-
-def test_the_family_asks_a_same_layout_load_to_read_again_and_a_resharding_one_to_keep():
-    """`DistributedFamily.files_to_read` wires `maps_one_to_one` into the `PartialRead`s: a same-layout
-    load's moments are `keep=False` (verified at open, read and verified again at install: one
-    bucket's key in memory) and its masters `keep=True`, a resharding load's (saved at DP=4, loaded at DP=2) `keep=True` (each block once)."""
+def test_the_family_keeps_every_range_it_reads_at_any_layout():
+    """`DistributedFamily.files_to_read`: one `PartialRead` per saved slice file, every key's ranges
+    (masters and moments) kept from open (each block read and verified once per load; the install
+    copies the masters and makes the moments of those verified buffers), at a same layout (its own
+    whole slice) and when saved at DP=4 and loaded at DP=2 (parts of two slices)."""
     from types import SimpleNamespace
 
     padded, unpadded = {"buf0": [12, 8]}, CURRENT
@@ -243,15 +207,9 @@ def test_the_family_asks_a_same_layout_load_to_read_again_and_a_resharding_one_t
         described = [desc if r == dp_rank else None for r in range(dp_size)]
         return dopt.FAMILY.files_to_read(3, view, described, plan)
 
-    same = asked(2, 2, 1)
-    assert [r.relpath for r in same] == [dopt.slice_file_name(3, "k", 1, 2)] * 2
-    # the moments are read again at install; the masters are kept from open (the cross-check and
-    # install use them; each is dropped once installed): read once, not three times
-    by_keep = {r.keep: {name for name, _, _ in r.ranges} for r in same}
-    assert by_keep == {
-        False: {f"buf0.bucket{b}.exp_avg" for b in (0, 1)},
-        True: {f"buf0.bucket{b}.param" for b in (0, 1)},
-    }
+    [same] = asked(2, 2, 1)
+    assert same.relpath == dopt.slice_file_name(3, "k", 1, 2) and same.keep
+    assert {name for name, _, _ in same.ranges} == {f"buf0.bucket{b}.{k}" for b in (0, 1) for k in ("param", "exp_avg")}
     resharding = asked(4, 2, 0)
     assert len(resharding) == 2 and all(r.keep for r in resharding)
 
@@ -557,3 +515,69 @@ def test_a_partial_read_of_every_block_checks_the_whole_file_digest_as_verify_do
     with pytest.raises(CheckpointError) as info:
         open_generation(Consensus.single_process(), gen, read_all)
     assert f"{rel}: digest mismatch (content changed or corrupted)" in str(info.value), str(info.value)
+
+
+def _bucket_child(sizes: list[int], stepped: bool):
+    """The attributes of a DistributedOptimizer child `replace_state` reads (one grad buffer, one
+    bucket, parameters of `sizes` elements back to back in this rank's shard), with fp32 masters and
+    an `exp_avg` per parameter (stepped: values to keep; else zeros just allocated)."""
+    from types import SimpleNamespace
+
+    params = [torch.zeros(n) for n in sizes]
+    masters = [torch.zeros(n) for n in sizes]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    param_map = {
+        p: {"gbuf_local": SimpleNamespace(start=a, end=a + n)} for p, a, n in zip(params, starts, sizes, strict=True)
+    }
+    state = {
+        m: {"exp_avg": torch.full((n,), 7.0) if stepped else torch.zeros(n)}
+        for m, n in zip(masters, sizes, strict=True)
+    }
+    inner = SimpleNamespace(param_groups=[{"params": masters}], state=state)
+    child = SimpleNamespace(
+        gbuf_ranges=[{(torch.bfloat16, torch.float32): [{"param_map": param_map}]}],
+        model_param_group_index_map={p: (0, i) for i, p in enumerate(params)},
+        optimizer=inner,
+    )
+    return child, masters, dopt.BucketLayout(0, 0, sum(sizes), sum(sizes))
+
+
+def test_replace_state_adopts_verified_buffers_and_never_writes_the_old_tensors():
+    """A DistributedOptimizer install's moments (`replace_state`): a parameter inside one part gets a
+    view of it (the verified bytes become the state: no copy); a parameter cut across two parts gets
+    a new tensor with the parts copied in; either way the tensor the optimizer held stays as it was
+    (the undo record keeps it, not a copy), unless this load allocated it (then it is written)."""
+    child, masters, layout = _bucket_child([4, 6], stepped=True)
+    old = [child.optimizer.state[m]["exp_avg"] for m in masters]
+    values = torch.arange(10, dtype=torch.float32)
+    dopt.replace_state(child, "exp_avg", layout, [(0, values, 10, None)])
+    for master, before, (a, b) in zip(masters, old, [(0, 4), (4, 10)], strict=True):
+        now = child.optimizer.state[master]["exp_avg"]
+        assert torch.equal(now, values[a:b]) and now.data_ptr() == values[a:].data_ptr()  # a view
+        assert now is not before and torch.equal(before, torch.full_like(before, 7.0))  # untouched
+    # the second parameter cut across two parts: a new tensor, copied and read back
+    child, masters, layout = _bucket_child([4, 6], stepped=True)
+    old = [child.optimizer.state[m]["exp_avg"] for m in masters]
+    dopt.replace_state(child, "exp_avg", layout, [(0, values[:7], 7, None), (7, values[7:], 3, None)])
+    second = child.optimizer.state[masters[1]]["exp_avg"]
+    assert torch.equal(second, values[4:]) and second is not old[1]
+    assert not (values.data_ptr() <= second.data_ptr() < values.data_ptr() + 40)  # its own memory
+    assert torch.equal(old[1], torch.full((6,), 7.0))
+    # the same cut into a tensor this load allocated: written in place, no second tensor
+    child, masters, layout = _bucket_child([4, 6], stepped=False)
+    allocated = child.optimizer.state[masters[1]]["exp_avg"]
+    dopt.replace_state(
+        child,
+        "exp_avg",
+        layout,
+        [(0, values[:7], 7, None), (7, values[7:], 3, None)],
+        frozenset({(id(masters[1]), "exp_avg")}),
+    )
+    assert child.optimizer.state[masters[1]]["exp_avg"] is allocated and torch.equal(allocated, values[4:])
+    # a state tensor of another size than its shard is refused before anything is replaced
+    child, masters, layout = _bucket_child([4, 6], stepped=True)
+    child.optimizer.state[masters[1]]["exp_avg"] = torch.zeros(5)
+    kept = child.optimizer.state[masters[0]]["exp_avg"]
+    with pytest.raises(ValueError, match="holds 5 elements, its shard 6"):
+        dopt.replace_state(child, "exp_avg", layout, [(0, values, 10, None)])
+    assert child.optimizer.state[masters[0]]["exp_avg"] is kept

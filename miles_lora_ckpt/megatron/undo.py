@@ -14,7 +14,9 @@ never a full temporary) is recorded as "refresh from that parameter": `restore` 
 parameters back first, then copies them into the master (bf16 -> fp32 is exact), which gives
 back the very same bits. The inner state of a fresh optimizer is empty, so nothing is copied for
 it. A load into an optimizer that has already stepped copies its masters and moments (the same
-size as what it holds): the price of rolling back a late failure bit for bit there.
+size as what it holds): the price of rolling back a late failure bit for bit there, except for
+the state a load replaces instead of writing (`replaced`: a DistributedOptimizer's moments, see
+`ChildFamily.replaces`): those old tensors are kept as they are, for nothing writes them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 _COMPARE_ELEMENTS = 1 << 20  # a master is compared with its parameter this many elements at a time
+_PREFIX_ELEMENTS = 1 << 12  # ... after its first elements (a master that has stepped differs there)
 
 
 @dataclass
@@ -37,12 +40,15 @@ class UndoRecord:
     scheduler: tuple | None = None  # (scheduler, attributes)
 
     @classmethod
-    def capture(cls, adapter_params, children, scheduler) -> UndoRecord:
+    def capture(cls, adapter_params, children, scheduler, replaced: dict | None = None) -> UndoRecord:
+        """Record what a load may change. `replaced`: `{id(child): state keys}` the load puts new
+        tensors under without writing the old ones (`chain.replaced_keys`): those are kept, not copied."""
         record = cls()
         record.params = [(p, p.detach().clone()) for p in adapter_params]
         for child in children:
             inner = child.optimizer
-            state = {p: {k: _copy(v) for k, v in s.items()} for p, s in inner.state.items()}
+            kept = set((replaced or {}).get(id(child), ()))
+            state = {p: {k: v if k in kept else _copy(v) for k, v in s.items()} for p, s in inner.state.items()}
             groups = (
                 inner.param_groups,
                 [dict(g, **copy.deepcopy({k: v for k, v in g.items() if k != "params"})) for g in inner.param_groups],
@@ -118,6 +124,11 @@ def remade_exactly(master: torch.Tensor, source: torch.Tensor | None) -> bool:
     flat = master.detach().view(-1)
     if flat.data_ptr() == source.data_ptr() and source.dtype == torch.float32:
         return True  # the master is the parameter itself (fp32 model params): restored with it
+    # a master that has stepped differs from its bf16 parameter almost everywhere: a short prefix
+    # settles it without a pass over the whole master (the full comparison follows otherwise)
+    head = min(_PREFIX_ELEMENTS, flat.numel())
+    if not torch.equal(flat[:head].view(torch.int32), source[:head].to(torch.float32).view(torch.int32)):
+        return False
     for start in range(0, flat.numel(), _COMPARE_ELEMENTS):
         mine = flat[start : start + _COMPARE_ELEMENTS]
         remade = source[start : start + _COMPARE_ELEMENTS].to(torch.float32)

@@ -243,8 +243,8 @@ def _failing_install(real, fail: bool, rank: int):
 
 
 def _recording_capture(real, records: list):
-    def capture(*args):
-        records.append(real(*args))
+    def capture(*args, **kwargs):
+        records.append(real(*args, **kwargs))
         return records[-1]
 
     return capture

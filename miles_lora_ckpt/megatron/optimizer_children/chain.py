@@ -262,6 +262,17 @@ def allocate(optimizer, restores: dict) -> None:
         family_of(child).allocate(child, restores[child.index])
 
 
+def replaced_keys(optimizer, restores: dict) -> dict[int, tuple[str, ...]]:
+    """`{id(child optimizer): state keys}` that `install` replaces instead of writing (the family's
+    `replaces`), for `undo.UndoRecord.capture`: those old tensors need no copy."""
+    out = {}
+    for child in select(optimizer, sorted(restores)):
+        keys = family_of(child).replaces(restores[child.index])
+        if keys:
+            out[id(child.optimizer)] = tuple(keys)
+    return out
+
+
 def exchange_for_load(optimizer, view: RankView, restores: dict) -> dict:
     """Collectives only: what each restored child receives on this rank."""
     return {

@@ -21,15 +21,14 @@ empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one t
 Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
 protocol verifies every other block round-robin), after checking that the saved slices tile every
-bucket exactly (no overlap, no gap). A same-layout load (each bucket of a rank's shard is one
-whole saved slice, `maps_one_to_one`) verifies all its ranges at open in one pass, keeps the
-masters' (the masters' cross-check and `install` use them; each is dropped once installed) and not
-the moments', and reads each bucket's moment again, verified again, at install, so it holds this
-rank's master shard, then one bucket's key, of optimizer state beyond what the optimizer holds. Any other load (another DP
-size or model-parallel layout) reads and verifies all of a file's ranges at open in one pass (each
-block read and hashed once per load) and keeps them; the masters' cross-check (preflight) and
-`install` (one bucket and one key at a time, straight into the masters and moments) slice them
-from those verified buffers, so it holds this rank's shard of the optimizer state once beyond
+bucket exactly (no overlap, no gap). Every load, at any DP size or model-parallel layout, reads
+and verifies all of a file's ranges at open in one pass (each block read and hashed once per
+load) and keeps them; the masters' cross-check (preflight) and `install` (one bucket and one key
+at a time) use those verified buffers: the masters are copied straight into megatron's masters
+and read back (each master's buffer given back once copied), and every moment is replaced by a
+new tensor made of them (`replace_state`; on the CPU, at a same layout, a view of the verified
+buffer itself, nothing copied), the old tensors untouched, so the undo record keeps them instead
+of copies. The load holds this rank's shard of the optimizer state once beyond
 what the optimizer holds. Param groups and the
 step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
 gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
@@ -365,20 +364,6 @@ def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, in
     return out
 
 
-def maps_one_to_one(reads: list[tuple[int, Piece, int, int, int]], desc: dict) -> bool:
-    """Whether `reads_for`'s reads are a same-layout load's: one saved piece per non-empty bucket
-    of this rank's shard, read whole, and exactly that shard (nothing to assemble from several)."""
-    shards = [(begin, end) for _, _, begin, end in shard_ranges(desc)]
-    seen: set[int] = set()
-    for position, piece, first, stop, offset in reads:
-        begin, end = shards[position]
-        whole = first == 0 and stop == piece.end - piece.begin and offset == 0
-        if position in seen or not whole or (piece.begin, piece.end) != (begin, end):
-            return False
-        seen.add(position)
-    return seen == {i for i, (begin, end) in enumerate(shards) if end > begin}
-
-
 def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
     """`(span index, part index, lo, hi)` for every non-empty overlap `[lo, hi)` of `spans`
     (`(start, end)`, pairwise disjoint, as megatron's parameters in one bucket are) with `parts`
@@ -403,8 +388,8 @@ def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list
 
 def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
     """Copy `(key, offset in this rank's shard of the bucket, tensor, its element count, rows)` pieces
-    into the masters and the allocated state of every parameter they overlap; then compare every
-    copied element. A parameter's pieces (one per row of a row-parallel split at another TP) are
+    into the masters and the allocated state of every parameter they overlap, in place; then compare
+    every copied element. A parameter's pieces (one per row of a row-parallel split at another TP) are
     copied as few strided groups (`global_layout.strided_runs`): torch calls per parameter, not per
     row. `rows` not None: the piece is such a group already (`_Restore.buckets`), row `i` of
     `(step, width, n, offset step)` its elements `[i * step, ... + width)`, going to
@@ -417,29 +402,81 @@ def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: li
             if key != MASTER_KEY and key not in state:
                 raise KeyError(f"optimizer state was not allocated for {key!r}")
             targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
-    matched = []  # (key, destination, its numel, [(first element in it, source view, count)]) per parameter and key
-    copies = []  # (key, destination view, source view)
     for key, spans in targets.items():
-        mine = [(o, t, c, rows) for part_key, o, t, c, rows in parts if part_key == key]
-        by_target: dict[int, list] = {}
-        for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, _extent(c, r)) for o, _, c, r in mine]):
-            offset, tensor, count, rows = mine[j]
-            if rows is not None:
-                copies.append((key, *_row_views(spans[i], spans[i][2].view(-1), lo, hi, offset, tensor, count, rows)))
-                continue
-            whole = lo == offset and hi == offset + count  # no slicing call for a piece inside one parameter
-            by_target.setdefault(i, []).append(
-                (lo - spans[i][0], tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
-            )
-        matched += [
-            (key, spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces) for i, pieces in sorted(by_target.items())
-        ]
-    for key, dest, numel, pieces in matched:
-        copies += [(key, into, source) for into, source in _strided_groups(dest, numel, pieces)]
+        _copy_parts(key, spans, [(o, t, c, rows) for part_key, o, t, c, rows in parts if part_key == key])
+
+
+def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated: frozenset = frozenset()) -> None:
+    """Install state `key` of one bucket's parameters from `(offset in this rank's shard of the
+    bucket, tensor, its element count, rows)` parts (views of the verified ranges), never writing a
+    tensor the optimizer held before the load: the old tensors stay as they were, and
+    `undo.UndoRecord` keeps them, not copies (see `replaces`).
+
+    A parameter whose elements lie inside one part of the same dtype and device as its tensor
+    (every parameter of a same-layout load on the CPU) gets a view of that part: the verified bytes
+    become the state, with no copy to make or read back. Any other is copied, and read back as
+    `install_pieces` does, into the tensor this load's `allocate` made for it
+    (`(id(master), key)` in `allocated`: nothing to keep, no second tensor), or else into a new
+    `torch.empty_like` of its old tensor, which then replaces it."""
+    fresh: dict = {}  # main param -> the tensor that replaces its old one
+    copied = []  # (start, end, destination) of the parameters that are not views of one part
+    whole = sorted(((o, c, t) for o, t, c, rows in parts if rows is None), key=lambda p: p[0])
+    starts = [o for o, _, _ in whole]
+    for model_param, ranges in _param_maps(child, layout).items():
+        main_param, state = main_and_state(child, model_param)
+        if key not in state:
+            raise KeyError(f"optimizer state was not allocated for {key!r}")
+        old = state[key]
+        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+        if old.numel() != end - start:
+            raise ValueError(f"optimizer state {key!r} holds {old.numel()} elements, its shard {end - start}")
+        view = _view_of_one_part(whole, starts, start, end, old)
+        if view is not None:
+            fresh[main_param] = view
+        elif (id(main_param), key) in allocated and old.is_contiguous():
+            copied.append((start, end, old))
+        else:
+            fresh[main_param] = torch.empty_like(old, memory_format=torch.contiguous_format)
+            copied.append((start, end, fresh[main_param]))
+    _copy_parts(key, copied, list(parts))
+    for main_param, tensor in fresh.items():
+        child.optimizer.state[main_param][key] = tensor
+
+
+def _view_of_one_part(whole: list, starts: list[int], start: int, end: int, old: torch.Tensor):
+    """A view shaped like `old` of the part (`(offset, count, tensor)`, sorted by offset) holding
+    shard elements `[start, end)`, when one does and matches `old`'s dtype and device; else None."""
+    i = bisect.bisect_right(starts, start) - 1
+    if i < 0 or end == start:
+        return None
+    offset, count, tensor = whole[i]
+    if end > offset + count or tensor.dtype != old.dtype or tensor.device != old.device:
+        return None
+    return tensor[start - offset : end - offset].view(old.shape)
+
+
+def _copy_parts(key: str, spans: list, mine: list) -> None:
+    """Copy `(offset, tensor, count, rows)` parts into the `(start, end, destination)` spans they
+    overlap (`install_pieces`), then compare every copied element."""
+    matched = []  # (destination, its numel, [(first element in it, source view, count)]) per parameter
+    copies = []  # (destination view, source view)
+    by_target: dict[int, list] = {}
+    for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, _extent(c, r)) for o, _, c, r in mine]):
+        offset, tensor, count, rows = mine[j]
+        if rows is not None:
+            copies.append(_row_views(spans[i], spans[i][2].view(-1), lo, hi, offset, tensor, count, rows))
+            continue
+        whole = lo == offset and hi == offset + count  # no slicing call for a piece inside one parameter
+        by_target.setdefault(i, []).append(
+            (lo - spans[i][0], tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
+        )
+    matched += [(spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces) for i, pieces in sorted(by_target.items())]
+    for dest, numel, pieces in matched:
+        copies += _strided_groups(dest, numel, pieces)
     with torch.no_grad():
-        for _, into, source in copies:
+        for into, source in copies:
             into.copy_(source)
-    for key, into, source in copies:  # megatron's own loader can drop state silently: not here
+    for into, source in copies:  # megatron's own loader can drop state silently: not here
         if not torch.equal(into.detach(), source):
             raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
@@ -538,6 +575,8 @@ class _Restore:
     # rows: None (`[first, stop)` goes to `[offset, ...)`), or a resharding load's strided group of
     # rows inside one parameter, `(step, width, n, offset step)` (`reshard._row_parts`)
     groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
+    # `(id(master), key)` of the state tensors `allocate` made (the optimizer held none before)
+    allocated: frozenset = frozenset()
 
 
 class DistributedFamily:
@@ -595,30 +634,19 @@ class DistributedFamily:
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
         """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
-        shard (at equal DP sizes: all of its own slice).
-
-        Memory vs reads: when every saved piece this rank reads is whole and is its whole shard of
-        that bucket (`maps_one_to_one`: a same-layout load), the masters' ranges are verified at
-        open and kept (`keep=True`) for the masters' cross-check and `install`, which drops each
-        once installed, and the moments' ranges are verified at open and not kept (`keep=False`):
-        `install` reads each bucket's key again, verified again, one at a time, so the load holds
-        this rank's master shard, then one bucket's key, beyond what the optimizer holds.
-        Otherwise (another DP size or layout: a rank's shard is cut from several saved slices) all of a file's ranges are read and verified at open in one pass and kept,
-        and `install` slices them from those verified buffers (each block read once per load)."""
+        shard (at equal DP sizes: all of its own slice), every key's, kept: each block is read and
+        verified once per load, at open, and the masters' cross-check (preflight) and `install` use
+        those verified buffers, so the load holds this rank's shard of the optimizer state once
+        beyond what the optimizer holds (`install` gives each master's back once it is copied, and
+        the moments' become the new state)."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
         keys = (MASTER_KEY, *mine["keys"])
-        reads = reads_for(pieces, mine)
-        keep = not maps_one_to_one(reads, mine)
-        requests: dict[tuple[str, bool], set] = {}
-        for _, piece, first, stop, _ in reads:
+        requests: dict[str, set] = {}
+        for _, piece, first, stop, _ in reads_for(pieces, mine):
             for k in keys:
-                requests.setdefault((piece.file, keep or k == MASTER_KEY), set()).add(
-                    (f"{piece.prefix}.{k}", first, stop)
-                )
-        return [
-            PartialRead(file, tuple(sorted(ranges)), keep=kept) for (file, kept), ranges in sorted(requests.items())
-        ]
+                requests.setdefault(piece.file, set()).add((f"{piece.prefix}.{k}", first, stop))
+        return [PartialRead(file, tuple(sorted(ranges))) for file, ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -669,44 +697,57 @@ class DistributedFamily:
         for group, saved in zip(opt.optimizer.param_groups, restore.groups, strict=True):
             group.update(saved)
         _drop_planted_keys(opt, restore.keys, had)
+        restore.allocated = frozenset(
+            (id(main), key)
+            for main, state in opt.optimizer.state.items()
+            for key in restore.keys
+            if key in state and key not in had.get(id(main), ())
+        )
 
     def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
         """No collectives: every rank read its own ranges (no scatter from a DP root)."""
 
+    def replaces(self, restore: _Restore) -> tuple[str, ...]:
+        """The state keys `install` replaces with new tensors instead of writing into the old ones
+        (every moment; the masters are written in place: megatron holds them in its own lists)."""
+        return tuple(restore.keys)
+
     def install(self, child: Child, restore: _Restore, received: None) -> None:
         """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
-        the ranges verified at open), copied straight into the master or the state of the parameters
-        they overlap (no shard is assembled), then those elements read back bit for bit."""
+        the ranges verified at open). The masters are copied straight into the masters of the
+        parameters they overlap (no shard is assembled) and read back bit for bit; every moment is
+        replaced by a new tensor made of them (`replace_state`: on the CPU, at a same layout, the
+        verified bytes themselves)."""
         opt = child.optimizer
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
             for key in (MASTER_KEY, *restore.keys):  # one key of one bucket at a time
-                # one piece (a same-layout load): a range read again may reuse the last one's buffer
-                transient = len(pieces) == 1
                 parts = [
-                    (key, offset, _read_piece(piece, source, key, first, stop, transient), stop - first, rows)
+                    (key, offset, _read_piece(piece, source, key, first, stop), stop - first, rows)
                     for piece, source, first, stop, offset, rows in pieces
                 ]
-                install_pieces(opt, restore.keys, layout, parts)
+                if key == MASTER_KEY:
+                    install_pieces(opt, (), layout, parts)
+                else:
+                    replace_state(opt, key, layout, [part[1:] for part in parts], restore.allocated)
                 del parts
                 for piece, source, first, stop, _, _ in pieces:  # a range kept until now is used no more
-                    if isinstance(source, DeferredRanges):
-                        source.drop((f"{piece.prefix}.{key}", first, stop))
-        for pieces in restore.buckets:
-            for _, source, _, _, _, _ in pieces:
-                if isinstance(source, DeferredRanges):
-                    source.release()
+                    _forget(source, (f"{piece.prefix}.{key}", first, stop))
 
 
-def _read_piece(piece: Piece, source, key: str, first: int, stop: int, transient: bool = False) -> torch.Tensor:
-    """One range of a piece (`transient`: the source may reuse the buffer of its last one, see
-    `protocol.DeferredRanges.get`)."""
+def _forget(source, wanted) -> None:
+    """Drop one verified range from what a load keeps (`DeferredRanges` or a `{range: tensor}` dict
+    of `protocol.OpenedGeneration.ranges`): a master's buffer goes back once it is copied."""
+    if isinstance(source, DeferredRanges):
+        source.drop(wanted)
+    elif isinstance(source, dict):
+        source.pop(tuple(wanted), None)
+
+
+def _read_piece(piece: Piece, source, key: str, first: int, stop: int) -> torch.Tensor:
+    """One verified range of a piece (fp32, `stop - first` elements)."""
     name = f"{piece.prefix}.{key}"
     try:
-        tensor = (
-            source.get((name, first, stop), transient=True)
-            if transient and isinstance(source, DeferredRanges)
-            else source.get((name, first, stop))
-        )
+        tensor = source.get((name, first, stop))
     except ValueError as exc:
         raise ValueError(f"{piece.file}: {exc}") from None
     if tensor is None:

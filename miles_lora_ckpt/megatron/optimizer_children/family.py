@@ -119,5 +119,10 @@ class ChildFamily(Protocol):
     def exchange_for_load(self, child: Child, view: RankView, restore: Any) -> Any:
         """Collectives only: what each rank receives (DP roots send shards)."""
 
+    def replaces(self, restore: Any) -> tuple[str, ...]:
+        """The state keys `install` puts new tensors under, never writing the old ones (the undo
+        record keeps those old tensors instead of copies); () when it writes in place."""
+
     def install(self, child: Child, restore: Any, received: Any) -> None:
-        """Copy into masters and state, then read every tensor back bit for bit."""
+        """Copy into masters and state (or replace the `replaces` keys' tensors), then read every
+        copied tensor back bit for bit."""

@@ -268,6 +268,10 @@ class WholeParameterFamily:
     def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
         """No collectives: every rank reads the entries it holds."""
 
+    def replaces(self, restore: _Restore) -> tuple[str, ...]:
+        """None: `install` writes the masters and the state in place."""
+        return ()
+
     def install(self, child: Child, restore: _Restore, received: None) -> None:
         opt = child.optimizer
         inner = opt.optimizer

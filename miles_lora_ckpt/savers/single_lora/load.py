@@ -504,7 +504,9 @@ def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
         c.optimizer
         for c in chain.select(request.optimizer, sorted(set(plan.restore_children) | set(plan.fresh_children)))
     ]
-    return UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler)
+    # the moments a DistributedOptimizer install replaces are kept as they are, not copied
+    replaced = chain.replaced_keys(request.optimizer, plan.restore_children) if plan.restore_children else {}
+    return UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler, replaced)
 
 
 def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened) -> None:
