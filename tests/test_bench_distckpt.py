@@ -24,8 +24,11 @@ def test_distckpt_section_prints_finite_ratios(tmp_path, capsys):
     assert distckpt and reshard, out
     for value in (*distckpt.groups(), *reshard.groups()):
         assert math.isfinite(float(value)) and float(value) > 0, out
-    # both formats were written to the same storage
+    # both formats were written to the same storage; the resharding load is compared with a load of
+    # a save at the layout it loads into, with each rank's bytes read by both
     assert (tmp_path / "distckpt2" / "ours").is_dir() and any((tmp_path / "distckpt2").glob("dc*")), out
+    assert (tmp_path / "distckpt2" / "ours-tp2").is_dir(), out
+    assert re.search(r"saved and loaded at TP 2 DP 1: \S+s; MiB read per rank \d+/\d+ and \d+/\d+;", out), out
 
 
 def test_usage_errors_of_the_section_exit_2_before_any_worker(capsys):

@@ -17,18 +17,21 @@ rotated from round to round, on the same storage (--dir, or a temporary folder):
                   scheduler's `load_state_dict` (what Megatron-LM's load does with it)
 
 Before each load the files' pages are dropped from the page cache (posix_fadvise DONTNEED). Then
-the run is rebuilt at TP 2 (DP W/2) and loads the last TP 1 save of ours --repeats times (a
-resharding load), against the same-layout loads above.
+the run is rebuilt at TP 2 (DP W/2), loads the last TP 1 save of ours and saves it again at TP 2
+(untimed); each of --repeats rounds, in an order rotated from round to round, it loads the TP 1
+save (a resharding load) and the TP 2 save (a same-layout load at the layout it loads into).
 
 Prints, from the medians over rounds of the slowest rank's times,
 `DISTCKPT W=<w> save/ours=<x> load/ours=<y>` (dist_checkpointing's time over ours) and
-`RESHARD W=<w> load/same=<z>` (our resharding load's time over our same-layout load), with each
-rank's median process CPU seconds (`time.process_time`) of both loads: less sensitive than wall
-time to other work on the machine.
+`RESHARD W=<w> load/same=<z>` (our resharding load's time over our same-layout load at TP 2, DP
+W/2: what changing the layout costs; also printed over the TP 1 same-layout load above), with each
+rank's bytes read (`rchar` of /proc/self/io) and median process CPU seconds (`time.process_time`)
+of both loads: less sensitive than wall time to other work on the machine.
 
 With --distckpt-profile DIR, rank 0 runs our loads under cProfile (the timed figures then include
 the profiler's overhead) and writes `DIR/W{w}-same.prof` (the same-layout loads) and
-`DIR/W{w}-reshard.prof` (the resharding loads), readable with `python -m pstats`.
+`DIR/W{w}-reshard.prof` (the resharding loads) and `DIR/W{w}-tp2.prof` (the same-layout loads at TP
+2), readable with `python -m pstats`.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def add_arguments(bench) -> None:
         "--distckpt-profile",
         default=None,
         metavar="DIR",
-        help="profile rank 0's loads of the DISTCKPT section with cProfile into DIR/W<w>-same.prof and "
-        "DIR/W<w>-reshard.prof (the figures then include the profiler's overhead)",
+        help="profile rank 0's loads of the DISTCKPT section with cProfile into DIR/W<w>-same.prof, "
+        "DIR/W<w>-reshard.prof and DIR/W<w>-tp2.prof (the figures then include the profiler's overhead)",
     )
 
 
@@ -97,7 +100,7 @@ def run_section(args) -> None:
             if not args.dir:
                 shutil.rmtree(base, ignore_errors=True)
         rounds = len(results[0]["ours_save"])
-        keys = (*PHASES, "reshard_load")
+        keys = (*PHASES, "reshard_load", "tp2_load")
         slowest = {k: [max(r[k][i] for r in results) for i in range(rounds)] for k in keys}
         med = {k: statistics.median(v) for k, v in slowest.items()}
         print(
@@ -107,10 +110,34 @@ def run_section(args) -> None:
             f"{med['dc_load']:.3f}s), a LoRA of {results[0]['lora_fp32_mib']:.0f} MiB fp32, median of {rounds}"
         )
         print(
-            f"RESHARD W={world} load/same={med['reshard_load'] / med['ours_load']:.2f} (TP 1 DP {world} saved, "
-            f"loaded at TP 2 DP {world // 2}: {med['reshard_load']:.3f}s; at TP 1 DP {world}: {med['ours_load']:.3f}s; "
-            f"process CPU per rank {_cpu(results, 'reshard_load')}s and {_cpu(results, 'ours_load')}s)"
+            f"RESHARD W={world} load/same={med['reshard_load'] / med['tp2_load']:.2f} (TP 1 DP {world} saved, "
+            f"loaded at TP 2 DP {world // 2}: {med['reshard_load']:.3f}s; saved and loaded at TP 2 DP {world // 2}: "
+            f"{med['tp2_load']:.3f}s; MiB read per rank {_mib(results, 'reshard_load')} and "
+            f"{_mib(results, 'tp2_load')}; process CPU per rank {_cpu(results, 'reshard_load')}s and "
+            f"{_cpu(results, 'tp2_load')}s; {med['reshard_load'] / med['ours_load']:.2f} over the load at TP 1 DP "
+            f"{world} above)"
         )
+
+
+def _mib(results: list[dict], key: str) -> str:
+    """Each rank's median MiB read by `key`'s loads, `/`-separated in rank order ("?" where unknown)."""
+    return "/".join(
+        f"{statistics.median(r['read'][key]) / 2**20:.0f}" if r["read"][key] and None not in r["read"][key] else "?"
+        for r in results
+    )
+
+
+def _read_bytes() -> int | None:
+    """This process's bytes read so far (`rchar` of /proc/self/io: every read and pread, page cache
+    hits included), or None where the kernel gives no such file."""
+    try:
+        with open("/proc/self/io") as io:
+            for line in io:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
 
 def _cpu(results: list[dict], key: str) -> str:
@@ -225,8 +252,10 @@ def distckpt_job(payload: dict, ctx) -> dict:
     base = Path(payload["dir"])
     world = ctx.world_size
     consensus = Consensus.for_world(timeout_s=1200)
-    times: dict[str, list[float]] = {k: [] for k in (*PHASES, "reshard_load")}
-    cpus: dict[str, list[float]] = {k: [] for k in (*PHASES, "reshard_load")}  # this process's CPU seconds
+    timed = (*PHASES, "reshard_load", "tp2_load")
+    times: dict[str, list[float]] = {k: [] for k in timed}
+    cpus: dict[str, list[float]] = {k: [] for k in timed}  # this process's CPU seconds
+    reads: dict[str, list] = {k: [] for k in timed}  # this process's bytes read (None: unknown)
 
     class _Args:
         lora_rank = 128
@@ -282,30 +311,32 @@ def distckpt_job(payload: dict, ctx) -> dict:
     teardown(run)
 
     resharded = build_run(_config(world, payload["bucket_mib"], tp=2))
-    for _ in range(payload["repeats"]):
-        if ctx.rank == 0:
-            _drop_cache(base)
-        dist.barrier()
-        started, cpu = time.perf_counter(), time.process_time()
-        result = profiled(
-            "reshard",
-            load_lora_checkpoint,
-            resharded.model,
-            ours_root,
-            optimizer=resharded.optimizer,
-            opt_param_scheduler=resharded.scheduler,
-            consensus=consensus,
-        )
-        cpus["reshard_load"].append(time.process_time() - cpu)
-        dist.barrier()
-        times["reshard_load"].append(time.perf_counter() - started)
-        if not result.optimizer_restored:
-            raise RuntimeError("the resharding load did not restore the optimizer")
+    tp2_kwargs = {"optimizer": resharded.optimizer, "opt_param_scheduler": resharded.scheduler, "consensus": consensus}
+    tp2_root = base / "ours-tp2"
+    load_lora_checkpoint(resharded.model, ours_root, **tp2_kwargs)  # untimed: the state to save at TP 2
+    save_lora_checkpoint(resharded.model, _Args(), tp2_root, iteration=payload["repeats"], keep=2, **tp2_kwargs)
+    loads = {"reshard_load": ("reshard", ours_root), "tp2_load": ("tp2", tp2_root)}
+    for index in range(payload["repeats"]):
+        order = list(loads)[index % 2 :] + list(loads)[: index % 2]
+        for phase in order:
+            what, root = loads[phase]
+            if ctx.rank == 0:
+                _drop_cache(base)
+            dist.barrier()
+            started, cpu, read = time.perf_counter(), time.process_time(), _read_bytes()
+            result = profiled(what, load_lora_checkpoint, resharded.model, root, **tp2_kwargs)
+            cpus[phase].append(time.process_time() - cpu)
+            after = _read_bytes()
+            reads[phase].append(after - read if None not in (read, after) else None)
+            dist.barrier()
+            times[phase].append(time.perf_counter() - started)
+            if not result.optimizer_restored:
+                raise RuntimeError(f"the {what} load did not restore the optimizer")
     teardown(resharded)
     for what, profiler in profiles.items():
         profiler.dump_stats(f"{payload['profile']}-{what}.prof")
     _stop_dc_writer_manager()
-    return {**times, "cpu": cpus, "lora_fp32_mib": lora * 4 / 2**20}
+    return {**times, "cpu": cpus, "read": reads, "lora_fp32_mib": lora * 4 / 2**20}
 
 
 def _stop_dc_writer_manager() -> None:
