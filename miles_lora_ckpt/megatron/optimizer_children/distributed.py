@@ -477,7 +477,8 @@ def _copy_parts(key: str, spans: list, mine: list) -> None:
         for into, source in copies:
             into.copy_(source)
     for into, source in copies:  # megatron's own loader can drop state silently: not here
-        if not torch.equal(into.detach(), source):
+        # read back from where it landed (a GPU's state comes back to the verified host bytes)
+        if not torch.equal(into.detach().to(source.device), source):
             raise ValueError(f"optimizer state {key!r} did not arrive intact for a parameter")
 
 
