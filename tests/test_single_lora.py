@@ -316,8 +316,14 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "checkpoint policy": {"hyperparameters": "checkpoint"},
     }
     # a late failure (after install overwrote masters and moments) of a load into a fresh optimizer
-    # rolls back bit for bit, with no copy of its masters: they are remade from the parameters
+    # rolls back bit for bit, with no copy of its masters: they are remade from the parameters; into
+    # an optimizer that has stepped, too: the install replaced its moments (never wrote them) and the
+    # undo record puts the old tensors back, its masters from copies
     fresh = {"install fails on rank 1, fresh optimizer": newer}
+    stepped = "install fails on rank 1, stepped optimizer"
+    # the last case: every other one loads first; a generation one step further, whose masters and
+    # moments differ from the ones this optimizer holds then (the earlier cases loaded `newer`)
+    cases[stepped] = later
     sane = run(
         2,
         "try_loads",
@@ -325,7 +331,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             "config": cfg(2),
             "cases": cases,
             "fresh_cases": fresh,
-            "install_faults": {next(iter(fresh)): 1},
+            "install_faults": {next(iter(fresh)): 1, stepped: 1},
             "case_kwargs": case_kwargs,
         },
     )
@@ -334,6 +340,9 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         late = o["install fails on rank 1, fresh optimizer"]
         assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
         assert late["undo_masters"][0] > 0 and late["undo_masters"] == [late["undo_masters"][0]] * 2, late
+        late = o[stepped]  # every tensor (masters and moments included) and counter as before the load
+        assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
+        assert late["undo_masters"][0] > 0 and late["undo_masters"][1] == 0, late  # stepped masters: copies
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
     for o in sane:
         for name in ("gathered", "pre-family"):
