@@ -563,6 +563,11 @@ def test_replace_state_adopts_verified_buffers_and_never_writes_the_old_tensors(
     assert torch.equal(second, values[4:]) and second is not old[1]
     assert not (values.data_ptr() <= second.data_ptr() < values.data_ptr() + 40)  # its own memory
     assert torch.equal(old[1], torch.full((6,), 7.0))
+    # the first lies inside `values[:7]`, but that part is cut from a larger buffer: copied, for a
+    # view would keep all of `values` alive with the state
+    first = child.optimizer.state[masters[0]]["exp_avg"]
+    assert torch.equal(first, values[:4]) and first is not old[0]
+    assert not (values.data_ptr() <= first.data_ptr() < values.data_ptr() + 40)
     # the same cut into a tensor this load allocated: written in place, no second tensor
     child, masters, layout = _bucket_child([4, 6], stepped=False)
     allocated = child.optimizer.state[masters[1]]["exp_avg"]
@@ -581,3 +586,18 @@ def test_replace_state_adopts_verified_buffers_and_never_writes_the_old_tensors(
     with pytest.raises(ValueError, match="holds 5 elements, its shard 6"):
         dopt.replace_state(child, "exp_avg", layout, [(0, values, 10, None)])
     assert child.optimizer.state[masters[0]]["exp_avg"] is kept
+
+
+def test_a_range_read_alone_owns_its_buffer_so_an_install_may_adopt_it(tmp_path):
+    """What `replace_state` relies on to make a moment a view of its verified bytes: a range read on
+    its own (a same-layout load's whole bucket slice) is a tensor that is all of its buffer, small
+    (a bytearray) or large (an anonymous map); a range cut from a wider verified span is a slice of
+    a larger buffer (`replace_state` then copies it, see the test above)."""
+    for n in (300, storage.ANONYMOUS_ABOVE // 4 + 1000):
+        path, record = _write(tmp_path, {"a": torch.arange(n, dtype=torch.float32)}, block_bytes=4096)
+        got, _ = storage.read_ranges(path, record, [("a", 0, n)])
+        tensor = got[("a", 0, n)]
+        assert tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == n * 4, n
+        assert torch.equal(tensor, torch.arange(n, dtype=torch.float32))
+        cut = tensor[10:20]
+        assert cut.untyped_storage().nbytes() > cut.numel() * 4

@@ -412,9 +412,10 @@ def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated:
     tensor the optimizer held before the load: the old tensors stay as they were, and
     `undo.UndoRecord` keeps them, not copies (see `replaces`).
 
-    A parameter whose elements lie inside one part of the same dtype and device as its tensor
-    (every parameter of a same-layout load on the CPU) gets a view of that part: the verified bytes
-    become the state, with no copy to make or read back. Any other is copied, and read back as
+    A parameter whose elements lie inside one part of the same dtype and device as its tensor, the
+    part being the whole of its verified buffer (every parameter of a same-layout load on the CPU),
+    gets a view of that part: the verified bytes become the state, with no copy to make or read
+    back. Any other is copied, and read back as
     `install_pieces` does, into the tensor this load's `allocate` made for it
     (`(id(master), key)` in `allocated`: nothing to keep, no second tensor), or else into a new
     `torch.empty_like` of its old tensor, which then replaces it."""
@@ -445,12 +446,17 @@ def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated:
 
 def _view_of_one_part(whole: list, starts: list[int], start: int, end: int, old: torch.Tensor):
     """A view shaped like `old` of the part (`(offset, count, tensor)`, sorted by offset) holding
-    shard elements `[start, end)`, when one does and matches `old`'s dtype and device; else None."""
+    shard elements `[start, end)`, when one does, matches `old`'s dtype and device, and is its whole
+    buffer (a part cut from a larger verified span, e.g. a resharding load's rows merged within
+    blocks, is copied instead: a view would keep the whole span alive with the state); else None."""
     i = bisect.bisect_right(starts, start) - 1
     if i < 0 or end == start:
         return None
     offset, count, tensor = whole[i]
     if end > offset + count or tensor.dtype != old.dtype or tensor.device != old.device:
+        return None
+    owns_buffer = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == count * tensor.element_size()
+    if not owns_buffer:
         return None
     return tensor[start - offset : end - offset].view(old.shape)
 
