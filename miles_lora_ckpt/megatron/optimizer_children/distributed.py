@@ -46,7 +46,7 @@ import torch.distributed as dist
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
-from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead
+from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.core.storage import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state
 from miles_lora_ckpt.megatron.optimizer_children.family import (
@@ -439,7 +439,7 @@ def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated:
         else:
             fresh[main_param] = torch.empty_like(old, memory_format=torch.contiguous_format)
             copied.append((start, end, fresh[main_param]))
-    _copy_parts(key, copied, list(parts))
+    _copy_parts(key, copied, parts)
     for main_param, tensor in fresh.items():
         child.optimizer.state[main_param][key] = tensor
 
@@ -464,7 +464,6 @@ def _view_of_one_part(whole: list, starts: list[int], start: int, end: int, old:
 def _copy_parts(key: str, spans: list, mine: list) -> None:
     """Copy `(offset, tensor, count, rows)` parts into the `(start, end, destination)` spans they
     overlap (`install_pieces`), then compare every copied element."""
-    matched = []  # (destination, its numel, [(first element in it, source view, count)]) per parameter
     copies = []  # (destination view, source view)
     by_target: dict[int, list] = {}
     for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, _extent(c, r)) for o, _, c, r in mine]):
@@ -476,9 +475,8 @@ def _copy_parts(key: str, spans: list, mine: list) -> None:
         by_target.setdefault(i, []).append(
             (lo - spans[i][0], tensor if whole else tensor[lo - offset : hi - offset], hi - lo)
         )
-    matched += [(spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces) for i, pieces in sorted(by_target.items())]
-    for dest, numel, pieces in matched:
-        copies += _strided_groups(dest, numel, pieces)
+    for i, pieces in sorted(by_target.items()):  # per parameter: few strided groups of its pieces
+        copies += _strided_groups(spans[i][2].view(-1), spans[i][1] - spans[i][0], pieces)
     with torch.no_grad():
         for into, source in copies:
             into.copy_(source)
@@ -742,11 +740,10 @@ class DistributedFamily:
 
 
 def _forget(source, wanted) -> None:
-    """Drop one verified range from what a load keeps (`DeferredRanges` or a `{range: tensor}` dict
-    of `protocol.OpenedGeneration.ranges`): a master's buffer goes back once it is copied."""
-    if isinstance(source, DeferredRanges):
-        source.drop(wanted)
-    elif isinstance(source, dict):
+    """Drop one verified range from what a load keeps (the `{range: tensor}` dict of
+    `protocol.OpenedGeneration.ranges`; a file read whole keeps its tensors): a master's buffer
+    goes back once it is copied."""
+    if isinstance(source, dict):
         source.pop(tuple(wanted), None)
 
 

@@ -269,7 +269,7 @@ class WholeParameterFamily:
         """No collectives: every rank reads the entries it holds."""
 
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
-        """None: `install` writes the masters and the state in place."""
+        """Nothing: `install` writes the masters and the state in place."""
         return ()
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:

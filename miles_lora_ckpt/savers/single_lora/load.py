@@ -505,7 +505,7 @@ def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
         for c in chain.select(request.optimizer, sorted(set(plan.restore_children) | set(plan.fresh_children)))
     ]
     # the moments a DistributedOptimizer install replaces are kept as they are, not copied
-    replaced = chain.replaced_keys(request.optimizer, plan.restore_children) if plan.restore_children else {}
+    replaced = chain.replaced_keys(request.optimizer, plan.restore_children)
     return UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler, replaced)
 
 
