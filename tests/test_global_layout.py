@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles_lora_ckpt.core.global_layout import Block, distinct, global_indices, plan_copies
+from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, global_indices, plan_copies
 
 
 def _assemble(wanted: Block, first: int, stop: int, saved: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -142,6 +142,9 @@ def test_run_based_plan_matches_element_by_element_on_random_grids():
         stop = rng.randint(first, wanted.numel)
         expected = _slice(full, wanted).reshape(-1)[first:stop]
         assert torch.equal(_assemble(wanted, first, stop, saved, tensors), expected), (shape, wanted, first, stop)
+        # a range cut from the whole block's plan is that range's plan, copy for copy
+        whole = plan_copies(wanted, 0, wanted.numel, saved)
+        assert cut_copies(whole, first, stop) == plan_copies(wanted, first, stop, saved), (shape, wanted, first, stop)
         # against the element-by-element definition: drop one saved block, or give one twice
         broken = list(saved)
         if rng.random() < 0.5:
@@ -156,3 +159,21 @@ def test_run_based_plan_matches_element_by_element_on_random_grids():
                 plan_copies(wanted, first, stop, broken)
         else:
             assert torch.equal(_assemble(wanted, first, stop, broken, [_slice(full, b) for b in broken]), expected)
+
+
+def test_a_block_inside_one_saved_block_is_planned_by_arithmetic_run_by_run():
+    """`plan_copies`' path for one saved block holding every wanted element (a TP split of a larger
+    saved block): a column split of a whole tensor is one run; a row-parallel split is one run per
+    row, each row's elements at the saved row's place; a gate/up block keeps its two halves apart."""
+    whole = Block("w", (8, 12), (0, 0), (8, 12))
+    copies = plan_copies(Block("w", (8, 12), (4, 0), (4, 12)), 0, 48, [whole])
+    assert [(c.source, c.first, c.count, c.into) for c in copies] == [(0, 48, 48, 0)]
+    copies = plan_copies(Block("w", (8, 12), (0, 6), (8, 6)), 2, 20, [whole])
+    assert [(c.first, c.count, c.into) for c in copies] == [(8, 4, 0), (18, 6, 4), (30, 6, 10), (42, 2, 16)]
+    gated = Block("fc1", (2, 8, 3), (0, 0, 0), (2, 8, 3))
+    copies = plan_copies(Block("fc1", (2, 8, 3), (0, 4, 0), (2, 4, 3)), 0, 24, [gated])
+    assert [(c.first, c.count, c.into) for c in copies] == [(12, 12, 0), (36, 12, 12)]
+    # inside a saved block that is itself a split: offsets are the saved block's own
+    half = Block("w", (8, 12), (0, 6), (8, 6))
+    copies = plan_copies(Block("w", (8, 12), (2, 9), (2, 3)), 0, 6, [half])
+    assert [(c.first, c.count, c.into) for c in copies] == [(15, 3, 0), (21, 3, 3)]

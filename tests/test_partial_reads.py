@@ -82,36 +82,36 @@ def test_nan_in_a_read_range_is_refused(tmp_path):
         storage.check_blocks(path, record, storage.blocks_needed(record.blocks, [("a", 150, 151)]))
 
 
-def test_short_ranges_in_the_same_blocks_are_read_into_one_buffer(tmp_path):
-    """`verify.merge_within_blocks`: ranges of one tensor whose in-between elements lie in blocks
-    read anyway become one span (one buffer, one finiteness check); a gap that would add a block
-    to the read, another tensor, or an empty range are never merged. Each asked range is still
-    exactly its elements (`check_file_ranges`)."""
-    from miles_lora_ckpt.core.verify import merge_within_blocks
+def test_touching_ranges_stay_apart_and_each_block_is_read_once(tmp_path, monkeypatch):
+    """`verify.coalesce_ranges` merges only overlapping ranges of one tensor: ranges that touch, or
+    share a block, stay apart, each its own buffer (a resharding load's moment range can then become
+    the state as it is, `distributed.replace_state`), and the block they share is still read and
+    hashed once (`storage._BlockFile` keeps the last block). Each range is exactly its elements."""
+    from miles_lora_ckpt.core.verify import coalesce_ranges
 
-    _, record = _write(tmp_path, _tensors())  # a: 300 fp32 (1200 bytes), 64 elements per 256-byte block
-    index = record.blocks
-    a0 = index.tensors["a"][1]
+    assert coalesce_ranges([("a", 20, 40), ("a", 10, 30), ("b", 0, 5)]) == [("a", 10, 40), ("b", 0, 5)]
+    assert coalesce_ranges([("a", 30, 50), ("a", 10, 30)]) == [("a", 10, 30), ("a", 30, 50)]
+    assert coalesce_ranges([("a", 5, 5), ("a", 5, 9)]) == [("a", 5, 5), ("a", 5, 9)]
 
-    def block(element):
-        return (a0 + element * 4) // 256
+    path, record = _write(tmp_path, _tensors())  # a: 300 fp32, 64 elements per 256-byte block
+    a0 = record.blocks.tensors["a"][1]
+    cut = next(e for e in range(1, 300) if (a0 + e * 4) % 256 == 128)  # mid-block: both ranges need it
+    asked = [("a", 0, cut), ("a", cut, 300)]
+    reads = []
+    real = storage.os.preadv
 
-    x = next(e for e in range(300) if block(e) == block(e + 30))  # 30 elements inside one block
-    assert merge_within_blocks(index, [("a", x, x + 5), ("a", x + 20, x + 30)]) == [("a", x, x + 30)]
-    far = next(e for e in range(x, 300) if block(e) == block(x + 5) + 2)  # would add a block between
-    assert merge_within_blocks(index, [("a", x, x + 5), ("a", far, far + 1)]) == [("a", x, x + 5), ("a", far, far + 1)]
-    near = next(e for e in range(x, 300) if block(e) == block(x + 4) + 1)  # the next block: read anyway
-    assert merge_within_blocks(index, [("a", x, x + 5), ("a", near, near + 1)]) == [("a", x, near + 1)]
-    assert merge_within_blocks(index, [("a", 0, 0), ("a", 1, 2)]) == [("a", 0, 0), ("a", 1, 2)]
-    assert len(merge_within_blocks(index, [("a", 290, 300), ("b", 0, 1)])) == 2
-    # the merged spans read the same blocks, and every asked range is cut from them exactly
-    asked = [("a", x, x + 5), ("a", x + 20, x + 30), ("a", near, near + 1), ("a", far, far + 1)]
-    spans = merge_within_blocks(index, asked)
-    assert storage.blocks_needed(index, spans) == storage.blocks_needed(index, asked)
-    got, _ = storage.read_ranges(tmp_path / "t.safetensors", record, spans)
+    def counted(fd, buffers, offset):
+        reads.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(storage.os, "preadv", counted)
+    got, _ = storage.read_ranges(path, record, coalesce_ranges(asked))
+    a_end = record.blocks.tensors["a"][2]
+    assert sorted(reads) == list(range(0, a_end, 256))  # every block of "a" once, none twice
     for name, first, stop in asked:
-        lo, span = next((lo, t) for (n, lo, hi), t in got.items() if n == name and lo <= first and stop <= hi)
-        assert torch.equal(span[first - lo : stop - lo], _tensors()[name][first:stop])
+        tensor = got[(name, first, stop)]
+        assert torch.equal(tensor, _tensors()[name][first:stop])
+        assert tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == (stop - first) * 4
 
 
 def test_the_writer_pulls_lazy_tensors_one_at_a_time(tmp_path):

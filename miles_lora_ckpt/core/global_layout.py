@@ -19,6 +19,7 @@ e.g. a dense adapter held by every EP rank, are given once: callers pass distinc
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,6 +142,9 @@ def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) ->
             others = [b for i, b in enumerate(saved) if i != source and _overlaps(b, wanted)]
             if not others:
                 return [Copy(source, first, stop - first, 0)] if stop > first else []
+    overlapping = [i for i, block in enumerate(saved) if block.numel and _overlaps(block, wanted)]
+    if len(overlapping) == 1 and _contains(saved[overlapping[0]], wanted) and 0 <= first <= stop <= wanted.numel:
+        return _copies_from_one(overlapping[0], saved[overlapping[0]], runs(wanted, first, stop), first)
     # general case, run by run (a run: elements contiguous both in the block and in the global
     # tensor, e.g. one row of a row-parallel split): saved runs meeting the wanted runs, merged
     need = runs(wanted, first, stop)
@@ -178,6 +182,52 @@ def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) ->
     return copies
 
 
+def cut_copies(copies: Sequence[Copy], first: int, stop: int) -> list[Copy]:
+    """The copies of wanted elements `[first, stop)` (relative to `first`, as `plan_copies` gives
+    them) cut from `copies`, a plan of the whole wanted block (`plan_copies(block, 0, numel, ...)`,
+    sorted by `into`): one plan of a block serves every range of it (a resharding load plans each
+    adapter weight whole and its DistributedOptimizer shard's part of it from that plan)."""
+    starts = [c.into for c in copies]
+    out = []
+    for c in copies[max(0, bisect.bisect_right(starts, first) - 1) :]:
+        if c.into >= stop:
+            break
+        lo, hi = max(first, c.into), min(stop, c.into + c.count)
+        if hi > lo:
+            out.append(Copy(c.source, c.first + lo - c.into, hi - lo, lo - first))
+    return out
+
+
+def _contains(outer: Block, inner: Block) -> bool:
+    return all(
+        oo <= oi and oi + si <= oo + so
+        for oo, so, oi, si in zip(outer.offset, outer.shape, inner.offset, inner.shape, strict=True)
+    )
+
+
+def _copies_from_one(source: int, block: Block, need: list, first: int) -> list[Copy]:
+    """`plan_copies` where one saved block holds every wanted element (a TP split of a larger saved
+    block, the common resharding case): each wanted run `(global start, local start, count)` is one
+    run of that block too (a run lies inside one row of the wanted block, so inside a row of any
+    block containing it), found by arithmetic; adjacent runs merged. Every element once by
+    construction: the wanted runs are disjoint and the block holds them all."""
+    global_strides = [math.prod(block.global_shape[d + 1 :]) for d in range(len(block.shape))]
+    local_strides = [math.prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
+    copies: list[Copy] = []
+    for start, local, count in need:
+        rest, at = start, 0  # the run's first element: global multi-index -> this block's flat index
+        for g_stride, l_stride, o in zip(global_strides, local_strides, block.offset, strict=True):
+            index, rest = divmod(rest, g_stride)
+            at += (index - o) * l_stride
+        into = local - first
+        last = copies[-1] if copies else None
+        if last is not None and last.into + last.count == into and last.first + last.count == at:
+            copies[-1] = Copy(source, last.first, last.count + count, last.into)
+        else:
+            copies.append(Copy(source, at, count, into))
+    return copies
+
+
 def runs(block: Block, first: int, stop: int) -> list[tuple[int, int, int]]:
     """`(global flat start, local flat start, count)` of the block's local flat elements
     `[first, stop)`, cut into maximal runs contiguous in both (increasing in both)."""
@@ -192,8 +242,17 @@ def runs(block: Block, first: int, stop: int) -> list[tuple[int, int, int]]:
         d -= 1
         run *= shape[d]
     base = sum(o * st for o, st in zip(offset[d:], strides[d:], strict=True))
+    k0, k1 = first // run, -(-stop // run)
+    if d == 1:  # one leading dimension (a row-parallel split of a matrix): run k starts at row offset + k
+        base += offset[0] * strides[0]
+        out = [(base + k * strides[0], k * run, run) for k in range(k0, k1)]
+        lo, hi = out[0][1], out[-1][1]
+        out[0] = (out[0][0] + first - lo, first, min(stop, lo + run) - first)
+        if k1 - k0 > 1:
+            out[-1] = (out[-1][0], hi, stop - hi)
+        return out
     out = []
-    for k in range(first // run, -(-stop // run)):
+    for k in range(k0, k1):
         rest, where = k, base
         for dim in range(d - 1, -1, -1):  # unravel k over the leading dimensions
             rest, index = divmod(rest, shape[dim])

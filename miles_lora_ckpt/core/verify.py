@@ -152,17 +152,16 @@ def check_file_ranges(
     for `ranges`. The ranges of `check_only` are read and verified in the same pass, one at a time
     in one reused buffer, and not returned. `allocate`: see `storage.read_ranges`.
 
-    One pass over the file: the ranges asked are coalesced first (overlapping or touching ranges
-    of one tensor merged, in file order), so the header and every block they touch are read and
-    verified once, whatever the number of ranges; each range asked is a view of its merged span."""
+    One pass over the file: the ranges asked are sorted in file order and overlapping ranges of one
+    tensor merged (`coalesce_ranges`), so the header and every block they touch are read and
+    verified once, whatever the number of ranges (a block shared by two consecutive ranges is kept
+    between them, `storage._BlockFile`); each range asked is a view of its merged span. Ranges that
+    merely touch, or lie in the same blocks, stay apart: each is its own buffer, so a resharding
+    load's moment range can become the state as it is (`distributed.replace_state`) and a master's
+    buffer goes once it is copied, never kept alive by a neighbour's."""
     record = manifest.files[relpath]
     asked = [(str(name), int(first), int(stop)) for name, first, stop in ranges]
     spans, checked = coalesce_ranges(asked), coalesce_ranges(check_only)
-    if record.blocks is not None:  # in file order: each block read (and hashed) once, never re-read
-        spans = merge_within_blocks(record.blocks, sorted(spans, key=lambda s: storage.byte_range(record.blocks, s)))
-        checked = merge_within_blocks(
-            record.blocks, sorted(checked, key=lambda s: storage.byte_range(record.blocks, s))
-        )
     tensors, metadata = storage.read_ranges(
         Path(gen_dir) / relpath, record, spans, check_only=checked, allocate=allocate
     )
@@ -180,29 +179,12 @@ def check_file_ranges(
     return out
 
 
-def merge_within_blocks(index, spans: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """Spans of one tensor (in file order) merged where the elements between them lie in blocks
-    that are read and verified anyway (the last block of one, the first block of the next): one
-    buffer, one finiteness check, for the many short ranges of a resharding load (one per row of a
-    row-parallel split at another TP). No block is added to the read; the elements between are
-    verified like every byte of those blocks, and kept (at most the blocks' bytes)."""
-    merged: list[list] = []
-    for name, first, stop in spans:
-        if merged and merged[-1][0] == name and merged[-1][1] < merged[-1][2] and first < stop:
-            _, end = storage.byte_range(index, tuple(merged[-1]))
-            begin, _ = storage.byte_range(index, (name, first, stop))
-            if end <= begin and begin // index.block_bytes <= (end - 1) // index.block_bytes + 1:
-                merged[-1][2] = stop
-                continue
-        merged.append([name, first, stop])
-    return [tuple(span) for span in merged]
-
-
 def coalesce_ranges(ranges) -> list[tuple[str, int, int]]:
-    """`(name, first, stop)` element ranges merged where they overlap or touch (per tensor), sorted."""
+    """`(name, first, stop)` element ranges merged where they overlap (per tensor), sorted; ranges
+    that only touch stay apart (`check_file_ranges`)."""
     merged: list[list] = []
     for name, first, stop in sorted(set(ranges)):
-        if merged and merged[-1][0] == name and first <= merged[-1][2]:
+        if merged and merged[-1][0] == name and first < merged[-1][2]:
             merged[-1][2] = max(merged[-1][2], stop)
         else:
             merged.append([name, first, stop])

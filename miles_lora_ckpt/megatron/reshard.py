@@ -38,7 +38,7 @@ import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.finite import all_finite
-from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies, strided_runs, strided_view
+from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron import reshard_whole
@@ -77,6 +77,9 @@ class ReshardPlan:
     children: dict[int, _ChildPlan] = field(default_factory=dict)
     whole: dict[int, tuple] = field(default_factory=dict)  # index -> (reshard_whole.WholePlan, state keys)
     files: list = field(default_factory=list)
+    # (wanted block, saved blocks) -> plan_copies of the whole block: an adapter weight and its
+    # optimizer shard's part of it are planned once (`cut_copies`)
+    _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, manifest, request, saved_children: dict, restore_optimizer: bool) -> ReshardPlan:
@@ -99,6 +102,12 @@ class ReshardPlan:
             plan._plan_optimizer(saved, request, saved_children, manifest)
         return plan
 
+    def _whole_plan(self, block: Block, saved: list[Block]) -> list:
+        key = (block, tuple(saved))
+        if key not in self._plans:
+            self._plans[key] = plan_copies(block, 0, block.numel, saved)
+        return self._plans[key]
+
     # ----------------------------------------------------------------------- adapter
 
     def _plan_adapter(self, layout: dict, saved: dict, request) -> None:
@@ -114,7 +123,7 @@ class ReshardPlan:
             found = sources.get(block.name, [])
             found = [found[i] for i in distinct([s.block for s in found])]
             try:
-                copies = plan_copies(block, 0, block.numel, [s.block for s in found])
+                copies = self._whole_plan(block, [s.block for s in found])
             except ValueError as exc:
                 raise IncompatibleCheckpoint(f"adapter parameter {name}: {exc}") from None
             self.adapter[name] = (block, [(found[c.source], c) for c in copies])
@@ -209,7 +218,7 @@ class ReshardPlan:
                     found = [found[i] for i in distinct([s.block for s in found])]
                     first, stop = ranges["param"].start, ranges["param"].end
                     try:
-                        copies = plan_copies(block, first, stop, [s.block for s in found])
+                        copies = cut_copies(self._whole_plan(block, [s.block for s in found]), first, stop)
                     except ValueError as exc:
                         raise IncompatibleCheckpoint(f"optimizer child {index}, parameter {name}: {exc}") from None
                     runs: dict = {}  # id(piece) -> (piece, [(first, offset in the shard, count)]), in shard order
@@ -296,7 +305,7 @@ def _row_parts(piece, runs: list, manifest) -> list[tuple]:
     of a row-parallel split at another TP) is one part whose range `[first, stop)` covers them all
     and `rows` is `(step, width, n, offset step)`; a lone run is `rows` None. A group is covered
     only where the elements between its rows lie in blocks read and verified anyway (a gap shorter
-    than the file's block: `verify.merge_within_blocks` merges such ranges), so nothing more is
+    than the file's block), so nothing more is
     read or kept; otherwise its rows stay parts of their own. One range asked per group, not per row."""
     record = manifest.files.get(piece.file)
     blocks = getattr(record, "blocks", None)
