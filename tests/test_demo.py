@@ -171,6 +171,10 @@ RESHARDS = {  # demo flags: words the output must hold
     # TP 2 -> 1 at the same DP size (1): the losses differ by reduction order only
     ("--tp", "2", "--resume-tp", "1", "--resume-world-size", "1"): "resumed at tp1 pp1 vpp1 ep1 cp1 dp1",
     ("--pp", "2", "--vpp", "2", "--resume-pp", "1", "--resume-vpp", "1"): "resumed at tp1 pp1 vpp1 ep1 cp1 dp2",
+    # a bigger world: TP 1 -> 2 at W=2 -> 4 (the DP size, and so the data, unchanged)
+    ("--resume-tp", "2", "--resume-world-size", "4"): (
+        "saved at tp1 pp1 vpp1 ep1 cp1 dp2, resumed at tp2 pp1 vpp1 ep1 cp1 dp2"
+    ),
     # expert-TP 2 -> 1 at TP 1 (megatron's expert-TP group), on one rank (world size 1)
     ("--etp", "2", "--resume-etp", "1", "--resume-world-size", "1"): (
         "saved at tp1 pp1 vpp1 ep1 etp2 cp1 dp2, resumed at tp1 pp1 vpp1 ep1 cp1 dp1"

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
-from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.protocol import PartialRead
@@ -93,13 +92,14 @@ class ReshardPlan:
                 f"and generation {manifest.generation} (format v{manifest.format_version}) records no global layout "
                 "to reshard from (only the data-parallel size may change)"
             )
-        running = [plan["global"] for plan in request.plans]
+        running = [_parsed(plan["global"]) for plan in request.plans]  # every rank's blocks, parsed once
         saved = _gate_up_axis(_saved_blocks(layout), running)
         _check_same_model(saved, running, changes)
         plan = cls()
-        plan._plan_adapter(layout, saved, request)
+        mine = running[request.rank]
+        plan._plan_adapter(layout, saved, request, mine)
         if restore_optimizer:
-            plan._plan_optimizer(saved, request, saved_children, manifest)
+            plan._plan_optimizer(saved, request, saved_children, manifest, mine)
         return plan
 
     def _whole_plan(self, block: Block, saved: list[Block]) -> list:
@@ -110,13 +110,12 @@ class ReshardPlan:
 
     # ----------------------------------------------------------------------- adapter
 
-    def _plan_adapter(self, layout: dict, saved: dict, request) -> None:
+    def _plan_adapter(self, layout: dict, saved: dict, request, mine: dict) -> None:
         sources: dict[str, list[_Source]] = {}
         for file, entry in sorted(layout.get("adapter_files", {}).items()):
             for name in entry["names"]:
                 block = saved[entry["coordinate"]][name]
                 sources.setdefault(block.name, []).append(_Source(file, name, block))
-        mine = request.plans[request.rank]["global"]
         files = []
         for name in sorted(request.adapter_params()):
             block = _block_of(mine, name)
@@ -157,8 +156,7 @@ class ReshardPlan:
                 for g in strided_runs(runs):
                     into = strided_view(local, block.numel, g.into, g.into_step, g.width, g.n)
                     into.copy_(strided_view(flat, length, g.first, g.step, g.width, g.n))
-            if local.is_floating_point() and not all_finite(local):
-                raise ValueError(f"adapter parameter {name} holds NaN or Inf in the checkpoint")
+            # every element came from a tensor checked finite when its file was read (whole, at open)
             out[name] = local.view(param.shape)
         return [(params, out)] if out else []
 
@@ -175,10 +173,9 @@ class ReshardPlan:
 
     # ----------------------------------------------------------------------- optimizer
 
-    def _plan_optimizer(self, saved: dict, request, saved_children: dict, manifest) -> None:
+    def _plan_optimizer(self, saved: dict, request, saved_children: dict, manifest, mine: dict) -> None:
         descriptions = request.descriptions()
         chain.check_against(saved_children, descriptions, request.rank, False)
-        mine = request.plans[request.rank]["global"]
         requests: dict[str, set] = {}
         for desc in descriptions[request.rank]:
             index, entry = desc["index"], saved_children[str(desc["index"])]
@@ -372,9 +369,8 @@ def _gate_up_axis(saved: dict, running: list[dict]) -> dict:
     block is taken as the one of the gate/up axis this run describes (same name)."""
     ours: dict[str, Block] = {}
     for described in running:
-        for data in described.values():
-            if isinstance(data, dict) and len(data.get("global_shape", [])) >= 2:
-                block = Block.from_dict(data, "this run's global layout")
+        for block in described.values():
+            if block is not None and len(block.global_shape) >= 2:
                 ours.setdefault(block.name, block)
     out = {}
     for key, blocks in saved.items():
@@ -390,13 +386,19 @@ def _gate_up_axis(saved: dict, running: list[dict]) -> dict:
     return out
 
 
+def _parsed(described: dict) -> dict[str, Block | None]:
+    """A rank's `param_blocks.describe` result with every block parsed (`Block`, or None)."""
+    return {name: None if data is None else Block.from_dict(data, name) for name, data in described.items()}
+
+
 def _block_of(described: dict, name: str) -> Block:
-    data = described.get(name)
-    if data is None:
+    """The block of parameter `name` in a parsed description (`_parsed`); refused where unknown."""
+    block = described.get(name)
+    if block is None:
         raise IncompatibleCheckpoint(
             f"parameter {name}: megatron's layout does not say where it lies in the global model"
         )
-    return Block.from_dict(data, name)
+    return block
 
 
 def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
