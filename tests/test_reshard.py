@@ -83,6 +83,8 @@ CASES = {  # name: (saved layout, loaded layout)
     "qwen2 swiglu+gqa tp1 -> tp2 (fp32)": (qwen2("fp32"), qwen2("fp32", tp=2)),
     # a v3 generation written before the gate/up axis: its gated fc1 outputs recorded whole ([G, r])
     "qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)": (qwen2(), qwen2(tp=2)),
+    # a generation whose adapter files have no block index (written before 2026-12-02): read whole
+    "tp1 -> tp2 (bf16, adapter files without a block index)": (cfg(), cfg(tp=2)),
 }
 # megatron 0.19's own layer-wise Muon (emerging-optimizers): the 0.19 tier only (0.16 cannot build it)
 TIER2_CASES = {
@@ -107,6 +109,7 @@ CASES_W4 = {
 }
 ALL_CASES = {**CASES, **CASES_W4}
 WHOLE_GATED = {"qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)"}
+UNINDEXED_ADAPTERS = {"tp1 -> tp2 (bf16, adapter files without a block index)"}
 QWEN2 = {name for name in CASES if name.startswith("qwen2")}
 SLOTS = {  # name: (saved layout, loaded layout): slot 1 of a 2-slot run (per-slot layer-wise children)
     "slot 1, tp2 -> tp1": (cfg(tp=2, slots=2), cfg(slots=2)),
@@ -186,6 +189,7 @@ def _cases(base: Path, cases: dict) -> list[dict]:
             "root": str(base / f"case{i}"),
             "steps": 2,
             "whole_gated_blocks": name in WHOLE_GATED,
+            "unindexed_adapters": name in UNINDEXED_ADAPTERS,
         }
         for i, (name, (saved, loaded)) in enumerate(cases.items())
     ]
@@ -263,7 +267,8 @@ def test_reshard_is_bit_exact_at_the_load(request, name):
 def test_a_resharding_load_reads_each_file_once(resharded, resharded_w4):
     """Structural pin of the read-once load: on every rank, each optimizer slice file a resharding
     load reads in part is opened and verified in one pass (one `storage.read_ranges` call: one
-    header parse), and no block is hashed twice (the earlier code read and verified every planned
+    header parse), and no block is hashed twice; adapter files are read in part too, or whole where
+    they have no block index (the earlier code read and verified every planned
     piece separately, at open and again at install: 1,572 range reads in the bench's W=2 load)."""
     partial = 0
     for r, name in [(r, n) for r in resharded for n in CASES] + [(r, n) for r in resharded_w4 for n in CASES_W4]:
@@ -271,6 +276,9 @@ def test_a_resharding_load_reads_each_file_once(resharded, resharded_w4):
         assert all(n == 1 for n in case["range_reads"].values()), (name, case["range_reads"])
         assert case["max_block_checks"] <= 1, (name, case["max_block_checks"])
         partial += len(case["range_reads"])
+        # adapter files: read in part (their block index), or whole where they have none
+        in_part = sorted(f for f in case["range_reads"] if f.startswith("adapter/"))
+        assert (in_part == []) == (name in UNINDEXED_ADAPTERS), (name, in_part)
     assert partial > 0  # the DistributedOptimizer cases did read in part
 
 

@@ -732,6 +732,16 @@ def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
     return begin + first * itemsize, begin + stop * itemsize
 
 
+def indexed_tensor(index: BlockIndex, name: str) -> tuple[str, int] | None:
+    """`(torch dtype name, element count)` of tensor `name` as the manifest's block index records
+    it (its dtype tag and byte range; the header must agree, `read_ranges` checks), None if absent."""
+    if name not in index.tensors:
+        return None
+    tag, begin, end = index.tensors[name]
+    torch_name, itemsize = _DTYPES[tag]
+    return torch_name, (end - begin) // itemsize
+
+
 def blocks_needed(index: BlockIndex, wanted: Iterable[ElementRange]) -> set[int]:
     """The blocks a partial read of `wanted` reads and verifies: the header's and every range's."""
     needed = set(index.blocks_for(0, index.data_start))

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json
@@ -73,6 +74,7 @@ class ReshardPlan:
     """What this rank reads and where it goes (see the module docstring)."""
 
     adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)  # name -> (block, [(source, copy)])
+    adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (file, tensor) -> read
     children: dict[int, _ChildPlan] = field(default_factory=dict)
     whole: dict[int, tuple] = field(default_factory=dict)  # index -> (reshard_whole.WholePlan, state keys)
     files: list = field(default_factory=list)
@@ -97,7 +99,7 @@ class ReshardPlan:
         _check_same_model(saved, running, changes)
         plan = cls()
         mine = running[request.rank]
-        plan._plan_adapter(layout, saved, request, mine)
+        plan._plan_adapter(layout, saved, request, mine, manifest)
         if restore_optimizer:
             plan._plan_optimizer(saved, request, saved_children, manifest, mine)
         return plan
@@ -110,13 +112,13 @@ class ReshardPlan:
 
     # ----------------------------------------------------------------------- adapter
 
-    def _plan_adapter(self, layout: dict, saved: dict, request, mine: dict) -> None:
+    def _plan_adapter(self, layout: dict, saved: dict, request, mine: dict, manifest) -> None:
         sources: dict[str, list[_Source]] = {}
         for file, entry in sorted(layout.get("adapter_files", {}).items()):
             for name in entry["names"]:
                 block = saved[entry["coordinate"]][name]
                 sources.setdefault(block.name, []).append(_Source(file, name, block))
-        files = []
+        spans: dict[str, dict[str, list[int]]] = {}  # file -> saved tensor -> [first, stop) this rank reads
         for name in sorted(request.adapter_params()):
             block = _block_of(mine, name)
             found = sources.get(block.name, [])
@@ -126,12 +128,23 @@ class ReshardPlan:
             except ValueError as exc:
                 raise IncompatibleCheckpoint(f"adapter parameter {name}: {exc}") from None
             self.adapter[name] = (block, [(found[c.source], c) for c in copies])
-            files += [found[c.source].where for c in copies if found[c.source].where not in files]
-        self.files += sorted(files)
+            for c in copies:
+                source = found[c.source]
+                span = spans.setdefault(source.where, {}).setdefault(source.name, [c.first, c.first + c.count])
+                span[0], span[1] = min(span[0], c.first), max(span[1], c.first + c.count)
+        for file, named in sorted(spans.items()):
+            self.adapter_spans.update({(file, name): tuple(span) for name, span in named.items()})
+            record = manifest.files.get(file)
+            if getattr(record, "blocks", None) is None:  # written before adapter files had a block index
+                self.files.append(file)
+            else:  # one range per saved tensor: its elements this rank needs, and those between
+                self.files.append(PartialRead(file, tuple((n, *span) for n, span in sorted(named.items()))))
 
     def adapter_tensors(self, opened, params: dict, check_binding) -> list[tuple[dict, dict]]:
-        """`[(params, {name: assembled local tensor})]` for `copy_into`; reads the adapter files."""
-        read: dict[str, dict] = {}
+        """`[(params, {name: assembled local tensor})]` for `copy_into`: each adapter weight assembled
+        from the ranges of the saved tensors that hold its elements (verified at open: the blocks
+        holding them, or the whole file where it has no block index)."""
+        read: dict[str, object] = {}
         out = {}
         for name, (block, copies) in self.adapter.items():
             param = params[name]
@@ -143,20 +156,24 @@ class ReshardPlan:
                 if source.where not in read:
                     kind, key = _ADAPTER_FILE.match(source.where).groups()
                     check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
-                    read[source.where] = opened.tensors(source.where)
-                tensor = read[source.where].get(source.name)
-                if tensor is None or not source.block.holds(tensor.shape) or tensor.dtype != param.dtype:
-                    got = "nothing" if tensor is None else f"{tensor.dtype}{list(tensor.shape)}"
+                    read[source.where] = opened.tensor_ranges(source.where)
+                lo, hi = self.adapter_spans[(source.where, source.name)]
+                try:
+                    span = read[source.where].get((source.name, lo, hi))
+                except ValueError as exc:
+                    raise ValueError(f"{source.where}: {exc}") from None
+                saved = _saved_adapter_tensor(opened.manifest, source, opened)
+                if saved != (param.dtype, source.block.numel) or span is None or span.numel() != hi - lo:
+                    got = "nothing of that shape" if saved is None else f"{saved[0]}[{saved[1]} elements]"
                     raise ValueError(
                         f"{source.where}: {source.name} is {got}, the manifest says "
                         f"{param.dtype}{list(source.block.shape)}"
                     )
                 # one strided copy per group of like runs (a row-parallel split: one per tensor), not per row
-                flat, length = tensor.reshape(-1), source.block.numel
-                for g in strided_runs(runs):
+                for g in strided_runs([(first - lo, into, count) for first, into, count in runs]):
                     into = strided_view(local, block.numel, g.into, g.into_step, g.width, g.n)
-                    into.copy_(strided_view(flat, length, g.first, g.step, g.width, g.n))
-            # every element came from a tensor checked finite when its file was read (whole, at open)
+                    into.copy_(strided_view(span, hi - lo, g.first, g.step, g.width, g.n))
+            # every element came from a tensor checked finite when its file was read (at open)
             out[name] = local.view(param.shape)
         return [(params, out)] if out else []
 
@@ -320,6 +337,20 @@ def _row_parts(piece, runs: list, manifest) -> list[tuple]:
                 for i in range(g.n)
             ]
     return out
+
+
+def _saved_adapter_tensor(manifest, source: _Source, opened) -> tuple[torch.dtype, int] | None:
+    """`(dtype, element count)` of a saved adapter tensor: from its file's block index (a file read
+    in part: the header agreed with the index when read), or from the tensor of a file read whole
+    (whose shape must be the manifest's block); None where the file lacks it or the shape differs."""
+    record = manifest.files[source.where]
+    if record.blocks is not None:
+        found = storage.indexed_tensor(record.blocks, source.name)
+        return None if found is None else (getattr(torch, found[0]), found[1])
+    tensor = opened.tensors(source.where).get(source.name)
+    if tensor is None or not source.block.holds(tensor.shape):
+        return None
+    return tensor.dtype, tensor.numel()
 
 
 def _one_state(index: int, coordinates: list[str], states: dict):

@@ -142,6 +142,33 @@ def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
     return str(target)
 
 
+def _unindexed_adapters(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` whose adapter files have no block index, as they
+    were written before 2026-12-02 (resealed: an intact generation of that writer; a resharding load
+    then reads them whole)."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
+    from miles_lora_ckpt.core.verify import resolve
+
+    generation = resolve(Path(root)).generation.path
+    target = Path(root).parent / f"unindexed-{hashlib.sha256(name.encode()).hexdigest()[:8]}" / generation.name
+    if consensus.rank == 0:
+        shutil.copytree(generation, target)
+        body = json.loads((target / MANIFEST).read_text())
+        body.pop("manifest_digest")
+        body.pop("signature", None)
+        adapters = [record for file, record in body["files"].items() if file.startswith("adapter/")]
+        assert adapters and all("blocks" in record for record in adapters), sorted(body["files"])
+        for record in adapters:
+            record.pop("blocks")
+        (target / MANIFEST).write_bytes(seal_manifest(body))
+    dist.barrier()
+    return str(target)
+
+
 def probe_loss(run, step: int) -> float | None:
     """Collective. The loss of DP rank 0's whole micro-batch of `step` under the current weights, no
     update: every rank runs the forward on the same whole sequences (TP ranks cooperate; the harness's
@@ -334,6 +361,8 @@ def reshard_job(payload: dict, ctx) -> dict:
         source = case["root"]
         if case.get("whole_gated_blocks"):
             source = _whole_gated_blocks(source, case["name"], consensus)
+        if case.get("unindexed_adapters"):
+            source = _unindexed_adapters(source, case["name"], consensus)
         after = build_run(config_from_dict(case["load"]))
         with counting_reads() as counts:
             result = load(after, source, consensus)

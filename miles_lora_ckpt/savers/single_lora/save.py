@@ -360,14 +360,15 @@ def _lora_args(args) -> dict:
 
 
 def _adapter_files(model, layout: SaveLayout, rank: int) -> dict[str, RankFile]:
-    """The adapter shards this rank writes (the lowest rank holding each coordinate's shard)."""
+    """The adapter shards this rank writes (the lowest rank holding each coordinate's shard), with a
+    block index: a resharding load reads only the blocks holding the elements it needs."""
     coords = Coordinates(**layout.plans[rank]["coords"])
     dense, expert = (layout.adapter_subset(p) for p in shards.split_by_kind(shards.adapter_params(model)))
     files = {}
     if dense and layout.dense_writers.get(coords.dense_key) == rank:
         tensors = {n: p.detach() for n, p in dense.items()}
-        files[shards.dense_file(coords)] = RankFile(adapter_binding("dense", coords.dense_key), tensors)
+        files[shards.dense_file(coords)] = RankFile(adapter_binding("dense", coords.dense_key), tensors, blocks=True)
     if expert and layout.expert_writers.get(coords.expert_key) == rank:
         tensors = {n: p.detach() for n, p in expert.items()}
-        files[shards.expert_file(coords)] = RankFile(adapter_binding("expert", coords.expert_key), tensors)
+        files[shards.expert_file(coords)] = RankFile(adapter_binding("expert", coords.expert_key), tensors, blocks=True)
     return files
