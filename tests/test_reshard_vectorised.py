@@ -8,11 +8,14 @@ calls of a known layout at two row counts: the same count, and the same bytes as
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 from miles_lora_ckpt.core.global_layout import Block, Strided, plan_copies, strided_runs, strided_view
+from miles_lora_ckpt.core.protocol import WholeFileRanges
 from miles_lora_ckpt.megatron.optimizer_children.distributed import _strided_groups
 from miles_lora_ckpt.megatron.reshard import ReshardPlan, _Source
 
@@ -69,11 +72,18 @@ def test_the_adapter_is_assembled_with_torch_calls_per_tensor_not_per_row(tp):
         wanted = _row_parallel(rows, 32, tp, tp - 1)
         source = _Source("adapter/dense_t0p0.safetensors", "w", saved)
         plan = ReshardPlan()
-        plan.adapter["w"] = (wanted, [(source, c) for c in plan_copies(wanted, 0, wanted.numel, [saved])])
+        copies = plan_copies(wanted, 0, wanted.numel, [saved])
+        plan.adapter["w"] = (wanted, [(source, c) for c in copies])
+        plan.adapter_spans[(source.where, "w")] = (copies[0].first, copies[-1].first + copies[-1].count)
 
-        class _Opened:
+        class _Opened:  # the file read whole (no block index): its ranges cut from its tensors
+            manifest = SimpleNamespace(files={source.where: SimpleNamespace(blocks=None)})
+
             def tensors(self, where, full=full):
                 return {"w": full}
+
+            def tensor_ranges(self, where, full=full):
+                return WholeFileRanges({"w": full})
 
         param = torch.empty(rows, 32 // tp)
         with _Count() as count:

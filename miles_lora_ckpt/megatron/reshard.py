@@ -8,7 +8,9 @@ who wrote them) and each DistributedOptimizer child's `layout.positions` (where 
 lies in its bucket's world tensor), it works out, for this rank of the new layout,
 
 - every adapter weight: which saved files and which flat runs of which saved tensors make it
-  (`core.global_layout.plan_copies`); those adapter files are read whole (they are small);
+  (`core.global_layout.plan_copies`); of each saved adapter tensor it needs, the rank reads one
+  range (from its first element needed to its last: `protocol.PartialRead`, only those blocks
+  read and verified), or the whole file where it has no block index (written before 2026-12-02);
 - every parameter element of this rank's DistributedOptimizer shards: which element ranges of
   which saved slice files hold its master and moments (`protocol.PartialRead`: only those blocks
   are read and verified), and where they go in the shard; the install is the same-layout one
