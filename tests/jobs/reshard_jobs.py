@@ -84,49 +84,59 @@ def _slot_keys(view: dict, config, trainer, slot: int) -> set[str]:
     return keys
 
 
-def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
-    """A copy of the newest generation under `root` as format v2 wrote it: no global layout, no
-    optimizer positions (resealed: an intact generation of the earlier format)."""
+def _edited_copy(root: str, kind: str, name: str, consensus: Consensus, edit) -> str:
+    """A copy of the newest generation under `root`, in a folder of its own per `kind` and case
+    `name`, that `edit(copy's directory)` changed. Collective: rank 0 copies and edits, every rank
+    gets the copy's path."""
+    import hashlib
     import shutil
     from pathlib import Path
 
-    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
     from miles_lora_ckpt.core.verify import resolve
 
     generation = resolve(Path(root)).generation.path
-    target = Path(root).parent / f"v2-{abs(hash(name)) % 10**8}" / generation.name
+    target = Path(root).parent / f"{kind}-{hashlib.sha256(name.encode()).hexdigest()[:8]}" / generation.name
     if consensus.rank == 0:
         shutil.copytree(generation, target)
+        edit(target)
+    dist.barrier()
+    return str(target)
+
+
+def _resealed(edit_body):
+    """An `_edited_copy` edit: the manifest's body changed by `edit_body(body)`, then resealed (an
+    intact generation of the writer it imitates)."""
+    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
+
+    def edit(target) -> None:
         body = json.loads((target / MANIFEST).read_text())
         body.pop("manifest_digest")
         body.pop("signature", None)
+        edit_body(body)
+        (target / MANIFEST).write_bytes(seal_manifest(body))
+
+    return edit
+
+
+def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` as format v2 wrote it: no global layout, no
+    optimizer positions (resealed: an intact generation of the earlier format)."""
+
+    def edit(body):
         body["format_version"] = 2
         body["metadata"].pop("global_layout")
         for child in body["metadata"]["optimizer_children"].values():
             child.get("layout", {}).pop("positions", None)
-        (target / MANIFEST).write_bytes(seal_manifest(body))
-    dist.barrier()
-    return str(target)
+
+    return _edited_copy(root, "v2", name, consensus, _resealed(edit))
 
 
 def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` (saved at TP 1) whose manifest records each gated
     fc1 output (`linear_fc1.adapter.linear_out`) as format v3 did before the gate/up axis: one whole
     `[G, ...]` block (resealed: an intact generation of that writer)."""
-    import hashlib
-    import shutil
-    from pathlib import Path
 
-    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
-    from miles_lora_ckpt.core.verify import resolve
-
-    generation = resolve(Path(root)).generation.path
-    target = Path(root).parent / f"whole-{hashlib.sha256(name.encode()).hexdigest()[:8]}" / generation.name
-    if consensus.rank == 0:
-        shutil.copytree(generation, target)
-        body = json.loads((target / MANIFEST).read_text())
-        body.pop("manifest_digest")
-        body.pop("signature", None)
+    def edit(body):
         edited = 0
         for blocks in body["metadata"]["global_layout"]["params"].values():
             for param, block in blocks.items():
@@ -137,36 +147,22 @@ def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
                     block.update(global_shape=whole, offset=[0] * len(whole), shape=whole)
                     edited += 1
         assert edited, "no gated fc1 output in the manifest"
-        (target / MANIFEST).write_bytes(seal_manifest(body))
-    dist.barrier()
-    return str(target)
+
+    return _edited_copy(root, "whole", name, consensus, _resealed(edit))
 
 
 def _unindexed_adapters(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` whose adapter files have no block index, as they
     were written before 2026-12-02 (resealed: an intact generation of that writer; a resharding load
     then reads them whole)."""
-    import hashlib
-    import shutil
-    from pathlib import Path
 
-    from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
-    from miles_lora_ckpt.core.verify import resolve
-
-    generation = resolve(Path(root)).generation.path
-    target = Path(root).parent / f"unindexed-{hashlib.sha256(name.encode()).hexdigest()[:8]}" / generation.name
-    if consensus.rank == 0:
-        shutil.copytree(generation, target)
-        body = json.loads((target / MANIFEST).read_text())
-        body.pop("manifest_digest")
-        body.pop("signature", None)
+    def edit(body):
         adapters = [record for file, record in body["files"].items() if file.startswith("adapter/")]
         assert adapters and all("blocks" in record for record in adapters), sorted(body["files"])
         for record in adapters:
             record.pop("blocks")
-        (target / MANIFEST).write_bytes(seal_manifest(body))
-    dist.barrier()
-    return str(target)
+
+    return _edited_copy(root, "unindexed", name, consensus, _resealed(edit))
 
 
 def probe_loss(run, step: int) -> float | None:
@@ -193,33 +189,21 @@ def probe_loss(run, step: int) -> float | None:
 def _damaged_slice(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` with one byte of a DistributedOptimizer slice
     file's tensor data flipped (the manifest unchanged: its digests no longer match)."""
-    import shutil
-    from pathlib import Path
 
-    from miles_lora_ckpt.core.verify import resolve
-
-    generation = resolve(Path(root)).generation.path
-    target = Path(root).parent / f"damaged-{abs(hash(name)) % 10**8}" / generation.name
-    if consensus.rank == 0:
-        shutil.copytree(generation, target)
+    def flip(target) -> None:
         victim = sorted(target.glob("optimizer/child0_*_s000of*.safetensors"))[0]
         data = bytearray(victim.read_bytes())
         data[-5] ^= 0x40
         victim.write_bytes(bytes(data))
-    dist.barrier()
-    return str(target)
+
+    return _edited_copy(root, "damaged", name, consensus, flip)
 
 
 def _unknown_group_key(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` whose every saved param group (every child, every
     coordinate, so they still agree) holds a key megatron's optimizer does not have, resealed (needs
     the tests folder on the workers' sys.path: damage.py)."""
-    import shutil
-    from pathlib import Path
-
     from damage import edit_training_state
-
-    from miles_lora_ckpt.core.verify import resolve
 
     def add_key(node) -> None:
         if isinstance(node, dict):
@@ -228,13 +212,10 @@ def _unknown_group_key(root: str, name: str, consensus: Consensus) -> str:
             for value in node.values():
                 add_key(value)
 
-    generation = resolve(Path(root)).generation.path
-    target = Path(root).parent / f"groupkey-{abs(hash(name)) % 10**8}" / generation.name
-    if consensus.rank == 0:
-        shutil.copytree(generation, target)
+    def edit(target) -> None:
         edit_training_state(target, lambda state: add_key(state["optimizer_children"]))
-    dist.barrier()
-    return str(target)
+
+    return _edited_copy(root, "groupkey", name, consensus, edit)
 
 
 def gated_fc1_halves(run) -> dict[str, str]:
@@ -294,26 +275,17 @@ def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` whose dense adapter file has one element of its
     first tensor changed, resealed with its own stamp (every digest, stamp and binding agrees): only
     the cross-check against the fp32 masters can tell (needs the tests folder on sys.path: damage.py)."""
-    import shutil
-    from pathlib import Path
-
     from damage import rewrite_tensors
-
-    from miles_lora_ckpt.core.verify import resolve
 
     def nudge(tensors) -> None:
         flat = tensors[sorted(tensors)[0]].view(-1)
         flat[0] = flat[0] + max(abs(float(flat[0])), 1.0)
 
-    generation = resolve(Path(root)).generation.path
-    target = Path(root).parent / f"forged-{abs(hash(name)) % 10**8}" / generation.name
-    if consensus.rank == 0:
-        shutil.copytree(generation, target)
-        rewrite_tensors(
-            target, sorted(p.relative_to(target).as_posix() for p in target.glob("adapter/dense_*"))[0], nudge
-        )
-    dist.barrier()
-    return str(target)
+    def edit(target) -> None:
+        adapter = sorted(p.relative_to(target).as_posix() for p in target.glob("adapter/dense_*"))[0]
+        rewrite_tensors(target, adapter, nudge)
+
+    return _edited_copy(root, "forged", name, consensus, edit)
 
 
 def expert_layout(run) -> dict:
