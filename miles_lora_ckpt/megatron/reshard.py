@@ -146,7 +146,7 @@ class ReshardPlan:
         """`[(params, {name: assembled local tensor})]` for `copy_into`: each adapter weight assembled
         from the ranges of the saved tensors that hold its elements (verified at open: the blocks
         holding them, or the whole file where it has no block index)."""
-        read: dict[str, object] = {}
+        read: dict[str, tuple] = {}  # file -> (its verified ranges, its tensors' dtypes and sizes)
         out = {}
         for name, (block, copies) in self.adapter.items():
             param = params[name]
@@ -158,13 +158,20 @@ class ReshardPlan:
                 if source.where not in read:
                     kind, key = _ADAPTER_FILE.match(source.where).groups()
                     check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
-                    read[source.where] = opened.tensor_ranges(source.where)
+                    read[source.where] = (
+                        opened.tensor_ranges(source.where),
+                        _saved_adapter_tensors(opened, source.where),
+                    )
+                ranges, described = read[source.where]
                 lo, hi = self.adapter_spans[(source.where, source.name)]
                 try:
-                    span = read[source.where].get((source.name, lo, hi))
+                    span = ranges.get((source.name, lo, hi))
                 except ValueError as exc:
                     raise ValueError(f"{source.where}: {exc}") from None
-                saved = _saved_adapter_tensor(opened.manifest, source, opened)
+                dtype, numel, shape = described.get(source.name, (None, None, None))
+                saved = (
+                    None if dtype is None or (shape is not None and not source.block.holds(shape)) else (dtype, numel)
+                )
                 if saved != (param.dtype, source.block.numel) or span is None or span.numel() != hi - lo:
                     got = "nothing of that shape" if saved is None else f"{saved[0]}[{saved[1]} elements]"
                     raise ValueError(
@@ -341,18 +348,18 @@ def _row_parts(piece, runs: list, manifest) -> list[tuple]:
     return out
 
 
-def _saved_adapter_tensor(manifest, source: _Source, opened) -> tuple[torch.dtype, int] | None:
-    """`(dtype, element count)` of a saved adapter tensor: from its file's block index (a file read
-    in part: the header agreed with the index when read), or from the tensor of a file read whole
-    (whose shape must be the manifest's block); None where the file lacks it or the shape differs."""
-    record = manifest.files[source.where]
+def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype, int, tuple | None]]:
+    """`{name: (dtype, element count, shape or None)}` of the tensors of one saved adapter file, once
+    per file: from its block index where it has one (a file read in part: the header agreed with
+    the index when read; no shape), otherwise from the tensors of the file read whole."""
+    record = opened.manifest.files[relpath]
     if record.blocks is not None:
-        found = storage.indexed_tensor(record.blocks, source.name)
-        return None if found is None else (getattr(torch, found[0]), found[1])
-    tensor = opened.tensors(source.where).get(source.name)
-    if tensor is None or not source.block.holds(tensor.shape):
-        return None
-    return tensor.dtype, tensor.numel()
+        out = {}
+        for name in record.blocks.tensors:
+            torch_name, numel = storage.indexed_tensor(record.blocks, name)
+            out[name] = (getattr(torch, torch_name), numel, None)
+        return out
+    return {name: (t.dtype, t.numel(), tuple(t.shape)) for name, t in opened.tensors(relpath).items()}
 
 
 def _one_state(index: int, coordinates: list[str], states: dict):
