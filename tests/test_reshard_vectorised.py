@@ -93,7 +93,7 @@ def test_the_adapter_is_assembled_with_torch_calls_per_tensor_not_per_row(tp):
     assert calls[64] == calls[128], calls
 
 
-def test_install_pieces_are_grouped_with_one_copy_per_group():
+def test_install_copies_are_grouped_with_one_copy_per_group():
     """`_strided_groups`: `rows` pieces of one destination (half rows) make one (view, values) pair
     whose copy writes exactly those elements; the torch calls do not grow with the rows."""
     calls = {}

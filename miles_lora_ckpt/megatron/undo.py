@@ -15,8 +15,9 @@ parameters back first, then copies them into the master (bf16 -> fp32 is exact),
 back the very same bits. The inner state of a fresh optimizer is empty, so nothing is copied for
 it. A load into an optimizer that has already stepped copies its masters and moments (the same
 size as what it holds): the price of rolling back a late failure bit for bit there, except for
-the state a load replaces instead of writing (`replaced`: a DistributedOptimizer's moments, see
-`ChildFamily.replaces`): those old tensors are kept as they are, for nothing writes them.
+the state a load replaces instead of writing (`replaced`: a DistributedOptimizer's moments, and
+its masters on the CPU that are not views of fp32 parameters, see `ChildFamily.replaces` and
+`child.master_replaceable`): those old tensors are kept as they are, for nothing writes them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, master_replaceable
+
 _COMPARE_ELEMENTS = 1 << 20  # a master is compared with its parameter this many elements at a time
 _PREFIX_ELEMENTS = 1 << 12  # ... after its first elements (a master that has stepped differs there)
 
@@ -34,15 +37,17 @@ _PREFIX_ELEMENTS = 1 << 12  # ... after its first elements (a master that has st
 @dataclass
 class UndoRecord:
     params: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, copy)
-    # (inner optimizer, state, groups, masters: [(live master, its copy, or the parameter elements
-    # it is remade from)])
+    # (inner optimizer, state, groups, masters: [(live master, its copy, the parameter elements it
+    # is remade from, or its old data, kept: bool)])
     children: list[tuple] = field(default_factory=list)
     scheduler: tuple | None = None  # (scheduler, attributes)
 
     @classmethod
     def capture(cls, adapter_params, children, scheduler, replaced: dict | None = None) -> UndoRecord:
         """Record what a load may change. `replaced`: `{id(child): state keys}` the load puts new
-        tensors under without writing the old ones (`chain.replaced_keys`): those are kept, not copied."""
+        tensors under without writing the old ones (`chain.replaced_keys`): those are kept, not
+        copied; `MASTER_KEY` among them: so are the masters it gives new data
+        (`child.master_replaceable`)."""
         record = cls()
         record.params = [(p, p.detach().clone()) for p in adapter_params]
         for child in children:
@@ -54,7 +59,10 @@ class UndoRecord:
                 [dict(g, **copy.deepcopy({k: v for k, v in g.items() if k != "params"})) for g in inner.param_groups],
             )
             sources = refresh_sources(child)
-            masters = [(m, _undo_of_master(m, sources.get(id(m)))) for g in inner.param_groups for m in g["params"]]
+            swapped = MASTER_KEY in kept
+            masters = [
+                (m, *_undo_of_master(m, sources.get(id(m)), swapped)) for g in inner.param_groups for m in g["params"]
+            ]
             record.children.append((inner, state, groups, masters))
         if scheduler is not None:
             attributes = {k: copy.deepcopy(v) for k, v in vars(scheduler).items() if k != "optimizer"}
@@ -71,8 +79,10 @@ class UndoRecord:
                     group.clear()
                     group.update(values)
                 inner.param_groups = group_list
-                for live, saved in masters:  # a copy, or the parameter elements (restored above)
-                    if saved.data_ptr() != live.data_ptr():
+                for live, saved, kept in masters:  # a copy, the parameter elements (restored above),
+                    if kept:  # or its old data, which the load replaced without writing it
+                        live.data = saved
+                    elif saved.data_ptr() != live.data_ptr():
                         live.copy_(saved.reshape(live.shape))
         if self.scheduler is not None:
             scheduler, attributes = self.scheduler
@@ -106,13 +116,17 @@ def refresh_sources(child) -> dict[int, torch.Tensor]:
     return sources
 
 
-def _undo_of_master(master: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
-    """`source` (the parameter elements the master is made from) if copying it into `master`
-    gives back `master`'s current bits exactly, compared a chunk at a time (no full temporary);
-    otherwise a copy of the master."""
+def _undo_of_master(master: torch.Tensor, source: torch.Tensor | None, swapped: bool) -> tuple[torch.Tensor, bool]:
+    """`(what restores master, kept)`: with `swapped` (the load gives replaceable masters new data,
+    `child.master_replaceable`) and a master it replaces, the master's current data itself (kept:
+    nothing writes it); else `source` (the parameter elements the master is made from) if copying
+    it into `master` gives back `master`'s current bits exactly, compared a chunk at a time (no full
+    temporary); otherwise a copy of the master."""
+    if swapped and source is not None and master_replaceable(master, source):
+        return master.detach(), True
     if remade_exactly(master, source):
-        return source
-    return master.detach().clone()
+        return source, False
+    return master.detach().clone(), False
 
 
 def remade_exactly(master: torch.Tensor, source: torch.Tensor | None) -> bool:

@@ -206,7 +206,7 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
         finally:
             load_module._install, undo.UndoRecord.capture = real_install, real_capture
         after = snapshot_digests(snapshot(run))
-        masters = [(live, saved) for record in records for *_, entries in record.children for live, saved in entries]
+        masters = [entry for record in records for *_, entries in record.children for entry in entries]
         outcomes[name] = {
             "error": error,
             "changed": compare_digests(before, after),
@@ -214,10 +214,15 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
             "logged": list(logged),
             "state_digests": after,  # what the run holds after this case (model, optimizer, scheduler)
             "hyperparameters": live_hyperparameters(run),  # after this case: first child's groups, scheduler
-            # the undo record's masters: how many, and how many are remade from the parameters
+            # the undo record's masters: how many, how many are remade from the parameters, and how
+            # many are kept as they were (the load gave those masters new data, never writing the old)
             "undo_masters": [
                 len(masters),
-                sum(saved.data_ptr() != live.data_ptr() and saved.dtype != live.dtype for live, saved in masters),
+                sum(
+                    not kept and saved.data_ptr() != live.data_ptr() and saved.dtype != live.dtype
+                    for live, saved, kept in masters
+                ),
+                sum(kept for _, _, kept in masters),
             ],
         }
     return outcomes

@@ -12,6 +12,14 @@ import torch
 
 MASTER_KEY = "param"  # the fp32 master weight, saved next to the state keys
 
+
+def master_replaceable(master: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a load may give the fp32 `master` new data (`master.data = ...`) instead of writing
+    into it: it lives on the CPU, where the verified bytes are, and shares no storage with `param`
+    (its model parameter, or a view of the parameter's elements). A DistributedOptimizer over fp32
+    model params holds views of the parameters as masters: those are written in place."""
+    return master.device.type == "cpu" and master.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+
 DISTRIBUTED = "DistributedOptimizer"
 FLOAT16 = "Float16OptimizerWithFloat16Params"
 FP32 = "FP32Optimizer"

@@ -48,7 +48,7 @@ from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.core.storage import LazyTensor
-from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state
+from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state, master_replaceable
 from miles_lora_ckpt.megatron.optimizer_children.family import (
     Collected,
     OptimizerFile,
@@ -386,26 +386,6 @@ def overlaps(spans: list[tuple[int, int]], parts: list[tuple[int, int]]) -> list
     return out
 
 
-def install_pieces(child, keys: tuple[str, ...], layout: BucketLayout, parts: list) -> None:
-    """Copy `(key, offset in this rank's shard of the bucket, tensor, its element count, rows)` pieces
-    into the masters and the allocated state of every parameter they overlap, in place; then compare
-    every copied element. A parameter's pieces (one per row of a row-parallel split at another TP) are
-    copied as few strided groups (`global_layout.strided_runs`): torch calls per parameter, not per
-    row. `rows` not None: the piece is such a group already (`_Restore.buckets`), row `i` of
-    `(step, width, n, offset step)` its elements `[i * step, ... + width)`, going to
-    `[offset + i * offset step, ... + width)`, inside one parameter."""
-    targets: dict[str, list] = {key: [] for key in (MASTER_KEY, *keys)}
-    for model_param, ranges in _param_maps(child, layout).items():
-        main_param, state = main_and_state(child, model_param)
-        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
-        for key in (MASTER_KEY, *keys):
-            if key != MASTER_KEY and key not in state:
-                raise KeyError(f"optimizer state was not allocated for {key!r}")
-            targets[key].append((start, end, main_param if key == MASTER_KEY else state[key]))
-    for key, spans in targets.items():
-        _copy_parts(key, spans, [(o, t, c, rows) for part_key, o, t, c, rows in parts if part_key == key])
-
-
 def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated: frozenset = frozenset()) -> None:
     """Install state `key` of one bucket's parameters from `(offset in this rank's shard of the
     bucket, tensor, its element count, rows)` parts (views of the verified ranges), never writing a
@@ -415,8 +395,7 @@ def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated:
     A parameter whose elements lie inside one part of the same dtype and device as its tensor, the
     part being the whole of its verified buffer (every parameter of a same-layout load on the CPU),
     gets a view of that part: the verified bytes become the state, with no copy to make or read
-    back. Any other is copied, and read back as
-    `install_pieces` does, into the tensor this load's `allocate` made for it
+    back. Any other is copied, and read back (`_copy_parts`), into the tensor this load's `allocate` made for it
     (`(id(master), key)` in `allocated`: nothing to keep, no second tensor), or else into a new
     `torch.empty_like` of its old tensor, which then replaces it."""
     fresh: dict = {}  # main param -> the tensor that replaces its old one
@@ -444,6 +423,39 @@ def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated:
         child.optimizer.state[main_param][key] = tensor
 
 
+def replace_masters(child, layout: BucketLayout, parts: list) -> None:
+    """Install one bucket's fp32 masters from `(offset in this rank's shard of the bucket, tensor, its
+    element count, rows)` parts, never writing into a master `master_replaceable` allows to replace
+    (`undo.UndoRecord` keeps its old data, not a copy, see `replaces`): megatron holds each master
+    object in its own lists (param groups, `shard_fp32_from_float16_groups`, `main_param`), so the
+    object stays and its data is swapped (`master.data = new`). The new data is the part itself
+    when the master's elements are one whole verified buffer (`_view_of_one_part`: a same-layout
+    load on the CPU, nothing to copy or read back), else a new tensor the parts are copied into and
+    read back (`_copy_parts`). A master that is its fp32 parameter's own elements is written in
+    place, and read back."""
+    fresh: dict = {}  # master -> its new data
+    spans = []  # (start, end, destination) of the masters that are copied into
+    whole = sorted(((o, c, t) for o, t, c, rows in parts if rows is None), key=lambda p: p[0])
+    starts = [o for o, _, _ in whole]
+    for model_param, ranges in _param_maps(child, layout).items():
+        main_param, _ = main_and_state(child, model_param)
+        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+        if main_param.numel() != end - start:
+            raise ValueError(f"an fp32 master holds {main_param.numel()} elements, its shard {end - start}")
+        if not master_replaceable(main_param, model_param):
+            spans.append((start, end, main_param))
+            continue
+        view = _view_of_one_part(whole, starts, start, end, main_param)
+        if view is None:
+            view = torch.empty_like(main_param, memory_format=torch.contiguous_format)
+            spans.append((start, end, view))
+        fresh[main_param] = view
+    _copy_parts(MASTER_KEY, spans, parts)
+    with torch.no_grad():
+        for main_param, tensor in fresh.items():
+            main_param.data = tensor
+
+
 def _view_of_one_part(whole: list, starts: list[int], start: int, end: int, old: torch.Tensor):
     """A view shaped like `old` of the part (`(offset, count, tensor)`, sorted by offset) holding
     shard elements `[start, end)`, when one does, matches `old`'s dtype and device, and is its whole
@@ -462,8 +474,13 @@ def _view_of_one_part(whole: list, starts: list[int], start: int, end: int, old:
 
 
 def _copy_parts(key: str, spans: list, mine: list) -> None:
-    """Copy `(offset, tensor, count, rows)` parts into the `(start, end, destination)` spans they
-    overlap (`install_pieces`), then compare every copied element."""
+    """Copy `(offset in this rank's shard of the bucket, tensor, its element count, rows)` parts into
+    the `(start, end, destination)` spans (parameters' shard elements) they overlap, then compare
+    every copied element. A parameter's pieces (one per row of a row-parallel split at another TP)
+    are copied as few strided groups (`global_layout.strided_runs`): torch calls per parameter, not
+    per row. `rows` not None: the piece is such a group already (`_Restore.buckets`), row `i` of
+    `(step, width, n, offset step)` its elements `[i * step, ... + width)`, going to
+    `[offset + i * offset step, ... + width)`, inside one parameter."""
     copies = []  # (destination view, source view)
     by_target: dict[int, list] = {}
     for i, j, lo, hi in overlaps([(a, b) for a, b, _ in spans], [(o, _extent(c, r)) for o, _, c, r in mine]):
@@ -539,7 +556,7 @@ def _gathered(pieces: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter) -> None:
     """Every saved master element of this rank's shard of one bucket (`(file, offset in the shard,
-    tensor, its element count, rows)` parts, `rows` as in `install_pieces`) is the cast of the saved adapter's matching element (`masters.check_master`)."""
+    tensor, its element count, rows)` parts, `rows` as in `_copy_parts`) is the cast of the saved adapter's matching element (`masters.check_master`)."""
     params = []
     for model_param, ranges in _param_maps(child.optimizer, layout).items():
         source = adapter(model_param)
@@ -713,16 +730,18 @@ class DistributedFamily:
         """No collectives: every rank read its own ranges (no scatter from a DP root)."""
 
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
-        """The state keys `install` replaces with new tensors instead of writing into the old ones
-        (every moment; the masters are written in place: megatron holds them in its own lists)."""
-        return tuple(restore.keys)
+        """The state keys `install` replaces with new tensors instead of writing into the old ones:
+        every moment, and `MASTER_KEY`: the masters `master_replaceable` allows get new data
+        (`replace_masters`: megatron holds the master objects in its own lists, so those stay)."""
+        return (MASTER_KEY, *restore.keys)
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:
         """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
-        the ranges verified at open). The masters are copied straight into the masters of the
-        parameters they overlap (no shard is assembled) and read back bit for bit; every moment is
-        replaced by a new tensor made of them (`replace_state`: on the CPU, at a same layout, the
-        verified bytes themselves)."""
+        the ranges verified at open). The masters get new data made of them (`replace_masters`: on
+        the CPU, at a same layout, the verified bytes themselves; a master on a GPU, or that is its
+        fp32 parameter's own elements, is copied into in place), read back bit for bit where copied;
+        every moment is replaced by a new tensor made of them (`replace_state`: on the CPU, at a
+        same layout, the verified bytes themselves)."""
         opt = child.optimizer
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
             for key in (MASTER_KEY, *restore.keys):  # one key of one bucket at a time
@@ -731,7 +750,7 @@ class DistributedFamily:
                     for piece, source, first, stop, offset, rows in pieces
                 ]
                 if key == MASTER_KEY:
-                    install_pieces(opt, (), layout, parts)
+                    replace_masters(opt, layout, [part[1:] for part in parts])
                 else:
                     replace_state(opt, key, layout, [part[1:] for part in parts], restore.allocated)
                 del parts
