@@ -149,9 +149,9 @@ def _mem_section(args) -> None:
         f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} on the DP root at W={args.mem_world}: "
         f"the optimizer's own moments (allocated to receive them) {moments / bucket:.2f}, the load's own "
         f"{(load - moments) / bucket:.2f} (the adapter, {root['load_adapter_bytes'] / bucket:.2f}, read and "
-        "copied for undo; a same-layout load: its fp32 masters verified at open and kept until installed, "
-        "then one bucket's moment at a time, verified at open and read again; a fresh optimizer's masters "
-        "remade, not copied, on undo)"
+        "copied for undo; a same-layout load: its shard of the saved state, masters and moments, verified "
+        "at open and kept until installed, where on the CPU those buffers become the state; the masters' "
+        "old data kept, not copied, on undo)"
     )
 
 

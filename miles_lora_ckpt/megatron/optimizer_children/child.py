@@ -20,6 +20,7 @@ def master_replaceable(master: torch.Tensor, param: torch.Tensor) -> bool:
     model params holds views of the parameters as masters: those are written in place."""
     return master.device.type == "cpu" and master.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
 
+
 DISTRIBUTED = "DistributedOptimizer"
 FLOAT16 = "Float16OptimizerWithFloat16Params"
 FP32 = "FP32Optimizer"

@@ -24,11 +24,11 @@ protocol verifies every other block round-robin), after checking that the saved 
 bucket exactly (no overlap, no gap). Every load, at any DP size or model-parallel layout, reads
 and verifies all of a file's ranges at open in one pass (each block read and hashed once per
 load) and keeps them; the masters' cross-check (preflight) and `install` (one bucket and one key
-at a time) use those verified buffers: the masters are copied straight into megatron's masters
-and read back (each master's buffer given back once copied), and every moment is replaced by a
-new tensor made of them (`replace_state`; on the CPU, at a same layout, a view of the verified
-buffer itself, nothing copied), the old tensors untouched, so the undo record keeps them instead
-of copies. The load holds this rank's shard of the optimizer state once beyond
+at a time) use those verified buffers: every master gets new data made of them, its object kept
+(`replace_masters`), and every moment is replaced by a new tensor made of them (`replace_state`);
+on the CPU, at a same layout, both are views of the verified buffers themselves, nothing copied.
+The old tensors are untouched, so the undo record keeps them instead of copies. A master on a GPU,
+or that is its fp32 parameter's own elements, is copied into in place and read back. The load holds this rank's shard of the optimizer state once beyond
 what the optimizer holds. Param groups and the
 step travel as JSON (`child.state_dict()` of the DP root). Generations written by the earlier,
 gathered layout (one file per coordinate with `buf{g}.{k}` world tensors, written by the DP root;
