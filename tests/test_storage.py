@@ -296,3 +296,20 @@ def test_prefetch_hints_the_blocks_under_the_spans_merged_and_never_fails(tmp_pa
 
     monkeypatch.setattr(os, "posix_fadvise", refuse)
     storage.prefetch(path, record)  # a kernel that refuses the hint fails nothing
+
+
+def test_a_large_read_buffer_is_private_memory_not_shared_with_a_forked_process():
+    """`large_buffer` above `ANONYMOUS_ABOVE` is a private anonymous map: a forked process's writes
+    stay its own (Python's default anonymous map is shared, shmem, whose page faults and unmapping
+    cost several times more: a load's reads and the freeing of the state it replaced)."""
+    buf = storage.large_buffer(storage.ANONYMOUS_ABOVE + 4096)
+    assert len(buf) == storage.ANONYMOUS_ABOVE + 4096 and buf[:4] == b"\0\0\0\0"
+    pid = os.fork()
+    if pid == 0:  # the child writes into its copy and leaves at once
+        buf[:4] = b"FORK"
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert buf[:4] == b"\0\0\0\0", "the child's write reached the parent: the buffer is shared memory"
+    small = storage.large_buffer(16)
+    assert isinstance(small, bytearray) and bytes(small) == bytes(16)

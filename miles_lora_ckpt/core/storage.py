@@ -352,13 +352,16 @@ ANONYMOUS_ABOVE = 1024 * 1024
 
 
 def large_buffer(nbytes: int):
-    """A zeroed, writable buffer of `nbytes`: a bytearray, or above `ANONYMOUS_ABOVE` an anonymous
-    memory map, whose pages go back to the operating system as soon as the last reference (a
-    zero-copy tensor included) is dropped, instead of staying in the heap (bounded memory: a
-    read's transient buffers never accumulate)."""
+    """A zeroed, writable buffer of `nbytes`: a bytearray, or above `ANONYMOUS_ABOVE` a private
+    anonymous memory map, whose pages go back to the operating system as soon as the last
+    reference (a zero-copy tensor included) is dropped, instead of staying in the heap (bounded
+    memory: a read's transient buffers never accumulate). Private, not Python's default shared
+    mapping: a shared anonymous map is shmem, whose page faults and unmapping cost several times
+    more (measured here: a 95 MB read into it 93-115 ms against 61-69 ms, freeing it 26 ms
+    against 9 ms), and a forked process has no business sharing a load's buffers."""
     if nbytes <= ANONYMOUS_ABOVE:
         return bytearray(nbytes)
-    return mmap.mmap(-1, nbytes)
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
