@@ -11,6 +11,8 @@ from jobs_paths import JOBS
 
 from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.layout import FileRecord
+from miles_lora_ckpt.core.protocol import WholeFileRanges
+from miles_lora_ckpt.core.verify import check_file_ranges
 from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 
@@ -601,3 +603,72 @@ def test_a_range_read_alone_owns_its_buffer_so_an_install_may_adopt_it(tmp_path)
         assert torch.equal(tensor, torch.arange(n, dtype=torch.float32))
         cut = tensor[10:20]
         assert cut.untyped_storage().nbytes() > cut.numel() * 4
+
+
+def test_a_strided_range_comes_back_as_its_rows_compact_with_every_block_under_it_verified(tmp_path):
+    """A resharding load's half rows of a row-parallel factor (`storage.strided_rows`): the read
+    returns only the rows, one after the other, in a buffer of their own (an install may adopt it),
+    each block under the whole span verified, a gap between rows included; plain ranges asked with
+    it in the same pass come back as before."""
+    a = torch.arange(2000, dtype=torch.float32)
+    path, record = _write(tmp_path, {"a": a, "b": torch.arange(50, dtype=torch.float32)}, block_bytes=256)
+    rows = ("a", 100, 100 + 9 * 64 + 24, 64, 24)  # 10 rows of 24 elements, one every 64
+    assert storage.strided_rows(rows) == (64, 24, 10) and storage.range_numel(rows) == 240
+    expected = a[100 : 100 + 10 * 64].view(10, 64)[:, :24].reshape(-1)
+    got, _ = storage.read_ranges(path, record, [rows, ("a", 0, 30), ("b", 5, 9)])
+    compact = got[rows]
+    assert torch.equal(compact, expected)
+    assert compact.storage_offset() == 0 and compact.untyped_storage().nbytes() == 240 * 4  # its own buffer
+    assert torch.equal(got[("a", 0, 30)], a[:30]) and torch.equal(got[("b", 5, 9)], torch.arange(5, 9.0))
+    # through the loader's entry (`verify.check_file_ranges`), with a plain range of the same tensor
+    from miles_lora_ckpt.core.layout import Manifest, Topology
+
+    manifest = Manifest(
+        "0123456789abcdef", 1, "single-lora", Topology(dp=1), {"t.safetensors": record}, format_version=1
+    )
+    both = check_file_ranges(tmp_path, "t.safetensors", manifest, [rows, ("a", 100, 124)])
+    assert torch.equal(both[rows], expected) and torch.equal(both[("a", 100, 124)], a[100:124])
+    # a file read whole cuts the same rows (`protocol.WholeFileRanges`)
+    whole = WholeFileRanges({"a": a.view(40, 50)})
+    assert torch.equal(whole.get(rows), expected)
+    # a flipped byte in a gap between two rows is caught: its block lies under the span
+    gap = record.blocks.tensors["a"][1] + (100 + 64 + 40) * 4
+    data = bytearray(path.read_bytes())
+    data[gap] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="digest mismatch"):
+        storage.read_ranges(path, record, [rows])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("a", 0, 10, 4),
+        ("a", 0, 10, 3, 4),
+        ("a", 0, 10, 5, 0),
+        ("a", 0, 11, 5, 4),
+        ("a", 0, 3, 5, 4),
+        ("a", 0, 9, 5, 4.0),
+    ],
+)
+def test_a_strided_range_whose_rows_do_not_end_at_its_stop_is_refused(bad):
+    with pytest.raises(ValueError, match="element range"):
+        storage.strided_rows(bad)
+
+
+def test_a_strided_part_whose_rows_fill_the_shard_is_installed_as_one_whole_part():
+    """`distributed.read_part`: the rows of a strided part read compact go to consecutive shard
+    elements (a row-parallel factor's half rows at DP 1): one whole part (no rows), the shape an
+    install adopts as the state; rows that stay apart in the shard keep a compact stride."""
+    piece = dopt.Piece("optimizer/x.safetensors", {}, "buf0.bucket0", "buf0", 0, 100)
+    compact = torch.arange(12, dtype=torch.float32)
+    source = {("buf0.bucket0.exp_avg", 10, 10 + 2 * 8 + 4, 8, 4): compact}
+    offset, tensor, count, rows = dopt.read_part(piece, source, "exp_avg", 10, 30, 0, (8, 4, 3, 4))
+    assert (offset, count, rows) == (0, 12, None) and tensor is compact
+    offset, tensor, count, rows = dopt.read_part(piece, source, "exp_avg", 10, 30, 5, (8, 4, 3, 6))
+    assert (offset, count, rows) == (5, 12, (4, 4, 3, 6)) and tensor is compact
+    assert dopt.range_key(piece, "exp_avg", 10, 26, None) == ("buf0.bucket0.exp_avg", 10, 26)
+    with pytest.raises(ValueError, match=r"expected torch.float32\[12\]"):
+        dopt.read_part(
+            piece, {("buf0.bucket0.exp_avg", 10, 30, 8, 4): compact[:10]}, "exp_avg", 10, 30, 0, (8, 4, 3, 4)
+        )

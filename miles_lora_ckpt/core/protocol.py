@@ -549,19 +549,14 @@ class WholeFileRanges:
         self.tensors = tensors
 
     def get(self, wanted, default=None):
-        name, first, stop = wanted
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ValueError(f"tensor {name!r} is not in the file (it holds {sorted(self.tensors)[:8]})")
-        if not 0 <= first <= stop <= tensor.numel():
-            raise ValueError(f"tensor {name!r} holds {tensor.numel()} elements, not [{first}, {stop})")
-        return tensor.reshape(-1)[first:stop]
+        return _cut_one(self.tensors, tuple(wanted))
 
 
 @dataclass(frozen=True)
 class PartialRead:
     """A loader's request for some element ranges of one tensor file: `(tensor name, first, stop)`
-    of the flattened tensor. Only the blocks holding them are read (and verified) when the manifest
+    of the flattened tensor, or a strided range `(name, first, stop, step, width)` whose rows come
+    back compact (`storage.strided_rows`: a row-parallel factor's half rows). Only the blocks holding them are read (and verified) when the manifest
     records a block index for the file; otherwise the whole file is read and checked. A rank's
     requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
     is read and verified once per load, and the ranges are kept as views of the verified spans.
@@ -653,7 +648,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         ranges: dict[str, list] = {}
         kept: set[tuple] = set()
         for request in (w for w in wanted if isinstance(w, PartialRead)):
-            items = [[name, int(a), int(b)] for name, a, b in request.ranges]
+            items = [[str(item[0]), *(int(v) for v in item[1:])] for item in request.ranges]
             ranges.setdefault(request.relpath, []).extend(items)
             if request.keep:
                 kept.update((request.relpath, *item) for item in items)
@@ -763,9 +758,15 @@ def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
 
 def _cut(checked: storage.CheckedFile, wanted: list) -> dict:
     tensors = checked.tensors()
-    out = {}
-    for name, first, stop in wanted:
-        if name not in tensors or not 0 <= first <= stop <= tensors[name].numel():
-            raise ValueError(f"tensor {name!r} holds no elements [{first}, {stop})")
-        out[(name, first, stop)] = tensors[name].reshape(-1)[first:stop]
-    return out
+    return {item: _cut_one(tensors, item) for item in wanted}
+
+
+def _cut_one(tensors: dict, wanted: storage.ElementRange):
+    """Element range `wanted` of a file read whole (`tensors`): a view, or a strided range's rows (compact)."""
+    name, first, stop = wanted[:3]
+    tensor = tensors.get(name)
+    if tensor is None:
+        raise ValueError(f"tensor {name!r} is not in the file (it holds {sorted(tensors)[:8]})")
+    if not 0 <= first <= stop <= tensor.numel():
+        raise ValueError(f"tensor {name!r} holds {tensor.numel()} elements, not [{first}, {stop})")
+    return storage.cut_range(tensor.reshape(-1)[first:stop], wanted)

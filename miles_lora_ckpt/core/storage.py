@@ -712,8 +712,41 @@ def _torch():
 
 # --------------------------------------------------------------------------- partial reads
 
-# (tensor name, first element, end element) of a flattened tensor
-ElementRange = tuple[str, int, int]
+# (tensor name, first element, end element) of a flattened tensor; or, strided,
+# (name, first, end, step, width): the rows `first + i * step + [0, width)` (`strided_rows`)
+ElementRange = tuple
+
+
+def strided_rows(wanted: ElementRange) -> tuple[int, int, int] | None:
+    """`(step, width, n)` of a strided element range `(name, first, stop, step, width)`: its `n`
+    rows, row `i` the elements `[first + i * step, first + i * step + width)`, the last ending at
+    `stop`; None for a plain range `(name, first, stop)`. A read of a strided range verifies every
+    block under `[first, stop)`, as a plain one does, and returns its rows only, one after the
+    other (`n * width` elements: `range_numel`). Raises ValueError for any other shape."""
+    if len(wanted) == 3:
+        return None
+    if len(wanted) != 5 or not all(type(v) is int for v in wanted[1:]):
+        raise ValueError(f"an element range is (name, first, stop) or (name, first, stop, step, width), not {wanted!r}")
+    _, first, stop, step, width = wanted
+    if width <= 0 or step < width or stop - first < width or (stop - first - width) % step:
+        raise ValueError(f"strided element range {wanted!r}: rows of {width} every {step} do not end at {stop}")
+    return step, width, (stop - first - width) // step + 1
+
+
+def range_numel(wanted: ElementRange) -> int:
+    """How many elements a read of `wanted` returns: `stop - first`, or a strided range's rows'."""
+    rows = strided_rows(wanted)
+    return wanted[2] - wanted[1] if rows is None else rows[1] * rows[2]
+
+
+def cut_range(flat, wanted: ElementRange):
+    """Elements `wanted` of a flat tensor that holds elements `[first, stop)` of `wanted`'s tensor:
+    `flat` itself for a plain range, a new compact tensor of the rows for a strided one."""
+    rows = strided_rows(wanted)
+    if rows is None:
+        return flat
+    step, width, n = rows
+    return flat.as_strided((n, width), (step, 1), flat.storage_offset()).reshape(-1).clone()
 
 
 def _check_block_spans(index: BlockIndex, entries: dict) -> None:
@@ -725,7 +758,8 @@ def _check_block_spans(index: BlockIndex, entries: dict) -> None:
 
 def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
     """The absolute bytes `[begin, end)` of an element range, from the manifest's block index."""
-    name, first, stop = wanted
+    name, first, stop = wanted[:3]
+    strided_rows(wanted)  # a strided range's rows must end at its stop
     if name not in index.tensors:
         raise ValueError(f"tensor {name!r} is not in the file")
     tag, begin, end = index.tensors[name]
@@ -759,7 +793,7 @@ def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: byte
     first: one pass over many short ranges (a resharding load's rows). Raises ValueError for a
     range the file does not hold, as `byte_range` does."""
     block_bytes, tensors = index.block_bytes, index.tensors
-    for name, first, stop in wanted:
+    for name, first, stop, *_ in wanted:  # a strided range: every block under [first, stop)
         if name not in tensors:
             raise ValueError(f"tensor {name!r} is not in the file")
         tag, begin, end = tensors[name]
@@ -905,7 +939,10 @@ def read_ranges(
 
     Returns `({range of wanted: a fresh 1-D tensor}, the file's safetensors metadata)`; the ranges
     of `check_only` are verified the same way and not returned: they share one buffer, reused from
-    range to range. Memory: the returned tensors, the largest range of `check_only` and one block.
+    range to range. A strided range of `wanted` (`strided_rows`) is read whole into that buffer,
+    its blocks verified, and its rows copied out into a fresh tensor of their own (only the rows
+    are checked finite). Memory: the returned tensors, the largest range of `check_only` or
+    strided range, and one block.
     `allocate(nbytes)` gives each returned range its buffer (default: a fresh `large_buffer`).
     All ranges are read in file order. A record without a block index cannot be read partially
     (ValueError).
@@ -931,15 +968,25 @@ def read_ranges(
         items = [(tuple(item), True) for item in wanted] + [(tuple(item), False) for item in check_only]
         spans = {item: byte_range(index, item) for item, _ in items}
         source.will_need(spans.values())
-        scratch = large_buffer(max((spans[item][1] - spans[item][0] for item, kept in items if not kept), default=0))
+        # one reused buffer for the ranges verified and not kept, and for the spans of the strided
+        # ranges kept (their rows are then copied out, compact: the elements between rows are
+        # verified with their blocks, never kept)
+        passing = [spans[item] for item, kept in items if not kept or strided_rows(item) is not None]
+        scratch = large_buffer(max((end - begin for begin, end in passing), default=0))
         out = {}
         for item, kept in sorted(items, key=lambda entry: spans[entry[0]]):
             begin, end = spans[item]
             tag = index.tensors[item[0]][0]
-            buf = allocate(end - begin) if kept else memoryview(scratch)[: end - begin]
+            dtype, itemsize = getattr(torch, _DTYPES[tag][0]), _DTYPES[tag][1]
+            rows = strided_rows(item) if kept else None
+            buf = allocate(end - begin) if kept and rows is None else memoryview(scratch)[: end - begin]
             source.read(begin, end, memoryview(buf))
-            dtype = getattr(torch, _DTYPES[tag][0])
             tensor = torch.frombuffer(buf, dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
+            if rows is not None:  # the rows, one after the other, into a buffer of their own
+                step, width, n = rows
+                compact = torch.frombuffer(allocate(n * width * itemsize), dtype=dtype)
+                compact.view(n, width).copy_(tensor.as_strided((n, width), (step, 1)))
+                tensor = compact
             if tag in _FLOAT_TAGS and not all_finite(tensor):
                 raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
             if kept:

@@ -152,16 +152,20 @@ def check_file_ranges(
     for `ranges`. The ranges of `check_only` are read and verified in the same pass, one at a time
     in one reused buffer, and not returned. `allocate`: see `storage.read_ranges`.
 
-    One pass over the file: the ranges asked are sorted in file order and overlapping ranges of one
-    tensor merged (`coalesce_ranges`), so the header and every block they touch are read and
+    One pass over the file: the ranges asked are sorted in file order and overlapping plain ranges
+    of one tensor merged (`coalesce_ranges`; a strided range, `storage.strided_rows`, is read on its
+    own and returned as its rows, compact), so the header and every block they touch are read and
     verified once, whatever the number of ranges (a block shared by two consecutive ranges is kept
     between them, `storage._BlockFile`); each range asked is a view of its merged span. Ranges that
     merely touch, or lie in the same blocks, stay apart: each is its own buffer, so a resharding
     load's moment range can become the state as it is (`distributed.replace_state`) and a master's
     buffer goes once it is copied, never kept alive by a neighbour's."""
     record = manifest.files[relpath]
-    asked = [(str(name), int(first), int(stop)) for name, first, stop in ranges]
-    spans, checked = coalesce_ranges(asked), coalesce_ranges(check_only)
+    asked = [(str(item[0]), *(int(v) for v in item[1:])) for item in ranges]
+    strided = sorted({item for item in asked if storage.strided_rows(item) is not None})
+    plain = [item for item in asked if len(item) == 3]
+    # a strided range is read on its own (its rows come back compact, `storage.read_ranges`)
+    spans, checked = coalesce_ranges(plain) + strided, coalesce_ranges(item[:3] for item in check_only)
     tensors, metadata = storage.read_ranges(
         Path(gen_dir) / relpath, record, spans, check_only=checked, allocate=allocate
     )
@@ -169,11 +173,13 @@ def check_file_ranges(
     dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
     content_rules.check_tensor_file(relpath, manifest, metadata or {}, dtypes)
     by_name: dict[str, list] = {}
-    for (name, first, stop), tensor in sorted(tensors.items(), key=lambda item: item[0]):
+    for (name, first, stop), tensor in sorted(
+        ((k, t) for k, t in tensors.items() if len(k) == 3), key=lambda kt: kt[0]
+    ):
         by_name.setdefault(name, []).append((first, stop, tensor))
     starts = {name: [span[0] for span in spans] for name, spans in by_name.items()}
-    out = {}
-    for name, first, stop in asked:  # the merged span holding it: the last one starting at or before it
+    out = {item: tensors[item] for item in strided}
+    for name, first, stop in plain:  # the merged span holding it: the last one starting at or before it
         lo, _, tensor = by_name[name][bisect.bisect_right(starts[name], first) - 1]
         out[(name, first, stop)] = tensor[first - lo : stop - lo]
     return out

@@ -262,7 +262,7 @@ class ReshardPlan:
                         for part in _row_parts(piece, found_runs, manifest):
                             parts.append(part)
                             requests.setdefault(piece.file, set()).update(
-                                (f"{piece.prefix}.{k}", part[1], part[2]) for k in (MASTER_KEY, *keys)
+                                distributed.range_key(piece, k, part[1], part[2], part[4]) for k in (MASTER_KEY, *keys)
                             )
                 buckets.append(parts)
             self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
@@ -300,13 +300,7 @@ class ReshardPlan:
             if adapter is not None:  # one bucket's master shard at a time, views of the verified ranges
                 for layout, parts in zip(distributed.bucket_layouts(child), buckets, strict=True):
                     masters = [
-                        (
-                            piece.file,
-                            offset,
-                            distributed._read_piece(piece, source, MASTER_KEY, first, stop),
-                            stop - first,
-                            rows,
-                        )
+                        (piece.file, *distributed.read_part(piece, source, MASTER_KEY, first, stop, offset, rows))
                         for piece, source, first, stop, offset, rows in parts
                     ]
                     distributed.check_master_shard(selected, layout, masters, adapter)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
@@ -698,7 +699,7 @@ class DistributedFamily:
         if read.adapter is not None:  # the saved adapter must be the cast of these masters (masters.py)
             for layout, pieces in zip(bucket_layouts(child.optimizer), buckets, strict=True):
                 parts = [
-                    (piece.file, offset, _read_piece(piece, source, MASTER_KEY, first, stop), stop - first, rows)
+                    (piece.file, *read_part(piece, source, MASTER_KEY, first, stop, offset, rows))
                     for piece, source, first, stop, offset, rows in pieces
                 ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
@@ -746,16 +747,16 @@ class DistributedFamily:
         for layout, pieces in zip(bucket_layouts(opt), restore.buckets, strict=True):
             for key in (MASTER_KEY, *restore.keys):  # one key of one bucket at a time
                 parts = [
-                    (key, offset, _read_piece(piece, source, key, first, stop), stop - first, rows)
+                    read_part(piece, source, key, first, stop, offset, rows)
                     for piece, source, first, stop, offset, rows in pieces
                 ]
                 if key == MASTER_KEY:
-                    replace_masters(opt, layout, [part[1:] for part in parts])
+                    replace_masters(opt, layout, parts)
                 else:
-                    replace_state(opt, key, layout, [part[1:] for part in parts], restore.allocated)
+                    replace_state(opt, key, layout, parts, restore.allocated)
                 del parts
-                for piece, source, first, stop, _, _ in pieces:  # a range kept until now is used no more
-                    _forget(source, (f"{piece.prefix}.{key}", first, stop))
+                for piece, source, first, stop, _, rows in pieces:  # a range kept until now is used no more
+                    _forget(source, range_key(piece, key, first, stop, rows))
 
 
 def _forget(source, wanted) -> None:
@@ -766,19 +767,39 @@ def _forget(source, wanted) -> None:
         source.pop(tuple(wanted), None)
 
 
-def _read_piece(piece: Piece, source, key: str, first: int, stop: int) -> torch.Tensor:
-    """One verified range of a piece (fp32, `stop - first` elements)."""
+def range_key(piece: Piece, key: str, first: int, stop: int, rows) -> tuple:
+    """The element range (`storage.ElementRange`) a bucket part of `piece` is read as, for state
+    `key`: `[first, stop)`, or for a strided group of rows (`rows`, see `_Restore.buckets`) the
+    strided range of those rows, which a read returns compact (`storage.strided_rows`)."""
     name = f"{piece.prefix}.{key}"
+    return (name, first, stop) if rows is None else (name, first, stop, rows[0], rows[1])
+
+
+def read_part(piece: Piece, source, key: str, first: int, stop: int, offset: int, rows) -> tuple:
+    """`(offset in the shard, tensor, its element count, rows)` of one bucket part for state `key`,
+    from its verified range (`range_key`). A strided group's rows were read compact, so its `rows`
+    becomes `(width, width, n, offset step)`, or None where they go to consecutive shard elements
+    (a parameter's whole shard at DP 1: one buffer of its own, which an install adopts as the state
+    as it does a same-layout load's, `_view_of_one_part`)."""
+    tensor = _read_piece(piece, source, range_key(piece, key, first, stop, rows))
+    if rows is None:
+        return offset, tensor, stop - first, None
+    _, width, n, into_step = rows
+    return offset, tensor, n * width, None if into_step == width else (width, width, n, into_step)
+
+
+def _read_piece(piece: Piece, source, wanted: tuple) -> torch.Tensor:
+    """One verified range of a piece (fp32, `storage.range_numel(wanted)` elements)."""
+    name, first, stop = wanted[:3]
     try:
-        tensor = source.get((name, first, stop))
+        tensor = source.get(wanted)
     except ValueError as exc:
         raise ValueError(f"{piece.file}: {exc}") from None
     if tensor is None:
         raise ValueError(f"{piece.file}: {name} elements [{first}, {stop}) were not read")
-    if tensor.dtype != torch.float32 or tensor.numel() != stop - first:
-        raise ValueError(
-            f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{stop - first}]"
-        )
+    expected = storage.range_numel(wanted)
+    if tensor.dtype != torch.float32 or tensor.numel() != expected:
+        raise ValueError(f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{expected}]")
     return tensor
 
 
