@@ -556,8 +556,9 @@ class WholeFileRanges:
 class PartialRead:
     """A loader's request for some element ranges of one tensor file: `(tensor name, first, stop)`
     of the flattened tensor, or a strided range `(name, first, stop, step, width)` whose rows come
-    back compact (`storage.strided_rows`: a row-parallel factor's half rows). Only the blocks holding them are read (and verified) when the manifest
-    records a block index for the file; otherwise the whole file is read and checked. A rank's
+    back compact (`storage.strided_rows`: a row-parallel factor's half rows). Only the blocks
+    holding them are read (and verified) when the manifest records a block index for the file;
+    otherwise the whole file is read and checked. A rank's
     requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
     is read and verified once per load, and the ranges are kept as views of the verified spans.
     With `keep=False` the ranges are verified at open, in that same pass, one at a time in one
