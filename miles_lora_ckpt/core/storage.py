@@ -742,11 +742,13 @@ def range_numel(wanted: ElementRange) -> int:
 def cut_range(flat, wanted: ElementRange):
     """Elements `wanted` of a flat tensor that holds elements `[first, stop)` of `wanted`'s tensor:
     `flat` itself for a plain range, a new compact tensor of the rows for a strided one."""
+    from miles_lora_ckpt.core.global_layout import strided_view  # torch: imported where it is used
+
     rows = strided_rows(wanted)
     if rows is None:
         return flat
     step, width, n = rows
-    return flat.as_strided((n, width), (step, 1), flat.storage_offset()).reshape(-1).clone()
+    return strided_view(flat, flat.numel(), 0, step, width, n).reshape(-1).clone()
 
 
 def _check_block_spans(index: BlockIndex, entries: dict) -> None:
@@ -950,6 +952,8 @@ def read_ranges(
     if record.blocks is None:
         raise ValueError("the manifest records no block digests for it: it can only be read whole")
     torch = _torch()
+    from miles_lora_ckpt.core.global_layout import strided_view  # with torch: imported where it is used
+
     fd, st = open_regular(Path(path))
     try:
         if st.st_size != record.bytes:
@@ -985,7 +989,7 @@ def read_ranges(
             if rows is not None:  # the rows, one after the other, into a buffer of their own
                 step, width, n = rows
                 compact = torch.frombuffer(allocate(n * width * itemsize), dtype=dtype)
-                compact.view(n, width).copy_(tensor.as_strided((n, width), (step, 1)))
+                compact.view(n, width).copy_(strided_view(tensor, tensor.numel(), 0, step, width, n))
                 tensor = compact
             if tag in _FLOAT_TAGS and not all_finite(tensor):
                 raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
