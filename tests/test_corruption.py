@@ -40,7 +40,7 @@ from damage import (
 
 from miles_lora_ckpt.core import lease, settings, storage
 from miles_lora_ckpt.core.consensus import Consensus
-from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint
+from miles_lora_ckpt.core.errors import CheckpointError, GenerationDamaged, IncompatibleCheckpoint
 from miles_lora_ckpt.core.layout import LEASE, MANIFEST, TRACKER, Topology
 from miles_lora_ckpt.core.protocol import open_generation, save_generation
 from miles_lora_ckpt.tools.cli import main as cli
@@ -1033,18 +1033,24 @@ def _(tmp, capsys):
     assert [p.name for p in tmp.glob("gen-*")] == [p.name for p in tmp.glob("gen-000000001-*")]
 
 
-@root_case("exceptions", "a manifest the loader cannot plan for is skipped; an incompatible one fails the load")
+@root_case("exceptions", "a manifest the loader finds damaged is skipped; a bug or an incompatible one fails the load")
 def _(tmp, capsys):
     older = make_generation(tmp, 1)
     newest = make_generation(tmp, 2)
 
     def files(manifest):
         if manifest.iteration == 2:
-            return [ADAPTER] + manifest.metadata["optimizer_children"]  # a key this manifest lacks
+            raise GenerationDamaged("manifest metadata has no 'optimizer_children'")  # what a check finds
         return [ADAPTER]
 
     opened = open_generation(Consensus.single_process(), tmp, files)
-    assert opened.path == older and any(newest.name in w and "KeyError" in w for w in opened.warnings)
+    assert opened.path == older and any(newest.name in w and "optimizer_children" in w for w in opened.warnings)
+
+    def buggy(manifest):
+        return [ADAPTER] + manifest.metadata["optimizer_children"]  # a bug: KeyError, not damage
+
+    with pytest.raises(CheckpointError, match=r"(?s)phase 'resolve'.*KeyError: 'optimizer_children'"):
+        open_generation(Consensus.single_process(), tmp, buggy)  # never the older generation
 
     def incompatible(manifest):
         raise IncompatibleCheckpoint("exact restore needs the same model-parallel layout (tp: 1 -> 2)")

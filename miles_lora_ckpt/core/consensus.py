@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from miles_lora_ckpt.core import settings
-from miles_lora_ckpt.core.errors import CheckpointError, RankFailure
+from miles_lora_ckpt.core.errors import CheckpointError, MilesLoraCkptError, RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,18 @@ class Outcome:
 
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
-    """Run `fn` and capture its result or its exception; never raises an Exception."""
+    """Run `fn` and capture its result or its exception; never raises an Exception.
+
+    An exception that is not one of the package's own (`MilesLoraCkptError`: a refusal, damage, a
+    failed phase) is unexpected, a bug or the environment failing: its traceback goes to this
+    rank's log here, since the consensus carries only one line of it to the other ranks."""
     try:
         return Outcome.success(fn(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001 - every error must reach the consensus
+        if not isinstance(exc, MilesLoraCkptError):
+            log.error(
+                "miles-lora-ckpt: unexpected %s (it fails the phase on every rank):", type(exc).__name__, exc_info=exc
+            )
         return Outcome(ok=False, error=describe_exception(exc))
 
 
@@ -152,7 +160,7 @@ class Consensus:
                     part + t[: max(0, n - (SLOT_BYTES - 8))].numpy().tobytes()
                     for part, t, n in zip(parts, gathered, sizes, strict=True)
                 ]
-        except Exception as exc:  # a dead or hung peer: gloo reports it after the timeout
+        except Exception as exc:  # noqa: BLE001 - a dead or hung peer: gloo reports it after the timeout, in any type
             raise CheckpointError(phase, [RankFailure(self.rank, peer_lost(phase, self.rank, exc))]) from None
         return [json.loads(part) for part in parts]
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_lora_ckpt.core import training_state
+from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
 ROLE_OPTIMIZER = "optimizer"
@@ -137,7 +138,7 @@ def check_optimizer_claim(manifest: Manifest) -> None:
     state unnoticed, without the refusal that `false` gets."""
     metadata = manifest.metadata
     if "optimizer_saved" in metadata and not isinstance(metadata["optimizer_saved"], bool):
-        raise ValueError(
+        raise GenerationDamaged(
             f"the manifest's optimizer_saved is {metadata['optimizer_saved']!r:.60}, not a boolean (true or false): edited?"
         )
     if metadata.get("optimizer_saved") is not False:
@@ -152,7 +153,9 @@ def check_optimizer_claim(manifest: Manifest) -> None:
         stepped = sorted(str(i) for i in metadata.get("stepped_children") or [])
     if listed or stepped:
         first = listed[0] if listed else f"optimizer_children: child {stepped[0]} stepped"
-        raise ValueError(f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?")
+        raise GenerationDamaged(
+            f"the manifest says optimizer_saved is false, yet lists optimizer state ({first}): edited?"
+        )
 
 
 def check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:
@@ -160,14 +163,14 @@ def check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> 
     keys = (*STAMP_KEYS, *sorted(record.binding))
     missing = [k for k in keys if k not in metadata]
     if missing:
-        raise ValueError(
+        raise GenerationDamaged(
             f"safetensors metadata has no {', '.join(repr(k) for k in missing)} (a format v2 tensor file "
             "carries its generation, its path and its binding)"
         )
     stamped = {k: metadata[k] for k in keys}
     listed = {"generation": manifest.generation, "file": relpath, **record.binding}
     if stamped != listed:
-        raise ValueError(
+        raise GenerationDamaged(
             f"the file says it is {_identity(stamped)}, but the manifest lists it as {_identity(listed)} "
             "(copied from another generation, or swapped with another file)"
         )
@@ -179,7 +182,7 @@ def check_tensor_dtypes(relpath: str, manifest: Manifest, dtypes: dict[str, str]
         return
     wrong = sorted(name for name, tag in dtypes.items() if tag != DISTRIBUTED_DTYPE)
     if wrong:
-        raise ValueError(
+        raise GenerationDamaged(
             f"tensor {wrong[0][:80]!r} is {dtypes[wrong[0]]}, but an optimizer file of a DistributedOptimizer "
             f"child holds {DISTRIBUTED_DTYPE} only ({len(wrong)} tensor(s) are not)"
         )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import signal
 
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
+
 SAVE_PHASES = (
     "before-write",
     "mid-write",
@@ -36,7 +38,7 @@ ACTIONS = ("raise", "kill")
 ENV_VAR = "MILES_LORA_CKPT_FAULT"
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(MilesLoraCkptError, RuntimeError):
     """Raised by an armed `raise` fault."""
 
 

@@ -13,7 +13,12 @@ refused with `LeaseHeld`, which names the holder, so the save fails on every ran
 writes anything.
 
 It works on a shared file system because it relies only on operations that are atomic there:
-create-exclusive (`O_CREAT|O_EXCL`), rename, `utime` and reads; never on `flock`.
+create-exclusive (`link`, or `O_CREAT|O_EXCL` where there are no hard links), rename, `utime` and
+reads; never on `flock`.
+
+- **Creation** writes the whole lease (fsynced) into a file of its own, then links it into place:
+  a lease appears whole or not at all, and a create that fails at any step (a full disk) leaves
+  nothing behind, so a retry, by this process or another, is not refused by an empty lease.
 
 - **Renewal** sets the file's mtime to the file system's "now" (`utime` with no time: on NFS the
   server's clock) and reads the file back to check it still names this process.
@@ -33,6 +38,7 @@ create-exclusive (`O_CREAT|O_EXCL`), rename, `utime` and reads; never on `flock`
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -45,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lora_ckpt.core import bounded, settings, storage
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.layout import LEASE
 
 log = logging.getLogger(__name__)
@@ -55,7 +62,7 @@ _MAX_PID = 2**31 - 1  # pid_t
 _ATTEMPTS = 4
 
 
-class LeaseHeld(RuntimeError):
+class LeaseHeld(MilesLoraCkptError, RuntimeError):
     """Another writer holds the save root's lease (or took it over from us)."""
 
 
@@ -198,22 +205,74 @@ def read_state(root: Path, *, judge: bool = True) -> LeaseState | None:
 
 
 def _create(root: Path, holder: Holder, timeout_s: float) -> bool:
+    """Create the lease, whole or not at all; False when one exists already.
+
+    The body is written and fsynced into a file of its own first, then linked into place (`link`
+    is create-exclusive, like `O_EXCL`, on every POSIX and NFS file system): no reader ever sees a
+    partial lease, and a failure at any step (a full disk) removes what this call made. An empty
+    lease left behind would refuse every later writer until it turned stale."""
     body = {
         "format": LEASE_FORMAT,
         "holder": holder.to_dict(),
         "acquired_unix_s": round(time.time(), 3),
         "timeout_s": timeout_s,
     }
+    data = json.dumps(body, indent=1, sort_keys=True).encode()
+    lease = root / LEASE
+    if os.path.lexists(lease):
+        return False  # the common refusal, with nothing written
+    fresh = root / f"{LEASE}.new-{secrets.token_hex(6)}"
     try:
-        fd = os.open(root / LEASE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        _write_new(fresh, data)
+        try:
+            os.link(fresh, lease, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            return _create_in_place(lease, data)  # a file system without hard links
+    finally:
+        fresh.unlink(missing_ok=True)
+    try:
+        storage.fsync_dir(root)
+    except BaseException:
+        lease.unlink(missing_ok=True)  # ours: linked just now, and live, so nobody took it over
+        raise
+    return True
+
+
+# errnos of a file system that has no hard links: the lease is then created in place (`O_EXCL`)
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS}
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Create `path` (exclusively), write all of `data` and fsync it; on any failure remove it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _create_in_place(lease: Path, data: bytes) -> bool:
+    """`O_EXCL` create of the lease itself, removed again if writing it fails."""
+    try:
+        _write_new(lease, data)
     except FileExistsError:
         return False
     try:
-        os.write(fd, json.dumps(body, indent=1, sort_keys=True).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    storage.fsync_dir(root)
+        storage.fsync_dir(lease.parent)
+    except BaseException:
+        lease.unlink(missing_ok=True)
+        raise
     return True
 
 
@@ -298,16 +357,17 @@ def _move_aside(root: Path) -> tuple[Path, LeaseState] | None:
 
 
 def _put_back(root: Path, tomb: Path) -> None:
-    """Restore a lease moved aside by mistake, unless a new one exists already."""
+    """Restore a lease moved aside by mistake, unless a new one exists already: linked back whole
+    (same inode and mtime, so its holder's next renewal finds it), never a partial copy."""
     try:
-        data = tomb.read_bytes() if tomb.is_file() and not tomb.is_symlink() else b""
-        fd = os.open(root / LEASE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, data[:MAX_LEASE_BYTES])
-        finally:
-            os.close(fd)
+        os.link(tomb, root / LEASE, follow_symlinks=False)
     except FileExistsError:
         pass
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        data = tomb.read_bytes() if tomb.is_file() and not tomb.is_symlink() else b""
+        _create_in_place(root / LEASE, data[:MAX_LEASE_BYTES])
     finally:
         tomb.unlink(missing_ok=True)
 

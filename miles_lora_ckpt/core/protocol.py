@@ -49,7 +49,7 @@ from pathlib import Path
 
 from miles_lora_ckpt.core import attempts, faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
+from miles_lora_ckpt.core.errors import CheckpointError, CommittedButFailed, GenerationDamaged, RankFailure
 from miles_lora_ckpt.core.layout import (
     GENERATION_PREFIX,
     LATEST,
@@ -69,6 +69,7 @@ from miles_lora_ckpt.core.layout import (
     staging_dir_name,
 )
 from miles_lora_ckpt.core.verify import (
+    DAMAGE,
     Generation,
     check_file_content,
     check_file_ranges,
@@ -246,8 +247,12 @@ def save_generation(
         # publish: still the lease holder? then one atomic rename makes the generation visible, and
         # the tracker (and `latest`) name it
         final = root / generation_dir_name(iteration, attempt_id)
-        publish = _publish if coordinator else _bystander(PUBLISH_FAULTS)
-        consensus.agree("publish", attempt(publish, staging, final, manifest, links, rank))
+        publish = _publish if coordinator else _bystander_publish
+        published = consensus.agree("publish", attempt(publish, staging, final, manifest, links, rank))
+        # past the rename the generation is committed: a later failure names it, on every rank
+        after = [RankFailure(r, p["after"]) for r, p in enumerate(published) if p["after"] is not None]
+        if after:
+            raise CommittedButFailed(final.name, after)
     except BaseException:
         if coordinator and prepared.ok:  # nothing was published from it (or it is gone: renamed)
             _discard(root / staging_dir_name(prepared.value.attempt_id))
@@ -320,7 +325,7 @@ def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
             manifest = Manifest.from_json_bytes(
                 storage.read_file_verified(root / name / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
             )
-        except Exception:  # noqa: BLE001 - an unreadable manifest holds no usable number
+        except DAMAGE:  # an unreadable manifest holds no usable number
             continue
         if manifest.sequence is None or signing.problem(manifest.signature, manifest.sealed_body, key) is not None:
             continue
@@ -328,7 +333,7 @@ def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
             highest, holder = manifest.sequence, name
     try:
         tracked = Tracker.from_dict(storage.read_json(root / TRACKER))
-    except Exception:  # noqa: BLE001 - a missing or unusable tracker adds nothing
+    except DAMAGE:  # a missing or unusable tracker adds nothing
         tracked = None
     # a tracker that agrees with a counted manifest claims that manifest's number, already counted:
     # a higher claim agrees with no generation here (forged, or its generation was removed)
@@ -405,11 +410,21 @@ def _write_manifest(
     faults.point("before-publish", rank)
 
 
-def _publish(staging: Path, final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> None:
+def _publish(staging: Path, final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> dict:
+    """The rename that commits, then what follows it; a failure before the rename raises (nothing
+    was committed), one after it is returned as `after` (the generation is committed regardless)."""
     lease.confirm(final.parent)  # lost it (stalled past the timeout)? then the root is another writer's
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(staging, final)
+    return {"after": attempt(_after_rename, final, manifest, links, rank).error}
+
+
+def _bystander_publish(staging: Path, final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> dict:
+    return {"after": attempt(_bystander(PUBLISH_FAULTS), rank).error}
+
+
+def _after_rename(final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> None:
     tracker = Tracker(final.name, manifest.generation, manifest.iteration, manifest.sequence)
     storage.write_json(final.parent / TRACKER, tracker.to_dict())
     for link in links:
@@ -571,7 +586,8 @@ class PartialRead:
     keep: bool = True  # False: verify now, one range at a time; read again later (`DeferredRanges`)
 
 
-# returns relpaths (whole files) and PartialReads; raises IncompatibleCheckpoint to refuse, anything else: damage
+# returns relpaths (whole files) and PartialReads; raises GenerationDamaged for damage, IncompatibleCheckpoint
+# to refuse the load; anything else is a bug and fails the load too (never a fall back)
 FilesFn = Callable[[Manifest], list]
 
 
@@ -582,9 +598,12 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     element ranges of each `PartialRead`: all of one file's in one verified pass, kept); the files
     no rank asked for, and the blocks of partially
     read files no rank read, are verified round-robin, so every listed byte is checked. All ranks agree on
-    one generation; a root falls back past damaged generations with a warning (an error raised by
-    `files_for_rank` is damage too, except `IncompatibleCheckpoint`, which fails the load), an
-    explicit generation that is damaged fails. Mutates nothing.
+    one generation; a root falls back past damaged generations with a warning (damage is what the
+    checks raise as `GenerationDamaged`, or `OSError` reading a listed file; `files_for_rank` raises
+    `GenerationDamaged` for damage too); an explicit generation that is damaged fails. Any other
+    exception, `IncompatibleCheckpoint` or a bug (e.g. a TypeError in a check), fails the load on
+    every rank at once, its traceback in the log of the rank that met it: it never falls back to
+    older state. Mutates nothing.
     """
     rank, world = consensus.rank, consensus.world_size
     # resolve: every rank loads its signing key; the coordinator lists the candidates in commit
@@ -661,9 +680,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
             else:
                 for item in items:
                     storage.byte_range(index, tuple(item))  # raises for a range the file does not hold
-    except IncompatibleCheckpoint:
-        raise  # intact but not for this run: the load fails, it never falls back to an older generation
-    except Exception as exc:  # noqa: BLE001 - anything else wrong with what the manifest says is damage
+    except DAMAGE as exc:  # what the manifest says is damaged; IncompatibleCheckpoint and bugs fail the load
         return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
@@ -697,7 +714,7 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
     for rel in whole_here:
         try:
             files[rel] = check_file_content(candidate, rel, manifest, keep=rel in mine["files"])
-        except Exception as exc:  # noqa: BLE001 - total: any failure reading a file is damage to it
+        except DAMAGE as exc:  # damage of that file; anything else is a bug: it fails the load
             problems.append(f"{candidate / rel}: {reason(exc)}")
     for rel, items in sorted(mine["ranges"].items()):
         try:
@@ -710,12 +727,12 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
                 read = check_file_ranges(candidate, rel, manifest, kept, check_only=sorted(later))
                 # the deferred ones were verified and dropped: read again, verified again, later
                 ranges[rel] = DeferredRanges(candidate, rel, manifest, read) if later else read
-        except Exception as exc:  # noqa: BLE001 - total
+        except DAMAGE as exc:
             problems.append(f"{candidate / rel}: {reason(exc)}")
     for rel, blocks in sorted(share.items()):
         try:
             storage.check_blocks(candidate / rel, manifest.files[rel], blocks)
-        except Exception as exc:  # noqa: BLE001 - total
+        except DAMAGE as exc:
             problems.append(f"{candidate / rel}: {reason(exc)}")
     return {rel: files[rel] for rel in mine["files"] if rel in files}, ranges, problems
 
@@ -727,7 +744,7 @@ def _prefetch(candidate: Path, manifest: Manifest, whole: list[str], ranges: dic
     and nothing fails: whatever would, the reads after it meet and report as damage."""
     try:
         _hint_reads(candidate, manifest.files, whole, ranges, share)
-    except Exception:  # noqa: BLE001, S110 - a hint: the verified reads that follow report every problem
+    except DAMAGE:  # a hint: the verified reads that follow report every problem
         pass
 
 
@@ -767,7 +784,7 @@ def _cut_one(tensors: dict, wanted: storage.ElementRange):
     name, first, stop = wanted[:3]
     tensor = tensors.get(name)
     if tensor is None:
-        raise ValueError(f"tensor {name!r} is not in the file (it holds {sorted(tensors)[:8]})")
+        raise GenerationDamaged(f"tensor {name!r} is not in the file (it holds {sorted(tensors)[:8]})")
     if not 0 <= first <= stop <= tensor.numel():
-        raise ValueError(f"tensor {name!r} holds {tensor.numel()} elements, not [{first}, {stop})")
+        raise GenerationDamaged(f"tensor {name!r} holds {tensor.numel()} elements, not [{first}, {stop})")
     return storage.cut_range(tensor.reshape(-1)[first:stop], wanted)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lora_ckpt.core import attempts, lease, signing
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.layout import (
     DELETING_PREFIX,
     MANIFEST,
@@ -150,7 +151,10 @@ def prune_quietly(root: Path, *, keep: int, trusted: tuple[str, ...] = ()) -> No
     try:
         report = prune(root, keep=keep, trusted=trusted, as_holder=True)
     except Exception as exc:  # noqa: BLE001 - the save is already committed; never fail it here
-        log.warning("retention in %s failed (the new generation is committed): %s", root, exc)
+        if isinstance(exc, (MilesLoraCkptError, OSError)):
+            log.warning("retention in %s failed (the new generation is committed): %s", root, exc)
+        else:  # a bug: never damage, never silent; the traceback goes to the log
+            log.error("retention in %s failed (the new generation is committed): internal error", root, exc_info=exc)
         return
     for path, failure in report.failed:
         log.warning("retention in %s could not remove %s: %s", root, path.name, failure)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.digest import BlockDigests, StreamingDigest
+from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.layout import BlockIndex, FileRecord
 from miles_lora_ckpt.core.regular_files import file_kind, open_regular, require_regular
@@ -195,7 +196,7 @@ def ensure_allocatable(nbytes: int, what: str = "file") -> None:
         return
     available = available_memory()
     if available is not None and nbytes > available:
-        raise ValueError(f"{what} is {nbytes} bytes, more than the {available} bytes of memory available here")
+        raise GenerationDamaged(f"{what} is {nbytes} bytes, more than the {available} bytes of memory available here")
 
 
 def available_memory() -> int | None:
@@ -231,7 +232,7 @@ class _Reader:
 
     def read(self, n: int) -> memoryview:
         if n > self.size - self.pos:
-            raise ValueError(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
+            raise GenerationDamaged(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
         if self.buffer is not None:
             view = memoryview(self.buffer)[self.pos : self.pos + n]
             if self._ahead is not None:
@@ -254,7 +255,7 @@ class _Reader:
         while rest:
             got = self.handle.readinto(rest)
             if not got:
-                raise ValueError(f"file shrank while reading ({self.size} bytes expected)")
+                raise GenerationDamaged(f"file shrank while reading ({self.size} bytes expected)")
             rest = rest[got:]
 
     def skip_rest(self) -> None:
@@ -265,15 +266,15 @@ class _Reader:
         if self._ahead is not None:
             self._ahead.stop()
         if os.pread(self.handle.fileno(), 1, self.size):
-            raise ValueError(f"file grew while reading ({self.size} bytes expected)")
+            raise GenerationDamaged(f"file grew while reading ({self.size} bytes expected)")
         if record is not None and self.digest.hexdigest() != record.digest:
-            raise ValueError("digest mismatch (content changed or corrupted)")
+            raise GenerationDamaged("digest mismatch (content changed or corrupted)")
         if record is not None and record.blocks is not None and self.blocks is not None:
             bad = [
                 i for i, (a, b) in enumerate(zip(self.blocks.finish(), record.blocks.digests, strict=True)) if a != b
             ]
             if bad:
-                raise ValueError(f"block {bad[0]} digest mismatch (the manifest's block digests disagree)")
+                raise GenerationDamaged(f"block {bad[0]} digest mismatch (the manifest's block digests disagree)")
 
     def close(self) -> None:
         if self._ahead is not None:
@@ -319,7 +320,7 @@ class _ReadAhead:
                 while pos < end:
                     got = os.preadv(fd, [view[pos:end]], pos)
                     if not got:
-                        raise ValueError(f"file shrank while reading ({size} bytes expected)")
+                        raise GenerationDamaged(f"file shrank while reading ({size} bytes expected)")
                     pos += got
                 with self._cond:
                     self._ready.add(start)
@@ -364,19 +365,28 @@ def large_buffer(nbytes: int):
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+def _open_checked(path: Path) -> tuple[int, os.stat_result]:
+    """`open_regular` for a check: its refusal of what is not a regular file (a FIFO, a link, a
+    file swapped while being opened) is damage of that file."""
+    try:
+        return open_regular(path)
+    except ValueError as exc:
+        raise GenerationDamaged(str(exc)) from None
+
+
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
     """Read a whole regular file in one pass; check size and digest against `record` when given.
 
     `max_bytes` bounds files that are small by nature (manifest, tracker, lease), so a huge or
     sparse one is refused before anything is allocated.
     """
-    fd, st = open_regular(Path(path))
+    fd, st = _open_checked(Path(path))
     try:
         size = st.st_size
         if max_bytes is not None and size > max_bytes:
-            raise ValueError(f"is {size} bytes, more than the {max_bytes} such a file may have")
+            raise GenerationDamaged(f"is {size} bytes, more than the {max_bytes} such a file may have")
         if record is not None and size != record.bytes:
-            raise ValueError(f"size is {size} bytes, manifest says {record.bytes}")
+            raise GenerationDamaged(f"size is {size} bytes, manifest says {record.bytes}")
         ensure_allocatable(size)
         reader = _Reader(fd, size, keep=True)
         try:
@@ -434,13 +444,13 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
     """
     path = Path(path)
     kind = "safetensors" if path.name.endswith(".safetensors") else "json" if path.name.endswith(".json") else "raw"
-    fd, st = open_regular(path)
+    fd, st = _open_checked(path)
     try:
         size = st.st_size
         if record is not None and size != record.bytes:
-            raise ValueError(f"size is {size} bytes, manifest says {record.bytes}")
+            raise GenerationDamaged(f"size is {size} bytes, manifest says {record.bytes}")
         if kind == "json" and size > bounded.MAX_JSON_BYTES:
-            raise ValueError(f"JSON file is {size} bytes, more than the {bounded.MAX_JSON_BYTES} allowed")
+            raise GenerationDamaged(f"JSON file is {size} bytes, more than the {bounded.MAX_JSON_BYTES} allowed")
         keep = keep or kind == "json"
         if keep:
             if kind == "safetensors" and size >= _CHECK_MEMORY_ABOVE:
@@ -482,7 +492,7 @@ def _precheck_header(fd: int, size: int) -> None:
 
 def _read_safetensors(reader: _Reader) -> tuple[dict[str, str], dict]:
     if reader.size < 8:
-        raise ValueError(f"too short for a safetensors file ({reader.size} bytes)")
+        raise GenerationDamaged(f"too short for a safetensors file ({reader.size} bytes)")
     (header_len,) = struct.unpack("<Q", reader.read(8))
     check_header_length(header_len, reader.size)
     header = bytes(reader.read(header_len))
@@ -495,7 +505,7 @@ def _read_safetensors(reader: _Reader) -> tuple[dict[str, str], dict]:
             view = reader.read(min(step, remaining))
             remaining -= len(view)
             if tag in _FLOAT_TAGS and not all_finite(_torch().frombuffer(view, dtype=getattr(_torch(), torch_name))):
-                raise ValueError(f"tensor {name!r} holds NaN or Inf")
+                raise GenerationDamaged(f"tensor {name!r} holds NaN or Inf")
     return metadata, entries
 
 
@@ -603,7 +613,7 @@ def parse_safetensors_header(
     overlaps or bytes not covered by any tensor.
     """
     if len(buf) < 8:
-        raise ValueError(f"too short for a safetensors file ({len(buf)} bytes)")
+        raise GenerationDamaged(f"too short for a safetensors file ({len(buf)} bytes)")
     (header_len,) = struct.unpack("<Q", bytes(buf[:8]))
     check_header_length(header_len, len(buf))
     return _parse_header(bytes(buf[8 : 8 + header_len]), 8 + header_len, len(buf))
@@ -612,9 +622,11 @@ def parse_safetensors_header(
 def check_header_length(header_len: int, size: int) -> None:
     """A safetensors header length must fit `MAX_HEADER_BYTES` and the file (`size` bytes)."""
     if header_len > size - 8:
-        raise ValueError(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
+        raise GenerationDamaged(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
     if header_len > MAX_HEADER_BYTES:
-        raise ValueError(f"safetensors header length {header_len} is more than the {MAX_HEADER_BYTES} bytes allowed")
+        raise GenerationDamaged(
+            f"safetensors header length {header_len} is more than the {MAX_HEADER_BYTES} bytes allowed"
+        )
 
 
 def _parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, str], dict]:
@@ -624,7 +636,7 @@ def _parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, st
     try:
         bounded.string_map(metadata, "safetensors __metadata__")
     except ValueError as exc:
-        raise ValueError(f"{exc} (it must map strings to strings)") from None
+        raise GenerationDamaged(f"{exc} (it must map strings to strings)") from None
     entries = {name: _parse_entry(name, spec, data_start) for name, spec in header.items()}
     _check_coverage(entries, data_start, total)
     return metadata, entries
@@ -640,30 +652,30 @@ def check_tensor_name(name: str) -> None:
     components in exports and tools, so one that could address a path is refused (ValueError)."""
     where = f"tensor {name[:80]!r}"
     if not name or len(name) > MAX_TENSOR_NAME:
-        raise ValueError(f"{where}: a tensor name has 1 to {MAX_TENSOR_NAME} characters, this one {len(name)}")
+        raise GenerationDamaged(f"{where}: a tensor name has 1 to {MAX_TENSOR_NAME} characters, this one {len(name)}")
     if any(c in name for c in _PATH_CHARACTERS) or name in (".", "..") or not name.isprintable():
-        raise ValueError(f"{where}: the name holds a path or control character (not allowed in a tensor name)")
+        raise GenerationDamaged(f"{where}: the name holds a path or control character (not allowed in a tensor name)")
 
 
 def _parse_entry(name: str, spec, data_start: int) -> tuple[str, list[int], int, int]:
     check_tensor_name(name)
     where = f"tensor {name[:80]!r}"
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-        raise ValueError(f"{where}: malformed header entry")
+        raise GenerationDamaged(f"{where}: malformed header entry")
     tag, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(tag, str) or tag not in _DTYPES:
-        raise ValueError(f"{where}: unsupported dtype {bounded.show(tag)}")
+        raise GenerationDamaged(f"{where}: unsupported dtype {bounded.show(tag)}")
     if not isinstance(shape, list) or len(shape) > MAX_TENSOR_RANK:
-        raise ValueError(f"{where}: bad shape {bounded.show(shape)}")
+        raise GenerationDamaged(f"{where}: bad shape {bounded.show(shape)}")
     for axis, dim in enumerate(shape):
         bounded.integer(dim, f"{where}: dimension {axis}", high=MAX_DIM)
     if math.prod(max(dim, 1) for dim in shape) > MAX_STRIDE:
-        raise ValueError(f"{where}: the dimensions {shape} overflow a tensor's size")
+        raise GenerationDamaged(f"{where}: the dimensions {shape} overflow a tensor's size")
     if not (isinstance(offsets, list) and len(offsets) == 2):
-        raise ValueError(f"{where}: bad data_offsets {bounded.show(offsets)}")
+        raise GenerationDamaged(f"{where}: bad data_offsets {bounded.show(offsets)}")
     begin, end = (bounded.integer(o, f"{where}: data offset", high=MAX_STRIDE) for o in offsets)
     if end < begin or end - begin != math.prod(shape) * _DTYPES[tag][1]:
-        raise ValueError(f"{where}: {end - begin} bytes do not hold {tag}{shape}")
+        raise GenerationDamaged(f"{where}: {end - begin} bytes do not hold {tag}{shape}")
     return tag, shape, data_start + begin, data_start + end
 
 
@@ -671,10 +683,10 @@ def _check_coverage(entries: dict, data_start: int, total: int) -> None:
     cursor = data_start
     for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
         if begin != cursor:
-            raise ValueError(f"tensor {name[:80]!r}: gap or overlap at byte {begin} (expected {cursor})")
+            raise GenerationDamaged(f"tensor {name[:80]!r}: gap or overlap at byte {begin} (expected {cursor})")
         cursor = end
     if cursor != total:
-        raise ValueError(f"data section ends at byte {cursor} but the file has {total}")
+        raise GenerationDamaged(f"data section ends at byte {cursor} but the file has {total}")
 
 
 def tensors_from_buffer(
@@ -691,7 +703,7 @@ def tensors_from_buffer(
             count = (end - begin) // _DTYPES[tag][1]
             tensor = torch.frombuffer(buf, dtype=dtype, count=count, offset=begin).reshape(shape)
         if require_finite and tag in _FLOAT_TAGS and not all_finite(tensor):
-            raise ValueError(f"tensor {name!r} holds NaN or Inf")
+            raise GenerationDamaged(f"tensor {name!r} holds NaN or Inf")
         tensors[name] = tensor
     return tensors
 
@@ -755,7 +767,7 @@ def _check_block_spans(index: BlockIndex, entries: dict) -> None:
     """The manifest's tensor byte ranges must be the header's, exactly."""
     found = {name: (tag, begin, end) for name, (tag, _, begin, end) in entries.items()}
     if found != dict(index.tensors):
-        raise ValueError("the safetensors header and the manifest's block index disagree about the tensors")
+        raise GenerationDamaged("the safetensors header and the manifest's block index disagree about the tensors")
 
 
 def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
@@ -763,11 +775,11 @@ def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
     name, first, stop = wanted[:3]
     strided_rows(wanted)  # a strided range's rows must end at its stop
     if name not in index.tensors:
-        raise ValueError(f"tensor {name!r} is not in the file")
+        raise GenerationDamaged(f"tensor {name!r} is not in the file")
     tag, begin, end = index.tensors[name]
     itemsize = _DTYPES[tag][1]
     if not 0 <= first <= stop <= (end - begin) // itemsize:
-        raise ValueError(f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}")
+        raise GenerationDamaged(f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}")
     return begin + first * itemsize, begin + stop * itemsize
 
 
@@ -797,11 +809,13 @@ def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: byte
     block_bytes, tensors = index.block_bytes, index.tensors
     for name, first, stop, *_ in wanted:  # a strided range: every block under [first, stop)
         if name not in tensors:
-            raise ValueError(f"tensor {name!r} is not in the file")
+            raise GenerationDamaged(f"tensor {name!r} is not in the file")
         tag, begin, end = tensors[name]
         itemsize = _DTYPES[tag][1]
         if not 0 <= first <= stop <= (end - begin) // itemsize:
-            raise ValueError(f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}")
+            raise GenerationDamaged(
+                f"tensor {name!r}: elements [{first}, {stop}) out of its {(end - begin) // itemsize}"
+            )
         if stop > first:
             lo, hi = (begin + first * itemsize) // block_bytes, (begin + stop * itemsize - 1) // block_bytes
             if lo == hi:
@@ -884,12 +898,12 @@ class _BlockFile:
         while done < length:
             got = os.preadv(self.fd, [view[done:]], start + done)
             if not got:
-                raise ValueError(f"file shrank while reading ({self.record.bytes} bytes expected)")
+                raise GenerationDamaged(f"file shrank while reading ({self.record.bytes} bytes expected)")
             done += got
         digest = StreamingDigest()
         digest.update(buf)
         if digest.hexdigest() != self.index.digests[i]:
-            raise ValueError(
+            raise GenerationDamaged(
                 f"block {i} (bytes {start}..{start + length}) digest mismatch (content changed or corrupted)"
             )
         if i == self._next:
@@ -950,23 +964,23 @@ def read_ranges(
     (ValueError).
     """
     if record.blocks is None:
-        raise ValueError("the manifest records no block digests for it: it can only be read whole")
+        raise GenerationDamaged("the manifest records no block digests for it: it can only be read whole")
     torch = _torch()
     from miles_lora_ckpt.core.global_layout import strided_view  # with torch: imported where it is used
 
-    fd, st = open_regular(Path(path))
+    fd, st = _open_checked(Path(path))
     try:
         if st.st_size != record.bytes:
-            raise ValueError(f"size is {st.st_size} bytes, manifest says {record.bytes}")
+            raise GenerationDamaged(f"size is {st.st_size} bytes, manifest says {record.bytes}")
         index = record.blocks
         source = _BlockFile(fd, record)
         if index.data_start < 8:
-            raise ValueError("the manifest's block index puts tensor bytes inside the header length")
+            raise GenerationDamaged("the manifest's block index puts tensor bytes inside the header length")
         head = bytearray(index.data_start)
         source.read(0, index.data_start, memoryview(head))
         (header_len,) = struct.unpack("<Q", bytes(head[:8]))
         if 8 + header_len != index.data_start:
-            raise ValueError("the safetensors header length disagrees with the manifest's block index")
+            raise GenerationDamaged("the safetensors header length disagrees with the manifest's block index")
         metadata, entries = _parse_header(bytes(head[8:]), index.data_start, record.bytes)
         _check_block_spans(index, entries)
         items = [(tuple(item), True) for item in wanted] + [(tuple(item), False) for item in check_only]
@@ -992,12 +1006,12 @@ def read_ranges(
                 compact.view(n, width).copy_(strided_view(tensor, tensor.numel(), 0, step, width, n))
                 tensor = compact
             if tag in _FLOAT_TAGS and not all_finite(tensor):
-                raise ValueError(f"tensor {item[0]!r} holds NaN or Inf")
+                raise GenerationDamaged(f"tensor {item[0]!r} holds NaN or Inf")
             if kept:
                 out[item] = tensor
         whole = source.whole_digest()
         if whole is not None and whole != record.digest:  # every byte read: the file digest is checked too
-            raise ValueError("digest mismatch (content changed or corrupted)")
+            raise GenerationDamaged("digest mismatch (content changed or corrupted)")
         return out, metadata
     finally:
         os.close(fd)
@@ -1007,12 +1021,12 @@ def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
     """Verify the digests of some blocks of a file (the share of a partially read file that no
     reader reads), and that the floating elements lying wholly inside them are finite."""
     if record.blocks is None:
-        raise ValueError("the manifest records no block digests for it")
+        raise GenerationDamaged("the manifest records no block digests for it")
     torch = _torch()
-    fd, st = open_regular(Path(path))
+    fd, st = _open_checked(Path(path))
     try:
         if st.st_size != record.bytes:
-            raise ValueError(f"size is {st.st_size} bytes, manifest says {record.bytes}")
+            raise GenerationDamaged(f"size is {st.st_size} bytes, manifest says {record.bytes}")
         index = record.blocks
         source = _BlockFile(fd, record)
         chosen = sorted(set(blocks))
@@ -1031,6 +1045,6 @@ def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
                         buf, dtype=getattr(torch, _DTYPES[tag][0]), count=(hi - lo) // itemsize, offset=lo - start
                     )
                     if not all_finite(part):
-                        raise ValueError(f"tensor {name!r} holds NaN or Inf")
+                        raise GenerationDamaged(f"tensor {name!r} holds NaN or Inf")
     finally:
         os.close(fd)

@@ -14,8 +14,11 @@
   are coalesced first, so one call reads and verifies each block it needs once.
 - `verify_generation` does both for every file.
 
-Verification is total: any failure while examining a generation (whatever its exception type) is a
-problem of that generation, never a crash, and a root's resolution moves on to the next candidate.
+Verification is total over damage: what a check finds wrong with a generation's bytes
+(`GenerationDamaged`, raised by the check that found it) and the file system's refusal to deliver
+a listed file (`OSError`: missing, unreadable, an I/O error) are problems of that generation, never
+a crash, and a root's resolution moves on to the next candidate (`DAMAGE`). Any other exception is a
+bug and propagates: it is never taken for damage, so no loader falls back to older state because of it.
 
 Save roots are ordered by commit order: format v2 generations by their `sequence`, after every
 format v1 generation (ordered by the wall-clock time it recorded). The tracker is only a hint; every
@@ -45,6 +48,11 @@ from miles_lora_ckpt.core.layout import (
     is_staging_dir_name,
     parse_generation_dir_name,
 )
+
+# What a check of a generation may raise for what it finds: the one damage exception, and the
+# file system's refusal to deliver a listed file (missing, unreadable, an I/O error). Catch sites
+# catch exactly these; every other exception is a bug and fails the load (it never means damage).
+DAMAGE = (GenerationDamaged, OSError)
 
 LEGACY_MARKERS = ("adapter_megatron_rank", "training_state_rank", "adapter_megatron_tp")
 STRAY_MANIFEST = (
@@ -94,46 +102,45 @@ def commit_order(manifest: Manifest | None, name: str) -> tuple:
 
 def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:
     """Manifest (bounded, self-digest, fields, signature), names and listing; reads only the
-    manifest. Never raises for anything found on disk (a bad key configuration does raise)."""
+    manifest. Never raises for anything found on disk (`DAMAGE`); a bad key configuration, or a
+    bug, does raise."""
     gen_dir, key = Path(gen_dir), signing.resolve(key)
     try:
         mode = os.lstat(gen_dir).st_mode
-    except Exception as exc:  # noqa: BLE001 - total: any failure is a problem of this generation
+    except OSError as exc:
         return Generation(gen_dir, None, [Problem(".", reason(exc))])
     if not stat.S_ISDIR(mode):
         return Generation(gen_dir, None, [Problem(".", f"generation directory is a {storage.file_kind(mode)}")])
     try:
         raw = storage.read_file_verified(gen_dir / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
         manifest = Manifest.from_json_bytes(raw)
-    except Exception as exc:  # noqa: BLE001
+    except DAMAGE as exc:
         return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
     problems = []
-    try:
-        if key is not None and manifest.format_version < 2:
-            problems.append(Problem(MANIFEST, V1_WITH_KEY))
-        elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
-            problems.append(Problem(MANIFEST, unsigned))
-    except Exception as exc:  # noqa: BLE001 - total: a signature that cannot be checked is damage
-        problems.append(Problem(MANIFEST, reason(exc)))
+    # signing.problem returns what is wrong with a signature (it never raises on what it holds)
+    if key is not None and manifest.format_version < 2:
+        problems.append(Problem(MANIFEST, V1_WITH_KEY))
+    elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
+        problems.append(Problem(MANIFEST, unsigned))
     problems += _name_problems(gen_dir, manifest)
     try:
         content_rules.check_manifest(manifest)
-    except Exception as exc:  # noqa: BLE001
+    except GenerationDamaged as exc:
         problems.append(Problem(MANIFEST, reason(exc)))
     try:
         problems += [Problem(rel, why) for rel, why in content_rules.binding_problems(manifest)]
-    except Exception as exc:  # noqa: BLE001
+    except GenerationDamaged as exc:
         problems.append(Problem(MANIFEST, reason(exc)))
     try:
         problems += _listing_problems(gen_dir, manifest.files)
-    except Exception as exc:  # noqa: BLE001
+    except OSError as exc:  # the directory changed under the walk (an entry removed or replaced)
         problems.append(Problem(".", reason(exc)))
     return Generation(gen_dir, manifest, problems)
 
 
 def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep: bool = True) -> storage.CheckedFile:
     """Read one listed file and apply every content rule (`content_rules`). Returns the checked
-    file (its bytes with `keep=True`); raises (ValueError, OSError, ...) with the reason."""
+    file (its bytes with `keep=True`); raises `DAMAGE` (GenerationDamaged, OSError) with the reason."""
     record = manifest.files[relpath]
     checked = storage.check_file(Path(gen_dir) / relpath, record, keep=keep)
     if checked.entries is not None:
@@ -208,7 +215,7 @@ def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gen
             continue
         try:
             check_file_content(gen_dir, relpath, generation.manifest, keep=False)
-        except Exception as exc:  # noqa: BLE001 - total: any failure is a problem of this file
+        except DAMAGE as exc:  # damage of this file; anything else is a bug and propagates
             generation.problems.append(Problem(relpath, reason(exc)))
     generation.content_checked = True
     return generation
@@ -285,7 +292,7 @@ def reason(exc: BaseException) -> str:
         return "missing"
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc}"
-    if type(exc) is ValueError:
+    if type(exc) in (ValueError, GenerationDamaged):
         return str(exc)
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -420,7 +427,7 @@ def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:
         return None, reason(exc)
     try:
         return Tracker.from_dict(storage.read_json(path, max_bytes=MAX_TRACKER_BYTES)), None
-    except Exception as exc:  # noqa: BLE001 - a tracker is a hint: any failure makes it unusable
+    except DAMAGE as exc:  # a tracker is a hint: damage makes it unusable
         return None, reason(exc)
 
 

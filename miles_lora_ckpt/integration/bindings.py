@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.integration import multi_lora, single_lora
 from miles_lora_ckpt.integration.shapes import Shape, Target
 
@@ -39,7 +40,7 @@ register_handlers(single_lora.HANDLERS)
 register_handlers(multi_lora.HANDLERS)
 
 
-class BindingRefused(ValueError):
+class BindingRefused(MilesLoraCkptError, ValueError):
     """A module holds something unexpected under a name the plugin must rebind; nothing was patched."""
 
 

@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_lora_ckpt.core import settings
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 
 CONFIG_ENV = "MILES_LORA_CKPT_CONFIG"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-class ConfigError(ValueError):
+class ConfigError(MilesLoraCkptError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range; the message names the key."""
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_lora_ckpt.core import native_dist, storage
-from miles_lora_ckpt.core.errors import NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.errors import MilesLoraCkptError, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, is_save_root
 from miles_lora_ckpt.integration.config import PluginConfig
@@ -43,7 +43,7 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's; Miles' val
 _MEGATRON_ITER_DIR = re.compile(r"iter_[0-9]{7}\Z", re.ASCII)
 
 
-class ResumeRefused(RuntimeError):
+class ResumeRefused(MilesLoraCkptError, RuntimeError):
     """This launch cannot resume correctly as configured; the message says which flag to change."""
 
 

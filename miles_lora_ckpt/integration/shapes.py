@@ -24,6 +24,8 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
+
 MEGATRON_UTILS = "miles.backends.megatron_utils"
 LORA_UTILS_2026_08 = f"{MEGATRON_UTILS}.lora_utils"
 LORA_UTILS_PACKAGE = f"{MEGATRON_UTILS}.lora.utils"
@@ -335,7 +337,7 @@ class Difference:
         return f"{self.module}.{self.name}: found {self.found}, expected {self.expected}"
 
 
-class UnknownMilesShape(ValueError):
+class UnknownMilesShape(MilesLoraCkptError, ValueError):
     """The running Miles matches no known shape; raised before anything is patched."""
 
     def __init__(self, differences: dict[str, list[Difference]]):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED, SUPPORTED_CLASSES, leaf_children
 from miles_lora_ckpt.megatron.optimizer_children.distributed import dp_group
 
 
-class UnsupportedConfiguration(ValueError):
+class UnsupportedConfiguration(MilesLoraCkptError, ValueError):
     """The run is configured in a way this plugin cannot checkpoint; the message says what to change."""
 
 

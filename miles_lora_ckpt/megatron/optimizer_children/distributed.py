@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lora_ckpt.core import storage
-from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.protocol import PartialRead
@@ -278,7 +278,7 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
     per buffer in the DP root's file."""
     layouts = plan.get("numel_unpadded")
     if not isinstance(layouts, dict):
-        raise ValueError(f"optimizer child {index}: the manifest's plan has no bucket layout ('numel_unpadded')")
+        raise GenerationDamaged(f"optimizer child {index}: the manifest's plan has no bucket layout ('numel_unpadded')")
     if key not in layouts:
         raise IncompatibleCheckpoint(
             f"optimizer child {index}: the checkpoint has no bucket layout for model-parallel coordinate {key} "
@@ -295,25 +295,25 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
         return [Piece(file_name(index, key), binding, buf, buf, 0, sum(n)) for buf, n in sorted(current.items())]
     entries = plan["slices"].get(key)
     if not isinstance(entries, list) or not entries:
-        raise ValueError(f"optimizer child {index}: the manifest lists no slices at {key}")
+        raise GenerationDamaged(f"optimizer child {index}: the manifest lists no slices at {key}")
     size = len(entries)
     pieces, covered = [], {buf: [[] for _ in numels] for buf, numels in current.items()}
     for rank, entry in enumerate(entries):
         expected = slice_file_name(index, key, rank, size)
         if entry.get("file") != expected or entry.get("slice") != f"{rank}/{size}":
-            raise ValueError(f"optimizer child {index}: slice {rank} of {size} at {key} is listed as {entry}")
+            raise GenerationDamaged(f"optimizer child {index}: slice {rank} of {size} at {key} is listed as {entry}")
         bounds = entry.get("bounds")
         if not isinstance(bounds, dict) or set(bounds) != set(current):
-            raise ValueError(f"{expected}: slice bounds {bounds} do not name the buffers {sorted(current)}")
+            raise GenerationDamaged(f"{expected}: slice bounds {bounds} do not name the buffers {sorted(current)}")
         for buf, per_bucket in bounds.items():
             if not isinstance(per_bucket, list) or len(per_bucket) != len(current[buf]):
-                raise ValueError(
+                raise GenerationDamaged(
                     f"{expected}: slice bounds of {buf} are {per_bucket}, one [lo, hi] per bucket expected"
                 )
             for b, pair in enumerate(per_bucket):
                 ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
                 if not ok or not 0 <= pair[0] <= pair[1] <= current[buf][b]:
-                    raise ValueError(
+                    raise GenerationDamaged(
                         f"{expected}: slice bounds {pair} of {buf} bucket {b} are out of [0, {current[buf][b]}]"
                     )
                 if pair[1] > pair[0]:
@@ -327,12 +327,12 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
             for lo, hi, file in sorted(spans):
                 if lo != cursor:
                     what = "overlap" if lo < cursor else "gap"
-                    raise ValueError(
+                    raise GenerationDamaged(
                         f"{file}: slice bounds [{lo}, {hi}) of {buf} bucket {b} leave a {what} at element {min(lo, cursor)}"
                     )
                 cursor = hi
             if cursor != current[buf][b]:
-                raise ValueError(
+                raise GenerationDamaged(
                     f"optimizer child {index} at {key}: the slices of {buf} bucket {b} end at {cursor}, not {current[buf][b]}"
                 )
     return pieces

@@ -26,6 +26,7 @@ import torch
 
 from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.verify import check_file_content, resolve
 from miles_lora_ckpt.megatron.bridge_export import ExportedWeight
 from miles_lora_ckpt.savers.peft_export import format as fmt
@@ -41,7 +42,7 @@ _NAME_RE = re.compile(
 )
 
 
-class OfflineExportError(ValueError):
+class OfflineExportError(MilesLoraCkptError, ValueError):
     """The generation cannot be exported without a live model (the message says why)."""
 
 

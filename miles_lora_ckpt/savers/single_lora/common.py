@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import param_blocks
@@ -85,7 +86,9 @@ def saved_metadata(manifest, *keys):
     for depth, key in enumerate(keys):
         if not isinstance(value, dict) or key not in value:
             path = ".".join(str(k) for k in keys[: depth + 1])
-            raise ValueError(f"manifest metadata has no {path!r} (written by another saver or version, or edited)")
+            raise GenerationDamaged(
+                f"manifest metadata has no {path!r} (written by another saver or version, or edited)"
+            )
         value = value[key]
     return value
 
