@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core import content_rules, faults
 from miles_lora_ckpt.core.consensus import SLOT_BYTES, Consensus, Outcome
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import TRACKER, Topology
@@ -314,3 +315,47 @@ def json_manifest(gen: Path) -> dict:
     import json
 
     return json.loads((gen / "manifest.json").read_text())
+
+
+# --------------------------------------------------------------------------- a bug is not damage
+
+
+def bug_or_damage(payload: dict, ctx) -> dict:
+    """Two generations. A TypeError injected into rank 1's content check of the newer one must fail
+    the load on every rank (never the older generation), its traceback in rank 1's log; real
+    damage to the newer one (a flipped byte) must still make every rank fall back to the older."""
+    consensus = Consensus.for_world(timeout_s=60)
+    root = Path(payload["root"])
+    _save(consensus, root, 1)
+    newest = _save(consensus, root, 2)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("miles_lora_ckpt").addHandler(handler)
+    original = content_rules.check_tensor_file
+
+    def buggy(relpath, manifest, metadata, dtypes):
+        if manifest.iteration == 2:
+            raise TypeError("injected bug: unsupported operand type(s)")
+        return original(relpath, manifest, metadata, dtypes)
+
+    bug: dict = {}
+    if ctx.rank == 1:
+        content_rules.check_tensor_file = buggy
+    try:
+        bug["loaded"] = _load(consensus, root)[0]
+    except CheckpointError as exc:
+        bug["error"] = {"phase": exc.phase, "ranks": exc.failed_ranks, "text": str(exc)}
+    finally:
+        content_rules.check_tensor_file = original
+        logging.getLogger("miles_lora_ckpt").removeHandler(handler)
+    formatter = logging.Formatter()
+    tracebacks = [formatter.format(r) for r in records if r.exc_info and r.exc_info[0] is TypeError]
+    consensus.agree("sync", Outcome.success())
+    if ctx.rank == 0:  # damage: one byte of rank 1's tensor data, same size (its digest no longer matches)
+        target = newest / rank_file(1)
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0x40
+        target.write_bytes(bytes(data))
+    consensus.agree("sync", Outcome.success())
+    return {"bug": bug, "tracebacks": tracebacks, "damaged_load": list(_load(consensus, root))}

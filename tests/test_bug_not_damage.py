@@ -1,0 +1,152 @@
+"""A bug is not damage: an exception in a check that is not `GenerationDamaged` (nor an OSError
+reading a listed file) fails the load on every rank, with its traceback in the log, and never
+makes a loader, `verify`, `gc` or retention treat the generation as damaged."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from jobs_paths import JOBS
+
+from miles_lora_ckpt.core import content_rules
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import (
+    CheckpointError,
+    CommittedButFailed,
+    GenerationDamaged,
+    IncompatibleCheckpoint,
+    MilesLoraCkptError,
+    NotACheckpoint,
+    NothingCommitted,
+)
+from miles_lora_ckpt.core.layout import Topology
+from miles_lora_ckpt.core.protocol import save_generation
+from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt.tools.cli import main as cli
+
+ADAPTER = "adapter.safetensors"
+
+
+def _save(root: Path, iteration: int, keep: int | None = None) -> Path:
+    def write(writer):
+        writer.write_tensors(ADAPTER, {"w": torch.full((4, 4), float(iteration))})
+        writer.write_json("state.json", {"iteration": iteration})
+
+    return save_generation(
+        Consensus.single_process(),
+        root,
+        iteration=iteration,
+        saver="test",
+        topology=Topology(),
+        write_files=write,
+        keep=keep,
+    )
+
+
+@pytest.fixture
+def bug_in_a_check(monkeypatch):
+    """A TypeError in the content check of every tensor file (a bug of ours, not damage)."""
+
+    def buggy(relpath, manifest, metadata, dtypes):
+        raise TypeError("injected bug: unsupported operand type(s)")
+
+    monkeypatch.setattr(content_rules, "check_tensor_file", buggy)
+
+
+def test_every_error_of_the_package_derives_from_one_base():
+    from miles_lora_ckpt import MilesLoraCkptError as exported
+    from miles_lora_ckpt.core.dcp_metadata import DcpMetadataError  # noqa: F401 - its own module's concern
+    from miles_lora_ckpt.core.faults import InjectedFault
+    from miles_lora_ckpt.core.lease import LeaseHeld
+    from miles_lora_ckpt.core.signing import SigningKeyError
+    from miles_lora_ckpt.integration.bindings import BindingRefused
+    from miles_lora_ckpt.integration.config import ConfigError
+    from miles_lora_ckpt.integration.resume import ResumeRefused
+    from miles_lora_ckpt.integration.shapes import UnknownMilesShape
+    from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
+    from miles_lora_ckpt.savers.peft_export.offline import OfflineExportError
+
+    assert exported is MilesLoraCkptError
+    for cls in (
+        CheckpointError,
+        CommittedButFailed,
+        GenerationDamaged,
+        NothingCommitted,
+        NotACheckpoint,
+        IncompatibleCheckpoint,
+        LeaseHeld,
+        SigningKeyError,
+        InjectedFault,
+        ConfigError,
+        BindingRefused,
+        ResumeRefused,
+        UnknownMilesShape,
+        UnsupportedConfiguration,
+        OfflineExportError,
+    ):
+        assert issubclass(cls, MilesLoraCkptError), cls
+    # the damage exception is a ValueError too (code that refused a bad file by ValueError still does)
+    assert issubclass(GenerationDamaged, ValueError) and not issubclass(IncompatibleCheckpoint, GenerationDamaged)
+
+
+def test_a_bug_in_a_check_fails_the_load_on_every_rank_and_damage_still_falls_back(tmp_path):
+    results = check_all(
+        run_workers(2, "protocol_jobs:bug_or_damage", {"root": str(tmp_path / "root")}, sys_path=[JOBS], megatron=False)
+    )
+    errors = [r["bug"].get("error") for r in results]
+    assert all(r["bug"].get("loaded") is None for r in results)  # no rank resumed the older generation
+    assert all(e is not None for e in errors), errors
+    assert errors[0] == errors[1]  # the same error on every rank
+    assert errors[0]["phase"] == "read" and errors[0]["ranks"] == [1]
+    assert "TypeError: injected bug" in errors[0]["text"]
+    # the traceback is in the log of the rank that met it
+    assert results[0]["tracebacks"] == []
+    traceback = "\n".join(results[1]["tracebacks"])
+    assert "Traceback (most recent call last)" in traceback and "check_file_content" in traceback, traceback
+    # real damage (a flipped byte) still makes every rank fall back to the older generation
+    assert [r["damaged_load"] for r in results] == [[1, True], [1, True]]
+
+
+def test_verify_and_inspect_report_a_bug_as_an_internal_error_not_as_damage(tmp_path, bug_in_a_check, capsys):
+    root = tmp_path / "root"
+    _save(root, 1)
+    newest = _save(root, 2)
+    capsys.readouterr()
+    for args in (
+        ["verify", str(root)],
+        ["verify", str(root), "--all"],
+        ["verify", str(newest)],
+        ["inspect", str(root)],
+    ):
+        assert cli(args) == 3, args  # internal error, not 1 (damaged), and no older generation passes as OK
+        out, err = capsys.readouterr()
+        assert "OK " not in out and "ERROR" not in out, (args, out)
+        assert err.startswith("INTERNAL ERROR TypeError: injected bug") and "--debug" in err, err
+        assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1  # one line, no traceback
+    assert cli(["verify", str(root), "--debug"]) == 3
+    assert "Traceback (most recent call last)" in capsys.readouterr().err  # asked for: the traceback
+
+
+def test_gc_and_retention_never_remove_generations_for_a_bug(tmp_path, monkeypatch, capsys, caplog):
+    root = tmp_path / "root"
+    for iteration in (1, 2, 3):
+        _save(root, iteration)
+    monkeypatch.setattr(content_rules, "check_tensor_file", _raise_type_error)
+    capsys.readouterr()
+    assert cli(["gc", str(root), "--keep", "1"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("INTERNAL ERROR TypeError") and "Traceback" not in err
+    assert len(list(root.glob("gen-*"))) == 3
+    # retention at the end of a save: the save commits; nothing is removed; the bug is logged with its traceback
+    with caplog.at_level(logging.ERROR, logger="miles_lora_ckpt"):
+        newest = _save(root, 4, keep=2)
+    assert newest.is_dir() and len(list(root.glob("gen-*"))) == 4
+    bug = [r for r in caplog.records if r.exc_info and r.exc_info[0] is TypeError]
+    assert bug and "retention" in bug[0].getMessage()
+
+
+def _raise_type_error(*args, **kwargs):
+    raise TypeError("injected bug in a check")
