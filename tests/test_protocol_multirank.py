@@ -40,6 +40,11 @@ def test_every_phase_on_every_rank_raises_the_same_error_everywhere(world, tmp_p
             assert mine["error"]["text"] == case["error"]["text"]  # identical on every rank
             assert mine["error"]["phase"] == expected_phase and mine["error"]["ranks"] == [failing]
             assert f"injected fault at phase '{phase}' on rank {failing}" in mine["error"]["text"]
+            # past the publishing rename, every rank says the generation was committed, naming it
+            committed = mine["error"]["text"].startswith("generation gen-") and (
+                " committed; the failure after it: " in mine["error"]["text"]
+            )
+            assert committed == (phase == "after-publish"), (phase, failing, mine["error"]["text"])
             assert mine["seconds"] < 30
             assert mine["content_ok"] and mine["loaded_iteration"] == mine["expected_iteration"]
             # the previous generation and the tracker are untouched unless the fault came after publishing
