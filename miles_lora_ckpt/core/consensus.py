@@ -64,10 +64,12 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
 
 
 def describe_exception(exc: BaseException) -> str:
-    """`Type: message` plus the innermost frame, short enough to print once per rank."""
+    """`Type: message` plus the innermost frame, short enough to print once per rank; for an
+    exception that is not the package's own, a pointer to the traceback `attempt` logged."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    logged = "" if isinstance(exc, MilesLoraCkptError) else "; its traceback is in that rank's log"
+    return f"{type(exc).__name__}: {exc}{where}{logged}"
 
 
 class Consensus:

@@ -394,7 +394,7 @@ def shape_differences(shape: Shape, import_module: Callable = importlib.import_m
 def _found_signature(target: Target, import_module: Callable) -> str | None:
     try:
         module = import_module(target.module)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any import failure means the target is not there
         return None if target.optional else f"module cannot be imported: {_short(exc)}"
     function = getattr(module, target.name, None)
     if function is None:
