@@ -17,8 +17,9 @@ Save, read top to bottom as phases::
     commit    coordinator writes manifest.json last, inside the staging dir
               (signed when a key is configured)                              -> agree
     publish   coordinator checks it still holds the lease, renames staging
-              to gen-<iter>-<id> (one atomic rename), replaces the tracker
-              (and, on request, the `latest` symlink)                          -> agree
+              to gen-<iter>-<id> (one atomic rename: committed), replaces the
+              tracker (and, on request, the `latest` symlink); a failure after
+              the rename is reported as such (`CommittedButFailed`)             -> agree
     retain    coordinator prunes old generations (never raises: it runs after the last collective)
 
 A failed attempt raises the same CheckpointError on every rank, and the coordinator removes its
@@ -203,7 +204,9 @@ def save_generation(
 
     Raises the same CheckpointError on every rank if any rank fails any phase (another writer
     holding the root's lease included); the previous generation, the tracker and `latest` are then
-    untouched, and the attempt's staging directory is removed.
+    untouched, and the attempt's staging directory is removed. A failure after the publishing
+    rename (the tracker, a link, the root's fsync, on any rank) raises `CommittedButFailed` on every
+    rank instead, naming the generation, which is committed and loads.
     """
     root, rank = Path(root), consensus.rank
     coordinator = rank == 0

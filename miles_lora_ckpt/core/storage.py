@@ -191,12 +191,13 @@ def fsync_dir(path: Path) -> None:
 
 
 def ensure_allocatable(nbytes: int, what: str = "file") -> None:
-    """Refuse to allocate a buffer larger than the memory this host has available."""
+    """Refuse to allocate a buffer larger than the memory this host has available: a ValueError, not
+    damage (the file may be intact; a load fails rather than fall back to older state for it)."""
     if nbytes < _CHECK_MEMORY_ABOVE:
         return
     available = available_memory()
     if available is not None and nbytes > available:
-        raise GenerationDamaged(f"{what} is {nbytes} bytes, more than the {available} bytes of memory available here")
+        raise ValueError(f"{what} is {nbytes} bytes, more than the {available} bytes of memory available here")
 
 
 def available_memory() -> int | None:
