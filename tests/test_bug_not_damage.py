@@ -50,7 +50,7 @@ def _save(root: Path, iteration: int, keep: int | None = None) -> Path:
 def bug_in_a_check(monkeypatch):
     """A TypeError in the content check of every tensor file (a bug of ours, not damage)."""
 
-    def buggy(relpath, manifest, metadata, dtypes):
+    def buggy(*args, **kwargs):
         raise TypeError("injected bug: unsupported operand type(s)")
 
     monkeypatch.setattr(content_rules, "check_tensor_file", buggy)

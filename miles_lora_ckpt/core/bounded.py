@@ -14,8 +14,6 @@ import math
 import re
 from typing import Any
 
-from miles_lora_ckpt.core.errors import GenerationDamaged
-
 MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 INT64_MAX = 2**63 - 1
@@ -36,7 +34,7 @@ def parse_json(
     detect and accept), no `NaN`/`Infinity` constants, no number that overflows a float, no
     duplicate object keys."""
     if len(raw) > max_bytes:
-        raise GenerationDamaged(f"{what} is {len(raw)} bytes, more than the {max_bytes} allowed")
+        raise ValueError(f"{what} is {len(raw)} bytes, more than the {max_bytes} allowed")
     text = utf8_text(raw, what)
     try:
         value = json.loads(
@@ -46,14 +44,14 @@ def parse_json(
             object_pairs_hook=_unique_keys,
         )
     except RecursionError:
-        raise GenerationDamaged(f"{what} is nested more than {max_depth} levels deep") from None
+        raise ValueError(f"{what} is nested more than {max_depth} levels deep") from None
     except json.JSONDecodeError as exc:
-        raise GenerationDamaged(f"{what} is not valid JSON ({exc})") from None
+        raise ValueError(f"{what} is not valid JSON ({exc})") from None
     except ValueError as exc:  # from the hooks, or an integer with too many digits
-        raise GenerationDamaged(f"{what}: {exc}") from None
+        raise ValueError(f"{what}: {exc}") from None
     depth = nesting_depth(value)
     if depth > max_depth:
-        raise GenerationDamaged(f"{what} is nested {depth} levels deep, more than the {max_depth} allowed")
+        raise ValueError(f"{what} is nested {depth} levels deep, more than the {max_depth} allowed")
     return value
 
 
@@ -61,11 +59,11 @@ def utf8_text(raw: bytes | bytearray | memoryview, what: str) -> str:
     """`raw` decoded as strict UTF-8 without a byte order mark; ValueError naming `what` otherwise."""
     data = bytes(raw)
     if data.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
-        raise GenerationDamaged(f"{what} starts with a byte order mark: it must be UTF-8 without one")
+        raise ValueError(f"{what} starts with a byte order mark: it must be UTF-8 without one")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise GenerationDamaged(f"{what} is not UTF-8 (byte {exc.start}: {exc.reason})") from None
+        raise ValueError(f"{what} is not UTF-8 (byte {exc.start}: {exc.reason})") from None
 
 
 def nesting_depth(value: Any) -> int:
@@ -83,13 +81,13 @@ def nesting_depth(value: Any) -> int:
 
 
 def _refuse_constant(name: str):
-    raise GenerationDamaged(f"non-finite JSON constant {name}")
+    raise ValueError(f"non-finite JSON constant {name}")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise GenerationDamaged(f"number {text[:40]} is out of range")
+        raise ValueError(f"number {text[:40]} is out of range")
     return value
 
 
@@ -98,7 +96,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     if len(result) != len(pairs):
         seen: set[str] = set()
         duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise GenerationDamaged(f"duplicate key {duplicate[:80]!r}")
+        raise ValueError(f"duplicate key {duplicate[:80]!r}")
     return result
 
 
@@ -108,35 +106,35 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 def integer(value: Any, where: str, *, low: int = 0, high: int = INT64_MAX) -> int:
     """An int (never a bool or a float) in `[low, high]`."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise GenerationDamaged(f"{where} is {show(value)}, not an integer")
+        raise ValueError(f"{where} is {show(value)}, not an integer")
     if not low <= value <= high:
-        raise GenerationDamaged(f"{where} is {show(value)}, outside [{low}, {high}]")
+        raise ValueError(f"{where} is {show(value)}, outside [{low}, {high}]")
     return value
 
 
 def number(value: Any, where: str, *, low: float = -math.inf, high: float = math.inf) -> float:
     """A finite int or float (never a bool) in `[low, high]`."""
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise GenerationDamaged(f"{where} is {show(value)}, not a number")
+        raise ValueError(f"{where} is {show(value)}, not a number")
     if not math.isfinite(value) or not low <= value <= high:
-        raise GenerationDamaged(f"{where} is {show(value)}, outside [{low}, {high}]")
+        raise ValueError(f"{where} is {show(value)}, outside [{low}, {high}]")
     return value
 
 
 def string(value: Any, where: str, *, max_len: int = 4096, pattern: re.Pattern | None = None) -> str:
     """A str of at most `max_len` characters, matching `pattern` when given."""
     if not isinstance(value, str):
-        raise GenerationDamaged(f"{where} is {show(value)}, not a string")
+        raise ValueError(f"{where} is {show(value)}, not a string")
     if len(value) > max_len:
-        raise GenerationDamaged(f"{where} is {len(value)} characters long, more than {max_len}")
+        raise ValueError(f"{where} is {len(value)} characters long, more than {max_len}")
     if pattern is not None and not pattern.fullmatch(value):
-        raise GenerationDamaged(f"{where} is {show(value)}, which is not of the form {pattern.pattern}")
+        raise ValueError(f"{where} is {show(value)}, which is not of the form {pattern.pattern}")
     return value
 
 
 def mapping(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
-        raise GenerationDamaged(f"{where} is {show(value)}, not a JSON object")
+        raise ValueError(f"{where} is {show(value)}, not a JSON object")
     return value
 
 

@@ -82,12 +82,15 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
     """Every rule for a listed file that is not a tensor file, given its parsed JSON value (None
     for a file that is not JSON: a training state must be JSON)."""
     if manifest.role_of(relpath) == ROLE_TRAINING_STATE:
-        training_state.check(
-            value,
-            iteration=manifest.iteration,
-            generation=manifest.generation,
-            format_version=manifest.format_version,
-        )
+        try:
+            training_state.check(
+                value,
+                iteration=manifest.iteration,
+                generation=manifest.generation,
+                format_version=manifest.format_version,
+            )
+        except ValueError as exc:  # its rules' refusals (ValueError, as `bounded`'s) are damage
+            raise GenerationDamaged(str(exc)) from None
 
 
 def check_manifest(manifest: Manifest) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from miles_lora_ckpt.core.errors import GenerationDamaged
-
 # The tags of values JSON cannot hold (readers that check values without decoding use them too).
 TUPLE_TAG, SCALAR_TAG, FLOAT_TAG = "__tuple__", "__scalar_tensor__", "__float__"
 _TUPLE, _SCALAR = TUPLE_TAG, SCALAR_TAG
@@ -108,19 +106,17 @@ def check_tag(obj: dict, where: str) -> str | None:
         dtype, value = obj["dtype"], obj[_SCALAR]
         kind = SCALAR_DTYPES.get(dtype) if isinstance(dtype, str) else None
         if kind is None:
-            raise GenerationDamaged(
-                f"{where} is a scalar tensor of dtype {_show(dtype)}, not one of {sorted(SCALAR_DTYPES)}"
-            )
+            raise ValueError(f"{where} is a scalar tensor of dtype {_show(dtype)}, not one of {sorted(SCALAR_DTYPES)}")
         if not _is_kind(value, kind):
-            raise GenerationDamaged(f"{where} is a scalar tensor of dtype {dtype} holding {_show(value)}, not a {kind}")
+            raise ValueError(f"{where} is a scalar tensor of dtype {dtype} holding {_show(value)}, not a {kind}")
         low, high = SCALAR_RANGES[dtype]
         if not low <= value <= high:
-            raise GenerationDamaged(
+            raise ValueError(
                 f"{where} is a scalar tensor of dtype {dtype} holding {_show(value)}, outside [{low}, {high}] "
                 "(the values that dtype holds)"
             )
         return tag
-    raise GenerationDamaged(f"{where} is a malformed {tag} value {_show(obj)}")
+    raise ValueError(f"{where} is a malformed {tag} value {_show(obj)}")
 
 
 def check_tags(value: Any, where: str = "state") -> None:

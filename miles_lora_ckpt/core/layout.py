@@ -127,7 +127,7 @@ class Topology:
         bounded.mapping(data, where)
         unknown = set(data) - names
         if unknown:
-            raise GenerationDamaged(f"unknown topology keys {sorted(unknown)}")
+            raise ValueError(f"unknown topology keys {sorted(unknown)}")
         for key, value in data.items():
             bounded.integer(value, f"{where} {key}", low=1, high=MAX_TOPOLOGY_SIZE)
         return cls(**data)
@@ -196,22 +196,20 @@ class BlockIndex:
     def from_dict(cls, data: Any, where: str, size: int) -> BlockIndex:
         bounded.mapping(data, where)
         if set(data) != {"bytes", "digests", "tensors"}:
-            raise GenerationDamaged(f"{where} has keys {sorted(data)}, expected bytes, digests, tensors")
+            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digests, tensors")
         block = bounded.integer(data["bytes"], f"{where} bytes", low=MIN_BLOCK_BYTES, high=MAX_BLOCK_BYTES)
         if block % 8:
-            raise GenerationDamaged(f"{where} bytes is {block}, not a multiple of 8")
+            raise ValueError(f"{where} bytes is {block}, not a multiple of 8")
         digests = data["digests"]
         if not isinstance(digests, list) or len(digests) != -(-size // block):
-            raise GenerationDamaged(
-                f"{where} digests: expected {-(-size // block)} for {size} bytes in blocks of {block}"
-            )
+            raise ValueError(f"{where} digests: expected {-(-size // block)} for {size} bytes in blocks of {block}")
         digests = tuple(bounded.string(d, f"{where} digest", pattern=DIGEST) for d in digests)
         bounded.mapping(data["tensors"], f"{where} tensors")
         tensors = {}
         for name, span in data["tensors"].items():
             here = f"{where} tensor {bounded.string(name, f'{where} tensor name', max_len=1024)[:80]!r}"
             if not (isinstance(span, list) and len(span) == 3 and span[0] in _DTYPE_TAGS):
-                raise GenerationDamaged(f"{here}: expected [dtype, begin, end], got {bounded.show(span)}")
+                raise ValueError(f"{here}: expected [dtype, begin, end], got {bounded.show(span)}")
             begin = bounded.integer(span[1], f"{here} begin", high=size)
             end = bounded.integer(span[2], f"{here} end", low=begin, high=size)
             tensors[name] = (span[0], begin, end)
@@ -250,12 +248,10 @@ class FileRecord:
         bounded.mapping(data, where)
         unknown = set(data) - {"bytes", "digest", "finite", "binding", "blocks"}
         if unknown or not {"bytes", "digest"} <= set(data):
-            raise GenerationDamaged(
-                f"{where} has keys {sorted(data)}, expected bytes, digest[, finite, binding, blocks]"
-            )
+            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digest[, finite, binding, blocks]")
         finite = data.get("finite", False)
         if not isinstance(finite, bool):
-            raise GenerationDamaged(f"{where} finite is {bounded.show(finite)}, not a boolean")
+            raise ValueError(f"{where} finite is {bounded.show(finite)}, not a boolean")
         size = bounded.integer(data["bytes"], f"{where} bytes", high=MAX_FILE_BYTES)
         return cls(
             bytes=size,
@@ -347,28 +343,35 @@ class Manifest:
 
     @classmethod
     def from_json_bytes(cls, raw: bytes | bytearray) -> Manifest:
-        """Parse (bounded) and check the self-digest and every field; raises ValueError naming
-        what is wrong. The signature, if any, is kept for `signing.check`."""
+        """Parse (bounded) and check the self-digest and every field; raises GenerationDamaged
+        naming what is wrong. The signature, if any, is kept for `signing.check`."""
+        try:
+            return cls._parse(raw)
+        except ValueError as exc:  # a parser of the manifest's bytes: every refusal (ValueError) is damage
+            raise GenerationDamaged(str(exc)) from None
+
+    @classmethod
+    def _parse(cls, raw: bytes | bytearray) -> Manifest:
         body = bounded.mapping(bounded.parse_json(raw, what="manifest", max_bytes=MAX_MANIFEST_BYTES), "manifest")
         claimed = body.pop("manifest_digest", None)
         signature = body.pop("signature", None)
         if claimed is None:
-            raise GenerationDamaged("no manifest_digest")
+            raise ValueError("no manifest_digest")
         canonical = canonical_json(body)
         if digest_bytes(canonical) != claimed:
-            raise GenerationDamaged("manifest self-digest mismatch (edited or corrupted)")
+            raise ValueError("manifest self-digest mismatch (edited or corrupted)")
         if body.get("format") != FORMAT_NAME:
-            raise GenerationDamaged(f"format is {bounded.show(body.get('format'))}, expected {FORMAT_NAME!r}")
+            raise ValueError(f"format is {bounded.show(body.get('format'))}, expected {FORMAT_NAME!r}")
         version = body.get("format_version")
         if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:  # not 2.0, not True
-            raise GenerationDamaged(
+            raise ValueError(
                 f"unsupported format_version {bounded.show(version)} (this version reads {list(READABLE_FORMAT_VERSIONS)})"
             )
         known = {spec.name: spec for spec in FIELDS if version >= spec.since}
         missing = sorted(name for name, spec in known.items() if name not in body and not spec.optional)
         unknown = sorted(set(body) - set(known) - {"format", "format_version"})
         if missing or unknown:
-            raise GenerationDamaged(f"format v{version} manifest: missing fields {missing}, unknown fields {unknown}")
+            raise ValueError(f"format v{version} manifest: missing fields {missing}, unknown fields {unknown}")
         values = {name: spec.read(body[name], f"manifest field {name}") for name, spec in known.items() if name in body}
         if signature is not None:
             signing.check_shape(signature)
@@ -414,10 +417,18 @@ class Tracker:
 
     @classmethod
     def from_dict(cls, data: Any) -> Tracker:
+        """The tracker a root holds; GenerationDamaged naming what is wrong."""
+        try:
+            return cls._parse(data)
+        except ValueError as exc:  # the tracker file's content: every refusal (ValueError) is damage
+            raise GenerationDamaged(str(exc)) from None
+
+    @classmethod
+    def _parse(cls, data: Any) -> Tracker:
         bounded.mapping(data, "tracker")
         name = bounded.string(data.get("generation_dir"), "tracker generation_dir", max_len=64)
         if parse_generation_dir_name(name) is None:
-            raise GenerationDamaged(f"tracker generation_dir {bounded.show(name)} is not a generation directory name")
+            raise ValueError(f"tracker generation_dir {bounded.show(name)} is not a generation directory name")
         sequence = data.get("sequence")
         return cls(
             generation_dir=name,

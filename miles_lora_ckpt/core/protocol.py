@@ -75,8 +75,8 @@ from miles_lora_ckpt.core.verify import (
     check_file_content,
     check_file_ranges,
     check_structure,
+    damage_problems,
     find_candidates,
-    reason,
 )
 
 log = logging.getLogger(__name__)
@@ -684,7 +684,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
                 for item in items:
                     storage.byte_range(index, tuple(item))  # raises for a range the file does not hold
     except DAMAGE as exc:  # what the manifest says is damaged; IncompatibleCheckpoint and bugs fail the load
-        return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
+        return gen, {"files": [], "ranges": {}, "problems": _damage_lines(candidate, exc, MANIFEST)}
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
         for rel in sorted({*whole, *ranges})
@@ -718,7 +718,7 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
         try:
             files[rel] = check_file_content(candidate, rel, manifest, keep=rel in mine["files"])
         except DAMAGE as exc:  # damage of that file; anything else is a bug: it fails the load
-            problems.append(f"{candidate / rel}: {reason(exc)}")
+            problems += _damage_lines(candidate, exc, rel)
     for rel, items in sorted(mine["ranges"].items()):
         try:
             wanted = [tuple(item) for item in items]
@@ -731,13 +731,18 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
                 # the deferred ones were verified and dropped: read again, verified again, later
                 ranges[rel] = DeferredRanges(candidate, rel, manifest, read) if later else read
         except DAMAGE as exc:
-            problems.append(f"{candidate / rel}: {reason(exc)}")
+            problems += _damage_lines(candidate, exc, rel)
     for rel, blocks in sorted(share.items()):
         try:
             storage.check_blocks(candidate / rel, manifest.files[rel], blocks)
         except DAMAGE as exc:
-            problems.append(f"{candidate / rel}: {reason(exc)}")
+            problems += _damage_lines(candidate, exc, rel)
     return {rel: files[rel] for rel in mine["files"] if rel in files}, ranges, problems
+
+
+def _damage_lines(candidate: Path, exc: BaseException, rel: str) -> list[str]:
+    """What a `DAMAGE` exception met about `rel` says, one line per problem, each naming its file."""
+    return [f"{candidate / p.file}: {p.reason}" for p in damage_problems(exc, rel)]
 
 
 def _prefetch(candidate: Path, manifest: Manifest, whole: list[str], ranges: dict, share: dict) -> None:

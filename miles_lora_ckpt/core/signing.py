@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lora_ckpt.core import settings
-from miles_lora_ckpt.core.errors import GenerationDamaged, MilesLoraCkptError
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.regular_files import read_regular
 
 ALGORITHM = "hmac-sha256"
@@ -82,7 +82,7 @@ def check_shape(signature: Any) -> None:
         or set(signature) != {"algorithm", "key_id", "mac"}
         or not all(isinstance(v, str) and len(v) <= 128 for v in signature.values())
     ):
-        raise GenerationDamaged("malformed manifest signature (expected algorithm, key_id and mac strings)")
+        raise ValueError("malformed manifest signature (expected algorithm, key_id and mac strings)")
 
 
 def problem(signature: dict | None, canonical_body: bytes, key: SigningKey | None) -> str | None:

@@ -409,8 +409,11 @@ def write_json(path: Path, obj) -> FileRecord:
 
 
 def parse_json(raw: bytes | bytearray, *, what: str = "JSON"):
-    """Strict, bounded JSON (see `bounded.parse_json`)."""
-    return bounded.parse_json(raw, what=what)
+    """Strict, bounded JSON (see `bounded.parse_json`) of a file read: a refusal is GenerationDamaged."""
+    try:
+        return bounded.parse_json(raw, what=what)
+    except ValueError as exc:  # bounded's refusals of the bytes (and only those: it raises nothing else)
+        raise GenerationDamaged(str(exc)) from None
 
 
 def read_json(path: Path, record: FileRecord | None = None, *, max_bytes: int = bounded.MAX_JSON_BYTES):
@@ -631,15 +634,21 @@ def check_header_length(header_len: int, size: int) -> None:
 
 
 def _parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, str], dict]:
-    header = bounded.parse_json(raw, what="safetensors header", max_bytes=MAX_HEADER_BYTES, max_depth=MAX_HEADER_DEPTH)
-    bounded.mapping(header, "safetensors header")
-    metadata = header.pop("__metadata__", None) or {}
+    """The header of a file read; every refusal (its own, `bounded`'s, a tensor name's) is damage."""
     try:
-        bounded.string_map(metadata, "safetensors __metadata__")
-    except ValueError as exc:
-        raise GenerationDamaged(f"{exc} (it must map strings to strings)") from None
-    entries = {name: _parse_entry(name, spec, data_start) for name, spec in header.items()}
-    _check_coverage(entries, data_start, total)
+        header = bounded.parse_json(
+            raw, what="safetensors header", max_bytes=MAX_HEADER_BYTES, max_depth=MAX_HEADER_DEPTH
+        )
+        bounded.mapping(header, "safetensors header")
+        metadata = header.pop("__metadata__", None) or {}
+        try:
+            bounded.string_map(metadata, "safetensors __metadata__")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (it must map strings to strings)") from None
+        entries = {name: _parse_entry(name, spec, data_start) for name, spec in header.items()}
+        _check_coverage(entries, data_start, total)
+    except ValueError as exc:  # a parser of the file's bytes: its refusals (ValueError) are damage
+        raise GenerationDamaged(str(exc)) from None
     return metadata, entries
 
 
@@ -653,9 +662,9 @@ def check_tensor_name(name: str) -> None:
     components in exports and tools, so one that could address a path is refused (ValueError)."""
     where = f"tensor {name[:80]!r}"
     if not name or len(name) > MAX_TENSOR_NAME:
-        raise GenerationDamaged(f"{where}: a tensor name has 1 to {MAX_TENSOR_NAME} characters, this one {len(name)}")
+        raise ValueError(f"{where}: a tensor name has 1 to {MAX_TENSOR_NAME} characters, this one {len(name)}")
     if any(c in name for c in _PATH_CHARACTERS) or name in (".", "..") or not name.isprintable():
-        raise GenerationDamaged(f"{where}: the name holds a path or control character (not allowed in a tensor name)")
+        raise ValueError(f"{where}: the name holds a path or control character (not allowed in a tensor name)")
 
 
 def _parse_entry(name: str, spec, data_start: int) -> tuple[str, list[int], int, int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Any
 
 from miles_lora_ckpt.core import bounded
-from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.jsoncodec import FLOAT_TAG, SCALAR_TAG, TUPLE_TAG, check_tags
 
 NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "max_lr", "min_lr", "lr_mult", "wd_mult", "dampening")
@@ -61,12 +60,12 @@ def check(state: Any, *, iteration: int, generation: str, format_version: int) -
     check_tags(state, "training state")
     saved_iteration = bounded.integer(state.get("iteration"), "iteration", high=bounded.INT64_MAX)
     if saved_iteration != iteration:
-        raise GenerationDamaged(f"iteration is {saved_iteration}, the manifest says {iteration}")
+        raise ValueError(f"iteration is {saved_iteration}, the manifest says {iteration}")
     if format_version >= 2:
         if "generation" not in state:
-            raise GenerationDamaged("has no 'generation' key (a format v2 training state names its generation)")
+            raise ValueError("has no 'generation' key (a format v2 training state names its generation)")
         if state["generation"] != generation:
-            raise GenerationDamaged(
+            raise ValueError(
                 f"belongs to generation {bounded.show(state['generation'])}, not to {generation} "
                 "(copied from another generation)"
             )
@@ -86,10 +85,10 @@ def _check_scheduler(scheduler: dict, iteration: int) -> None:
     for names in required:
         if not any(name in scheduler for name in names):
             also = f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
-            raise GenerationDamaged(f"scheduler has no {names[0]!r}{also}, which megatron's scheduler reads")
+            raise ValueError(f"scheduler has no {names[0]!r}{also}, which megatron's scheduler reads")
     for key, known in _STYLES.items():
         if key in scheduler and scheduler[key] not in known:
-            raise GenerationDamaged(
+            raise ValueError(
                 f"scheduler.{key} is {bounded.show(scheduler[key])}, not a style megatron knows {list(known)}"
             )
     num_steps = bounded.integer(_plain(scheduler["num_steps"]), "scheduler.num_steps")
@@ -97,7 +96,7 @@ def _check_scheduler(scheduler: dict, iteration: int) -> None:
         if key in scheduler and scheduler[key] is not None:
             bounded.integer(_plain(scheduler[key]), f"scheduler.{key}")
     if num_steps == 0 and iteration > 0:
-        raise GenerationDamaged(
+        raise ValueError(
             f"scheduler.num_steps is 0 at iteration {iteration}: a scheduler that never stepped does not "
             "belong to a later iteration"
         )
@@ -111,11 +110,11 @@ def _check_param_group(group: dict, where: str) -> None:
         betas = group["betas"]
         betas = betas.get(TUPLE_TAG) if isinstance(betas, dict) else betas
         if not isinstance(betas, list) or not betas:
-            raise GenerationDamaged(f"{where}.betas is {bounded.show(group['betas'])}, not a list of numbers")
+            raise ValueError(f"{where}.betas is {bounded.show(group['betas'])}, not a list of numbers")
         for index, beta in enumerate(betas):
             value = bounded.number(_plain(beta), f"{where}.betas[{index}]", low=0)
             if value >= 1:
-                raise GenerationDamaged(f"{where}.betas[{index}] is {value}, outside [0, 1)")
+                raise ValueError(f"{where}.betas[{index}] is {value}, outside [0, 1)")
 
 
 def _param_groups(state: Any, where: str):
@@ -141,9 +140,7 @@ def _all_numbers_finite(state: Any) -> None:
         item, path = stack.pop()
         if isinstance(item, dict):
             if FLOAT_TAG in item:
-                raise GenerationDamaged(
-                    f"{path.lstrip('.') or 'value'} is {bounded.show(item[FLOAT_TAG])} (not finite)"
-                )
+                raise ValueError(f"{path.lstrip('.') or 'value'} is {bounded.show(item[FLOAT_TAG])} (not finite)")
             stack.extend((value, f"{path}.{key}") for key, value in item.items())
         elif isinstance(item, list):
             stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))

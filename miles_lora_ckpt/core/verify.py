@@ -126,11 +126,11 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     try:
         content_rules.check_manifest(manifest)
     except GenerationDamaged as exc:
-        problems.append(Problem(MANIFEST, reason(exc)))
+        problems += damage_problems(exc, MANIFEST)
     try:
         problems += [Problem(rel, why) for rel, why in content_rules.binding_problems(manifest)]
     except GenerationDamaged as exc:
-        problems.append(Problem(MANIFEST, reason(exc)))
+        problems += damage_problems(exc, MANIFEST)
     try:
         problems += _listing_problems(gen_dir, manifest.files)
     except OSError as exc:  # the directory changed under the walk (an entry removed or replaced)
@@ -216,7 +216,7 @@ def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gen
         try:
             check_file_content(gen_dir, relpath, generation.manifest, keep=False)
         except DAMAGE as exc:  # damage of this file; anything else is a bug and propagates
-            generation.problems.append(Problem(relpath, reason(exc)))
+            generation.problems += damage_problems(exc, relpath)
     generation.content_checked = True
     return generation
 
@@ -286,14 +286,25 @@ def _unsafe_relpath(rel: str) -> str | None:
     return None
 
 
+def damage_problems(exc: BaseException, file: str) -> list[Problem]:
+    """The problems one `DAMAGE` exception stands for: a verdict's own (`GenerationDamaged(path,
+    problems)`, each naming its file), or one check's reason (an OSError, `GenerationDamaged(reason)`)
+    about `file`, relative to the generation."""
+    if isinstance(exc, GenerationDamaged) and exc.path:
+        return list(exc.problems)
+    return [Problem(file, reason(exc))]
+
+
 def reason(exc: BaseException) -> str:
     """One line for an exception met while examining a generation."""
     if isinstance(exc, FileNotFoundError):
         return "missing"
     if isinstance(exc, OSError):
         return f"{exc.strerror or exc}"
-    if type(exc) in (ValueError, GenerationDamaged):
+    if type(exc) is ValueError:
         return str(exc)
+    if type(exc) is GenerationDamaged:  # a check's reason, or a verdict's reasons (its files are the context's)
+        return "; ".join(p.reason for p in exc.problems) if exc.path else str(exc)
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -334,10 +334,10 @@ def bug_or_damage(payload: dict, ctx) -> dict:
     logging.getLogger("miles_lora_ckpt").addHandler(handler)
     original = content_rules.check_tensor_file
 
-    def buggy(relpath, manifest, metadata, dtypes):
+    def buggy(relpath, manifest, *args, **kwargs):
         if manifest.iteration == 2:
             raise TypeError("injected bug: unsupported operand type(s)")
-        return original(relpath, manifest, metadata, dtypes)
+        return original(relpath, manifest, *args, **kwargs)
 
     bug: dict = {}
     if ctx.rank == 1:
