@@ -130,7 +130,7 @@ def test_verify_and_inspect_report_a_bug_as_an_internal_error_not_as_damage(tmp_
     assert "Traceback (most recent call last)" in capsys.readouterr().err  # asked for: the traceback
 
 
-def test_gc_and_retention_never_remove_generations_for_a_bug(tmp_path, monkeypatch, capsys, caplog):
+def test_gc_never_removes_generations_for_a_bug(tmp_path, monkeypatch, capsys):
     root = tmp_path / "root"
     for iteration in (1, 2, 3):
         _save(root, iteration)
@@ -140,7 +140,15 @@ def test_gc_and_retention_never_remove_generations_for_a_bug(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err.startswith("INTERNAL ERROR TypeError") and "Traceback" not in err
     assert len(list(root.glob("gen-*"))) == 3
-    # retention at the end of a save: the save commits; nothing is removed; the bug is logged with its traceback
+
+
+def test_retention_at_the_end_of_a_save_removes_nothing_for_a_bug(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "root"
+    for iteration in (1, 2, 3):
+        _save(root, iteration)
+    monkeypatch.setattr(content_rules, "check_tensor_file", _raise_type_error)
+    # the save commits; taking the bug for damage would leave only the new generation (the older
+    # ones "damaged" and older than it); instead nothing is removed and the traceback is logged
     with caplog.at_level(logging.ERROR, logger="miles_lora_ckpt"):
         newest = _save(root, 4, keep=2)
     assert newest.is_dir() and len(list(root.glob("gen-*"))) == 4
