@@ -487,7 +487,10 @@ def _precheck_header(fd: int, size: int) -> None:
     reason `verify` gives when it streams the file, rather than for the memory it would take."""
     if size < 8:
         return
-    (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:  # shrank since its stat: damage, not a struct error
+        raise GenerationDamaged(f"file shrank while reading ({size} bytes expected)")
+    (header_len,) = struct.unpack("<Q", head)
     check_header_length(header_len, size)
     raw = os.pread(fd, header_len, 8)
     if len(raw) == header_len:
