@@ -74,14 +74,21 @@ _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], 
 )
 
 
-def check_tensor_file(relpath: str, manifest: Manifest, metadata: dict[str, str], dtypes: dict[str, str]) -> None:
+def check_tensor_file(
+    relpath: str,
+    manifest: Manifest,
+    metadata: dict[str, str],
+    dtypes: dict[str, str],
+    shapes: dict[str, list[int]] | None = None,
+) -> None:
     """Every rule for a listed tensor file, given its safetensors metadata and `{tensor: dtype tag}`
-    (from its header, or from the manifest's block index that was checked against it)."""
+    (from its header, or from the manifest's block index that was checked against it), and
+    `{tensor: shape}` where the header was read."""
     if manifest.format_version >= 2:
         check_stamps(relpath, manifest, metadata)
     check_tensor_dtypes(relpath, manifest, dtypes)
     if manifest.role_of(relpath) == rng_state.ROLE_RNG:
-        rng_state.check_tensors({name: (tag, None) for name, tag in dtypes.items()})
+        rng_state.check_tensors({name: (tag, (shapes or {}).get(name)) for name, tag in dtypes.items()})
 
 
 def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
