@@ -413,6 +413,8 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
         warning = next(w for w in result["warnings"] if "holds no optimizer state" in w)
         assert any(warning in line for line in o["no-optim"]["logged"]), o["no-optim"]["logged"]
+        warning = next(w for w in result["warnings"] if "holds no RNG state" in w)  # saved with --no-save-rng too
+        assert "(saved with --no-save-rng)" in warning and not result["rng_restored"], warning
 
 
 def _rng_json(gen: Path, rel: str, change) -> bytes:

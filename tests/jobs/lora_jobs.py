@@ -157,7 +157,7 @@ def child_classes(run) -> list[str]:
 
 def train_and_save(payload: dict, ctx) -> dict:
     """Train `steps` steps, then save into `root` (`saves` times, default once), and into
-    `no_optim_root` (if given) once more as `--no-save-optim` would; with `later_root`, train one
+    `no_optim_root` (if given) once more as `--no-save-optim --no-save-rng` would; with `later_root`, train one
     more step and save there (a generation of another training state, for transplants)."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
@@ -165,7 +165,7 @@ def train_and_save(payload: dict, ctx) -> dict:
     paths = [save(run, payload["root"], payload["steps"], consensus) for _ in range(payload.get("saves", 1))]
     if payload.get("no_optim_root"):
         no_optim = Args()
-        no_optim.no_save_optim = True
+        no_optim.no_save_optim = no_optim.no_save_rng = True  # as --no-save-optim --no-save-rng would
         save(run, payload["no_optim_root"], payload["steps"], consensus, no_optim)
     digests = snapshot_digests(snapshot(run))
     later = None

@@ -493,7 +493,6 @@ class LoadRequest:
             "scheduler": scheduler is not None and self.scheduler is not None,
         }
         warnings += reconciler.notes
-        warnings += [self.rng_warning] if self.rng_warning else []
         rng = None
         if self.rng_files is not None:
             json_path, tensor_path = self.rng_files
@@ -614,6 +613,7 @@ def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None)
             result.warnings.append(f"scheduler repositioned to iteration {plan.iteration} x {step}")
     if request.optimizer is not None and not result.optimizer_restored and not plan.warnings:
         result.warnings.append("optimizer moments not restored (fresh optimizer state, masters refreshed)")
+    result.warnings += [request.rng_warning] if request.rng_warning else []
     result.rng_note = request.rng_note
     if plan.rng is not None:  # last: nothing after it can fail on this rank
         rng_state.restore(plan.rng)
