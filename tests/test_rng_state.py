@@ -120,7 +120,7 @@ def test_a_state_of_another_size_is_refused_before_anything_is_set():
     value, tensors = rng_state.encode(rng_state.capture(), 0)
     tensors[rng_state.CPU] = tensors[rng_state.CPU][:-1]
     before = torch.get_rng_state()
-    with pytest.raises(ValueError, match="torch's generator state here"):
+    with pytest.raises(ValueError, match="the generator state here"):
         rng_state.decode(value, tensors, 0)
     assert torch.get_rng_state().equal(before)
 
@@ -141,3 +141,33 @@ def test_verify_and_inspect_show_the_rng_states(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rng         RNG states of 1 rank(s), restored at this layout only" in out
     assert "rng/rank00000.safetensors  [rank=0 role=rng-state]" in out
+
+
+@pytest.mark.megatron
+def test_megatrons_tracker_states_round_trip_and_a_state_of_another_size_is_refused():
+    from miles_lora_ckpt.sim.cpu_intercepts import install_typing_override
+
+    install_typing_override()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from miles_lora_ckpt.megatron import rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    kept = (tracker.get_states(), tracker.is_initialized())
+    try:
+        tracker.reset()
+        assert rng_tracker.capture() is None  # never seeded: nothing to save
+        cuda_sized = {"model-parallel-rng": torch.arange(16, dtype=torch.uint8)}  # a CUDA generator's 16 bytes
+        tracker.set_states(dict(cuda_sized))
+        saved = rng_tracker.capture()
+        assert saved.keys() == cuda_sized.keys() and saved["model-parallel-rng"].equal(cuda_sized["model-parallel-rng"])
+        tracker.set_states({"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)})
+        rng_tracker.check_restorable(saved)
+        rng_tracker.restore(saved)
+        assert tracker.get_states()["model-parallel-rng"].equal(cuda_sized["model-parallel-rng"])
+        with pytest.raises(ValueError, match="has 16 bytes here, the checkpoint's 5056"):
+            rng_tracker.check_restorable({"model-parallel-rng": torch.get_rng_state()})  # a CPU state
+    finally:
+        tracker.reset()
+        if kept[1]:
+            tracker.set_states(kept[0])

@@ -135,8 +135,9 @@ def encode(state: RngState, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def decode(value, tensors: dict[str, torch.Tensor], rank: int) -> RngState:
-    """The `RngState` of rank `rank`'s two files (`check`ed again, the tensors against the JSON and
-    against this process's own state sizes: a restore then cannot fail). Raises ValueError."""
+    """The `RngState` of rank `rank`'s two files (`check`ed again, the tensors against the JSON, the
+    torch and CUDA states against this process's own sizes: their restore then cannot fail; the
+    tracker's are checked by `megatron.rng_tracker.check_restorable`). Raises ValueError."""
     check(value, rank)
     check_tensors({n: (str(t.dtype), list(t.shape)) for n, t in tensors.items()})
     if sorted(tensors) != value["tensors"]:
@@ -148,10 +149,9 @@ def decode(value, tensors: dict[str, torch.Tensor], rank: int) -> RngState:
         raise ValueError("the RNG JSON's tracker names are not the tracker tensors the file holds")
     if CPU not in tensors:
         raise ValueError(f"the RNG tensor file has no {CPU!r}")
-    live = torch.get_rng_state().numel()
-    for name, tensor in tensors.items():
-        if name != CUDA and tensor.numel() != live:
-            raise ValueError(f"RNG tensor {name!r} has {tensor.numel()} bytes, torch's generator state here {live}")
+    _check_size(CPU, tensors[CPU], torch.get_rng_state())
+    if CUDA in tensors and torch.cuda.is_available():
+        _check_size(CUDA, tensors[CUDA], torch.cuda.get_rng_state())
     python = value["python"]
     numpy_state = value["numpy"]
     if numpy_state is not None:
@@ -235,6 +235,11 @@ def check_size(relpath: str, size: int) -> None:
     """An RNG file of `size` bytes (as the manifest records it) is refused above `MAX_RNG_FILE_BYTES`."""
     if size > MAX_RNG_FILE_BYTES:
         raise ValueError(f"{relpath}: an RNG file of {size} bytes, more than the {MAX_RNG_FILE_BYTES} allowed")
+
+
+def _check_size(name: str, saved: torch.Tensor, live: torch.Tensor) -> None:
+    if saved.numel() != live.numel():
+        raise ValueError(f"RNG tensor {name!r} has {saved.numel()} bytes, the generator state here {live.numel()}")
 
 
 def _tensor_name(name) -> None:

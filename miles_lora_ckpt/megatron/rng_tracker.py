@@ -29,8 +29,9 @@ def capture() -> dict[str, torch.Tensor] | None:
 
 
 def check_restorable(saved: dict[str, torch.Tensor] | None) -> None:
-    """Raise ValueError when `saved` cannot be set into this process's tracker (another kind of
-    state: a graph-safe tracker's generators and plain states do not mix)."""
+    """Raise ValueError when `saved` cannot be set into this process's tracker: a state of another
+    size than the live one of its name (another device's generator), or a graph-safe tracker's
+    generator the checkpoint lacks."""
     if saved is None:
         return
     live = _tracker().get_states()
@@ -38,6 +39,12 @@ def check_restorable(saved: dict[str, torch.Tensor] | None) -> None:
     missing = sorted(set(generators) - set(saved))
     if missing:
         raise ValueError(f"megatron's RNG tracker holds generator state(s) {missing} the checkpoint lacks")
+    for name, state in saved.items():
+        if name in live and state.numel() != _state_bytes(live[name]).numel():
+            raise ValueError(
+                f"megatron's RNG tracker state {name!r} has {_state_bytes(live[name]).numel()} bytes here, "
+                f"the checkpoint's {state.numel()}"
+            )
 
 
 def restore(saved: dict[str, torch.Tensor] | None) -> None:
