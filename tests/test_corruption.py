@@ -1210,6 +1210,7 @@ NAMED_FILES = {
         "coordinate": "tp000_pp000_ep000_etp000_dp000_cp000",
         "child": "1",
     },
+    "rng/rank00000.safetensors": {"role": "rng-state", "rank": "0"},
 }
 
 
@@ -1218,6 +1219,8 @@ def make_named_generation(root: Path, saver: str, iteration: int = 7) -> Path:
         for rel, binding in NAMED_FILES.items():
             if rel.endswith(".json"):
                 writer.write_json(rel, training_state(iteration, writer.generation), binding=binding)
+            elif rel.startswith("rng/"):  # an RNG file holds 1-D uint8 tensors of known names only
+                writer.write_tensors(rel, {"torch.cpu": torch.zeros(8, dtype=torch.uint8)}, binding=binding)
             else:
                 writer.write_tensors(rel, {"w": torch.ones(4)}, binding=binding)
 
@@ -1256,6 +1259,7 @@ UNBOUND_CASES = {
         "optimizer/child0_tp000_pp000_ep000_etp000_s000of001.safetensors",
         _drop_binding("optimizer/child0_tp000_pp000_ep000_etp000_s000of001.safetensors", "slice"),
     ),
+    "RNG file's rank dropped": ("rng/rank00000.safetensors", _drop_binding("rng/rank00000.safetensors", "rank")),
     "optimizer file's binding dropped": (
         "optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors",
         _drop_binding("optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"),

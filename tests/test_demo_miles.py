@@ -110,9 +110,11 @@ def test_demo_via_miles_reshards_expert_and_pipeline_layouts_bit_exact(prewarmed
 def test_other_shapes_flags_and_crash_points_compose(prewarmed, tmp_path, capsys):
     argv = [*SMALL, "--workdir", str(tmp_path), "--miles-shape", "positional-args-pr", "--adapters", "expert-only"]
     argv += ["--dtype", "fp32", "--optimizer", "lion", "--crash-at", "after-publish", "--crash-rank", "0"]
+    argv += ["--lora-dropout", "0.1"]  # Miles' flag: bit-exact with every rank's RNG states restored
     assert run(prewarmed, argv) == 0
     lines, out = output(capsys)
     assert lines[-1] == "RESULT: bit-exact" and "ROLLOUT: resumed at 3" in lines  # rollout 2 was published
+    assert "--lora-dropout 0.1" in out
     assert "bound to Miles shape positional-args-pr" in out
 
 

@@ -11,6 +11,7 @@ These runs rely on the CPU harness's megatron fallback-path fixes (sim/cpu_inter
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,24 @@ def test_no_load_optim_restores_the_adapter_refreshes_masters_keeps_fresh_moment
         if rank == 0:
             final = resumed[0]["final"]
             assert all(after["digests"][n] == final[n] for n in final if n.startswith("param/"))
+
+
+def test_lora_dropout_resumes_bit_exact_and_no_load_rng_keeps_the_launchs_rng(launcher, tmp_path):
+    """--lora-dropout draws from every rank's RNG: the same command restores each rank's RNG states
+    and ends bit-exact; with --no-load-rng (Megatron's flag) everything else is restored the same,
+    but the dropout masks come from the launch's own seeding, so the losses differ."""
+    dropout = ["--lora-dropout", "0.1"]
+    run = Run(launcher, tmp_path / "same", "lora-package-2026-09", 2, "mixed", "bf16", dropout)
+    reference = run.reference()
+    crashed = run.launch(run.command(), crash={"rollout": 2, "rank": 1, "phase": "mid-write"})
+    other = Run(launcher, tmp_path / "no-load-rng", "lora-package-2026-09", 2, "mixed", "bf16", dropout)
+    shutil.copytree(run.save, other.save)  # the same committed generations, for the other relaunch
+    assert_resumed_exactly(reference, crashed, ok(run.launch(run.command())), resumed_at=2)
+    for rank, got in enumerate(ok(other.launch(other.command("--no-load-rng")))):
+        assert got["start_rollout_id"] == 2, rank
+        if rank == 0:  # adapter, masters, moments and scheduler as saved
+            assert got["after_init"]["digests"] == crashed[0].result["at_save"]["1"]
+        assert any(loss != reference[rank]["losses"][step] for step, loss in got["losses"].items()), rank
 
 
 def test_refusals_are_loud_collective_and_name_the_flag(launcher, tmp_path):

@@ -7,6 +7,8 @@ rely on the CPU harness's megatron fallback-path fixes (see miles_lora_ckpt/sim/
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from importlib.metadata import version
 from pathlib import Path
@@ -79,6 +81,11 @@ def test_resume_matrix_is_bit_exact(world):
     if world == 2:
         cases.append({"config": cfg(world, "bf16", "mixed"), "save_at": 0})  # before the first step
         cases.append({"config": cfg(world, "bf16", "mixed"), "save_at": 2, "load_optim": False})
+        # LoRA dropout: bit-exact only with every rank's RNG states restored (the control: without)
+        cases.append({"config": cfg(world, "bf16", "mixed", lora_dropout=0.1), "save_at": 2})
+        cases.append({"config": cfg(world, "bf16", "mixed", lora_dropout=0.1), "save_at": 2, "load_rng": False})
+    if world == 4:  # dropout at TP 2: each TP rank's row-parallel inputs drop from its own tracker stream
+        cases.append({"config": cfg(world, "bf16", "mixed", tp=2, lora_dropout=0.1), "save_at": 2})
     results = run(world, "resume_matrix", {"cases": cases, "steps": STEPS})
     for rank, per_case in enumerate(results):
         assert len(per_case) == len(cases)
@@ -88,6 +95,11 @@ def test_resume_matrix_is_bit_exact(world):
                 assert case["first_difference"] is not None, name
                 assert case["result"]["optimizer_restored"] is False
                 continue
+            if name.endswith("no-rng-control"):  # dropout without the RNG states: not bit-exact
+                assert case["loss_mismatch"] is not None and case["first_difference"] is not None, name
+                assert case["result"]["optimizer_restored"] and not case["result"]["rng_restored"], name
+                continue
+            assert case["result"]["rng_restored"] and case["result"]["rng_note"] is None, name
             assert case["loss_mismatch"] is None, (rank, name, case["loss_mismatch"])
             assert case["first_difference"] is None, (rank, name, case["first_difference"])
             names = case["names"]
@@ -238,6 +250,20 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             g, "adapter/dense_tp000_pp000.safetensors", lambda h: h.__setitem__("../x", h.pop(sorted(h)[-1]))
         ),
     )
+    # each rank's RNG files: bounded, checked field by field, its own (verify refuses the same)
+    rng0, rng1 = "rng/rank00000.json", "rng/rank00001.json"
+    case(
+        "rng JSON malformed",
+        lambda g: reseal_file(g, rng0, _rng_json(g, rng0, lambda v: v["python"].update(state=[1, 2]))),
+    )
+    case(
+        "rng tensor renamed",
+        lambda g: rewrite_tensors(g, rng0.replace(".json", ".safetensors"), lambda t: t.update(a=t.pop("torch.cpu"))),
+    )
+    case("rng JSON oversized", lambda g: reseal_file(g, rng0, (g / rng0).read_bytes() + b" " * (1 << 20)))
+    case("rng files of two ranks swapped", lambda g: swap_files(g, rng0, rng1))
+    case("rng file of a rank gone", lambda g: drop_file(g, rng1.replace(".json", ".safetensors")))
+    same_reason["rng JSON malformed"] = "rng.python.state must be a list of 625 integers"
     cases["iterations differ across ranks"] = [older, newer]
     cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
     failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
@@ -270,6 +296,10 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "negative scheduler num_steps": "scheduler.num_steps is -1",
         "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",
         "missing metadata key": "manifest metadata has no 'optimizer_children'",
+        "rng tensor renamed": "RNG tensor name 'a' is none of",
+        "rng JSON oversized": "an RNG file of 1",
+        "rng files of two ranks swapped": "rng.rank is 1, but the file is rank 0's",
+        "rng file of a rank gone": "rng/rank00001.safetensors",
         **same_reason,
         "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
     }
@@ -280,6 +310,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert errors[0] == errors[1], (name, errors)  # the same CheckpointError on every rank
         assert word in errors[0], (name, errors[0])
         assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
+        assert not any(o[name]["rng_changed"] for o in outcomes), name  # no generator touched either
     for name in same_reason:  # verify refuses for the reason the loader gave, naming the same file
         checked = verify_generation(Path(cases[name]))
         said = [f"{checked.path / p.file}: {p.reason}" for p in checked.problems]
@@ -301,6 +332,11 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     edit_training_state(Path(default_case), lambda s: set_param_group(s, betas=BETAS))
     checkpoint_case = _copy_generation(newer, tmp_path / "checkpoint-policy")
     edit_training_state(Path(checkpoint_case), _change_hyperparameters)
+    # a generation saved before RNG states were saved: no rng/ files, no rng_saved
+    pre_rng = _copy_generation(newer, tmp_path / "pre-rng")
+    for rel in [f for f in os.listdir(Path(pre_rng) / "rng")]:
+        drop_file(Path(pre_rng), f"rng/{rel}")
+    edit_manifest(Path(pre_rng), lambda b: b["metadata"].pop("rng_saved"))
     cases = {
         "newest": str(root),
         "no-optim": str(no_optim),
@@ -310,6 +346,8 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "launch policy": launch_case,
         "default policy": default_case,
         "checkpoint policy": checkpoint_case,
+        "pre-rng": pre_rng,
+        "finish fails on rank 1": newer,  # rank 0 restored its RNG states: it must set them back
     }
     case_kwargs = {
         "launch policy": {"hyperparameters": "launch"},
@@ -332,6 +370,7 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             "cases": cases,
             "fresh_cases": fresh,
             "install_faults": {next(iter(fresh)): 1, stepped: 1},
+            "finish_faults": {"finish fails on rank 1": 1},
             "case_kwargs": case_kwargs,
         },
     )
@@ -350,6 +389,18 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert late["undo_masters"][0] > 0 and late["undo_masters"][1:] == [0, late["undo_masters"][0]], late
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
     for o in sane:
+        late = o["finish fails on rank 1"]
+        assert "injected failure in the finish phase on rank 1" in late["error"], late["error"]
+        assert late["changed"] is None and not late["rng_changed"], late
+        # every rank's RNG states restored from its own files; the pre-RNG generation loads with a
+        # warning naming what it lacks, which reaches the log, and leaves every generator as it was
+        assert o["newer"]["result"]["rng_restored"] and o["newer"]["rng_changed"]
+        result = o["pre-rng"]["result"]
+        assert result["optimizer_restored"] and not result["rng_restored"] and not o["pre-rng"]["rng_changed"]
+        warning = next(w for w in result["warnings"] if "holds no RNG state" in w)
+        assert "(saved before RNG states were saved)" in warning, warning
+        assert any(warning in line for line in o["pre-rng"]["logged"]), o["pre-rng"]["logged"]
+    for o in sane:
         for name in ("gathered", "pre-family"):
             assert o[name]["error"] is None, o[name]["error"]
             assert o[name]["result"]["optimizer_restored"] and o[name]["result"]["scheduler_restored"]
@@ -362,6 +413,14 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
         warning = next(w for w in result["warnings"] if "holds no optimizer state" in w)
         assert any(warning in line for line in o["no-optim"]["logged"]), o["no-optim"]["logged"]
+        warning = next(w for w in result["warnings"] if "holds no RNG state" in w)  # saved with --no-save-rng too
+        assert "(saved with --no-save-rng)" in warning and not result["rng_restored"], warning
+
+
+def _rng_json(gen: Path, rel: str, change) -> bytes:
+    value = json.loads((gen / rel).read_text())
+    change(value)
+    return storage.json_bytes(value)
 
 
 def _int32_slice_with_its_block_index(gen: Path, rel: str) -> None:
@@ -523,6 +582,11 @@ def test_cp_and_vpp_files_are_keyed_by_coordinates_with_one_writer_each(layouts_
         "optimizer/child0_tp000_pp000_ep000_etp000_s001of002.safetensors",
         "optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors",
         "optimizer/child1_tp000_pp000_ep000_etp000_s001of002.safetensors",
+        # every rank its own RNG states (by global rank: they are the process's, not a coordinate's)
+        "rng/rank00000.json",
+        "rng/rank00000.safetensors",
+        "rng/rank00001.json",
+        "rng/rank00001.safetensors",
         "training_state.json",
     ]
     # VPP=2 on two stages: one adapter file per stage holding both chunks, one optimizer file per stage
@@ -550,9 +614,15 @@ def test_dp_elastic_restore_is_bit_exact(direction, name, request):
     compared = sorted(n for r in roots for n in r["names"])
     assert any(n.endswith(".param") for n in compared) and any(n.endswith(".exp_avg_sq") for n in compared)
     assert {n.split(".")[0] for n in compared} == {"child0", "child1"}  # dense and expert children
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["differing"] == [], r["differing"]
         assert r["result"]["optimizer_restored"] and r["result"]["iteration"] == 2
+        # RNG states at another layout: megatron's (as seeded at build), said in one line on rank 0
+        note = r["result"]["rng_note"]
+        assert not r["result"]["rng_restored"] and r["rng"]["unchanged"], r
+        assert note.startswith("RNG state not restored: saved at world") and "as megatron does" in note, note
+        logged = r["rng"]["logged"]
+        assert len(logged) == (rank == 0) and all(line.endswith(f": {note}") for line in logged), (rank, logged)
 
 
 def test_weights_only_and_no_load_optim_restore_adapter_and_reposition_scheduler(saved_root):

@@ -12,12 +12,16 @@ reason, and no loader holds a content check of its own that `verify` lacks:
   over DP) holds float32 tensors only (`check_tensor_dtypes`): its loader installs them into fp32
   buffers and refuses anything else;
 - a `training-state` file satisfies `training_state.check` (scheduler keys and decay styles,
-  hyperparameter ranges, tagged values, iteration and generation).
+  hyperparameter ranges, tagged values, iteration and generation);
+- an `rng-state` file (a rank's RNG states, `rng_state`) is bounded JSON of exactly the fields
+  `rng_state.check` allows, for the rank its binding names, or a file of 1-D uint8 tensors only
+  (`rng_state.check_tensors`).
 
 And rules on the manifest itself (applied by `verify.check_structure`, which every loader runs
 first): a manifest whose metadata says `optimizer_saved: false` lists no optimizer file and no
 optimizer child that stepped (`check_optimizer_claim`, in `check_manifest`; the single-LoRA loader
-calls it too); and, in a format v2 generation of a saver that writes the single-LoRA files
+calls it too); no `rng-state` file is larger than `rng_state.MAX_RNG_FILE_BYTES` (refused before
+it is read: `check_rng_sizes`); and, in a format v2 generation of a saver that writes the single-LoRA files
 (`single-lora`, `multi-lora-slot`), every file named like one of them carries exactly the binding
 its name implies (`binding_problems`): the checks above hinge on a file's role, so a resealed
 manifest that drops or alters it (a `training_state.json` without `role: training-state`) would
@@ -33,7 +37,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from miles_lora_ckpt.core import training_state
+from miles_lora_ckpt.core import rng_state, training_state
 from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
@@ -48,6 +52,7 @@ BOUND_SAVERS = ("single-lora", "multi-lora-slot")
 _COORDINATE = r"tp[0-9]+_pp[0-9]+_ep[0-9]+_etp[0-9]+"
 _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], ...] = (
     (re.compile(r"training_state\.json\Z"), lambda m: {"role": ROLE_TRAINING_STATE}),
+    (re.compile(r"rng/rank[0-9]{5}\.(?:json|safetensors)\Z"), lambda m: rng_state.named_binding(m[0])),
     (
         re.compile(r"adapter/dense_(tp[0-9]+_pp[0-9]+)\.safetensors\Z"),
         lambda m: {"role": "dense-adapter", "coordinate": m[1]},
@@ -70,12 +75,24 @@ _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], 
 )
 
 
-def check_tensor_file(relpath: str, manifest: Manifest, metadata: dict[str, str], dtypes: dict[str, str]) -> None:
+def check_tensor_file(
+    relpath: str,
+    manifest: Manifest,
+    metadata: dict[str, str],
+    dtypes: dict[str, str],
+    shapes: dict[str, list[int]] | None = None,
+) -> None:
     """Every rule for a listed tensor file, given its safetensors metadata and `{tensor: dtype tag}`
-    (from its header, or from the manifest's block index that was checked against it)."""
+    (from its header, or from the manifest's block index that was checked against it), and
+    `{tensor: shape}` where the header was read."""
     if manifest.format_version >= 2:
         check_stamps(relpath, manifest, metadata)
     check_tensor_dtypes(relpath, manifest, dtypes)
+    if manifest.role_of(relpath) == rng_state.ROLE_RNG:
+        try:
+            rng_state.check_tensors({name: (tag, (shapes or {}).get(name)) for name, tag in dtypes.items()})
+        except ValueError as exc:  # the RNG rules' refusals are damage
+            raise GenerationDamaged(f"{relpath}: {exc}") from None
 
 
 def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
@@ -91,11 +108,34 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
             )
         except ValueError as exc:  # its rules' refusals (ValueError, as `bounded`'s) are damage
             raise GenerationDamaged(str(exc)) from None
+    elif manifest.role_of(relpath) == rng_state.ROLE_RNG:
+        try:
+            rng_state.check(value, _bound_rank(manifest, relpath))
+        except ValueError as exc:  # the RNG rules' refusals are damage too
+            raise GenerationDamaged(f"{relpath}: {exc}") from None
 
 
 def check_manifest(manifest: Manifest) -> None:
     """Every rule on a manifest's own content (beyond its fields' shapes)."""
     check_optimizer_claim(manifest)
+    check_rng_sizes(manifest)
+
+
+def check_rng_sizes(manifest: Manifest) -> None:
+    """Every listed `rng-state` file is at most `rng_state.MAX_RNG_FILE_BYTES` (as recorded)."""
+    for relpath, record in sorted(manifest.files.items()):
+        if manifest.role_of(relpath) == rng_state.ROLE_RNG:
+            try:
+                rng_state.check_size(relpath, record.bytes)
+            except ValueError as exc:  # an oversized RNG file is damage, refused before it is read
+                raise GenerationDamaged(str(exc)) from None
+
+
+def _bound_rank(manifest: Manifest, relpath: str) -> int:
+    rank = manifest.files[relpath].binding.get("rank", "")
+    if not rank.isdigit():
+        raise ValueError(f"{relpath}: an rng-state file whose binding names no rank ({rank!r:.20})")
+    return int(rank)
 
 
 def named_binding(saver: str, relpath: str) -> dict[str, str] | None:

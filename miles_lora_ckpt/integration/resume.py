@@ -176,6 +176,7 @@ class LoadFlags:
     no_load_optim: bool
     no_save_optim: bool
     finetune: bool
+    no_load_rng: bool = False  # Megatron's --no-load-rng: the RNG states stay as this launch seeded them
 
     @classmethod
     def from_args(cls, args) -> LoadFlags:
@@ -183,6 +184,7 @@ class LoadFlags:
             no_load_optim=bool(getattr(args, "no_load_optim", False)),
             no_save_optim=bool(getattr(args, "no_save_optim", False)),
             finetune=bool(getattr(args, "finetune", False)),
+            no_load_rng=bool(getattr(args, "no_load_rng", False)),
         )
 
 

@@ -262,6 +262,7 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
             opt_param_scheduler=scheduler if restore_optimizer else None,
             load_optim=not flags.no_load_optim,
             weights_only=flags.finetune or not with_optimizer,
+            load_rng=not flags.no_load_rng,  # as megatron: not with --no-load-rng or --finetune (weights only)
             hyperparameters=resume.hyperparameter_policy(rt.config, rt.args),
         )
     except CheckpointError as exc:  # raised on every rank alike; model and optimizer were rolled back

@@ -41,6 +41,7 @@ class UndoRecord:
     # is remade from, or its old data, kept: bool)])
     children: list[tuple] = field(default_factory=list)
     scheduler: tuple | None = None  # (scheduler, attributes)
+    rng_before: object = None  # the loader's RNG states before the load (`core.rng_state.RngState`), if restored
 
     @classmethod
     def capture(cls, adapter_params, children, scheduler, replaced: dict | None = None) -> UndoRecord:

@@ -31,6 +31,13 @@ parallel state with ``context_parallel_size`` / ``virtual_pipeline_model_paralle
 shape [sequence, batch, hidden] of which each CP rank trains on its own part (``sim.layout.cp_positions``),
 and ``vpp`` model chunks per pipeline stage, each numbering its layers from 0 and taking its global
 layer offset from megatron's ``get_transformer_layer_offset`` (see ``sim.train.build_run``).
+
+With ``lora_dropout > 0`` (Miles' ``--lora-dropout``) every adapter drops its input in training
+mode, drawing from the RNG as megatron does: a row-parallel ``lora_A`` (its input split over TP)
+inside megatron's tensor-parallel RNG tracker (``get_cuda_rng_tracker().fork()``, each TP rank its
+own stream; on CPU the harness's device stand-ins route it to torch's generator), the replicated
+factor of a column-parallel linear from torch's default generator (the same on every TP rank).
+A resume is then bit-exact only with those RNG states restored (``core.rng_state``).
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ class SimConfig(DictConfig):
     ffn_hidden: int = 32
     lora_rank: int = 4
     lora_alpha: float = 4.0
+    lora_dropout: float = 0.0  # Miles' --lora-dropout: each adapter drops its input (training mode)
     micro_batch: int = 4
     seq_length: int = 4  # tokens per sequence; CP splits it into 2*cp pieces
     lr: float = 1e-2
@@ -131,6 +139,8 @@ class SimConfig(DictConfig):
             raise ValueError(f"num_experts must be 0 or a multiple of ep={self.ep}, got {self.num_experts}")
         if self.slots < 1 or (self.slots > 1 and (self.pp > 1 or self.num_layers % self.slots)):
             raise ValueError(f"slots must be >= 1, divide num_layers and need pp=1, got slots={self.slots}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
     @property
     def dp(self) -> int:
@@ -221,6 +231,7 @@ class LoraLinear(torch.nn.Module):
         sizes = (config.hidden, config.ffn_hidden) if parallel == "column" else (config.ffn_hidden, config.hidden)
         self.parallel = parallel
         self.scale = config.lora_alpha / config.lora_rank
+        self.dropout = getattr(config, "lora_dropout", 0.0)
         if expert and config.ep > 1 and not config.num_experts:  # distinct experts on each expert-parallel rank
             name = f"{name}@ep{parallel_state.get_expert_model_parallel_rank()}"
         # the expert-TP group when it is not the TP group; None: megatron's TP group
@@ -252,12 +263,22 @@ class LoraLinear(torch.nn.Module):
         out, _ = self.base_layer(x)
         if self.lora_A is None or not self.adapter_enabled:
             return out
+        x = self._dropped(x)
         if self.parallel == "column":
             delta, _ = self.lora_B(self.lora_A(x))
         else:
             low_rank, _ = self.lora_A(x)
             delta = self.lora_B(low_rank)
         return out + self.scale * delta
+
+    def _dropped(self, x):
+        """The adapter's input after LoRA dropout (training mode, `lora_dropout > 0`; else `x`)."""
+        if not self.dropout or not self.training:
+            return x
+        if self.parallel == "row":  # split over TP: megatron draws inside its tracker's fork
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return torch.nn.functional.dropout(x, self.dropout, training=True)
+        return torch.nn.functional.dropout(x, self.dropout, training=True)
 
 
 def _init_std(name: str, in_size: int) -> float:

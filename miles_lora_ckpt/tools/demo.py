@@ -166,6 +166,15 @@ def add_parser(subparsers) -> None:
         help="single-LoRA demo with per-slot children under one LayerWise chain, as Miles' multi-LoRA "
         "builds them, saved together as one generation (default 1)",
     )
+    demo.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="LoRA dropout on every adapter's input, drawn from torch's RNG and megatron's tensor-parallel RNG "
+        "tracker: the resume is bit-exact only because every rank's RNG states are saved and restored "
+        "(with --via miles: Miles' --lora-dropout; not with --slots or --export-peft) (default 0)",
+    )
     demo.add_argument("--steps", type=int, default=8, help="training steps of the whole run (default 8)")
     demo.add_argument("--save-every", type=int, default=2, help="save after every K steps, before --steps (default 2)")
     demo.add_argument(
@@ -211,6 +220,9 @@ def add_parser(subparsers) -> None:
 def run_demo(args) -> int:
     if args.save_every < 1 or args.steps <= args.save_every:
         print("ERROR --steps must exceed --save-every (>= 1) so that at least one save happens", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.lora_dropout < 1.0 or (args.lora_dropout and (args.slots is not None or args.export_peft)):
+        print("ERROR --lora-dropout takes P in [0, 1), on the tiny model: drop --slots/--export-peft", file=sys.stderr)
         return 2
     if args.async_save and (args.slots is not None or args.export_peft):
         print(
@@ -276,6 +288,8 @@ def run_demo(args) -> int:
         config["distributed"] = False
     if args.etp is not None:
         config["etp"] = args.etp  # absent: megatron's default (the TP size)
+    if args.lora_dropout:
+        config["lora_dropout"] = args.lora_dropout  # absent: no dropout (the configs before it)
     try:
         check_layout(**_layout_of(config))
     except ValueError as exc:

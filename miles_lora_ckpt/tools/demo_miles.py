@@ -137,6 +137,7 @@ class Scenario:
             "4",
             "--lora-alpha",
             "4",
+            *(["--lora-dropout", str(self.args.lora_dropout)] if getattr(self.args, "lora_dropout", 0.0) else []),
             "--target-modules",
             QWEN2_TARGETS[self.args.adapters] if self.peft else TARGETS[self.args.adapters],
             "--optimizer",

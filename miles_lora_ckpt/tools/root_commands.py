@@ -54,9 +54,10 @@ def cmd_verify(args) -> int:
         if gen.intact:
             m = gen.manifest
             size = sum(r.bytes for r in m.files.values())
+            rng = f"; {_rng_summary(m)}" if m.metadata.get("rng_saved") is not None else ""
             print(
                 f"OK {gen.path} generation {m.generation} iteration {m.iteration} {_sequence(m)} "
-                f"({len(m.files)} files, {size} bytes; {signing.describe(m.signature, key)})"
+                f"({len(m.files)} files, {size} bytes; {signing.describe(m.signature, key)}{rng})"
             )
         else:
             _print_problems(gen.path, path, gen.problems)
@@ -66,6 +67,19 @@ def cmd_verify(args) -> int:
 
 def _sequence(manifest) -> str:
     return f"sequence {manifest.sequence}" if manifest.sequence is not None else "(format v1: no sequence)"
+
+
+def _rng_summary(manifest) -> str:
+    """What a single-LoRA generation holds of its ranks' RNG states (`core.rng_state`), in words."""
+    from miles_lora_ckpt.core.rng_state import ROLE_RNG
+
+    saved = manifest.metadata.get("rng_saved")
+    if saved is None:
+        return "no RNG state (saved before RNG states were saved)"
+    if saved is False:
+        return "no RNG state (saved with --no-save-rng)"
+    ranks = {r.binding.get("rank") for rel, r in manifest.files.items() if manifest.role_of(rel) == ROLE_RNG}
+    return f"RNG states of {len(ranks)} rank(s), restored at this layout only"
 
 
 def _follow_latest(path: Path) -> Path:
@@ -153,6 +167,8 @@ def cmd_inspect(args) -> int:
     print(f"generation  {m.generation}   iteration {m.iteration}   {_sequence(m)}   saver {m.saver}")
     print(f"format      v{m.format_version}, {info['signature']}")
     print("topology    " + " ".join(f"{k}={v}" for k, v in info["topology"].items()))
+    if m.saver == "single-lora":
+        print(f"rng         {_rng_summary(m)}")
     for key_name, value in sorted(m.metadata.items()):
         print(f"meta        {key_name} = {json.dumps(value, sort_keys=True)[:200]}")
     print(f"files       {len(m.files)} ({sum(r.bytes for r in m.files.values())} bytes)")

@@ -60,7 +60,13 @@ def reference(config: SimConfig, steps: int) -> tuple[list[float], dict]:
 
 
 def save_then_resume(
-    config: SimConfig, steps: int, save_at: int, root: Path, consensus: Consensus, load_optim: bool = True
+    config: SimConfig,
+    steps: int,
+    save_at: int,
+    root: Path,
+    consensus: Consensus,
+    load_optim: bool = True,
+    load_rng: bool = True,
 ) -> dict:
     run = build_run(config)
     first = run_steps(run, 0, save_at)
@@ -68,7 +74,7 @@ def save_then_resume(
     run_steps(run, save_at, save_at + 1)  # the interrupted run goes on a little before it dies
     teardown(run)
     resumed = build_run(config)
-    result = load(resumed, root, consensus, load_optim=load_optim)
+    result = load(resumed, root, consensus, load_optim=load_optim, load_rng=load_rng)
     rest = run_steps(resumed, result.iteration, steps)
     digests = snapshot_digests(snapshot(resumed))
     children = child_classes(resumed)
@@ -86,19 +92,21 @@ def save_then_resume(
 def resume_matrix(payload: dict, ctx) -> dict:
     """For each case: uninterrupted reference vs save at k, crash, resume; first mismatch per case.
 
-    A case is `{"config": SimConfig dict, "save_at": k}`, plus `"load_optim": false` for a negative
-    control (resume without optimizer state must NOT be bit-exact, or the comparison is blind).
+    A case is `{"config": SimConfig dict, "save_at": k}`, plus `"load_optim": false` or (with LoRA
+    dropout) `"load_rng": false` for a negative control (resume without optimizer state, or without
+    the RNG states, must NOT be bit-exact, or the comparison is blind).
     """
     consensus = Consensus.for_world(timeout_s=120)
     out = {}
     for index, case in enumerate(payload["cases"]):
         config = SimConfig.from_dict(case["config"])
-        load_optim = case.get("load_optim", True)
+        load_optim, load_rng = case.get("load_optim", True), case.get("load_rng", True)
         name = case_name(config) + f"/save@{case['save_at']}" + ("" if load_optim else "/no-optim-control")
+        name += "" if load_rng else "/no-rng-control"
         started = time.monotonic()
         ref_losses, ref_digests = reference(config, payload["steps"])
         root = ctx.scratch_dir / f"case{index}"
-        got = save_then_resume(config, payload["steps"], case["save_at"], root, consensus, load_optim)
+        got = save_then_resume(config, payload["steps"], case["save_at"], root, consensus, load_optim, load_rng)
         out[name] = {
             "loss_mismatch": None if got["losses"] == ref_losses else [ref_losses, got["losses"]],
             "first_difference": compare_digests(ref_digests, got["digests"]),
@@ -121,6 +129,7 @@ def case_name(config: SimConfig) -> str:
     options += ["layer-wise"] if config.layer_wise else []
     options += [f"slots{config.slots}"] if config.slots > 1 else []
     options += ["bias"] if config.adapter_bias else []
+    options += [f"dropout{config.lora_dropout}"] if config.lora_dropout else []
     return "/".join([config.optimizer, *options, config.dtype, config.adapters, layout])
 
 
@@ -148,7 +157,7 @@ def child_classes(run) -> list[str]:
 
 def train_and_save(payload: dict, ctx) -> dict:
     """Train `steps` steps, then save into `root` (`saves` times, default once), and into
-    `no_optim_root` (if given) once more as `--no-save-optim` would; with `later_root`, train one
+    `no_optim_root` (if given) once more as `--no-save-optim --no-save-rng` would; with `later_root`, train one
     more step and save there (a generation of another training state, for transplants)."""
     consensus = Consensus.for_world(timeout_s=60)
     run = build_run(SimConfig.from_dict(payload["config"]))
@@ -156,7 +165,7 @@ def train_and_save(payload: dict, ctx) -> dict:
     paths = [save(run, payload["root"], payload["steps"], consensus) for _ in range(payload.get("saves", 1))]
     if payload.get("no_optim_root"):
         no_optim = Args()
-        no_optim.no_save_optim = True
+        no_optim.no_save_optim = no_optim.no_save_rng = True  # as --no-save-optim --no-save-rng would
         save(run, payload["no_optim_root"], payload["steps"], consensus, no_optim)
     digests = snapshot_digests(snapshot(run))
     later = None
@@ -189,7 +198,8 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
         logged.clear()
         if isinstance(path, list):
             path = path[ctx.rank]
-        before = snapshot_digests(snapshot(run))
+        _move_rng()  # every case starts from generator states no checkpoint holds
+        before, rng_before = snapshot_digests(snapshot(run)), rng_digest()
         phase, failing = payload.get("faults", {}).get(name, (None, None))
         if phase is not None and ctx.rank == failing:
             faults.arm(phase, failing, "raise")
@@ -197,6 +207,8 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
         install = _failing_install(real_install, payload.get("install_faults", {}).get(name) == ctx.rank, ctx.rank)
         capture = _recording_capture(undo.UndoRecord.capture, records)
         load_module._install, undo.UndoRecord.capture = install, capture
+        real_finish = load_module._finish
+        load_module._finish = _failing_finish(real_finish, payload.get("finish_faults", {}).get(name) == ctx.rank)
         kwargs = {**payload.get("load_kwargs", {}), **payload.get("case_kwargs", {}).get(name, {})}
         try:
             result = load(run, path, consensus, **kwargs)
@@ -205,11 +217,13 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
             result, error = None, str(exc)
         finally:
             load_module._install, undo.UndoRecord.capture = real_install, real_capture
+            load_module._finish = real_finish
         after = snapshot_digests(snapshot(run))
         masters = [entry for record in records for *_, entries in record.children for entry in entries]
         outcomes[name] = {
             "error": error,
             "changed": compare_digests(before, after),
+            "rng_changed": rng_digest() != rng_before,  # Python, numpy, torch and megatron's tracker
             "result": result.__dict__ if result else None,
             "logged": list(logged),
             "state_digests": after,  # what the run holds after this case (model, optimizer, scheduler)
@@ -245,6 +259,41 @@ def _failing_install(real, fail: bool, rank: int):
             raise RuntimeError(f"injected failure after install on rank {rank}")
 
     return install
+
+
+def _failing_finish(real, fail: bool):
+    """The load's finish phase, failing on this rank before it restores anything (the other ranks
+    finish, RNG states included, and must roll back)."""
+
+    def finish(request, *args):
+        if fail:
+            raise RuntimeError(f"injected failure in the finish phase on rank {request.rank}")
+        return real(request, *args)
+
+    return finish
+
+
+def _move_rng() -> None:
+    import random
+
+    import numpy
+    import torch
+
+    random.random(), numpy.random.rand(), torch.rand(1)
+
+
+def rng_digest() -> str:
+    """A digest of every RNG state of this process (Python, numpy, torch, megatron's tracker)."""
+    import hashlib
+
+    from miles_lora_ckpt.core import rng_state, storage
+    from miles_lora_ckpt.megatron import rng_tracker
+
+    value, tensors = rng_state.encode(rng_state.capture(rng_tracker.capture()), 0)
+    digest = hashlib.sha256(storage.json_bytes(value))
+    for name in sorted(tensors):
+        digest.update(name.encode() + tensors[name].numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _recording_capture(real, records: list):
@@ -308,7 +357,11 @@ def _elastic_check(case: dict, consensus: Consensus) -> dict:
     of every DistributedOptimizer bucket with the same elements of the world tensor that the saved
     slice files (of another DP size) hold together."""
     run = build_run(SimConfig.from_dict(case["config"]))
+    rng_before, logged = rng_digest(), _capture_warnings()
     result = load(run, case["root"], consensus)
+    # another layout: every generator as megatron seeded it at build, one line logged (rank 0)
+    rng = {"unchanged": rng_digest() == rng_before, "logged": [line for line in logged if "RNG" in line]}
+    logged.clear()
     differing, names = [], []
     for name, (live, saved) in restored_against_saved(run, Path(result.path)).items():
         names.append(name)
@@ -316,7 +369,7 @@ def _elastic_check(case: dict, consensus: Consensus) -> dict:
             differing.append(name)
     loss = train_step(run, result.iteration)  # and training goes on at the new DP size
     teardown(run)
-    return {"differing": differing, "names": sorted(names), "loss": loss, "result": result.__dict__}
+    return {"differing": differing, "names": sorted(names), "loss": loss, "result": result.__dict__, "rng": rng}
 
 
 def restored_against_saved(run, generation: Path) -> dict:

@@ -12,7 +12,8 @@ Collective, like the synchronous save; reads as phases::
 
 The snapshot holds exactly what the save writes: the adapter shards this rank writes, every saved
 optimizer child's per-DP-rank slice of fp32 masters and moments (the lazily produced slices are
-produced now), and, as JSON, steps, param groups, scheduler and training state. After it returns,
+produced now), every rank's RNG states (`plan_save` captures them: training is still blocked), and,
+as JSON, steps, param groups, scheduler and training state. After it returns,
 training may change model and optimizer freely: the generation holds the state at the snapshot,
 bit for bit. The price is host memory: a rank holds its whole share of the save until it is written
 (the synchronous save streams it one tensor at a time).

@@ -204,6 +204,8 @@ class LoadResult:
     optimizer_restored: bool = False  # fp32 masters and every moment of every stepped child
     scheduler_restored: bool = False  # False with a scheduler: it was repositioned from the iteration
     masters_refreshed: bool = False  # masters copied from the loaded adapter (no saved masters used)
+    rng_restored: bool = False  # every RNG state of this rank (Python, numpy, torch, CUDA, megatron's tracker)
+    rng_note: str | None = None  # why not, at another layout (rank 0 logs it once)
     warnings: list[str] = field(default_factory=list)
     # each checkpoint hyperparameter that differs from the launch's, both values named, and how it
     # was settled (core.hyperparameters); rank 0 also logs them as warnings

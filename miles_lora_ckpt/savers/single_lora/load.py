@@ -5,10 +5,11 @@ Collective; reads as phases::
     classify path -> agree -> plan -> agree -> protocol.open_generation (verify, agree)
     -> preflight -> agree -> apply adapter, allocate optimizer state -> agree
     -> install and check (each rank its own ranges, bucket by bucket) -> agree
-    -> scheduler, master refresh -> agree
+    -> scheduler, master refresh, RNG states -> agree
 
 Nothing changes before the preflight agreement; if any later phase fails on any rank, every rank
-rolls its model, optimizer and scheduler back to the bytes they held before the load (megatron.undo).
+rolls its model, optimizer and scheduler back to the bytes they held before the load (megatron.undo),
+and its RNG states to those it held (they change in the last phase only).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import content_rules, faults, native_dist
+from miles_lora_ckpt.core import content_rules, faults, native_dist, rng_state
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
+    GenerationDamaged,
     IncompatibleCheckpoint,
     NotACheckpoint,
     NothingCommitted,
@@ -41,6 +43,7 @@ from miles_lora_ckpt.core.verify import (
     is_save_root,
 )
 from miles_lora_ckpt.megatron import adapter_shards as shards
+from miles_lora_ckpt.megatron import rng_tracker
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
 from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource
@@ -87,6 +90,7 @@ def load_lora_checkpoint(
     scheduler_increment_per_iteration: int | None = None,
     optimizer_children: Iterable[int] | None = None,
     hyperparameters: str | None = None,
+    load_rng: bool = True,
 ) -> LoadResult:
     """Collective. Restore the newest intact generation under `path` (or `path` itself).
 
@@ -112,6 +116,11 @@ def load_lora_checkpoint(
       does (param groups from the checkpoint, the scheduler's own flags for its fields).
     - Every restored fp32 master must be the one the saved adapter was cast from
       (`optimizer_children.masters`): a generation assembled from two training states is refused.
+    - Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are restored from its
+      own files when the layout (world, TP, PP, EP, expert TP, DP, CP, VPP) is the saved one, as the
+      load's last step. At another layout they stay as megatron seeded them (rank 0 logs one line
+      saying so); a generation without RNG state loads with a warning naming it. Not with
+      `load_rng=False` (Miles' `--no-load-rng`) or `weights_only=True`.
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
     return load_adapter_generation(
@@ -125,6 +134,7 @@ def load_lora_checkpoint(
         scheduler_increment_per_iteration=scheduler_increment_per_iteration,
         optimizer_children=optimizer_children,
         hyperparameters=hyperparameters,
+        load_rng=load_rng,
     )
 
 
@@ -158,11 +168,14 @@ def load_adapter_generation(
     optimizer_children: Iterable[int] | None = None,
     check: SaverCheck = SaverCheck(),
     hyperparameters: str | None = None,
+    load_rng: bool = True,
 ) -> LoadResult:
-    """`load_lora_checkpoint` for other savers' generations (`check`: see `SaverCheck`)."""
+    """`load_lora_checkpoint` for other savers' generations (`check`: see `SaverCheck`). Only a
+    single-LoRA generation holds RNG states (they are the process's, not a slot's)."""
     consensus = consensus or Consensus.default()
     Reconciler(hyperparameters)  # an unknown policy is refused before anything collective
     restore_optimizer = load_optim and not weights_only
+    restore_rng = load_rng and not weights_only and check.saver == SAVER
     selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
     result = _load(
         consensus,
@@ -175,17 +188,20 @@ def load_adapter_generation(
         selection,
         check,
         hyperparameters,
+        restore_rng,
     )
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
         log.warning("LoRA checkpoint %s: %s", path, warning)
     if consensus.rank == 0:  # the same launch on every rank: rank 0 reports the differences it found
         for difference in result.hyperparameter_differences:
             log.warning("LoRA checkpoint %s: %s", path, difference)
+        if result.rng_note:  # the same on every rank: one line
+            log.warning("LoRA checkpoint %s: %s", path, result.rng_note)
     return result
 
 
 def _load(
-    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection, check, policy
+    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection, check, policy, rng
 ) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
@@ -226,6 +242,7 @@ def _load(
         selection,
         check,
         policy,
+        rng,
     )
     consensus.agree("plan", attempt(request.value.check_selection) if request.ok else request)
     request = request.value
@@ -254,6 +271,10 @@ def _load(
         consensus.agree("finish", finished.map(lambda _: None))
     except CheckpointError:
         undo.value.restore()
+        rng_undo = undo.value.rng_before  # the RNG changes in the finish phase only: set back
+        if rng_undo is not None:
+            rng_state.restore(rng_undo)
+            rng_tracker.restore(rng_undo.tracker)
         raise
     return finished.value
 
@@ -294,6 +315,7 @@ class LoadPlan:
     summary: dict
     warnings: list[str]
     hyperparameters: Reconciler | None = None  # what the launch's hyperparameters comparison found
+    rng: rng_state.RngState | None = None  # this rank's saved RNG states, checked, to set at finish
 
 
 @dataclass
@@ -307,7 +329,11 @@ class LoadRequest:
     selection: list[int] | None  # chosen optimizer children (None: all)
     check: SaverCheck = SaverCheck()
     policy: str | None = None  # the hyperparameters policy (core.hyperparameters)
+    restore_rng: bool = False  # restore this rank's RNG states where the layout is the saved one
     reshard: ReshardPlan | None = None  # set by files_for_rank when the model-parallel layout changed
+    rng_files: list[str] | None = None  # set by files_for_rank: this rank's RNG files, when restored
+    rng_warning: str | None = None  # set by files_for_rank: what the generation lacks (a warning)
+    rng_note: str | None = None  # set by files_for_rank: another layout (rank 0 logs it)
 
     def check_selection(self) -> None:
         """The adapter filter's guard (every rank sees the same plans, so raises the same)."""
@@ -344,12 +370,13 @@ class LoadRequest:
             )
         if self.check.check_manifest is not None:
             self.check.check_manifest(manifest)
+        rng = self._rng_files(manifest)
         if manifest.topology.model_parallel_differences(Topology.from_dict(self.plans[self.rank]["topology"])):
             # another TP / PP / VPP: read by global layout (format v3), or refused naming what cannot map
             self.reshard = ReshardPlan.build(
                 manifest, self, self._saved_children_or_none(manifest), self._optimizer_in(manifest)
             )
-            return [TRAINING_STATE, *self.reshard.files]
+            return [TRAINING_STATE, *self.reshard.files, *rng]
         dense, expert = shards.split_by_kind(self.adapter_params())
         if self.check.adapter_filter is not None:
             self._check_coverage(manifest, dense, expert)
@@ -366,7 +393,32 @@ class LoadRequest:
             )
             self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
-        return files
+        return files + rng
+
+    def _rng_files(self, manifest: Manifest) -> list[str]:
+        """This rank's RNG files where they are restored; else the reason, as a warning (the
+        generation lacks them) or a note (another layout: megatron's seeding stands)."""
+        self.rng_files, self.rng_warning, self.rng_note = None, None, None
+        if not self.restore_rng:
+            return []
+        saved = manifest.metadata.get("rng_saved")
+        keeps = "every RNG keeps the state this launch seeded (megatron's, from --seed)"
+        if saved is not True:
+            why = "saved with --no-save-rng" if saved is False else "saved before RNG states were saved"
+            self.rng_warning = (
+                f"the generation holds no RNG state ({why}): {keeps}; a run with dropout or other random "
+                "layers does not continue bit-exact"
+            )
+            return []
+        here = Topology.from_dict(self.plans[self.rank]["topology"])
+        if manifest.topology != here:
+            self.rng_note = (
+                f"RNG state not restored: saved at {_layout(manifest.topology)}, this run is {_layout(here)}; "
+                f"{keeps}, as megatron does at another layout (a run with dropout does not continue bit-exact)"
+            )
+            return []
+        self.rng_files = [rng_state.json_file(self.rank), rng_state.tensor_file(self.rank)]
+        return list(self.rng_files)
 
     def _saved_children_or_none(self, manifest: Manifest) -> dict:
         return saved_children(manifest) if self._optimizer_in(manifest) else {}
@@ -442,8 +494,22 @@ class LoadRequest:
             "scheduler": scheduler is not None and self.scheduler is not None,
         }
         warnings += reconciler.notes
+        rng = None
+        if self.rng_files is not None:
+            json_path, tensor_path = self.rng_files
+            check_binding(opened, json_path, rng_state.binding(self.rank))
+            check_binding(opened, tensor_path, rng_state.binding(self.rank))
+            try:
+                rng = rng_state.decode(opened.json(json_path), dict(opened.tensors(tensor_path)), self.rank)
+            except ValueError as exc:  # the files disagree with each other: damage
+                raise GenerationDamaged(f"{tensor_path}: {exc}") from None
+            try:
+                rng_tracker.check_restorable(rng.tracker)
+            except ValueError as exc:  # another device's generator: not damage, this run cannot take it
+                raise IncompatibleCheckpoint(f"{tensor_path}: {exc}") from None
+            summary["rng"] = True
         return LoadPlan(
-            manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary, warnings, reconciler
+            manifest.iteration, adapter, restore, fresh, scheduler, saved_steps, summary, warnings, reconciler, rng
         )
 
     def _check_optimizer_claim(self, manifest: Manifest) -> list[str]:
@@ -506,7 +572,10 @@ def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
     ]
     # the moments a DistributedOptimizer install replaces are kept as they are, not copied
     replaced = chain.replaced_keys(request.optimizer, plan.restore_children)
-    return UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler, replaced)
+    undo = UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler, replaced)
+    # the RNG states this rank holds now, set back if the load fails after they were restored
+    undo.rng_before = rng_state.capture(rng_tracker.capture()) if plan.rng is not None else None
+    return undo
 
 
 def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened) -> None:
@@ -551,7 +620,17 @@ def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None)
             result.warnings.append(f"scheduler repositioned to iteration {plan.iteration} x {step}")
     if request.optimizer is not None and not result.optimizer_restored and not plan.warnings:
         result.warnings.append("optimizer moments not restored (fresh optimizer state, masters refreshed)")
+    result.warnings += [request.rng_warning] if request.rng_warning else []
+    result.rng_note = request.rng_note
+    if plan.rng is not None:  # last: nothing after it can fail on this rank
+        rng_state.restore(plan.rng)
+        rng_tracker.restore(plan.rng.tracker)
+        result.rng_restored = True
     return result
+
+
+def _layout(topology: Topology) -> str:
+    return " ".join(f"{axis}{value}" for axis, value in topology.to_dict().items())
 
 
 def _increment_from_saved(plan: LoadPlan) -> int:

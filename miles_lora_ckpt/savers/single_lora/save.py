@@ -4,7 +4,7 @@ Collective; reads as phases::
 
     plan_save:          plan -> agree -> layout -> agree -> [PEFT export: plan, bind, each agreed]
                         -> this rank's files, local (adapter shards; every DP rank its own optimizer
-                           slice, nothing gathered; the scheduler's state) -> agree
+                           slice, nothing gathered; the scheduler's state; its RNG states) -> agree
     write_planned_save: protocol.save_generation (prepare -> [produce: PEFT export, self-check, each
                         agreed] -> write -> commit -> publish, each agreed)
 
@@ -18,10 +18,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from miles_lora_ckpt.core import rng_state
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
 from miles_lora_ckpt.megatron import adapter_shards as shards
+from miles_lora_ckpt.megatron import rng_tracker
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates
@@ -60,6 +62,8 @@ def save_lora_checkpoint(
     adapter weights they step; `opt_param_scheduler` should then drive those children only.
     With `peft`, the generation also holds `peft/` (an HF PEFT adapter directory exported through
     Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
+    Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are saved as they are
+    when the save is called (`core.rng_state`), unless `args.no_save_rng`.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
     return save_adapter_generation(
@@ -148,6 +152,7 @@ class PlannedSave:
     files: dict[str, RankFile]  # relpath -> this rank's file, in write order
     training_state: dict | None  # rank 0: the training state (its "generation" is filled at write)
     peft_step: object = None  # the PEFT export's planned step (its produce runs in the protocol)
+    rank_json: dict = field(default_factory=dict)  # relpath -> (JSON value, binding): this rank's JSON files
     export_after_write: bool = False  # the export's files go in a second, agreed write phase
 
 
@@ -173,6 +178,8 @@ def plan_save(
     Nothing is written; the result says what to write (`write_planned_save`)."""
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
+    # the RNG is the process's, not a slot's: multi-LoRA slot generations do not hold it
+    save_rng = saver == SAVER and not getattr(args, "no_save_rng", False)
     selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
 
     # plan: every rank says what it holds; everybody sees every rank's answer
@@ -191,12 +198,21 @@ def plan_save(
 
     # this rank's files: its adapter shards, and for every saved child what it writes (a
     # DistributedOptimizer's DP ranks each write their own slice, produced lazily during the write:
-    # no gather, no root), and the JSON state it records; rank 0 also takes the scheduler's state
+    # no gather, no root), and the JSON state it records; rank 0 also takes the scheduler's state;
+    # every rank its RNG states as they are now (an asynchronous save's snapshot time)
     prepared = attempt(
-        _rank_files, model, optimizer, view, layout, save_optim, opt_param_scheduler, consensus.rank == 0
+        _rank_files,
+        model,
+        optimizer,
+        view,
+        layout,
+        save_optim,
+        opt_param_scheduler,
+        consensus.rank == 0,
+        consensus.rank if save_rng else None,
     )
     child_states = consensus.agree("optimizer-shards", prepared.map(lambda p: chain.recorded_states(p[0])))
-    _, files, scheduler = prepared.value
+    _, files, scheduler, rank_json = prepared.value
 
     training_state = None
     if consensus.rank == 0:
@@ -212,12 +228,14 @@ def plan_save(
         topology=Topology.from_dict(plans[0]["topology"]),
         metadata={
             **layout.metadata(save_optim, opt_param_scheduler, args),
+            **({"rng_saved": save_rng} if saver == SAVER else {}),
             **(extra_metadata(layout) if extra_metadata else {}),
         },
         files=files,
         training_state=training_state,
         peft_step=peft_step,
         export_after_write=export_after_write,
+        rank_json=rank_json,
     )
 
 
@@ -238,6 +256,8 @@ def write_planned_save(
     def write_files(writer: StagingWriter) -> None:
         for relpath, file in planned.files.items():
             writer.write_tensors(relpath, file.tensors, binding=file.binding, blocks=file.blocks)
+        for relpath, (value, binding) in planned.rank_json.items():
+            writer.write_json(relpath, value, binding=binding)
         if planned.training_state is not None:
             training_state = {**planned.training_state, "generation": writer.generation}
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
@@ -261,16 +281,24 @@ def write_planned_save(
 
 
 def _rank_files(
-    model, optimizer, view, layout: SaveLayout, save_optim: bool, scheduler, takes_scheduler: bool
-) -> tuple[dict, dict[str, RankFile], dict | None]:
+    model, optimizer, view, layout: SaveLayout, save_optim: bool, scheduler, takes_scheduler: bool, rng_rank
+) -> tuple[dict, dict[str, RankFile], dict | None, dict]:
     """Local: (collected per child, `{relpath: RankFile}` in write order: adapter shards first, then
-    optimizer files by name, the scheduler's state (JSON; `takes_scheduler` only, else None))."""
+    optimizer files by name, then the RNG tensors; the scheduler's state (JSON; `takes_scheduler`
+    only, else None); `{relpath: (JSON value, binding)}`: the RNG JSON, with `rng_rank` (not None))."""
+    # copies of every generator's state first, before anything here could draw from one (an
+    # asynchronous save captures them at its snapshot: training is blocked until then)
+    rng = rng_state.encode(rng_state.capture(rng_tracker.capture()), rng_rank) if rng_rank is not None else None
     files = _adapter_files(model, layout, view.rank)
     collected, optimizer_files = _optimizer_files(optimizer, view, layout.children) if save_optim else _no_files()
     for relpath, file in sorted(optimizer_files.items()):
         files[relpath] = RankFile(file.binding, file.tensors, file.partial_reads)
     state = scheduler_state(scheduler) if save_optim and takes_scheduler else None
-    return collected, files, state
+    rank_json = {}
+    if rng is not None:
+        files[rng_state.tensor_file(rng_rank)] = RankFile(rng_state.binding(rng_rank), rng[1])
+        rank_json[rng_state.json_file(rng_rank)] = (rng[0], rng_state.binding(rng_rank))
+    return collected, files, state, rank_json
 
 
 def _optimizer_files(optimizer, view, children: dict) -> tuple[dict, dict]:

@@ -36,6 +36,7 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     add("--no-save-optim", action="store_true")
     add("--no-load-optim", action="store_true")
     add("--no-load-rng", action="store_true")
+    add("--no-save-rng", action="store_true")
     add("--finetune", action="store_true")
     add("--ckpt-step", type=int, default=None)
     add(

@@ -220,6 +220,7 @@ def _tiny_config(args):
         seed=args.seed,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
+        lora_dropout=float(getattr(args, "lora_dropout", 0.0) or 0.0),  # --lora-dropout (tiny model only)
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,
