@@ -49,7 +49,7 @@ from pathlib import Path
 
 from miles_lora_ckpt.core import attempts, faults, lease, retention, signing, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.core.errors import CheckpointError, IncompatibleCheckpoint, RankFailure
+from miles_lora_ckpt.core.errors import CheckpointError, GenerationDamaged, IncompatibleCheckpoint, RankFailure
 from miles_lora_ckpt.core.layout import (
     GENERATION_PREFIX,
     LATEST,
@@ -663,6 +663,8 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
                     storage.byte_range(index, tuple(item))  # raises for a range the file does not hold
     except IncompatibleCheckpoint:
         raise  # intact but not for this run: the load fails, it never falls back to an older generation
+    except GenerationDamaged as exc:  # a check's verdict, naming the files it is about
+        return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / p.file}: {p.reason}" for p in exc.problems]}
     except Exception as exc:  # noqa: BLE001 - anything else wrong with what the manifest says is damage
         return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / MANIFEST}: {reason(exc)}"]}
     missing = [

@@ -118,6 +118,8 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     problems += _name_problems(gen_dir, manifest)
     try:
         content_rules.check_manifest(manifest)
+    except GenerationDamaged as exc:  # a rule that names the file it is about (`layout_rules`)
+        problems += exc.problems
     except Exception as exc:  # noqa: BLE001
         problems.append(Problem(MANIFEST, reason(exc)))
     try:
@@ -287,6 +289,8 @@ def reason(exc: BaseException) -> str:
         return f"{exc.strerror or exc}"
     if type(exc) is ValueError:
         return str(exc)
+    if type(exc) is GenerationDamaged:  # a rule's verdict (`layout_rules`): its reasons, the file is the context's
+        return "; ".join(p.reason for p in exc.problems)
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from miles_lora_ckpt.core import layout_rules
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
@@ -237,7 +238,10 @@ def write_planned_save(
     # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
         for relpath, file in planned.files.items():
-            writer.write_tensors(relpath, file.tensors, binding=file.binding, blocks=file.blocks)
+            # each adapter and optimizer file stamped with the digest of its global layout entries:
+            # a manifest whose layout was edited and resealed no longer matches it (`layout_rules`)
+            stamp = layout_rules.stamp(planned.metadata, relpath, file.binding)
+            writer.write_tensors(relpath, file.tensors, metadata=stamp, binding=file.binding, blocks=file.blocks)
         if planned.training_state is not None:
             training_state = {**planned.training_state, "generation": writer.generation}
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
