@@ -230,6 +230,10 @@ def _v3_manifest(edit=None) -> Manifest:
                 "layout": {
                     "numel_unpadded": {key: {"buf0": [40]} for key in (C0, C1)},
                     "positions": {key: {"chunk0.B": [0, 0, 0, 16], "chunk0.A": [0, 0, 16, 24]} for key in (C0, C1)},
+                    "slices": {
+                        key: [{"file": _slice_file(key), "slice": "0/1", "bounds": {"buf0": [[0, 40]]}}]
+                        for key in (C0, C1)
+                    },
                 },
             }
         },
@@ -238,9 +242,28 @@ def _v3_manifest(edit=None) -> Manifest:
         DENSE0: FileRecord(1, "xxh3_128:" + "0" * 32, binding={"role": "dense-adapter", "coordinate": "tp000_pp000"}),
         DENSE1: FileRecord(1, "xxh3_128:" + "0" * 32, binding={"role": "dense-adapter", "coordinate": "tp001_pp000"}),
     }
+    for key in (C0, C1):
+        binding = {"role": "optimizer", "coordinate": key, "child": "0", "slice": "0/1"}
+        files[_slice_file(key)] = FileRecord(1, "xxh3_128:" + "0" * 32, binding=binding)
     if edit is not None:
         edit(metadata, files)
     return Manifest("0123456789abcdef", 2, "single-lora", Topology(world=2, tp=2), files, metadata, format_version=3)
+
+
+def _slice_file(key: str, rank: int = 0, size: int = 1) -> str:
+    return f"optimizer/child0_{key}_s{rank:03d}of{size:03d}.safetensors"
+
+
+def _slices(key, *bounds):
+    def edit(metadata, files):
+        n = len(bounds)
+        metadata["optimizer_children"]["0"]["layout"]["slices"][key] = [
+            {"file": _slice_file(key, r, n), "slice": f"{r}/{n}", "bounds": {"buf0": [b]}} for r, b in enumerate(bounds)
+        ]
+        for r in range(n):
+            files.setdefault(_slice_file(key, r, n), files[_slice_file(key)])
+
+    return edit
 
 
 def _position(key, name, value):
@@ -300,6 +323,14 @@ LAYOUT_EDITS = {  # name: (edit, the file named, words of the reason)
         MANIFEST,
         "A is torch.bfloat16[4, 7] at",
     ),
+    "slices leaving a gap": (_slices(C0, [0, 20], [21, 40]), _slice_file(C0, 1, 2), "leave a gap at element 20"),
+    "slices overlapping": (_slices(C1, [0, 21], [20, 40]), _slice_file(C1, 1, 2), "leave a overlap at element 20"),
+    "slices ending short": (_slices(C0, [0, 39]), MANIFEST, "the slices of buf0 bucket 0 end at 39, not 40"),
+    "a slice holding elements, not listed": (
+        lambda metadata, files: files.pop(_slice_file(C1)),
+        _slice_file(C1),
+        "holds elements [0, 40) of buf0 bucket 0, but is not listed",
+    ),
     "adapter coordinates swapped": (_coordinates_swapped, DENSE0, "the global layout says coordinate " + C1),
     "an adapter file naming an undescribed parameter": (
         lambda metadata, files: metadata["global_layout"]["adapter_files"][DENSE1]["names"].append("chunk0.C"),
@@ -311,12 +342,13 @@ LAYOUT_EDITS = {  # name: (edit, the file named, words of the reason)
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_EDITS))
 def test_the_layout_rules_refuse_each_edit_naming_the_file(name):
-    """`layout_rules.saved_blocks` (what verify's `check_structure` and the resharding loader both
-    run): each structural edit of a v3 layout is damage naming the file and the reason."""
+    """`layout_rules.check` (what verify's `check_structure` and so every loader runs; the resharding
+    loader plans from `saved_blocks`, its layout part): each structural edit of a v3 layout is
+    damage naming the file and the reason."""
     layout_rules.check(_v3_manifest())  # the intact layout passes
     edit, file, words = LAYOUT_EDITS[name]
     with pytest.raises(GenerationDamaged) as refused:
-        layout_rules.saved_blocks(_v3_manifest(edit))
+        layout_rules.check(_v3_manifest(edit))
     assert [p.file for p in refused.value.problems] == [file], refused.value
     assert words in refused.value.problems[0].reason, refused.value
 

@@ -168,6 +168,14 @@ REFUSALS = {  # name: (saved case, run config, words the error must hold[, "v2" 
         ("optimizer child 0 at tp000_pp000_ep000_etp000: the position of chunk0.", ", which holds "),
         "layout:position",
     ),
+    # the same, with the positions' structural rule switched off: the resharding plan's own check
+    # that every element of every DistributedOptimizer shard is filled exactly once refuses it
+    "edited optimizer position (the shard's fill check)": (
+        "tp1 -> tp2 (bf16)",
+        cfg(tp=2),
+        ("optimizer child 0, buf0 bucket 0 of this rank's shard: ", "would be filled by nothing"),
+        "layout:position:unchecked",
+    ),
     # the two dense adapter files' writer coordinates swapped: once half-swapped adapters, weights only
     "swapped adapter coordinate (weights only)": (
         "tp2 -> tp1 (fp32)",
@@ -195,10 +203,11 @@ REFUSALS = {  # name: (saved case, run config, words the error must hold[, "v2" 
 
 def _how(how: list) -> dict:
     kind = how[0] if how else None
-    edit = kind.split(":", 1)[1] if kind and kind.startswith("layout:") else None
+    edit, _, unchecked = kind.split(":", 1)[1].partition(":") if kind and kind.startswith("layout:") else (None,) * 3
     return {
         "layout_edit": edit,
-        "verify": edit is not None,
+        "without_position_rule": bool(unchecked),
+        "verify": edit is not None and not unchecked,
         "load_kwargs": {"weights_only": True} if edit == "adapter-coordinate" else {},
         "as_format_v2": kind == "v2",
         "damage": kind == "damage",

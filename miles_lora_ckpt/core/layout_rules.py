@@ -15,7 +15,8 @@ blocks from the same checked parse (`saved_blocks`):
   the file's block index with the block's dtype and element count;
 - every position `[buffer, bucket, start, numel]` lies inside that bucket's unpadded size, names a
   parameter its coordinate describes with that element count, and no two positions of one bucket
-  overlap.
+  overlap;
+- (any format) every DistributedOptimizer child's slices tile each bucket (`check_slices`).
 
 A layout edit that keeps all of this (two TP ranks' offsets swapped) is caught by each file's own
 stamp (`stamp`, `check_stamp`): the single-LoRA writer stamps every adapter and optimizer file
@@ -56,10 +57,87 @@ def has_layout(manifest: Manifest) -> bool:
 
 
 def check(manifest: Manifest) -> None:
-    """Every structural rule of the manifest's global layout and optimizer positions (none where
-    it records no layout); raises GenerationDamaged naming the file and the first problem."""
+    """Every structural rule of the manifest's DistributedOptimizer slices (`check_slices`, any
+    format) and of its global layout and optimizer positions (format v3); raises GenerationDamaged
+    naming the file and the first problem."""
+    check_slices(manifest)
     if has_layout(manifest):
         saved_blocks(manifest)
+
+
+def check_slices(manifest: Manifest) -> None:
+    """Every DistributedOptimizer child's `slices` (format v2 and later): per coordinate the files
+    `optimizer/child{i}_{coordinate}_s{r:03d}of{n:03d}.safetensors` of ranks 0..n-1, each listed
+    where it holds elements, whose bounds lie inside each bucket of `numel_unpadded` and tile it
+    (no overlap, no gap): what every load's `saved_pieces` requires, checked by `verify` too."""
+    children = manifest.metadata.get("optimizer_children")
+    if not isinstance(children, dict):
+        return
+    for index, child in sorted(children.items()):
+        if not isinstance(child, dict) or child.get("family") != "distributed":
+            continue
+        layout = child.get("layout")
+        if not isinstance(layout, dict) or "slices" not in layout:
+            continue
+        numels, slices = layout.get("numel_unpadded"), layout["slices"]
+        if not isinstance(numels, dict) or not isinstance(slices, dict):
+            raise damaged(manifest, MANIFEST, f"optimizer child {index}: slices without a bucket layout")
+        for key, entries in sorted(slices.items()):
+            problem = _slice_problem(manifest, index, key, entries, numels.get(key))
+            if problem is not None:
+                raise damaged(manifest, *problem)
+
+
+def _slice_problem(manifest: Manifest, index, key, entries, current) -> tuple[str, str] | None:
+    """`(file, reason)` of the first problem of one coordinate's slices, or None."""
+    where = f"optimizer child {index} at {str(key)[:80]}"
+    sizes_ok = isinstance(current, dict) and all(
+        isinstance(n, list) and all(type(v) is int and v >= 0 for v in n) for n in current.values()
+    )
+    if not sizes_ok:
+        return MANIFEST, f"{where}: the slices have no bucket layout ('numel_unpadded')"
+    if not isinstance(entries, list) or not entries:
+        return MANIFEST, f"{where}: the manifest lists no slices"
+    covered = {buf: [[] for _ in numels] for buf, numels in current.items()}
+    size = len(entries)
+    for rank, entry in enumerate(entries):
+        expected = f"optimizer/child{index}_{key}_s{rank:03d}of{size:03d}.safetensors"
+        if not isinstance(entry, dict) or entry.get("file") != expected or entry.get("slice") != f"{rank}/{size}":
+            return MANIFEST, f"{where}: slice {rank} of {size} is listed as {str(entry)[:200]}"
+        bounds = entry.get("bounds")
+        if not isinstance(bounds, dict) or set(bounds) != set(current):
+            return expected, f"slice bounds {str(bounds)[:200]} do not name the buffers {sorted(current)}"
+        for buf, per_bucket in bounds.items():
+            if not isinstance(per_bucket, list) or len(per_bucket) != len(current[buf]):
+                return expected, f"slice bounds of {buf} are {str(per_bucket)[:200]}, one [lo, hi] per bucket expected"
+            for b, pair in enumerate(per_bucket):
+                ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+                if not ok or not 0 <= pair[0] <= pair[1] <= current[buf][b]:
+                    return (
+                        expected,
+                        f"slice bounds {str(pair)[:80]} of {buf} bucket {b} are out of [0, {current[buf][b]}]",
+                    )
+                if pair[1] > pair[0]:
+                    if expected not in manifest.files:
+                        return (
+                            expected,
+                            f"{where}: it holds elements [{pair[0]}, {pair[1]}) of {buf} bucket {b}, but is not listed",
+                        )
+                    covered[buf][b].append((pair[0], pair[1], expected))
+    for buf, buckets in covered.items():
+        for b, spans in enumerate(buckets):
+            cursor = 0
+            for lo, hi, file in sorted(spans):
+                if lo != cursor:
+                    what = "overlap" if lo < cursor else "gap"
+                    return (
+                        file,
+                        f"slice bounds [{lo}, {hi}) of {buf} bucket {b} leave a {what} at element {min(lo, cursor)}",
+                    )
+                cursor = hi
+            if cursor != current[buf][b]:
+                return MANIFEST, f"{where}: the slices of {buf} bucket {b} end at {cursor}, not {current[buf][b]}"
+    return None
 
 
 def saved_blocks(manifest: Manifest) -> dict[str, dict[str, Block | None]]:
