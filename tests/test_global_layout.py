@@ -376,3 +376,26 @@ def test_a_file_stamped_with_its_layout_entries_refuses_a_swap_of_tp_offsets():
         with pytest.raises(GenerationDamaged, match="other global layout entries than the manifest records"):
             layout_rules.check_stamp(rel, forged, stamp)
     assert layout_rules.stamp(written.metadata, "training_state.json", {"role": "training-state"}) == {}
+
+
+def test_an_adapter_file_read_whole_must_hold_its_blocks_tensors():
+    """`layout_rules.check_file_tensors` (a content rule: `verify` and every loader): the tensors of
+    an adapter file the layout lists, as its header describes them, against their blocks: what the
+    resharding loader requires of a file without a block index (read whole)."""
+    manifest = _v3_manifest()
+    dtypes, shapes = {"chunk0.A": "BF16", "chunk0.B": "BF16"}, {"chunk0.A": [4, 6], "chunk0.B": [4, 4]}
+    layout_rules.check_file_tensors(DENSE0, manifest, dtypes, shapes)
+    layout_rules.check_file_tensors(DENSE0, manifest, dtypes)  # read in part: no shapes
+    layout_rules.check_file_tensors("training_state.json", manifest, {})  # not an adapter file of the layout
+    for wrong_dtypes, wrong_shapes, words in (
+        (
+            {**dtypes, "chunk0.B": "F32"},
+            shapes,
+            "chunk0.B is torch.float32[4, 4], its global layout block torch.bfloat16[4, 4]",
+        ),
+        (dtypes, {**shapes, "chunk0.A": [6, 4]}, "chunk0.A is torch.bfloat16[6, 4], its global layout block"),
+        ({"chunk0.A": "BF16"}, shapes, "chunk0.B is no such tensor"),
+    ):
+        with pytest.raises(GenerationDamaged) as refused:
+            layout_rules.check_file_tensors(DENSE0, manifest, wrong_dtypes, wrong_shapes)
+        assert refused.value.problems[0].file == DENSE0 and words in refused.value.problems[0].reason

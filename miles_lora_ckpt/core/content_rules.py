@@ -72,12 +72,16 @@ _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], 
 )
 
 
-def check_tensor_file(relpath: str, manifest: Manifest, metadata: dict[str, str], dtypes: dict[str, str]) -> None:
+def check_tensor_file(
+    relpath: str, manifest: Manifest, metadata: dict[str, str], dtypes: dict[str, str], shapes: dict | None = None
+) -> None:
     """Every rule for a listed tensor file, given its safetensors metadata and `{tensor: dtype tag}`
-    (from its header, or from the manifest's block index that was checked against it)."""
+    (from its header, or from the manifest's block index that was checked against it), and, for a
+    file read whole, `{tensor: shape}` from its header."""
     if manifest.format_version >= 2:
         check_stamps(relpath, manifest, metadata)
     layout_rules.check_stamp(relpath, manifest, metadata)
+    layout_rules.check_file_tensors(relpath, manifest, dtypes, shapes)
     check_tensor_dtypes(relpath, manifest, dtypes)
 
 

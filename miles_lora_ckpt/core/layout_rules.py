@@ -318,6 +318,38 @@ def _position(manifest: Manifest, index, key: str, name: str, where: Any, bucket
     return buf, bucket
 
 
+def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str], shapes: dict | None = None) -> None:
+    """An adapter file the global layout lists holds every name of its entry, each of its block's
+    dtype and, where its header's shapes are given (a file read whole), of a shape its block holds:
+    what the resharding loader requires of it, so `verify` requires it too (a file with a block
+    index had its names, dtypes and sizes checked against the layout with the manifest)."""
+    layout = manifest.metadata.get("global_layout") if has_layout(manifest) else None
+    files = layout.get("adapter_files") if isinstance(layout, dict) else None
+    entry = files.get(relpath) if isinstance(files, dict) else None
+    params = layout.get("params") if isinstance(layout, dict) else None
+    if not isinstance(entry, dict) or not isinstance(params, dict) or not isinstance(entry.get("names"), list):
+        return  # no entry (or a malformed one, which `check` reports)
+    described = params.get(entry.get("coordinate"))
+    for name in entry["names"]:
+        data = described.get(name) if isinstance(described, dict) and isinstance(name, str) else None
+        try:
+            block = None if data is None else Block.from_dict(data, f"global_layout block of {name}")
+        except ValueError:
+            block = None  # reported by `check`
+        if block is None:
+            continue
+        tag = dtypes.get(name)
+        held = None if tag is None else f"torch.{storage._DTYPES.get(tag, (tag,))[0]}"
+        shape = None if shapes is None else shapes.get(name)
+        if held is None or (block.dtype and held != block.dtype) or (shape is not None and not block.holds(shape)):
+            what = "no such tensor" if held is None else f"{held}{list(shape) if shape is not None else ''}"
+            raise damaged(
+                manifest,
+                relpath,
+                f"{name[:120]} is {what}, its global layout block {block.dtype}{list(block.shape)}",
+            )
+
+
 # --------------------------------------------------------------------------- the files' stamps
 
 

@@ -140,7 +140,8 @@ def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep:
     checked = storage.check_file(Path(gen_dir) / relpath, record, keep=keep)
     if checked.entries is not None:
         dtypes = {name: entry[0] for name, entry in checked.entries.items()}
-        content_rules.check_tensor_file(relpath, manifest, checked.metadata or {}, dtypes)
+        shapes = {name: entry[1] for name, entry in checked.entries.items()}
+        content_rules.check_tensor_file(relpath, manifest, checked.metadata or {}, dtypes, shapes)
     else:
         content_rules.check_json_file(relpath, manifest, checked.value)
     return checked
