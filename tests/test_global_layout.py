@@ -399,3 +399,26 @@ def test_an_adapter_file_read_whole_must_hold_its_blocks_tensors():
         with pytest.raises(GenerationDamaged) as refused:
             layout_rules.check_file_tensors(DENSE0, manifest, wrong_dtypes, wrong_shapes)
         assert refused.value.problems[0].file == DENSE0 and words in refused.value.problems[0].reason
+
+
+def test_a_whole_parameter_childs_file_must_hold_its_blocks_shapes():
+    """The same content rule for a Float16 / FP32 or layer-wise child's file (read whole): each
+    parameter's tensors of a shape its writer coordinate's block holds, and a master."""
+    whole = "optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"
+
+    def with_whole_child(metadata, files):
+        metadata["optimizer_children"]["1"] = {"family": "replicated", "layout": {"entries": {}, "files": {}}}
+        binding = {"role": "optimizer", "coordinate": C0 + "_dp000_cp000", "child": "1"}
+        files[whole] = FileRecord(1, "xxh3_128:" + "0" * 32, binding=binding)
+
+    manifest = _v3_manifest(with_whole_child)
+    layout_rules.check(manifest)
+    shapes = {"chunk0.A.param": [4, 6], "chunk0.A.exp_avg": [4, 6], "chunk0.A.step": [], "chunk0.B.param": [4, 4]}
+    layout_rules.check_file_tensors(whole, manifest, {}, shapes)
+    for wrong, words in (
+        ({**shapes, "chunk0.B.param": [8, 4]}, "chunk0.B.param is [8, 4], its global layout block [4, 4]"),
+        ({k: v for k, v in shapes.items() if k != "chunk0.A.param"}, "chunk0.A has no master chunk0.A.param"),
+    ):
+        with pytest.raises(GenerationDamaged) as refused:
+            layout_rules.check_file_tensors(whole, manifest, {}, wrong)
+        assert refused.value.problems[0].file == whole and words in refused.value.problems[0].reason

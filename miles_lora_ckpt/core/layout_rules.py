@@ -18,6 +18,10 @@ blocks from the same checked parse (`saved_blocks`):
   overlap;
 - (any format) every DistributedOptimizer child's slices tile each bucket (`check_slices`).
 
+And on each file's content (`check_file_tensors`, a content rule): an adapter file holds its
+entry's tensors of their blocks' dtypes and shapes; a whole-parameter child's file (Float16 / FP32,
+layer-wise) holds a master and tensors of the shapes its writer coordinate's blocks hold.
+
 A layout edit that keeps all of this (two TP ranks' offsets swapped) is caught by each file's own
 stamp (`stamp`, `check_stamp`): the single-LoRA writer stamps every adapter and optimizer file
 with the digest of the layout entries a resharding load reads it by (`file_entries`), so a
@@ -44,6 +48,8 @@ from miles_lora_ckpt.core.layout import MANIFEST, Manifest
 STAMP_KEY = "global_layout"  # a tensor file's safetensors metadata: `sha256:<hex>` of its layout entries
 _COORDINATE = re.compile(r"(tp[0-9]+)_(pp[0-9]+)_(ep[0-9]+)_(etp[0-9]+)")
 _ADAPTER = re.compile(r"adapter/(dense|expert)_[a-z0-9_]+\.safetensors")
+WHOLE_FAMILIES = ("replicated", "layer-wise")  # optimizer children saved as whole local parameters
+MASTER_STATE_KEY = "param"  # such a file's fp32 master, next to its state keys
 
 
 def damaged(manifest: Manifest, file: str, reason: str) -> GenerationDamaged:
@@ -327,6 +333,8 @@ def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str],
     files = layout.get("adapter_files") if isinstance(layout, dict) else None
     entry = files.get(relpath) if isinstance(files, dict) else None
     params = layout.get("params") if isinstance(layout, dict) else None
+    if shapes is not None and isinstance(params, dict):
+        _check_whole_child_file(relpath, manifest, params, shapes)
     if not isinstance(entry, dict) or not isinstance(params, dict) or not isinstance(entry.get("names"), list):
         return  # no entry (or a malformed one, which `check` reports)
     described = params.get(entry.get("coordinate"))
@@ -348,6 +356,38 @@ def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str],
                 relpath,
                 f"{name[:120]} is {what}, its global layout block {block.dtype}{list(block.shape)}",
             )
+
+
+def _check_whole_child_file(relpath: str, manifest: Manifest, params: dict, shapes: dict) -> None:
+    """A Float16 / FP32 or layer-wise child's file (tensors `{parameter}.{key}`: the whole local
+    parameter's master `param` and state) holds, for each parameter its writer's coordinate
+    describes, a master and tensors of a shape that block holds (a 0-d state aside): what a
+    resharding load of such a child requires of it (`megatron/reshard_whole.py`)."""
+    binding = manifest.files[relpath].binding
+    children = manifest.metadata.get("optimizer_children")
+    child = children.get(binding.get("child")) if isinstance(children, dict) else None
+    if binding.get("role") != "optimizer" or not isinstance(child, dict) or child.get("family") not in WHOLE_FAMILIES:
+        return
+    match = _COORDINATE.match(str(binding.get("coordinate", "")))
+    described = params.get(match[0]) if match is not None else None
+    if not isinstance(described, dict):
+        return
+    held: dict[str, set] = {}
+    for full, shape in sorted(shapes.items()):
+        name, _, key = full.rpartition(".")
+        held.setdefault(name, set()).add(key)
+        data = described.get(name)
+        try:
+            block = None if data is None else Block.from_dict(data, f"global_layout block of {name}")
+        except ValueError:
+            block = None  # reported by `check`
+        if block is not None and len(shape) > 0 and not block.holds(shape):
+            raise damaged(
+                manifest, relpath, f"{full[:120]} is {list(shape)}, its global layout block {list(block.shape)}"
+            )
+    for name, keys in sorted(held.items()):
+        if name in described and MASTER_STATE_KEY not in keys:
+            raise damaged(manifest, relpath, f"{name[:120]} has no master {name[:120]}.{MASTER_STATE_KEY}")
 
 
 # --------------------------------------------------------------------------- the files' stamps
