@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
-from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, global_indices, plan_copies
+from miles_lora_ckpt.core import layout_rules
+from miles_lora_ckpt.core.errors import GenerationDamaged
+from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, fill_problem, global_indices, plan_copies
+from miles_lora_ckpt.core.layout import MANIFEST, FileRecord, Manifest, Topology
 
 
 def _assemble(wanted: Block, first: int, stop: int, saved: list[Block], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -177,3 +180,245 @@ def test_a_block_inside_one_saved_block_is_planned_by_arithmetic_run_by_run():
     half = Block("w", (8, 12), (0, 6), (8, 6))
     copies = plan_copies(Block("w", (8, 12), (2, 9), (2, 3)), 0, 6, [half])
     assert [(c.first, c.count, c.into) for c in copies] == [(15, 3, 0), (21, 3, 3)]
+
+
+# --------------------------------------------------------------------------- the layout's own rules
+
+
+def test_fill_problem_says_what_a_shard_would_miss_get_twice_or_spill():
+    """The shared check of every destination shard (same-layout and resharding loads): every
+    element exactly once, nothing outside."""
+    assert fill_problem([(0, 10)], [(0, 4), (4, 10)]) is None
+    assert fill_problem([(0, 4), (6, 10)], [(6, 10), (0, 4)]) is None  # a gap between parameters: not a target
+    assert fill_problem([], []) is None
+    assert fill_problem([(0, 10)], [(0, 4), (5, 10)]).startswith("1 element(s) would be filled by nothing, 0 ")
+    assert "1 by more than one saved element" in fill_problem([(0, 10)], [(0, 5), (4, 10)])
+    assert "2 outside every destination (first at element 4)" in fill_problem([(0, 4), (6, 10)], [(0, 10)])
+    assert "(first at element 0)" in fill_problem([(0, 4)], [])  # a position that fell outside every piece
+
+
+C0, C1 = "tp000_pp000_ep000_etp000", "tp001_pp000_ep000_etp001"
+DENSE0, DENSE1 = "adapter/dense_tp000_pp000.safetensors", "adapter/dense_tp001_pp000.safetensors"
+
+
+def _v3_manifest(edit=None) -> Manifest:
+    """A format-v3 manifest of a TP 2 save (its layout as the single-LoRA saver records it): `B` split
+    on axis 0 over the two TP ranks, `A` whole on both, one DistributedOptimizer child whose bucket
+    holds both parameters. `edit(metadata, files)` changes it first."""
+
+    def block(name, global_shape, offset, shape):
+        return Block(name, global_shape, offset, shape, "torch.bfloat16").to_dict()
+
+    params = {
+        key: {
+            "chunk0.B": block("B", (8, 4), (4 * tp, 0), (4, 4)),
+            "chunk0.A": block("A", (4, 6), (0, 0), (4, 6)),
+        }
+        for tp, key in enumerate((C0, C1))
+    }
+    metadata = {
+        "global_layout": {
+            "params": params,
+            "adapter_files": {
+                DENSE0: {"coordinate": C0, "names": ["chunk0.A", "chunk0.B"]},
+                DENSE1: {"coordinate": C1, "names": ["chunk0.A", "chunk0.B"]},
+            },
+        },
+        "optimizer_children": {
+            "0": {
+                "family": "distributed",
+                "layout": {
+                    "numel_unpadded": {key: {"buf0": [40]} for key in (C0, C1)},
+                    "positions": {key: {"chunk0.B": [0, 0, 0, 16], "chunk0.A": [0, 0, 16, 24]} for key in (C0, C1)},
+                    "slices": {
+                        key: [{"file": _slice_file(key), "slice": "0/1", "bounds": {"buf0": [[0, 40]]}}]
+                        for key in (C0, C1)
+                    },
+                },
+            }
+        },
+    }
+    files = {
+        DENSE0: FileRecord(1, "xxh3_128:" + "0" * 32, binding={"role": "dense-adapter", "coordinate": "tp000_pp000"}),
+        DENSE1: FileRecord(1, "xxh3_128:" + "0" * 32, binding={"role": "dense-adapter", "coordinate": "tp001_pp000"}),
+    }
+    for key in (C0, C1):
+        binding = {"role": "optimizer", "coordinate": key, "child": "0", "slice": "0/1"}
+        files[_slice_file(key)] = FileRecord(1, "xxh3_128:" + "0" * 32, binding=binding)
+    if edit is not None:
+        edit(metadata, files)
+    return Manifest("0123456789abcdef", 2, "single-lora", Topology(world=2, tp=2), files, metadata, format_version=3)
+
+
+def _slice_file(key: str, rank: int = 0, size: int = 1) -> str:
+    return f"optimizer/child0_{key}_s{rank:03d}of{size:03d}.safetensors"
+
+
+def _slices(key, *bounds):
+    def edit(metadata, files):
+        n = len(bounds)
+        metadata["optimizer_children"]["0"]["layout"]["slices"][key] = [
+            {"file": _slice_file(key, r, n), "slice": f"{r}/{n}", "bounds": {"buf0": [b]}} for r, b in enumerate(bounds)
+        ]
+        for r in range(n):
+            files.setdefault(_slice_file(key, r, n), files[_slice_file(key)])
+
+    return edit
+
+
+def _position(key, name, value):
+    def edit(metadata, files):
+        metadata["optimizer_children"]["0"]["layout"]["positions"][key][name] = value
+
+    return edit
+
+
+def _block(key, name, **changes):
+    def edit(metadata, files):
+        metadata["global_layout"]["params"][key][name].update(changes)
+
+    return edit
+
+
+def _coordinates_swapped(metadata, files):
+    entries = metadata["global_layout"]["adapter_files"]
+    entries[DENSE0]["coordinate"], entries[DENSE1]["coordinate"] = C1, C0
+
+
+LAYOUT_EDITS = {  # name: (edit, the file named, words of the reason)
+    "a position past its bucket": (
+        _position(C0, "chunk0.A", [0, 0, 20, 24]),
+        MANIFEST,
+        "the position of chunk0.A is elements [20, 44) of buf0 bucket 0, which holds 40",
+    ),
+    "a position in a bucket the layout lacks": (
+        _position(C1, "chunk0.A", [0, 3, 16, 24]),
+        MANIFEST,
+        "names buf0 bucket 3, which the bucket layout lacks",
+    ),
+    "two positions overlapping": (
+        _position(C0, "chunk0.A", [0, 0, 8, 24]),
+        MANIFEST,
+        "chunk0.B and chunk0.A overlap in buf0 bucket 0",
+    ),
+    "a position of another size than its block": (
+        _position(C0, "chunk0.A", [0, 0, 16, 20]),
+        MANIFEST,
+        "holds 20 elements, its block 24",
+    ),
+    "a position of no number": (_position(C0, "chunk0.A", [0, 0, -1, 24]), MANIFEST, "not [buffer, bucket"),
+    "a block outside its global tensor": (_block(C1, "chunk0.B", offset=[6, 0]), MANIFEST, "exceeds the global shape"),
+    "two blocks overlapping": (
+        _block(C1, "chunk0.B", offset=[2, 0]),
+        MANIFEST,
+        "the blocks of B at",
+    ),
+    "blocks leaving a gap": (
+        _block(C1, "chunk0.B", offset=[0, 0]),  # both TP ranks' blocks at rows 0-3: rows 4-7 held by none
+        MANIFEST,
+        "the blocks of B hold 16 of its 32 elements",
+    ),
+    "a global shape in one coordinate only": (
+        _block(C1, "chunk0.A", global_shape=[4, 7], shape=[4, 7]),
+        MANIFEST,
+        "A is torch.bfloat16[4, 7] at",
+    ),
+    "slices leaving a gap": (_slices(C0, [0, 20], [21, 40]), _slice_file(C0, 1, 2), "leave a gap at element 20"),
+    "slices overlapping": (_slices(C1, [0, 21], [20, 40]), _slice_file(C1, 1, 2), "leave a overlap at element 20"),
+    "slices ending short": (_slices(C0, [0, 39]), MANIFEST, "the slices of buf0 bucket 0 end at 39, not 40"),
+    "a slice holding elements, not listed": (
+        lambda metadata, files: files.pop(_slice_file(C1)),
+        _slice_file(C1),
+        "holds elements [0, 40) of buf0 bucket 0, but is not listed",
+    ),
+    "adapter coordinates swapped": (_coordinates_swapped, DENSE0, "the global layout says coordinate " + C1),
+    "an adapter file naming an undescribed parameter": (
+        lambda metadata, files: metadata["global_layout"]["adapter_files"][DENSE1]["names"].append("chunk0.C"),
+        DENSE1,
+        "has no block for chunk0.C",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_EDITS))
+def test_the_layout_rules_refuse_each_edit_naming_the_file(name):
+    """`layout_rules.check` (what verify's `check_structure` and so every loader runs; the resharding
+    loader plans from `saved_blocks`, its layout part): each structural edit of a v3 layout is
+    damage naming the file and the reason."""
+    layout_rules.check(_v3_manifest())  # the intact layout passes
+    edit, file, words = LAYOUT_EDITS[name]
+    with pytest.raises(GenerationDamaged) as refused:
+        layout_rules.check(_v3_manifest(edit))
+    assert [p.file for p in refused.value.problems] == [file], refused.value
+    assert words in refused.value.problems[0].reason, refused.value
+
+
+def test_a_file_stamped_with_its_layout_entries_refuses_a_swap_of_tp_offsets():
+    """Swapping the TP ranks' offsets keeps every structural rule (the blocks still tile B), but
+    no longer matches each file's stamp: the digest of the entries it was written with."""
+
+    def swapped(metadata, files):
+        params = metadata["global_layout"]["params"]
+        params[C0]["chunk0.B"]["offset"], params[C1]["chunk0.B"]["offset"] = [4, 0], [0, 0]
+
+    written = _v3_manifest()
+    forged = _v3_manifest(swapped)
+    layout_rules.check(forged)  # structurally sound
+    for rel in (DENSE0, DENSE1, "optimizer/child0_tp001_pp000_ep000_etp001_s000of001.safetensors"):
+        binding = written.files[rel].binding if rel in written.files else {"role": "optimizer", "child": "0"}
+        binding = {**binding, **({"coordinate": C1} if rel.startswith("optimizer/") else {})}
+        for manifest in (written, forged):
+            manifest.files.setdefault(rel, FileRecord(1, "xxh3_128:" + "0" * 32, binding=binding))
+        stamp = layout_rules.stamp(written.metadata, rel, binding)
+        assert list(stamp) == [layout_rules.STAMP_KEY]
+        layout_rules.check_stamp(rel, written, stamp)  # as written
+        layout_rules.check_stamp(rel, forged, {})  # a file written before the stamp: not checked
+        with pytest.raises(GenerationDamaged, match="other global layout entries than the manifest records"):
+            layout_rules.check_stamp(rel, forged, stamp)
+    assert layout_rules.stamp(written.metadata, "training_state.json", {"role": "training-state"}) == {}
+
+
+def test_an_adapter_file_read_whole_must_hold_its_blocks_tensors():
+    """`layout_rules.check_file_tensors` (a content rule: `verify` and every loader): the tensors of
+    an adapter file the layout lists, as its header describes them, against their blocks: what the
+    resharding loader requires of a file without a block index (read whole)."""
+    manifest = _v3_manifest()
+    dtypes, shapes = {"chunk0.A": "BF16", "chunk0.B": "BF16"}, {"chunk0.A": [4, 6], "chunk0.B": [4, 4]}
+    layout_rules.check_file_tensors(DENSE0, manifest, dtypes, shapes)
+    layout_rules.check_file_tensors(DENSE0, manifest, dtypes)  # read in part: no shapes
+    layout_rules.check_file_tensors("training_state.json", manifest, {})  # not an adapter file of the layout
+    for wrong_dtypes, wrong_shapes, words in (
+        (
+            {**dtypes, "chunk0.B": "F32"},
+            shapes,
+            "chunk0.B is torch.float32[4, 4], its global layout block torch.bfloat16[4, 4]",
+        ),
+        (dtypes, {**shapes, "chunk0.A": [6, 4]}, "chunk0.A is torch.bfloat16[6, 4], its global layout block"),
+        ({"chunk0.A": "BF16"}, shapes, "chunk0.B is no such tensor"),
+    ):
+        with pytest.raises(GenerationDamaged) as refused:
+            layout_rules.check_file_tensors(DENSE0, manifest, wrong_dtypes, wrong_shapes)
+        assert refused.value.problems[0].file == DENSE0 and words in refused.value.problems[0].reason
+
+
+def test_a_whole_parameter_childs_file_must_hold_its_blocks_shapes():
+    """The same content rule for a Float16 / FP32 or layer-wise child's file (read whole): each
+    parameter's tensors of a shape its writer coordinate's block holds, and a master."""
+    whole = "optimizer/child1_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"
+
+    def with_whole_child(metadata, files):
+        metadata["optimizer_children"]["1"] = {"family": "replicated", "layout": {"entries": {}, "files": {}}}
+        binding = {"role": "optimizer", "coordinate": C0 + "_dp000_cp000", "child": "1"}
+        files[whole] = FileRecord(1, "xxh3_128:" + "0" * 32, binding=binding)
+
+    manifest = _v3_manifest(with_whole_child)
+    layout_rules.check(manifest)
+    shapes = {"chunk0.A.param": [4, 6], "chunk0.A.exp_avg": [4, 6], "chunk0.A.step": [], "chunk0.B.param": [4, 4]}
+    layout_rules.check_file_tensors(whole, manifest, {}, shapes)
+    for wrong, words in (
+        ({**shapes, "chunk0.B.param": [8, 4]}, "chunk0.B.param is [8, 4], its global layout block [4, 4]"),
+        ({k: v for k, v in shapes.items() if k != "chunk0.A.param"}, "chunk0.A has no master chunk0.A.param"),
+    ):
+        with pytest.raises(GenerationDamaged) as refused:
+            layout_rules.check_file_tensors(whole, manifest, {}, wrong)
+        assert refused.value.problems[0].file == whole and words in refused.value.problems[0].reason

@@ -159,6 +159,38 @@ REFUSALS = {  # name: (saved case, run config, words the error must hold[, "v2" 
         ),
         "forged",
     ),
+    # a forger's layout edits (resealed, no key; every file untouched): each generation is damaged
+    # (the only one of its root: the load fails) and `verify` says so too (issue 33 items 2 and 5).
+    # A parameter's optimizer position moved past its bucket: it once installed uninitialised memory
+    "edited optimizer position": (
+        "tp1 -> tp2 (bf16)",
+        cfg(tp=2),
+        ("optimizer child 0 at tp000_pp000_ep000_etp000: the position of chunk0.", ", which holds "),
+        "layout:position",
+    ),
+    # the same, with the positions' structural rule switched off: the resharding plan's own check
+    # that every element of every DistributedOptimizer shard is filled exactly once refuses it
+    "edited optimizer position (the shard's fill check)": (
+        "tp1 -> tp2 (bf16)",
+        cfg(tp=2),
+        ("optimizer child 0, buf0 bucket 0 of this rank's shard: ", "would be filled by nothing"),
+        "layout:position:unchecked",
+    ),
+    # the two dense adapter files' writer coordinates swapped: once half-swapped adapters, weights only
+    "swapped adapter coordinate (weights only)": (
+        "tp2 -> tp1 (fp32)",
+        cfg("fp32"),
+        ("adapter/dense_tp000_pp000.safetensors", "the global layout says coordinate tp001_", "disagree"),
+        "layout:adapter-coordinate",
+    ),
+    # every TP-split block's offsets swapped between the TP ranks' coordinates (the blocks still tile
+    # their tensors): once a third of the tensors permuted; each file's layout stamp refuses it
+    "swapped TP block offsets": (
+        "tp2 -> tp1 (fp32)",
+        cfg("fp32"),
+        ("was written with other global layout entries than the manifest records for it",),
+        "layout:tp-offsets",
+    ),
     # everything installed at the new layout, then rank 1 fails: every rank rolls back
     "failure after the resharded install": (
         "pp2 vpp2 -> pp1 (bf16)",
@@ -171,7 +203,12 @@ REFUSALS = {  # name: (saved case, run config, words the error must hold[, "v2" 
 
 def _how(how: list) -> dict:
     kind = how[0] if how else None
+    edit, _, unchecked = kind.split(":", 1)[1].partition(":") if kind and kind.startswith("layout:") else (None,) * 3
     return {
+        "layout_edit": edit,
+        "without_position_rule": bool(unchecked),
+        "verify": edit is not None and not unchecked,
+        "load_kwargs": {"weights_only": True} if edit == "adapter-coordinate" else {},
         "as_format_v2": kind == "v2",
         "damage": kind == "damage",
         "unknown_group_key": kind == "groupkey",
@@ -425,3 +462,5 @@ def test_unmappable_changes_are_refused_naming_the_parameter(resharded, name):
         if not REFUSALS[name][3:]:
             assert "lora_" in o["error"] or "adapter.linear_" in o["error"], o["error"]  # names the parameter
         assert o["changed"] is None, o
+        if "verify" in o:  # what the resharding loader calls damaged, `verify` does not call OK
+            assert o["verify"] and any(all(w in p for w in words) for p in o["verify"]), o["verify"]

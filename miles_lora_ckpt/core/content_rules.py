@@ -7,7 +7,8 @@ names, finite floats, bounded UTF-8 JSON). So `verify` refuses what a loader ref
 reason, and no loader holds a content check of its own that `verify` lacks:
 
 - a format v2 tensor file carries its stamp: its generation, its own path and its manifest
-  binding (`check_stamps`);
+  binding (`check_stamps`); a file stamped with its global layout entries matches the manifest's
+  (`layout_rules.check_stamp`);
 - an optimizer file of a `distributed` child (a DistributedOptimizer's masters and moments, sliced
   over DP) holds float32 tensors only (`check_tensor_dtypes`): its loader installs them into fp32
   buffers and refuses anything else;
@@ -18,7 +19,9 @@ reason, and no loader holds a content check of its own that `verify` lacks:
   (`rng_state.check_tensors`).
 
 And rules on the manifest itself (applied by `verify.check_structure`, which every loader runs
-first): a manifest whose metadata says `optimizer_saved: false` lists no optimizer file and no
+first): a format-v3 global layout and its optimizer positions are consistent (`layout_rules.check`:
+blocks tile their global tensors, adapter files' coordinates agree with their bindings, positions
+lie inside their buckets); a manifest whose metadata says `optimizer_saved: false` lists no optimizer file and no
 optimizer child that stepped (`check_optimizer_claim`, in `check_manifest`; the single-LoRA loader
 calls it too); no `rng-state` file is larger than `rng_state.MAX_RNG_FILE_BYTES` (refused before
 it is read: `check_rng_sizes`); and, in a format v2 generation of a saver that writes the single-LoRA files
@@ -37,7 +40,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from miles_lora_ckpt.core import rng_state, training_state
+from miles_lora_ckpt.core import layout_rules, rng_state, training_state
 from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
@@ -87,6 +90,8 @@ def check_tensor_file(
     `{tensor: shape}` where the header was read."""
     if manifest.format_version >= 2:
         check_stamps(relpath, manifest, metadata)
+    layout_rules.check_stamp(relpath, manifest, metadata)
+    layout_rules.check_file_tensors(relpath, manifest, dtypes, shapes)
     check_tensor_dtypes(relpath, manifest, dtypes)
     if manifest.role_of(relpath) == rng_state.ROLE_RNG:
         try:
@@ -116,9 +121,11 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
 
 
 def check_manifest(manifest: Manifest) -> None:
-    """Every rule on a manifest's own content (beyond its fields' shapes)."""
+    """Every rule on a manifest's own content (beyond its fields' shapes): the optimizer claim, and
+    the structural rules of a format-v3 global layout (`layout_rules.check`, raising GenerationDamaged)."""
     check_optimizer_claim(manifest)
     check_rng_sizes(manifest)
+    layout_rules.check(manifest)
 
 
 def check_rng_sizes(manifest: Manifest) -> None:

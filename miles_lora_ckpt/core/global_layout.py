@@ -339,3 +339,35 @@ def strided_view(flat: torch.Tensor, length: int, start: int, step: int, width: 
     if n == 1:
         return flat[start : start + width].view(1, width)
     return flat.as_strided((n, width), (step, 1), flat.storage_offset() + start)
+
+
+def fill_problem(targets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> str | None:
+    """None when `spans` (`(begin, end)` ranges a load writes) fill every element of `targets`
+    (disjoint `(begin, end)` ranges: a shard, or its parameters' elements) exactly once and write
+    nothing outside them; else a sentence saying how many elements are missed, written twice and
+    written outside, and the first such element. The check both the same-layout and the
+    resharding load make of every destination shard before anything is installed."""
+    points = sorted({p for a, b in (*targets, *spans) if b > a for p in (a, b)})
+    at = {p: i for i, p in enumerate(points)}
+    written, wanted = [0] * (len(points) + 1), [0] * (len(points) + 1)
+    for ranges, counts in ((spans, written), (targets, wanted)):
+        for a, b in ranges:
+            if b > a:
+                counts[at[a]] += 1
+                counts[at[b]] -= 1
+    missing = twice = outside = 0
+    first = None
+    depth = want = 0
+    for i in range(len(points) - 1):
+        depth, want = depth + written[i], want + wanted[i]
+        width = points[i + 1] - points[i]
+        bad = (want and depth == 0, depth > 1, depth and not want)
+        missing, twice, outside = missing + width * bad[0], twice + width * bad[1], outside + width * bad[2]
+        if first is None and any(bad):
+            first = points[i]
+    if first is None:
+        return None
+    return (
+        f"{missing} element(s) would be filled by nothing, {twice} by more than one saved element and "
+        f"{outside} outside every destination (first at element {first})"
+    )

@@ -38,10 +38,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import layout_rules, storage
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
-from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, plan_copies, strided_runs, strided_view
+from miles_lora_ckpt.core.global_layout import (
+    Block,
+    cut_copies,
+    distinct,
+    fill_problem,
+    plan_copies,
+    strided_runs,
+    strided_view,
+)
 from miles_lora_ckpt.core.jsoncodec import from_json
+from miles_lora_ckpt.core.layout import MANIFEST
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.megatron import reshard_whole
 from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
@@ -97,7 +106,9 @@ class ReshardPlan:
                 "to reshard from (only the data-parallel size may change)"
             )
         running = [_parsed(plan["global"]) for plan in request.plans]  # every rank's blocks, parsed once
-        saved = _gate_up_axis(_saved_blocks(layout), running)
+        # the layout's structural rules, as `verify` checks them (`layout_rules`: blocks tiling their
+        # global tensors, adapter files' coordinates their bindings', positions inside their buckets)
+        saved = _gate_up_axis(layout_rules.saved_blocks(manifest), running)
         _check_same_model(saved, running, changes)
         plan = cls()
         mine = running[request.rank]
@@ -221,7 +232,7 @@ class ReshardPlan:
                     f"has a {desc['class']} ({desc['family']}): not resharded"
                 )
             child = chain.select(request.optimizer, [index])[0].optimizer
-            sources = _optimizer_sources(index, entry["layout"], saved)
+            sources = _optimizer_sources(index, entry["layout"], saved, manifest)
             keys = tuple(entry["keys"])
             pieces = {
                 key: distributed.saved_pieces(index, entry["layout"], key, entry["layout"]["numel_unpadded"][key])
@@ -233,7 +244,7 @@ class ReshardPlan:
             }
             used, buckets = set(), []
             for layout in distributed.bucket_layouts(child):
-                parts = []
+                parts, targets = [], []
                 for model_param, ranges in distributed._param_maps(child, layout).items():
                     name = request.view.names[id(model_param)]
                     block = _block_of(mine, name)
@@ -264,6 +275,17 @@ class ReshardPlan:
                             requests.setdefault(piece.file, set()).update(
                                 distributed.range_key(piece, k, part[1], part[2], part[4]) for k in (MASTER_KEY, *keys)
                             )
+                    targets.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end))
+                # every element of this rank's shard of the bucket filled exactly once, as a same-layout
+                # load checks its shard (`distributed.preflight`): no master or moment left as it was allocated
+                problem = fill_problem(targets, [span for part in parts for span in _part_spans(part)])
+                if problem is not None:
+                    raise layout_rules.damaged(
+                        manifest,
+                        MANIFEST,
+                        f"optimizer child {index}, buf{layout.buffer_index} bucket {layout.bucket_index} of this "
+                        f"rank's shard: {problem}: the saved positions and blocks do not give it",
+                    )
                 buckets.append(parts)
             self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
         self.files += [PartialRead(f, tuple(sorted(r))) for f, r in sorted(requests.items())]
@@ -342,6 +364,15 @@ def _row_parts(piece, runs: list, manifest) -> list[tuple]:
     return out
 
 
+def _part_spans(part: tuple) -> list[tuple[int, int]]:
+    """The shard elements `(begin, end)` a bucket part (`_row_parts`) fills: one range, or its rows."""
+    _, first, stop, into, rows = part
+    if rows is None:
+        return [(into, into + stop - first)]
+    _, width, n, into_step = rows
+    return [(into + i * into_step, into + i * into_step + width) for i in range(n)]
+
+
 def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype, int, tuple | None]]:
     """`{name: (dtype, element count, shape or None)}` of the tensors of one saved adapter file, once
     per file: from its block index where it has one (a file read in part: the header agreed with
@@ -379,19 +410,6 @@ def _topology(request):
     from miles_lora_ckpt.core.layout import Topology
 
     return Topology.from_dict(request.plans[request.rank]["topology"])
-
-
-def _saved_blocks(layout: dict) -> dict[str, dict[str, Block | None]]:
-    params = layout.get("params")
-    if not isinstance(params, dict):
-        raise ValueError("manifest metadata global_layout has no params")
-    return {
-        key: {
-            name: None if b is None else Block.from_dict(b, f"global_layout params {key} {name[:80]}")
-            for name, b in blocks.items()
-        }
-        for key, blocks in params.items()
-    }
 
 
 def _gate_up_axis(saved: dict, running: list[dict]) -> dict:
@@ -489,17 +507,19 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
             )
 
 
-def _optimizer_sources(index: int, layout: dict, saved: dict) -> dict[str, list[_Source]]:
+def _optimizer_sources(index: int, layout: dict, saved: dict, manifest) -> dict[str, list[_Source]]:
+    """`{global name: [_Source]}` of one child's saved positions (checked by `layout_rules.saved_blocks`:
+    inside their buckets, one parameter each, of their blocks' sizes)."""
     positions = layout.get("positions")
     if not isinstance(positions, dict):
         raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint records no parameter positions")
     sources: dict[str, list[_Source]] = {}
     for key, named in sorted(positions.items()):
         for name, where in sorted(named.items()):
-            if not (isinstance(where, list) and len(where) == 4 and all(type(v) is int and v >= 0 for v in where)):
-                raise ValueError(f"optimizer child {index} at {key}: position of {name} is {where}")
             block = saved.get(key, {}).get(name)
             if block is None or block.numel != where[3]:
-                raise ValueError(f"optimizer child {index} at {key}: {name} has no matching global block")
+                raise layout_rules.damaged(
+                    manifest, MANIFEST, f"optimizer child {index} at {key}: {name} has no matching global block"
+                )
             sources.setdefault(block.name, []).append(_Source(key, name, block, tuple(where)))
     return sources

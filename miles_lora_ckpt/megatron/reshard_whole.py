@@ -49,7 +49,10 @@ def plan_child(index: int, layout: dict, child, names: dict, mine: dict, saved: 
     sources: dict[str, list[_Entry]] = {}
     for entry, where in sorted(layout.get("entries", {}).items()):
         shard, _, name = entry.partition(":")
-        coordinate = _coordinate_of(shard, name, saved)
+        # the block its writer's own coordinate records (that file's layout stamp binds those), else
+        # the first coordinate of its shard that describes it
+        own = "_".join(str(layout.get("files", {}).get(where.get("file"), "")).split("_")[:4])
+        coordinate = own if saved.get(own, {}).get(name) is not None else _coordinate_of(shard, name, saved)
         if coordinate is None:
             raise ValueError(f"optimizer child {index}: the global layout has no block for {entry}")
         block = saved[coordinate][name]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import PurePath
 
 import torch
@@ -132,8 +132,8 @@ def _as_format_v2(root: str, name: str, consensus: Consensus) -> str:
 
 
 def _whole_gated_blocks(root: str, name: str, consensus: Consensus) -> str:
-    """A copy of the newest generation under `root` (saved at TP 1) whose manifest records each gated
-    fc1 output (`linear_fc1.adapter.linear_out`) as format v3 did before the gate/up axis: one whole
+    """A copy of the newest generation under `root` (saved at TP 1, its files unstamped: `_unstamped`)
+    whose manifest records each gated fc1 output (`linear_fc1.adapter.linear_out`) as format v3 did before the gate/up axis: one whole
     `[G, ...]` block (resealed: an intact generation of that writer)."""
 
     def edit(body):
@@ -247,6 +247,20 @@ def gated_fc1_halves(run) -> dict[str, str]:
 
 
 @contextmanager
+def _unstamped():
+    """Save as a format-v3 writer did before files were stamped with their global layout entries
+    (`layout_rules.stamp`): such a generation stays readable, its layout unchecked against its files."""
+    from miles_lora_ckpt.core import layout_rules
+
+    real = layout_rules.stamp
+    layout_rules.stamp = lambda metadata, relpath, binding: {}
+    try:
+        yield
+    finally:
+        layout_rules.stamp = real
+
+
+@contextmanager
 def counting_reads():
     """Count, on this rank, each verified partial read of a file (`storage.read_ranges`: one open,
     one header parse) and each block digest computed (`storage._BlockFile.block`, keyed by the
@@ -288,6 +302,51 @@ def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
     return _edited_copy(root, "forged", name, consensus, edit)
 
 
+def _layout_edit(root: str, kind: str, name: str, consensus: Consensus) -> str:
+    """A copy of the newest generation under `root` whose manifest's global layout was edited by a
+    forger without the signing key (resealed; every file untouched), `kind`:
+
+    - "position": a parameter's optimizer position moved past its bucket's end (a resharding load
+      once installed uninitialised memory there as its master and moments);
+    - "adapter-coordinate": the writer coordinates of the two dense adapter files swapped (a
+      resharding load once assembled half-swapped adapters from them under `weights_only`);
+    - "tp-offsets": the offsets of every TP-split block swapped between the two TP ranks' coordinates
+      (the blocks still tile their tensors: only each file's layout stamp tells)."""
+
+    def edit(body):
+        layout = body["metadata"]["global_layout"]
+        if kind == "position":
+            positions = body["metadata"]["optimizer_children"]["0"]["layout"]["positions"]
+            key = sorted(positions)[0]
+            where = positions[key][sorted(positions[key])[0]]
+            numel = body["metadata"]["optimizer_children"]["0"]["layout"]["numel_unpadded"][key][f"buf{where[0]}"]
+            where[2] = numel[where[1]]  # just past the bucket's unpadded end
+        elif kind == "adapter-coordinate":
+            dense = sorted(f for f in layout["adapter_files"] if "/dense_" in f)
+            first, second = (layout["adapter_files"][f] for f in dense[:2])
+            first["coordinate"], second["coordinate"] = second["coordinate"], first["coordinate"]
+        else:
+            first, second = (layout["params"][k] for k in sorted(layout["params"])[:2])
+            swapped = 0
+            for param, block in first.items():
+                other = second.get(param)
+                if other is not None and other["offset"] != block["offset"]:
+                    block["offset"], other["offset"] = other["offset"], block["offset"]
+                    swapped += 1
+            assert swapped, "no TP-split block to swap"
+
+    return _edited_copy(root, f"layout-{kind}", name, consensus, _resealed(edit))
+
+
+def _verify(path: str) -> list[str]:
+    """`verify`'s problems with one generation (its structure and every file's content)."""
+    from pathlib import Path
+
+    from miles_lora_ckpt.core.verify import verify_generation
+
+    return [str(p) for p in verify_generation(Path(path)).problems]
+
+
 def expert_layout(run) -> dict:
     """This rank's expert-TP coordinate from megatron's parallel state and the block `param_blocks`
     records for each expert adapter weight (`{global name: [global shape, offset, shape]}`), as the
@@ -325,7 +384,8 @@ def reshard_job(payload: dict, ctx) -> dict:
         saved_halves = gated_fc1_halves(before)
         saved_experts = expert_layout(before)
         roots[case["name"]] = case["root"]
-        save(before, case["root"], 2, consensus, Args())
+        with _unstamped() if case.get("whole_gated_blocks") else nullcontext():
+            save(before, case["root"], 2, consensus, Args())
         probe_saved = probe_loss(before, 2)
         continued = run_steps(before, 2, 2 + case["steps"])
         teardown(before)
@@ -380,6 +440,8 @@ def reshard_job(payload: dict, ctx) -> dict:
             root = _unknown_group_key(root, case["name"], consensus)
         if case.get("forged_adapter"):
             root = _forged_adapter(root, case["name"], consensus)
+        if case.get("layout_edit"):
+            root = _layout_edit(root, case["layout_edit"], case["name"], consensus)
         run = build_run(config_from_dict(case["config"]))
         run_steps(run, 0, 1)
         digests = snapshot_digests(snapshot(run))
@@ -387,13 +449,21 @@ def reshard_job(payload: dict, ctx) -> dict:
         failing = case.get("install_fails_on")
         if failing is not None:  # the resharded state is installed everywhere, then one rank fails
             load_module._install = _failing_install(real_install, ctx.rank == failing, ctx.rank)
+        from miles_lora_ckpt.core import layout_rules
+
+        real_positions = layout_rules._check_positions
+        if case.get("without_position_rule"):  # the plan's own check, the structural rule switched off
+            layout_rules._check_positions = lambda manifest, blocks: None
         try:
-            load(run, root, consensus)
+            load(run, root, consensus, **case.get("load_kwargs", {}))
             error = None
         except CheckpointError as exc:
             error = str(exc)
         finally:
             load_module._install = real_install
+            layout_rules._check_positions = real_positions
         tries[case["name"]] = {"error": error, "changed": compare_digests(digests, snapshot_digests(snapshot(run)))}
+        if case.get("verify"):  # what `verify` says of the same generation
+            tries[case["name"]]["verify"] = _verify(root)
         teardown(run)
     return {"cases": out, "refusals": tries}

@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from miles_lora_ckpt.core import storage
-from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint
-from miles_lora_ckpt.core.global_layout import strided_runs, strided_view
+from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, Problem
+from miles_lora_ckpt.core.global_layout import fill_problem, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
+from miles_lora_ckpt.core.layout import MANIFEST
 from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.core.storage import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state, master_replaceable
@@ -691,10 +692,17 @@ class DistributedFamily:
             source = read.ranges(piece.file, piece.binding)  # binding checked; ranges verified at open
             buckets[position].append((piece, source, first, stop, offset, None))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
-            filled = sum(stop - first for _, _, first, stop, _, _ in buckets[position])
-            if filled != end - begin:
-                raise ValueError(
-                    f"optimizer child {child.index}: {buf} bucket {b}: {filled} of {end - begin} elements saved"
+            # every element of this rank's shard filled exactly once (the check a resharding load makes too)
+            spans = [(offset, offset + stop - first) for _, _, first, stop, offset, _ in buckets[position]]
+            problem = fill_problem([(0, end - begin)], spans)
+            if problem is not None:
+                raise GenerationDamaged(
+                    "the generation loaded",
+                    [
+                        Problem(
+                            MANIFEST, f"optimizer child {child.index}: {buf} bucket {b} of this rank's shard: {problem}"
+                        )
+                    ],
                 )
         if read.adapter is not None:  # the saved adapter must be the cast of these masters (masters.py)
             for layout, pieces in zip(bucket_layouts(child.optimizer), buckets, strict=True):

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from miles_lora_ckpt.core import rng_state
+from miles_lora_ckpt.core import layout_rules, rng_state
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
@@ -255,7 +255,10 @@ def write_planned_save(
     # write, commit, publish: through the protocol; every rank writes its own files
     def write_files(writer: StagingWriter) -> None:
         for relpath, file in planned.files.items():
-            writer.write_tensors(relpath, file.tensors, binding=file.binding, blocks=file.blocks)
+            # each adapter and optimizer file stamped with the digest of its global layout entries:
+            # a manifest whose layout was edited and resealed no longer matches it (`layout_rules`)
+            stamp = layout_rules.stamp(planned.metadata, relpath, file.binding)
+            writer.write_tensors(relpath, file.tensors, metadata=stamp, binding=file.binding, blocks=file.blocks)
         for relpath, (value, binding) in planned.rank_json.items():
             writer.write_json(relpath, value, binding=binding)
         if planned.training_state is not None:

@@ -1,0 +1,458 @@
+"""The structural rules of a format-v3 global layout, and each file's binding to its layout entries.
+
+A format-v3 manifest records where every saved element lies in the global model: metadata
+`global_layout` (per model-parallel coordinate each trainable parameter's `Block`; per adapter
+file the coordinate of its writer and the names it holds) and, per DistributedOptimizer child,
+`layout.positions` (where each parameter lies in its bucket's world tensor). A resharding load
+places adapter weights, masters and moments by them alone, so `verify` and every loader check
+them first (`check`, from `content_rules.check_manifest`), and the resharding loader takes its
+blocks from the same checked parse (`saved_blocks`):
+
+- every block parses and lies inside its global shape; the blocks of one global tensor agree on
+  its global shape and dtype, and their distinct regions tile it (each element in exactly one);
+- every adapter file entry names a listed file whose manifest binding (role, coordinate) is the
+  one its entry's coordinate implies, and parameters that coordinate describes, each a tensor of
+  the file's block index with the block's dtype and element count;
+- every position `[buffer, bucket, start, numel]` lies inside that bucket's unpadded size, names a
+  parameter its coordinate describes with that element count, and no two positions of one bucket
+  overlap;
+- (any format) every DistributedOptimizer child's slices tile each bucket (`check_slices`).
+
+And on each file's content (`check_file_tensors`, a content rule): an adapter file holds its
+entry's tensors of their blocks' dtypes and shapes; a whole-parameter child's file (Float16 / FP32,
+layer-wise) holds a master and tensors of the shapes its writer coordinate's blocks hold.
+
+A layout edit that keeps all of this (two TP ranks' offsets swapped) is caught by each file's own
+stamp (`stamp`, `check_stamp`): the single-LoRA writer stamps every adapter and optimizer file
+with the digest of the layout entries a resharding load reads it by (`file_entries`), so a
+manifest whose layout was edited and resealed no longer matches its files. Files written before
+this stamp carry none and are not checked (docs/guarantees.md says what only the key catches).
+
+Every failure is `GenerationDamaged` naming the file (the manifest, or the file the entry is
+about) and the reason. Imports neither megatron nor Miles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from typing import Any
+
+from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core.errors import GenerationDamaged, Problem
+from miles_lora_ckpt.core.global_layout import Block
+from miles_lora_ckpt.core.layout import MANIFEST, Manifest
+
+STAMP_KEY = "global_layout"  # a tensor file's safetensors metadata: `sha256:<hex>` of its layout entries
+_COORDINATE = re.compile(r"(tp[0-9]+)_(pp[0-9]+)_(ep[0-9]+)_(etp[0-9]+)")
+_ADAPTER = re.compile(r"adapter/(dense|expert)_[a-z0-9_]+\.safetensors")
+WHOLE_FAMILIES = ("replicated", "layer-wise")  # optimizer children saved as whole local parameters
+MASTER_STATE_KEY = "param"  # such a file's fp32 master, next to its state keys
+
+
+def damaged(manifest: Manifest, file: str, reason: str) -> GenerationDamaged:
+    """The damage exception for one problem of `manifest`'s generation, naming `file`."""
+    return GenerationDamaged(f"generation {manifest.generation}", [Problem(file, reason)])
+
+
+def has_layout(manifest: Manifest) -> bool:
+    """Whether the manifest records a global layout (format v3 and later)."""
+    return manifest.format_version >= 3 and "global_layout" in manifest.metadata
+
+
+def check(manifest: Manifest) -> None:
+    """Every structural rule of the manifest's DistributedOptimizer slices (`check_slices`, any
+    format) and of its global layout and optimizer positions (format v3); raises GenerationDamaged
+    naming the file and the first problem."""
+    check_slices(manifest)
+    if has_layout(manifest):
+        saved_blocks(manifest)
+
+
+def check_slices(manifest: Manifest) -> None:
+    """Every DistributedOptimizer child's `slices` (format v2 and later): per coordinate the files
+    `optimizer/child{i}_{coordinate}_s{r:03d}of{n:03d}.safetensors` of ranks 0..n-1, each listed
+    where it holds elements, whose bounds lie inside each bucket of `numel_unpadded` and tile it
+    (no overlap, no gap): what every load's `saved_pieces` requires, checked by `verify` too."""
+    children = manifest.metadata.get("optimizer_children")
+    if not isinstance(children, dict):
+        return
+    for index, child in sorted(children.items()):
+        if not isinstance(child, dict) or child.get("family") != "distributed":
+            continue
+        layout = child.get("layout")
+        if not isinstance(layout, dict) or "slices" not in layout:
+            continue
+        numels, slices = layout.get("numel_unpadded"), layout["slices"]
+        if not isinstance(numels, dict) or not isinstance(slices, dict):
+            raise damaged(manifest, MANIFEST, f"optimizer child {index}: slices without a bucket layout")
+        for key, entries in sorted(slices.items()):
+            problem = _slice_problem(manifest, index, key, entries, numels.get(key))
+            if problem is not None:
+                raise damaged(manifest, *problem)
+
+
+def _slice_problem(manifest: Manifest, index, key, entries, current) -> tuple[str, str] | None:
+    """`(file, reason)` of the first problem of one coordinate's slices, or None."""
+    where = f"optimizer child {index} at {str(key)[:80]}"
+    sizes_ok = isinstance(current, dict) and all(
+        isinstance(n, list) and all(type(v) is int and v >= 0 for v in n) for n in current.values()
+    )
+    if not sizes_ok:
+        return MANIFEST, f"{where}: the slices have no bucket layout ('numel_unpadded')"
+    if not isinstance(entries, list) or not entries:
+        return MANIFEST, f"{where}: the manifest lists no slices"
+    covered = {buf: [[] for _ in numels] for buf, numels in current.items()}
+    size = len(entries)
+    for rank, entry in enumerate(entries):
+        expected = f"optimizer/child{index}_{key}_s{rank:03d}of{size:03d}.safetensors"
+        if not isinstance(entry, dict) or entry.get("file") != expected or entry.get("slice") != f"{rank}/{size}":
+            return MANIFEST, f"{where}: slice {rank} of {size} is listed as {str(entry)[:200]}"
+        bounds = entry.get("bounds")
+        if not isinstance(bounds, dict) or set(bounds) != set(current):
+            return expected, f"slice bounds {str(bounds)[:200]} do not name the buffers {sorted(current)}"
+        for buf, per_bucket in bounds.items():
+            if not isinstance(per_bucket, list) or len(per_bucket) != len(current[buf]):
+                return expected, f"slice bounds of {buf} are {str(per_bucket)[:200]}, one [lo, hi] per bucket expected"
+            for b, pair in enumerate(per_bucket):
+                ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
+                if not ok or not 0 <= pair[0] <= pair[1] <= current[buf][b]:
+                    return (
+                        expected,
+                        f"slice bounds {str(pair)[:80]} of {buf} bucket {b} are out of [0, {current[buf][b]}]",
+                    )
+                if pair[1] > pair[0]:
+                    if expected not in manifest.files:
+                        return (
+                            expected,
+                            f"{where}: it holds elements [{pair[0]}, {pair[1]}) of {buf} bucket {b}, but is not listed",
+                        )
+                    covered[buf][b].append((pair[0], pair[1], expected))
+    for buf, buckets in covered.items():
+        for b, spans in enumerate(buckets):
+            cursor = 0
+            for lo, hi, file in sorted(spans):
+                if lo != cursor:
+                    what = "overlap" if lo < cursor else "gap"
+                    return (
+                        file,
+                        f"slice bounds [{lo}, {hi}) of {buf} bucket {b} leave a {what} at element {min(lo, cursor)}",
+                    )
+                cursor = hi
+            if cursor != current[buf][b]:
+                return MANIFEST, f"{where}: the slices of {buf} bucket {b} end at {cursor}, not {current[buf][b]}"
+    return None
+
+
+def saved_blocks(manifest: Manifest) -> dict[str, dict[str, Block | None]]:
+    """`{coordinate: {parameter: Block or None}}` of the manifest's global layout, every rule of
+    the module docstring checked (the resharding loader plans from this); raises GenerationDamaged."""
+    layout = manifest.metadata.get("global_layout")
+    if not isinstance(layout, dict) or not isinstance(layout.get("params"), dict):
+        raise damaged(manifest, MANIFEST, "metadata global_layout has no params")
+    blocks: dict[str, dict[str, Block | None]] = {}
+    for key, described in layout["params"].items():
+        if not isinstance(key, str) or not _COORDINATE.fullmatch(key) or not isinstance(described, dict):
+            raise damaged(manifest, MANIFEST, f"global_layout params has an entry {str(key)[:80]!r} of no coordinate")
+        blocks[key] = {}
+        for name, data in described.items():
+            where = f"global_layout params {key} {str(name)[:80]}"
+            try:
+                blocks[key][name] = None if data is None else Block.from_dict(data, where)
+            except ValueError as exc:
+                raise damaged(manifest, MANIFEST, str(exc)) from None
+    _check_tiling(manifest, blocks)
+    _check_adapter_files(manifest, layout.get("adapter_files", {}), blocks)
+    _check_positions(manifest, blocks)
+    return blocks
+
+
+def _check_tiling(manifest: Manifest, blocks: dict) -> None:
+    """The blocks of one global tensor agree on its shape and dtype, and their distinct regions
+    tile it. Skipped where any block is unknown (None: such a generation is never resharded, and
+    the global tensor of an unknown block cannot be named)."""
+    if any(block is None for described in blocks.values() for block in described.values()):
+        return
+    regions: dict[str, dict] = {}
+    first: dict[str, tuple[str, Block]] = {}
+    for key, described in sorted(blocks.items()):
+        for name, block in described.items():
+            seen = first.setdefault(block.name, (f"{key} {name}", block))
+            if (seen[1].global_shape, seen[1].dtype) != (block.global_shape, block.dtype):
+                raise damaged(
+                    manifest,
+                    MANIFEST,
+                    f"global_layout: {block.name} is {block.dtype}{list(block.global_shape)} at {key} {name}, "
+                    f"{seen[1].dtype}{list(seen[1].global_shape)} at {seen[0]}",
+                )
+            regions.setdefault(block.name, {}).setdefault(block.region, f"{key} {name}")
+    for global_name, distinct in regions.items():
+        boxes = list(distinct.items())
+        total = math.prod(first[global_name][1].global_shape)
+        for i, ((offset, shape), where) in enumerate(boxes):
+            for (other_offset, other_shape), other in boxes[i + 1 :]:
+                if _overlap(offset, shape, other_offset, other_shape):
+                    raise damaged(
+                        manifest,
+                        MANIFEST,
+                        f"global_layout: the blocks of {global_name} at {where} and at {other} overlap "
+                        f"(offsets {list(offset)} and {list(other_offset)})",
+                    )
+        covered = sum(math.prod(shape) for (_, shape), _ in boxes)
+        if covered != total:
+            raise damaged(
+                manifest,
+                MANIFEST,
+                f"global_layout: the blocks of {global_name} hold {covered} of its {total} elements",
+            )
+
+
+def _overlap(a_offset, a_shape, b_offset, b_shape) -> bool:
+    return all(
+        max(oa, ob) < min(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a_offset, a_shape, b_offset, b_shape, strict=True)
+    )
+
+
+def coordinate_binding(kind: str, coordinate: str) -> dict[str, str] | None:
+    """The manifest binding of the `kind` ("dense" | "expert") adapter file written at model-parallel
+    `coordinate` (`tp000_pp000_ep000_etp000`): dense files are keyed by TP and PP, expert files by
+    PP, EP and expert TP. None for no coordinate."""
+    match = _COORDINATE.fullmatch(coordinate) if isinstance(coordinate, str) else None
+    if match is None:
+        return None
+    tp, pp, ep, etp = match.groups()
+    key = f"{tp}_{pp}" if kind == "dense" else f"{pp}_{ep}_{etp}"
+    return {"role": f"{kind}-adapter", "coordinate": key}
+
+
+def _check_adapter_files(manifest: Manifest, files: Any, blocks: dict) -> None:
+    if not isinstance(files, dict):
+        raise damaged(manifest, MANIFEST, "metadata global_layout adapter_files is not a mapping")
+    for relpath, entry in files.items():
+        match = _ADAPTER.fullmatch(relpath) if isinstance(relpath, str) else None
+        if match is None or relpath not in manifest.files:
+            raise damaged(manifest, MANIFEST, f"global_layout names adapter file {str(relpath)[:120]!r}, not listed")
+        if not isinstance(entry, dict) or set(entry) != {"coordinate", "names"} or not isinstance(entry["names"], list):
+            raise damaged(manifest, relpath, "its global_layout entry is not {coordinate, names}")
+        coordinate = entry["coordinate"]
+        expected = coordinate_binding(match[1], coordinate)
+        bound = manifest.files[relpath].binding
+        if expected is None or coordinate not in blocks or dict(bound) != expected:
+            raise damaged(
+                manifest,
+                relpath,
+                f"the global layout says coordinate {str(coordinate)[:80]} wrote it, but the file is bound to "
+                f"{dict(bound)} (the layout's coordinate and the file's own binding disagree: edited?)",
+            )
+        index = manifest.files[relpath].blocks
+        if len(set(entry["names"])) != len(entry["names"]):
+            raise damaged(manifest, relpath, "its global_layout entry names a parameter twice")
+        for name in entry["names"]:
+            block = blocks[coordinate].get(name) if isinstance(name, str) else None
+            if block is None:
+                raise damaged(
+                    manifest, relpath, f"the global layout at {coordinate} has no block for {str(name)[:120]}"
+                )
+            indexed = None if index is None else storage.indexed_tensor(index, name)
+            if index is not None and (
+                indexed is None or indexed[1] != block.numel or (block.dtype and f"torch.{indexed[0]}" != block.dtype)
+            ):
+                held = "no such tensor" if indexed is None else f"torch.{indexed[0]}[{indexed[1]} elements]"
+                raise damaged(
+                    manifest,
+                    relpath,
+                    f"{name[:120]} holds {held}, its global layout block {block.dtype}{list(block.shape)}",
+                )
+
+
+def _check_positions(manifest: Manifest, blocks: dict) -> None:
+    """Every DistributedOptimizer child's positions: inside their buckets, one parameter each."""
+    children = manifest.metadata.get("optimizer_children")
+    if not isinstance(children, dict):
+        return
+    for index, child in sorted(children.items()):
+        layout = child.get("layout") if isinstance(child, dict) else None
+        if not isinstance(layout, dict) or "positions" not in layout:
+            continue
+        positions, numels = layout["positions"], layout.get("numel_unpadded")
+        if not isinstance(positions, dict) or not isinstance(numels, dict):
+            raise damaged(manifest, MANIFEST, f"optimizer child {index}: positions without a bucket layout")
+        for key, named in sorted(positions.items()):
+            buckets = numels.get(key)
+            if not isinstance(buckets, dict) or not isinstance(named, dict):
+                raise damaged(manifest, MANIFEST, f"optimizer child {index}: positions at {key} of no bucket layout")
+            spans: dict[tuple, list] = {}
+            for name, where in sorted(named.items()):
+                spans.setdefault(_position(manifest, index, key, name, where, buckets, blocks), []).append(
+                    (where[2], where[2] + where[3], name)
+                )
+            for (buf, bucket), found in spans.items():
+                found.sort()
+                for (_, end, name), (start, _, other) in zip(found, found[1:], strict=False):
+                    if start < end:
+                        raise damaged(
+                            manifest,
+                            MANIFEST,
+                            f"optimizer child {index} at {key}: {name} and {other} overlap in buf{buf} bucket "
+                            f"{bucket} (elements from {start} to {end})",
+                        )
+
+
+def _position(manifest: Manifest, index, key: str, name: str, where: Any, buckets: dict, blocks: dict) -> tuple:
+    """Check one position `[buffer, bucket, start, numel]`; returns `(buffer, bucket)`."""
+    what = f"optimizer child {index} at {key}: the position of {str(name)[:120]}"
+    if not (isinstance(where, list) and len(where) == 4 and all(type(v) is int and v >= 0 for v in where)):
+        raise damaged(manifest, MANIFEST, f"{what} is {str(where)[:80]}, not [buffer, bucket, start, numel]")
+    buf, bucket, start, numel = where
+    sizes = buckets.get(f"buf{buf}")
+    if not isinstance(sizes, list) or bucket >= len(sizes) or type(sizes[bucket]) is not int:
+        raise damaged(manifest, MANIFEST, f"{what} names buf{buf} bucket {bucket}, which the bucket layout lacks")
+    if start + numel > sizes[bucket]:
+        raise damaged(
+            manifest,
+            MANIFEST,
+            f"{what} is elements [{start}, {start + numel}) of buf{buf} bucket {bucket}, which holds {sizes[bucket]}",
+        )
+    described = blocks.get(key, {})
+    if name not in described:
+        raise damaged(manifest, MANIFEST, f"{what}: the global layout at {key} has no such parameter")
+    block = described[name]
+    if block is not None and block.numel != numel:
+        raise damaged(manifest, MANIFEST, f"{what} holds {numel} elements, its block {block.numel}")
+    return buf, bucket
+
+
+def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str], shapes: dict | None = None) -> None:
+    """An adapter file the global layout lists holds every name of its entry, each of its block's
+    dtype and, where its header's shapes are given (a file read whole), of a shape its block holds:
+    what the resharding loader requires of it, so `verify` requires it too (a file with a block
+    index had its names, dtypes and sizes checked against the layout with the manifest)."""
+    layout = manifest.metadata.get("global_layout") if has_layout(manifest) else None
+    files = layout.get("adapter_files") if isinstance(layout, dict) else None
+    entry = files.get(relpath) if isinstance(files, dict) else None
+    params = layout.get("params") if isinstance(layout, dict) else None
+    if shapes is not None and isinstance(params, dict):
+        _check_whole_child_file(relpath, manifest, params, shapes)
+    if not isinstance(entry, dict) or not isinstance(params, dict) or not isinstance(entry.get("names"), list):
+        return  # no entry (or a malformed one, which `check` reports)
+    described = params.get(entry.get("coordinate"))
+    for name in entry["names"]:
+        data = described.get(name) if isinstance(described, dict) and isinstance(name, str) else None
+        try:
+            block = None if data is None else Block.from_dict(data, f"global_layout block of {name}")
+        except ValueError:
+            block = None  # reported by `check`
+        if block is None:
+            continue
+        tag = dtypes.get(name)
+        held = None if tag is None else f"torch.{storage._DTYPES.get(tag, (tag,))[0]}"
+        shape = None if shapes is None else shapes.get(name)
+        if held is None or (block.dtype and held != block.dtype) or (shape is not None and not block.holds(shape)):
+            what = "no such tensor" if held is None else f"{held}{list(shape) if shape is not None else ''}"
+            raise damaged(
+                manifest,
+                relpath,
+                f"{name[:120]} is {what}, its global layout block {block.dtype}{list(block.shape)}",
+            )
+
+
+def _check_whole_child_file(relpath: str, manifest: Manifest, params: dict, shapes: dict) -> None:
+    """A Float16 / FP32 or layer-wise child's file (tensors `{parameter}.{key}`: the whole local
+    parameter's master `param` and state) holds, for each parameter its writer's coordinate
+    describes, a master and tensors of a shape that block holds (a 0-d state aside): what a
+    resharding load of such a child requires of it (`megatron/reshard_whole.py`)."""
+    binding = manifest.files[relpath].binding
+    children = manifest.metadata.get("optimizer_children")
+    child = children.get(binding.get("child")) if isinstance(children, dict) else None
+    if binding.get("role") != "optimizer" or not isinstance(child, dict) or child.get("family") not in WHOLE_FAMILIES:
+        return
+    match = _COORDINATE.match(str(binding.get("coordinate", "")))
+    described = params.get(match[0]) if match is not None else None
+    if not isinstance(described, dict):
+        return
+    held: dict[str, set] = {}
+    for full, shape in sorted(shapes.items()):
+        name, _, key = full.rpartition(".")
+        held.setdefault(name, set()).add(key)
+        data = described.get(name)
+        try:
+            block = None if data is None else Block.from_dict(data, f"global_layout block of {name}")
+        except ValueError:
+            block = None  # reported by `check`
+        if block is not None and len(shape) > 0 and not block.holds(shape):
+            raise damaged(
+                manifest, relpath, f"{full[:120]} is {list(shape)}, its global layout block {list(block.shape)}"
+            )
+    for name, keys in sorted(held.items()):
+        if name in described and MASTER_STATE_KEY not in keys:
+            raise damaged(manifest, relpath, f"{name[:120]} has no master {name[:120]}.{MASTER_STATE_KEY}")
+
+
+# --------------------------------------------------------------------------- the files' stamps
+
+
+def file_entries(metadata: dict, relpath: str, binding: dict) -> dict | None:
+    """The layout entries a resharding load reads file `relpath` by (None: it has none): an adapter
+    file's entry (writer coordinate, names) and those names' blocks; an optimizer file's coordinate's
+    blocks and its child's positions there. `metadata` is the manifest's metadata (as the writer
+    records it, or as read), `binding` the file's manifest binding."""
+    layout = metadata.get("global_layout")
+    if not isinstance(layout, dict):
+        return None
+    params = layout.get("params") if isinstance(layout.get("params"), dict) else {}
+    files = layout.get("adapter_files") if isinstance(layout.get("adapter_files"), dict) else {}
+    if relpath in files:
+        entry = files[relpath]
+        coordinate = entry.get("coordinate") if isinstance(entry, dict) else None
+        names = entry.get("names") if isinstance(entry, dict) else None
+        described = params.get(coordinate) if isinstance(coordinate, str) else None
+        described = described if isinstance(described, dict) else {}
+        named = {n: described.get(n) for n in names if isinstance(n, str)} if isinstance(names, list) else None
+        return {"file": relpath, "coordinate": coordinate, "names": names, "blocks": named}
+    if binding.get("role") != "optimizer" or "child" not in binding:
+        return None
+    match = _COORDINATE.match(str(binding.get("coordinate", "")))
+    if match is None:
+        return None
+    coordinate = match[0]
+    children = metadata.get("optimizer_children")
+    child = children.get(binding["child"]) if isinstance(children, dict) else None
+    child_layout = child.get("layout") if isinstance(child, dict) else None
+    positions = child_layout.get("positions") if isinstance(child_layout, dict) else None
+    return {
+        "file": relpath,
+        "coordinate": coordinate,
+        "blocks": params.get(coordinate),
+        "positions": positions.get(coordinate) if isinstance(positions, dict) else None,
+    }
+
+
+def stamp(metadata: dict, relpath: str, binding: dict) -> dict[str, str]:
+    """The safetensors metadata the writer adds to file `relpath`: `{STAMP_KEY: digest}` of its
+    layout entries (`file_entries`), or nothing where it has none."""
+    entries = file_entries(metadata, relpath, binding)
+    return {} if entries is None else {STAMP_KEY: _digest(entries)}
+
+
+def check_stamp(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:
+    """A tensor file stamped with its layout entries' digest must match the manifest's entries now
+    (a file without the stamp, written before it, is not checked); raises GenerationDamaged."""
+    stamped = metadata.get(STAMP_KEY)
+    if stamped is None or not has_layout(manifest):
+        return
+    record = manifest.files[relpath]
+    entries = file_entries(manifest.metadata, relpath, dict(record.binding))
+    if entries is None or _digest(entries) != stamped:
+        raise damaged(
+            manifest,
+            relpath,
+            "the file was written with other global layout entries than the manifest records for it "
+            f"(its stamp {stamped[:80]}): the manifest's layout or positions were edited",
+        )
+
+
+def _digest(entries: dict) -> str:
+    text = json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
