@@ -12,7 +12,9 @@ reason, and no loader holds a content check of its own that `verify` lacks:
   over DP) holds float32 tensors only (`check_tensor_dtypes`): its loader installs them into fp32
   buffers and refuses anything else;
 - a `training-state` file satisfies `training_state.check` (scheduler keys and decay styles,
-  hyperparameter ranges, tagged values, iteration and generation).
+  hyperparameter ranges, tagged values, iteration and generation);
+- a `rollout-data-state` file satisfies `data_state.check` (its rollout is the generation's, its
+  cursor, dataset and buffer are well formed, its tagged values are well formed).
 
 And rules on the manifest itself (applied by `verify.check_structure`, which every loader runs
 first): a manifest whose metadata says `optimizer_saved: false` lists no optimizer file and no
@@ -33,7 +35,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from miles_lora_ckpt.core import training_state
+from miles_lora_ckpt.core import data_state, training_state
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
 ROLE_OPTIMIZER = "optimizer"
@@ -47,6 +49,7 @@ BOUND_SAVERS = ("single-lora", "multi-lora-slot")
 _COORDINATE = r"tp[0-9]+_pp[0-9]+_ep[0-9]+_etp[0-9]+"
 _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], ...] = (
     (re.compile(r"training_state\.json\Z"), lambda m: {"role": ROLE_TRAINING_STATE}),
+    (re.compile(r"rollout_data_state\.json\Z"), lambda m: {"role": data_state.ROLE_DATA_STATE}),
     (
         re.compile(r"adapter/dense_(tp[0-9]+_pp[0-9]+)\.safetensors\Z"),
         lambda m: {"role": "dense-adapter", "coordinate": m[1]},
@@ -87,6 +90,8 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
             generation=manifest.generation,
             format_version=manifest.format_version,
         )
+    elif manifest.role_of(relpath) == data_state.ROLE_DATA_STATE:
+        data_state.check(value, iteration=manifest.iteration)
 
 
 def check_manifest(manifest: Manifest) -> None:
