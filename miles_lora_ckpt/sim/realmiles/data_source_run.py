@@ -139,7 +139,7 @@ def train_commit(args, rollout_id: int) -> None:
     doc = staged_for_save(config, args, root, rollout_id)
 
     def write(writer):
-        writer.write_json("training_state.json", {"iteration": rollout_id}, binding={"role": "harness"})
+        writer.write_json("harness.json", {"iteration": rollout_id}, binding={"role": "harness"})
         if doc is not None:
             writer.write_json(data_state.DATA_STATE, doc, binding=DATA_STATE_BINDING)
 
