@@ -16,6 +16,10 @@ timeout_s = 60      # a dead peer turns into an error on every rank within a min
 [resume]
 strict = true
 """
+DATA_STATE_CONFIG_TEXT = """\
+[data_state]
+source = "{source}"   # the data source the plugin's --data-source-path wraps
+"""
 PEFT_CONFIG_TEXT = """\
 [export]
 peft = true         # every committed generation also holds peft/, an HF PEFT adapter

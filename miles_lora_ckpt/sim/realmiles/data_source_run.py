@@ -9,10 +9,8 @@ orders it (the wheel's rollout manager and SGLang rollout cannot import here, `s
 - `Manager`: `miles/ray/rollout.py`'s RolloutManager as far as the data source goes: the data
   source from `--data-source-path`, then the rollout function from `--rollout-function-path`;
   `generate(N)` calls the rollout function through `call_rollout_fn`; `save`/`load` pass on;
-- `scripted_rollout`: the data-source calls of `sglang_rollout.generate_rollout`: draws of
-  `over_sampling_batch_size` groups until `rollout_batch_size` groups are done (here: the first
-  drawn finish first), the rest aborted, handed back with `add_samples` (partial rollout) or
-  dropped; a group's prompt index is its label;
+- the rollout function: `miles_standin.common.rollout.scripted_rollout`, the data-source calls of
+  `sglang_rollout.generate_rollout` (over-sampled draws, aborted groups back to the buffer);
 - `train_commit`: the train side's save of rollout N on one process, through the same calls the
   plugin's save makes (`integration.data_state.staged_for_save`, the saver's data-state file,
   `protocol.save_generation`, Megatron's tracker), without a model: the data source only reads
@@ -26,7 +24,6 @@ orders it (the wheel's rollout manager and SGLang rollout cannot import here, `s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,33 +36,14 @@ from miles_lora_ckpt.integration.config import load_config
 from miles_lora_ckpt.integration.data_state import HOOK, staged_for_save
 from miles_lora_ckpt.savers.single_lora.common import SAVER
 from miles_lora_ckpt.savers.single_lora.save import DATA_STATE_BINDING
+from miles_lora_ckpt.sim.miles_standin.common.rollout import ROLLOUT_FN, build_tokenizer, write_prompts
 
 STOCK_SOURCE = "miles.rollout.data_source.RolloutDataSourceWithBuffer"
-ROLLOUT_FN = "miles_lora_ckpt.sim.realmiles.data_source_run.scripted_rollout"
 PROMPTS, BATCH = 64, 12
 
 
 class Killed(Exception):
     """The process dies here (the run stops; nothing in memory survives into the relaunch)."""
-
-
-def build_tokenizer(folder: Path) -> Path:
-    """A tiny word-level tokenizer saved as an HF tokenizer folder (`tokenizers`, no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, "[PAD]": 1, "prompt": 2, **{str(i): 3 + i for i in range(PROMPTS)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]", "pad_token": "[PAD]"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-def write_prompts(path: Path) -> Path:
-    path.write_text("".join(json.dumps({"text": f"prompt {i}", "label": str(i)}) + "\n" for i in range(PROMPTS)))
-    return path
 
 
 def make_args(workdir: Path, *, plugin: bool, partial: bool) -> argparse.Namespace:
@@ -95,18 +73,6 @@ def make_args(workdir: Path, *, plugin: bool, partial: bool) -> argparse.Namespa
         save=str(workdir / "save"),
         load=None,
     )
-
-
-def scripted_rollout(args, rollout_id, data_source, evaluation=False):
-    """`sglang_rollout.generate_rollout`'s data-source calls (see module doc); returns the groups."""
-    done, aborted = [], []
-    while len(done) < args.rollout_batch_size:
-        drawn = data_source.get_samples(args.over_sampling_batch_size)
-        room = args.rollout_batch_size - len(done)
-        done += drawn[:room]
-        aborted += drawn[room:]
-    data_source.add_samples(aborted if args.partial_rollout else [])
-    return done
 
 
 class Manager:
@@ -236,8 +202,8 @@ class _torn_writes:
 def scenario(workdir: Path, *, plugin: bool, driver: str, partial: bool, kill, num_rollout: int = 8) -> dict:
     """A killed run and its relaunch: the prompt indices each rollout trained, the kill, the relaunch error."""
     workdir.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(workdir / "tokenizer")
-    write_prompts(workdir / "prompts.jsonl")
+    build_tokenizer(workdir / "tokenizer", PROMPTS)
+    write_prompts(workdir / "prompts.jsonl", PROMPTS)
     trained: dict[int, list[int]] = {}
     result = {"killed": None, "relaunch_error": None}
     try:
