@@ -125,6 +125,10 @@ def test_the_generation_file_is_verified_inspected_and_listed(tmp_path, capsys):
     assert cli(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "[data state]" in out and "staged, not committed yet: rollouts 4" in out
+    # a staged state in the root is no generation: verify and gc leave it alone
+    assert cli(["verify", str(tmp_path)]) == 0
+    assert cli(["gc", str(tmp_path), "--keep", "1"]) == 0
+    assert data_state.staged_rollouts(tmp_path) == [4]
 
 
 def test_verify_refuses_a_data_state_of_another_rollout_or_without_its_role(tmp_path, capsys):

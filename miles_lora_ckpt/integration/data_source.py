@@ -135,10 +135,12 @@ def restore_miles(inner, args, state: dict, where: str) -> None:
     dataset, saved = getattr(inner, "dataset", None), state["dataset"]
     if dataset is not None and saved is not None:
         size = len(dataset.origin_samples)
-        if saved["size"] != size or saved["seed"] != dataset.seed:
+        shuffle = bool(getattr(args, "rollout_shuffle", False))
+        if (saved["size"], saved["seed"], saved["shuffle"]) != (size, dataset.seed, shuffle):
             raise DataStateRefused(
-                f"{where}: saved over a dataset of {saved['size']} prompts (seed {saved['seed']}); this launch "
-                f"has {size} (seed {dataset.seed}): its cursor would point at other prompts"
+                f"{where}: saved over a dataset of {saved['size']} prompts (seed {saved['seed']}, shuffle "
+                f"{saved['shuffle']}); this launch has {size} (seed {dataset.seed}, shuffle {shuffle}): its cursor "
+                "would point at other prompts"
             )
     for key in data_state.CURSOR_KEYS:
         setattr(inner, key, state["cursor"][key])

@@ -34,6 +34,13 @@ adapter_model.bin that PEFT cannot load, its errors swallowed) is not imitated b
 Stock 0.0.2 has no fault points: with --without-plugin the stock launch is killed after rollout
 (crash rollout + 1) trained, before its save, so the stock save of the crash rollout is complete.
 
+Every launch's rollout manager (rank 0, `sim/miles_standin/common/rollout.py`) runs a data source in
+Miles' order over DIR/miles/prompts.jsonl, over-sampling with partial rollouts (aborted groups go
+back to the buffer): with the plugin `--data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource`
+over the stand-in shapes' `PromptSource`, or over the wheel's `RolloutDataSourceWithBuffer` with
+--miles-shape miles-rl-0.0.2. After the relaunch the demo prints the prompt indices each rollout
+drew, reference and resumed, and a `PROMPTS:` line; a rollout that drew other prompts is a MISMATCH.
+
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
 `RESULT: MISMATCH <what>` (exit 1). With --slots N the Miles multi-LoRA demo runs instead
 (`miles_lora_ckpt.tools.demo_miles_slots`).
