@@ -60,5 +60,6 @@ def staged_for_save(config: PluginConfig, args, root: str | Path, iteration: int
         raise DataStateRefused(
             f"{exc}. Generation {iteration} would resume the rollout side at another prompt than an "
             "uninterrupted run, so it is not committed (the rollout manager must run --data-source-path "
-            f"{HOOK} with the same --save; set data_state.missing = 'warn' to commit without it)"
+            f"{HOOK} with the same --save and MILES_LORA_CKPT_CONFIG; set data_state.missing = 'warn' to "
+            "commit without it)"
         ) from exc
