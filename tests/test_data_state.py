@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from miles_lora_ckpt.core import data_state
+from miles_lora_ckpt.core import data_state, settings
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import save_generation
@@ -28,6 +28,12 @@ MILES_STATE = {
     "dataset": {"size": 64, "shuffle": True, "seed": 42},
     "buffer": [[{"index": 7, "prompt": "p", "reward": {"__float__": "nan"}}]],
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_left_behind():
+    yield
+    settings.reset()  # the data source applies its config's core settings, as the rollout manager would
 
 
 def _doc(rollout=3, state=MILES_STATE):

@@ -36,7 +36,7 @@ from typing import Any
 from miles_lora_ckpt.core import data_state, jsoncodec
 from miles_lora_ckpt.core.verify import check_file_content, check_structure, committed_candidates
 from miles_lora_ckpt.integration import resume
-from miles_lora_ckpt.integration.config import PluginConfig, load_config
+from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.data_state import HOOK, ROLLOUT_HOOK, DataStateRefused
 
 log = logging.getLogger("miles_lora_ckpt.integration")
@@ -168,6 +168,7 @@ class CheckpointedDataSource:
     def __init__(self, args, *, config: PluginConfig | None = None):
         self.args = args
         self.config = config or load_config()
+        apply_core_settings(self.config)  # the signing key, as the train side's init hook applies it
         self.source_path = str(self.config["data_state.source"])
         if self.source_path == HOOK:
             raise DataStateRefused(
@@ -259,6 +260,9 @@ class CheckpointedDataSource:
         """A generation (or `--load`) without the plugin's data state: Miles' own file, read with
         `torch.load(weights_only=True)` if it is there (refused, named, if that fails), else start over."""
         path = load / STOCK_FILE.format(rollout_id=rollout)
+        if self.codec.kind != "miles":  # Miles' file holds the cursor of Miles' own classes only
+            log.warning("miles-lora-ckpt: %s: %s starts over", lacks, self.source_path)
+            return
         if not path.is_file():
             log.warning("miles-lora-ckpt: %s, and %s does not exist: the data source starts over", lacks, path)
             return
