@@ -211,7 +211,7 @@ class Scenario:
         checkpoints = ["--load", str(self.save), "--save", str(self.save), "--save-interval", str(self.args.save_every)]
         if self.peft:
             checkpoints += ["--save-hf", str(self.hf_out / "{rollout_id}")]
-        return hook + self.training_flags() + self.rollout_flags(self.plugin) + checkpoints
+        return hook + self.rollout_flags(self.plugin) + self.training_flags() + checkpoints
 
     def env(self) -> dict[str, str]:
         if not self.plugin:
