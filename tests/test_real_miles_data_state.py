@@ -88,3 +88,19 @@ def test_buffered_groups_survive_the_relaunch(results):
     # stock Miles: the 4 aborted groups in the buffer at save(3) (prompts 48..51) are lost
     stock = results["buffer-stock"]
     assert _first(stock["trained"]["4"]) == (52, 63)
+
+
+def test_a_generation_without_data_state_reads_miles_own_file_weights_only_or_refuses_it(results):
+    legacy = results["legacy"]
+    # rollouts 0..3 stock (Miles' .pt files, generations without a data state), then the plugin's data
+    # source resumes rollout 4 from global_dataset_state_dict_3.pt, read with weights_only=True
+    assert [_first(legacy["trained"][str(r)]) for r in range(6)] == [
+        (0, 11),
+        (12, 23),
+        (24, 35),
+        (36, 47),
+        (48, 59),
+        (60, 7),
+    ]
+    assert legacy["refused"] is not None and legacy["stock_file"] in legacy["refused"]
+    assert "cannot be read with torch.load(weights_only=True)" in legacy["refused"]

@@ -231,6 +231,31 @@ def scenario(workdir: Path, *, plugin: bool, driver: str, partial: bool, kill, n
     return result
 
 
+def legacy(workdir: Path) -> dict:
+    """Generations saved without a data state (stock data source, rollouts 0..3) next to Miles' own
+    `global_dataset_state_dict_3.pt`, relaunched with the plugin's data source: that file replaced by
+    a pickled object is refused, naming it; Miles' genuine file is read with
+    `torch.load(weights_only=True)` and the run goes on from its cursor."""
+    import torch
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(workdir / "tokenizer", PROMPTS)
+    write_prompts(workdir / "prompts.jsonl", PROMPTS)
+    trained: dict[int, list[int]] = {}
+    run(make_args(workdir, plugin=False, partial=False), num_rollout=4, driver="sync", kill=None, trained=trained)
+    stock = workdir / "save" / "rollout" / "global_dataset_state_dict_3.pt"
+    genuine = stock.read_bytes()
+    torch.save({"sample_offset": argparse.Namespace(evil=True)}, stock)  # only an unpickler builds it
+    try:
+        run(make_args(workdir, plugin=True, partial=False), num_rollout=6, driver="sync", kill=None, trained={})
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        refused = f"{type(exc).__name__}: {exc}"
+    stock.write_bytes(genuine)
+    run(make_args(workdir, plugin=True, partial=False), num_rollout=6, driver="sync", kill=None, trained=trained)
+    return {"trained": {str(k): v for k, v in sorted(trained.items())}, "refused": refused, "stock_file": str(stock)}
+
+
 SCENARIOS = {
     "commit-then-kill": {"driver": "sync", "partial": False, "kill": ("after-train-commit", 3)},
     "kill-in-data-save": {"driver": "sync", "partial": False, "kill": ("in-data-save", 3)},
@@ -251,6 +276,7 @@ def main(workdir: str, out: str) -> None:
             results[tag] = scenario(Path(workdir) / tag, plugin=plugin, **spec)
             reference = dict(spec, kill=None)
             results[f"{tag}-reference"] = scenario(Path(workdir) / f"{tag}-reference", plugin=plugin, **reference)
+    results["legacy"] = legacy(Path(workdir) / "legacy")
     storage.write_json(Path(out), results)
 
 
