@@ -53,12 +53,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from miles_lora_ckpt.integration.data_state import HOOK as DATA_SOURCE_HOOK
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
 from miles_lora_ckpt.sim.miles_standin.common.rollout import PROMPT_SOURCE, ROLLOUT_FN, build_tokenizer, write_prompts
 from miles_lora_ckpt.tools import demo_miles_reshard
 from miles_lora_ckpt.tools.demo_miles_config import (
     CONFIG_TEXT,
+    DATA_SOURCE_HOOK,
     DATA_STATE_CONFIG_TEXT,
     INIT_HOOK,
     PEFT_CONFIG_TEXT,

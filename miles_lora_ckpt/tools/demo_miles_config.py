@@ -4,6 +4,7 @@ phases a stock-Miles crash is injected at (shared by the single- and multi-LoRA 
 from __future__ import annotations
 
 INIT_HOOK = "miles_lora_ckpt.hooks.megatron_init"
+DATA_SOURCE_HOOK = "miles_lora_ckpt.hooks.CheckpointedDataSource"  # integration.data_state.HOOK
 STOCK_PHASES = ("before-write", "mid-write", "after-write")
 
 CONFIG_TEXT = """\

@@ -13,7 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-from miles_lora_ckpt.core import data_state
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -183,6 +182,8 @@ def cmd_ls(args) -> int:
     writer = lease.read_state(root)
     tracked = view.tracker.generation_dir if view.tracker else None
     live_writer = writer is not None and writer.live
+    from miles_lora_ckpt.core import data_state
+
     links = _links_by_target(root, view)
     staged = data_state.staged_rollouts(root)
     if args.json:
@@ -240,12 +241,15 @@ def cmd_ls(args) -> int:
 
 def _has_data_state(entry) -> bool:
     """Whether a generation lists the rollout data state (`core.data_state`)."""
+    from miles_lora_ckpt.core import data_state
+
     manifest = entry.generation.manifest if entry.generation else None
     return manifest is not None and data_state.DATA_STATE in manifest.files
 
 
 def _data_state_summary(gen) -> str | None:
     """`data_state.summary` of a resolved (verified) generation's rollout data state, or None."""
+    from miles_lora_ckpt.core import data_state
     from miles_lora_ckpt.core.verify import check_file_content
 
     if data_state.DATA_STATE not in gen.manifest.files:
