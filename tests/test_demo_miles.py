@@ -26,6 +26,12 @@ def test_demo_via_miles_through_the_cli_resumes_bit_exact(tmp_path, capsys):
     assert "--custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init" in out
     assert "MILES_LORA_CKPT_CONFIG=" in out and "launch 2: the identical command" in out
     assert "rank 1: killed by signal 9" in out and "rank 0: stopped: CheckpointError" in out
+    # the rollout side: the plugin's data source resumes the prompts of an uninterrupted run
+    assert "--data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource" in out
+    assert (
+        "PROMPTS: rollouts 2..3 drew the same prompts as the reference (the data state of rollout 1 restored "
+        "from its generation)" in lines
+    )
 
 
 RESHARD = ["--tp", "2", "--resume-tp", "1", "--resume-world-size", "1", "--steps", "4", "--save-every", "1"]

@@ -407,6 +407,8 @@ def test_demo_runs_the_real_wheel_and_stock_is_the_negative_control(prewarmed, t
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == "RESULT: bit-exact"
     assert "(miles-rl-0.0.2 real wheel)" in out and "bound to Miles shape miles-rl-0.0.2" in out
+    # the wheel's RolloutDataSourceWithBuffer behind the plugin's data source: the same prompts
+    assert "drew the same prompts as the reference (the data state of rollout 1 restored" in out
     assert demo("--workdir", str(tmp_path / "stock"), "--without-plugin") == 1
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("RESULT: MISMATCH rollout counter resumed at 0")

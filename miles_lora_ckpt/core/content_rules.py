@@ -16,7 +16,9 @@ reason, and no loader holds a content check of its own that `verify` lacks:
   hyperparameter ranges, tagged values, iteration and generation);
 - an `rng-state` file (a rank's RNG states, `rng_state`) is bounded JSON of exactly the fields
   `rng_state.check` allows, for the rank its binding names, or a file of 1-D uint8 tensors only
-  (`rng_state.check_tensors`).
+  (`rng_state.check_tensors`);
+- a `rollout-data-state` file satisfies `data_state.check` (its rollout is the generation's, its
+  cursor, dataset and buffer are well formed, its tagged values are well formed).
 
 And rules on the manifest itself (applied by `verify.check_structure`, which every loader runs
 first): a format-v3 global layout and its optimizer positions are consistent (`layout_rules.check`:
@@ -40,7 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from miles_lora_ckpt.core import layout_rules, rng_state, training_state
+from miles_lora_ckpt.core import data_state, layout_rules, rng_state, training_state
 from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
@@ -56,6 +58,7 @@ _COORDINATE = r"tp[0-9]+_pp[0-9]+_ep[0-9]+_etp[0-9]+"
 _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], ...] = (
     (re.compile(r"training_state\.json\Z"), lambda m: {"role": ROLE_TRAINING_STATE}),
     (re.compile(r"rng/rank[0-9]{5}\.(?:json|safetensors)\Z"), lambda m: rng_state.named_binding(m[0])),
+    (re.compile(r"rollout_data_state\.json\Z"), lambda m: {"role": data_state.ROLE_DATA_STATE}),
     (
         re.compile(r"adapter/dense_(tp[0-9]+_pp[0-9]+)\.safetensors\Z"),
         lambda m: {"role": "dense-adapter", "coordinate": m[1]},
@@ -117,6 +120,11 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
         try:
             rng_state.check(value, _bound_rank(manifest, relpath))
         except ValueError as exc:  # the RNG rules' refusals are damage too
+            raise GenerationDamaged(f"{relpath}: {exc}") from None
+    elif manifest.role_of(relpath) == data_state.ROLE_DATA_STATE:
+        try:
+            data_state.check(value, iteration=manifest.iteration)
+        except ValueError as exc:  # the data state's rules' refusals are damage too
             raise GenerationDamaged(f"{relpath}: {exc}") from None
 
 

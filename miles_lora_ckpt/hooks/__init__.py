@@ -4,6 +4,10 @@ Add to the Miles launch command (every train actor process calls it once)::
 
     --custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init
 
+and to the same command (the rollout manager builds its data source from it)::
+
+    --data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource
+
 and, optionally, point `MILES_LORA_CKPT_CONFIG` at a config file (see `integration/config.py`).
 `post_save` is not for users to pass: the init hook puts it in front of the user's own
 `--custom-megatron-post-save-hook-path` so that hook receives the committed generation directory.
@@ -24,3 +28,17 @@ def post_save(args, rollout_id, checkpoint_dir, hf_checkpoint_dir) -> None:
     from miles_lora_ckpt.integration.install import run_user_post_save_hook
 
     run_user_post_save_hook(args, rollout_id, checkpoint_dir, hf_checkpoint_dir)
+
+
+_ROLLOUT_SIDE = {"CheckpointedDataSource", "generate_rollout"}
+
+
+def __getattr__(name: str):
+    """The rollout manager's entry points, imported on first use (Miles' `load_function` does
+    `getattr(module, name)`): `CheckpointedDataSource` for `--data-source-path`, and
+    `generate_rollout`, which that data source puts in front of `--rollout-function-path`."""
+    if name in _ROLLOUT_SIDE:
+        from miles_lora_ckpt.integration import data_source
+
+        return getattr(data_source, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,10 @@ File shape (TOML; YAML nests the same tables)::
     hyperparameters = "auto"   # or "checkpoint", "launch", "refuse"
     [export]
     peft = false
+    [data_state]
+    source = "miles.rollout.data_source.RolloutDataSourceWithBuffer"
+    missing = "refuse"         # or "warn"
+    accept_none = false
 """
 
 from __future__ import annotations
@@ -166,6 +170,36 @@ KEYS: tuple[Key, ...] = (
         "and --lora-rank, checked at startup. Multi-LoRA: every slot save exports the slot at the top of its "
         "generation (stock v1 names, step_N/adapter_model.safetensors); Miles v1 does so by default whenever it "
         "can (Bridge with expose_adapter_slot, --hf-checkpoint), unless false is set explicitly",
+    ),
+    Key(
+        "data_state.source",
+        str,
+        "miles.rollout.data_source.RolloutDataSourceWithBuffer",
+        "MILES_LORA_CKPT_DATA_SOURCE",
+        "the data source class (dotted path) the plugin's data source wraps when Miles' --data-source-path is "
+        "miles_lora_ckpt.hooks.CheckpointedDataSource: the class --data-source-path named before (Miles' default "
+        "here). Its data state (cursor, epoch, counters, metadata, buffered samples) is committed in every "
+        "generation; a class whose state the plugin does not understand is refused at startup",
+    ),
+    Key(
+        "data_state.missing",
+        str,
+        "refuse",
+        "MILES_LORA_CKPT_DATA_STATE_MISSING",
+        "what a save does when the plugin's data source is configured but the data state of the rollout it "
+        "saves was not staged (or is torn): 'refuse' fails the save on every rank (nothing is committed), 'warn' "
+        "commits the generation without it and logs a warning (a resume from it then restarts the data source "
+        "as stock Miles would)",
+        choices=("refuse", "warn"),
+    ),
+    Key(
+        "data_state.accept_none",
+        bool,
+        False,
+        "MILES_LORA_CKPT_DATA_STATE_ACCEPT_NONE",
+        "true: accept a data source class whose state the plugin does not understand (neither Miles' "
+        "RolloutDataSource nor RolloutDataSourceWithBuffer, no state_dict()/load_state_dict()); its "
+        "generations record that they hold no data state, and a resume from them restarts that class's data",
     ),
 )
 KEYS_BY_NAME = {key.name: key for key in KEYS}

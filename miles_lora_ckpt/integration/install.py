@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
-from miles_lora_ckpt.integration import bindings, multi_lora, peft, resume, runtime
+from miles_lora_ckpt.integration import bindings, data_state, multi_lora, peft, resume, runtime
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.shapes import Shape, detect_shape
 from miles_lora_ckpt.integration.startup import validate_miles_launch
@@ -121,6 +121,7 @@ def _prepare_save_dir(args, config: PluginConfig) -> list[str]:
     notes = resume.check_relaunch(config, args)
     if getattr(args, "save", None):
         notes.append(resume.prepare_save_dir(config, args.save))
+        notes.append(data_state.startup_note(args))
     return notes
 
 

@@ -6,7 +6,8 @@ original's signature, so one factory serves every shape (a keyword `load_optimiz
 `args`, ...). They read the process's `runtime` at call time.
 
     save_checkpoint_with_lora   a committed generation under the save root + Megatron's tracker
-                                (with export.peft: holding peft/, committed with it; see integration.peft;
+                                (with the rollout data state of the rollout, integration.data_state;
+                                with export.peft: holding peft/, committed with it; see integration.peft;
                                 with save.async: returns once the state is copied, commits in the
                                 background, see `_save_async`)
     save_lora_checkpoint        Miles' HF export (`--save-hf`, no optimizer): an HF PEFT adapter published
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from miles_lora_ckpt.core import hyperparameters
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.integration import peft, resume, runtime
+from miles_lora_ckpt.integration import data_state, peft, resume, runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration, validate_startup
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler, scheduler_state
@@ -82,18 +83,21 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
         if not getattr(rt.args, "save", None):
             raise UnsupportedConfiguration("a LoRA save was requested without --save")
         iteration = int(call["iteration"])
+        root = resume.save_root(rt.config, rt.args.save)
+        rollout_data = _staged_data_state(rt, root, iteration)
         if rt.config["save.async"]:
-            _save_async(rt, model, call["optimizer"], call["opt_param_scheduler"], iteration)
+            _save_async(rt, model, call["optimizer"], call["opt_param_scheduler"], iteration, rollout_data)
             return None
         generation = saver.save_lora_checkpoint(
             model,
             rt.args,
-            resume.save_root(rt.config, rt.args.save),
+            root,
             optimizer=call["optimizer"],
             opt_param_scheduler=call["opt_param_scheduler"],
             iteration=iteration,
             keep=rt.config["save.keep"] or None,
             peft=rt.peft if rt.config["export.peft"] else None,  # a failed export fails the save
+            data_state=rollout_data,
         )
         _agree_on_rank0("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration)
         rt.saved[iteration] = generation
@@ -103,7 +107,18 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
     return replacement
 
 
-def _save_async(rt, model, optimizer, scheduler, iteration: int) -> None:
+def _staged_data_state(rt, root, iteration: int) -> dict | None:
+    """Collective: rank 0 takes the rollout data state of this rollout (`integration.data_state`);
+    a refusal raises on every rank before anything is written. Only rank 0 keeps the state."""
+    consensus = Consensus.default()
+    outcome = Outcome.success()
+    if consensus.rank == 0:
+        outcome = attempt(data_state.staged_for_save, rt.config, rt.args, root, iteration)
+    consensus.agree("miles-data-state", outcome.map(lambda _: None))
+    return outcome.value
+
+
+def _save_async(rt, model, optimizer, scheduler, iteration: int, rollout_data: dict | None = None) -> None:
     """save.async: copy the state now (collective), then write, commit, publish and write Megatron's
     tracker in the background on the saver's own group (`savers.single_lora.async_save`). The last
     rollout's save (`iteration == --num-rollout - 1`) waits for its commit before returning: Miles'
@@ -127,6 +142,7 @@ def _save_async(rt, model, optimizer, scheduler, iteration: int) -> None:
         iteration=iteration,
         keep=rt.config["save.keep"] or None,
         then=after_commit,
+        data_state=rollout_data,
     )
     log.info("miles-lora-ckpt: rollout %d copied in %.3f s, committing in the background", iteration, pending.blocked_s)
     last = getattr(rt.args, "num_rollout", None)

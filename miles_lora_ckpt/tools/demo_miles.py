@@ -34,6 +34,13 @@ adapter_model.bin that PEFT cannot load, its errors swallowed) is not imitated b
 Stock 0.0.2 has no fault points: with --without-plugin the stock launch is killed after rollout
 (crash rollout + 1) trained, before its save, so the stock save of the crash rollout is complete.
 
+Every launch's rollout manager (rank 0, `sim/miles_standin/common/rollout.py`) runs a data source in
+Miles' order over DIR/miles/prompts.jsonl, over-sampling with partial rollouts (aborted groups go
+back to the buffer): with the plugin `--data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource`
+over the stand-in shapes' `PromptSource`, or over the wheel's `RolloutDataSourceWithBuffer` with
+--miles-shape miles-rl-0.0.2. After the relaunch the demo prints the prompt indices each rollout
+drew, reference and resumed, and a `PROMPTS:` line; a rollout that drew other prompts is a MISMATCH.
+
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
 `RESULT: MISMATCH <what>` (exit 1). With --slots N the Miles multi-LoRA demo runs instead
 (`miles_lora_ckpt.tools.demo_miles_slots`).
@@ -47,8 +54,16 @@ import sys
 from pathlib import Path
 
 from miles_lora_ckpt.sim.layout import check_layout, layers_for
+from miles_lora_ckpt.sim.miles_standin.common.rollout import PROMPT_SOURCE, ROLLOUT_FN, build_tokenizer, write_prompts
 from miles_lora_ckpt.tools import demo_miles_reshard
-from miles_lora_ckpt.tools.demo_miles_config import CONFIG_TEXT, INIT_HOOK, PEFT_CONFIG_TEXT, STOCK_PHASES
+from miles_lora_ckpt.tools.demo_miles_config import (
+    CONFIG_TEXT,
+    DATA_SOURCE_HOOK,
+    DATA_STATE_CONFIG_TEXT,
+    INIT_HOOK,
+    PEFT_CONFIG_TEXT,
+    STOCK_PHASES,
+)
 from miles_lora_ckpt.tools.demo_miles_launch import (
     WHEEL_SHAPE,
     first_launch,
@@ -64,6 +79,8 @@ TARGETS = {
     "mixed": "linear_qkv,linear_proj,linear_fc1,linear_fc2",
 }
 QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
+MILES_DATA_SOURCE = "miles.rollout.data_source.RolloutDataSourceWithBuffer"  # Miles' default --data-source-path
+DEMO_PROMPTS, DEMO_OVER_SAMPLING = 18, 6  # 4 groups a rollout (--rollout-batch-size), 2 aborted into the buffer
 
 
 def add_arguments(demo) -> None:
@@ -123,6 +140,10 @@ class Scenario:
         self.crash_rollout = max(r for r in self.saves if r < args.steps - 1)
         self.crash_rank = self.world - 1 if args.crash_rank is None else args.crash_rank
         self.wheel = args.miles_shape == WHEEL_SHAPE
+        self.prompts = self.dir / "prompts.jsonl"
+        # the data source the rollout manager runs without the plugin (and the plugin's wraps): Miles'
+        # own class on the wheel, the stand-in shapes' PromptSource elsewhere (common/rollout.py)
+        self.data_source = MILES_DATA_SOURCE if self.wheel else PROMPT_SOURCE
 
     def training_flags(self) -> list[str]:
         """Everything that defines the training itself (shared by the reference)."""
@@ -166,13 +187,32 @@ class Scenario:
             flags += ["--num-layers", str(self.num_layers)]
         return flags
 
+    def rollout_flags(self, plugin: bool) -> list[str]:
+        """The rollout manager's flags: the prompt file, over-sampling with partial rollouts (aborted groups
+        go back to the buffer), the rollout function, and the data source (the plugin's, or the one it wraps)."""
+        return [
+            "--prompt-data",
+            str(self.prompts),
+            "--input-key",
+            "text",
+            "--label-key",
+            "label",
+            "--over-sampling-batch-size",
+            str(DEMO_OVER_SAMPLING),
+            "--partial-rollout",
+            "--rollout-function-path",
+            ROLLOUT_FN,
+            "--data-source-path",
+            DATA_SOURCE_HOOK if plugin else self.data_source,
+        ]
+
     def command(self) -> list[str]:
         """The user's launch command (its flags), identical for every launch."""
         hook = ["--custom-megatron-init-path", INIT_HOOK] if self.plugin else []
         checkpoints = ["--load", str(self.save), "--save", str(self.save), "--save-interval", str(self.args.save_every)]
         if self.peft:
             checkpoints += ["--save-hf", str(self.hf_out / "{rollout_id}")]
-        return hook + self.training_flags() + checkpoints
+        return hook + self.rollout_flags(self.plugin) + self.training_flags() + checkpoints
 
     def env(self) -> dict[str, str]:
         if not self.plugin:
@@ -244,7 +284,11 @@ def run(args, launcher=None) -> int:
         # config gives the tiny harness model
         base = '{"architectures": ["LlamaForCausalLM"]}\n' if scenario.wheel else "{}\n"
         (scenario.hf / "config.json").write_text(base)
-    scenario.config.write_text(CONFIG_TEXT + (PEFT_CONFIG_TEXT if scenario.peft else ""))
+    if scenario.wheel:  # the wheel's Dataset loads the tokenizer from --hf-checkpoint
+        build_tokenizer(scenario.hf, DEMO_PROMPTS)
+    write_prompts(scenario.prompts, DEMO_PROMPTS)
+    data_state = DATA_STATE_CONFIG_TEXT.format(source=scenario.data_source)
+    scenario.config.write_text(CONFIG_TEXT + data_state + (PEFT_CONFIG_TEXT if scenario.peft else ""))
     from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
 
     own = launcher is None
@@ -339,7 +383,7 @@ def _run_phases(scenario: Scenario, launcher) -> int:
 
 def _reference(scenario: Scenario, launcher) -> None:
     argv = scenario.training_flags()
-    results, seconds = launch(scenario, launcher, argv, env={})
+    results, seconds = launch(scenario, launcher, argv + scenario.rollout_flags(plugin=False), env={})
     failed = [r for r in results if not r.ok or r.result["failed"]]
     if failed:
         raise SystemExit("reference run failed:\n" + "\n".join(r.error or r.result["failed"] for r in failed))
@@ -348,6 +392,7 @@ def _reference(scenario: Scenario, launcher) -> None:
         "world_size": scenario.world,
         "losses": results[0].result["losses"],
         "digests": {str(r.rank): r.result["final"] for r in results},
+        "prompts": results[0].result.get("prompts", {}),
     }
     (scenario.dir / "reference.json").write_text(json.dumps(reference, indent=1))
     print(f"reference: {scenario.args.steps} rollouts uninterrupted, no checkpoints ({seconds:.1f}s)")
@@ -391,7 +436,8 @@ def _relaunch(scenario: Scenario, launcher) -> int:
         print(f"  plugin bound to Miles shape {plugin['shape']}: {len(plugin['bindings'])} names rebound")
     print(f"  after init: scheduler at {report['after_init']['scheduler_num_steps']} samples")
     _print_losses(reference, report)
-    mismatch = _first_mismatch(reference, results, start, newest)
+    prompts_differ = _print_prompts(reference, report, start)
+    mismatch = _first_mismatch(reference, results, start, newest) or prompts_differ
     if mismatch is None:
         compared = sum(len(d) for d in reference["digests"].values())
         print(
@@ -450,6 +496,39 @@ def _first_mismatch(reference: dict, results, start: int, newest: int | None) ->
             if ref.get(name) != got.get(name):
                 return f"rank{result.rank}:{name}"
     return None
+
+
+def _print_prompts(reference: dict, report: dict, start: int) -> str | None:
+    """The prompt indices each rollout drew, reference and resumed, and the comparison line;
+    returns the first rollout whose prompts differ (None: all the same)."""
+    print("prompts each rollout drew from the data source (prompt indices; rollouts before the resume: launch 1)")
+    print(f"{'rollout':>7}  {'reference':<28}  {'resumed':<28}  same")
+    differ = []
+    for rollout, ref in sorted(reference.get("prompts", {}).items(), key=lambda item: int(item[0])):
+        got = report.get("prompts", {}).get(rollout)
+        same = "" if got is None else ("yes" if got == ref else "NO")
+        if got is not None and got != ref:
+            differ.append(int(rollout))
+        print(f"{int(rollout):>7}  {_indices(ref):<28}  {'(launch 1)' if got is None else _indices(got):<28}  {same}")
+    resumed = sorted(int(r) for r in report.get("prompts", {}))
+    if differ:
+        print(f"PROMPTS: rollout {differ[0]} drew other prompts than the reference")
+        return f"prompts@rollout{differ[0]}"
+    how = f"the data state of rollout {start - 1} restored from its generation" if start else "the run started over"
+    first, last = (resumed[0], resumed[-1]) if resumed else (start, start)
+    print(f"PROMPTS: rollouts {first}..{last} drew the same prompts as the reference ({how})")
+    return None
+
+
+def _indices(indices: list[int]) -> str:
+    """Prompt indices, runs of consecutive ones as `a-b`."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _print_losses(reference: dict, report: dict) -> None:

@@ -159,6 +159,7 @@ def cmd_inspect(args) -> int:
         "metadata": m.metadata,
         "skipped_damaged": [str(g.path) for g in skipped],
         "warnings": resolution.warnings,
+        "data_state": _data_state_summary(gen),
     }
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
@@ -171,6 +172,7 @@ def cmd_inspect(args) -> int:
         print(f"rng         {_rng_summary(m)}")
     for key_name, value in sorted(m.metadata.items()):
         print(f"meta        {key_name} = {json.dumps(value, sort_keys=True)[:200]}")
+    print(f"data state  {info['data_state'] or 'none (no rollout data state in this generation)'}")
     print(f"files       {len(m.files)} ({sum(r.bytes for r in m.files.values())} bytes)")
     for rel, rec in sorted(m.files.items()):
         binding = " ".join(f"{k}={v}" for k, v in sorted(rec.binding.items()))
@@ -196,7 +198,10 @@ def cmd_ls(args) -> int:
     writer = lease.read_state(root)
     tracked = view.tracker.generation_dir if view.tracker else None
     live_writer = writer is not None and writer.live
+    from miles_lora_ckpt.core import data_state
+
     links = _links_by_target(root, view)
+    staged = data_state.staged_rollouts(root)
     if args.json:
         rows = [
             {
@@ -209,6 +214,7 @@ def cmd_ls(args) -> int:
                 "live_writer": e.state == "staging" and live_writer,
                 "links": links.get(e.name, []),
                 "slot": _slot_index(e),
+                "data_state": _has_data_state(e),
                 "problems": [str(p) for p in e.problems],
                 "order_known": e.state not in ("intact", "committed", "damaged") or e.order_known,
             }
@@ -221,6 +227,7 @@ def cmd_ls(args) -> int:
             "lease": None if writer is None else {"live": writer.live, "description": writer.describe()},
             "warnings": view.warnings,
             "entries": rows,
+            "staged_data_states": staged,
         }
         print(json.dumps(listing, indent=1))
         return EXIT_OK
@@ -232,6 +239,7 @@ def cmd_ls(args) -> int:
     print(f"{'STATE':<10} {'SEQUENCE':>8} {'ITERATION':>9}  NAME")
     for e in view.entries:
         marks = f"  [slot {_slot_index(e)}]" if _slot_index(e) is not None else ""
+        marks += "  [data state]" if _has_data_state(e) else ""
         marks += "".join(f"  <- {link}" for link in links.get(e.name, []))
         marks += "  <- tracker" if e.name == tracked else ""
         marks += "  (the root has a live writer: may be in progress)" if e.state == "staging" and live_writer else ""
@@ -240,9 +248,29 @@ def cmd_ls(args) -> int:
         print(f"{e.state:<10} {sequence:>8} {iteration:>9}  {e.name}{marks}")
         for problem in e.problems[:5]:
             print(f"{'':<10} {'':>8} {'':>9}    {problem}")
+    if staged:
+        print(f"rollout data states staged, not committed yet: rollouts {', '.join(map(str, staged))}")
     for warning in view.warnings:
         print(f"WARNING {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _has_data_state(entry) -> bool:
+    """Whether a generation lists the rollout data state (`core.data_state`)."""
+    from miles_lora_ckpt.core import data_state
+
+    manifest = entry.generation.manifest if entry.generation else None
+    return manifest is not None and data_state.DATA_STATE in manifest.files
+
+
+def _data_state_summary(gen) -> str | None:
+    """`data_state.summary` of a resolved (verified) generation's rollout data state, or None."""
+    from miles_lora_ckpt.core import data_state
+    from miles_lora_ckpt.core.verify import check_file_content
+
+    if data_state.DATA_STATE not in gen.manifest.files:
+        return None
+    return data_state.summary(check_file_content(gen.path, data_state.DATA_STATE, gen.manifest).value)
 
 
 def _links_by_target(root: Path, view) -> dict[str, list[str]]:

@@ -123,6 +123,7 @@ class AsyncSaver:
         keep: int | None = None,
         optimizer_children: Iterable[int] | None = None,
         then: ThenFn | None = None,
+        data_state: dict | None = None,
     ) -> PendingSave:
         """Collective. `save_lora_checkpoint`'s arguments (no `peft`); returns once the state is copied.
 
@@ -142,6 +143,7 @@ class AsyncSaver:
             opt_param_scheduler=opt_param_scheduler,
             iteration=iteration,
             optimizer_children=optimizer_children,
+            data_state=data_state,
         )
         snapped = attempt(snapshot, planned)
         consensus.agree("snapshot", snapped.map(lambda _: None))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from miles_lora_ckpt.core import layout_rules, rng_state
 from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.core.data_state import DATA_STATE, ROLE_DATA_STATE
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import StagingWriter, save_generation
 from miles_lora_ckpt.megatron import adapter_shards as shards
@@ -38,6 +39,8 @@ from miles_lora_ckpt.savers.single_lora.common import (
     rank_view,
 )
 
+DATA_STATE_BINDING = {"role": ROLE_DATA_STATE}
+
 
 def save_lora_checkpoint(
     model,
@@ -51,6 +54,7 @@ def save_lora_checkpoint(
     keep: int | None = None,
     optimizer_children: Iterable[int] | None = None,
     peft: PeftExport | None = None,
+    data_state: dict | None = None,
 ) -> str:
     """Collective. Save adapter, optimizer state and scheduler as one new generation.
 
@@ -64,6 +68,8 @@ def save_lora_checkpoint(
     Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
     Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are saved as they are
     when the save is called (`core.rng_state`), unless `args.no_save_rng`.
+    `data_state` (rank 0's; `core.data_state.document`): the rollout side's data state of this
+    rollout, committed as `rollout_data_state.json` in the same generation.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
     return save_adapter_generation(
@@ -77,6 +83,7 @@ def save_lora_checkpoint(
         keep=keep,
         optimizer_children=optimizer_children,
         peft=peft,
+        data_state=data_state,
     )
 
 
@@ -98,6 +105,7 @@ def save_adapter_generation(
     extra_metadata: Callable[[SaveLayout], dict] | None = None,
     export_after_write: bool = False,
     peft_prefix: str = GENERATION_SUBDIR,
+    data_state: dict | None = None,
 ) -> str:
     """`save_lora_checkpoint` for other savers (multi-LoRA slots): the same phases and files, plus
 
@@ -108,7 +116,8 @@ def save_adapter_generation(
     - `extra_metadata(layout)`: more manifest metadata, derived from the agreed layout;
     - `export_after_write`: with `peft`, the collective export runs after every rank's files are
       staged (`save_generation`'s `write_produced`), as Miles v1 orders a slot save;
-    - `peft_prefix`: where the PEFT files go in the generation (`peft/`, or "" for its top).
+    - `peft_prefix`: where the PEFT files go in the generation (`peft/`, or "" for its top);
+    - `data_state`: rank 0's data state of this rollout (`save_lora_checkpoint`).
     """
     consensus = consensus or Consensus.default()
     planned = plan_save(
@@ -125,6 +134,7 @@ def save_adapter_generation(
         extra_metadata=extra_metadata,
         export_after_write=export_after_write,
         peft_prefix=peft_prefix,
+        data_state=data_state,
     )
     return write_planned_save(planned, consensus, save_dir, keep=keep, links=links)
 
@@ -154,6 +164,7 @@ class PlannedSave:
     peft_step: object = None  # the PEFT export's planned step (its produce runs in the protocol)
     rank_json: dict = field(default_factory=dict)  # relpath -> (JSON value, binding): this rank's JSON files
     export_after_write: bool = False  # the export's files go in a second, agreed write phase
+    data_state: dict | None = None  # rank 0: the rollout side's data state (`core.data_state`)
 
 
 def plan_save(
@@ -171,6 +182,7 @@ def plan_save(
     extra_metadata: Callable[[SaveLayout], dict] | None = None,
     export_after_write: bool = False,
     peft_prefix: str = GENERATION_SUBDIR,
+    data_state: dict | None = None,
 ) -> PlannedSave:
     """Collective, the save's first half: plan -> agree -> layout -> agree -> [PEFT plan] ->
     this rank's files (adapter shards, optimizer slices, scheduler and child states) -> agree.
@@ -236,6 +248,7 @@ def plan_save(
         peft_step=peft_step,
         export_after_write=export_after_write,
         rank_json=rank_json,
+        data_state=data_state if consensus.rank == 0 else None,
     )
 
 
@@ -264,6 +277,8 @@ def write_planned_save(
         if planned.training_state is not None:
             training_state = {**planned.training_state, "generation": writer.generation}
             writer.write_json(TRAINING_STATE, training_state, binding=TRAINING_STATE_BINDING)
+        if planned.data_state is not None:
+            writer.write_json(DATA_STATE, planned.data_state, binding=DATA_STATE_BINDING)
         if peft_step is not None and not planned.export_after_write:
             peft_step.write(writer)
 

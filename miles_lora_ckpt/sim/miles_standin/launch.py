@@ -100,6 +100,9 @@ class _Observer(driver.Probe):
     def after_save(self, actor, rollout_id: int) -> None:
         self.report.setdefault("saved", []).append(rollout_id)
 
+    def prompts(self, rollout_id: int, indices: list[int]) -> None:
+        self.report.setdefault("prompts", {})[str(rollout_id)] = indices
+
 
 def launch_job(payload: dict, ctx) -> dict:
     """Run the launch; a rank whose run raised returns what it saw so far, with `failed` set."""

@@ -57,6 +57,16 @@ WHEEL_DEFAULTS = {
     "align_param_gather": False,
     "debug_rollout_only": False,
     "offload_train": False,
+    # what the wheel's data source reads (the rollout manager, `miles_standin.common.rollout`)
+    "chat_template_path": None,
+    "dump_details": None,
+    "rollout_max_prompt_len": None,
+    "multimodal_keys": None,
+    "metadata_key": "metadata",
+    "tool_key": "tools",
+    "apply_chat_template": False,
+    "apply_chat_template_kwargs": {},
+    "buffer_filter_path": None,
 }
 
 

@@ -105,6 +105,17 @@ def build_parser(gloo_dest: str) -> argparse.ArgumentParser:
     add("--rollout-batch-size", type=int, default=4)
     add("--n-samples-per-prompt", type=int, default=2)
     add("--global-batch-size", type=int, default=4)
+    # the rollout manager's data source (common/rollout.py; without --prompt-data no rollout side runs)
+    add("--data-source-path", default="miles.rollout.data_source.RolloutDataSourceWithBuffer")
+    add("--rollout-function-path", default="miles.rollout.sglang_rollout.generate_rollout")
+    add("--prompt-data", default=None)
+    add("--input-key", default="input")
+    add("--label-key", default=None)
+    add("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false")
+    add("--rollout-shuffle", action="store_true")
+    add("--rollout-seed", type=int, default=42)
+    add("--over-sampling-batch-size", type=int, default=None)
+    add("--partial-rollout", action="store_true")
     return parser
 
 

@@ -15,6 +15,7 @@ import copy
 import torch
 import torch.distributed as dist
 
+from miles_lora_ckpt.sim.miles_standin.common import rollout
 from miles_lora_ckpt.sim.miles_standin.common.args import command_line
 from miles_lora_ckpt.sim.miles_standin.common.indep_dp import IndepDPInfo
 
@@ -29,6 +30,8 @@ class Probe:
     def before_save(self, actor, rollout_id: int) -> None: ...
 
     def after_save(self, actor, rollout_id: int) -> None: ...
+
+    def prompts(self, rollout_id: int, indices: list[int]) -> None: ...
 
 
 def run(argv: list[str], probe: Probe | None = None):
@@ -57,12 +60,20 @@ def drive(actor, args, start: int, probe: Probe, should_run_periodic_action):
             raise AssertionError(f"train actors returned different start rollouts: {starts}")
         args.start_rollout_id = starts[0]
     probe.after_init(actor, args.start_rollout_id)
+    # the rollout manager (rank 0, with --prompt-data): Miles' train.py loads its data source once
+    rollout_manager = rollout.manager_for(args, dist.get_rank() if dist.is_initialized() else 0)
+    if rollout_manager is not None:
+        rollout_manager.load(args.start_rollout_id - 1)
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
+        if rollout_manager is not None:
+            probe.prompts(rollout_id, rollout_manager.generate(rollout_id))
         losses = actor.train(rollout_id, None)  # no Ray object ref: the harness's data is seeded
         probe.after_rollout(actor, rollout_id, losses)
         if should_run_periodic_action(rollout_id, args.save_interval, None, args.num_rollout):
             probe.before_save(actor, rollout_id)
             actor.save_model(rollout_id)
+            if rollout_manager is not None:
+                rollout_manager.save(rollout_id)  # after the actor's save, as train.py
             probe.after_save(actor, rollout_id)
     return actor
 

@@ -1,0 +1,202 @@
+"""The rollout side's data state: its JSON form, its checks, and its sealed hand-over to a save.
+
+Miles' rollout manager owns the data source (prompt cursor, epoch, sample counters, metadata and
+a buffer of sample groups). The plugin's data source (`integration.data_source`) snapshots that
+state when rollout N's draw is complete (after the rollout function returned, so after the
+aborted groups went back to the buffer, and before rollout N+1 draws) and *stages* it here. The
+train side's save of generation N takes the staged state of rollout N and commits it inside the
+generation as `rollout_data_state.json` (role `rollout-data-state`), verified like every file.
+
+The document (bounded JSON, no pickle; values that JSON cannot hold are tagged by `jsoncodec`)::
+
+    {"format": 1, "rollout_id": N, "source": "<the wrapped class, dotted>",
+     "state": null                                  (accepted: this source has no data state)
+            | {"kind": "miles", "cursor": {"sample_offset", "epoch_id", "sample_group_index",
+                                            "sample_index"},
+               "metadata": {...}, "dataset": {"size", "shuffle", "seed"} | null,
+               "buffer": [[<sample>, ...], ...] | null}
+            | {"kind": "custom", "value": <the class's own state_dict()>}}
+
+Staged files live in `<save root>/.rollout-data/data_state_<N>.json` as a sealed envelope
+`{"seal": "<xxh3 of the document's bytes>", "data_state": <document>}`, written to a temporary
+name, fsynced and renamed: a kill inside the write leaves a temporary file nobody reads (removed
+by the next stage or load), and a torn or altered staged file fails its seal, naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from miles_lora_ckpt.core import bounded, storage
+from miles_lora_ckpt.core.digest import digest_bytes
+from miles_lora_ckpt.core.jsoncodec import check_tags
+
+DATA_STATE = "rollout_data_state.json"  # the file inside a generation
+ROLE_DATA_STATE = "rollout-data-state"
+FORMAT = 1
+STAGED_DIR = ".rollout-data"  # inside the save root; never a generation, never read by a loader
+CURSOR_KEYS = ("sample_offset", "epoch_id", "sample_group_index", "sample_index")
+KINDS = ("miles", "custom")
+_STAGED_RE = re.compile(r"data_state_([0-9]{9})\.json\Z", re.ASCII)
+
+
+class DataStateMissing(ValueError):
+    """The staged data state of a rollout is absent, torn or not the rollout's; names the file."""
+
+
+# --------------------------------------------------------------------------- the document
+
+
+def document(rollout_id: int, source: str, state: dict | None) -> dict:
+    """The data state of `rollout_id` (checked); `state` None records a source without one."""
+    doc = {"format": FORMAT, "rollout_id": int(rollout_id), "source": str(source), "state": state}
+    check(doc, iteration=int(rollout_id))
+    return doc
+
+
+def check(doc: Any, *, iteration: int) -> dict:
+    """Raise ValueError (naming the field) unless `doc` is a data-state document of `iteration`."""
+    bounded.mapping(doc, "data state")
+    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state"})
+    if unknown:
+        raise ValueError(f"data state has unknown keys {unknown}")
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"data state format is {bounded.show(doc.get('format'))}, not {FORMAT}")
+    rollout = bounded.integer(doc.get("rollout_id"), "data state rollout_id")
+    if rollout != iteration:
+        raise ValueError(f"data state belongs to rollout {rollout}, not to this generation's rollout {iteration}")
+    bounded.string(doc.get("source"), "data state source")
+    state = doc.get("state")
+    if state is None:
+        return doc
+    bounded.mapping(state, "data state.state")
+    kind = state.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"data state.state.kind is {bounded.show(kind)}, not one of {list(KINDS)}")
+    check_tags(state, "data state.state")
+    if kind == "custom":
+        if set(state) != {"kind", "value"}:
+            raise ValueError(f"data state.state (custom) has keys {sorted(state)}, not ['kind', 'value']")
+        return doc
+    expected = {"kind", "cursor", "metadata", "dataset", "buffer"}
+    if set(state) != expected:
+        raise ValueError(f"data state.state has keys {sorted(state)}, not {sorted(expected)}")
+    cursor = bounded.mapping(state["cursor"], "data state.state.cursor")
+    if sorted(cursor) != sorted(CURSOR_KEYS):
+        raise ValueError(f"data state.state.cursor has keys {sorted(cursor)}, not {sorted(CURSOR_KEYS)}")
+    for key in CURSOR_KEYS:
+        bounded.integer(cursor[key], f"data state.state.cursor.{key}")
+    bounded.mapping(state["metadata"], "data state.state.metadata")
+    if state["dataset"] is not None:
+        dataset = bounded.mapping(state["dataset"], "data state.state.dataset")
+        if set(dataset) != {"size", "shuffle", "seed"}:
+            raise ValueError(f"data state.state.dataset has keys {sorted(dataset)}, not ['seed', 'shuffle', 'size']")
+        bounded.integer(dataset["size"], "data state.state.dataset.size")
+        if not isinstance(dataset["shuffle"], bool):
+            raise ValueError("data state.state.dataset.shuffle is not a boolean")
+    if state["buffer"] is not None:
+        if not isinstance(state["buffer"], list):
+            raise ValueError("data state.state.buffer is not a list of sample groups")
+        for g, group in enumerate(state["buffer"]):
+            if not isinstance(group, list):
+                raise ValueError(f"data state.state.buffer[{g}] is not a list of samples")
+            for s, sample in enumerate(group):
+                bounded.mapping(sample, f"data state.state.buffer[{g}][{s}]")
+    return doc
+
+
+def summary(doc: dict) -> str:
+    """One line: the rollout, the cursor and the buffer (for `inspect`, logs and the demo)."""
+    state = doc["state"]
+    head = f"rollout {doc['rollout_id']} of {doc['source']}"
+    if state is None:
+        return f"{head}: no data state (accepted by data_state.accept_none)"
+    if state["kind"] == "custom":
+        return f"{head}: the class's own state_dict()"
+    cursor = state["cursor"]
+    groups = state["buffer"] or []
+    return (
+        f"{head}: cursor {cursor['sample_offset']} of epoch {cursor['epoch_id']}, next group "
+        f"{cursor['sample_group_index']}, next sample {cursor['sample_index']}, buffer {len(groups)} groups "
+        f"({sum(len(g) for g in groups)} samples)"
+    )
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def staged_dir(root: str | os.PathLike) -> Path:
+    return Path(root) / STAGED_DIR
+
+
+def staged_path(root: str | os.PathLike, rollout_id: int) -> Path:
+    """Where the data state of `rollout_id` is staged under the save root `root`."""
+    return staged_dir(root) / f"data_state_{int(rollout_id):09d}.json"
+
+
+def stage(root: str | os.PathLike, doc: dict) -> Path:
+    """Seal and stage `doc` atomically (temporary name, fsync, rename, fsync of the directory)."""
+    check(doc, iteration=doc["rollout_id"])
+    body = storage.json_bytes(doc)
+    directory = staged_dir(root)
+    directory.mkdir(parents=True, exist_ok=True)
+    _remove_temporaries(directory)
+    path = staged_path(root, doc["rollout_id"])
+    envelope = {"seal": digest_bytes(body), "data_state": doc}
+    storage.write_file_atomic(path, [storage.json_bytes(envelope)])
+    storage.fsync_dir(directory)
+    return path
+
+
+def read_staged(root: str | os.PathLike, rollout_id: int) -> dict:
+    """The staged data state of `rollout_id`, its seal checked; DataStateMissing names the file."""
+    path = staged_path(root, rollout_id)
+    if not path.is_file():
+        raise DataStateMissing(f"{path}: no data state was staged for rollout {rollout_id}")
+    try:
+        envelope = bounded.mapping(storage.read_json(path), "staged data state")
+        if set(envelope) != {"seal", "data_state"}:
+            raise ValueError(f"has keys {sorted(envelope)}, not ['data_state', 'seal']")
+        doc = envelope["data_state"]
+        if digest_bytes(storage.json_bytes(doc)) != envelope["seal"]:
+            raise ValueError("its content does not match its seal (torn or altered)")
+        return check(doc, iteration=int(rollout_id))
+    except DataStateMissing:
+        raise
+    except (OSError, ValueError) as exc:
+        raise DataStateMissing(f"{path}: {exc}") from exc
+
+
+def staged_rollouts(root: str | os.PathLike) -> list[int]:
+    """The rollouts with a staged file (sealed or not), ascending."""
+    directory = staged_dir(root)
+    if not directory.is_dir():
+        return []
+    return sorted(int(m[1]) for name in os.listdir(directory) if (m := _STAGED_RE.fullmatch(name)))
+
+
+def discard_staged(root: str | os.PathLike, *, above: int | None = None, upto: int | None = None) -> list[int]:
+    """Remove staged files of rollouts > `above` (a relaunch redraws them) or <= `upto` (their
+    generation is committed), and any temporary left by a killed write; returns the rollouts."""
+    directory = staged_dir(root)
+    if not directory.is_dir():
+        return []
+    _remove_temporaries(directory)
+    removed = []
+    for rollout in staged_rollouts(root):
+        if (above is not None and rollout > above) or (upto is not None and rollout <= upto):
+            staged_path(root, rollout).unlink(missing_ok=True)
+            removed.append(rollout)
+    if removed:
+        storage.fsync_dir(directory)
+    return removed
+
+
+def _remove_temporaries(directory: Path) -> None:
+    """A temporary of `write_file_atomic` (`.<name>.tmp-<hex>`) is a killed write's: never read."""
+    for name in os.listdir(directory):
+        if name.startswith(".data_state_") and ".tmp-" in name:
+            (directory / name).unlink(missing_ok=True)

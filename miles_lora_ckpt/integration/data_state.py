@@ -1,0 +1,65 @@
+"""The train side of the rollout data state: which staged state a save of rollout N commits.
+
+The rollout manager's process stages the data state of rollout N when rollout N's draw is
+complete (`integration.data_source`); that happens before rollout N is trained, with the sync
+driver and the async one alike (the async driver starts rollout N+1's draw before training N,
+but N's draw finished first, and N+1's state is staged under its own number). A save of
+generation N, on rank 0, takes exactly the staged state of rollout N (`staged_for_save`) and the
+saver commits it inside generation N. Missing or torn: `data_state.missing` decides (refuse, the
+default: nothing is committed; warn: committed without it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from miles_lora_ckpt.core import data_state
+from miles_lora_ckpt.integration.config import PluginConfig
+
+log = logging.getLogger("miles_lora_ckpt.integration")
+
+HOOK = "miles_lora_ckpt.hooks.CheckpointedDataSource"  # Miles' --data-source-path
+ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_rollout"  # set by the data source itself
+
+
+class DataStateRefused(RuntimeError):
+    """The rollout data state cannot be saved or restored as configured; the message says why."""
+
+
+def configured(args) -> bool:
+    """Whether this run's rollout manager uses the plugin's data source."""
+    return getattr(args, "data_source_path", None) == HOOK
+
+
+def startup_note(args) -> str:
+    """Init hook, rank 0: one line on whether generations will hold the rollout data state."""
+    if configured(args):
+        return f"the rollout data state of rollout N is committed in generation N (--data-source-path {HOOK})"
+    return (
+        f"WARNING: --data-source-path is {getattr(args, 'data_source_path', None)!r}, not {HOOK}: generations hold "
+        "no rollout data state, and a resume restarts the prompt cursor and loses the buffer as stock Miles does"
+    )
+
+
+def staged_for_save(config: PluginConfig, args, root: str | Path, iteration: int) -> dict | None:
+    """Rank 0, at a save of rollout `iteration`: the staged data state to commit with it (None
+    when the plugin's data source is not configured, or missing under `data_state.missing = warn`).
+
+    Raises DataStateRefused naming the file when it is missing or torn under 'refuse'."""
+    if not configured(args):
+        return None
+    try:
+        return data_state.read_staged(root, iteration)
+    except data_state.DataStateMissing as exc:
+        if config["data_state.missing"] == "warn":
+            log.warning(
+                "miles-lora-ckpt: %s; generation %d is committed WITHOUT its rollout data state", exc, iteration
+            )
+            return None
+        raise DataStateRefused(
+            f"{exc}. Generation {iteration} would resume the rollout side at another prompt than an "
+            "uninterrupted run, so it is not committed (the rollout manager must run --data-source-path "
+            f"{HOOK} with the same --save and MILES_LORA_CKPT_CONFIG; set data_state.missing = 'warn' to "
+            "commit without it)"
+        ) from exc
