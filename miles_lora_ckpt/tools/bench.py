@@ -24,9 +24,11 @@ More sections (`--sections`; default ratio,mem,scale,async, `distckpt` on reques
             `MEM load peak_rss_increase/largest_bucket=<load> ...: the optimizer's own moments <m>,
             the load's own <load - m> ...` (the moments are what the optimizer holds anyway from its
             first step on; a fresh one allocates them when the load installs them)
-    scale   the protocol save and load at W = each of --scale-worlds (2,4,8), --scale-size-mib in
-            all, with every phase's time split into local work and its consensus round:
-            `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
+    scale   how the cost grows (`bench_scale`): at each world size of --scale-worlds (2,4,8) and each
+            state size per DP root of --scale-sizes-mib (64), save and load time over raw I/O side
+            by side, consensus time, manifest size and peak memory:
+            `SCALE W=<w> size=<s>MiB/root save/raw=<x> load/raw=<y> consensus ... manifest ... peak ...`;
+            `--plot FILE.png` draws the curves (matplotlib, the `plot` extra)
     async   the time an asynchronous save blocks training over a synchronous save's (`bench_async`):
             `ASYNC blocked/sync=<x> (blocked <b>s, sync <s>s, async commit <c>s) ...`
     distckpt  the same LoRA run's state (DistributedOptimizer, W = each of --distckpt-worlds) saved
@@ -46,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.tools import bench_async, bench_distckpt
+from miles_lora_ckpt.tools import bench_async, bench_distckpt, bench_scale
 
 PHASES = ("raw_save", "protocol_save", "torch_save", "dcp_save", "raw_load", "protocol_load")
 
@@ -67,8 +69,7 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "--mem-bucket-mib", type=int, default=64, help="fp32 MiB of the MEM section's LoRA bucket (default 64)"
     )
-    bench.add_argument("--scale-worlds", default="2,4,8", help="world sizes of the SCALE section (default 2,4,8)")
-    bench.add_argument("--scale-size-mib", type=int, default=64, help="total MiB of the SCALE section (default 64)")
+    bench_scale.add_arguments(bench)
     bench_async.add_arguments(bench)
     bench_distckpt.add_arguments(bench)
     bench.set_defaults(handler=run_bench)
@@ -83,12 +84,23 @@ def run_bench(args) -> int:
     if "distckpt" in sections and (problem := bench_distckpt.check_args(args)):
         print(f"bench: {problem}")
         return 2
+    if "scale" in sections and isinstance(problem := bench_scale.parse_args(args), str):
+        print(f"bench: {problem}")
+        return 2
+    if args.plot and "scale" not in sections:
+        print("bench: --plot draws the scale section's curves: add scale to --sections")
+        return 2
+    if args.plot and not bench_scale.plot_available():
+        print("bench: --plot needs matplotlib (pip install 'miles-lora-ckpt[plot]'): the bench runs, no plot is drawn")
     if "ratio" in sections:
         _ratio_section(args)
     if "mem" in sections:
         _mem_section(args)
     if "scale" in sections:
-        _scale_section(args)
+        points = bench_scale.run_section(args)
+        if args.plot and bench_scale.plot_available():
+            bench_scale.plot(points, args.plot)
+            print(f"bench: the scale section's curves are in {args.plot}")
     if "async" in sections:
         bench_async.run_section(args)
     if "distckpt" in sections:
@@ -153,35 +165,6 @@ def _mem_section(args) -> None:
         "at open and kept until installed, where on the CPU those buffers become the state; the masters' "
         "old data kept, not copied, on undo)"
     )
-
-
-def _scale_section(args) -> None:
-    from miles_lora_ckpt.sim.launch import check_all, run_workers
-
-    for world in [int(w) for w in args.scale_worlds.split(",") if w.strip()]:
-        base = Path(args.dir) / f"scale{world}" if args.dir else Path(tempfile.mkdtemp(prefix="mlc-bench-scale-"))
-        base.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "dir": str(base),
-            "size_mib": args.scale_size_mib,
-            "repeats": max(1, min(args.repeats, 3)),
-            "phases": ["protocol_save", "protocol_load"],
-        }
-        try:
-            results = run_workers(
-                world, "miles_lora_ckpt.tools.bench:bench_job", payload, timeout_s=1800, megatron=False
-            )
-            result = check_all(results)[0]
-        finally:
-            if not args.dir:
-                shutil.rmtree(base, ignore_errors=True)
-        parts = []
-        for phase in ("protocol_save", "protocol_load"):
-            total = statistics.median(result["timings"][phase])
-            rounds = result["rounds"][phase]  # the last repeat's rounds, in order
-            detail = " ".join(f"{name} {work:.3f}+{agree:.3f}" for name, work, agree in rounds)
-            parts.append(f"{phase.removeprefix('protocol_')}={total:.3f}s [{detail}]")
-        print(f"SCALE W={world} {args.scale_size_mib}MiB " + " ".join(parts))
 
 
 # =========================================================================== worker side
