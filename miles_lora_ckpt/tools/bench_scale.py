@@ -206,21 +206,25 @@ def plot(points: list[dict], path: str | os.PathLike) -> None:
     by_world = {w: sorted((p for p in points if p["world"] == w), key=lambda p: p["size_mib"]) for w in worlds}
     by_size = {s: sorted((p for p in points if p["size_mib"] == s), key=lambda p: p["world"]) for s in sizes}
     ratios, consensus, manifest, peak = axes.flat
-    for world, row in by_world.items():
-        x = [p["size_mib"] for p in row]
-        ratios.plot(x, [p["save_over_raw"] for p in row], "o-", label=f"save W={world}")
-        ratios.plot(x, [p["load_over_raw"] for p in row], "s--", label=f"load W={world}")
-        peak.plot(x, [p["peak_load_bytes"] / 2**20 / p["size_mib"] for p in row], "s--", label=f"load W={world}")
-        peak.plot(x, [p["peak_save_bytes"] / 2**20 / p["size_mib"] for p in row], "o-", label=f"save W={world}")
+    for index, (world, row) in enumerate(by_world.items()):
+        x, color = [p["size_mib"] for p in row], f"C{index}"  # one colour per world: save solid, load dashed
+        ratios.plot(x, [p["save_over_raw"] for p in row], "o-", color=color, label=f"save W={world}")
+        ratios.plot(x, [p["load_over_raw"] for p in row], "s--", color=color, label=f"load W={world}")
+        peak.plot(x, [p["peak_save_bytes"] / 2**20 / p["size_mib"] for p in row], "o-", color=color, label=f"save W={world}")  # fmt: skip
+        peak.plot(x, [p["peak_load_bytes"] / 2**20 / p["size_mib"] for p in row], "s--", color=color, label=f"load W={world}")  # fmt: skip
     for size, row in by_size.items():
         x = [p["world"] for p in row]
         consensus.plot(x, [p["consensus_save_s"] + p["consensus_load_s"] for p in row], "o-", label=f"{size} MiB/root")
         manifest.plot(x, [p["manifest_bytes"] / 1024 for p in row], "o-", label=f"{size} MiB/root")
-    ratios.set(title="time over raw I/O", xlabel="MiB per DP root", xscale="log", ylabel="ratio")
+    ratios.set(title="time over raw I/O", xlabel="MiB per DP root", ylabel="ratio")
     ratios.axhline(1.0, color="grey", lw=0.8)
-    peak.set(title="peak RSS increase over the root's state", xlabel="MiB per DP root", xscale="log")
+    peak.set(title="peak RSS increase over the root's state", xlabel="MiB per DP root")
     consensus.set(title="consensus rounds, save + load (rank 0)", xlabel="world size", ylabel="s")
     manifest.set(title="manifest size", xlabel="world size", ylabel="KiB")
+    for ax, ticks in ((ratios, sizes), (peak, sizes), (consensus, worlds), (manifest, worlds)):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
     for ax in axes.flat:
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
