@@ -41,7 +41,6 @@ More sections (`--sections`; default ratio,mem,scale,async, `distckpt` on reques
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -49,6 +48,7 @@ import time
 from pathlib import Path
 
 from miles_lora_ckpt.tools import bench_async, bench_distckpt, bench_scale
+from miles_lora_ckpt.tools import bench_steps as timed
 
 PHASES = ("raw_save", "protocol_save", "torch_save", "dcp_save", "raw_load", "protocol_load")
 
@@ -170,40 +170,27 @@ def _mem_section(args) -> None:
 # =========================================================================== worker side
 
 
-def bench_tensors(rank: int, size_mib: int, world: int) -> dict:
-    """This rank's share: a bf16 adapter part (1/4) and fp32 optimizer-like parts (3/4)."""
-    import torch
-
-    share = size_mib * 2**20 // world
-    gen = torch.Generator().manual_seed(rank)
-    adapter = torch.randn(share // 4 // 2, generator=gen).to(torch.bfloat16)
-    tensors = {f"adapter.chunk{i}": t.clone() for i, t in enumerate(adapter.chunk(4))}
-    for key in ("param", "exp_avg", "exp_avg_sq"):
-        tensors[f"optimizer.{key}"] = torch.randn(share // 4 // 4, generator=gen)
-    return tensors
-
-
 def bench_job(payload: dict, ctx) -> dict:
     import torch.distributed as dist
 
     from miles_lora_ckpt.core.consensus import Consensus
 
     base = Path(payload["dir"])
-    consensus = TimedConsensus.wrap(Consensus.for_world(timeout_s=600))
-    tensors = bench_tensors(ctx.rank, payload["size_mib"], ctx.world_size)
-    raw_bytes = [_as_bytes(t) for t in tensors.values()]
+    consensus = timed.TimedConsensus.wrap(Consensus.for_world(timeout_s=600))
+    tensors = timed.bench_tensors(ctx.rank, payload["size_mib"], ctx.world_size)
+    raw_bytes = [timed.as_bytes(t) for t in tensors.values()]
     selected = payload.get("phases", PHASES)
     timings = {phase: [] for phase in PHASES}
     rounds: dict[str, list] = {}
     for repeat in range(payload["repeats"]):
         work = base / f"r{repeat}"
         steps = {
-            "raw_save": lambda w=work: _raw_save(w, ctx.rank, raw_bytes),
-            "protocol_save": lambda w=work: _protocol_save(consensus, w, ctx.rank, tensors),
-            "torch_save": lambda w=work: _torch_save(w, ctx.rank, tensors),
-            "dcp_save": lambda w=work: _dcp_save(w, ctx.rank, tensors),
-            "raw_load": lambda w=work: _raw_load(w, ctx.rank),
-            "protocol_load": lambda w=work: _protocol_load(consensus, w, ctx.rank),
+            "raw_save": lambda w=work: timed.raw_save(w, ctx.rank, raw_bytes),
+            "protocol_save": lambda w=work: timed.protocol_save(consensus, w, ctx.rank, tensors),
+            "torch_save": lambda w=work: timed.torch_save(w, ctx.rank, tensors),
+            "dcp_save": lambda w=work: timed.dcp_save(w, ctx.rank, tensors),
+            "raw_load": lambda w=work: timed.raw_load(w, ctx.rank),
+            "protocol_load": lambda w=work: timed.protocol_load(consensus, w, ctx.rank),
         }
         # rotate the order of the saves (and of the loads) each repeat: no phase always runs
         # right after another's deletions or writeback
@@ -224,46 +211,7 @@ def bench_job(payload: dict, ctx) -> dict:
     return {"timings": timings, "rounds": rounds}
 
 
-class TimedConsensus:
-    """A consensus that records, for each agreement, the local work before it and the round itself."""
-
-    @classmethod
-    def wrap(cls, consensus):
-        from miles_lora_ckpt.core.consensus import Consensus
-
-        class Timed(Consensus):
-            def start(self) -> None:
-                self.rounds: list[tuple[str, float, float]] = []
-                self._mark = time.perf_counter()
-
-            def agree(self, phase, outcome):
-                entered = time.perf_counter()
-                try:
-                    return super().agree(phase, outcome)
-                finally:
-                    done = time.perf_counter()
-                    self.rounds.append((phase, entered - self._mark, done - entered))
-                    self._mark = done
-
-        timed = Timed(consensus.group, rank=consensus.rank, world_size=consensus.world_size)
-        timed.start()
-        return timed
-
-
 # --------------------------------------------------------------------------- MEM
-
-
-def _clear_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:  # "5": reset the peak RSS (VmHWM) to now
-        handle.write("5")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _peak_increase(step) -> int:
@@ -273,10 +221,10 @@ def _peak_increase(step) -> int:
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back to the OS: no reuse flatters the peak
-    _clear_peak_rss()
-    before = _rss_kib("VmRSS")
+    timed.clear_peak_rss()
+    before = timed.rss_kib("VmRSS")
     step()
-    return (_rss_kib("VmHWM") - before) * 1024
+    return (timed.rss_kib("VmHWM") - before) * 1024
 
 
 def mem_job(payload: dict, ctx) -> dict:
@@ -338,87 +286,3 @@ def mem_job(payload: dict, ctx) -> dict:
         "buckets": len(buckets),
         "keys": keys,
     }
-
-
-def _as_bytes(tensor):
-    import torch
-
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _raw_save(work: Path, rank: int, chunks) -> None:
-    from miles_lora_ckpt.core.storage import fsync_dir
-
-    (work / "raw").mkdir(parents=True, exist_ok=True)
-    path = work / "raw" / f"rank{rank}.bin"
-    with open(path, "wb", buffering=0) as handle:
-        for chunk in chunks:
-            handle.write(chunk)
-        os.fsync(handle.fileno())
-    fsync_dir(path.parent)
-
-
-def _raw_load(work: Path, rank: int) -> None:
-    path = work / "raw" / f"rank{rank}.bin"
-    _drop_cache(path)
-    buf = bytearray(path.stat().st_size)
-    with open(path, "rb", buffering=0) as handle:
-        handle.readinto(buf)
-
-
-def _protocol_save(consensus, work: Path, rank: int, tensors: dict) -> None:
-    from miles_lora_ckpt.core.layout import Topology
-    from miles_lora_ckpt.core.protocol import save_generation
-
-    save_generation(
-        consensus,
-        work / "protocol",
-        iteration=1,
-        saver="bench",
-        topology=Topology(world=consensus.world_size, dp=consensus.world_size),
-        write_files=lambda writer: writer.write_tensors(f"rank{rank:05d}.safetensors", tensors),
-    )
-
-
-def _protocol_load(consensus, work: Path, rank: int) -> None:
-    from miles_lora_ckpt.core.protocol import open_generation
-
-    root = work / "protocol"
-    for gen in root.glob("gen-*"):
-        for file in gen.glob("*.safetensors"):
-            if file.name == f"rank{rank:05d}.safetensors":
-                _drop_cache(file)
-    opened = open_generation(consensus, root, lambda manifest: [f"rank{rank:05d}.safetensors"])
-    opened.tensors(f"rank{rank:05d}.safetensors")
-
-
-def _torch_save(work: Path, rank: int, tensors: dict) -> None:
-    import torch
-
-    (work / "torch").mkdir(parents=True, exist_ok=True)
-    path = work / "torch" / f"rank{rank}.pt"
-    torch.save(tensors, path)
-    _fsync_file(path)
-
-
-def _dcp_save(work: Path, rank: int, tensors: dict) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    state = {f"rank{rank}.{name}": tensor for name, tensor in tensors.items()}
-    dcp.save(state, checkpoint_id=str(work / "dcp"))

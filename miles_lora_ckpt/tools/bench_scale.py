@@ -239,9 +239,9 @@ def plot(points: list[dict], path: str | os.PathLike) -> None:
 def scale_job(payload: dict, ctx) -> dict:
     """Worker: every size of the sweep at this world size, each phase timed barrier to barrier."""
     from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.tools import bench
+    from miles_lora_ckpt.tools import bench_steps as timed
 
-    consensus = bench.TimedConsensus.wrap(Consensus.for_world(timeout_s=1800))
+    consensus = timed.TimedConsensus.wrap(Consensus.for_world(timeout_s=1800))
     points = [
         _measure_size(consensus, Path(payload["dir"]), size, payload["repeats"], ctx) for size in payload["sizes_mib"]
     ]
@@ -253,10 +253,10 @@ def _measure_size(consensus, base: Path, size: int, repeats: int, ctx) -> dict:
     import torch.distributed as dist
 
     from miles_lora_ckpt.core.layout import MANIFEST
-    from miles_lora_ckpt.tools import bench
+    from miles_lora_ckpt.tools import bench_steps as timed
 
-    tensors = bench.bench_tensors(ctx.rank, size * ctx.world_size, ctx.world_size)
-    raw_bytes = [bench._as_bytes(t) for t in tensors.values()]
+    tensors = timed.bench_tensors(ctx.rank, size * ctx.world_size, ctx.world_size)
+    raw_bytes = [timed.as_bytes(t) for t in tensors.values()]
     timings: dict[str, list[float]] = {phase: [] for phase in SCALE_PHASES}
     agreeing: dict[str, list[float]] = {"protocol_save": [], "protocol_load": []}
     rounds: dict[str, int] = {}
@@ -265,10 +265,10 @@ def _measure_size(consensus, base: Path, size: int, repeats: int, ctx) -> dict:
     for repeat in range(repeats):
         work = base / f"s{size}r{repeat}"
         steps = {
-            "raw_save": lambda w=work: bench._raw_save(w, ctx.rank, raw_bytes),
-            "protocol_save": lambda w=work: bench._protocol_save(consensus, w, ctx.rank, tensors),
-            "raw_load": lambda w=work: bench._raw_load(w, ctx.rank),
-            "protocol_load": lambda w=work: bench._protocol_load(consensus, w, ctx.rank),
+            "raw_save": lambda w=work: timed.raw_save(w, ctx.rank, raw_bytes),
+            "protocol_save": lambda w=work: timed.protocol_save(consensus, w, ctx.rank, tensors),
+            "raw_load": lambda w=work: timed.raw_load(w, ctx.rank),
+            "protocol_load": lambda w=work: timed.protocol_load(consensus, w, ctx.rank),
         }
         # the raw and protocol steps alternate which goes first: neither always follows the
         # other's writeback or deletions
@@ -285,7 +285,7 @@ def _measure_size(consensus, base: Path, size: int, repeats: int, ctx) -> dict:
             if phase in agreeing:
                 agreeing[phase].append(sum(agree for _, _, agree in consensus.rounds))
                 rounds[phase] = len(consensus.rounds)
-                peak[phase] = max(peak[phase], (bench._rss_kib("VmHWM") - before) * 1024)
+                peak[phase] = max(peak[phase], (timed.rss_kib("VmHWM") - before) * 1024)
         if ctx.rank == 0:
             manifest_bytes = next((work / "protocol").glob(f"gen-*/{MANIFEST}")).stat().st_size
         dist.barrier()
@@ -299,9 +299,9 @@ def _reset_peak() -> int:
     import ctypes
     import gc
 
-    from miles_lora_ckpt.tools import bench
+    from miles_lora_ckpt.tools import bench_steps as timed
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    bench._clear_peak_rss()
-    return bench._rss_kib("VmRSS")
+    timed.clear_peak_rss()
+    return timed.rss_kib("VmRSS")

@@ -240,7 +240,7 @@ def run_checks(spec: dict, rank: int, world: int, device, base: Path) -> dict:
     import torch.distributed as dist
 
     from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.tools.bench import bench_tensors
+    from miles_lora_ckpt.tools.bench_steps import bench_tensors
 
     consensus = Consensus.for_world(timeout_s=600)  # the plugin's own gloo group
     dcp_group = dist.new_group(backend="gloo")  # DCP's async_save collectives, off the NCCL group
