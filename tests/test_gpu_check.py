@@ -92,3 +92,23 @@ def test_the_stall_is_the_blocked_time_plus_the_slowed_steps():
     assert gpu_check.stall(0.1, [0.02, 0.03, 0.01], 0.01) == pytest.approx(0.13)
     assert gpu_check.stall(0.1, [0.005, 0.005], 0.01) == 0.1  # faster steps earn nothing back
     assert gpu_check.stall_ratio(0.0, 0.5) == pytest.approx(0.002)
+
+
+def test_a_failed_rank_gets_its_peers_killed_after_the_grace(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    def start(code):
+        log = open(tmp_path / f"{len(procs)}.log", "w")  # noqa: SIM115 - closed below
+        return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT), log
+
+    procs: list = []
+    procs.append(start("import sys; sys.exit(3)"))  # rank 0 fails
+    procs.append(start("import time; time.sleep(120)"))  # rank 1 would wait in a collective
+    started = time.monotonic()
+    gpu_check._wait(procs, tmp_path, timeout_s=120, grace_s=0.5)
+    assert time.monotonic() - started < 30
+    assert procs[0][0].returncode == 3 and procs[1][0].returncode == -9
+    for _, log in procs:
+        log.close()

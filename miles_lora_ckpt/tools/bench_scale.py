@@ -99,7 +99,10 @@ def fits(world: int, size_mib: int, *, mem_available: int, disk_free: int) -> st
     memory = world * (2 * size_mib + PROCESS_OVERHEAD_MIB) * 2**20
     disk = 2 * world * size_mib * 2**20
     if memory > MEMORY_SHARE * mem_available:
-        return f"needs about {memory / 2**30:.1f} GiB of memory, {mem_available / 2**30:.1f} GiB available"
+        return (
+            f"needs about {memory / 2**30:.1f} GiB of memory, more than {MEMORY_SHARE:.0%} of the "
+            f"{mem_available / 2**30:.1f} GiB available"
+        )
     if disk > disk_free:
         return f"needs {disk / 2**30:.1f} GiB of disk, {disk_free / 2**30:.1f} GiB free"
     return None

@@ -127,14 +127,9 @@ def launch(world: int, spec: dict, base: Path, timeout_s: float = 1200) -> list[
         }
         log = open(base / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen([sys.executable, "-m", "miles_lora_ckpt.tools.gpu_check", "--worker", str(base)], env=env, stdout=log, stderr=subprocess.STDOUT), log))  # fmt: skip
-    deadline = time.monotonic() + timeout_s
+    _wait(procs, base, timeout_s)
     results = []
     for rank, (proc, log) in enumerate(procs):
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         log.close()
         path = base / f"result{rank}.json"
         if proc.returncode == 0 and path.exists():
@@ -143,6 +138,28 @@ def launch(world: int, spec: dict, base: Path, timeout_s: float = 1200) -> list[
             tail = (base / f"rank{rank}.log").read_text()[-2000:]
             results.append({"rank": rank, "error": f"exit code {proc.returncode}; output ends:\n{tail}"})
     return results
+
+
+def _wait(procs: list, base: Path, timeout_s: float, grace_s: float = 30.0) -> None:
+    """Wait for every rank; once one failed (or at the timeout), the others get `grace_s`, then are killed.
+
+    A rank that failed leaves its peers in a collective until their group's timeout: never wait that long."""
+    deadline = time.monotonic() + timeout_s
+    while any(proc.poll() is None for proc, _ in procs) and time.monotonic() < deadline:
+        if any(_failed(rank, proc, base) for rank, (proc, _) in enumerate(procs)):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.2)
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _failed(rank: int, proc, base: Path) -> bool:
+    if proc.poll() is not None and proc.returncode != 0:
+        return True
+    path = base / f"result{rank}.json"
+    return path.exists() and '"error"' in path.read_text()
 
 
 def report(results: list[dict]) -> tuple[list[str], list[str]]:
