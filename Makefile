@@ -12,7 +12,7 @@ TIERMILES := .tier-miles/miles-rl-0.0.2
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: demo demo-tier2 demo-bridge demo-miles test test-long lint docs tier1 tier2 tier-bridge tier-miles install clean
+.PHONY: demo demo-tier2 demo-bridge demo-miles test test-long lint docs tier1 tier2 tier-bridge tier-miles install clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -113,6 +113,12 @@ test: lint tier1 tier2 tier-bridge tier-miles
 # The long fuzz runs (tens of thousands of examples); not part of `make test`.
 test-long: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m long --long $(PYTEST_ARGS)
+
+# The GPU path (docs/testing.md#the-gpu-check), a few minutes on one GPU: bit-exact save and load on
+# CUDA with NCCL as the default group, the async save's pinned side-stream copy, a training step's
+# stall against DCP's async_save. Without CUDA it skips in one line; ARGS="--device cpu": the dry run.
+gpu-check: $(VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m miles_lora_ckpt.tools.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tier2 .tier3 .tier-miles build site *.egg-info .pytest_cache

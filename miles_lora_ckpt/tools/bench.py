@@ -24,9 +24,11 @@ More sections (`--sections`; default ratio,mem,scale,async, `distckpt` on reques
             `MEM load peak_rss_increase/largest_bucket=<load> ...: the optimizer's own moments <m>,
             the load's own <load - m> ...` (the moments are what the optimizer holds anyway from its
             first step on; a fresh one allocates them when the load installs them)
-    scale   the protocol save and load at W = each of --scale-worlds (2,4,8), --scale-size-mib in
-            all, with every phase's time split into local work and its consensus round:
-            `SCALE W=<w> save=<s>s [prepare a+c write a+c ...] load=<s>s [...]`
+    scale   how the cost grows (`bench_scale`): at each world size of --scale-worlds (2,4,8) and each
+            state size per DP root of --scale-sizes-mib (64), save and load time over raw I/O side
+            by side, consensus time, manifest size and peak memory:
+            `SCALE W=<w> size=<s>MiB/root save/raw=<x> load/raw=<y> consensus ... manifest ... peak ...`;
+            `--plot FILE.png` draws the curves (matplotlib, the `plot` extra)
     async   the time an asynchronous save blocks training over a synchronous save's (`bench_async`):
             `ASYNC blocked/sync=<x> (blocked <b>s, sync <s>s, async commit <c>s) ...`
     distckpt  the same LoRA run's state (DistributedOptimizer, W = each of --distckpt-worlds) saved
@@ -39,14 +41,14 @@ More sections (`--sections`; default ratio,mem,scale,async, `distckpt` on reques
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.tools import bench_async, bench_distckpt
+from miles_lora_ckpt.tools import bench_async, bench_distckpt, bench_scale
+from miles_lora_ckpt.tools import bench_steps as timed
 
 PHASES = ("raw_save", "protocol_save", "torch_save", "dcp_save", "raw_load", "protocol_load")
 
@@ -67,8 +69,7 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "--mem-bucket-mib", type=int, default=64, help="fp32 MiB of the MEM section's LoRA bucket (default 64)"
     )
-    bench.add_argument("--scale-worlds", default="2,4,8", help="world sizes of the SCALE section (default 2,4,8)")
-    bench.add_argument("--scale-size-mib", type=int, default=64, help="total MiB of the SCALE section (default 64)")
+    bench_scale.add_arguments(bench)
     bench_async.add_arguments(bench)
     bench_distckpt.add_arguments(bench)
     bench.set_defaults(handler=run_bench)
@@ -83,12 +84,23 @@ def run_bench(args) -> int:
     if "distckpt" in sections and (problem := bench_distckpt.check_args(args)):
         print(f"bench: {problem}")
         return 2
+    if "scale" in sections and isinstance(problem := bench_scale.parse_args(args), str):
+        print(f"bench: {problem}")
+        return 2
+    if args.plot and "scale" not in sections:
+        print("bench: --plot draws the scale section's curves: add scale to --sections")
+        return 2
+    if args.plot and not bench_scale.plot_available():
+        print("bench: --plot needs matplotlib (pip install 'miles-lora-ckpt[plot]'): the bench runs, no plot is drawn")
     if "ratio" in sections:
         _ratio_section(args)
     if "mem" in sections:
         _mem_section(args)
     if "scale" in sections:
-        _scale_section(args)
+        points = bench_scale.run_section(args)
+        if args.plot and bench_scale.plot_available():
+            bench_scale.plot(points, args.plot)
+            print(f"bench: the scale section's curves are in {args.plot}")
     if "async" in sections:
         bench_async.run_section(args)
     if "distckpt" in sections:
@@ -155,49 +167,7 @@ def _mem_section(args) -> None:
     )
 
 
-def _scale_section(args) -> None:
-    from miles_lora_ckpt.sim.launch import check_all, run_workers
-
-    for world in [int(w) for w in args.scale_worlds.split(",") if w.strip()]:
-        base = Path(args.dir) / f"scale{world}" if args.dir else Path(tempfile.mkdtemp(prefix="mlc-bench-scale-"))
-        base.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "dir": str(base),
-            "size_mib": args.scale_size_mib,
-            "repeats": max(1, min(args.repeats, 3)),
-            "phases": ["protocol_save", "protocol_load"],
-        }
-        try:
-            results = run_workers(
-                world, "miles_lora_ckpt.tools.bench:bench_job", payload, timeout_s=1800, megatron=False
-            )
-            result = check_all(results)[0]
-        finally:
-            if not args.dir:
-                shutil.rmtree(base, ignore_errors=True)
-        parts = []
-        for phase in ("protocol_save", "protocol_load"):
-            total = statistics.median(result["timings"][phase])
-            rounds = result["rounds"][phase]  # the last repeat's rounds, in order
-            detail = " ".join(f"{name} {work:.3f}+{agree:.3f}" for name, work, agree in rounds)
-            parts.append(f"{phase.removeprefix('protocol_')}={total:.3f}s [{detail}]")
-        print(f"SCALE W={world} {args.scale_size_mib}MiB " + " ".join(parts))
-
-
 # =========================================================================== worker side
-
-
-def bench_tensors(rank: int, size_mib: int, world: int) -> dict:
-    """This rank's share: a bf16 adapter part (1/4) and fp32 optimizer-like parts (3/4)."""
-    import torch
-
-    share = size_mib * 2**20 // world
-    gen = torch.Generator().manual_seed(rank)
-    adapter = torch.randn(share // 4 // 2, generator=gen).to(torch.bfloat16)
-    tensors = {f"adapter.chunk{i}": t.clone() for i, t in enumerate(adapter.chunk(4))}
-    for key in ("param", "exp_avg", "exp_avg_sq"):
-        tensors[f"optimizer.{key}"] = torch.randn(share // 4 // 4, generator=gen)
-    return tensors
 
 
 def bench_job(payload: dict, ctx) -> dict:
@@ -206,21 +176,21 @@ def bench_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core.consensus import Consensus
 
     base = Path(payload["dir"])
-    consensus = TimedConsensus.wrap(Consensus.for_world(timeout_s=600))
-    tensors = bench_tensors(ctx.rank, payload["size_mib"], ctx.world_size)
-    raw_bytes = [_as_bytes(t) for t in tensors.values()]
+    consensus = timed.TimedConsensus.wrap(Consensus.for_world(timeout_s=600))
+    tensors = timed.bench_tensors(ctx.rank, payload["size_mib"], ctx.world_size)
+    raw_bytes = [timed.as_bytes(t) for t in tensors.values()]
     selected = payload.get("phases", PHASES)
     timings = {phase: [] for phase in PHASES}
     rounds: dict[str, list] = {}
     for repeat in range(payload["repeats"]):
         work = base / f"r{repeat}"
         steps = {
-            "raw_save": lambda w=work: _raw_save(w, ctx.rank, raw_bytes),
-            "protocol_save": lambda w=work: _protocol_save(consensus, w, ctx.rank, tensors),
-            "torch_save": lambda w=work: _torch_save(w, ctx.rank, tensors),
-            "dcp_save": lambda w=work: _dcp_save(w, ctx.rank, tensors),
-            "raw_load": lambda w=work: _raw_load(w, ctx.rank),
-            "protocol_load": lambda w=work: _protocol_load(consensus, w, ctx.rank),
+            "raw_save": lambda w=work: timed.raw_save(w, ctx.rank, raw_bytes),
+            "protocol_save": lambda w=work: timed.protocol_save(consensus, w, ctx.rank, tensors),
+            "torch_save": lambda w=work: timed.torch_save(w, ctx.rank, tensors),
+            "dcp_save": lambda w=work: timed.dcp_save(w, ctx.rank, tensors),
+            "raw_load": lambda w=work: timed.raw_load(w, ctx.rank),
+            "protocol_load": lambda w=work: timed.protocol_load(consensus, w, ctx.rank),
         }
         # rotate the order of the saves (and of the loads) each repeat: no phase always runs
         # right after another's deletions or writeback
@@ -241,46 +211,7 @@ def bench_job(payload: dict, ctx) -> dict:
     return {"timings": timings, "rounds": rounds}
 
 
-class TimedConsensus:
-    """A consensus that records, for each agreement, the local work before it and the round itself."""
-
-    @classmethod
-    def wrap(cls, consensus):
-        from miles_lora_ckpt.core.consensus import Consensus
-
-        class Timed(Consensus):
-            def start(self) -> None:
-                self.rounds: list[tuple[str, float, float]] = []
-                self._mark = time.perf_counter()
-
-            def agree(self, phase, outcome):
-                entered = time.perf_counter()
-                try:
-                    return super().agree(phase, outcome)
-                finally:
-                    done = time.perf_counter()
-                    self.rounds.append((phase, entered - self._mark, done - entered))
-                    self._mark = done
-
-        timed = Timed(consensus.group, rank=consensus.rank, world_size=consensus.world_size)
-        timed.start()
-        return timed
-
-
 # --------------------------------------------------------------------------- MEM
-
-
-def _clear_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:  # "5": reset the peak RSS (VmHWM) to now
-        handle.write("5")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _peak_increase(step) -> int:
@@ -290,10 +221,10 @@ def _peak_increase(step) -> int:
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back to the OS: no reuse flatters the peak
-    _clear_peak_rss()
-    before = _rss_kib("VmRSS")
+    timed.clear_peak_rss()
+    before = timed.rss_kib("VmRSS")
     step()
-    return (_rss_kib("VmHWM") - before) * 1024
+    return (timed.rss_kib("VmHWM") - before) * 1024
 
 
 def mem_job(payload: dict, ctx) -> dict:
@@ -355,87 +286,3 @@ def mem_job(payload: dict, ctx) -> dict:
         "buckets": len(buckets),
         "keys": keys,
     }
-
-
-def _as_bytes(tensor):
-    import torch
-
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _raw_save(work: Path, rank: int, chunks) -> None:
-    from miles_lora_ckpt.core.storage import fsync_dir
-
-    (work / "raw").mkdir(parents=True, exist_ok=True)
-    path = work / "raw" / f"rank{rank}.bin"
-    with open(path, "wb", buffering=0) as handle:
-        for chunk in chunks:
-            handle.write(chunk)
-        os.fsync(handle.fileno())
-    fsync_dir(path.parent)
-
-
-def _raw_load(work: Path, rank: int) -> None:
-    path = work / "raw" / f"rank{rank}.bin"
-    _drop_cache(path)
-    buf = bytearray(path.stat().st_size)
-    with open(path, "rb", buffering=0) as handle:
-        handle.readinto(buf)
-
-
-def _protocol_save(consensus, work: Path, rank: int, tensors: dict) -> None:
-    from miles_lora_ckpt.core.layout import Topology
-    from miles_lora_ckpt.core.protocol import save_generation
-
-    save_generation(
-        consensus,
-        work / "protocol",
-        iteration=1,
-        saver="bench",
-        topology=Topology(world=consensus.world_size, dp=consensus.world_size),
-        write_files=lambda writer: writer.write_tensors(f"rank{rank:05d}.safetensors", tensors),
-    )
-
-
-def _protocol_load(consensus, work: Path, rank: int) -> None:
-    from miles_lora_ckpt.core.protocol import open_generation
-
-    root = work / "protocol"
-    for gen in root.glob("gen-*"):
-        for file in gen.glob("*.safetensors"):
-            if file.name == f"rank{rank:05d}.safetensors":
-                _drop_cache(file)
-    opened = open_generation(consensus, root, lambda manifest: [f"rank{rank:05d}.safetensors"])
-    opened.tensors(f"rank{rank:05d}.safetensors")
-
-
-def _torch_save(work: Path, rank: int, tensors: dict) -> None:
-    import torch
-
-    (work / "torch").mkdir(parents=True, exist_ok=True)
-    path = work / "torch" / f"rank{rank}.pt"
-    torch.save(tensors, path)
-    _fsync_file(path)
-
-
-def _dcp_save(work: Path, rank: int, tensors: dict) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    state = {f"rank{rank}.{name}": tensor for name, tensor in tensors.items()}
-    dcp.save(state, checkpoint_id=str(work / "dcp"))

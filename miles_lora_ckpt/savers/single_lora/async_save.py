@@ -5,7 +5,8 @@ Collective, like the synchronous save; reads as phases::
     main thread (training blocked):
         wait for the previous save of this saver to commit (its failure is raised here, once)
         plan_save: plan -> agree -> layout -> agree -> this rank's files -> agree
-        snapshot:  copy every tensor this rank writes into host memory -> agree
+        snapshot:  copy every tensor this rank writes into host memory (from a GPU: into pinned
+                   memory on a side stream, `HostCopier`) -> agree
     background thread (training goes on):
         write_planned_save: protocol.save_generation (prepare -> write -> commit -> publish, each agreed)
         then (optional): the caller's collective step after the commit (e.g. Miles' tracker)
@@ -193,28 +194,73 @@ class AsyncSaver:
 def snapshot(planned: PlannedSave) -> PlannedSave:
     """Local: `planned` with every tensor it writes copied into host memory (lazily produced
     optimizer slices produced now: fresh tensors; parameters and anything else copied), so that
-    training may change model and optimizer while it is written. JSON parts are already copies."""
+    training may change model and optimizer while it is written. JSON parts are already copies.
+
+    Tensors on a GPU are copied into pinned host memory on a side stream (`HostCopier`); it
+    returns once every copy has landed."""
     if planned.peft_step is not None:
         raise ValueError("the asynchronous save cannot export PEFT (it runs over the live model): save synchronously")
+    copier = HostCopier()
     files = {}
     for relpath, file in planned.files.items():
         files[relpath] = RankFile(
-            file.binding, {name: _host_copy(name, t) for name, t in file.tensors.items()}, file.blocks
+            file.binding, {name: copier.copy(name, t) for name, t in file.tensors.items()}, file.blocks
         )
+    copier.finish()
     planned.files = files
     return planned
 
 
-def _host_copy(name: str, tensor):
-    if isinstance(tensor, LazyTensor):
-        produced = tensor.produce()
-        if produced.dtype != tensor.dtype or tuple(produced.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"tensor {name!r}: produced {produced.dtype}{list(produced.shape)}, announced "
-                f"{tensor.dtype}{list(tensor.shape)}"
-            )
-        return produced.detach().to("cpu")  # a fresh tensor (on CPU already: no second copy)
-    return tensor.detach().to("cpu", copy=True)
+class HostCopier:
+    """Copies tensors into host memory for a snapshot; `finish()` returns once every copy landed.
+
+    A CPU tensor is copied as before (a lazily produced one is produced: already a fresh tensor).
+    A CUDA tensor goes into a pinned host buffer, copied without blocking on a side stream of its
+    device. That stream first waits for the work already queued on the current stream (training's
+    last writes), so the copy sees them. The source is recorded on the side stream, so that a
+    lazily produced temporary's memory is not reused before its copy ran. Copies thus overlap the
+    production of the next slices on the current stream. Pinned buffers come from torch's caching
+    host allocator, reused from one save to the next.
+    """
+
+    def __init__(self):
+        self.streams: dict = {}  # device -> its side stream (none until a CUDA tensor is copied)
+        self.device_bytes = 0  # bytes copied from a GPU
+
+    def copy(self, name: str, tensor):
+        """A host copy of `tensor` (a `LazyTensor` is produced first, and checked against its announced shape)."""
+        if isinstance(tensor, LazyTensor):
+            produced = tensor.produce()
+            if produced.dtype != tensor.dtype or tuple(produced.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"tensor {name!r}: produced {produced.dtype}{list(produced.shape)}, announced "
+                    f"{tensor.dtype}{list(tensor.shape)}"
+                )
+            if not produced.is_cuda:
+                return produced.detach().to("cpu")  # a fresh tensor (on CPU already: no second copy)
+            return self._from_device(produced.detach())
+        if not tensor.is_cuda:
+            return tensor.detach().to("cpu", copy=True)
+        return self._from_device(tensor.detach())
+
+    def _from_device(self, tensor):
+        import torch
+
+        stream = self.streams.get(tensor.device)
+        if stream is None:
+            stream = self.streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)
+        self.device_bytes += tensor.numel() * tensor.element_size()
+        return host
+
+    def finish(self) -> None:
+        """Block until every copy queued on a side stream has landed in host memory."""
+        for stream in self.streams.values():
+            stream.synchronize()
 
 
 # --------------------------------------------------------------------------- process-wide saver
