@@ -47,7 +47,15 @@ from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.dcp_metadata import DcpMetadataError, read_metadata
 from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.global_layout import Block
-from miles_lora_ckpt.core.layout import MANIFEST, TRACKER, Manifest, Topology, Tracker, canonical_json
+from miles_lora_ckpt.core.layout import (
+    MANIFEST,
+    TRACKER,
+    FileRecord,
+    Manifest,
+    Topology,
+    Tracker,
+    canonical_json,
+)
 from miles_lora_ckpt.core.protocol import save_generation
 
 SHORT_EXAMPLES, LONG_EXAMPLES = 100, 5000
@@ -120,6 +128,9 @@ BIG = {
 }
 
 
+WIDEN = "@widen@"
+
+
 def _paths(value, prefix=()) -> list[tuple]:
     out = [prefix]
     if isinstance(value, dict):
@@ -135,11 +146,20 @@ def mutate_json(data, document) -> str:
     """A structured edit of a parsed JSON document, returned as JSON text."""
     document = json.loads(json.dumps(document))
     path = data.draw(st.sampled_from(_paths(document)), label="path")
-    operation = data.draw(st.sampled_from(["replace", "replace", "delete", "add", "big"]), label="operation")
+    operation = data.draw(st.sampled_from(["replace", "replace", "delete", "add", "big", "widen"]), label="operation")
     value = data.draw(st.sampled_from(sorted(BIG)), label="big") if operation == "big" else None
-    if value is None and operation != "delete":
+    if operation == "widen":  # 20 000 more keys in an object on the path (each key a field name)
+        target = document
+        for step in path:
+            target = target[step] if isinstance(target, dict | list) else target
+        if isinstance(target, dict):
+            target[WIDEN] = 0
+        operation, path = "keep", ()
+    if value is None and operation not in ("delete", "keep"):
         value = data.draw(JSON_VALUES, label="value")
-    if not path:
+    if operation == "keep":
+        pass
+    elif not path:
         document = value
     else:
         parent = document
@@ -152,6 +172,7 @@ def mutate_json(data, document) -> str:
         else:
             parent[path[-1]] = value
     text = json.dumps(document, sort_keys=True)
+    text = text.replace(f'"{WIDEN}": 0', ", ".join(f'"k{i}": 0' for i in range(20_000)))
     for name, replacement in BIG.items():
         text = text.replace(json.dumps(name), replacement)
     return text
@@ -499,3 +520,38 @@ def test_values_from_disk_are_shown_in_a_bounded_time_and_memory():
     assert text == repr(wide[:6])[:57] + "..." and peak < 64 << 10, (text, peak)
     assert bounded.show(10**5000) == "<an integer of 16610 bits>"  # repr refuses more than 4300 digits
     assert [bounded.show(v) for v in ([1, (2,)], {"a": None}, "x")] == ["[1, (2,)]", "{'a': None}", "'x'"]
+
+
+def test_keys_read_from_disk_are_named_in_a_bounded_message():
+    """A refusal lists at most 8 of the keys it found (and how many): 20 000 unknown keys in a
+    manifest, a file record, the topology or a layout block make a short message."""
+    wide = {f"k{i}": 0 for i in range(20_000)}
+    body = {**json.loads(_MANIFEST_V3), **wide}
+    body["manifest_digest"] = digest_bytes(canonical_json(body))
+    cases = [
+        (lambda: Manifest.from_json_bytes(json.dumps(body).encode()), "unknown fields ['k0', 'k1',"),
+        (lambda: Block.from_dict(wide, "block w"), "block w has keys ['k0', 'k1', 'k10', "),
+        (lambda: Topology.from_dict(wide, "topology"), "unknown topology keys ['k0', "),
+        (lambda: FileRecord.from_dict(wide, "file record"), "file record has keys ['k0', "),
+    ]
+    for call, fragment in cases:
+        with pytest.raises(ValueError) as refused:
+            call()
+        message = str(refused.value)
+        assert fragment in message and "(20000 in all)" in message and len(message) < 400, message[:400]
+
+
+_MANIFEST_V3 = json.dumps(
+    {
+        "format": "miles-lora-ckpt",
+        "format_version": 3,
+        "created_unix_ns": 1,
+        "files": {},
+        "generation": "0123456789abcdef",
+        "iteration": 3,
+        "metadata": {},
+        "saver": "fuzz",
+        "sequence": 1,
+        "topology": {"cp": 1, "dp": 1, "ep": 1, "etp": 1, "pp": 1, "tp": 1, "vpp": 1, "world": 1},
+    }
+)

@@ -194,6 +194,14 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def names(items, limit: int = 8) -> str:
+    """A list of names (keys read from disk) for a message: the first `limit`, each cut by `show`,
+    and how many there are in all when more; `repr` of the list when it is short."""
+    items = list(items)
+    shown = ", ".join(show(item) for item in items[:limit])
+    return f"[{shown}]" if len(items) <= limit else f"[{shown}, ... ({len(items)} in all)]"
+
+
 def _pieces(value: Any):
     """`repr(value)` as a stream of short strings (iterative: no recursion limit)."""
     stack = [_parts(value)]
