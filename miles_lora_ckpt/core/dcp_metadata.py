@@ -22,7 +22,7 @@ Dictionaries are kept as lists of pairs while reading (no hashing of stream obje
 records are built from them at the end by following DCP's schema field by field (never a generic
 recursion: a memo reference that makes a value contain itself is refused as the wrong type).
 
-Bounded on any input. Memo references let a few hundred bytes describe a value whose walk never
+Bounded on any input. At most `_MAX_VALUES` values are created (memory). Memo references let a few hundred bytes describe a value whose walk never
 ends (an object that refers to an earlier one twice, repeated), so every step that walks stream
 data, in the interpreter and in the schema walk, is charged to one work budget proportional to the
 stream's length (`_WORK_PER_BYTE`); an error shows stream data only through `_show` (a few
@@ -42,6 +42,11 @@ from miles_lora_ckpt.core.storage import read_file_verified
 
 MAX_METADATA_BYTES = 64 << 20  # a large model's adapter and optimizer metadata is a few MiB
 _MAX_STACK = 1 << 20  # values on the stack (the file's opcodes bound it too)
+# Values the stream may create (memo references create none). Python spends up to ~160 bytes on
+# one (an empty dict under construction), so 64 MiB of EMPTY_DICT would take 10 GB; with this bound
+# a read holds at most ~650 MB. An honest stream creates about one value per 3 bytes: 4 Mi values
+# is a 12 MiB `.metadata`, several times a large model's adapter and optimizer metadata.
+_MAX_VALUES = 1 << 22
 _MAX_MARKS = 64  # nested MARKs (DCP's metadata nests 8 deep)
 _MAX_DIMS = 32  # dimensions of a tensor
 _MAX_PATH = 4096  # characters of a PosixPath rebuilt from its parts
@@ -88,7 +93,7 @@ class DcpMetadataError(ValueError):
 # ----------------------------------------------------------------------------- records
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One saved piece of a tensor: its offsets in the global tensor and its sizes."""
 
@@ -96,7 +101,7 @@ class Chunk:
     sizes: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A tensor of the checkpoint: dtype (torch's name, e.g. "bfloat16"), global size, chunks."""
 
@@ -110,7 +115,7 @@ class BytesEntry:
     """A BYTE_IO item (megatron's common state, pickled objects): never read by the plugin."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageInfo:
     """Where one item's bytes lie: `relative_path` in the checkpoint directory, offset, length."""
 
@@ -133,13 +138,13 @@ class Metadata:
 # ----------------------------------------------------------------------------- interpreter
 
 
-@dataclass
+@dataclass(slots=True)
 class _Global:
     module: str
     name: str
 
 
-@dataclass(eq=False, repr=False)
+@dataclass(eq=False, repr=False, slots=True)
 class _Record:
     kind: str
     at: int  # the byte offset of its NEWOBJ (named in errors about its fields)
@@ -147,7 +152,7 @@ class _Record:
     state: tuple | None = None  # a BUILD with a tuple state (TensorProperties.__setstate__)
 
 
-@dataclass(eq=False, repr=False)
+@dataclass(eq=False, repr=False, slots=True)
 class _Pairs:
     """A dict under construction: its (key, value) pairs in order (stream objects are not hashed)."""
 
@@ -155,7 +160,7 @@ class _Pairs:
     at: int  # the byte offset of its EMPTY_DICT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Value:
     kind: str  # "dtype" | "layout" | "memory_format" | "write_item_type"
     name: str
@@ -192,6 +197,7 @@ class _Interpreter:
         self.marks: list[int] = []
         self.memo: list = []
         self.budget = _WORK_PER_BYTE * len(data) + _WORK_FLOOR
+        self.created = 0
 
     def charge(self, steps: int, at: int) -> None:
         """Spend `steps` of the work budget on walking stream data at byte `at`; refused when spent."""
@@ -213,9 +219,14 @@ class _Interpreter:
         self.pos += n
         return out
 
-    def push(self, value, at: int) -> None:
+    def push(self, value, at: int, *, new: bool = True) -> None:
+        """Push `value` (`new=False`: a memo reference, which creates nothing)."""
         if len(self.stack) >= _MAX_STACK:
             raise self.fail(at, "stack too deep")
+        if new:
+            self.created += 1
+            if self.created > _MAX_VALUES:
+                raise self.fail(at, f"the stream creates more than {_MAX_VALUES} values")
         self.stack.append(value)
 
     def pop(self, at: int, op: str):
@@ -306,7 +317,7 @@ def _memoize(self: _Interpreter, at: int):
 def _get(self: _Interpreter, at: int, index: int, op: str) -> None:
     if index >= len(self.memo):
         raise self.fail(at, f"{op} {index}: no such memo entry ({len(self.memo)} stored)")
-    self.push(self.memo[index], at)
+    self.push(self.memo[index], at, new=False)
 
 
 def _text(self: _Interpreter, at: int, size: int, op: str) -> None:
