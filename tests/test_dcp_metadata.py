@@ -282,6 +282,7 @@ def test_the_values_a_stream_creates_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(dcp_metadata, "_MAX_VALUES", 3_000)
     assert read_metadata(tmp_path / "real" / ".metadata").entries  # about 100 values
     _refused_in_bounds(tmp_path, _frame(b"](" + b"}" * 3_001 + b"e."), "creates more than 3000 values")
+    _refused_in_bounds(tmp_path, _frame(b")" + b"\x94" * 3_001 + b"."), "more than 3000 memo entries")
     refs = _frame(b"]\x94(" + b"h\x00" * 5_000 + b"e.")  # references to one list: nothing new
     _refused_in_bounds(tmp_path, refs, "top-level object is [[a list of 5000")
 

@@ -22,13 +22,14 @@ Dictionaries are kept as lists of pairs while reading (no hashing of stream obje
 records are built from them at the end by following DCP's schema field by field (never a generic
 recursion: a memo reference that makes a value contain itself is refused as the wrong type).
 
-Bounded on any input. At most `_MAX_VALUES` values are created (memory). Memo references let a few hundred bytes describe a value whose walk never
-ends (an object that refers to an earlier one twice, repeated), so every step that walks stream
-data, in the interpreter and in the schema walk, is charged to one work budget proportional to the
-stream's length (`_WORK_PER_BYTE`); an error shows stream data only through `_show` (a few
-elements, a few levels, 80 characters: never a plain `repr`); no walk recurses, so no nesting
-depth raises `RecursionError`. Every refusal names the file and a byte offset: where the opcode
-is, or where the record or dict that holds the wrong value was built.
+Bounded on any input. A stream creates at most `_MAX_VALUES` values and memo entries (memory).
+Memo references let a few hundred bytes describe a value whose walk never ends (an object that
+refers to an earlier one twice, repeated), so every step that walks stream data, in the
+interpreter and in the schema walk, is charged to one work budget proportional to the stream's
+length (`_WORK_PER_BYTE`); an error shows stream data only through `_show` (a few elements, a few
+levels, 80 characters: never a plain `repr`); no walk recurses, so no nesting depth raises
+`RecursionError`. Every refusal names the file and a byte offset: where the opcode is, or where
+the record or dict that holds the wrong value was built.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from miles_lora_ckpt.core.storage import read_file_verified
 
 MAX_METADATA_BYTES = 64 << 20  # a large model's adapter and optimizer metadata is a few MiB
 _MAX_STACK = 1 << 20  # values on the stack (the file's opcodes bound it too)
-# Values the stream may create (memo references create none). Python spends up to ~160 bytes on
+# Values the stream may create (memo references create none), and memo entries it may make. Python spends up to ~160 bytes on
 # one (an empty dict under construction), so 64 MiB of EMPTY_DICT would take 10 GB; with this bound
 # a read holds at most ~650 MB. An honest stream creates about one value per 3 bytes: 4 Mi values
 # is a 12 MiB `.metadata`, several times a large model's adapter and optimizer metadata.
@@ -311,6 +312,8 @@ def _mark(self: _Interpreter, at: int):
 
 @_op(b"\x94")
 def _memoize(self: _Interpreter, at: int):
+    if len(self.memo) >= _MAX_VALUES:
+        raise self.fail(at, f"more than {_MAX_VALUES} memo entries")
     self.memo.append(self.top(at, "MEMOIZE"))
 
 
