@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import signal
 import struct
+import tracemalloc
 import warnings
 from pathlib import Path
 
@@ -182,10 +185,120 @@ def test_memo_and_nesting_abuse_is_refused(tmp_path, sentinel):
     metadata = _s("torch.distributed.checkpoint.metadata") + _s("Metadata") + b"\x93)\x81"
     loop = b"]\x94h\x00a"  # EMPTY_LIST, MEMOIZE, BINGET 0, APPEND: the list appended to itself
     state = b"}" + _s("state_dict_metadata") + loop + b"s"
-    _refused(tmp_path, _frame(metadata + state + b"b."), "state_dict_metadata is [[...]], not a dict")
+    _refused(tmp_path, _frame(metadata + state + b"b."), "state_dict_metadata is [[a list of 1]], not a dict")
     # a dict whose value is itself
     state = b"}\x94" + _s("state_dict_metadata") + b"h\x00s"
     _refused(tmp_path, _frame(metadata + state + b"b."), "not a TensorStorageMetadata")
+
+
+_DCP = "torch.distributed.checkpoint"
+
+
+def _global(module: str, name: str) -> bytes:
+    return _s(module) + _s(name) + b"\x93"
+
+
+def _new(module: str, name: str) -> bytes:
+    return _global(module, name) + b")\x81"
+
+
+def _metadata_with(field: str, value: bytes) -> bytes:
+    """A Metadata whose `field` is the stream fragment `value` (which leaves one value on the stack)."""
+    return _frame(_new(f"{_DCP}.metadata", "Metadata") + b"}" + _s(field) + value + b"sb.")
+
+
+def _doubling(levels: int, first_memo: int = 0) -> bytes:
+    """A tuple that holds the previous one twice, `levels` times over (memo references): 2**levels
+    leaves in a few bytes per level."""
+    out = b")\x94"
+    for level in range(levels):  # the top of the stack and a reference to it: TUPLE2, MEMOIZE
+        out += b"h" + bytes([first_memo + level]) + b"\x86\x94"
+    return out
+
+
+def _refused_in_bounds(tmp_path: Path, data: bytes, *fragments: str) -> str:
+    """`_refused` within 30 s (seconds at most on a loaded machine; without the bounds: hours) and
+    64 MiB of Python allocations (a regression fails, never hangs)."""
+
+    def hung(signum, frame):
+        raise TimeoutError("the reader ran for 30 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    tracemalloc.start()
+    try:
+        message = _refused(tmp_path, data, *fragments)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert peak < 64 << 20, f"{peak} bytes allocated"
+    assert re.search(r": at byte \d+: ", message), message
+    assert len(message) < 600, message  # stream data is shown in a few elements, never in full
+    return message
+
+
+def test_memo_dags_are_refused_in_bounded_time_and_memory(tmp_path):
+    """A few hundred bytes of memo references (a tuple holding the previous one twice, 100 times):
+    whatever meets it (an error's description, a torch.Size, a chunk list) is refused at once."""
+    dag = _doubling(100)
+    _refused_in_bounds(tmp_path, _metadata_with("state_dict_metadata", dag), "state_dict_metadata is ((a tuple of 2")
+    _refused_in_bounds(tmp_path, _frame(_global("torch", "Size") + dag + b"\x85R."), "torch.Size of ((a tuple of 2")
+    _refused_in_bounds(tmp_path, _frame(_global("pathlib", "PosixPath") + dag + b"R."), "PosixPath with")
+    # 3000 references to one 40 KB part as a PosixPath: 120 MB if joined
+    part = b"X" + struct.pack("<I", 40_000) + b"p" * 40_000 + b"\x94"
+    parts = b"(" + b"h\x00" * 3000 + b"t"
+    _refused_in_bounds(tmp_path, _frame(part + _global("pathlib", "PosixPath") + parts + b"R."), "more than 4096")
+
+
+def test_values_repeated_through_the_memo_are_refused_by_the_work_budget(tmp_path):
+    """Honest streams spend about a tenth of their budget; repeating a large value through the
+    memo (one chunk list shared by thousands of items, one field dict built into thousands of
+    records) runs out of it instead of building gigabytes."""
+    md = f"{_DCP}.metadata"
+    # memo 0: a torch.Size((1,)); memo 1: a chunk; memo 2: an item with 2000 references to the chunk
+    size = _global("torch", "Size") + b"K\x01\x85\x85R\x94"
+    chunk = _new(md, "ChunkStorageMetadata") + b"}(" + _s("offsets") + _global("torch", "Size")
+    chunk += b"K\x00\x85\x85R" + _s("sizes") + b"h\x00ub\x94"
+    props = _new(md, "TensorProperties") + b"}" + _s("dtype") + _global("torch", "float32") + b"sb"
+    item = _new(md, "TensorStorageMetadata") + b"}(" + _s("properties") + props + _s("size") + b"h\x00"
+    item += _s("chunks") + b"](" + b"h\x01" * 2000 + b"eub\x94"
+    names = b"".join(_s(f"n{i:06d}") + b"h\x02" for i in range(2000))
+    parts = _s("planner_data") + b"](" + size + chunk + item + b"e"  # a field the reader ignores
+    state = _s("state_dict_metadata") + b"}(" + names + b"u" + _s("storage_data") + b"}"
+    stream = _frame(_new(md, "Metadata") + b"}(" + parts + state + b"ub.")
+    _refused_in_bounds(tmp_path, stream, "steps per byte")
+    # one dict of 3000 fields built into 3000 records
+    fields = b"}(" + b"".join(_s(f"f{i:05d}") + b"N" for i in range(3000)) + b"u\x94"
+    builds = b"".join(_new(md, "StorageMeta") + b"h\x00b" for _ in range(3000))
+    _refused_in_bounds(tmp_path, _frame(fields + b"](" + builds + b"e."), "steps per byte")
+
+
+def test_the_values_a_stream_creates_are_bounded(tmp_path, monkeypatch):
+    """Each EMPTY_DICT byte costs ~160 bytes of memory: a stream creates at most `_MAX_VALUES`
+    values (memo references create none), so 64 MiB of them cannot take 10 GB."""
+    _torch_dcp_save(tmp_path / "real")
+    monkeypatch.setattr(dcp_metadata, "_MAX_VALUES", 3_000)
+    assert read_metadata(tmp_path / "real" / ".metadata").entries  # about 100 values
+    _refused_in_bounds(tmp_path, _frame(b"](" + b"}" * 3_001 + b"e."), "creates more than 3000 values")
+    _refused_in_bounds(tmp_path, _frame(b")" + b"\x94" * 3_001 + b"."), "more than 3000 memo entries")
+    refs = _frame(b"]\x94(" + b"h\x00" * 5_000 + b"e.")  # references to one list: nothing new
+    _refused_in_bounds(tmp_path, refs, "top-level object is [[a list of 5000")
+
+
+def test_deep_nesting_without_marks_is_refused_not_a_recursion_error(tmp_path):
+    deep = b")" + b"\x85" * 20_000  # a tuple in a tuple, 20 000 deep (20 times the recursion limit), no MARK
+    _refused_in_bounds(tmp_path, _metadata_with("state_dict_metadata", deep), "state_dict_metadata is ((a tuple of 1")
+    _refused_in_bounds(tmp_path, _frame(_global("torch", "Size") + deep + b"\x85R."), "torch.Size of")
+    items = b"}(" + b"".join(_s(f"x{i}") + deep for i in range(3)) + b"u"
+    _refused_in_bounds(tmp_path, _metadata_with("state_dict_metadata", items), "item 'x0'")
+
+
+def test_long_names_are_shown_cut(tmp_path):
+    name = b"X" + struct.pack("<I", 100_000) + b"n" * 100_000  # BINUNICODE
+    message = _refused_in_bounds(tmp_path, _metadata_with("state_dict_metadata", b"}" + name + b"Ns"), "item 'nnnn")
+    assert "n" * 200 not in message
 
 
 def test_read_chunk_refuses_ranges_outside_the_file_and_other_paths(tmp_path):

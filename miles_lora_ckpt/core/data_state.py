@@ -32,6 +32,7 @@ from typing import Any
 
 from miles_lora_ckpt.core import bounded, storage
 from miles_lora_ckpt.core.digest import digest_bytes
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.jsoncodec import check_tags
 
 DATA_STATE = "rollout_data_state.json"  # the file inside a generation
@@ -43,7 +44,7 @@ KINDS = ("miles", "custom")
 _STAGED_RE = re.compile(r"data_state_([0-9]{9})\.json\Z", re.ASCII)
 
 
-class DataStateMissing(ValueError):
+class DataStateMissing(MilesLoraCkptError, ValueError):
     """The staged data state of a rollout is absent, torn or not the rollout's; names the file."""
 
 

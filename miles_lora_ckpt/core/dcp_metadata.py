@@ -21,6 +21,15 @@ pickle opcodes DCP's metadata uses on torch 2.13 (checked against megatron-core 
 Dictionaries are kept as lists of pairs while reading (no hashing of stream objects); the
 records are built from them at the end by following DCP's schema field by field (never a generic
 recursion: a memo reference that makes a value contain itself is refused as the wrong type).
+
+Bounded on any input. A stream creates at most `_MAX_VALUES` values and memo entries (memory).
+Memo references let a few hundred bytes describe a value whose walk never ends (an object that
+refers to an earlier one twice, repeated), so every step that walks stream data, in the
+interpreter and in the schema walk, is charged to one work budget proportional to the stream's
+length (`_WORK_PER_BYTE`); an error shows stream data only through `_show` (a few elements, a few
+levels, 80 characters: never a plain `repr`); no walk recurses, so no nesting depth raises
+`RecursionError`. Every refusal names the file and a byte offset: where the opcode is, or where
+the record or dict that holds the wrong value was built.
 """
 
 from __future__ import annotations
@@ -30,12 +39,24 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.storage import read_file_verified
 
 MAX_METADATA_BYTES = 64 << 20  # a large model's adapter and optimizer metadata is a few MiB
 _MAX_STACK = 1 << 20  # values on the stack (the file's opcodes bound it too)
+# Values the stream may create (memo references create none), and memo entries it may make. Python spends up to ~160 bytes on
+# one (an empty dict under construction), so 64 MiB of EMPTY_DICT would take 10 GB; with this bound
+# a read holds at most ~650 MB. An honest stream creates about one value per 3 bytes: 4 Mi values
+# is a 12 MiB `.metadata`, several times a large model's adapter and optimizer metadata.
+_MAX_VALUES = 1 << 22
 _MAX_MARKS = 64  # nested MARKs (DCP's metadata nests 8 deep)
 _MAX_DIMS = 32  # dimensions of a tensor
+_MAX_PATH = 4096  # characters of a PosixPath rebuilt from its parts
+# Work budget: steps of walking stream data per byte of the stream, plus a floor. An honest stream
+# spends about one step per ten bytes (each chunk, field and pair costs several opcodes); a memo
+# reference spends as much as the value it names, so a forged DAG runs out at once.
+_WORK_PER_BYTE = 2
+_WORK_FLOOR = 1 << 16
 
 _DCP = "torch.distributed.checkpoint"
 # (module, name) -> the record kind it stands for (its class name): the only classes the stream may
@@ -67,14 +88,14 @@ _ENUMS = {
 ALLOWED_GLOBALS = frozenset([*_CLASSES, *_CONVERSIONS, *(("torch", d) for d in _DTYPES)])
 
 
-class DcpMetadataError(ValueError):
+class DcpMetadataError(MilesLoraCkptError, ValueError):
     """A `.metadata` the data-only reader refuses (the message names the file and why)."""
 
 
 # ----------------------------------------------------------------------------- records
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One saved piece of a tensor: its offsets in the global tensor and its sizes."""
 
@@ -82,7 +103,7 @@ class Chunk:
     sizes: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A tensor of the checkpoint: dtype (torch's name, e.g. "bfloat16"), global size, chunks."""
 
@@ -96,7 +117,7 @@ class BytesEntry:
     """A BYTE_IO item (megatron's common state, pickled objects): never read by the plugin."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageInfo:
     """Where one item's bytes lie: `relative_path` in the checkpoint directory, offset, length."""
 
@@ -119,27 +140,29 @@ class Metadata:
 # ----------------------------------------------------------------------------- interpreter
 
 
-@dataclass
+@dataclass(slots=True)
 class _Global:
     module: str
     name: str
 
 
-@dataclass
+@dataclass(eq=False, repr=False, slots=True)
 class _Record:
     kind: str
+    at: int  # the byte offset of its NEWOBJ (named in errors about its fields)
     fields: dict = field(default_factory=dict)
     state: tuple | None = None  # a BUILD with a tuple state (TensorProperties.__setstate__)
 
 
-@dataclass
+@dataclass(eq=False, repr=False, slots=True)
 class _Pairs:
     """A dict under construction: its (key, value) pairs in order (stream objects are not hashed)."""
 
     items: list
+    at: int  # the byte offset of its EMPTY_DICT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Value:
     kind: str  # "dtype" | "layout" | "memory_format" | "write_item_type"
     name: str
@@ -164,8 +187,9 @@ def parse_metadata(data: bytes, where: str = "<.metadata>") -> Metadata:
         raise DcpMetadataError(
             f"{where}: {len(data)} bytes, more than the {MAX_METADATA_BYTES} allowed; refusing to read it"
         )
-    root = _Interpreter(bytes(data), where).run()
-    return _to_metadata(root, where)
+    interpreter = _Interpreter(bytes(data), where)
+    root = interpreter.run()
+    return _to_metadata(root, where, interpreter.charge, len(data) - 1)
 
 
 class _Interpreter:
@@ -174,6 +198,18 @@ class _Interpreter:
         self.stack: list = []
         self.marks: list[int] = []
         self.memo: list = []
+        self.budget = _WORK_PER_BYTE * len(data) + _WORK_FLOOR
+        self.created = 0
+
+    def charge(self, steps: int, at: int) -> None:
+        """Spend `steps` of the work budget on walking stream data at byte `at`; refused when spent."""
+        self.budget -= steps
+        if self.budget < 0:
+            raise self.fail(
+                at,
+                f"walking the stream's values takes more than {_WORK_PER_BYTE} steps per byte "
+                "(memo references that repeat a value without bound)",
+            )
 
     def fail(self, at: int, why: str) -> DcpMetadataError:
         return DcpMetadataError(f"{self.where}: at byte {at}: {why}; refusing to read it (data-only reader)")
@@ -185,9 +221,14 @@ class _Interpreter:
         self.pos += n
         return out
 
-    def push(self, value, at: int) -> None:
+    def push(self, value, at: int, *, new: bool = True) -> None:
+        """Push `value` (`new=False`: a memo reference, which creates nothing)."""
         if len(self.stack) >= _MAX_STACK:
             raise self.fail(at, "stack too deep")
+        if new:
+            self.created += 1
+            if self.created > _MAX_VALUES:
+                raise self.fail(at, f"the stream creates more than {_MAX_VALUES} values")
         self.stack.append(value)
 
     def pop(self, at: int, op: str):
@@ -272,13 +313,15 @@ def _mark(self: _Interpreter, at: int):
 
 @_op(b"\x94")
 def _memoize(self: _Interpreter, at: int):
+    if len(self.memo) >= _MAX_VALUES:
+        raise self.fail(at, f"more than {_MAX_VALUES} memo entries")
     self.memo.append(self.top(at, "MEMOIZE"))
 
 
 def _get(self: _Interpreter, at: int, index: int, op: str) -> None:
     if index >= len(self.memo):
         raise self.fail(at, f"{op} {index}: no such memo entry ({len(self.memo)} stored)")
-    self.push(self.memo[index], at)
+    self.push(self.memo[index], at, new=False)
 
 
 def _text(self: _Interpreter, at: int, size: int, op: str) -> None:
@@ -348,7 +391,7 @@ def _empty_list(self: _Interpreter, at: int):
 
 @_op(b"}")
 def _empty_dict(self: _Interpreter, at: int):
-    self.push(_Pairs([]), at)
+    self.push(_Pairs([], at), at)
 
 
 @_op(b"t")
@@ -419,9 +462,9 @@ def _stack_global(self: _Interpreter, at: int):
 def _newobj(self: _Interpreter, at: int):
     args, cls = self.pop(at, "NEWOBJ"), self.pop(at, "NEWOBJ")
     kind = _CLASSES.get((cls.module, cls.name)) if isinstance(cls, _Global) else None
-    if kind is None or args != ():
+    if kind is None or not (isinstance(args, tuple) and not args):
         raise self.fail(at, f"NEWOBJ of {_show(cls)} with {_show(args)} (only DCP's dataclasses, no arguments)")
-    self.push(_Record(kind), at)
+    self.push(_Record(kind, at), at)
 
 
 @_op(b"b")
@@ -429,6 +472,7 @@ def _build(self: _Interpreter, at: int):
     state = self.pop(at, "BUILD")
     record = _target(self, at, "BUILD", _Record)
     if isinstance(state, _Pairs):
+        self.charge(len(state.items), at)  # a memo'd state may be built into many records
         for key, value in state.items:
             if not isinstance(key, str):
                 raise self.fail(at, f"BUILD of {record.kind} with a non-string field name {_show(key)}")
@@ -446,15 +490,18 @@ def _reduce(self: _Interpreter, at: int):
     if kind is None:
         raise self.fail(at, f"REDUCE of {_show(fn)} (only torch.Size, _get_layout, PosixPath and DCP's enums)")
     if kind == "path":
-        if not isinstance(args, tuple) or not all(isinstance(a, str) for a in args):
+        if not isinstance(args, tuple) or len(args) > _MAX_PATH or not all(isinstance(a, str) for a in args):
             raise self.fail(at, f"REDUCE of pathlib.PosixPath with {_show(args)}")
+        self.charge(len(args), at)
+        if sum(len(a) for a in args) > _MAX_PATH:  # memo'd parts repeated: checked before joining
+            raise self.fail(at, f"a PosixPath of more than {_MAX_PATH} characters")
         self.push("/".join(args).replace("//", "/"), at)  # a string, never a path object
         return
     if not isinstance(args, tuple) or len(args) != 1:
         raise self.fail(at, f"REDUCE of {fn.module}.{fn.name} with {_show(args)}")
     (arg,) = args
     if kind == "size":
-        if not isinstance(arg, tuple) or not all(_is_int(v) and v >= 0 for v in arg):
+        if not isinstance(arg, tuple) or len(arg) > _MAX_DIMS or not all(_is_int(v) and v >= 0 for v in arg):
             raise self.fail(at, f"torch.Size of {_show(arg)}")
         self.push(tuple(arg), at)
     elif kind == "layout":
@@ -473,89 +520,126 @@ def _is_int(value) -> bool:
 
 
 def _show(value) -> str:
+    """At most 80 characters about a stream value, whatever its size, depth or sharing: a few
+    elements of a few levels, never a plain `repr` of a container (it may be a DAG that repeats a
+    value without bound, or nested deeper than the recursion limit)."""
+    text = _sketch(value, 2)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _sketch(value, levels: int) -> str:
     if isinstance(value, _Global):
         return f"global {value.module}.{value.name}"
     if isinstance(value, _Record):
         return f"a {value.kind}"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    if isinstance(value, _Pairs):
+        return f"a dict of {len(value.items)} item(s)"
+    if isinstance(value, _Value):
+        return f"{value.kind} {value.name}"
+    if isinstance(value, str):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    if isinstance(value, tuple | list):
+        if not value:
+            return "()" if isinstance(value, tuple) else "[]"
+        if levels == 0:
+            return f"a {type(value).__name__} of {len(value)}"
+        inner = ", ".join(_sketch(item, levels - 1) for item in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if value is None or isinstance(value, bool | int):  # ints are at most 64 bits (LONG1 <= 8 bytes)
+        return repr(value)
+    return f"a {type(value).__name__}"
 
 
 # ----------------------------------------------------------------------------- records from the stream
 
 
-def _to_metadata(root, where: str) -> Metadata:
-    def bad(why: str) -> DcpMetadataError:
-        return DcpMetadataError(f"{where}: {why}; refusing to read it (data-only reader)")
+def _to_metadata(root, where: str, charge, end: int) -> Metadata:
+    """The records of DCP's schema from the interpreted stream, field by field. Every value walked is
+    charged to the interpreter's work budget (`charge(steps, at)`); every refusal names the byte
+    offset of the record or dict that holds the wrong value (`end`, the STOP's, for the root)."""
 
-    def record(value, kind: str, what: str) -> dict:
+    def bad(at: int, why: str) -> DcpMetadataError:
+        return DcpMetadataError(f"{where}: at byte {at}: {why}; refusing to read it (data-only reader)")
+
+    def record(value, kind: str, what: str, at: int) -> _Record:
         if not isinstance(value, _Record) or value.kind != kind:
-            raise bad(f"{what} is {_show(value)}, not a {kind}")
-        return value.fields
+            raise bad(at, f"{what} is {_show(value)}, not a {kind}")
+        return value
 
-    def pairs(value, what: str) -> list:
+    def pairs(value, what: str, at: int) -> list:
         if not isinstance(value, _Pairs):
-            raise bad(f"{what} is {_show(value)}, not a dict")
+            raise bad(at, f"{what} is {_show(value)}, not a dict")
+        charge(len(value.items), value.at)
         return value.items
 
-    def ints(value, what: str) -> tuple[int, ...]:
+    def ints(value, what: str, at: int) -> tuple[int, ...]:
         if not isinstance(value, tuple) or len(value) > _MAX_DIMS or not all(_is_int(v) and v >= 0 for v in value):
-            raise bad(f"{what} is {_show(value)}, not a torch.Size")
+            raise bad(at, f"{what} is {_show(value)}, not a torch.Size")
+        charge(len(value), at)
         return value
 
-    def text(value, what: str) -> str:
+    def text(value, what: str, at: int) -> str:
         if not isinstance(value, str):
-            raise bad(f"{what} is {_show(value)}, not a string")
+            raise bad(at, f"{what} is {_show(value)}, not a string")
         return value
 
-    fields = record(root, "Metadata", "the top-level object")
+    top = record(root, "Metadata", "the top-level object", end)
     entries: dict[str, TensorEntry | BytesEntry] = {}
-    for name, value in pairs(fields.get("state_dict_metadata"), "state_dict_metadata"):
-        name = text(name, "an item name")
+    state_dict = top.fields.get("state_dict_metadata")
+    for name, value in pairs(state_dict, "state_dict_metadata", top.at):
+        at = state_dict.at
+        name = text(name, "an item name", at)
+        shown = _show(name)
         if name in entries:
-            raise bad(f"item {name!r} is listed twice")
+            raise bad(at, f"item {shown} is listed twice")
         if isinstance(value, _Record) and value.kind == "BytesStorageMetadata":
             entries[name] = BytesEntry()
             continue
-        item = record(value, "TensorStorageMetadata", f"item {name!r}")
-        properties = item.get("properties")
+        item = record(value, "TensorStorageMetadata", f"item {shown}", at)
+        at = item.at
+        properties = item.fields.get("properties")
         if not isinstance(properties, _Record) or properties.kind != "TensorProperties":
-            raise bad(f"item {name!r} has properties {_show(properties)}")
+            raise bad(at, f"item {shown} has properties {_show(properties)}")
         state = properties.state if properties.state is not None else (properties.fields.get("dtype"),)
         dtype = state[0] if state else None
         if not isinstance(dtype, _Value) or dtype.kind != "dtype":
-            raise bad(f"item {name!r} has dtype {_show(dtype)}")
-        size = ints(item.get("size"), f"item {name!r} size")
-        chunks = item.get("chunks")
+            raise bad(properties.at, f"item {shown} has dtype {_show(dtype)}")
+        size = ints(item.fields.get("size"), f"item {shown} size", at)
+        chunks = item.fields.get("chunks")
         if not isinstance(chunks, list):
-            raise bad(f"item {name!r} chunks are {_show(chunks)}")
+            raise bad(at, f"item {shown} chunks are {_show(chunks)}")
+        charge(len(chunks), at)
         parsed = []
         for chunk in chunks:
-            chunk = record(chunk, "ChunkStorageMetadata", f"a chunk of {name!r}")
+            chunk = record(chunk, "ChunkStorageMetadata", f"a chunk of {shown}", at)
             offsets, sizes = (
-                ints(chunk.get("offsets"), f"{name!r} offsets"),
-                ints(chunk.get("sizes"), f"{name!r} sizes"),
+                ints(chunk.fields.get("offsets"), f"{shown} offsets", chunk.at),
+                ints(chunk.fields.get("sizes"), f"{shown} sizes", chunk.at),
             )
             if len(offsets) != len(size) or len(sizes) != len(size):
-                raise bad(f"a chunk of {name!r} has {len(offsets)}/{len(sizes)} dims, the tensor {len(size)}")
+                raise bad(chunk.at, f"a chunk of {shown} has {len(offsets)}/{len(sizes)} dims, the tensor {len(size)}")
             if any(o + s > g for o, s, g in zip(offsets, sizes, size, strict=True)):
-                raise bad(f"a chunk of {name!r} at {list(offsets)} of {list(sizes)} exceeds {list(size)}")
+                raise bad(chunk.at, f"a chunk of {shown} at {list(offsets)} of {list(sizes)} exceeds {list(size)}")
             parsed.append(Chunk(offsets, sizes))
         entries[name] = TensorEntry(dtype.name, size, tuple(parsed))
     storage = {}
-    for index, info in pairs(fields.get("storage_data"), "storage_data"):
-        index = record(index, "MetadataIndex", "a storage_data key")
-        name = text(index.get("fqn"), "a storage_data fqn")
-        offset = index.get("offset")
-        offset = None if offset is None else ints(offset, f"storage of {name!r} offset")
-        info = record(info, "_StorageInfo", f"storage of {name!r}")
-        path = text(info.get("relative_path"), f"storage of {name!r} relative_path")
-        start, length = info.get("offset"), info.get("length")
+    storage_data = top.fields.get("storage_data")
+    for index, info in pairs(storage_data, "storage_data", top.at):
+        index = record(index, "MetadataIndex", "a storage_data key", storage_data.at)
+        name = text(index.fields.get("fqn"), "a storage_data fqn", index.at)
+        shown = _show(name)
+        offset = index.fields.get("offset")
+        offset = None if offset is None else ints(offset, f"storage of {shown} offset", index.at)
+        info = record(info, "_StorageInfo", f"storage of {shown}", storage_data.at)
+        path = text(info.fields.get("relative_path"), f"storage of {shown} relative_path", info.at)
+        start, length = info.fields.get("offset"), info.fields.get("length")
         if not (_is_int(start) and _is_int(length) and start >= 0 and length >= 0):
-            raise bad(f"storage of {name!r} has offset {_show(start)} and length {_show(length)}")
-        transforms = info.get("transform_descriptors") or ()
-        if not isinstance(transforms, list | tuple) or not all(isinstance(t, str) for t in transforms):
-            raise bad(f"storage of {name!r} has transform descriptors {_show(transforms)}")
+            raise bad(info.at, f"storage of {shown} has offset {_show(start)} and length {_show(length)}")
+        transforms = info.fields.get("transform_descriptors") or ()
+        if not isinstance(transforms, list | tuple) or not all(isinstance(t, str) for t in transforms[:_MAX_DIMS]):
+            raise bad(info.at, f"storage of {shown} has transform descriptors {_show(transforms)}")
+        if len(transforms) > _MAX_DIMS:
+            raise bad(info.at, f"storage of {shown} has {len(transforms)} transform descriptors")
         storage[(name, offset)] = StorageInfo(path, start, length, tuple(transforms))
-    version = fields.get("version")
+    version = top.fields.get("version")
     return Metadata(entries, storage, version if isinstance(version, str) else None)

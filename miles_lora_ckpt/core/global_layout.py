@@ -91,7 +91,9 @@ class Block:
         """Read a `to_dict` value (bounded); raises ValueError naming `where`."""
         bounded.mapping(data, where)
         if set(data) != {"global", "global_shape", "offset", "shape", "dtype"}:
-            raise ValueError(f"{where} has keys {sorted(data)}, expected global, global_shape, offset, shape, dtype")
+            raise ValueError(
+                f"{where} has keys {bounded.names(sorted(data))}, expected global, global_shape, offset, shape, dtype"
+            )
         dims = []
         for key in ("global_shape", "offset", "shape"):
             value = data[key]

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import to_json
 
@@ -83,7 +84,7 @@ class Reconciler:
             unknown = sorted(set(ours) - set(theirs) - set(NOT_COMPARED))
             if unknown:
                 raise ValueError(
-                    f"{label}: the checkpoint holds keys this run's optimizer does not have: {unknown} "
+                    f"{label}: the checkpoint holds keys this run's optimizer does not have: {bounded.names(unknown)} "
                     f"(it has {sorted(set(theirs) - {'params'})}); refusing to put them into the live optimizer"
                 )
             for key in sorted(set(theirs) - set(NOT_COMPARED)):

@@ -127,7 +127,7 @@ class Topology:
         bounded.mapping(data, where)
         unknown = set(data) - names
         if unknown:
-            raise ValueError(f"unknown topology keys {sorted(unknown)}")
+            raise ValueError(f"unknown topology keys {bounded.names(sorted(unknown))}")
         for key, value in data.items():
             bounded.integer(value, f"{where} {key}", low=1, high=MAX_TOPOLOGY_SIZE)
         return cls(**data)
@@ -196,7 +196,7 @@ class BlockIndex:
     def from_dict(cls, data: Any, where: str, size: int) -> BlockIndex:
         bounded.mapping(data, where)
         if set(data) != {"bytes", "digests", "tensors"}:
-            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digests, tensors")
+            raise ValueError(f"{where} has keys {bounded.names(sorted(data))}, expected bytes, digests, tensors")
         block = bounded.integer(data["bytes"], f"{where} bytes", low=MIN_BLOCK_BYTES, high=MAX_BLOCK_BYTES)
         if block % 8:
             raise ValueError(f"{where} bytes is {block}, not a multiple of 8")
@@ -248,7 +248,9 @@ class FileRecord:
         bounded.mapping(data, where)
         unknown = set(data) - {"bytes", "digest", "finite", "binding", "blocks"}
         if unknown or not {"bytes", "digest"} <= set(data):
-            raise ValueError(f"{where} has keys {sorted(data)}, expected bytes, digest[, finite, binding, blocks]")
+            raise ValueError(
+                f"{where} has keys {bounded.names(sorted(data))}, expected bytes, digest[, finite, binding, blocks]"
+            )
         finite = data.get("finite", False)
         if not isinstance(finite, bool):
             raise ValueError(f"{where} finite is {bounded.show(finite)}, not a boolean")
@@ -371,7 +373,9 @@ class Manifest:
         missing = sorted(name for name, spec in known.items() if name not in body and not spec.optional)
         unknown = sorted(set(body) - set(known) - {"format", "format_version"})
         if missing or unknown:
-            raise ValueError(f"format v{version} manifest: missing fields {missing}, unknown fields {unknown}")
+            raise ValueError(
+                f"format v{version} manifest: missing fields {missing}, unknown fields {bounded.names(unknown)}"
+            )
         values = {name: spec.read(body[name], f"manifest field {name}") for name, spec in known.items() if name in body}
         if signature is not None:
             signing.check_shape(signature)

@@ -13,21 +13,22 @@ adapter weights from it (`savers.single_lora.native_warm`); a `--load`/`--save` 
 holds one and no plugin generation is still refused (`refusal`): resuming a run needs the
 optimizer state the plugin does not restore from it.
 
-Recognition inspects only file names and megatron's own `metadata.json` (plain JSON); nothing is
-imported from megatron.
+Recognition inspects only file names and megatron's own `metadata.json` (plain JSON, read through
+`regular_files`: a FIFO, device, socket or link where it or `.metadata` is expected is refused at once,
+naming it, never opened); nothing is imported from megatron.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 from pathlib import Path
 
 import torch
 
+from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.dcp_metadata import Chunk, Metadata, TensorEntry
-from miles_lora_ckpt.core.regular_files import open_regular
+from miles_lora_ckpt.core.regular_files import file_kind, open_regular, read_regular
 
 NATIVE_SUBDIR = "torch_dist"  # where Miles' native LoRA puts its checkpoint inside the adapter dir
 _MEGATRON_METADATA = "metadata.json"  # megatron-core dist_checkpointing: {"sharded_backend": ...}
@@ -38,7 +39,9 @@ _METADATA_LIMIT = 1 << 16  # megatron's metadata.json is a few hundred bytes
 def is_dist_checkpoint_dir(path: str | os.PathLike) -> bool:
     """Whether `path` is a megatron-core `dist_checkpointing` checkpoint directory: its
     `metadata.json` names a `sharded_backend`, or it holds torch DCP's `.metadata` and
-    `*.distcp` files. Never raises (an unreadable entry counts as not one)."""
+    `*.distcp` files. An unreadable or unparsable entry counts as not one; a special file (FIFO,
+    device, socket, directory, link) named `metadata.json` or `.metadata` raises ValueError naming
+    it, at once and without opening it (opening a FIFO would block)."""
     path = Path(path)
     try:
         if path.is_symlink() or not path.is_dir():
@@ -46,23 +49,48 @@ def is_dist_checkpoint_dir(path: str | os.PathLike) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
+    for name in (_DCP_METADATA, _MEGATRON_METADATA):
+        if name in names:
+            _require_regular(path / name)
     if _DCP_METADATA in names and any(n.endswith(".distcp") for n in names):
         return True
     if _MEGATRON_METADATA not in names:
         return False
-    try:
-        with open(path / _MEGATRON_METADATA, "rb") as f:
-            metadata = json.loads(f.read(_METADATA_LIMIT))
-    except (OSError, ValueError):
-        return False
+    metadata = _megatron_metadata(path)
     return isinstance(metadata, dict) and "sharded_backend" in metadata
+
+
+def _require_regular(path: Path) -> None:
+    """Raise ValueError naming `path` unless it is a regular file (judged from `lstat`, not opened);
+    a path that vanished passes (the read that follows says so)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be examined ({exc.strerror}); refusing to read it") from None
+    kind = file_kind(mode)
+    if kind != "regular file":
+        raise ValueError(f"{path} is a {kind}, not a regular file; refusing to read it")
+
+
+def _megatron_metadata(directory: Path):
+    """Megatron's `metadata.json` in `directory` parsed (bounded, never blocking), or None when it is
+    missing, unreadable or not JSON; ValueError naming it when it is a special file."""
+    file = Path(directory) / _MEGATRON_METADATA
+    _require_regular(file)
+    try:
+        return bounded.parse_json(read_regular(file, max_bytes=_METADATA_LIMIT), what=str(file))
+    except (OSError, ValueError):
+        return None
 
 
 def find_native_checkpoint(path: str | os.PathLike) -> Path | None:
     """The stock native adapter checkpoint `path` stands for: `path` itself when it is a
     `dist_checkpointing` directory named `torch_dist`, or `path/torch_dist` (Miles' adapter dir).
     None otherwise: a Megatron base-model checkpoint (`iter_NNNNNNN/`, also dist_checkpointing,
-    e.g. raw mode's `--ref-load`) is not an adapter checkpoint and is never matched."""
+    e.g. raw mode's `--ref-load`) is not an adapter checkpoint and is never matched. ValueError
+    naming a special file where a metadata file is expected (`is_dist_checkpoint_dir`)."""
     path = Path(path)
     for candidate in (path, path / NATIVE_SUBDIR):
         if candidate.name == NATIVE_SUBDIR and is_dist_checkpoint_dir(candidate):
@@ -71,12 +99,11 @@ def find_native_checkpoint(path: str | os.PathLike) -> Path | None:
 
 
 def backend_of(directory: Path) -> str:
-    """The `sharded_backend` megatron recorded in `directory/metadata.json`, or 'torch_dist'."""
-    try:
-        with open(Path(directory) / _MEGATRON_METADATA, "rb") as f:
-            return str(json.loads(f.read(_METADATA_LIMIT)).get("sharded_backend", NATIVE_SUBDIR))
-    except (OSError, ValueError, AttributeError):
-        return NATIVE_SUBDIR
+    """The `sharded_backend` megatron recorded in `directory/metadata.json`, or 'torch_dist'
+    (ValueError naming the file when it is a special file)."""
+    metadata = _megatron_metadata(Path(directory))
+    backend = metadata.get("sharded_backend") if isinstance(metadata, dict) else None
+    return backend[:64] if isinstance(backend, str) else NATIVE_SUBDIR
 
 
 def refusal(path: str | os.PathLike, found: Path) -> str:
@@ -116,7 +143,10 @@ def read_chunk(directory: Path, metadata: Metadata, name: str, chunk: Chunk) -> 
         numel *= size
     if info.length > numel * itemsize + _CHUNK_OVERHEAD:
         raise ValueError(f"{file}: {name!r} takes {info.length} bytes, more than its {numel} {entry.dtype} values need")
-    fd, st = open_regular(file)
+    try:
+        fd, st = open_regular(file)
+    except ValueError as exc:  # a FIFO, device, socket or link: refused without opening it, named
+        raise ValueError(f"{file}: {exc}; refusing to read {name!r} from it") from None
     try:
         if info.offset + info.length > st.st_size:
             raise ValueError(
@@ -152,7 +182,8 @@ def native_checkpoints_in(directory: str | os.PathLike) -> list[Path]:
     """Stock native adapter checkpoints a Miles `--save`/`--load` directory holds (each a
     `torch_dist` directory, see `find_native_checkpoint`): in the directory itself, and in each
     `iter_NNNNNNN` directory or its `adapter` subdirectory (where Miles' LoRA save puts the
-    adapter). Sorted; never raises."""
+    adapter). Sorted. Raises only ValueError naming a special file where a metadata file is
+    expected (`is_dist_checkpoint_dir`)."""
     directory = Path(directory)
     found = [f for f in (find_native_checkpoint(directory),) if f is not None]
     try:

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from miles_lora_ckpt.core import data_state
+from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.integration.config import PluginConfig
 
 log = logging.getLogger("miles_lora_ckpt.integration")
@@ -23,7 +24,7 @@ HOOK = "miles_lora_ckpt.hooks.CheckpointedDataSource"  # Miles' --data-source-pa
 ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_rollout"  # set by the data source itself
 
 
-class DataStateRefused(RuntimeError):
+class DataStateRefused(MilesLoraCkptError, RuntimeError):
     """The rollout data state cannot be saved or restored as configured; the message says why."""
 
 

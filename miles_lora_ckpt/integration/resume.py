@@ -158,7 +158,10 @@ def _refuse_native_checkpoints(config: PluginConfig, args) -> None:
         directory = getattr(args, flag, None)
         if not directory or newest_committed(save_root(config, directory)) is not None:
             continue
-        found = native_dist.native_checkpoints_in(directory)
+        try:
+            found = native_dist.native_checkpoints_in(directory)
+        except ValueError as exc:  # a FIFO or device where megatron's metadata is expected: named
+            raise ResumeRefused(f"--{flag}: {exc}") from None
         if found:
             raise ResumeRefused(
                 f"--{flag}: {native_dist.refusal(directory, found[-1])} Stock native checkpoints found: "

@@ -115,7 +115,10 @@ def load_report(adapter_dir: str | Path, base_dir: str | Path, *, dtype=None) ->
     hf_logging.disable_progress_bar()
     adapter_dir = Path(adapter_dir)
     report = LoadReport(str(adapter_dir))
-    _, entries = storage.parse_safetensors_header(storage.read_file_verified(adapter_dir / WEIGHTS_NAME))
+    try:
+        _, entries = storage.parse_safetensors_header(storage.read_file_verified(adapter_dir / WEIGHTS_NAME))
+    except ValueError as exc:  # a FIFO or device is refused without being opened; named either way
+        raise ValueError(f"{adapter_dir / WEIGHTS_NAME}: {exc}") from None
     provided = {_with_adapter_name(key): shape for key, (_, shape, _, _) in entries.items()}
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True, **_dtype(dtype))
     from peft import PeftModel

@@ -112,7 +112,10 @@ def convert_shards(gen_dir: Path, manifest, base: Path, lora_alpha: float | None
         raise OfflineExportError(f"virtual pipeline chunks (vpp={topology.vpp}) need the live model's layer map")
     if any(rel.startswith("adapter/expert_") for rel in manifest.files):
         raise OfflineExportError("expert adapters need the live model (Bridge's expert mapping); export with Bridge")
-    hf = storage.read_json(base / "config.json")
+    try:
+        hf = storage.read_json(base / "config.json")
+    except ValueError as exc:  # a FIFO or device is refused without being opened; named either way
+        raise OfflineExportError(f"{base / 'config.json'}: {exc}") from None
     heads, layers = int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
     dims = {
         "hidden": int(hf["hidden_size"]),

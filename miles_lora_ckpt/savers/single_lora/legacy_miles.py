@@ -89,7 +89,10 @@ def _legacy_iteration(path: Path, rank: int) -> int | None:
 def _torch_load_weights_only(file: Path):
     """`torch.load(weights_only=True)` of a regular file read with bounds (a FIFO or link is
     refused without being opened, so nothing blocks); never a pickle fallback."""
-    data = storage.read_file_verified(file)
+    try:
+        data = storage.read_file_verified(file)
+    except ValueError as exc:  # a FIFO, device or link: refused without opening it, named
+        raise ValueError(f"{file}: {exc}; refusing to read it") from None
     return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
 
 
