@@ -141,8 +141,17 @@ def test_a_class_without_per_adapter_sources_or_a_step_boundary_is_refused(tmp_p
         _draw(_source()[1], 1)
 
 
-def test_the_slot_generations_data_state_names_its_adapter_in_summary_and_check():
+def test_the_slot_generations_data_state_is_verified_and_inspected_naming_its_adapter(tmp_path, capsys):
+    from miles_lora_ckpt.tools.cli import main as cli
+
     doc = data_state.document(4, "x.Counting", {"kind": "custom", "value": {}}, adapter="a")
-    assert data_state.summary(doc).startswith("adapter a step 4 of x.Counting")
+    gen = _commit(tmp_path / "a", 4, doc, saver=SLOT_SAVER)
+    assert cli(["verify", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert cli(["inspect", str(gen)]) == 0
+    assert "data state  adapter a step 4 of x.Counting: the class's own state_dict()" in capsys.readouterr().out
+    wrong = _commit(tmp_path / "a", 6, data_state.document(4, "x.Counting", None, adapter="a"), saver=SLOT_SAVER)
+    assert cli(["verify", str(wrong)]) != 0  # step 4's state in the generation of step 6
+    assert "data state belongs to rollout 4, not to this generation's rollout 6" in capsys.readouterr().out
     with pytest.raises(ValueError, match="data state adapter is 7, not a string"):
         data_state.check({**doc, "adapter": 7}, iteration=4)
