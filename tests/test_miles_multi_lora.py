@@ -347,3 +347,95 @@ def test_v1_slot_scheduler_gets_its_saved_state_after_miles_repositions_it():
     assert installed.optimizer.param_groups == trained.optimizer.param_groups  # lr and wd, exactly
     with pytest.raises(multi_lora.UnsupportedConfiguration, match=r"no scheduler for slot\(s\) \[0\]"):
         multi_lora._restore_slot_schedulers(SimpleNamespace(miles_slot_schedulers={}), {0: capture.saved})
+
+
+# --------------------------------------------------------------------------- each adapter's data state
+
+MULTI_DATA_SOURCE = "miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource"
+STOCK_MULTI_DATA_SOURCE = "miles.rollout.multi_lora.data_source.MultiLoRAAsyncDataSource"  # the v2 stand-in's
+PROMPT_FILES = {"a": 10, "b": 7}  # prompts per adapter; 2 groups a step (4 samples, 2 per prompt): both wrap
+A_STEP_6 = {"adapter": "a", "step": 6, "rank": 1, "phase": "mid-write", "reason": "periodic"}
+
+
+def _prompted_run(launcher, tmp: Path, data_source: str) -> tuple[SlotRun, Path]:
+    """The v2 two-slot run, each adapter drawing from its own prompt file through `data_source`."""
+    from miles_lora_ckpt.sim.miles_standin.common.rollout import write_prompts
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    adapters = [{**a, "data": str(write_prompts(tmp / f"{a['name']}.jsonl", PROMPT_FILES[a["name"]]))} for a in MOVED]
+    run = SlotRun(launcher, tmp, V2, adapters=adapters)
+    run.argv += ["--data-source-path", data_source]
+    return run, tmp / "prompts.jsonl"
+
+
+def _launch_logged(run: SlotRun, log: Path, crash=None):
+    return run.launcher.run(
+        2,
+        JOB,
+        {"argv": run.argv, "crash": crash, "prompts_log": str(log)},
+        env={"MILES_LORA_CKPT_CONFIG": str(run.config)},
+        sys_path=[run.shape_dir],
+        timeout_s=240,
+        failure_grace_s=5.0,
+    )
+
+
+def _launches(log: Path) -> list[dict]:
+    """The prompt log per launch (a launch starts where a step repeats or goes back): [{(adapter, step): prompts}]."""
+    launches: list[dict] = [{}]
+    last: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        entry = json.loads(line)
+        if entry["step"] <= last.get(entry["adapter"], 0):
+            launches.append({})
+            last = {}
+        last[entry["adapter"]] = entry["step"]
+        launches[-1][(entry["adapter"], entry["step"])] = entry["prompts"]
+    return launches
+
+
+def _uninterrupted(adapter: str, step: int) -> list[int]:
+    """What an adapter's source that never restarts hands step `step` (1-based): the next 2 prompts, wrapping."""
+    return [(2 * (step - 1) + i) % PROMPT_FILES[adapter] for i in range(2)]
+
+
+@pytest.mark.megatron
+@pytest.mark.multirank
+def test_each_adapter_resumes_its_own_prompt_cursor_after_a_kill_and_after_a_retire(prewarmed, tmp_path):
+    # with the plugin: launch 1 trains a to 6 (killed in its step-6 save) and b 1, 2, retired, back, 3;
+    # launch 2 resumes a at 4 and b at 2 (its retire save); every step draws what an uninterrupted source draws
+    run, log = _prompted_run(prewarmed, tmp_path / "plugin", MULTI_DATA_SOURCE)
+    crashed = _launch_logged(run, log, crash=A_STEP_6)
+    assert any(r.exitcode == -9 for r in crashed), [(r.rank, r.exitcode, r.error) for r in crashed]
+    resumed = _ok(_launch_logged(run, log))
+    assert resumed[0]["registered_at"] == {"a": 4, "b": 2}
+    first, second = _launches(log)
+    assert sorted(first) == [("a", s) for s in range(1, 7)] + [("b", s) for s in (1, 2, 3)]
+    assert sorted(second) == [("a", 5), ("a", 6)] + [("b", s) for s in (3, 4, 5)]
+    for launch in (first, second):
+        for (adapter, step), prompts in launch.items():
+            assert prompts == _uninterrupted(adapter, step), (adapter, step, prompts)
+    # every slot generation holds its adapter's data state at its own step, and verifies
+    from miles_lora_ckpt.core.verify import verify_generation
+
+    seen = set()
+    for adapter in ("a", "b"):
+        for path in sorted((run.save / "adapters" / adapter).glob("gen-*")):
+            generation = verify_generation(path)
+            assert generation.intact, (path, generation.problems)
+            step = generation.manifest.iteration
+            doc = json.loads((path / "rollout_data_state.json").read_text())
+            cursor = 2 * step % PROMPT_FILES[adapter]
+            assert (doc["adapter"], doc["rollout_id"], doc["state"]["value"]["offset"]) == (adapter, step, cursor)
+            seen.add((adapter, step))
+    assert {("a", 4), ("a", 6), ("b", 2), ("b", 4)} <= seen
+
+    # stock Miles' data source (negative control): b's source is rebuilt at offset 0 when it comes back,
+    # and every source at a relaunch
+    stock, stock_log = _prompted_run(prewarmed, tmp_path / "stock", STOCK_MULTI_DATA_SOURCE)
+    _launch_logged(stock, stock_log, crash=A_STEP_6)
+    _ok(_launch_logged(stock, stock_log))
+    first, second = _launches(stock_log)
+    assert first[("b", 3)] == [0, 1] != _uninterrupted("b", 3)  # retired and registered again: offset 0
+    assert second[("a", 5)] == [0, 1] != _uninterrupted("a", 5)  # relaunched: offset 0
+    assert second[("b", 3)] == [0, 1]

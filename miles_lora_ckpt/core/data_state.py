@@ -15,7 +15,12 @@ The document (bounded JSON, no pickle; values that JSON cannot hold are tagged b
                                             "sample_index"},
                "metadata": {...}, "dataset": {"size", "shuffle", "seed"} | null,
                "buffer": [[<sample>, ...], ...] | null}
-            | {"kind": "custom", "value": <the class's own state_dict()>}}
+            | {"kind": "custom", "value": <the class's own state_dict()>},
+     "adapter": "<name>"}                           (multi-LoRA only: the adapter whose data this is)
+
+In a multi-LoRA slot generation the file holds one adapter's data state and `rollout_id` is the
+adapter's own step (the slot generation's iteration); it is staged in the slot root's
+`.rollout-data/` under that step (`integration.multi_lora_data_source`).
 
 Staged files live in `<save root>/.rollout-data/data_state_<N>.json` as a sealed envelope
 `{"seal": "<xxh3 of the document's bytes>", "data_state": <document>}`, written to a temporary
@@ -51,9 +56,12 @@ class DataStateMissing(MilesLoraCkptError, ValueError):
 # --------------------------------------------------------------------------- the document
 
 
-def document(rollout_id: int, source: str, state: dict | None) -> dict:
-    """The data state of `rollout_id` (checked); `state` None records a source without one."""
+def document(rollout_id: int, source: str, state: dict | None, *, adapter: str | None = None) -> dict:
+    """The data state of `rollout_id` (checked); `state` None records a source without one.
+    `adapter`: a multi-LoRA adapter's name (then `rollout_id` is that adapter's step)."""
     doc = {"format": FORMAT, "rollout_id": int(rollout_id), "source": str(source), "state": state}
+    if adapter is not None:
+        doc["adapter"] = str(adapter)
     check(doc, iteration=int(rollout_id))
     return doc
 
@@ -61,7 +69,7 @@ def document(rollout_id: int, source: str, state: dict | None) -> dict:
 def check(doc: Any, *, iteration: int) -> dict:
     """Raise ValueError (naming the field) unless `doc` is a data-state document of `iteration`."""
     bounded.mapping(doc, "data state")
-    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state"})
+    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state", "adapter"})
     if unknown:
         raise ValueError(f"data state has unknown keys {unknown}")
     if doc.get("format") != FORMAT:
@@ -70,6 +78,8 @@ def check(doc: Any, *, iteration: int) -> dict:
     if rollout != iteration:
         raise ValueError(f"data state belongs to rollout {rollout}, not to this generation's rollout {iteration}")
     bounded.string(doc.get("source"), "data state source")
+    if "adapter" in doc:
+        bounded.string(doc["adapter"], "data state adapter")
     state = doc.get("state")
     if state is None:
         return doc
@@ -113,6 +123,8 @@ def summary(doc: dict) -> str:
     """One line: the rollout, the cursor and the buffer (for `inspect`, logs and the demo)."""
     state = doc["state"]
     head = f"rollout {doc['rollout_id']} of {doc['source']}"
+    if "adapter" in doc:
+        head = f"adapter {doc['adapter']} step {doc['rollout_id']} of {doc['source']}"
     if state is None:
         return f"{head}: no data state (accepted by data_state.accept_none)"
     if state["kind"] == "custom":

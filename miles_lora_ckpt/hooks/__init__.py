@@ -8,6 +8,8 @@ and to the same command (the rollout manager builds its data source from it)::
 
     --data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource
 
+(multi-LoRA: `--data-source-path miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource`),
+
 and, optionally, point `MILES_LORA_CKPT_CONFIG` at a config file (see `integration/config.py`).
 `post_save` is not for users to pass: the init hook puts it in front of the user's own
 `--custom-megatron-post-save-hook-path` so that hook receives the committed generation directory.
@@ -31,12 +33,18 @@ def post_save(args, rollout_id, checkpoint_dir, hf_checkpoint_dir) -> None:
 
 
 _ROLLOUT_SIDE = {"CheckpointedDataSource", "generate_rollout"}
+_MULTI_LORA_SIDE = {"CheckpointedMultiLoRADataSource"}
 
 
 def __getattr__(name: str):
     """The rollout manager's entry points, imported on first use (Miles' `load_function` does
     `getattr(module, name)`): `CheckpointedDataSource` for `--data-source-path`, and
-    `generate_rollout`, which that data source puts in front of `--rollout-function-path`."""
+    `generate_rollout`, which that data source puts in front of `--rollout-function-path`;
+    `CheckpointedMultiLoRADataSource` for a multi-LoRA run's `--data-source-path`."""
+    if name in _MULTI_LORA_SIDE:
+        from miles_lora_ckpt.integration import multi_lora_data_source
+
+        return getattr(multi_lora_data_source, name)
     if name in _ROLLOUT_SIDE:
         from miles_lora_ckpt.integration import data_source
 

@@ -182,6 +182,16 @@ KEYS: tuple[Key, ...] = (
         "generation; a class whose state the plugin does not understand is refused at startup",
     ),
     Key(
+        "data_state.multi_lora_source",
+        str,
+        "miles.rollout.multi_lora.data_source.MultiLoRAAsyncDataSource",
+        "MILES_LORA_CKPT_MULTI_LORA_DATA_SOURCE",
+        "multi-LoRA: the data source class (dotted path) the plugin's multi-LoRA data source wraps when Miles' "
+        "--data-source-path is miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource (Miles' per-adapter data "
+        "source here). Each adapter's data state is committed in its slot's generations and restored when its "
+        "source is built again (a relaunch, a re-registered adapter)",
+    ),
+    Key(
         "data_state.missing",
         str,
         "refuse",

@@ -7,6 +7,9 @@ but N's draw finished first, and N+1's state is staged under its own number). A 
 generation N, on rank 0, takes exactly the staged state of rollout N (`staged_for_save`) and the
 saver commits it inside generation N. Missing or torn: `data_state.missing` decides (refuse, the
 default: nothing is committed; warn: committed without it).
+
+Multi-LoRA: the same per slot (`staged_for_slot`): the slot save of an adapter's step k takes the
+state its data source staged as step k in the slot root (`integration.multi_lora_data_source`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ log = logging.getLogger("miles_lora_ckpt.integration")
 
 HOOK = "miles_lora_ckpt.hooks.CheckpointedDataSource"  # Miles' --data-source-path
 ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_rollout"  # set by the data source itself
+MULTI_HOOK = "miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource"  # multi-LoRA's --data-source-path
 
 
 class DataStateRefused(MilesLoraCkptError, RuntimeError):
@@ -50,17 +54,28 @@ def staged_for_save(config: PluginConfig, args, root: str | Path, iteration: int
     Raises DataStateRefused naming the file when it is missing or torn under 'refuse'."""
     if not configured(args):
         return None
+    return _read(config, root, iteration, HOOK, f"Generation {iteration}")
+
+
+def staged_for_slot(config: PluginConfig, args, root: str | Path, step: int, slot: int) -> dict | None:
+    """Rank 0, at a multi-LoRA slot save of step `step` into the slot root `root`: the adapter's
+    staged data state to commit with it (None when the plugin's multi-LoRA data source is not
+    configured, at step 0, or missing under 'warn'). Raises DataStateRefused as `staged_for_save`."""
+    if getattr(args, "data_source_path", None) != MULTI_HOOK or int(step) == 0:
+        return None
+    return _read(config, root, int(step), MULTI_HOOK, f"The slot {slot} generation of step {step}")
+
+
+def _read(config: PluginConfig, root, iteration: int, hook: str, what: str) -> dict | None:
     try:
         return data_state.read_staged(root, iteration)
     except data_state.DataStateMissing as exc:
         if config["data_state.missing"] == "warn":
-            log.warning(
-                "miles-lora-ckpt: %s; generation %d is committed WITHOUT its rollout data state", exc, iteration
-            )
+            log.warning("miles-lora-ckpt: %s; %s is committed WITHOUT its rollout data state", exc, what)
             return None
         raise DataStateRefused(
-            f"{exc}. Generation {iteration} would resume the rollout side at another prompt than an "
+            f"{exc}. {what} would resume the rollout side at another prompt than an "
             "uninterrupted run, so it is not committed (the rollout manager must run --data-source-path "
-            f"{HOOK} with the same --save and MILES_LORA_CKPT_CONFIG; set data_state.missing = 'warn' to "
+            f"{hook} with the same --save and MILES_LORA_CKPT_CONFIG; set data_state.missing = 'warn' to "
             "commit without it)"
         ) from exc

@@ -25,7 +25,9 @@ Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`
 
 Miles v2 (`lora/checkpoint.py`; a slot root is the directory of the named path, the reader name its basename):
 
-    save_slot                     the slot saved (step: its children's Adam step, agreed), the name a link
+    save_slot                     the slot saved (step: its children's Adam step, agreed), the name a link;
+                                  with the plugin's multi-LoRA data source, the adapter's data state
+                                  staged for that step committed in it (`integration.data_state`)
     load_slot                     the named generation restored; only the slot's children touched
 
 PEFT export per slot (`runtime.slot_peft`, decided at startup by `integration.peft`): every slot
@@ -57,9 +59,9 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core.consensus import Consensus, attempt
+from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.integration import runtime
+from miles_lora_ckpt.integration import data_state, runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
 from miles_lora_ckpt.megatron import bridge_export
 from miles_lora_ckpt.savers import multi_lora as saver
@@ -441,6 +443,7 @@ def slot_save(original: Callable, target) -> Callable:
         # the slot's step: its children's Adam step (whole params are sharded over ranks: agree on the max)
         steps = Consensus.default().agree("multi-lora slot step", attempt(_local_slot_step, optimizer, children))
         step = max(steps)
+        rollout_data = _staged_slot_data_state(rt, root, step, int(slot))
         saver.save_slot_checkpoint(
             model,
             rt.args,
@@ -457,10 +460,22 @@ def slot_save(original: Callable, target) -> Callable:
                 int(slot), rt.args.lora_rank, getattr(rt.args, "lora_alpha", None) or rt.args.lora_rank
             ),
             peft_prefix=PEFT_PREFIX,
+            data_state=rollout_data,
         )
         log.info("miles-lora-ckpt: slot %d saved at step %d as %s", slot, step, path)
 
     return save_slot
+
+
+def _staged_slot_data_state(rt, root: Path, step: int, slot: int) -> dict | None:
+    """Collective: rank 0 takes the adapter's data state staged for this step (`integration.data_state`);
+    a refusal raises on every rank before anything is written. Only rank 0 keeps the state."""
+    consensus = Consensus.default()
+    outcome = Outcome.success()
+    if consensus.rank == 0:
+        outcome = attempt(data_state.staged_for_slot, rt.config, rt.args, root, step, slot)
+    consensus.agree("multi-lora data state", outcome.map(lambda _: None))
+    return outcome.value
 
 
 def slot_load(original: Callable, target) -> Callable:

@@ -44,6 +44,7 @@ def save_slot_checkpoint(
     peft: PeftExport | None = None,
     reader_names: Sequence[str] = (),
     peft_prefix: str = GENERATION_SUBDIR,
+    data_state: dict | None = None,
 ) -> str:
     """Collective. Save slot `slot` at its step `step` as a new generation of `slot_root`; returns it.
 
@@ -65,6 +66,8 @@ def save_slot_checkpoint(
       the slot's files are staged. `peft_prefix`: `"peft/"` (default) or `""`: the two PEFT files at
       the generation's top, Miles v1's stock names (`step_N/adapter_model.safetensors`,
       `step_N/adapter_config.json`), so `PeftModel.from_pretrained(<root>/step_N)` loads the slot.
+    - `data_state`: rank 0's data state of the adapter at this step (`core.data_state.document`,
+      `rollout_id` = `step`), committed as `rollout_data_state.json` in the same generation.
     - `keep`: afterwards prune the root to the newest `keep` generations (their reader links too).
     The manifest records `slot` (index, step, the saved parameter names per file). Saving the same
     step again publishes a new generation and swaps the links: never a moment without one.
@@ -94,6 +97,7 @@ def save_slot_checkpoint(
         extra_metadata=slot_metadata,
         export_after_write=True,
         peft_prefix=peft_prefix,
+        data_state=data_state,
     )
 
 

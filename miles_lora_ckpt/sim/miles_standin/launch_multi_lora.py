@@ -5,7 +5,8 @@ the shape directory on sys.path and the launch's environment set by the launcher
 one rank during one save (`payload["crash"]`):
 
     {"argv": [...], "crash": {"adapter": "b", "step": 4, "rank": 1, "phase": "mid-write",
-                              "reason": "periodic" | "retire"} | None, "bridge": "nvidia"}
+                              "reason": "periodic" | "retire"} | None, "bridge": "nvidia",
+     "prompts_log": "<file>" | None}
 
 Miles' GPU image has Megatron-Bridge, so every rank first installs the harness's Bridge double as
 `megatron.bridge` (`sim.bridge_double`, with `peft.multi_lora_layers.expose_adapter_slot`;
@@ -16,12 +17,15 @@ before-write, mid-write and after-write). Each rank returns, per adapter, the di
 state (adapter, masters, moments, steps, scheduler; `slot_digests`) after every one of its steps,
 the final digests, those of a slot as it retires (`retired`) and as it comes back (`joined`, right
 after its resume), the steps it trained, what the plugin installed, and (v1) what
-`find_latest_checkpoint` returns for every adapter at the end.
+`find_latest_checkpoint` returns for every adapter at the end; with prompt files (rank 0), the prompt
+indices each adapter's steps trained on (`prompts`: adapter -> step -> indices), also appended, one
+JSON line a step, to `payload["prompts_log"]` when given (a killed launch keeps what it trained).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import traceback
 
 from miles_lora_ckpt.sim.miles_standin.common import multi_lora
@@ -65,8 +69,8 @@ def slot_digests(model, optimizer, slot: int) -> dict[str, str]:
 
 
 class _Observer(multi_lora.Probe):
-    def __init__(self, rank: int, crash: dict | None):
-        self.rank, self.crash = rank, crash
+    def __init__(self, rank: int, crash: dict | None, prompts_log: str | None = None):
+        self.rank, self.crash, self.prompts_log = rank, crash, prompts_log
         self.report: dict = {"steps": {}, "losses": {}}
 
     def after_register(self, lifecycle, adapters) -> None:
@@ -88,6 +92,11 @@ class _Observer(multi_lora.Probe):
 
     def after_step(self, lifecycle, adapter) -> None:
         self.report["steps"].setdefault(adapter.name, []).append(adapter.step)
+        prompts = lifecycle.prompts.get(adapter.name, {}).get(adapter.step)
+        if self.prompts_log and prompts is not None:  # appended as it trains: a killed launch keeps its lines
+            line = {"adapter": adapter.name, "step": adapter.step, "prompts": prompts}
+            with open(self.prompts_log, "a") as log:
+                log.write(json.dumps(line) + "\n")
 
     def before_save(self, lifecycle, adapter, reason: str) -> None:
         if reason == "retire":  # what the slot holds when it leaves (this rank's part)
@@ -108,7 +117,7 @@ def launch_job(payload: dict, ctx) -> dict:
 
         # the double: slot exports need multi_lora_layers.expose_adapter_slot (Bridge main only, not 0.6.2)
         bridge_double.install(variant=payload.get("bridge", "nvidia"))
-    observer = _Observer(ctx.rank, payload.get("crash"))
+    observer = _Observer(ctx.rank, payload.get("crash"), payload.get("prompts_log"))
     report = observer.report
     report["failed"] = None
     try:
@@ -120,6 +129,7 @@ def launch_job(payload: dict, ctx) -> dict:
     report["final"] = {a.name: slot_digests(lifecycle.model, lifecycle.optimizer, a.slot) for a in adapters}
     report["final_steps"] = {a.name: a.step for a in adapters}
     report["final_slots"] = {a.name: a.slot for a in adapters}
+    report["prompts"] = {name: {str(k): v for k, v in steps.items()} for name, steps in lifecycle.prompts.items()}
     report["plugin"] = _plugin_report()
     report["find_latest"] = _find_latest(adapters)
     return report

@@ -17,6 +17,12 @@ each at its own cadence, saves each under its own root and retires it when it le
 - `install_slot_scheduler` / `drop_slot_scheduler` / `step_slot_schedulers`: §3.6, in
   `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain (§3.5) built by the
   harness on the slot model (`sim.multi_lora_model`).
+- `Producer`: the rollout side of the loop (rank 0, when every adapter has `data`, a prompt file):
+  the data source `--data-source-path` names (v2: Miles' `MultiLoRAAsyncDataSource`, or the
+  plugin's) drawn one group at a time, in turn over the adapters, as Miles' async producer does;
+  groups drawn for an adapter wait until it trains (`adapter_global_batch_size /
+  --n-samples-per-prompt` groups a step), so an adapter's source runs ahead of its saves. The
+  prompt indices each step trained on are kept in `lifecycle.prompts[name][step]`.
 - `run(argv, probe, lifecycle)`: the loop of `train_multi_lora_async.py` (reconcile adapters, train,
   save what is due), with the shape's `lifecycle` (`register(adapters)`, `retire(adapters)`,
   `save_due()`; the shapes' own are in `common/multi_lora_lifecycles.py`); each launch first registers every adapter (resuming it), then retires the ones the
@@ -51,6 +57,7 @@ class AdapterConfig:
     retire_at: int | None = None
     return_when: dict = field(default_factory=dict)
     return_slot: int | None = None
+    data: str | None = None  # the adapter's prompt file (Miles' adapter config `data`)
 
 
 @dataclass
@@ -71,6 +78,11 @@ class Controller:
 
     def __init__(self, adapters: list[AdapterRun]):
         self.adapters = {a.name: a for a in adapters}
+        self.active: set[str] = set()  # the adapters in slots (`run` keeps it)
+
+    def snapshot(self) -> dict:
+        """Miles' controller snapshot: the active adapters by name (the stand-in retires at once)."""
+        return {"active": {n: a for n, a in self.adapters.items() if n in self.active}, "retiring": {}}
 
     def adapter_step(self, name: str) -> int:
         return self.adapters[name].step
@@ -227,6 +239,8 @@ def run(argv: list[str], lifecycle_factory, probe: Probe | None = None):
     lifecycle.register(adapters)  # every adapter resumes (or starts fresh) first
     probe.after_register(lifecycle, adapters)
     active = list(adapters)
+    _CONTROLLER.active = {a.name for a in active}
+    producer = Producer.for_run(args, adapters)
     round_id = 0
     while True:
         steps = {a.name: a.step for a in adapters}
@@ -237,6 +251,7 @@ def run(argv: list[str], lifecycle_factory, probe: Probe | None = None):
                 probe.before_save(lifecycle, adapter, "retire")
             lifecycle.retire(leaving)
             active = [a for a in active if a not in leaving]
+            _CONTROLLER.active = {a.name for a in active}
         if joining:
             for adapter in joining:  # Miles' registry: a free slot, here the configured one
                 if adapter.config.return_slot is not None:
@@ -245,16 +260,53 @@ def run(argv: list[str], lifecycle_factory, probe: Probe | None = None):
             lifecycle.register(joining)
             probe.after_join(lifecycle, joining, active)
             active = [a for a in adapters if a in active or a in joining]
+            _CONTROLLER.active = {a.name for a in active}
         training = [a for a in active if wants_training(a, round_id)]
         if not training and all(a.step >= a.config.steps for a in adapters):
             break
         for adapter in training:
+            if producer is not None:
+                batch = producer.batch(adapter, {a.name for a in active})
+                lifecycle.prompts.setdefault(adapter.name, {})[adapter.step + 1] = batch
             lifecycle.train_step(adapter)
             probe.after_step(lifecycle, adapter)
         lifecycle.save_due(training, probe)
+        if producer is not None:
+            producer.source.save(round_id)  # Miles' rollout manager, after the saves
         probe.after_round(lifecycle, round_id)
         round_id += 1
     return lifecycle
+
+
+class Producer:
+    """The rollout side of the multi-LoRA loop (see module doc); rank 0 only."""
+
+    def __init__(self, args):
+        from miles_lora_ckpt.sim.miles_standin.common.rollout import _load
+
+        self.args = copy.deepcopy(args)  # the rollout manager's own copy (Ray)
+        self.source = _load(self.args.data_source_path)(self.args)
+        self.source.load(None)  # Miles' manager: load once at start
+        self.pending: dict[str, list] = {}  # drawn, not trained yet
+
+    @classmethod
+    def for_run(cls, args, adapters: list[AdapterRun]):
+        if dist.get_rank() != 0 or not adapters or not all(a.config.data for a in adapters):
+            return None
+        return cls(args)
+
+    def batch(self, adapter: AdapterRun, active: set[str]) -> list[int]:
+        """The prompt indices of `adapter`'s next step: drawn in turn until it has its groups."""
+        need = adapter.config.adapter_global_batch_size // self.args.n_samples_per_prompt
+        self.pending = {n: groups for n, groups in self.pending.items() if n in active}  # in flight: dropped
+        while len(self.pending.get(adapter.name, [])) < need:
+            groups = self.source.get_samples(1)
+            if not groups:
+                raise RuntimeError("the multi-LoRA data source yielded nothing")
+            self.pending.setdefault(groups[0][0].adapter.name, []).append(groups[0])
+        taken = self.pending[adapter.name][:need]
+        del self.pending[adapter.name][:need]
+        return [int(group[0].label) for group in taken]
 
 
 class Lifecycle:
@@ -262,6 +314,7 @@ class Lifecycle:
 
     def __init__(self, args, model, optimizer):
         self.args, self.model, self.optimizer = args, model, optimizer
+        self.prompts: dict[str, dict[int, list[int]]] = {}  # adapter -> step -> prompt indices (rank 0)
 
     def train_step(self, adapter: AdapterRun) -> float:
         from miles_lora_ckpt.sim.multi_lora_model import train_slot_step

@@ -67,6 +67,7 @@ def scripted_rollout(args, rollout_id, data_source, evaluation=False):
 @dataclass
 class Prompt:
     label: str
+    adapter: object = None  # multi-LoRA: the adapter the group was drawn for (its data source stamps it)
 
 
 class PromptSource:
