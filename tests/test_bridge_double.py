@@ -34,6 +34,7 @@ DEMO_AND_BENCH = (
     "tools/bench.py",
     "tools/bench_async.py",
     "tools/bench_distckpt.py",
+    "tools/bench_scale.py",
     "tools/demo_reshard.py",
     "tools/demo_miles_reshard.py",
     "tools/demo_miles_launch.py",

@@ -353,6 +353,18 @@ def test_the_layout_rules_refuse_each_edit_naming_the_file(name):
     assert words in refused.value.problems[0].reason, refused.value
 
 
+def test_an_adapter_file_naming_a_parameter_megatron_could_not_describe_passes():
+    """A null block (megatron cannot describe the parameter: a multi-LoRA slot's adapter) is a
+    described parameter of no known place, not a missing one: its file passes, and it is never
+    resharded. Only a name the layout does not list at all is refused (the edit above)."""
+
+    def undescribed(metadata, files):
+        for key in (C0, C1):
+            metadata["global_layout"]["params"][key]["chunk0.A"] = None
+
+    layout_rules.check(_v3_manifest(undescribed))
+
+
 def test_a_file_stamped_with_its_layout_entries_refuses_a_swap_of_tp_offsets():
     """Swapping the TP ranks' offsets keeps every structural rule (the blocks still tile B), but
     no longer matches each file's stamp: the digest of the entries it was written with."""

@@ -250,11 +250,13 @@ def _check_adapter_files(manifest: Manifest, files: Any, blocks: dict) -> None:
         if len(set(entry["names"])) != len(entry["names"]):
             raise damaged(manifest, relpath, "its global_layout entry names a parameter twice")
         for name in entry["names"]:
-            block = blocks[coordinate].get(name) if isinstance(name, str) else None
-            if block is None:
+            if not isinstance(name, str) or name not in blocks[coordinate]:
                 raise damaged(
                     manifest, relpath, f"the global layout at {coordinate} has no block for {str(name)[:120]}"
                 )
+            block = blocks[coordinate][name]
+            if block is None:
+                continue  # megatron could not describe it (a multi-LoRA slot's adapter): never resharded
             indexed = None if index is None else storage.indexed_tensor(index, name)
             if index is not None and (
                 indexed is None or indexed[1] != block.numel or (block.dtype and f"torch.{indexed[0]}" != block.dtype)
