@@ -89,13 +89,17 @@ def check_slices(manifest: Manifest) -> None:
         if not isinstance(numels, dict) or not isinstance(slices, dict):
             raise damaged(manifest, MANIFEST, f"optimizer child {index}: slices without a bucket layout")
         for key, entries in sorted(slices.items()):
-            problem = _slice_problem(manifest, index, key, entries, numels.get(key))
+            problem = slice_problem(index, key, entries, numels.get(key), manifest.files)
             if problem is not None:
                 raise damaged(manifest, *problem)
 
 
-def _slice_problem(manifest: Manifest, index, key, entries, current) -> tuple[str, str] | None:
-    """`(file, reason)` of the first problem of one coordinate's slices, or None."""
+def slice_problem(index, key, entries, current, listed=None) -> tuple[str, str] | None:
+    """`(file, reason)` of the first problem of one coordinate's DistributedOptimizer slices, or
+    None: each slice named by its place, its bounds inside `current` (this coordinate's unpadded
+    bucket sizes), the slices tiling every bucket exactly. With `listed` (the manifest's files),
+    a slice that holds elements must be listed. The resharding and same-layout loaders plan their
+    reads by the same rule (`distributed.saved_pieces`)."""
     where = f"optimizer child {index} at {str(key)[:80]}"
     sizes_ok = isinstance(current, dict) and all(
         isinstance(n, list) and all(type(v) is int and v >= 0 for v in n) for n in current.values()
@@ -124,7 +128,7 @@ def _slice_problem(manifest: Manifest, index, key, entries, current) -> tuple[st
                         f"slice bounds {str(pair)[:80]} of {buf} bucket {b} are out of [0, {current[buf][b]}]",
                     )
                 if pair[1] > pair[0]:
-                    if expected not in manifest.files:
+                    if listed is not None and expected not in listed:
                         return (
                             expected,
                             f"{where}: it holds elements [{pair[0]}, {pair[1]}) of {buf} bucket {b}, but is not listed",

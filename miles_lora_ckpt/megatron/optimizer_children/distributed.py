@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import layout_rules, storage
 from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, Problem
 from miles_lora_ckpt.core.global_layout import fill_problem, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
@@ -295,47 +295,18 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
         binding = file_binding(index, key)
         return [Piece(file_name(index, key), binding, buf, buf, 0, sum(n)) for buf, n in sorted(current.items())]
     entries = plan["slices"].get(key)
-    if not isinstance(entries, list) or not entries:
-        raise GenerationDamaged(f"optimizer child {index}: the manifest lists no slices at {key}")
-    size = len(entries)
-    pieces, covered = [], {buf: [[] for _ in numels] for buf, numels in current.items()}
+    problem = layout_rules.slice_problem(index, key, entries, current)
+    if problem is not None:  # verify's rule: each slice named by its place, the slices tiling every bucket
+        file, why = problem
+        raise GenerationDamaged(f"{file}: {why}")
+    pieces, size = [], len(entries)
     for rank, entry in enumerate(entries):
-        expected = slice_file_name(index, key, rank, size)
-        if entry.get("file") != expected or entry.get("slice") != f"{rank}/{size}":
-            raise GenerationDamaged(f"optimizer child {index}: slice {rank} of {size} at {key} is listed as {entry}")
-        bounds = entry.get("bounds")
-        if not isinstance(bounds, dict) or set(bounds) != set(current):
-            raise GenerationDamaged(f"{expected}: slice bounds {bounds} do not name the buffers {sorted(current)}")
-        for buf, per_bucket in bounds.items():
-            if not isinstance(per_bucket, list) or len(per_bucket) != len(current[buf]):
-                raise GenerationDamaged(
-                    f"{expected}: slice bounds of {buf} are {per_bucket}, one [lo, hi] per bucket expected"
-                )
-            for b, pair in enumerate(per_bucket):
-                ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
-                if not ok or not 0 <= pair[0] <= pair[1] <= current[buf][b]:
-                    raise GenerationDamaged(
-                        f"{expected}: slice bounds {pair} of {buf} bucket {b} are out of [0, {current[buf][b]}]"
-                    )
-                if pair[1] > pair[0]:
-                    covered[buf][b].append((pair[0], pair[1], expected))
+        expected, binding = slice_file_name(index, key, rank, size), slice_binding(index, key, rank, size)
+        for buf, per_bucket in entry["bounds"].items():
+            for b, (lo, hi) in enumerate(per_bucket):
+                if hi > lo:  # an empty slice holds no piece
                     begin = offsets[buf][b]
-                    binding = slice_binding(index, key, rank, size)
-                    pieces.append(Piece(expected, binding, f"{buf}.bucket{b}", buf, begin + pair[0], begin + pair[1]))
-    for buf, buckets in covered.items():
-        for b, spans in enumerate(buckets):
-            cursor = 0
-            for lo, hi, file in sorted(spans):
-                if lo != cursor:
-                    what = "overlap" if lo < cursor else "gap"
-                    raise GenerationDamaged(
-                        f"{file}: slice bounds [{lo}, {hi}) of {buf} bucket {b} leave a {what} at element {min(lo, cursor)}"
-                    )
-                cursor = hi
-            if cursor != current[buf][b]:
-                raise GenerationDamaged(
-                    f"optimizer child {index} at {key}: the slices of {buf} bucket {b} end at {cursor}, not {current[buf][b]}"
-                )
+                    pieces.append(Piece(expected, binding, f"{buf}.bucket{b}", buf, begin + lo, begin + hi))
     return pieces
 
 
