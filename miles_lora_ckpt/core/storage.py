@@ -366,6 +366,29 @@ def large_buffer(nbytes: int):
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+def release_zero_pages(buffer) -> int:
+    """Give the pages of a `large_buffer` memory map that hold only zero bytes back to the operating
+    system, and return how many bytes that was (0 for any other buffer). Nothing it holds changes:
+    a private anonymous map reads a released page back as zeros. A load's adapter buffer holds, once
+    swapped into the parameters, their old bytes: a relaunch's zero-initialised LoRA B matrices."""
+    if not isinstance(buffer, mmap.mmap) or len(buffer) < mmap.PAGESIZE:
+        return 0
+    torch = _torch()
+    page, chunk = mmap.PAGESIZE, 256  # pages looked at together
+    pages = len(buffer) // page
+    words = torch.frombuffer(buffer, dtype=torch.int64, count=pages * page // 8).view(pages, page // 8)
+    released, run = 0, None  # run: the first page of the current run of zero pages
+    for first in range(0, pages + 1, chunk):
+        zero = (~words[first : first + chunk].any(dim=1)).tolist() if first < pages else []
+        for i, empty in enumerate([*zero, False] if first + chunk > pages else zero):
+            if empty and run is None:
+                run = first + i
+            elif not empty and run is not None:
+                buffer.madvise(mmap.MADV_DONTNEED, run * page, (first + i - run) * page)
+                released, run = released + (first + i - run) * page, None
+    return released
+
+
 def _open_checked(path: Path) -> tuple[int, os.stat_result]:
     """`open_regular` for a check: its refusal of what is not a regular file (a FIFO, a link, a
     file swapped while being opened) is damage of that file."""
