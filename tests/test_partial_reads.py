@@ -399,6 +399,34 @@ def test_check_only_ranges_are_verified_in_the_same_pass_and_not_returned(tmp_pa
         storage.read_ranges(path, record, [], check_only=[("a", 100, 200)])
 
 
+def test_check_only_ranges_pass_through_one_block_of_memory_however_long(tmp_path, monkeypatch):
+    """A range verified and not kept goes through a buffer of one block, a block at a time (a
+    relaunch's moments at open: what the load holds must not grow with them), every block of it
+    still digest-checked and every element finiteness-checked, in its last block too."""
+    sizes = []
+    real = storage.large_buffer
+    monkeypatch.setattr(storage, "large_buffer", lambda n: sizes.append(n) or real(n))
+    tensors = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(200, dtype=torch.bfloat16)}
+    path, record = _write(tmp_path, tensors)
+    got, _ = storage.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 0, 3000), ("a", 5, 2999)])
+    assert list(got) == [("b", 0, 7)] and max(sizes) <= 256, sizes  # the block, the scratch: one block each
+    nan = dict(tensors, a=tensors["a"].clone())
+    nan["a"][2999] = float("inf")  # the last element, in the range's last (cut) block
+    path = tmp_path / "inf.safetensors"
+    record = FileRecord.from_dict(storage.save_tensors(path, nan, finite=False, blocks=True, block_bytes=256).to_dict())
+    with pytest.raises(ValueError, match="'a' holds NaN or Inf"):
+        storage.read_ranges(path, record, [], check_only=[("a", 1, 3000)])
+    data = bytearray((tmp_path / "t.safetensors").read_bytes())
+    data[record.blocks.tensors["a"][1] + 4 * 2500 + 1] ^= 0x01
+    (tmp_path / "t.safetensors").write_bytes(bytes(data))
+    record = FileRecord.from_dict(
+        storage.save_tensors(tmp_path / "u.safetensors", tensors, finite=True, blocks=True, block_bytes=256).to_dict()
+    )
+    (tmp_path / "u.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="digest mismatch"):
+        storage.read_ranges(tmp_path / "u.safetensors", record, [], check_only=[("a", 0, 3000)])
+
+
 def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_again(tmp_path, monkeypatch):
     """One file with both kinds of `PartialRead` (a same-layout load: masters kept, moments not):
     one verified pass at open; the kept ranges are served from memory (a later change of the file

@@ -357,7 +357,9 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
     # rolls back bit for bit, with no copy of its masters; into an optimizer that has stepped, too:
     # the install replaced its moments and gave its masters new data (never writing the old), and
     # the undo record puts the old tensors and data back
-    fresh = {"install fails on rank 1, fresh optimizer": newer}
+    # (a fresh optimizer: its masters written in place and remade from the parameters on undo, its
+    # moments never allocated before, the adapter swapped with its verified buffer: no copy at all)
+    fresh = {"install fails on rank 1, fresh optimizer": newer, "finish fails on rank 1, fresh optimizer": newer}
     stepped = "install fails on rank 1, stepped optimizer"
     # the last case: every other one loads first; a generation one step further, whose masters and
     # moments differ from the ones this optimizer holds then (the earlier cases loaded `newer`)
@@ -370,23 +372,27 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             "cases": cases,
             "fresh_cases": fresh,
             "install_faults": {next(iter(fresh)): 1, stepped: 1},
-            "finish_faults": {"finish fails on rank 1": 1},
+            "finish_faults": {"finish fails on rank 1": 1, "finish fails on rank 1, fresh optimizer": 1},
             "case_kwargs": case_kwargs,
         },
     )
     _check_hyperparameter_policies(sane)
     for o in sane:
-        late = o["install fails on rank 1, fresh optimizer"]
-        assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
-        # bf16 parameters on the CPU: every master was given the verified bytes, its old data kept
-        assert late["undo_masters"][0] > 0 and late["undo_masters"] == [
-            late["undo_masters"][0],
-            0,
-            late["undo_masters"][0],
-        ], late
+        for name, words in (
+            ("install fails on rank 1, fresh optimizer", "injected failure after install on rank 1"),
+            ("finish fails on rank 1, fresh optimizer", "injected failure in the finish phase on rank 1"),
+        ):
+            late = o[name]  # every tensor and counter as before the load, with nothing copied to get there
+            assert words in late["error"] and late["changed"] is None and not late["rng_changed"], late
+            # every master remade from the restored parameters (none kept, none copied), no state
+            # to copy, every adapter parameter swapped with its verified buffer
+            n = late["undo_masters"][0]
+            assert n > 0 and late["undo_masters"] == [n, n, 0], late
+            assert late["undo_copied"] == 0 and late["undo_swapped"] > 0, late
         late = o[stepped]  # every tensor (masters and moments included) and counter as before the load
         assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
         assert late["undo_masters"][0] > 0 and late["undo_masters"][1:] == [0, late["undo_masters"][0]], late
+        assert late["undo_swapped"] > 0, late
     assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
     for o in sane:
         late = o["finish fails on rank 1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import struct
@@ -313,3 +314,33 @@ def test_a_large_read_buffer_is_private_memory_not_shared_with_a_forked_process(
     assert buf[:4] == b"\0\0\0\0", "the child's write reached the parent: the buffer is shared memory"
     small = storage.large_buffer(16)
     assert isinstance(small, bytearray) and bytes(small) == bytes(16)
+
+
+def _resident_kib(buffer) -> int:
+    """KiB of `buffer`'s mapping resident in memory (its `Rss` line in /proc/self/smaps)."""
+    start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    with open("/proc/self/smaps") as handle:
+        lines = handle.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split()[0].split("-")[0] == f"{start:x}":
+            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
+    raise AssertionError("mapping not found")
+
+
+def test_zero_pages_of_a_read_buffer_go_back_and_read_back_as_zeros():
+    """`release_zero_pages`: the pages of a `large_buffer` map holding only zeros leave memory (a
+    load's adapter buffer, once it holds a relaunch's zero LoRA B as their undo record), and every
+    byte reads back as it was; a page with one byte set stays; a bytearray is left alone."""
+    page = mmap.PAGESIZE
+    buf = storage.large_buffer(storage.ANONYMOUS_ABOVE + 300 * page + 100)
+    data = torch.frombuffer(buf, dtype=torch.uint8)
+    data.fill_(3)
+    data[page : 200 * page] = 0
+    data[100 * page + 7] = 1  # one byte in a zero run: that page stays
+    data[-(page + 100) :] = 0  # the last whole page and the partial one after it
+    before = data.clone()
+    resident = _resident_kib(buf)
+    assert storage.release_zero_pages(buf) == (99 + 99 + 1) * page
+    assert torch.equal(data, before)
+    assert resident - _resident_kib(buf) >= 199 * page // 1024 - 4, (resident, _resident_kib(buf))
+    assert storage.release_zero_pages(bytearray(2 * page)) == 0

@@ -366,6 +366,29 @@ def large_buffer(nbytes: int):
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
+def release_zero_pages(buffer) -> int:
+    """Give the pages of a `large_buffer` memory map that hold only zero bytes back to the operating
+    system, and return how many bytes that was (0 for any other buffer). Nothing it holds changes:
+    a private anonymous map reads a released page back as zeros. A load's adapter buffer holds, once
+    swapped into the parameters, their old bytes: a relaunch's zero-initialised LoRA B matrices."""
+    if not isinstance(buffer, mmap.mmap) or len(buffer) < mmap.PAGESIZE:
+        return 0
+    torch = _torch()
+    page, chunk = mmap.PAGESIZE, 256  # pages looked at together
+    pages = len(buffer) // page
+    words = torch.frombuffer(buffer, dtype=torch.int64, count=pages * page // 8).view(pages, page // 8)
+    released, run = 0, None  # run: the first page of the current run of zero pages
+    for first in range(0, pages + 1, chunk):
+        zero = (~words[first : first + chunk].any(dim=1)).tolist() if first < pages else []
+        for i, empty in enumerate([*zero, False] if first + chunk > pages else zero):
+            if empty and run is None:
+                run = first + i
+            elif not empty and run is not None:
+                buffer.madvise(mmap.MADV_DONTNEED, run * page, (first + i - run) * page)
+                released, run = released + (first + i - run) * page, None
+    return released
+
+
 def _open_checked(path: Path) -> tuple[int, os.stat_result]:
     """`open_regular` for a check: its refusal of what is not a regular file (a FIFO, a link, a
     file swapped while being opened) is damage of that file."""
@@ -999,17 +1022,21 @@ def read_ranges(
         items = [(tuple(item), True) for item in wanted] + [(tuple(item), False) for item in check_only]
         spans = {item: byte_range(index, item) for item, _ in items}
         source.will_need(spans.values())
-        # one reused buffer for the ranges verified and not kept, and for the spans of the strided
-        # ranges kept (their rows are then copied out, compact: the elements between rows are
-        # verified with their blocks, never kept)
-        passing = [spans[item] for item, kept in items if not kept or strided_rows(item) is not None]
-        scratch = large_buffer(max((end - begin for begin, end in passing), default=0))
+        # one reused buffer for the spans of the strided ranges kept (their rows are then copied
+        # out, compact: the elements between rows are verified with their blocks, never kept), and
+        # for the ranges verified and not kept, which pass through it a block at a time
+        strided = [e - b for item, kept in items if kept and strided_rows(item) is not None for b, e in [spans[item]]]
+        checked = [min(e - b, index.block_bytes) for item, kept in items if not kept for b, e in [spans[item]]]
+        scratch = large_buffer(max(strided + checked, default=0))
         out = {}
         for item, kept in sorted(items, key=lambda entry: spans[entry[0]]):
             begin, end = spans[item]
             tag = index.tensors[item[0]][0]
             dtype, itemsize = getattr(torch, _DTYPES[tag][0]), _DTYPES[tag][1]
-            rows = strided_rows(item) if kept else None
+            if not kept:
+                _check_by_blocks(source, begin, end, dtype, itemsize, tag in _FLOAT_TAGS, item[0], scratch)
+                continue
+            rows = strided_rows(item)
             buf = allocate(end - begin) if kept and rows is None else memoryview(scratch)[: end - begin]
             source.read(begin, end, memoryview(buf))
             tensor = torch.frombuffer(buf, dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
@@ -1028,6 +1055,22 @@ def read_ranges(
         return out, metadata
     finally:
         os.close(fd)
+
+
+def _check_by_blocks(source: _BlockFile, begin: int, end: int, dtype, itemsize: int, floating: bool, name, scratch):
+    """Verify bytes `[begin, end)` of one tensor (whole elements), not kept: a block at a time through
+    `scratch` (each piece ends at a block's end, so whole blocks are read straight into it), every
+    floating element checked finite. Memory: one block, however long the range."""
+    torch = _torch()
+    block, pos = source.index.block_bytes, begin
+    while pos < end:
+        boundary = (pos // block + 1) * block  # the end of the block `pos` lies in
+        stop = end if boundary >= end else pos + max(itemsize, (boundary - pos) // itemsize * itemsize)
+        view = memoryview(scratch)[: stop - pos]
+        source.read(pos, stop, view)
+        if floating and not all_finite(torch.frombuffer(view, dtype=dtype)):
+            raise GenerationDamaged(f"tensor {name!r} holds NaN or Inf")
+        pos = stop
 
 
 def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:

@@ -18,6 +18,15 @@ size as what it holds): the price of rolling back a late failure bit for bit the
 the state a load replaces instead of writing (`replaced`: a DistributedOptimizer's moments, and
 its masters on the CPU that are not views of fp32 parameters, see `ChildFamily.replaces` and
 `child.master_replaceable`): those old tensors are kept as they are, for nothing writes them.
+
+A master that can be remade is remade, even where the load replaces it: its old data then goes
+back as soon as the install replaces it. So a load into an optimizer that never stepped (every
+relaunch) keeps no copy of optimizer state at all: no state to copy, every master remade.
+
+The adapter parameters are not copied either where the load applies a verified buffer of their
+own dtype and shape (`capture(..., incoming=...)`, then `write_params`): each parameter and its
+buffer swap contents, a chunk at a time, so that buffer holds the old bytes and `restore` copies
+them back. The load's read of the adapter becomes its undo record: one adapter's bytes, not two.
 """
 
 from __future__ import annotations
@@ -30,13 +39,17 @@ import torch
 
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, master_replaceable
 
-_COMPARE_ELEMENTS = 1 << 20  # a master is compared with its parameter this many elements at a time
+_COMPARE_ELEMENTS = 1 << 16  # a master is compared with its parameter this many elements at a time
 _PREFIX_ELEMENTS = 1 << 12  # ... after its first elements (a master that has stepped differs there)
+_SWAP_ELEMENTS = 1 << 16  # a parameter and its incoming buffer swap contents this many elements at a time
 
 
 @dataclass
 class UndoRecord:
     params: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, copy)
+    # id(live parameter) -> [live, the buffer `write_params` swaps into it, elements swapped so far]:
+    # the swapped elements' old bytes are in the buffer (see the module docstring)
+    swaps: dict[int, list] = field(default_factory=dict)
     # (inner optimizer, state, groups, masters: [(live master, its copy, the parameter elements it
     # is remade from, or its old data, kept: bool)])
     children: list[tuple] = field(default_factory=list)
@@ -44,13 +57,22 @@ class UndoRecord:
     rng_before: object = None  # the loader's RNG states before the load (`core.rng_state.RngState`), if restored
 
     @classmethod
-    def capture(cls, adapter_params, children, scheduler, replaced: dict | None = None) -> UndoRecord:
+    def capture(
+        cls, adapter_params, children, scheduler, replaced: dict | None = None, incoming: dict | None = None
+    ) -> UndoRecord:
         """Record what a load may change. `replaced`: `{id(child): state keys}` the load puts new
         tensors under without writing the old ones (`chain.replaced_keys`): those are kept, not
         copied; `MASTER_KEY` among them: so are the masters it gives new data
-        (`child.master_replaceable`)."""
+        (`child.master_replaceable`) and cannot remake. `incoming`: `{id(parameter): the tensor
+        the load writes into it}`, through `write_params`: a parameter whose tensor can swap with
+        it (`_swappable`) is not copied."""
         record = cls()
-        record.params = [(p, p.detach().clone()) for p in adapter_params]
+        for p in adapter_params:
+            buffer = (incoming or {}).get(id(p))
+            if buffer is not None and _swappable(p, buffer):
+                record.swaps[id(p)] = [p, buffer, 0]
+            else:
+                record.params.append((p, p.detach().clone()))
         for child in children:
             inner = child.optimizer
             kept = set((replaced or {}).get(id(child), ()))
@@ -70,10 +92,38 @@ class UndoRecord:
             record.scheduler = (scheduler, attributes)
         return record
 
+    def write_params(self, params: dict, saved: dict) -> None:
+        """Write `saved[name]` into each parameter `params[name]`: a swap where `capture` recorded
+        one (the parameter's old bytes go to the saved tensor's place), else a copy."""
+        with torch.no_grad():
+            for name, param in params.items():
+                swap = self.swaps.get(id(param))
+                if swap is None or swap[1] is not saved[name]:
+                    param.data.copy_(saved[name])
+                    continue
+                live, buffer = param.detach().view(-1), swap[1].view(-1)
+                for start in range(0, live.numel(), _SWAP_ELEMENTS):
+                    mine, theirs = live[start : start + _SWAP_ELEMENTS], buffer[start : start + _SWAP_ELEMENTS]
+                    old = mine.clone()
+                    mine.copy_(theirs)
+                    theirs.copy_(old)
+                    swap[2] = start + mine.numel()  # these elements' old bytes are in the buffer now
+
+    def copied_bytes(self) -> int:
+        """Bytes this record copied to be able to restore (the swapped buffers, the kept and the
+        remade masters are not copies)."""
+        tensors = [saved for _, saved in self.params]
+        for _, state, _, masters in self.children:
+            tensors += [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            tensors += [saved for live, saved, kept in masters if not kept and not _shares(saved, live)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def restore(self) -> None:
         with torch.no_grad():
             for live, saved in self.params:  # first: masters may be remade from these
                 live.copy_(saved)
+            for live, buffer, done in self.swaps.values():
+                live.detach().view(-1)[:done].copy_(buffer.view(-1)[:done])
             for inner, state, (group_list, group_values), masters in self.children:
                 inner.state = defaultdict(dict, {p: dict(s) for p, s in state.items()})
                 for group, values in zip(group_list, group_values, strict=True):
@@ -88,6 +138,26 @@ class UndoRecord:
         if self.scheduler is not None:
             scheduler, attributes = self.scheduler
             vars(scheduler).update(attributes)
+
+
+def _swappable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `param` and the tensor a load writes into it can swap contents: same dtype, shape and
+    device, both contiguous, no storage in common."""
+    return (
+        isinstance(buffer, torch.Tensor)
+        and buffer.dtype == param.dtype
+        and buffer.shape == param.shape
+        and buffer.device == param.device
+        and buffer.is_contiguous()
+        and param.is_contiguous()
+        and not buffer.requires_grad
+        and buffer.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+    )
+
+
+def _shares(saved: torch.Tensor, live: torch.Tensor) -> bool:
+    """Whether a master's undo `saved` is no copy: a model parameter's elements it is remade from."""
+    return saved._base is not None or saved.data_ptr() == live.data_ptr()
 
 
 def _copy(value):
@@ -118,15 +188,15 @@ def refresh_sources(child) -> dict[int, torch.Tensor]:
 
 
 def _undo_of_master(master: torch.Tensor, source: torch.Tensor | None, swapped: bool) -> tuple[torch.Tensor, bool]:
-    """`(what restores master, kept)`: with `swapped` (the load gives replaceable masters new data,
-    `child.master_replaceable`) and a master it replaces, the master's current data itself (kept:
-    nothing writes it); else `source` (the parameter elements the master is made from) if copying
-    it into `master` gives back `master`'s current bits exactly, compared a chunk at a time (no full
-    temporary); otherwise a copy of the master."""
+    """`(what restores master, kept)`: `source` (the parameter elements the master is made from) if
+    copying it into `master` gives back `master`'s current bits exactly, compared a chunk at a time
+    (no full temporary: a fresh optimizer's masters); else, with `swapped` (the load gives
+    replaceable masters new data, `child.master_replaceable`) and a master it replaces, the
+    master's current data itself (kept: nothing writes it); otherwise a copy of the master."""
+    if remade_exactly(master, source):  # first: a remade master's old data goes back once replaced
+        return source, False
     if swapped and source is not None and master_replaceable(master, source):
         return master.detach(), True
-    if remade_exactly(master, source):
-        return source, False
     return master.detach().clone(), False
 
 

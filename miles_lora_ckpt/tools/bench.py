@@ -19,11 +19,13 @@ More sections (`--sections`; default ratio,mem,scale,async, `distckpt` on reques
     mem     W=--mem-world (4) real processes with megatron's DistributedOptimizer (the sim harness,
             a LoRA whose one bucket is about --mem-bucket-mib MiB of fp32): after a training step,
             the DP root's peak RSS increase during a single-LoRA save, and during a load into a
-            fresh run, over the largest bucket's fp32 bytes:
-            `MEM peak_rss_increase/largest_bucket=<save> (save) ...` and
-            `MEM load peak_rss_increase/largest_bucket=<load> ...: the optimizer's own moments <m>,
-            the load's own <load - m> ...` (the moments are what the optimizer holds anyway from its
-            first step on; a fresh one allocates them when the load installs them)
+            fresh run (a relaunch: LoRA B zero, the optimizer never stepped) and into the live run
+            that saved, over the largest bucket's fp32 bytes:
+            `MEM peak_rss_increase/largest_bucket=<save> (save) ...`,
+            `MEM load peak_rss_increase/largest_bucket=<load> ..., a relaunch ...: the optimizer's own
+            moments <m>, the load's own <load - m> ...` (the moments are what the optimizer holds
+            anyway from its first step on; a fresh one allocates them when the load installs them)
+            and `MEM load peak_rss_increase/largest_bucket=<live> ..., a load into a live optimizer ...`
     scale   how the cost grows (`bench_scale`): at each world size of --scale-worlds (2,4,8) and each
             state size per DP root of --scale-sizes-mib (64), save and load time over raw I/O side
             by side, consensus time, manifest size and peak memory:
@@ -158,12 +160,21 @@ def _mem_section(args) -> None:
         f"{root['buckets']} bucket(s), {root['keys']} state keys"
     )
     print(
-        f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} on the DP root at W={args.mem_world}: "
+        f"MEM load peak_rss_increase/largest_bucket={load / bucket:.2f} on the DP root at W={args.mem_world}, "
+        "a relaunch (a fresh run, LoRA B zero as PEFT initialises it, its optimizer never stepped): "
         f"the optimizer's own moments (allocated to receive them) {moments / bucket:.2f}, the load's own "
-        f"{(load - moments) / bucket:.2f} (the adapter, {root['load_adapter_bytes'] / bucket:.2f}, read and "
-        "copied for undo; a same-layout load: its shard of the saved state, masters and moments, verified "
-        "at open and kept until installed, where on the CPU those buffers become the state; the masters' "
-        "old data kept, not copied, on undo)"
+        f"{(load - moments) / bucket:.2f} (the adapter, {root['load_adapter_bytes'] / bucket:.2f}, read, then "
+        "swapped with the parameters as their undo record, its zero pages given back; the masters' shard "
+        "verified at open and written in place, remade from the parameters on undo; the moments verified "
+        "at open a block at a time and read again into the buffers that become the state)"
+    )
+    live = root["live_load_peak_increase"]
+    print(
+        f"MEM load peak_rss_increase/largest_bucket={live / bucket:.2f} on the DP root at W={args.mem_world}, "
+        "a load into a live optimizer (the run that saved, stepped: a slot swap's case): the adapter swapped "
+        "with the parameters as their undo record; its shard of the saved state, masters and moments, "
+        "verified at open and kept until installed, where those buffers become the state; the old masters "
+        "and moments kept, not copied, on undo"
     )
 
 
@@ -257,8 +268,22 @@ def mem_job(payload: dict, ctx) -> dict:
         for bucket in buffer.buckets
     ]
     keys = len(next(s for s in run.optimizer.chained_optimizers[0].optimizer.state.values() if s)) - 1
+    live = lambda: load_lora_checkpoint(  # noqa: E731
+        run.model, root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler, consensus=consensus
+    )
+    live_increase = _peak_increase(live)  # into the optimizer that saved: live, stepped
     teardown(run)
     fresh = build_run(run.config)
+    # a relaunch: the sim's LoRA B starts small but not zero (so that adapters matter at step 0 in
+    # tests); PEFT and megatron-bridge initialise it to zero, the masters are made from it
+    with torch.no_grad():
+        for chunk in fresh.model:
+            for name, param in chunk.named_parameters():
+                if "lora_B" in name:
+                    param.zero_()
+    for child in leaf_children(fresh.optimizer):
+        if not child.is_stub:
+            child.optimizer.reload_model_params()
     load = lambda: load_lora_checkpoint(  # noqa: E731
         fresh.model, root, optimizer=fresh.optimizer, opt_param_scheduler=fresh.scheduler, consensus=consensus
     )
@@ -280,6 +305,7 @@ def mem_job(payload: dict, ctx) -> dict:
     return {
         "save_peak_increase": save_increase,
         "load_peak_increase": load_increase,
+        "live_load_peak_increase": live_increase,
         "load_adapter_bytes": adapter_bytes,
         "load_new_state_bytes": state_bytes,
         "largest_bucket_bytes": max(buckets),

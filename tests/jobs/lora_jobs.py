@@ -238,6 +238,10 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
                 ),
                 sum(kept for _, _, kept in masters),
             ],
+            # bytes the undo record copied (`UndoRecord.copied_bytes`), and the adapter parameters
+            # it swapped with their verified buffers instead of copying them
+            "undo_copied": sum(record.copied_bytes() for record in records),
+            "undo_swapped": sum(len(record.swaps) for record in records),
         }
     return outcomes
 

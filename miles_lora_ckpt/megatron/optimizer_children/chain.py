@@ -26,6 +26,7 @@ from miles_lora_ckpt.megatron.optimizer_children.child import (
     Child,
     has_state,
     leaf_children,
+    never_stepped,
     optimizer_kind,
     resolve_state_keys,
 )
@@ -86,6 +87,7 @@ def describe(optimizer, model, coords: Coordinates, indices=None, *, saving: boo
                 "kind": optimizer_kind(child.optimizer),
                 "keys": list(resolve_state_keys(child.optimizer)),
                 "has_state": has_state(child.optimizer),
+                "never_stepped": never_stepped(child.optimizer),
                 **family.describe(child, coords, names, saving),
             }
         )

@@ -125,6 +125,13 @@ def has_state(child) -> bool:
     return any(bool(s) for s in child.optimizer.state.values())
 
 
+def never_stepped(child) -> bool:
+    """Whether this rank's inner optimizer never stepped: no per-parameter state allocated, and
+    every param group's step counter (where it keeps one) zero. A load into a child that never
+    stepped on any rank has no optimizer state to undo (`megatron.undo`)."""
+    return not has_state(child) and all(not group.get("step") for group in child.optimizer.param_groups)
+
+
 def resolve_state_keys(child) -> tuple[str, ...]:
     """The per-element tensor state keys this child's optimizer keeps per parameter (never the master).
 

@@ -396,7 +396,7 @@ def replace_state(child, key: str, layout: BucketLayout, parts: list, allocated:
         child.optimizer.state[main_param][key] = tensor
 
 
-def replace_masters(child, layout: BucketLayout, parts: list) -> None:
+def replace_masters(child, layout: BucketLayout, parts: list, in_place: bool = False) -> None:
     """Install one bucket's fp32 masters from `(offset in this rank's shard of the bucket, tensor, its
     element count, rows)` parts, never writing into a master `master_replaceable` allows to replace
     (`undo.UndoRecord` keeps its old data, not a copy, see `replaces`): megatron holds each master
@@ -405,7 +405,8 @@ def replace_masters(child, layout: BucketLayout, parts: list) -> None:
     when the master's elements are one whole verified buffer (`_view_of_one_part`: a same-layout
     load on the CPU, nothing to copy or read back), else a new tensor the parts are copied into and
     read back (`_copy_parts`). A master that is its fp32 parameter's own elements is written in
-    place, and read back."""
+    place, and read back; with `in_place` (a child that never stepped, see `_Restore`) every master
+    is: the verified buffer then goes back, where new data would leave the old in the heap."""
     fresh: dict = {}  # master -> its new data
     spans = []  # (start, end, destination) of the masters that are copied into
     whole = sorted(((o, c, t) for o, t, c, rows in parts if rows is None), key=lambda p: p[0])
@@ -415,7 +416,7 @@ def replace_masters(child, layout: BucketLayout, parts: list) -> None:
         start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
         if main_param.numel() != end - start:
             raise ValueError(f"an fp32 master holds {main_param.numel()} elements, its shard {end - start}")
-        if not master_replaceable(main_param, model_param):
+        if in_place or not master_replaceable(main_param, model_param):
             spans.append((start, end, main_param))
             continue
         view = _view_of_one_part(whole, starts, start, end, main_param)
@@ -572,6 +573,9 @@ class _Restore:
     groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
     # `(id(master), key)` of the state tensors `allocate` made (the optimizer held none before)
     allocated: frozenset = frozenset()
+    # the child never stepped on any rank (`child.never_stepped`): its masters are the cast of the
+    # parameters, which the undo record remakes them from, so `install` writes them in place
+    never_stepped: bool = False
 
 
 class DistributedFamily:
@@ -633,15 +637,23 @@ class DistributedFamily:
         verified once per load, at open, and the masters' cross-check (preflight) and `install` use
         those verified buffers, so the load holds this rank's shard of the optimizer state once
         beyond what the optimizer holds (`install` gives each master's back once it is copied, and
-        the moments' become the new state)."""
+        the moments' become the new state).
+
+        Into a child that never stepped on any rank (a relaunch: `never_stepped`, the same answer
+        on every rank) the moments are verified at open but not kept (`PartialRead(keep=False)`),
+        and `install` reads each again, verified again, into the buffer that becomes the state:
+        the load then holds the adapter, the masters' shard and one moment range at a time, not
+        the whole shard beyond what the optimizer holds."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
+        defer = all(d is None or d.get("never_stepped") for d in described)
         keys = (MASTER_KEY, *mine["keys"])
-        requests: dict[str, set] = {}
+        requests: dict[tuple[str, bool], set] = {}
         for _, piece, first, stop, _ in reads_for(pieces, mine):
             for k in keys:
-                requests.setdefault(piece.file, set()).add((f"{piece.prefix}.{k}", first, stop))
-        return [PartialRead(file, tuple(sorted(ranges))) for file, ranges in sorted(requests.items())]
+                keep = k == MASTER_KEY or not defer
+                requests.setdefault((piece.file, keep), set()).add((f"{piece.prefix}.{k}", first, stop))
+        return [PartialRead(file, tuple(sorted(ranges)), keep) for (file, keep), ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
         mine = described[view.rank]
@@ -683,7 +695,8 @@ class DistributedFamily:
                 ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
-        return _Restore(read.keys, state, buckets, groups)
+        never_stepped = all(d is None or d.get("never_stepped") for d in described)
+        return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
     def allocate(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
@@ -712,8 +725,9 @@ class DistributedFamily:
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
         """The state keys `install` replaces with new tensors instead of writing into the old ones:
         every moment, and `MASTER_KEY`: the masters `master_replaceable` allows get new data
-        (`replace_masters`: megatron holds the master objects in its own lists, so those stay)."""
-        return (MASTER_KEY, *restore.keys)
+        (`replace_masters`: megatron holds the master objects in its own lists, so those stay);
+        not into a child that never stepped, whose masters `install` writes in place."""
+        return restore.keys if restore.never_stepped else (MASTER_KEY, *restore.keys)
 
     def install(self, child: Child, restore: _Restore, received: None) -> None:
         """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
@@ -730,7 +744,7 @@ class DistributedFamily:
                     for piece, source, first, stop, offset, rows in pieces
                 ]
                 if key == MASTER_KEY:
-                    replace_masters(opt, layout, parts)
+                    replace_masters(opt, layout, parts, in_place=restore.never_stepped)
                 else:
                     replace_state(opt, key, layout, parts, restore.allocated)
                 del parts
@@ -744,6 +758,8 @@ def _forget(source, wanted) -> None:
     goes back once it is copied."""
     if isinstance(source, dict):
         source.pop(tuple(wanted), None)
+    elif hasattr(source, "drop"):  # `protocol.DeferredRanges`: some ranges kept, others read again
+        source.drop(wanted)
 
 
 def range_key(piece: Piece, key: str, first: int, stop: int, rows) -> tuple:

@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import content_rules, faults, native_dist, rng_state
+from miles_lora_ckpt.core import content_rules, faults, native_dist, rng_state, storage
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
@@ -259,7 +259,7 @@ def _load(
     consensus.agree("record", undo.map(lambda _: None))
     try:
         # apply: adapter weights, and optimizer state allocated for the children being restored
-        consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value, opened))
+        consensus.agree("apply", attempt(_apply_adapter_and_allocate, request, plan.value, opened, undo.value))
 
         # install: every rank its own verified ranges, bucket by bucket (no scatter from a DP
         # root), into masters, moments and param groups, then read back bit for bit
@@ -572,21 +572,27 @@ def _capture_undo(request: LoadRequest, plan: LoadPlan) -> UndoRecord:
     ]
     # the moments a DistributedOptimizer install replaces are kept as they are, not copied
     replaced = chain.replaced_keys(request.optimizer, plan.restore_children)
-    undo = UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler, replaced)
+    # each adapter parameter swaps contents with its verified saved tensor at apply: that buffer
+    # then holds the old bytes, and nothing is copied for them (`UndoRecord.write_params`)
+    incoming = {id(param): saved[name] for params, saved in plan.adapter for name, param in params.items()}
+    undo = UndoRecord.capture(request.adapter_params().values(), touched, request.scheduler, replaced, incoming)
     # the RNG states this rank holds now, set back if the load fails after they were restored
     undo.rng_before = rng_state.capture(rng_tracker.capture()) if plan.rng is not None else None
     return undo
 
 
-def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened) -> None:
+def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened, undo: UndoRecord) -> None:
     faults.point("after-preflight", request.rank)
     for params, saved in plan.adapter:
-        shards.copy_into(params, saved)
-    # the saved adapter is in the parameters now (their old bytes in the undo record): its read
-    # buffer goes before the optimizer allocates, so the two never add up (bounded memory)
+        undo.write_params(params, saved)
+    # the saved adapter is in the parameters now (their old bytes in the undo record: swapped
+    # into the read buffer, which the record now holds, or copied): the load's own references go
+    # before the optimizer allocates (bounded memory)
     plan.adapter.clear()
     for file in (shards.dense_file(request.coords), shards.expert_file(request.coords)):
-        opened.files.pop(file, None)
+        checked = opened.files.pop(file, None)
+        if checked is not None:  # what it holds now that is zero (a relaunch's LoRA B) takes no memory
+            storage.release_zero_pages(checked.buffer)
     chain.allocate(request.optimizer, plan.restore_children)
 
 
