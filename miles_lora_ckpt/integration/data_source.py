@@ -278,14 +278,22 @@ class CheckpointedDataSource:
         )
 
 
+def generation_at(paths: list[Path], iteration: int) -> Path | None:
+    """The first of `paths` (committed generations, newest first) that is intact and holds
+    `iteration`, or None."""
+    for path in paths:
+        generation = check_structure(path)
+        if generation.manifest is not None and generation.manifest.iteration == iteration and not generation.problems:
+            return path
+    return None
+
+
 def committed_generation(root: Path, rollout: int) -> Path:
     """The newest intact committed generation of `root` whose rollout is `rollout` (the one the
     train side resumed from), or DataStateRefused."""
-    paths, _ = committed_candidates(root)
-    for path in paths:
-        generation = check_structure(path)
-        if generation.manifest is not None and generation.manifest.iteration == rollout and not generation.problems:
-            return path
+    path = generation_at(committed_candidates(root)[0], rollout)
+    if path is not None:
+        return path
     raise DataStateRefused(
         f"{root} has no intact committed generation of rollout {rollout}, the rollout the train side resumed from: "
         "the data source refuses to start from another rollout's state"

@@ -35,7 +35,7 @@ from miles_lora_ckpt.core import data_state
 from miles_lora_ckpt.core.errors import NotACheckpoint
 from miles_lora_ckpt.core.verify import check_file_content, check_structure, committed_candidates
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
-from miles_lora_ckpt.integration.data_source import Codec, codec_for, load_object
+from miles_lora_ckpt.integration.data_source import Codec, codec_for, generation_at, load_object
 from miles_lora_ckpt.integration.data_state import MULTI_HOOK, DataStateRefused
 
 log = logging.getLogger("miles_lora_ckpt.integration")
@@ -76,10 +76,9 @@ def _committed(root: Path) -> list[Path]:
 
 def slot_generation(root: Path, step: int, name: str) -> Path:
     """The newest intact committed generation of the slot root `root` at step `step`, or DataStateRefused."""
-    for path in _committed(root):
-        generation = check_structure(path)
-        if generation.manifest is not None and generation.manifest.iteration == step and not generation.problems:
-            return path
+    path = generation_at(_committed(root), step)
+    if path is not None:
+        return path
     raise DataStateRefused(
         f"{root} has no intact committed generation of step {step}, the step adapter {name} resumed at: its data "
         "source refuses to start from another step's state"
