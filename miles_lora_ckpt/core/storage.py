@@ -552,6 +552,17 @@ class LazyTensor:
     shape: tuple[int, ...]
     produce: Callable[[], torch.Tensor]
 
+    def produced(self, name: str) -> torch.Tensor:
+        """`produce()`'s tensor, checked against the announced dtype and shape (ValueError naming
+        tensor `name` otherwise)."""
+        tensor = self.produce()
+        if tensor.dtype != self.dtype or tuple(tensor.shape) != tuple(self.shape):
+            raise ValueError(
+                f"tensor {name!r}: produced {tensor.dtype}{list(tensor.shape)}, announced "
+                f"{self.dtype}{list(self.shape)}"
+            )
+        return tensor
+
 
 def save_tensors(
     path: Path,
@@ -607,15 +618,7 @@ def _slices(name: str, spec, *, check_finite: bool):
     """The tensor's bytes in cache-sized slices, each checked for finiteness just before it is
     hashed and written, so the data crosses memory once instead of once per pass. A `LazyTensor`
     is produced here, when its turn comes, and released when its last slice is written."""
-    if isinstance(spec, LazyTensor):
-        tensor = spec.produce()
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
-            raise ValueError(
-                f"tensor {name!r}: produced {tensor.dtype}{list(tensor.shape)}, announced "
-                f"{spec.dtype}{list(spec.shape)}"
-            )
-    else:
-        tensor = spec
+    tensor = spec.produced(name) if isinstance(spec, LazyTensor) else spec
     tensor = tensor.detach().cpu().contiguous()
     flat = tensor.reshape(-1)
     step = max(1, SLICE_BYTES // max(1, tensor.element_size()))

@@ -230,12 +230,7 @@ class HostCopier:
     def copy(self, name: str, tensor):
         """A host copy of `tensor` (a `LazyTensor` is produced first, and checked against its announced shape)."""
         if isinstance(tensor, LazyTensor):
-            produced = tensor.produce()
-            if produced.dtype != tensor.dtype or tuple(produced.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"tensor {name!r}: produced {produced.dtype}{list(produced.shape)}, announced "
-                    f"{tensor.dtype}{list(tensor.shape)}"
-                )
+            produced = tensor.produced(name)
             if not produced.is_cuda:
                 return produced.detach().to("cpu")  # a fresh tensor (on CPU already: no second copy)
             return self._from_device(produced.detach())
