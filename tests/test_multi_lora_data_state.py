@@ -169,3 +169,15 @@ def test_a_v1_adapter_stages_in_its_save_directory_and_resumes_from_its_checkpoi
     assert data_state.staged_rollouts(tmp_path / "a") == [2]  # below v1's newest committed step: removed
     ADAPTERS["a"] = _adapter(tmp_path, "a", 2)
     assert _draw(_source()[1], 2) == {"a": [4, 5]}
+
+
+def test_a_slot_root_holding_only_a_killed_first_saves_staging_has_no_step(tmp_path):
+    from miles_lora_ckpt.integration.multi_lora_data_source import newest_committed_step
+
+    ADAPTERS["a"] = _adapter(tmp_path, "a")
+    _, source = _source()
+    _draw(source, 2)
+    (tmp_path / "a" / ".staging-00000000000000aa").mkdir()  # the first save, killed: nothing committed
+    assert newest_committed_step(tmp_path / "a") is None
+    source.save(0)  # the rollout side goes on
+    assert data_state.staged_rollouts(tmp_path / "a") == [1]
