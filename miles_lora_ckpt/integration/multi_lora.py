@@ -9,7 +9,9 @@ broadcast attempt directories, reader names swapped atomically).
 Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`, reader names `step_N`):
 
     save_multi_lora_checkpoints   each adapter's slot saved at its step: adapter, its children's fp32
-                                  masters, moments, steps, param groups, its scheduler; `step_N` a link
+                                  masters, moments, steps, param groups, its scheduler; `step_N` a link;
+                                  with the plugin's multi-LoRA data source, the adapter's data state
+                                  staged for that step (in the adapter's save directory) committed in it
     find_latest_checkpoint        the newest intact generation's step, agreed: `(root/step_N, N)`
     _register_adapter             Miles' own slot init, then the slot resumed (with its optimizer
                                   state while `load_adapters` runs; weights only otherwise); the
@@ -19,7 +21,8 @@ Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`
                                   are restored exactly, or a fresh slot's refreshed from its own params);
                                   then each resumed slot's scheduler, which Miles' `install_slot_scheduler`
                                   repositioned from the resumed step, gets its saved state (as v2 does)
-    _deregister_adapter           retire: the final save (the same step again replaces it atomically),
+    _deregister_adapter           retire: the final save (the same step again replaces it atomically;
+                                  the adapter's staged data state committed as above),
                                   then the slot cleared, its children reset, its grads and scheduler dropped;
                                   co-tenant masters never refreshed from bf16
 
@@ -204,6 +207,7 @@ def multi_lora_save(original: Callable, target) -> Callable:
             if root is None:
                 continue
             step = int(adapter_steps[name])
+            rollout_data = _staged_slot_data_state(runtime.current(), root.parent, step, adapter.slot)
             saver.save_slot_checkpoint(
                 model,
                 args,
@@ -218,6 +222,7 @@ def multi_lora_save(original: Callable, target) -> Callable:
                 reader_names=[saver.v1_step_name(step)],
                 peft=_adapter_export(adapter),
                 peft_prefix=PEFT_PREFIX,
+                data_state=rollout_data,
             )
             log.info("miles-lora-ckpt: adapter %s (slot %d) saved at step %d in %s", name, adapter.slot, step, root)
 
@@ -385,6 +390,7 @@ def multi_lora_deregister(original: Callable, target) -> Callable:
 
         if getattr(args, "save_interval", None) and root is not None:
             step = int(adapter.step)
+            rollout_data = _staged_slot_data_state(runtime.current(), root.parent, step, slot)
             saver.retire_slot(
                 model,
                 args,
@@ -400,6 +406,7 @@ def multi_lora_deregister(original: Callable, target) -> Callable:
                 clear_slot=clear,
                 peft=_adapter_export(adapter),
                 peft_prefix=PEFT_PREFIX,
+                data_state=rollout_data,
             )
             log.info("miles-lora-ckpt: adapter %s (slot %d) retired at step %d", adapter.name, slot, step)
         else:
@@ -468,7 +475,8 @@ def slot_save(original: Callable, target) -> Callable:
 
 
 def _staged_slot_data_state(rt, root: Path, step: int, slot: int) -> dict | None:
-    """Collective: rank 0 takes the adapter's data state staged for this step (`integration.data_state`);
+    """Collective: rank 0 takes the adapter's data state staged for this step under `root` (the
+    adapter's save directory: v2's slot root, the parent of v1's `checkpoints`; `integration.data_state`);
     a refusal raises on every rank before anything is written. Only rank 0 keeps the state."""
     consensus = Consensus.default()
     outcome = Outcome.success()

@@ -12,14 +12,15 @@ names and passes every call on, except:
 
 - `create_source(adapter)` (the wrapped class's `reconcile` builds every source through it): the
   stock source, then, when the adapter resumed at step S > 0 (the controller's step after its slot
-  was loaded), its state from the slot's committed generation of step S (`<adapter save>`, the slot
-  root of `{save}/<name>`), never from another step's; a generation without a data state warns and
+  was loaded), its state from the slot's committed generation of step S (the slot root: Miles v1's
+  `<adapter save>/checkpoints`, or v2's `<adapter save>`), never from another step's; a generation without a data state warns and
   the source starts over. Staged states of steps > S (drawn before a kill, never committed) are
   removed. A source class whose state the plugin does not understand is refused, as single-LoRA.
 - every draw: the adapter's groups are counted; when its count reaches k * (its
   `adapter_global_batch_size / n_samples_per_prompt`), the draw of its step k is complete, and the
-  state of its source is staged, sealed, as step k in the slot root (`core.data_state.stage`). The
-  slot save of step k commits it inside the slot generation (`integration.multi_lora`). Groups handed
+  state of its source is staged, sealed, as step k in the adapter's save directory
+  (`core.data_state.stage`). The slot save of step k (v1 periodic or retire, v2 `save_slot`) commits
+  it inside the slot generation (`integration.multi_lora`). Groups handed
   back (`add_samples`) are counted off: they are drawn again.
 - `save(rollout_id)`: no pickle is written; staged states below each slot's newest committed step
   are removed (that step's own stays: a retire saves the same step again). `load(rollout_id)`: nothing (each source restores when it is built).
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_lora_ckpt.core import data_state
-from miles_lora_ckpt.core.errors import NotACheckpoint
+from miles_lora_ckpt.core.errors import NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.verify import check_file_content, check_structure, committed_candidates
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.data_source import Codec, codec_for, generation_at, load_object
@@ -46,7 +47,7 @@ class AdapterSource:
     """What the plugin keeps of one adapter's source: where it stages, how it reads the state."""
 
     name: str
-    root: Path | None  # the slot root (the adapter's save directory)
+    root: Path | None  # the adapter's save directory: where its states are staged (`slot_roots`)
     groups_per_step: int
     codec: Codec
     source_path: str
@@ -66,28 +67,46 @@ def groups_per_step(adapter, args) -> int:
     return samples // per_prompt
 
 
+V1_SLOT_DIR = "checkpoints"  # Miles v1 keeps an adapter's slot root in `<adapter save>/checkpoints`
+
+
 def _committed(root: Path) -> list[Path]:
     """The committed-looking generations of `root`, newest first (none while nothing is committed)."""
     try:
         return committed_candidates(root)[0]
-    except NotACheckpoint:  # only staged data states so far
+    except (NotACheckpoint, NothingCommitted):  # only staged data states, or a killed first save's staging
         return []
 
 
-def slot_generation(root: Path, step: int, name: str) -> Path:
-    """The newest intact committed generation of the slot root `root` at step `step`, or DataStateRefused."""
-    path = generation_at(_committed(root), step)
+def slot_roots(save: Path) -> tuple[Path, Path]:
+    """Where an adapter's slot generations may be: Miles v1's `<save>/checkpoints`, then v2's `<save>`
+    (the directory of the path `save_slot` names). Its data states are staged in `<save>` in both."""
+    return save / V1_SLOT_DIR, save
+
+
+def _slot_committed(save: Path) -> list[Path]:
+    """The committed-looking generations of the adapter's slot root (v1's first, where it has any)."""
+    for root in slot_roots(save):
+        if candidates := _committed(root):
+            return candidates
+    return []
+
+
+def slot_generation(save: Path, step: int, name: str) -> Path:
+    """The newest intact committed generation at step `step` of the slot root of the adapter whose
+    save directory is `save`, or DataStateRefused."""
+    path = generation_at(_slot_committed(save), step)
     if path is not None:
         return path
     raise DataStateRefused(
-        f"{root} has no intact committed generation of step {step}, the step adapter {name} resumed at: its data "
-        "source refuses to start from another step's state"
+        f"{save} (nor {save / V1_SLOT_DIR}) has no intact committed generation of step {step}, the step adapter "
+        f"{name} resumed at: its data source refuses to start from another step's state"
     )
 
 
-def newest_committed_step(root: Path) -> int | None:
-    """The step of the newest intact committed generation of `root` (None if none)."""
-    for path in _committed(root):
+def newest_committed_step(save: Path) -> int | None:
+    """The step of the newest intact committed generation of the adapter's slot root (None if none)."""
+    for path in _slot_committed(save):
         generation = check_structure(path)
         if generation.manifest is not None and not generation.problems:
             return int(generation.manifest.iteration)

@@ -38,11 +38,13 @@ def retire_slot(
     reader_names: Sequence[str] = (),
     clear_slot: Callable[[], None] | None = None,
     peft_prefix: str = GENERATION_SUBDIR,
+    data_state: dict | None = None,
 ) -> str:
     """Collective. The final save of a leaving slot, then its state cleared; returns the generation.
 
-    Saves exactly as `save_slot_checkpoint` (same arguments; a step already saved gets a new
-    generation and its reader links are swapped atomically). Only after that save is published on
+    Saves exactly as `save_slot_checkpoint` (same arguments, `data_state` included: the adapter's
+    data state at `step`; a step already saved gets a new generation and its reader links are
+    swapped atomically). Only after that save is published on
     every rank: `clear_slot()` (the caller's, e.g. Miles' `clear_adapter_slot`; on every rank) and
     `reset_slot_optimizer(optimizer, optimizer_children, model)`. A failed save raises before
     anything is cleared. The scheduler is the caller's to drop.
@@ -63,6 +65,7 @@ def retire_slot(
         peft=peft,
         reader_names=reader_names,
         peft_prefix=peft_prefix,
+        data_state=data_state,
     )
     # clear: the slot's weights (the caller's), then its optimizer children only; agreed
     cleared = attempt(_clear, clear_slot, optimizer, optimizer_children, model)

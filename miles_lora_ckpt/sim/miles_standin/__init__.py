@@ -30,8 +30,9 @@ patch_megatron_model`, the context Miles runs Bridge calls in.
 Multi-LoRA (`--multi-lora-n-adapters N`, with the stand-in's `--multi-lora-config` naming the adapters):
 lora-utils-2026-08 has v1's `multi_lora_utils.py` and `multi_lora_scheduler.py` (contract §3),
 lora-package-2026-09 v2's `lora/checkpoint.py`, `lora/slots.py` and `lora/actor.py` (§10.2), and
-v2's per-adapter data source `rollout/multi_lora/data_source.py` (in no installable wheel: its
-`load` reaches no source at a relaunch, and a re-registered adapter's source starts over), each
+Miles' per-adapter data source `rollout/multi_lora/data_source.py` (both shapes' Miles have it; it is
+in no installable wheel: its `load` reaches no source at a relaunch, and a re-registered adapter's
+source starts over; kept in `common/multi_lora_data_source.py`, re-exported by the v2 tree), each
 with its stock defects; both run on the slot model `sim.multi_lora_model` (several adapter slots on
 one base linear, Miles' per-slot LayerWise chain) through the loop in `common/multi_lora.py`
 (`train_multi_lora_async.py`); `launch_multi_lora.launch_job` is its harness job.
