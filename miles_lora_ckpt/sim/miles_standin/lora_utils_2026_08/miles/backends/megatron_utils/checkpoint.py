@@ -13,6 +13,7 @@ from miles.backends.megatron_utils.lora_utils import (
     load_lora_adapter,
     save_lora_checkpoint,
 )
+
 from miles_lora_ckpt.sim.miles_standin.common import training
 from miles_lora_ckpt.sim.miles_standin.common.megatron_lm import get_args, save_checkpoint
 from miles_lora_ckpt.sim.miles_standin.common.megatron_lm import load_checkpoint as _load_checkpoint_megatron

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from miles.backends.megatron_utils.lora_utils import is_lora_model, save_lora_checkpoint
+
 from miles_lora_ckpt.sim.miles_standin.common import hf_merged
 from miles_lora_ckpt.sim.miles_standin.common.hf_merged import HF_EXPORT_COMPLETE_MARKER  # noqa: F401 (Miles' name)
 

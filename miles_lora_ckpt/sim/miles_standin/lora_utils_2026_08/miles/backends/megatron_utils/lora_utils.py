@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from miles.utils.lora import is_lora_enabled, lora_rollout_enabled  # noqa: F401 - re-exported, as Miles does
+
 from miles_lora_ckpt.sim.miles_standin.common import stock
 
 log = logging.getLogger("miles.stand-in")

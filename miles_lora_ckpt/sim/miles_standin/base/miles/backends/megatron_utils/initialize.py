@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from miles.utils.function_registry import load_function
+
 from miles_lora_ckpt.sim.miles_standin.common import indep_dp, megatron_lm, training
 
 

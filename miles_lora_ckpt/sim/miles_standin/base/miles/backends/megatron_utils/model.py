@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from miles.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint, save_checkpoint_with_lora
 from miles.backends.megatron_utils.lora.utils import is_lora_enabled, is_lora_model  # noqa: F401 - as Miles
+
 from miles_lora_ckpt.sim.miles_standin.common import training
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
 from miles.utils.lora.utils import is_lora_enabled, lora_rollout_enabled  # noqa: F401 - re-exported
+
 from miles_lora_ckpt.sim.miles_standin.common import stock
 
 log = logging.getLogger("miles.stand-in")
