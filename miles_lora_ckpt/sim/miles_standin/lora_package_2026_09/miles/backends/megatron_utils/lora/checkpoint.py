@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
+
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.sim import multi_lora_model as slot_model
 from miles_lora_ckpt.sim.miles_standin.common import slot_stock as stock

@@ -8,14 +8,21 @@ merged export succeeded does a LoRA model's adapter export run (`save_lora_check
 and returns, again without `.complete`. Rank 0 touches `.complete` last. The merged export itself
 is the stand-in's `common.hf_merged` (the base model's config only; a harness can make it fail).
 Later Miles writes the export through a staging directory, with the adapter export inside it after
-the merged one: a merged failure skips the adapter export there too.
+the merged one: a merged failure skips the adapter export there too. Every shape's: it binds the LoRA
+functions from the shape's LoRA module, `lora/utils.py` (2026-09 on) or `lora_utils.py` (2026-08).
 """
 
 from __future__ import annotations
 
 import logging
 
-from miles.backends.megatron_utils.lora.utils import is_lora_model, save_lora_checkpoint
+try:
+    from miles.backends.megatron_utils.lora.utils import is_lora_model, save_lora_checkpoint
+except ModuleNotFoundError as error:  # 2026-08: lora_utils.py
+    if error.name != "miles.backends.megatron_utils.lora":
+        raise
+    from miles.backends.megatron_utils.lora_utils import is_lora_model, save_lora_checkpoint
+
 from miles_lora_ckpt.sim.miles_standin.common import hf_merged
 from miles_lora_ckpt.sim.miles_standin.common.hf_merged import HF_EXPORT_COMPLETE_MARKER  # noqa: F401 (Miles' name)
 

@@ -1,9 +1,20 @@
-"""Stand-in of miles/backends/megatron_utils/model.py (§2.2): setup, initialize (load + scheduler step), save."""
+"""Stand-in of miles/backends/megatron_utils/model.py (§2.2): setup, initialize (load + scheduler step), save.
+
+Every shape's: it binds the LoRA helpers from the shape's LoRA module, `lora/utils.py` (2026-09 on)
+or `lora_utils.py` (2026-08), as Miles' model.py of that version does.
+"""
 
 from __future__ import annotations
 
 from miles.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint, save_checkpoint_with_lora
-from miles.backends.megatron_utils.lora.utils import is_lora_enabled, is_lora_model  # noqa: F401 - as Miles
+
+try:
+    from miles.backends.megatron_utils.lora.utils import is_lora_enabled, is_lora_model  # noqa: F401 - as Miles
+except ModuleNotFoundError as error:  # 2026-08: lora_utils.py
+    if error.name != "miles.backends.megatron_utils.lora":
+        raise
+    from miles.backends.megatron_utils.lora_utils import is_lora_enabled, is_lora_model  # noqa: F401 - as Miles
+
 from miles_lora_ckpt.sim.miles_standin.common import training
 
 

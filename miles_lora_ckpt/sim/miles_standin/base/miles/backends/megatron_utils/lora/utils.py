@@ -3,6 +3,8 @@
 Saves go through checkpoint_io (the adapter directory becomes a symlink to a version directory);
 `--no-save-optim` drops only the optimizer entry (PR #3083). Masters and moments are still not
 saved, the training state is still a pickle, and nothing refreshes the masters after a load.
+`load_lora_adapter` calls `_load_training_state` through this module's global, as Miles does.
+The shared steps are `common/stock.py`'s.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
+from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir  # noqa: F401 - bound here, as Miles does
 from miles.utils.lora.utils import is_lora_enabled, lora_rollout_enabled  # noqa: F401 - re-exported
+
 from miles_lora_ckpt.sim.miles_standin.common import stock
 
 log = logging.getLogger("miles.stand-in")
@@ -38,14 +40,7 @@ def save_lora_checkpoint(
     opt_param_scheduler: Any | None = None,
     iteration: int | None = None,
 ) -> str:
-    with_optimizer = not getattr(args, "no_save_optim", False)
-    Path(save_dir).parent.mkdir(parents=True, exist_ok=True)
-
-    def write_shards(staging: Path) -> None:
-        stock.write_rank_files(staging, model, optimizer, opt_param_scheduler, iteration, with_optimizer=with_optimizer)
-
-    write_checkpoint_dir(save_dir, write_shards)
-    return str(save_dir)
+    return stock.save_published(model, args, save_dir, optimizer, opt_param_scheduler, iteration)
 
 
 def load_lora_adapter(
@@ -56,26 +51,13 @@ def load_lora_adapter(
     opt_param_scheduler: Any | None = None,
     load_optimizer: bool = True,
 ) -> tuple[bool, int | None]:
-    adapter_dir = Path(adapter_path)
-    if not adapter_dir.exists():
-        log.warning("LoRA adapter path %s does not exist", adapter_path)
+    adapter_dir = stock.load_adapter(model, adapter_path, follow_symlink=True, peft_hint=False)
+    if adapter_dir is None:
         return False, None
-    adapter_dir = adapter_dir.resolve()  # follows the version symlink
-    state = stock.read_adapter_shard(adapter_dir)
-    if state is not None:
-        stock.copy_adapter(model, state)  # no reload_model_params()
-        iteration = _load_training_state(adapter_dir, optimizer, opt_param_scheduler, load_optimizer)
-        return True, iteration
-    log.warning("no LoRA adapter shard in %s", adapter_dir)
-    return False, None
+    return True, _load_training_state(adapter_dir, optimizer, opt_param_scheduler, load_optimizer)
 
 
 def _load_training_state(
     adapter_dir: Path, optimizer: Any | None, opt_param_scheduler: Any | None, load_optimizer: bool = True
 ) -> int | None:
-    if optimizer is None:
-        return None
-    state = stock.read_training_state(Path(adapter_dir))
-    if state is None:
-        return None
-    return stock.apply_training_state(state, optimizer, opt_param_scheduler, load_optimizer=load_optimizer)
+    return stock.load_training_state(adapter_dir, optimizer, opt_param_scheduler, load_optimizer)

@@ -1,8 +1,18 @@
-"""Stand-in of miles/backends/megatron_utils/initialize.py: parallel state, then the custom init hook (§0)."""
+"""Stand-in of miles/backends/megatron_utils/initialize.py: parallel state, then the custom init hook (§0).
+
+Every shape's: `load_function` comes from `miles.utils.function_registry` (2026-09 on) or
+`miles.utils.misc` (2026-08), as Miles' initialize.py of that version imports it.
+"""
 
 from __future__ import annotations
 
-from miles.utils.misc import load_function
+try:
+    from miles.utils.function_registry import load_function
+except ModuleNotFoundError as error:  # 2026-08: miles.utils.misc
+    if error.name != "miles.utils.function_registry":
+        raise
+    from miles.utils.misc import load_function
+
 from miles_lora_ckpt.sim.miles_standin.common import indep_dp, megatron_lm, training
 
 
