@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.errors import GenerationDamaged
-from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.layout import BlockIndex
 
 if TYPE_CHECKING:
@@ -163,10 +162,9 @@ def check_block_spans(index: BlockIndex, entries: dict) -> None:
         raise GenerationDamaged("the safetensors header and the manifest's block index disagree about the tensors")
 
 
-def tensors_from_buffer(
-    buf: bytearray, entries: dict[str, tuple[str, list[int], int, int]], *, require_finite: bool = False
-) -> dict[str, torch.Tensor]:
-    """Zero-copy tensors over `buf` (they keep it alive); optionally refuse non-finite floats."""
+def tensors_from_buffer(buf: bytearray, entries: dict[str, tuple[str, list[int], int, int]]) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors over `buf` (they keep it alive), for the header `entries` of a file checked
+    already (`check_file` checks floats finite as it reads them)."""
     import torch  # imported where it is used: the core imports torch only when a tensor is touched
 
     tensors = {}
@@ -177,7 +175,5 @@ def tensors_from_buffer(
         else:
             count = (end - begin) // DTYPES[tag][1]
             tensor = torch.frombuffer(buf, dtype=dtype, count=count, offset=begin).reshape(shape)
-        if require_finite and tag in FLOAT_TAGS and not all_finite(tensor):
-            raise GenerationDamaged(f"tensor {name!r} holds NaN or Inf")
         tensors[name] = tensor
     return tensors

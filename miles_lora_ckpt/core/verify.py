@@ -433,12 +433,6 @@ def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
     return view_root(root, content=content).entries
 
 
-def read_tracker(root: Path) -> str | None:
-    """The generation directory name the tracker names, or None when there is no usable tracker."""
-    tracker, _ = _read_tracker(Path(root))
-    return tracker.generation_dir if tracker else None
-
-
 def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:
     """The tracker and, when there is a file that cannot be used, why."""
     path = root / TRACKER
