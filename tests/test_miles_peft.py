@@ -40,9 +40,9 @@ import torch
 from jobs_paths import JOBS
 
 from miles_lora_ckpt.core import faults, lease
+from miles_lora_ckpt.core.checked_reads import load_tensors
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
-from miles_lora_ckpt.core.storage import load_tensors
 from miles_lora_ckpt.core.verify import committed_candidates, verify_generation
 from miles_lora_ckpt.integration import peft, runtime, single_lora
 from miles_lora_ckpt.integration.config import load_config

@@ -2,7 +2,7 @@
 
 `verify` and every loader read a listed file through `verify.check_file_content` (whole) or
 `verify.check_file_ranges` (some element ranges), and those apply exactly the rules here, after
-`storage` has checked the bytes (size, digests, a strict safetensors header with legal tensor
+`checked_reads` (or `partial_reads`) has checked the bytes (size, digests, a strict safetensors header with legal tensor
 names, finite floats, bounded UTF-8 JSON). So `verify` refuses what a loader refuses, for the same
 reason, and no loader holds a content check of its own that `verify` lacks:
 

@@ -35,7 +35,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import bounded, storage
+from miles_lora_ckpt.core import atomic_files, bounded, json_files
 from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.jsoncodec import check_tags
@@ -153,14 +153,14 @@ def staged_path(root: str | os.PathLike, rollout_id: int) -> Path:
 def stage(root: str | os.PathLike, doc: dict) -> Path:
     """Seal and stage `doc` atomically (temporary name, fsync, rename, fsync of the directory)."""
     check(doc, iteration=doc["rollout_id"])
-    body = storage.json_bytes(doc)
+    body = json_files.json_bytes(doc)
     directory = staged_dir(root)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_temporaries(directory)
     path = staged_path(root, doc["rollout_id"])
     envelope = {"seal": digest_bytes(body), "data_state": doc}
-    storage.write_file_atomic(path, [storage.json_bytes(envelope)])
-    storage.fsync_dir(directory)
+    atomic_files.write_file_atomic(path, [json_files.json_bytes(envelope)])
+    atomic_files.fsync_dir(directory)
     return path
 
 
@@ -170,11 +170,11 @@ def read_staged(root: str | os.PathLike, rollout_id: int) -> dict:
     if not path.is_file():
         raise DataStateMissing(f"{path}: no data state was staged for rollout {rollout_id}")
     try:
-        envelope = bounded.mapping(storage.read_json(path), "staged data state")
+        envelope = bounded.mapping(json_files.read_json(path), "staged data state")
         if set(envelope) != {"seal", "data_state"}:
             raise ValueError(f"has keys {sorted(envelope)}, not ['data_state', 'seal']")
         doc = envelope["data_state"]
-        if digest_bytes(storage.json_bytes(doc)) != envelope["seal"]:
+        if digest_bytes(json_files.json_bytes(doc)) != envelope["seal"]:
             raise ValueError("its content does not match its seal (torn or altered)")
         return check(doc, iteration=int(rollout_id))
     except DataStateMissing:
@@ -204,7 +204,7 @@ def discard_staged(root: str | os.PathLike, *, above: int | None = None, upto: i
             staged_path(root, rollout).unlink(missing_ok=True)
             removed.append(rollout)
     if removed:
-        storage.fsync_dir(directory)
+        atomic_files.fsync_dir(directory)
     return removed
 
 

@@ -40,7 +40,7 @@ import math
 import re
 from typing import Any
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import partial_reads, safetensors_format
 from miles_lora_ckpt.core.errors import GenerationDamaged, Problem
 from miles_lora_ckpt.core.global_layout import Block
 from miles_lora_ckpt.core.layout import MANIFEST, Manifest
@@ -261,7 +261,7 @@ def _check_adapter_files(manifest: Manifest, files: Any, blocks: dict) -> None:
             block = blocks[coordinate][name]
             if block is None:
                 continue  # megatron could not describe it (a multi-LoRA slot's adapter): never resharded
-            indexed = None if index is None else storage.indexed_tensor(index, name)
+            indexed = None if index is None else partial_reads.indexed_tensor(index, name)
             if index is not None and (
                 indexed is None or indexed[1] != block.numel or (block.dtype and f"torch.{indexed[0]}" != block.dtype)
             ):
@@ -353,7 +353,7 @@ def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str],
         if block is None:
             continue
         tag = dtypes.get(name)
-        held = None if tag is None else f"torch.{storage._DTYPES.get(tag, (tag,))[0]}"
+        held = None if tag is None else f"torch.{safetensors_format.DTYPES.get(tag, (tag,))[0]}"
         shape = None if shapes is None else shapes.get(name)
         if held is None or (block.dtype and held != block.dtype) or (shape is not None and not block.holds(shape)):
             what = "no such tensor" if held is None else f"{held}{list(shape) if shape is not None else ''}"

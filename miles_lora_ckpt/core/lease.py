@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import bounded, settings, storage
+from miles_lora_ckpt.core import atomic_files, bounded, regular_files, settings
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.layout import LEASE
 
@@ -240,7 +240,7 @@ def _create(root: Path, holder: Holder, timeout_s: float) -> bool:
     finally:
         fresh.unlink(missing_ok=True)
     try:
-        storage.fsync_dir(root)
+        atomic_files.fsync_dir(root)
     except BaseException:
         lease.unlink(missing_ok=True)  # ours: linked just now, and live, so nobody took it over
         raise
@@ -274,7 +274,7 @@ def _create_in_place(lease: Path, data: bytes) -> bool:
     except FileExistsError:
         return False
     try:
-        storage.fsync_dir(lease.parent)
+        atomic_files.fsync_dir(lease.parent)
     except BaseException:
         lease.unlink(missing_ok=True)
         raise
@@ -290,7 +290,7 @@ def _state_of(path: Path, root: Path, *, judge: bool = True) -> LeaseState | Non
     holder, problem, acquired, timeout_s = None, None, None, settings.current().lease_timeout_s
     inode, mtime_ns = before.st_ino, before.st_mtime_ns
     try:
-        fd, st = storage.open_regular(path)  # an open revalidates cached attributes on NFS
+        fd, st = regular_files.open_regular(path)  # an open revalidates cached attributes on NFS
         try:
             inode, mtime_ns = st.st_ino, st.st_mtime_ns
             if st.st_size > MAX_LEASE_BYTES:

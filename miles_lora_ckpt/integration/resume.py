@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_lora_ckpt.core import native_dist, storage
+from miles_lora_ckpt.core import atomic_files, native_dist
 from miles_lora_ckpt.core.errors import MilesLoraCkptError, NotACheckpoint, NothingCommitted
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, is_save_root
@@ -89,8 +89,8 @@ def write_megatron_tracker(save_dir: str | os.PathLike, iteration: int) -> None:
     """Atomically write Megatron's tracker (the iteration as text) into `save_dir`."""
     directory = Path(save_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    storage.write_file_atomic(directory / MEGATRON_TRACKER, [f"{int(iteration)}\n".encode()])
-    storage.fsync_dir(directory)
+    atomic_files.write_file_atomic(directory / MEGATRON_TRACKER, [f"{int(iteration)}\n".encode()])
+    atomic_files.fsync_dir(directory)
 
 
 def prepare_save_dir(config: PluginConfig, save_dir: str | os.PathLike) -> str:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_lora_ckpt.core import layout_rules, storage
+from miles_lora_ckpt.core import layout_rules, partial_reads
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import (
     Block,
@@ -381,7 +381,7 @@ def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype,
     if record.blocks is not None:
         out = {}
         for name in record.blocks.tensors:
-            torch_name, numel = storage.indexed_tensor(record.blocks, name)
+            torch_name, numel = partial_reads.indexed_tensor(record.blocks, name)
             out[name] = (getattr(torch, torch_name), numel, None)
         return out
     return {name: (t.dtype, t.numel(), tuple(t.shape)) for name, t in opened.tensors(relpath).items()}

@@ -26,7 +26,7 @@ from lora_jobs import (
     save_then_resume,
 )
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import checked_reads
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron.optimizer_children import chain, float16
@@ -122,7 +122,7 @@ def elastic_load(case: dict, consensus: Consensus) -> dict:
         for _, model_param, main, state in float16.param_states(child.optimizer):
             name = names[id(model_param)]
             file = entries[float16.entry_name(coords, model_param, name)]["file"]
-            tensors = files.setdefault(file, storage.load_tensors(generation / file)[0])
+            tensors = files.setdefault(file, checked_reads.load_tensors(generation / file)[0])
             for key, live in [("param", main), *state.items()]:
                 compared += 1
                 if not live.detach().cpu().equal(tensors[f"{name}.{key}"]):

@@ -14,7 +14,7 @@ Files (no gather): DP rank `r` of `n` writes
 `optimizer/child{i}_{coordinate of its DP group's root}_s{r:03d}of{n:03d}.safetensors`, bound to
 child `i`, that coordinate and `slice` `"r/n"`, holding for every bucket where its slice is not
 empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one tensor at a time
-(`storage.LazyTensor`: one bucket slice of one key in memory) with per-block digests. The plan
+(`safetensors_write.LazyTensor`: one bucket slice of one key in memory) with per-block digests. The plan
 (manifest metadata `optimizer_children[i].layout`) records per coordinate `numel_unpadded` and
 `slices`: each file with its slice and per bucket its bounds `[lo, hi)` in the world tensor.
 
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from miles_lora_ckpt.core import layout_rules, storage
+from miles_lora_ckpt.core import layout_rules, partial_reads
 from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, Problem
 from miles_lora_ckpt.core.global_layout import fill_problem, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.layout import MANIFEST
 from miles_lora_ckpt.core.protocol import PartialRead
-from miles_lora_ckpt.core.storage import LazyTensor
+from miles_lora_ckpt.core.safetensors_write import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state, master_replaceable
 from miles_lora_ckpt.megatron.optimizer_children.family import (
     Collected,
@@ -763,9 +763,9 @@ def _forget(source, wanted) -> None:
 
 
 def range_key(piece: Piece, key: str, first: int, stop: int, rows) -> tuple:
-    """The element range (`storage.ElementRange`) a bucket part of `piece` is read as, for state
+    """The element range (`partial_reads.ElementRange`) a bucket part of `piece` is read as, for state
     `key`: `[first, stop)`, or for a strided group of rows (`rows`, see `_Restore.buckets`) the
-    strided range of those rows, which a read returns compact (`storage.strided_rows`)."""
+    strided range of those rows, which a read returns compact (`partial_reads.strided_rows`)."""
     name = f"{piece.prefix}.{key}"
     return (name, first, stop) if rows is None else (name, first, stop, rows[0], rows[1])
 
@@ -784,7 +784,7 @@ def read_part(piece: Piece, source, key: str, first: int, stop: int, offset: int
 
 
 def _read_piece(piece: Piece, source, wanted: tuple) -> torch.Tensor:
-    """One verified range of a piece (fp32, `storage.range_numel(wanted)` elements)."""
+    """One verified range of a piece (fp32, `partial_reads.range_numel(wanted)` elements)."""
     name, first, stop = wanted[:3]
     try:
         tensor = source.get(wanted)
@@ -792,7 +792,7 @@ def _read_piece(piece: Piece, source, wanted: tuple) -> torch.Tensor:
         raise ValueError(f"{piece.file}: {exc}") from None
     if tensor is None:
         raise ValueError(f"{piece.file}: {name} elements [{first}, {stop}) were not read")
-    expected = storage.range_numel(wanted)
+    expected = partial_reads.range_numel(wanted)
     if tensor.dtype != torch.float32 or tensor.numel() != expected:
         raise ValueError(f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{expected}]")
     return tensor

@@ -29,7 +29,7 @@ def file_binding(index: int, coordinate: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class OptimizerFile:
     """One file a rank writes for a child: its binding (`file_binding`) and its tensors (values may
-    be `storage.LazyTensor`s, produced as they are written); `partial_reads` records per-block
+    be `safetensors_write.LazyTensor`s, produced as they are written); `partial_reads` records per-block
     digests so that loaders at another DP size read and verify only the ranges they need."""
 
     binding: dict[str, str]

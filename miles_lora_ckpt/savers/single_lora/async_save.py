@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.consensus import Consensus, attempt
-from miles_lora_ckpt.core.storage import LazyTensor
+from miles_lora_ckpt.core.safetensors_write import LazyTensor
 from miles_lora_ckpt.savers.single_lora.save import PlannedSave, RankFile, plan_save, write_planned_save
 
 log = logging.getLogger(__name__)

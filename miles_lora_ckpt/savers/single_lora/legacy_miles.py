@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import file_reader
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron import adapter_shards as shards
@@ -90,7 +90,7 @@ def _torch_load_weights_only(file: Path):
     """`torch.load(weights_only=True)` of a regular file read with bounds (a FIFO or link is
     refused without being opened, so nothing blocks); never a pickle fallback."""
     try:
-        data = storage.read_file_verified(file)
+        data = file_reader.read_file_verified(file)
     except ValueError as exc:  # a FIFO, device or link: refused without opening it, named
         raise ValueError(f"{file}: {exc}; refusing to read it") from None
     return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)

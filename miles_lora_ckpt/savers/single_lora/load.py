@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import content_rules, faults, native_dist, rng_state, storage
+from miles_lora_ckpt.core import content_rules, faults, host_memory, native_dist, rng_state
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
@@ -592,7 +592,7 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened, un
     for file in (shards.dense_file(request.coords), shards.expert_file(request.coords)):
         checked = opened.files.pop(file, None)
         if checked is not None:  # what it holds now that is zero (a relaunch's LoRA B) takes no memory
-            storage.release_zero_pages(checked.buffer)
+            host_memory.release_zero_pages(checked.buffer)
     chain.allocate(request.optimizer, plan.restore_children)
 
 

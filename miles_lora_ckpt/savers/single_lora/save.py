@@ -141,7 +141,7 @@ def save_adapter_generation(
 
 @dataclass
 class RankFile:
-    """One tensor file this rank writes: its binding, its tensors (values may be `storage.LazyTensor`s
+    """One tensor file this rank writes: its binding, its tensors (values may be `safetensors_write.LazyTensor`s
     or live parameters until `async_save.snapshot` copies them) and whether it gets a block index."""
 
     binding: dict[str, str]
