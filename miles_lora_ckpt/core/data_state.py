@@ -16,7 +16,13 @@ The document (bounded JSON, no pickle; values that JSON cannot hold are tagged b
                "metadata": {...}, "dataset": {"size", "shuffle", "seed"} | null,
                "buffer": [[<sample>, ...], ...] | null}
             | {"kind": "custom", "value": <the class's own state_dict()>},
-     "adapter": "<name>"}                           (multi-LoRA only: the adapter whose data this is)
+     "adapter": "<name>",                           (multi-LoRA only: the adapter whose data this is)
+     "in_flight": [[<sample>, ...], ...]}           (optional, multi-LoRA: groups drawn and not shipped)
+
+`in_flight` (multi-LoRA under Miles' async producer): the adapter's groups its source had handed
+out but the rollout function had not shipped for training when the step's last group shipped,
+each sample as Miles' `Sample.to_dict()`. A resume gives them back before it draws new ones. A
+document without the key (written before it existed, or by a sync run) reads as none in flight.
 
 In a multi-LoRA slot generation the file holds one adapter's data state and `rollout_id` is the
 adapter's own step (the slot generation's iteration); it is staged in the slot root's
@@ -56,12 +62,17 @@ class DataStateMissing(MilesLoraCkptError, ValueError):
 # --------------------------------------------------------------------------- the document
 
 
-def document(rollout_id: int, source: str, state: dict | None, *, adapter: str | None = None) -> dict:
+def document(
+    rollout_id: int, source: str, state: dict | None, *, adapter: str | None = None, in_flight: list | None = None
+) -> dict:
     """The data state of `rollout_id` (checked); `state` None records a source without one.
-    `adapter`: a multi-LoRA adapter's name (then `rollout_id` is that adapter's step)."""
+    `adapter`: a multi-LoRA adapter's name (then `rollout_id` is that adapter's step); `in_flight`:
+    its groups drawn and not shipped (samples as JSON), recorded only when given."""
     doc = {"format": FORMAT, "rollout_id": int(rollout_id), "source": str(source), "state": state}
     if adapter is not None:
         doc["adapter"] = str(adapter)
+    if in_flight is not None:
+        doc["in_flight"] = in_flight
     check(doc, iteration=int(rollout_id))
     return doc
 
@@ -69,7 +80,7 @@ def document(rollout_id: int, source: str, state: dict | None, *, adapter: str |
 def check(doc: Any, *, iteration: int) -> dict:
     """Raise ValueError (naming the field) unless `doc` is a data-state document of `iteration`."""
     bounded.mapping(doc, "data state")
-    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state", "adapter"})
+    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state", "adapter", "in_flight"})
     if unknown:
         raise ValueError(f"data state has unknown keys {unknown}")
     if doc.get("format") != FORMAT:
@@ -80,6 +91,8 @@ def check(doc: Any, *, iteration: int) -> dict:
     bounded.string(doc.get("source"), "data state source")
     if "adapter" in doc:
         bounded.string(doc["adapter"], "data state adapter")
+    if "in_flight" in doc:
+        _check_groups(doc["in_flight"], "data state.in_flight")
     state = doc.get("state")
     if state is None:
         return doc
@@ -109,14 +122,25 @@ def check(doc: Any, *, iteration: int) -> dict:
         if not isinstance(dataset["shuffle"], bool):
             raise ValueError("data state.state.dataset.shuffle is not a boolean")
     if state["buffer"] is not None:
-        if not isinstance(state["buffer"], list):
-            raise ValueError("data state.state.buffer is not a list of sample groups")
-        for g, group in enumerate(state["buffer"]):
-            if not isinstance(group, list):
-                raise ValueError(f"data state.state.buffer[{g}] is not a list of samples")
-            for s, sample in enumerate(group):
-                bounded.mapping(sample, f"data state.state.buffer[{g}][{s}]")
+        _check_groups(state["buffer"], "data state.state.buffer")
     return doc
+
+
+def _check_groups(groups: Any, where: str) -> None:
+    """A list of sample groups, each a list of samples as JSON objects (tags checked)."""
+    if not isinstance(groups, list):
+        raise ValueError(f"{where} is not a list of sample groups")
+    for g, group in enumerate(groups):
+        if not isinstance(group, list):
+            raise ValueError(f"{where}[{g}] is not a list of samples")
+        for s, sample in enumerate(group):
+            bounded.mapping(sample, f"{where}[{g}][{s}]")
+    check_tags(groups, where)
+
+
+def in_flight(doc: dict) -> list:
+    """The document's groups drawn and not shipped (none for a document without the key)."""
+    return list(doc.get("in_flight") or [])
 
 
 def summary(doc: dict) -> str:
@@ -125,6 +149,8 @@ def summary(doc: dict) -> str:
     head = f"rollout {doc['rollout_id']} of {doc['source']}"
     if "adapter" in doc:
         head = f"adapter {doc['adapter']} step {doc['rollout_id']} of {doc['source']}"
+    if "in_flight" in doc:
+        head = f"{head}, {len(doc['in_flight'])} groups in flight"
     if state is None:
         return f"{head}: no data state (accepted by data_state.accept_none)"
     if state["kind"] == "custom":

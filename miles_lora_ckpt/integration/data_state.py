@@ -26,6 +26,7 @@ log = logging.getLogger("miles_lora_ckpt.integration")
 HOOK = "miles_lora_ckpt.hooks.CheckpointedDataSource"  # Miles' --data-source-path
 ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_rollout"  # set by the data source itself
 MULTI_HOOK = "miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource"  # multi-LoRA's --data-source-path
+MULTI_ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_multi_lora_rollout"  # set by the multi-LoRA data source
 
 
 class DataStateRefused(MilesLoraCkptError, RuntimeError):

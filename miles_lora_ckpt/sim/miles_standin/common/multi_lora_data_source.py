@@ -25,16 +25,9 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
 
 from miles_lora_ckpt.sim.miles_standin.common import multi_lora as common
-from miles_lora_ckpt.sim.miles_standin.common.rollout import PromptSource
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    name: str
-    slot: int
+from miles_lora_ckpt.sim.miles_standin.common.rollout import AdapterRef, PromptSource
 
 
 def fetch_snapshot() -> dict:
