@@ -188,7 +188,8 @@ def _named(root: Path, name: str) -> str:
 
 def latest_slot_step(slot_root: str | os.PathLike, *, consensus: Consensus | None = None) -> int | None:
     """Collective. The step of the generation `load_slot_checkpoint` would choose (newest intact,
-    agreed by every rank, fully verified), or None when the root is missing or holds none."""
+    agreed by every rank, fully verified), or None when the root is missing or holds none. Raises the
+    same CheckpointError on every rank (e.g. a generation of another saver)."""
     consensus = consensus or Consensus.default()
     consensus.agree_same("classify", Outcome.success(str(slot_root)))
     local = attempt(_has_generations, Path(slot_root)) if consensus.rank == 0 else Outcome.success()
