@@ -20,6 +20,7 @@ from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, chunk_count
 
 
@@ -46,7 +47,7 @@ def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, schedu
     return LoadResult(
         True,
         iteration,
-        "legacy-miles",
+        LoadSource.LEGACY_MILES,
         str(path),
         adapter_restored=True,
         masters_refreshed=bool(children),
