@@ -40,6 +40,7 @@ import torch
 
 from miles_lora_ckpt.core import layout_rules, storage
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import (
     Block,
     cut_copies,
@@ -58,7 +59,6 @@ from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
 from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource
 from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
 
-WHOLE_FAMILIES = ("replicated", "layer-wise")  # Float16 / FP32 and layer-wise children (reshard_whole)
 _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
 
 
@@ -218,7 +218,7 @@ class ReshardPlan:
             index, entry = desc["index"], saved_children[str(desc["index"])]
             if not entry["stepped"]:
                 continue
-            if entry["family"] == desc["family"] and entry["family"] in WHOLE_FAMILIES:
+            if entry["family"] == desc["family"] and FamilyKind(entry["family"]).whole_parameter:
                 child = chain.select(request.optimizer, [index])[0].optimizer
                 whole = reshard_whole.plan_child(
                     index, entry["layout"], child, request.view.names, mine, saved, _block_of
@@ -226,7 +226,7 @@ class ReshardPlan:
                 self.whole[index] = (whole, tuple(entry["keys"]))
                 self.files += [f for f in sorted(whole.files) if f not in self.files]
                 continue
-            if entry["family"] != "distributed" or desc["family"] != "distributed":
+            if entry["family"] != FamilyKind.DISTRIBUTED or desc["family"] != FamilyKind.DISTRIBUTED:
                 raise IncompatibleCheckpoint(
                     f"optimizer child {index}: the checkpoint saved a {entry['class']} ({entry['family']}), this run "
                     f"has a {desc['class']} ({desc['family']}): not resharded"

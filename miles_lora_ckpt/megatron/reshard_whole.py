@@ -1,7 +1,7 @@
 """Resharding the whole-parameter children: Float16 / FP32 (`replicated`) and layer-wise ones.
 
 Their files hold, per parameter shard, the fp32 master and every state tensor of the whole local
-parameter (`optimizer_children.float16`: entries `{slice}:{name}`). At another layout a rank's
+parameter (`optimizer_children.replicated`: entries `{slice}:{name}`). At another layout a rank's
 parameter is assembled, like an adapter weight, from the saved blocks of the same global tensor
 (`core.global_layout.plan_copies`): the master and every per-element state key element by element;
 a 0-d state (a torch optimizer's `step`) must be the same in every saved block it draws from. The
@@ -19,7 +19,7 @@ import torch
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.core.jsoncodec import from_json
-from miles_lora_ckpt.megatron.optimizer_children import float16
+from miles_lora_ckpt.megatron.optimizer_children import replicated
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
 from miles_lora_ckpt.megatron.optimizer_children.family import file_binding
 from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
@@ -59,7 +59,7 @@ def plan_child(index: int, layout: dict, child, names: dict, mine: dict, saved: 
         sources.setdefault(block.name, []).append(_Entry(where["file"], name, block, where["group"], coordinate))
     plan = WholePlan(index, {}, [], [])
     used = set()
-    for group, model_param, main, _ in float16.param_states(child):
+    for group, model_param, main, _ in replicated.param_states(child):
         name = names[id(model_param)]
         block = block_of(mine, name)
         found = sources.get(block.name, [])
@@ -102,7 +102,7 @@ def restore(
     keys_wanted: tuple[str, ...],
     hyperparameters=None,
     adapter=None,
-) -> float16._Restore:
+) -> replicated._Restore:
     """Read the files (binding checked) and assemble every parameter's master and state; the saved
     param groups are checked against the live ones by `hyperparameters` (a `Reconciler`) if given,
     every assembled master against the adapter weight `adapter(model parameter)` restored into it
@@ -115,9 +115,9 @@ def restore(
         )
     if hyperparameters is not None:
         hyperparameters.param_groups(f"optimizer child {plan.index}", groups, current)
-    out = float16._Restore(groups, state.get("grad_scaler"))
+    out = replicated._Restore(groups, state.get("grad_scaler"))
     files = {
-        file: float16._by_parameter(read_tensors(file, file_binding(plan.index, coordinate)))
+        file: replicated._by_parameter(read_tensors(file, file_binding(plan.index, coordinate)))
         for file, coordinate in sorted(plan.files.items())
     }
     for group, name, main, pieces, model_param in plan.params:
@@ -148,7 +148,11 @@ def restore(
         state_tensors = {k: (v if v.dim() == 0 else v.view(main.shape)) for k, v in assembled.items()}
         try:
             out.params.append(
-                (group, main, *float16._entry_tensors({MASTER_KEY: master, **state_tensors}, name, main, keys_wanted))
+                (
+                    group,
+                    main,
+                    *replicated._entry_tensors({MASTER_KEY: master, **state_tensors}, name, main, keys_wanted),
+                )
             )
         except ValueError as exc:
             raise ValueError(f"optimizer child {plan.index}: {exc}") from None

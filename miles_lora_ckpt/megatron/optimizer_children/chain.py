@@ -1,13 +1,11 @@
 """The optimizer chain as a saver sees it: a selection of children, and each phase over all of them.
 
-A saver calls these between consensus agreements; only the two `exchange_*` functions run
-collectives, everything else is local and may raise:
+A saver calls these between consensus agreements; every one is local and may raise:
 
     save: describe -> plan -> collect -> exchange_for_save -> (the saver writes the files)
-    load: describe -> files_to_read -> preflight -> allocate -> exchange_for_load -> install
+    load: describe -> files_to_read -> preflight -> allocate -> install
 
-(No family runs collectives any more: a DistributedOptimizer's DP ranks write and read their own
-slices. The `exchange_*` steps stay in the interface for families that would.)
+(No family runs collectives: a DistributedOptimizer's DP ranks write and read their own slices.)
 
 `indices` chooses children by their leaf index (`leaf_children`; for a LayerWise chain the index in
 `chained_optimizers`, as in Miles' `miles_slot_child_indices`); None means every non-stub child.
@@ -19,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.hyperparameters import Reconciler
 from miles_lora_ckpt.megatron.adapter_shards import strip_wrappers
 from miles_lora_ckpt.megatron.optimizer_children import FAMILIES, family_of
@@ -58,11 +57,11 @@ def select(optimizer, indices: Iterable[int] | None = None) -> list[Child]:
 
 def param_states(child: Child) -> list[tuple]:
     """(model parameter, this rank's fp32 master (shard), its optimizer state) of every parameter here."""
-    from miles_lora_ckpt.megatron.optimizer_children import distributed, float16
+    from miles_lora_ckpt.megatron.optimizer_children import distributed, replicated
 
     if family_of(child) is distributed.FAMILY:
         return distributed.param_states(child.optimizer)
-    return [(model, main, state) for _, model, main, state in float16.param_states(child.optimizer)]
+    return [(model, main, state) for _, model, main, state in replicated.param_states(child.optimizer)]
 
 
 def active_indices(optimizer) -> list[int]:
@@ -82,7 +81,7 @@ def describe(optimizer, model, coords: Coordinates, indices=None, *, saving: boo
         described.append(
             {
                 "index": child.index,
-                "family": family.name,
+                "family": family.kind,
                 "class": child.class_name,
                 "kind": optimizer_kind(child.optimizer),
                 "keys": list(resolve_state_keys(child.optimizer)),
@@ -159,7 +158,7 @@ def collect(optimizer, view: RankView, plans: dict[str, dict]) -> dict[int, Coll
 def exchange_for_save(
     optimizer, view: RankView, plans: dict[str, dict], collected: dict[int, Collected]
 ) -> dict[str, OptimizerFile]:
-    """Collectives only. `{relpath: OptimizerFile}` this rank writes (tensors and their binding),
+    """`{relpath: OptimizerFile}` this rank writes (tensors and their binding; no collectives),
     over every stepped child."""
     files: dict[str, OptimizerFile] = {}
     for child in select(optimizer, sorted(collected)):
@@ -201,7 +200,7 @@ def check_against(
         if entry["family"] != desc["family"]:
             raise IncompatibleCheckpoint(
                 f"optimizer child {index}: the checkpoint saved {saved_as} ({entry['family']}), this run has one "
-                f"{'under' if desc['family'] == 'layer-wise' else 'outside'} a LayerWiseDistributedOptimizer "
+                f"{'under' if desc['family'] == FamilyKind.LAYER_WISE else 'outside'} a LayerWiseDistributedOptimizer "
                 f"({desc['family']})"
             )
         if entry["kind"] != desc["kind"] or (entry["stepped"] and set(entry["keys"]) != set(desc["keys"])):
@@ -275,15 +274,7 @@ def replaced_keys(optimizer, restores: dict) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def exchange_for_load(optimizer, view: RankView, restores: dict) -> dict:
-    """Collectives only: what each restored child receives on this rank."""
-    return {
-        child.index: family_of(child).exchange_for_load(child, view, restores[child.index])
-        for child in select(optimizer, sorted(restores))
-    }
-
-
-def install(optimizer, restores: dict, received: dict) -> None:
+def install(optimizer, restores: dict) -> None:
     """Copy into masters and state, param groups too, then read every tensor back bit for bit."""
     for child in select(optimizer, sorted(restores)):
-        family_of(child).install(child, restores[child.index], received.get(child.index))
+        family_of(child).install(child, restores[child.index])

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from miles_lora_ckpt.core import layout_rules, storage
 from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, Problem
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import fill_problem, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.layout import MANIFEST
@@ -581,7 +582,7 @@ class _Restore:
 class DistributedFamily:
     """`ChildFamily` for DistributedOptimizer children (see the module docstring)."""
 
-    name = "distributed"
+    kind = FamilyKind.DISTRIBUTED
     dp_elastic = True  # world tensors are laid out independently of the DP size
 
     def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> dict:
@@ -719,9 +720,6 @@ class DistributedFamily:
             if key in state and key not in had.get(id(main), ())
         )
 
-    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
-        """No collectives: every rank read its own ranges (no scatter from a DP root)."""
-
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
         """The state keys `install` replaces with new tensors instead of writing into the old ones:
         every moment, and `MASTER_KEY`: the masters `master_replaceable` allows get new data
@@ -729,7 +727,7 @@ class DistributedFamily:
         not into a child that never stepped, whose masters `install` writes in place."""
         return restore.keys if restore.never_stepped else (MASTER_KEY, *restore.keys)
 
-    def install(self, child: Child, restore: _Restore, received: None) -> None:
+    def install(self, child: Child, restore: _Restore) -> None:
         """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
         the ranges verified at open). The masters get new data made of them (`replace_masters`: on
         the CPU, at a same layout, the verified bytes themselves; a master on a GPU, or that is its

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.megatron.optimizer_children.child import Child
 from miles_lora_ckpt.megatron.topology import Coordinates
 
@@ -82,13 +83,12 @@ class ReadContext:
 class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
-    Only `exchange_for_save` and `exchange_for_load` may run collectives (no family does now);
-    everything else is local and may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
-    manifest): every rank derives the same plan from the same descriptions, and raises the same
+    Every method is local and may raise (the caller agrees on the outcome). `plan` is pure and
+    JSON (it goes into the manifest): every rank derives the same plan from the same descriptions, and raises the same
     error where the descriptions are inconsistent.
     """
 
-    name: str
+    kind: FamilyKind  # its name in the manifest
     dp_elastic: bool  # its saved state restores exactly at another data-parallel size
 
     def describe(self, child: Child, coords: Coordinates, names: dict[int, str], saving: bool) -> dict:
@@ -103,7 +103,7 @@ class ChildFamily(Protocol):
     def exchange_for_save(
         self, child: Child, view: RankView, plan: dict, collected: Collected
     ) -> dict[str, OptimizerFile]:
-        """Collectives only. `{relpath: OptimizerFile}` this rank writes."""
+        """`{relpath: OptimizerFile}` this rank writes (from `collected`; no collectives)."""
 
     def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list:
         """The files this rank needs to restore the child (`plan` is the saved one): relpaths read
@@ -116,13 +116,10 @@ class ChildFamily(Protocol):
     def allocate(self, child: Child, restore: Any) -> None:
         """First mutation: param groups and state allocated, ready to receive."""
 
-    def exchange_for_load(self, child: Child, view: RankView, restore: Any) -> Any:
-        """Collectives only: what each rank receives (DP roots send shards)."""
-
     def replaces(self, restore: Any) -> tuple[str, ...]:
         """The state keys `install` puts new tensors under, never writing the old ones (the undo
         record keeps those old tensors instead of copies); () when it writes in place."""
 
-    def install(self, child: Child, restore: Any, received: Any) -> None:
+    def install(self, child: Child, restore: Any) -> None:
         """Copy into masters and state (or replace the `replaces` keys' tensors), then read every
         copied tensor back bit for bit."""

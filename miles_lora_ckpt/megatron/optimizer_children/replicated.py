@@ -4,7 +4,7 @@ megatron builds these wherever the distributed optimizer is off: Muon and its sc
 without layer-wise sharding, megatron 0.19's own Lion, any optimizer with
 `--no-use-distributed-optimizer`. Each child steps whole parameters; with DDP all-reducing the
 gradients, every DP rank holds the same masters and moments. The same per-parameter format serves
-the `layer-wise` family (layerwise.py), where each parameter lives on one DP rank only.
+the `layer-wise` family (layer_wise.py), where each parameter lives on one DP rank only.
 
 One *entry* per parameter shard, named `{slice}:{name}`: `slice` is the model-parallel coordinate of
 the shard (`tp000_pp000` dense, `pp000_ep000_etp000` expert), `name` the chunk-qualified parameter
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.adapter_shards import is_expert
@@ -97,9 +98,13 @@ class WholeParameterFamily:
 
     dp_elastic = True  # the state of a whole parameter does not depend on the DP size
 
-    def __init__(self, name: str, replicated: bool):
-        self.name = name
-        self.replicated = replicated  # every DP rank holds every entry (else: exactly one rank does)
+    def __init__(self, kind: FamilyKind):
+        self.kind = kind
+
+    @property
+    def replicated(self) -> bool:
+        """Every DP rank holds every entry (`replicated`); else exactly one rank does (`layer-wise`)."""
+        return self.kind is FamilyKind.REPLICATED
 
     # ------------------------------------------------------------------- save
 
@@ -265,14 +270,11 @@ class WholeParameterFamily:
     def allocate(self, child: Child, restore: _Restore) -> None:
         """Nothing to allocate: `install` gives each parameter its saved state."""
 
-    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
-        """No collectives: every rank reads the entries it holds."""
-
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
         """Nothing: `install` writes the masters and the state in place."""
         return ()
 
-    def install(self, child: Child, restore: _Restore, received: None) -> None:
+    def install(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
         inner = opt.optimizer
         with torch.no_grad():
@@ -339,4 +341,4 @@ def _grad_scaler_state(child, index: int):
     return to_json(scaler.state_dict(), f"optimizer child {index} grad scaler") if scaler is not None else None
 
 
-FAMILY = WholeParameterFamily("replicated", replicated=True)
+FAMILY = WholeParameterFamily(FamilyKind.REPLICATED)
