@@ -368,7 +368,7 @@ def _check_whole_child_file(relpath: str, manifest: Manifest, params: dict, shap
     """A Float16 / FP32 or layer-wise child's file (tensors `{parameter}.{key}`: the whole local
     parameter's master `param` and state) holds, for each parameter its writer's coordinate
     describes, a master and tensors of a shape that block holds (a 0-d state aside): what a
-    resharding load of such a child requires of it (`megatron/reshard_whole.py`)."""
+    resharding load of such a child requires of it (`optimizer_children.replicated.WholeParameterFamily.plan_reshard`)."""
     binding = manifest.files[relpath].binding
     children = manifest.metadata.get("optimizer_children")
     child = children.get(binding.get("child")) if isinstance(children, dict) else None

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.megatron.optimizer_children.child import Child
 from miles_lora_ckpt.megatron.topology import Coordinates
@@ -80,6 +81,42 @@ class ReadContext:
     hyperparameters: Any = None
 
 
+@dataclass(frozen=True)
+class ReshardContext:
+    """What a resharding load (`megatron.reshard`) knows of the saved and the running global
+    layout, for a family's `plan_reshard`: every saved parameter's block per coordinate, this
+    rank's blocks, and the copies that give a wanted block from saved ones."""
+
+    manifest: Any  # the generation's `core.layout.Manifest` (damage is reported against it)
+    saved: dict  # saved coordinate -> {chunk-qualified name: `core.global_layout.Block`}
+    names: dict[int, str]  # id(model parameter) -> this run's chunk-qualified name
+    # (wanted block, [saved blocks]) -> `core.global_layout.plan_copies` of the whole wanted block;
+    # cached, so an adapter weight and its optimizer shard's part of it are planned once
+    copies: Callable[[Any, list], list]
+    # this run's parameter name -> its block on this rank; raises IncompatibleCheckpoint where
+    # megatron's layout does not say where it lies in the global model
+    block_of: Callable[[str], Any]
+
+
+def saved_state_at(index: int, coordinates, states: dict):
+    """The saved JSON state (param groups, steps, grad scaler) of child `index` at the saved
+    coordinates a resharding rank draws from: they must all be there and agree."""
+    found = {key: states.get(f"{index}:{key}") for key in coordinates}
+    missing = sorted(k for k, v in found.items() if v is None)
+    if missing:
+        raise ValueError(f"the training state holds no optimizer state for child {index} at {missing}")
+    if not found:
+        raise ValueError(f"optimizer child {index}: this rank draws from no saved coordinate")
+    first_key, state = next(iter(found.items()))
+    for key, other in found.items():
+        if other != state:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the saved param groups and steps at {first_key} and {key} differ, "
+                "so no single state fits this rank's merged parameters"
+            )
+    return state
+
+
 class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
@@ -112,6 +149,19 @@ class ChildFamily(Protocol):
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
+
+    def plan_reshard(self, child: Child, saved: dict, layout: ReshardContext) -> Any:
+        """A resharding load's plan for this rank's part of `child` (`saved`: the manifest's record
+        of the child, saved with state, of this family): which element ranges of which saved files
+        hold it. A frozen record with at least `keys` (the state keys) and `files` (relpaths read
+        whole, or `protocol.PartialRead`s); nothing read. Raises IncompatibleCheckpoint naming what
+        cannot map, `GenerationDamaged` where the saved layout does not give it."""
+
+    def restore_resharded(self, child: Child, plan: Any, read: ReadContext) -> Any:
+        """`plan_reshard`'s plan read and assembled (binding checked) into the same restore
+        `preflight` returns, for `allocate` and `install`; mutates nothing. Checks what `preflight`
+        checks: param groups (`read.hyperparameters`, if given), every master against its adapter
+        (`read.adapter`, if given), the saved states of the coordinates drawn from agreeing."""
 
     def allocate(self, child: Child, restore: Any) -> None:
         """First mutation: param groups and state allocated, ready to receive."""
