@@ -201,8 +201,8 @@ class ReshardPlan:
         layout = ReshardContext(manifest, saved, request.view.names, self._whole_plan, lambda n: _block_of(mine, n))
         partial: list[PartialRead] = []
         for desc in descriptions[request.rank]:
-            index, entry = desc["index"], saved_children[str(desc["index"])]
-            if not entry["stepped"]:
+            index, entry = desc["index"], chain.saved_record(saved_children, desc["index"])
+            if not entry.stepped:
                 continue
             child = chain.select(request.optimizer, [index])[0]
             plan = family_of(child).plan_reshard(child, entry, layout)

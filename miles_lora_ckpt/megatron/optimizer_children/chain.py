@@ -29,7 +29,13 @@ from miles_lora_ckpt.megatron.optimizer_children.child import (
     optimizer_kind,
     resolve_state_keys,
 )
-from miles_lora_ckpt.megatron.optimizer_children.family import Collected, OptimizerFile, RankView, ReadContext
+from miles_lora_ckpt.megatron.optimizer_children.family import (
+    Collected,
+    OptimizerFile,
+    RankView,
+    ReadContext,
+    SavedChild,
+)
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -127,15 +133,17 @@ def plan(descriptions: list[list[dict]], ranks: list[Coordinates], save_optim: b
                 raise ValueError(f"optimizer child {index} keeps {desc['keys']} on rank {rank} but {keys} elsewhere")
         stepped = save_optim and bool(stateful)
         family = FAMILIES[first["family"]]
-        plans[str(index)] = {
-            "family": first["family"],
-            "class": first["class"],
-            "kind": first["kind"],
-            "keys": keys,
-            "stepped": stepped,
-            "layout": family.plan(index, described, ranks) if stepped else {},
-        }
+        layout = family.plan(index, described, ranks) if stepped else {}
+        record = SavedChild(first["family"], first["class"], first["kind"], tuple(keys), stepped, layout)
+        plans[str(index)] = record.to_json()
     return plans
+
+
+def saved_record(saved: dict[str, dict], index: int) -> SavedChild | None:
+    """Child `index` of the manifest's (or `plan`'s) JSON `{index: child}` as a record (None where
+    it has none): the JSON boundary, each entry parsed where it is used."""
+    entry = saved.get(str(index))
+    return None if entry is None else SavedChild.parse(entry)
 
 
 def covered_params(descriptions: list[list[dict]]) -> set[str]:
@@ -150,8 +158,8 @@ def collect(optimizer, view: RankView, plans: dict[str, dict]) -> dict[int, Coll
     """Local: each stepped child's contribution on this rank (copies; may raise)."""
     collected = {}
     for child in select(optimizer, [int(i) for i, p in plans.items() if p["stepped"]]):
-        entry = plans[str(child.index)]
-        collected[child.index] = family_of(child).collect(child, view, entry["layout"], tuple(entry["keys"]))
+        entry = saved_record(plans, child.index)
+        collected[child.index] = family_of(child).collect(child, view, entry.layout, entry.keys)
     return collected
 
 
@@ -162,7 +170,7 @@ def exchange_for_save(
     over every stepped child."""
     files: dict[str, OptimizerFile] = {}
     for child in select(optimizer, sorted(collected)):
-        layout = plans[str(child.index)]["layout"]
+        layout = saved_record(plans, child.index).layout
         files.update(family_of(child).exchange_for_save(child, view, layout, collected[child.index]))
     return files
 
@@ -184,34 +192,34 @@ def check_against(
     (the load fails; it never falls back to an older generation)."""
     for desc in descriptions[rank]:
         index = desc["index"]
-        entry = saved.get(str(index))
+        entry = saved_record(saved, index)
         if entry is None:
             hint = f" (a chosen-children save: pass optimizer_children={saved_selection})" if saved_selection else ""
             raise IncompatibleCheckpoint(
                 f"the checkpoint holds no optimizer child {index}: it saved {sorted(map(int, saved))}{hint}"
             )
-        saved_as = f"a {entry['class']} over {entry['kind']}"
+        saved_as = f"a {entry.class_name} over {entry.kind}"
         running = f"a {desc['class']} over {desc['kind']}"
-        if entry["class"] != desc["class"]:
+        if entry.class_name != desc["class"]:
             raise IncompatibleCheckpoint(
                 f"optimizer child {index}: the checkpoint saved {saved_as}, this run has {running} "
                 "(--use-distributed-optimizer or the optimizer changed?)"
             )
-        if entry["family"] != desc["family"]:
+        if entry.family != desc["family"]:
             raise IncompatibleCheckpoint(
-                f"optimizer child {index}: the checkpoint saved {saved_as} ({entry['family']}), this run has one "
+                f"optimizer child {index}: the checkpoint saved {saved_as} ({entry.family}), this run has one "
                 f"{'under' if desc['family'] == FamilyKind.LAYER_WISE else 'outside'} a LayerWiseDistributedOptimizer "
                 f"({desc['family']})"
             )
-        if entry["kind"] != desc["kind"] or (entry["stepped"] and set(entry["keys"]) != set(desc["keys"])):
+        if entry.kind != desc["kind"] or (entry.stepped and set(entry.keys) != set(desc["keys"])):
             raise IncompatibleCheckpoint(
-                f"optimizer child {index}: checkpoint holds state {entry['keys']} of {entry['kind']}, this run's "
+                f"optimizer child {index}: checkpoint holds state {list(entry.keys)} of {entry.kind}, this run's "
                 f"optimizer ({desc['kind']}) keeps {desc['keys']} (different optimizer?); load with "
                 "weights_only=True to warm-start"
             )
-        if dp_changed and entry["stepped"] and not FAMILIES[entry["family"]].dp_elastic:
+        if dp_changed and entry.stepped and not FAMILIES[entry.family].dp_elastic:
             raise IncompatibleCheckpoint(
-                f"optimizer child {index} ({entry['family']}) cannot be restored exactly at another data-parallel size"
+                f"optimizer child {index} ({entry.family}) cannot be restored exactly at another data-parallel size"
             )
 
 
@@ -220,10 +228,10 @@ def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[st
     child saved with state."""
     files: list = []
     for index, described in sorted(by_index(descriptions).items()):
-        entry = saved[str(index)]
-        if entry["stepped"] and described[view.rank] is not None:
-            family = FAMILIES[entry["family"]]
-            files += [f for f in family.files_to_read(index, view, described, entry["layout"]) if f not in files]
+        entry = saved_record(saved, index)
+        if entry.stepped and described[view.rank] is not None:
+            family = FAMILIES[entry.family]
+            files += [f for f in family.files_to_read(index, view, described, entry.layout) if f not in files]
     return files
 
 
@@ -248,12 +256,10 @@ def preflight(
     restores = {}
     described = by_index(descriptions)
     for child in select(optimizer, [d["index"] for d in descriptions[view.rank]]):
-        entry = saved[str(child.index)]
-        if entry["stepped"]:
-            read = ReadContext(tensors, states, tuple(entry["keys"]), ranges, adapter, hyperparameters or Reconciler())
-            restores[child.index] = family_of(child).preflight(
-                child, view, described[child.index], entry["layout"], read
-            )
+        entry = saved_record(saved, child.index)
+        if entry.stepped:
+            read = ReadContext(tensors, states, entry.keys, ranges, adapter, hyperparameters or Reconciler())
+            restores[child.index] = family_of(child).preflight(child, view, described[child.index], entry.layout, read)
     return restores
 
 

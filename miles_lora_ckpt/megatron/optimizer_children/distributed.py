@@ -58,6 +58,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     RankView,
     ReadContext,
     ReshardContext,
+    SavedChild,
     file_binding,
     saved_state_at,
 )
@@ -777,20 +778,20 @@ class DistributedFamily:
         never_stepped = all(d is None or d.get("never_stepped") for d in described)
         return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
-    def plan_reshard(self, child: Child, saved: dict, layout: ReshardContext) -> Resharded:
+    def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Resharded:
         """Every parameter element of this rank's shards at another layout: which element ranges of
         which saved slice files hold its master and moments (`protocol.PartialRead`: only those
         blocks are read and verified), and where they go in the shard."""
         index, opt = child.index, child.optimizer
-        sources = _optimizer_sources(index, saved["layout"], layout.saved, layout.manifest)
-        keys = tuple(saved["keys"])
+        sources = _optimizer_sources(index, saved.layout, layout.saved, layout.manifest)
+        keys = saved.keys
         pieces = {
-            key: saved_pieces(index, saved["layout"], key, saved["layout"]["numel_unpadded"][key])
+            key: saved_pieces(index, saved.layout, key, saved.layout["numel_unpadded"][key])
             for key in sorted({s.where for found in sources.values() for s in found})
         }
         offsets = {
             key: {buf: [sum(n[:b]) for b in range(len(n))] for buf, n in numels.items()}
-            for key, numels in saved["layout"]["numel_unpadded"].items()
+            for key, numels in saved.layout["numel_unpadded"].items()
         }
         requests: dict[str, set] = {}
         used, buckets = set(), []

@@ -40,6 +40,36 @@ class OptimizerFile:
 
 
 @dataclass(frozen=True)
+class SavedChild:
+    """The checkpoint's record of one optimizer child (manifest `optimizer_children["<i>"]`, made by
+    `chain.plan`), typed; JSON only at the manifest boundary (`parse`, `to_json`)."""
+
+    family: str  # a `FamilyKind` (a str); the manifest's string as is where it names none (refused)
+    class_name: str  # the megatron class (`class`)
+    kind: str  # the optimizer (`optimizer_kind`: adam, lion, muon, ...)
+    keys: tuple[str, ...]  # the per-element state keys, in their saved order
+    stepped: bool  # saved with its state (masters and moments)
+    layout: dict  # the family's plan (`ChildFamily.plan`, JSON: files and what they hold); {} unless stepped
+
+    @classmethod
+    def parse(cls, data: dict) -> SavedChild:
+        """From the manifest's JSON (or `to_json`'s)."""
+        family = FamilyKind.parse(data["family"]) or data["family"]
+        layout = data.get("layout", {})
+        return cls(family, data["class"], data["kind"], tuple(data.get("keys", ())), data["stepped"], layout)
+
+    def to_json(self) -> dict:
+        return {
+            "family": self.family,
+            "class": self.class_name,
+            "kind": self.kind,
+            "keys": list(self.keys),
+            "stepped": self.stepped,
+            "layout": self.layout,
+        }
+
+
+@dataclass(frozen=True)
 class RankView:
     """What a family needs to know about this rank and the run: every rank's coordinates, param names."""
 
@@ -150,8 +180,8 @@ class ChildFamily(Protocol):
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
 
-    def plan_reshard(self, child: Child, saved: dict, layout: ReshardContext) -> Any:
-        """A resharding load's plan for this rank's part of `child` (`saved`: the manifest's record
+    def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Any:
+        """A resharding load's plan for this rank's part of `child` (`saved`: the checkpoint's record
         of the child, saved with state, of this family): which element ranges of which saved files
         hold it. A frozen record with at least `keys` (the state keys) and `files` (relpaths read
         whole, or `protocol.PartialRead`s); nothing read. Raises IncompatibleCheckpoint naming what

@@ -47,6 +47,7 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     RankView,
     ReadContext,
     ReshardContext,
+    SavedChild,
     file_binding,
     saved_state_at,
 )
@@ -308,11 +309,11 @@ class WholeParameterFamily:
 
     # ------------------------------------------------------------------- resharding load
 
-    def plan_reshard(self, child: Child, saved: dict, layout: ReshardContext) -> WholeReshard:
+    def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> WholeReshard:
         """This rank's parameters at another layout, each assembled like an adapter weight from the
         saved blocks of its global tensor (`core.global_layout.plan_copies`); the files drawn from
         are read whole."""
-        index, entries = child.index, saved["layout"]
+        index, entries = child.index, saved.layout
         sources: dict[str, list[_SavedEntry]] = {}
         for entry, where in sorted(entries.get("entries", {}).items()):
             shard, _, name = entry.partition(":")
@@ -351,7 +352,7 @@ class WholeParameterFamily:
                 writers[source.file] = entries["files"][source.file]
                 used.add(source.coordinate)
             params.append((group, name, main, tuple(pieces), model_param))
-        return WholeReshard(tuple(saved["keys"]), writers, tuple(params), tuple(sorted(used)))
+        return WholeReshard(saved.keys, writers, tuple(params), tuple(sorted(used)))
 
     def restore_resharded(self, child: Child, plan: WholeReshard, read: ReadContext) -> _Restore:
         """Read the files (binding checked) and assemble every parameter's master and state: every
