@@ -44,10 +44,10 @@ from typing import Any
 
 from miles_lora_ckpt.core import data_state, layout_rules, rng_state, training_state
 from miles_lora_ckpt.core.errors import GenerationDamaged
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
 ROLE_OPTIMIZER = "optimizer"
-DISTRIBUTED_FAMILY = "distributed"
 DISTRIBUTED_DTYPE = "F32"
 
 # The savers that write the single-LoRA files (`savers.single_lora.SAVER`, `savers.multi_lora.SLOT_SAVER`),
@@ -258,7 +258,7 @@ def distributed_child(relpath: str, manifest: Manifest) -> str | None:
     if isinstance(children, dict):
         entry = children.get(child)
         family = entry.get("family") if isinstance(entry, dict) else None
-        return child if family == DISTRIBUTED_FAMILY else None
+        return child if family == FamilyKind.DISTRIBUTED else None
     state_keys = metadata.get("state_keys")
     return child if children is None and isinstance(state_keys, dict) and child in state_keys else None
 

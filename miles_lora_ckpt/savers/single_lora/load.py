@@ -577,8 +577,7 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened, un
 
 
 def _install(request: LoadRequest, plan: LoadPlan) -> None:
-    received = chain.exchange_for_load(request.optimizer, request.view, plan.restore_children)  # local
-    chain.install(request.optimizer, plan.restore_children, received)
+    chain.install(request.optimizer, plan.restore_children)
 
 
 def _finish(request: LoadRequest, plan: LoadPlan, opened) -> LoadResult:

@@ -4,7 +4,7 @@ megatron builds these wherever the distributed optimizer is off: Muon and its sc
 without layer-wise sharding, megatron 0.19's own Lion, any optimizer with
 `--no-use-distributed-optimizer`. Each child steps whole parameters; with DDP all-reducing the
 gradients, every DP rank holds the same masters and moments. The same per-parameter format serves
-the `layer-wise` family (layerwise.py), where each parameter lives on one DP rank only.
+the `layer-wise` family (layer_wise.py), where each parameter lives on one DP rank only.
 
 One *entry* per parameter shard, named `{slice}:{name}`: `slice` is the model-parallel coordinate of
 the shard (`tp000_pp000` dense, `pp000_ep000_etp000` expert), `name` the chunk-qualified parameter
@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.finite import all_finite
+from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.adapter_shards import is_expert
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child
@@ -44,7 +46,10 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     OptimizerFile,
     RankView,
     ReadContext,
+    ReshardContext,
+    SavedChild,
     file_binding,
+    saved_state_at,
 )
 from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
 from miles_lora_ckpt.megatron.topology import Coordinates
@@ -92,14 +97,54 @@ class _Restore:
     )  # group, main, master, state
 
 
+@dataclass(frozen=True)
+class _SavedEntry:
+    """One saved entry a resharding load draws from: its file, its name there, its block."""
+
+    file: str
+    name: str  # chunk-qualified name in that file
+    block: Block
+    group: int
+    coordinate: str  # the saved model-parallel coordinate it belongs to (param groups are recorded there)
+
+
+@dataclass(frozen=True)
+class WholeReshard:
+    """`WholeParameterFamily.plan_reshard`'s plan of one child on this rank."""
+
+    keys: tuple[str, ...]
+    writers: dict[str, str]  # file -> its writer's coordinate (binding)
+    params: tuple  # per parameter (group, name, master, ((_SavedEntry, copy), ...), model parameter)
+    coordinates: tuple[str, ...]  # the saved coordinates drawn from (their param groups must agree)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files read whole."""
+        return tuple(sorted(self.writers))
+
+
+def _coordinate_of(shard: str, name: str, saved: dict) -> str | None:
+    """The saved model-parallel coordinate (`tp000_pp000_ep000_etp000`) of an entry's shard key
+    (`tp000_pp000` dense, `pp000_ep000_etp000` expert) that describes `name`."""
+    for coordinate in sorted(saved):
+        tp, pp, ep, etp = coordinate.split("_")
+        if shard in (f"{tp}_{pp}", f"{pp}_{ep}_{etp}") and saved[coordinate].get(name) is not None:
+            return coordinate
+    return None
+
+
 class WholeParameterFamily:
     """`ChildFamily` for children that step whole parameters; `replicated` or `layer-wise` placement."""
 
     dp_elastic = True  # the state of a whole parameter does not depend on the DP size
 
-    def __init__(self, name: str, replicated: bool):
-        self.name = name
-        self.replicated = replicated  # every DP rank holds every entry (else: exactly one rank does)
+    def __init__(self, kind: FamilyKind):
+        self.kind = kind
+
+    @property
+    def replicated(self) -> bool:
+        """Every DP rank holds every entry (`replicated`); else exactly one rank does (`layer-wise`)."""
+        return self.kind is FamilyKind.REPLICATED
 
     # ------------------------------------------------------------------- save
 
@@ -262,17 +307,120 @@ class WholeParameterFamily:
                 check_master(source, restore.params[-1][2], f"{saved['file']} (optimizer child {child.index})")
         return restore
 
+    # ------------------------------------------------------------------- resharding load
+
+    def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> WholeReshard:
+        """This rank's parameters at another layout, each assembled like an adapter weight from the
+        saved blocks of its global tensor (`core.global_layout.plan_copies`); the files drawn from
+        are read whole."""
+        index, entries = child.index, saved.layout
+        sources: dict[str, list[_SavedEntry]] = {}
+        for entry, where in sorted(entries.get("entries", {}).items()):
+            shard, _, name = entry.partition(":")
+            # the block its writer's own coordinate records (that file's layout stamp binds those), else
+            # the first coordinate of its shard that describes it
+            own = "_".join(str(entries.get("files", {}).get(where.get("file"), "")).split("_")[:4])
+            coordinate = (
+                own if layout.saved.get(own, {}).get(name) is not None else _coordinate_of(shard, name, layout.saved)
+            )
+            if coordinate is None:
+                raise ValueError(f"optimizer child {index}: the global layout has no block for {entry}")
+            block = layout.saved[coordinate][name]
+            sources.setdefault(block.name, []).append(
+                _SavedEntry(where["file"], name, block, where["group"], coordinate)
+            )
+        writers: dict[str, str] = {}
+        params, used = [], set()
+        for group, model_param, main, _ in param_states(child.optimizer):
+            name = layout.names[id(model_param)]
+            block = layout.block_of(name)
+            found = sources.get(block.name, [])
+            found = [found[i] for i in distinct([s.block for s in found])]
+            try:
+                copies = plan_copies(block, 0, block.numel, [s.block for s in found])
+            except ValueError as exc:
+                raise IncompatibleCheckpoint(f"optimizer child {index}, parameter {name}: {exc}") from None
+            pieces = []
+            for copy in copies:
+                source = found[copy.source]
+                if source.group != group:
+                    raise IncompatibleCheckpoint(
+                        f"optimizer child {index}: {name} is in param group {group}, the checkpoint has "
+                        f"{source.block.name} in group {source.group}"
+                    )
+                pieces.append((source, copy))
+                writers[source.file] = entries["files"][source.file]
+                used.add(source.coordinate)
+            params.append((group, name, main, tuple(pieces), model_param))
+        return WholeReshard(saved.keys, writers, tuple(params), tuple(sorted(used)))
+
+    def restore_resharded(self, child: Child, plan: WholeReshard, read: ReadContext) -> _Restore:
+        """Read the files (binding checked) and assemble every parameter's master and state: every
+        per-element key element by element; a 0-d state (a torch optimizer's `step`) must be the
+        same in every saved block it draws from."""
+        index = child.index
+        state = saved_state_at(index, plan.coordinates, read.states)
+        groups = [from_json(g) for g in state["param_groups"]]
+        current = child.optimizer.optimizer.param_groups
+        if len(groups) != len(current):
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the checkpoint has {len(groups)} param group(s), this run {len(current)}"
+            )
+        if read.hyperparameters is not None:
+            read.hyperparameters.param_groups(f"optimizer child {index}", groups, current)
+        out = _Restore(groups, state.get("grad_scaler"))
+        files = {
+            file: _by_parameter(read.tensors(file, file_binding(index, coordinate)))
+            for file, coordinate in sorted(plan.writers.items())
+        }
+        for group, name, main, pieces, model_param in plan.params:
+            keys = None
+            assembled: dict[str, torch.Tensor] = {}
+            for source, copy in pieces:
+                found = files[source.file].get(source.name, {})
+                if keys is None:
+                    keys = sorted(found)
+                if sorted(found) != keys or MASTER_KEY not in found:
+                    raise ValueError(
+                        f"{source.file}: {source.name} holds {sorted(found)}, expected {keys} with a master"
+                    )
+                for key, tensor in found.items():
+                    if tensor.dim() == 0:
+                        if assembled.setdefault(key, tensor.clone()).item() != tensor.item():
+                            raise ValueError(f"{source.file}: {source.name}.{key} differs between the saved blocks")
+                        continue
+                    if not source.block.holds(tensor.shape):
+                        raise ValueError(
+                            f"{source.file}: {source.name}.{key} is {list(tensor.shape)}, not {list(source.block.shape)}"
+                        )
+                    target = assembled.setdefault(key, torch.empty(main.numel(), dtype=tensor.dtype))
+                    target[copy.into : copy.into + copy.count] = tensor.reshape(-1)[
+                        copy.first : copy.first + copy.count
+                    ]
+            master = assembled.pop(MASTER_KEY).view(main.shape)
+            saved_adapter = read.adapter(model_param) if read.adapter is not None else None
+            if saved_adapter is not None:
+                drawn = ", ".join(sorted({entry.file for entry, _ in pieces}))
+                check_master(saved_adapter, master, f"{drawn} (optimizer child {index})")
+            state_tensors = {k: (v if v.dim() == 0 else v.view(main.shape)) for k, v in assembled.items()}
+            try:
+                out.params.append(
+                    (group, main, *_entry_tensors({MASTER_KEY: master, **state_tensors}, name, main, read.keys))
+                )
+            except ValueError as exc:
+                raise ValueError(f"optimizer child {index}: {exc}") from None
+        return out
+
+    # ------------------------------------------------------------------- apply
+
     def allocate(self, child: Child, restore: _Restore) -> None:
         """Nothing to allocate: `install` gives each parameter its saved state."""
-
-    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
-        """No collectives: every rank reads the entries it holds."""
 
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
         """Nothing: `install` writes the masters and the state in place."""
         return ()
 
-    def install(self, child: Child, restore: _Restore, received: None) -> None:
+    def install(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
         inner = opt.optimizer
         with torch.no_grad():
@@ -339,4 +487,4 @@ def _grad_scaler_state(child, index: int):
     return to_json(scaler.state_dict(), f"optimizer child {index} grad scaler") if scaler is not None else None
 
 
-FAMILY = WholeParameterFamily("replicated", replicated=True)
+FAMILY = WholeParameterFamily(FamilyKind.REPLICATED)

@@ -7,7 +7,7 @@ exactly one rank, and a child can have empty param groups on some ranks. Such a 
 stub: it holds nothing there, and it still has its param groups, which the scheduler steps.
 
 Its children are the classes of the `replicated` family, so the state has the same per-parameter
-format (float16.py): each owner writes the entries it holds, and the plan maps every entry to its
+format (replicated.py): each owner writes the entries it holds, and the plan maps every entry to its
 file. What differs is the placement: an entry held by two ranks is refused (it would be saved
 twice), and no replica digest applies. Children are numbered as `LayerWise.chained_optimizers`
 numbers them, the numbering of Miles' `miles_slot_child_indices`, so one slot's children can be
@@ -19,6 +19,7 @@ the entries it owns at the new size, whichever rank wrote them.
 
 from __future__ import annotations
 
-from miles_lora_ckpt.megatron.optimizer_children.float16 import WholeParameterFamily
+from miles_lora_ckpt.core.family_kind import FamilyKind
+from miles_lora_ckpt.megatron.optimizer_children.replicated import WholeParameterFamily
 
-FAMILY = WholeParameterFamily("layer-wise", replicated=False)
+FAMILY = WholeParameterFamily(FamilyKind.LAYER_WISE)
