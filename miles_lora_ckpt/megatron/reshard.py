@@ -88,7 +88,7 @@ class ReshardPlan:
                 f"and generation {manifest.generation} (format v{manifest.format_version}) records no global layout "
                 "to reshard from (only the data-parallel size may change)"
             )
-        running = [_parsed(plan["global"]) for plan in request.plans]  # every rank's blocks, parsed once
+        running = [_parsed(plan.global_blocks) for plan in request.plans]  # every rank's blocks, parsed once
         # the layout's structural rules, as `verify` checks them (`layout_rules`: blocks tiling their
         # global tensors, adapter files' coordinates their bindings', positions inside their buckets)
         saved = _gate_up_axis(layout_rules.saved_blocks(manifest), running)
@@ -246,9 +246,7 @@ def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype,
 
 
 def _topology(request):
-    from miles_lora_ckpt.core.layout import Topology
-
-    return Topology.from_dict(request.plans[request.rank]["topology"])
+    return request.plans[request.rank].topology
 
 
 def _gate_up_axis(saved: dict, running: list[dict]) -> dict:

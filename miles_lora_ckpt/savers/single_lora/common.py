@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_lora_ckpt.core.consensus import Outcome
 from miles_lora_ckpt.core.errors import GenerationDamaged
-from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
+from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, Topology
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import param_blocks
 from miles_lora_ckpt.megatron.optimizer_children import chain
@@ -165,41 +166,93 @@ def chunk_count(model) -> int:
     return len(model) if isinstance(model, list | tuple) else 1
 
 
-def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = False) -> dict:
-    """What this rank holds: coordinates, adapter shards it would write, optimizer children (JSON).
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank holds, as every rank sees it after the plan agreement.
 
-    `children` describes the selected children only (all non-stub ones when `optimizer_children`
-    is None); `active` lists every non-stub child, the chain's layout; `global` each trainable
-    parameter's place in the global model (`megatron.param_blocks`).
+    `describe_rank` makes it; it crosses the consensus as JSON (`to_json`, `from_json`), and every
+    use reads its attributes. `global_blocks` goes into the manifest as is (format v3).
+    """
+
+    coords: Coordinates  # this rank's place on every parallel axis
+    topology: Topology  # the whole run's layout, as this rank sees it
+    dense: tuple[str, ...]  # the dense adapter weights it holds, sorted
+    expert: tuple[str, ...]  # the expert adapter weights it holds, sorted
+    # each trainable parameter's global block (`param_blocks.describe`, JSON; None where unknown)
+    global_blocks: dict[str, dict | None]
+    active: tuple[int, ...]  # every non-stub optimizer child's index (the chain's layout)
+    children: tuple[dict, ...]  # the selected children's descriptions (`chain.describe`, JSON)
+
+    def to_json(self) -> dict:
+        """The consensus payload: plain JSON under the keys the plan always had."""
+        return {
+            "coords": self.coords.to_dict(),
+            "topology": self.topology.to_dict(),
+            "dense": list(self.dense),
+            "expert": list(self.expert),
+            "global": self.global_blocks,
+            "active": list(self.active),
+            "children": list(self.children),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> RankPlan:
+        """The record back from `to_json`'s payload, as a peer sent it."""
+        return cls(
+            coords=Coordinates(**data["coords"]),
+            topology=Topology(**data["topology"]),
+            dense=tuple(data["dense"]),
+            expert=tuple(data["expert"]),
+            global_blocks=data["global"],
+            active=tuple(data["active"]),
+            children=tuple(data["children"]),
+        )
+
+
+def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = False) -> RankPlan:
+    """This rank's `RankPlan`: coordinates, layout, adapter shards, parameter blocks, children.
+
+    `optimizer_children` selects the children described (None: every non-stub one); `active`
+    lists every non-stub child whatever is selected. `saving` tells the families a save asks.
+    Raises what megatron's parallel state or a family's description raises.
     """
     coords = current_coordinates()
     dense, expert = shards.split_by_kind(shards.adapter_params(model))
     has_optimizer = optimizer is not None
-    return {
-        "coords": coords.to_dict(),
-        "topology": current_topology(chunk_count(model)).to_dict(),
-        "dense": sorted(dense),
-        "expert": sorted(expert),
-        "global": param_blocks.describe(model),  # each trainable parameter's global block (format v3)
-        "active": chain.active_indices(optimizer) if has_optimizer else [],
-        "children": chain.describe(optimizer, model, coords, optimizer_children, saving=saving)
+    return RankPlan(
+        coords=coords,
+        topology=current_topology(chunk_count(model)),
+        dense=tuple(sorted(dense)),
+        expert=tuple(sorted(expert)),
+        global_blocks=param_blocks.describe(model),
+        active=tuple(chain.active_indices(optimizer)) if has_optimizer else (),
+        children=tuple(chain.describe(optimizer, model, coords, optimizer_children, saving=saving))
         if has_optimizer
-        else [],
-    }
+        else (),
+    )
 
 
-def rank_view(model, plans: list[dict], rank: int) -> RankView:
-    return RankView(rank, [Coordinates(**p["coords"]) for p in plans], chain.param_names(model))
+def agree_plans(consensus, planned: Outcome) -> list[RankPlan]:
+    """Collective: every rank's `RankPlan`, by rank, from this rank's `attempt(describe_rank, ...)`.
+
+    The plans cross as JSON. Raises CheckpointError (phase `plan`) on every rank where any failed.
+    """
+    return [RankPlan.from_json(p) for p in consensus.agree("plan", planned.map(RankPlan.to_json))]
 
 
-def selected_adapter_names(plans: list[dict], optimizer_children) -> set[str] | None:
+def rank_view(model, plans: list[RankPlan], rank: int) -> RankView:
+    """What a family needs of the run: `rank`, every rank's coordinates, the parameter names."""
+    return RankView(rank, [p.coords for p in plans], chain.param_names(model))
+
+
+def selected_adapter_names(plans: list[RankPlan], optimizer_children) -> set[str] | None:
     """With a child selection, the adapter parameters those children step (on any rank); else None (all)."""
     if optimizer_children is None:
         return None
-    return chain.covered_params([p["children"] for p in plans])
+    return chain.covered_params([p.children for p in plans])
 
 
-def filtered_adapter_names(plans: list[dict], optimizer_children, adapter_filter) -> set[str] | None:
+def filtered_adapter_names(plans: list[RankPlan], optimizer_children, adapter_filter) -> set[str] | None:
     """The adapter names a save or load covers: all (None), those the chosen children step, or
     those `adapter_filter` accepts among every rank's adapters.
 
@@ -211,7 +264,7 @@ def filtered_adapter_names(plans: list[dict], optimizer_children, adapter_filter
     stepped = selected_adapter_names(plans, optimizer_children)
     if adapter_filter is None:
         return stepped
-    held = sorted({n for p in plans for n in (*p["dense"], *p["expert"])})
+    held = sorted({n for p in plans for n in (*p.dense, *p.expert)})
     chosen = {n for n in held if adapter_filter(n)}
     if not chosen:
         raise ValueError(

@@ -27,7 +27,6 @@ from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import rng_tracker
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
-from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.savers.options import SaveOptions
 from miles_lora_ckpt.savers.peft_export import PeftExport, plan_export
 from miles_lora_ckpt.savers.single_lora.common import (
@@ -35,8 +34,10 @@ from miles_lora_ckpt.savers.single_lora.common import (
     SINGLE_LORA,
     TRAINING_STATE,
     TRAINING_STATE_BINDING,
+    RankPlan,
     SaverSpec,
     adapter_binding,
+    agree_plans,
     describe_rank,
     filtered_adapter_names,
     rank_view,
@@ -171,7 +172,7 @@ def plan_save(
     selection = options.selection
 
     # plan: every rank says what it holds; everybody sees every rank's answer
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection, saving=save_optim))
+    plans = agree_plans(consensus, attempt(describe_rank, model, optimizer, selection, saving=save_optim))
 
     # layout: every rank derives the same decisions from the same answers (and refuses the same way)
     layout = attempt(SaveLayout.from_plans, plans, save_optim, selection, spec.adapter_filter)
@@ -213,7 +214,7 @@ def plan_save(
     return PlannedSave(
         iteration=iteration,
         saver=spec.saver,
-        topology=Topology.from_dict(plans[0]["topology"]),
+        topology=plans[0].topology,
         metadata={
             **layout.metadata(save_optim, opt_param_scheduler, args),
             **({"rng_saved": save_rng} if spec.saver == SAVER else {}),
@@ -310,7 +311,7 @@ def _no_files() -> tuple[dict, dict]:
 class SaveLayout:
     """Decisions every rank derives identically from all ranks' plans."""
 
-    plans: list[dict]
+    plans: list[RankPlan]
     selection: list[int] | None
     adapter_names: set[str] | None  # with a selection or a filter: the adapter weights saved
     children: dict[str, dict] = field(default_factory=dict)  # the optimizer children's plan (manifest)
@@ -319,16 +320,16 @@ class SaveLayout:
 
     @classmethod
     def from_plans(
-        cls, plans: list[dict], save_optim: bool, selection: list[int] | None, adapter_filter=None
+        cls, plans: list[RankPlan], save_optim: bool, selection: list[int] | None, adapter_filter=None
     ) -> SaveLayout:
         layout = cls(plans, selection, filtered_adapter_names(plans, selection, adapter_filter))
-        ranks = [Coordinates(**p["coords"]) for p in plans]
-        layout.children = chain.plan([p["children"] for p in plans], ranks, save_optim)
+        ranks = [p.coords for p in plans]
+        layout.children = chain.plan([p.children for p in plans], ranks, save_optim)
         for rank, plan in enumerate(plans):
             coords = ranks[rank]
-            if layout.adapter_subset(plan["dense"]):
+            if layout.adapter_subset(plan.dense):
                 layout.dense_writers.setdefault(coords.dense_key, rank)
-            if layout.adapter_subset(plan["expert"]):
+            if layout.adapter_subset(plan.expert):
                 layout.expert_writers.setdefault(coords.expert_key, rank)
         return layout
 
@@ -341,7 +342,7 @@ class SaveLayout:
         return [n for n in names if n in self.adapter_names]
 
     def metadata(self, save_optim: bool, scheduler, args) -> dict:
-        active = {Coordinates(**p["coords"]).model_parallel_key: p["active"] for p in self.plans}
+        active = {p.coords.model_parallel_key: list(p.active) for p in self.plans}
         return {
             "optimizer_saved": save_optim,
             "scheduler_saved": save_optim and scheduler is not None,
@@ -365,14 +366,14 @@ class SaveLayout:
         placed by each child's `layout.positions` (`optimizer_children.distributed`)."""
         params, files = {}, {}
         for plan in self.plans:
-            params.setdefault(Coordinates(**plan["coords"]).model_parallel_key, plan["global"])
+            params.setdefault(plan.coords.model_parallel_key, plan.global_blocks)
         for kind, writers, file_of in (
             ("dense", self.dense_writers, shards.dense_file),
             ("expert", self.expert_writers, shards.expert_file),
         ):
             for rank in writers.values():
-                coords = Coordinates(**self.plans[rank]["coords"])
-                names = sorted(self.adapter_subset(self.plans[rank][kind]))
+                coords = self.plans[rank].coords
+                names = sorted(self.adapter_subset(getattr(self.plans[rank], kind)))
                 files[file_of(coords)] = {"coordinate": coords.model_parallel_key, "names": names}
         return {"params": dict(sorted(params.items())), "adapter_files": dict(sorted(files.items()))}
 
@@ -385,7 +386,7 @@ def _lora_args(args) -> dict:
 def _adapter_files(model, layout: SaveLayout, rank: int) -> dict[str, RankFile]:
     """The adapter shards this rank writes (the lowest rank holding each coordinate's shard), with a
     block index: a resharding load reads only the blocks holding the elements it needs."""
-    coords = Coordinates(**layout.plans[rank]["coords"])
+    coords = layout.plans[rank].coords
     dense, expert = (layout.adapter_subset(p) for p in shards.split_by_kind(shards.adapter_params(model)))
     files = {}
     if dense and layout.dense_writers.get(coords.dense_key) == rank:
