@@ -14,6 +14,7 @@ from miles_lora_ckpt.core.layout import FileRecord
 from miles_lora_ckpt.core.protocol import WholeFileRanges
 from miles_lora_ckpt.core.verify import check_file_ranges
 from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
+from miles_lora_ckpt.megatron.optimizer_children.family import ChildDescription
 from miles_lora_ckpt.sim.launch import check_all, run_workers
 
 
@@ -183,8 +184,8 @@ def test_slice_bounds_of_the_plan_tile_every_bucket():
         ("buf0.bucket0", 9, 10),
     ]
     # a rank at DP=2 reads element ranges of the DP=4 slices that overlap its shard
-    desc = {"dp_rank": 1, "dp_size": 2, "numel_padded": padded, "numel_unpadded": unpadded}
-    reads = [(pos, p.file[-22:], first, stop, offset) for pos, p, first, stop, offset in dopt.reads_for(pieces, desc)]
+    held = dopt.DistributedHeld((), 1, 2, 0, unpadded, padded, {})
+    reads = [(pos, p.file[-22:], first, stop, offset) for pos, p, first, stop, offset in dopt.reads_for(pieces, held)]
     assert reads == [
         (0, "_k_s002of004.safetensors"[-22:], 0, 3, 0),
         (0, "_k_s003of004.safetensors"[-22:], 0, 1, 3),
@@ -203,8 +204,8 @@ def test_the_family_keeps_every_range_it_reads_at_any_layout():
 
     def asked(saved_dp, dp_size, dp_rank):
         plan = _plan([dopt.slice_bounds(padded, unpadded, r, saved_dp)["buf0"] for r in range(saved_dp)])
-        desc = {"dp_rank": dp_rank, "dp_size": dp_size, "dp_root": 0, "keys": ["exp_avg"]}
-        desc |= {"numel_padded": padded, "numel_unpadded": unpadded}
+        held = dopt.DistributedHeld((), dp_rank, dp_size, 0, unpadded, padded, {})
+        desc = ChildDescription(3, "distributed", "DistributedOptimizer", "adam", ("exp_avg",), True, False, held)
         view = SimpleNamespace(rank=dp_rank, ranks=[SimpleNamespace(model_parallel_key="k")] * dp_size)
         described = [desc if r == dp_rank else None for r in range(dp_size)]
         return dopt.FAMILY.files_to_read(3, view, described, plan)

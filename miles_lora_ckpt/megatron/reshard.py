@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,11 +65,25 @@ class _Source:
     block: Block
 
 
+class AdapterCopy(NamedTuple):
+    """One run of a saved adapter tensor's elements into a wanted adapter weight."""
+
+    source: _Source  # the saved copy it is read from
+    copy: Any  # `core.global_layout.plan_copies`' run: `first`, `into`, `count`
+
+
+class AdapterPlan(NamedTuple):
+    """How one adapter weight of this rank is assembled from saved tensors."""
+
+    block: Block  # its block on this rank
+    copies: list[AdapterCopy]  # every run that fills it, each element exactly once
+
+
 @dataclass
 class ReshardPlan:
     """What this rank reads and where it goes (see the module docstring)."""
 
-    adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)  # name -> (block, [(source, copy)])
+    adapter: dict[str, AdapterPlan] = field(default_factory=dict)  # this run's name -> its plan
     adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (file, tensor) -> read
     children: dict = field(default_factory=dict)  # index -> its family's plan (`ChildFamily.plan_reshard`)
     files: list = field(default_factory=list)
@@ -123,7 +138,7 @@ class ReshardPlan:
                 copies = self._whole_plan(block, [s.block for s in found])
             except ValueError as exc:
                 raise IncompatibleCheckpoint(f"adapter parameter {name}: {exc}") from None
-            self.adapter[name] = (block, [(found[c.source], c) for c in copies])
+            self.adapter[name] = AdapterPlan(block, [AdapterCopy(found[c.source], c) for c in copies])
             for c in copies:
                 source = found[c.source]
                 span = spans.setdefault(source.where, {}).setdefault(source.name, [c.first, c.first + c.count])
@@ -142,12 +157,12 @@ class ReshardPlan:
         holding them, or the whole file where it has no block index)."""
         read: dict[str, tuple] = {}  # file -> (its verified ranges, its tensors' dtypes and sizes)
         out = {}
-        for name, (block, copies) in self.adapter.items():
-            param = params[name]
+        for name, planned in self.adapter.items():
+            block, param = planned.block, params[name]
             local = torch.empty(block.numel, dtype=param.dtype)
             by_source: dict[_Source, list] = {}
-            for source, copy in copies:
-                by_source.setdefault(source, []).append((copy.first, copy.into, copy.count))
+            for run in planned.copies:
+                by_source.setdefault(run.source, []).append((run.copy.first, run.copy.into, run.copy.count))
             for source, runs in by_source.items():
                 if source.where not in read:
                     kind, key = _ADAPTER_FILE.match(source.where).groups()
@@ -187,7 +202,7 @@ class ReshardPlan:
         out = {}
         for params, tensors in assembled:
             for name, tensor in tensors.items():
-                files = sorted({source.where for source, _ in self.adapter[name][1]})
+                files = sorted({run.source.where for run in self.adapter[name].copies})
                 out[id(params[name])] = AdapterSource(name, tensor, " + ".join(files))
         return out
 
@@ -201,7 +216,7 @@ class ReshardPlan:
         layout = ReshardContext(manifest, saved, request.view.names, self._whole_plan, lambda n: _block_of(mine, n))
         partial: list[PartialRead] = []
         for desc in descriptions[request.rank]:
-            index, entry = desc["index"], chain.saved_record(saved_children, desc["index"])
+            index, entry = desc.index, chain.saved_record(saved_children, desc.index)
             if not entry.stepped:
                 continue
             child = chain.select(request.optimizer, [index])[0]

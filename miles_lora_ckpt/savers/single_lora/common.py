@@ -1,27 +1,11 @@
-"""What the single-LoRA saver and loader share: file names, each rank's plan, what another saver
-adds to their phases (`SaverSpec`), the load result.
+"""What the single-LoRA saver and loader share: file names, bindings, each rank's plan.
 
-A generation written by the single-LoRA saver holds (paths relative to it)::
+Each rank's plan is a `RankPlan`, agreed as JSON (`agree_plans`). `SaverSpec` says what another
+saver (multi-LoRA slots) adds to the phases; `LoadResult` is what a load restored.
 
-    training_state.json                                   iteration, scheduler, per-child optimizer
-                                                          param groups and steps (JSON), by rank 0
-    adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP), all chunks
-    adapter/expert_pp000_ep000_etp000.safetensors         expert adapter shard per (PP, EP, ETP)
-    optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors
-                                                          DP rank 0 of 2's slice of the fp32 masters and
-                                                          every moment of one DistributedOptimizer
-                                                          child, keyed by the model-parallel coordinate
-                                                          of its DP group's root (DP x CP for dense
-                                                          children); no gather, partial reads at load
-    optimizer/child0_tp000_pp000_ep000_etp000_dp000_cp000.safetensors
-                                                          masters + state of the whole parameters a
-                                                          Float16/FP32 (or layer-wise) child's rank writes
-
-(`megatron.optimizer_children` says which family writes which files.) Format v2 binds every file
-to what it is: the training state (role `training-state`), each adapter shard (role
-`dense-adapter` / `expert-adapter` and its coordinate), each optimizer file (role `optimizer`, the
-child and the writer's coordinate: `optimizer_children.file_binding`); the protocol stamps the
-binding into tensor files and the manifest records it, and the loader checks it for every file.
+docs/file-format.md lists a generation's files. Format v2 binds every file to what it is (role,
+coordinate, child): the protocol stamps the binding into tensor files and the manifest records
+it. The loader checks it for every file (`check_binding`).
 """
 
 from __future__ import annotations
@@ -36,16 +20,38 @@ from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, Topology
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import param_blocks
 from miles_lora_ckpt.megatron.optimizer_children import chain
-from miles_lora_ckpt.megatron.optimizer_children.family import RankView
+from miles_lora_ckpt.megatron.optimizer_children.family import ChildDescription, RankView
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, current_topology
 from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR
+
+__all__ = [
+    "SAVER",
+    "SINGLE_LORA",
+    "TRAINING_STATE",
+    "TRAINING_STATE_BINDING",
+    "LoadResult",
+    "RankPlan",
+    "SaverSpec",
+    "adapter_binding",
+    "agree_plans",
+    "bound_ranges",
+    "bound_tensors",
+    "check_binding",
+    "chunk_count",
+    "describe_rank",
+    "filtered_adapter_names",
+    "rank_view",
+    "saved_children",
+    "saved_metadata",
+]
 
 SAVER = "single-lora"
 TRAINING_STATE = "training_state.json"
 
 
-# What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on load.
+# What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on
+# load.
 # (Optimizer files: `optimizer_children.file_binding`.)
 TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
 
@@ -54,15 +60,17 @@ TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
 class SaverSpec:
     """What another saver (multi-LoRA slots) adds to the single-LoRA save and load phases.
 
-    Both: `saver`, the manifest's saver name written and accepted; `adapter_filter(name)`, the
-    adapter weights saved or restored (chunk-qualified names; None: all), with the empty-shard guard
-    (`filtered_adapter_names`; a load must find every one of them on this rank in its file).
-    Save: `links`, reader names the publish points at the generation (`save_generation`'s links);
-    `extra_metadata(layout)`, more manifest metadata from the agreed layout; `export_after_write`,
-    with a PEFT export, run it after every rank's files are staged (Miles v1's order);
-    `peft_prefix`, where the PEFT files go (`peft/`, or "" for the generation's top).
-    Load: `check_manifest(manifest)`, more refusals (raise IncompatibleCheckpoint) before anything
-    is read; `legacy`, whether a stock Miles adapter directory may be warm-started.
+    Both phases: `saver` is the manifest's saver name, written and accepted. `adapter_filter(name)`
+    picks the adapter weights saved or restored (chunk-qualified names; None: all). The empty-shard
+    guard applies to it (`filtered_adapter_names`): a load must find each of them in its file.
+
+    Save: `links` are the reader names the publish points at the generation.
+    `extra_metadata(layout)` adds manifest metadata from the agreed layout. `export_after_write` runs a PEFT export after
+    every rank's files are staged (Miles v1's order). `peft_prefix` is where the PEFT files go
+    (`peft/`, or "" for the generation's top).
+
+    Load: `check_manifest(manifest)` adds refusals (it raises IncompatibleCheckpoint) before
+    anything is read. `legacy` says whether a stock Miles adapter directory may be warm-started.
     """
 
     saver: str = SAVER
@@ -82,13 +90,16 @@ SINGLE_LORA = SaverSpec()  # the single-LoRA saver itself
 
 
 def adapter_binding(kind: str, coordinate_key: str) -> dict[str, str]:
-    """`kind` is "dense" (coordinate: TP, PP) or "expert" (coordinate: PP, EP, expert TP)."""
+    """The binding of an adapter shard: `kind` "dense" (coordinate: TP, PP) or "expert" (PP, EP,
+    expert TP), at `coordinate_key`."""
     return {"role": f"{kind}-adapter", "coordinate": coordinate_key}
 
 
 def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
-    """The manifest must bind `relpath` to what this rank expects there (format v2; v1 has no
-    bindings: a v1 file swapped or copied is caught only by the manifest's digests)."""
+    """Raise ValueError unless the manifest of `opened` binds `relpath` to `expected`.
+
+    Format v1 has no bindings: there a swapped or copied file is caught by the digests only.
+    """
     if opened.manifest.format_version < 2:
         return
     found = opened.binding(relpath)
@@ -97,7 +108,8 @@ def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
 
 
 def bound_tensors(opened):
-    """`(relpath, expected binding) -> tensors` of one of this rank's files, binding checked first."""
+    """`(relpath, expected binding) -> tensors` of one of this rank's files, binding checked
+    first."""
 
     def read(relpath: str, expected: dict[str, str]):
         check_binding(opened, relpath, expected)
@@ -118,7 +130,7 @@ def bound_ranges(opened):
 
 
 def saved_metadata(manifest, *keys):
-    """`manifest.metadata[k1][k2]...`, or a ValueError naming the missing key."""
+    """`manifest.metadata[k1][k2]...`; raises GenerationDamaged naming the missing key."""
     value = manifest.metadata
     for depth, key in enumerate(keys):
         if not isinstance(value, dict) or key not in value:
@@ -136,11 +148,11 @@ _PRE_FAMILY_KEYS = ("stepped_children", "state_keys", "numel_unpadded")
 
 
 def saved_children(manifest) -> dict[str, dict]:
-    """The manifest's `optimizer_children` (per child: family, class, kind, keys, stepped, layout).
+    """The manifest's `optimizer_children`, JSON: per child family, class, kind, keys, stepped, layout.
 
-    A generation written before every child family was saved records `stepped_children`,
-    `state_keys` and `numel_unpadded` instead (DistributedOptimizer children only, the same files
-    and bindings): those read as the equivalent `optimizer_children`. A ValueError names a missing key.
+    Older generations record DistributedOptimizer children only, in `stepped_children`,
+    `state_keys` and `numel_unpadded`. Those read as the equivalent `optimizer_children`.
+    Raises GenerationDamaged naming a missing key.
     """
     metadata = manifest.metadata
     if "optimizer_children" in metadata or not all(k in metadata for k in _PRE_FAMILY_KEYS):
@@ -163,6 +175,7 @@ def saved_children(manifest) -> dict[str, dict]:
 
 
 def chunk_count(model) -> int:
+    """How many model chunks `model` is (Miles passes a list of chunks, or one module)."""
     return len(model) if isinstance(model, list | tuple) else 1
 
 
@@ -181,7 +194,7 @@ class RankPlan:
     # each trainable parameter's global block (`param_blocks.describe`, JSON; None where unknown)
     global_blocks: dict[str, dict | None]
     active: tuple[int, ...]  # every non-stub optimizer child's index (the chain's layout)
-    children: tuple[dict, ...]  # the selected children's descriptions (`chain.describe`, JSON)
+    children: tuple[ChildDescription, ...]  # the selected children (`chain.describe`)
 
     def to_json(self) -> dict:
         """The consensus payload: plain JSON under the keys the plan always had."""
@@ -192,7 +205,7 @@ class RankPlan:
             "expert": list(self.expert),
             "global": self.global_blocks,
             "active": list(self.active),
-            "children": list(self.children),
+            "children": [child.to_json() for child in self.children],
         }
 
     @classmethod
@@ -205,7 +218,7 @@ class RankPlan:
             expert=tuple(data["expert"]),
             global_blocks=data["global"],
             active=tuple(data["active"]),
-            children=tuple(data["children"]),
+            children=tuple(chain.parse_description(child) for child in data["children"]),
         )
 
 
@@ -246,20 +259,20 @@ def rank_view(model, plans: list[RankPlan], rank: int) -> RankView:
 
 
 def selected_adapter_names(plans: list[RankPlan], optimizer_children) -> set[str] | None:
-    """With a child selection, the adapter parameters those children step (on any rank); else None (all)."""
+    """With a child selection, the adapter parameters those children step on any rank; else None."""
     if optimizer_children is None:
         return None
     return chain.covered_params([p.children for p in plans])
 
 
 def filtered_adapter_names(plans: list[RankPlan], optimizer_children, adapter_filter) -> set[str] | None:
-    """The adapter names a save or load covers: all (None), those the chosen children step, or
-    those `adapter_filter` accepts among every rank's adapters.
+    """The adapter names a save or load covers, from every rank's plan.
 
-    With a filter (a multi-LoRA slot), the empty-shard guard: it must accept at least one adapter
-    parameter on some rank and, with chosen children, exactly the parameters they step (a filter
-    that misses slot-indexed names would otherwise write valid but empty or partial shards).
-    Raises ValueError, the same on every rank (they all see the same plans).
+    Returns None (all), the names the chosen children step, or those `adapter_filter` accepts.
+    A filter (a multi-LoRA slot) gets the empty-shard guard: it must accept some adapter
+    parameter, and with chosen children exactly those they step. Otherwise a filter that misses
+    slot-indexed names would write valid but empty or partial shards. Raises ValueError, the same
+    on every rank (they all see the same plans).
     """
     stepped = selected_adapter_names(plans, optimizer_children)
     if adapter_filter is None:

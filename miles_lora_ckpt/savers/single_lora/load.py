@@ -334,7 +334,7 @@ class LoadRequest:
         return rank_view(self.model, self.plans, self.rank)
 
     def selected(self) -> list[int]:
-        return [c["index"] for c in self.plans[self.rank].children]
+        return [c.index for c in self.plans[self.rank].children]
 
     def descriptions(self) -> list[list[dict]]:
         return [list(p.children) for p in self.plans]
