@@ -21,9 +21,9 @@ from jobs_paths import JOBS
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.layout import TRACKER
 from miles_lora_ckpt.core.protocol import open_generation
-from miles_lora_ckpt.sim.launch import run_workers
-from miles_lora_ckpt.sim.model import SimConfig
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.launch import run_workers
+from miles_lora_ckpt_harness.sim.model import SimConfig
 
 # The background write runs the same phases (plan_save, write_planned_save) as the synchronous save,
 # which test_single_lora and test_miles_resume run on both megatron tiers; the asynchronous cases run

@@ -1,4 +1,4 @@
-"""Tests of the CPU harness (miles_lora_ckpt/sim) on the real megatron-core DistributedOptimizer.
+"""Tests of the CPU harness (harness/miles_lora_ckpt_harness/sim) on the real megatron-core DistributedOptimizer.
 
 Spawning workers is the expensive part (each imports torch and megatron), so the megatron tests
 share three batched jobs, one per world size, each run once per module by a fixture:
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_lora_ckpt.sim import check_all, run_workers
-from miles_lora_ckpt.sim.snapshot import compare_digests
+from miles_lora_ckpt_harness.sim import check_all, run_workers
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_lora_ckpt.sim import check_all, launch, run_workers
+from miles_lora_ckpt_harness.sim import check_all, launch, run_workers
 
 pytestmark = [pytest.mark.multirank]
 
@@ -32,7 +32,7 @@ def every_rank_spawned():
 
 IMPORT_CHECK = """
 import os, sys, torch
-from miles_lora_ckpt.sim import cpu_intercepts as ci
+from miles_lora_ckpt_harness.sim import cpu_intercepts as ci
 assert not ci.active()
 assert not [m for m in sys.modules if m.startswith("megatron")]
 assert torch._C._len_torch_function_stack() == 0

@@ -292,7 +292,7 @@ def test_a_harness_worker_releases_its_lease_when_it_exits_normally(tmp_path, pr
     (sim.worker) and forked (sim.prewarmed) alike."""
     from jobs_paths import JOBS
 
-    from miles_lora_ckpt.sim.launch import check_all, run_workers
+    from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
     spawned = check_all(
         run_workers(1, "protocol_jobs:hold_lease", {"root": str(tmp_path)}, sys_path=[JOBS], megatron=False)
@@ -315,9 +315,9 @@ def test_two_training_runs_saving_at_the_same_moments_one_is_refused_and_the_oth
 
     from jobs_paths import JOBS
 
-    from miles_lora_ckpt.sim import launch
-    from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.tools.cli import main as cli
+    from miles_lora_ckpt_harness.sim import launch
+    from miles_lora_ckpt_harness.sim.model import SimConfig
 
     root, scratch = tmp_path / "root", tmp_path / "barrier"
     root.mkdir()

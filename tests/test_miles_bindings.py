@@ -300,7 +300,7 @@ def test_train_fault_tolerance_is_refused_naming_what_the_user_set(tmp_path):
     """Miles' validation sets non_persistent_ckpt_type = "local" itself under --ft-components train
     (2026-08 and later; the miles-rl 0.0.2 wheel has no fault tolerance): the refusal names the flags the
     user passed, not one they never wrote."""
-    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
+    from miles_lora_ckpt_harness.miles_standin.common import args as standin_args
 
     argv = [
         "--lora-rank",
@@ -336,8 +336,8 @@ def test_the_qwen2_shaped_standin_refuses_megatrons_expert_and_layer_flags(tmp_p
     rather than building another model than the one asked for."""
     import json
 
-    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
-    from miles_lora_ckpt.sim.miles_standin.common.training import sim_config
+    from miles_lora_ckpt_harness.miles_standin.common import args as standin_args
+    from miles_lora_ckpt_harness.miles_standin.common.training import sim_config
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     argv = ["--lora-rank", "4", "--hf-checkpoint", str(tmp_path), "--num-rollout", "2", *flags]

@@ -1,6 +1,6 @@
 """Miles launch commands with the plugin's init hook, SIGKILLed and relaunched unchanged (CPU, gloo).
 
-Every launch runs the Miles stand-in's train loop (`sim/miles_standin`: argument validation, train
+Every launch runs the Miles stand-in's train loop (`miles_standin`: argument validation, train
 actor init with the hook, model/optimizer setup, load, rollouts, periodic saves) on the real
 megatron-core DistributedOptimizer, as fresh processes forked from one pre-warmed launcher
 (`sim.prewarmed`). A relaunch is compared with an uninterrupted run without checkpoints, tensor by
@@ -18,11 +18,11 @@ import pytest
 from jobs_paths import JOBS
 
 from miles_lora_ckpt.core.verify import verify_generation
-from miles_lora_ckpt.sim.miles_standin import shape_path
+from miles_lora_ckpt_harness.miles_standin import shape_path
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
-JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
+JOB = "miles_lora_ckpt_harness.miles_standin.launch:launch_job"
 HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
 TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_fc2", "mixed": None}
 ROLLOUTS = 4  # x 2 optimizer steps; saves after every rollout; the crash is in the save of rollout 2

@@ -145,7 +145,7 @@ def test_tools_understand_a_directory_of_slot_roots(tmp_path, capsys):
 
 
 def test_the_demo_schedule_retires_and_re_registers_the_last_slot():
-    from miles_lora_ckpt.tools.demo_slots import cadence, plan_schedule
+    from miles_lora_ckpt_harness.demo.slots import cadence, plan_schedule
 
     events = plan_schedule(2, 8, 2)
     marks = [e for e in events if e[0] != "train"]
@@ -170,7 +170,7 @@ CONFIG = {"world_size": 2, "slots": 2, "adapters": "mixed", "distributed": False
 
 
 def run_suite(world: int, payload: dict) -> list[dict]:
-    from miles_lora_ckpt.sim.launch import check_all, run_workers
+    from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
     results = run_workers(world, "multi_lora_jobs:suite", payload, sys_path=[JOBS], timeout_s=500)
     return check_all(results)
@@ -179,8 +179,8 @@ def run_suite(world: int, payload: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def w2(tmp_path_factory):
     from miles_lora_ckpt.core.faults import LOAD_PHASES, PREPARE_PHASES, SAVE_PHASES
-    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
-    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+    from miles_lora_ckpt_harness.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt_harness.sim.qwen2_model import Qwen2SimConfig
 
     base = tmp_path_factory.mktemp("multi_lora_w2")
     build_tiny_qwen2(base / "hf-base", Qwen2SimConfig().hf_config_kwargs())

@@ -11,7 +11,7 @@ the jobs report as skipped with the reason.
 
 Two jobs per tier (one per world size) run every case. They rely on the CPU harness: the three
 megatron fallback-path fixes for DistributedOptimizer cases, and the padded all-gather that
-LayerWiseDistributedOptimizer needs on gloo (see miles_lora_ckpt/sim/cpu_intercepts.py).
+LayerWiseDistributedOptimizer needs on gloo (see harness/miles_lora_ckpt_harness/sim/cpu_intercepts.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.sim.launch import check_all, run_workers
-from miles_lora_ckpt.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.model import SimConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
@@ -235,7 +235,7 @@ def test_megatron_builds_its_own_lion(w2):
     lion = {n: r["matrix"][n]["children"] for r in w2 for n in r["matrix"] if n.startswith("lion/")}
     assert lion
     if not TIER2:
-        assert all("miles_lora_ckpt.sim.lion.Lion" in c for cs in lion.values() for c in cs), lion
+        assert all("miles_lora_ckpt_harness.sim.lion.Lion" in c for cs in lion.values() for c in cs), lion
         pytest.skip(f"megatron-core {MEGATRON} has no Lion: the harness's Lion ran instead")
     assert all("emerging_optimizers.scalar_optimizers.lion.Lion" in c for cs in lion.values() for c in cs), lion
 

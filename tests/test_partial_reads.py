@@ -14,7 +14,7 @@ from miles_lora_ckpt.core.layout import FileRecord
 from miles_lora_ckpt.core.protocol import WholeFileRanges
 from miles_lora_ckpt.core.verify import check_file_ranges
 from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
-from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 
 def _write(tmp_path, tensors, block_bytes=256):

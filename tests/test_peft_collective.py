@@ -12,8 +12,8 @@ from jobs_paths import JOBS
 
 from miles_lora_ckpt.core.layout import LATEST, TRACKER
 from miles_lora_ckpt.savers.peft_export import FAULT_PHASES
-from miles_lora_ckpt.sim.launch import run_workers
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.launch import run_workers
 
 pytestmark = pytest.mark.multirank
 

@@ -31,9 +31,9 @@ from peft_reference import base_logits, hf_deltas, peft_deltas, peft_logits, ref
 
 from miles_lora_ckpt.core.storage import load_tensors
 from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, LATEST, WEIGHTS_NAME
-from miles_lora_ckpt.sim.launch import check_all, run_workers
-from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.qwen2_model import Qwen2SimConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.peft]
 
@@ -48,7 +48,7 @@ BOUND = 1e-9  # relative to the logits' scale (fp64; HF's RMSNorm rounds through
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory):
-    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt_harness.sim.hf_base import build_tiny_qwen2
 
     work = tmp_path_factory.mktemp("peft")
     hf = build_tiny_qwen2(work / "hf-base", CASES["tp2"].hf_config_kwargs(), seed=7)

@@ -14,8 +14,8 @@ from jobs_paths import JOBS
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.faults import SAVE_PHASES
 from miles_lora_ckpt.core.protocol import open_generation, save_generation
-from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 pytestmark = pytest.mark.multirank
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.sim.launch import check_all, run_workers
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.optimizers import why_not_buildable
-from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.optimizers import why_not_buildable
+from miles_lora_ckpt_harness.sim.qwen2_model import Qwen2SimConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 

@@ -2,7 +2,7 @@
 
 Every resume is compared with an uninterrupted run tensor by tensor, bit for bit: adapter weights,
 fp32 masters, every optimizer state tensor (moments and steps) and the scheduler state. These runs
-rely on the CPU harness's megatron fallback-path fixes (see miles_lora_ckpt/sim/cpu_intercepts.py).
+rely on the CPU harness's megatron fallback-path fixes (see harness/miles_lora_ckpt_harness/sim/cpu_intercepts.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from jobs_paths import JOBS
 
 from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.verify import verify_generation
-from miles_lora_ckpt.sim.launch import check_all, run_workers
-from miles_lora_ckpt.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.model import SimConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 

@@ -82,7 +82,7 @@ def render_signature(function: Callable, *, defaults: bool = False) -> str:
 
     `defaults=True` writes each default's `repr` instead of `...` (`(a, b=None, *, c=False)`), as
     `ast.unparse` writes a literal default in source: the stand-ins' signature table
-    (`sim/miles_standin/source_signatures.py`) compares defaults too.
+    (the harness's `miles_standin/source_signatures.py`) compares defaults too.
     `inspect.signature` follows `__wrapped__`, so a function the plugin already wrapped still
     renders as Miles' own (that is what makes a second registration a no-op).
     """

@@ -27,9 +27,9 @@ from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.savers.single_lora.async_save import AsyncSaver, save_lora_checkpoint_async
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import build_run, teardown
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown
 
 
 def _gate_background_writes() -> threading.Event:

@@ -24,10 +24,10 @@ import megatron.core
 import torch
 
 from miles_lora_ckpt.megatron.optimizer_children.distributed import main_and_state
-from miles_lora_ckpt.sim import cpu_intercepts
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.snapshot import compare_snapshots, snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import build_run, teardown, train_step
+from miles_lora_ckpt_harness.sim import cpu_intercepts
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.snapshot import compare_snapshots, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown, train_step
 
 
 def harness_job(payload: dict, ctx) -> dict:
@@ -269,8 +269,8 @@ def _layout_facts(run) -> dict:
     from megatron.core import parallel_state as mpu
 
     from miles_lora_ckpt.megatron.optimizer_children.chain import select
-    from miles_lora_ckpt.sim.layout import cp_positions
-    from miles_lora_ckpt.sim.train import local_batch
+    from miles_lora_ckpt_harness.sim.layout import cp_positions
+    from miles_lora_ckpt_harness.sim.train import local_batch
 
     config = run.config
     children = [c.optimizer for c in select(run.optimizer)]

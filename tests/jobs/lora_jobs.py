@@ -2,7 +2,7 @@
 
 These runs depend on the CPU harness's three megatron fallback-path fixes (no TE/Apex here):
 `step` not copied from dp-zero payloads, per-parameter `step` after load_state_dict, and step 0
-for an empty DP shard; see miles_lora_ckpt/sim/cpu_intercepts.py.
+for an empty DP shard; see harness/miles_lora_ckpt_harness/sim/cpu_intercepts.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from miles_lora_ckpt.core import faults
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import build_run, teardown, train_step
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown, train_step
 
 
 class Args:
@@ -491,7 +491,7 @@ def _write_native_torch_dist(run, save_dir: Path) -> None:
     """What stock Miles' native (raw-mode) LoRA save writes (contract §10.6): ONE megatron-core
     dist_checkpointing checkpoint in `<save>/iter_NNNNNNN/adapter/torch_dist` holding the adapter's
     sharded state dict, the optimizer's fully_reshardable sharded state and the scheduler."""
-    from miles_lora_ckpt.tools.bench_distckpt import _dc_save
+    from miles_lora_ckpt_harness.bench.distckpt import _dc_save
 
     _dc_save(run, save_dir / "iter_0000002" / "adapter" / "torch_dist")
 
@@ -558,7 +558,7 @@ def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
     installed (an injected fault): rank 0 rolls its model and optimizer back."""
     from megatron.core import dist_checkpointing
 
-    from miles_lora_ckpt.tools.bench_distckpt import model_sharded_state_dict
+    from miles_lora_ckpt_harness.bench.distckpt import model_sharded_state_dict
 
     outcomes = {}
     run = build_run(config)
@@ -602,7 +602,7 @@ def _native_across_tp(config: SimConfig, native_dir: Path, consensus) -> dict:
     from megatron.core import dist_checkpointing
 
     from miles_lora_ckpt.megatron.adapter_shards import adapter_params
-    from miles_lora_ckpt.tools.bench_distckpt import model_sharded_state_dict
+    from miles_lora_ckpt_harness.bench.distckpt import model_sharded_state_dict
 
     tp2 = build_run(SimConfig.from_dict({**config.to_dict(), "tp": 2}))
     run_steps(tp2, 0, 1)

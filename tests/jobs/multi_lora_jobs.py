@@ -29,10 +29,10 @@ from miles_lora_ckpt.core import faults, protocol
 from miles_lora_ckpt.core.consensus import Consensus, Outcome
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.savers import multi_lora as ml
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.slots import SlotTrainer
-from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import build_run, teardown
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.slots import SlotTrainer
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown
 
 
 class Args:
@@ -429,8 +429,8 @@ def retire(case: dict, ctx, consensus) -> dict:
 
 def peft(case: dict, ctx, consensus) -> dict:
     from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport, check_peft_dir
-    from miles_lora_ckpt.sim import bridge_double
-    from miles_lora_ckpt.sim.train import config_from_dict
+    from miles_lora_ckpt_harness import bridge_double
+    from miles_lora_ckpt_harness.sim.train import config_from_dict
 
     bridge_double.install()  # the double: slot exports need expose_adapter_slot (Bridge main only, not 0.6.2)
     run = build_run(config_from_dict(case["config"]))

@@ -4,7 +4,7 @@ One job runs many checks (`suite`): a resume matrix, DP-elastic saves and loads,
 chosen-children round trip and refusals of mismatched optimizers. Cases the running megatron
 cannot build (Muon on 0.16.1, say) come back as `{"skipped": reason}`.
 
-These runs depend on the CPU harness (miles_lora_ckpt/sim/cpu_intercepts.py): its three megatron
+These runs depend on the CPU harness (harness/miles_lora_ckpt_harness/sim/cpu_intercepts.py): its three megatron
 fallback-path fixes for DistributedOptimizer cases, and its padded all-gather for the
 LayerWiseDistributedOptimizer (gloo refuses megatron's uneven all-gather) for layer-wise and
 multi-slot cases.
@@ -32,10 +32,10 @@ from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron.optimizer_children import chain, float16
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
-from miles_lora_ckpt.sim.model import SimConfig
-from miles_lora_ckpt.sim.optimizers import why_not_buildable
-from miles_lora_ckpt.sim.snapshot import compare_digests, compare_snapshots, snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import build_run, teardown
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.optimizers import why_not_buildable
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, compare_snapshots, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown
 
 
 def suite(payload: dict, ctx) -> dict:
@@ -277,7 +277,7 @@ def diverged_replicas(case: dict, ctx, consensus: Consensus) -> dict:
     """Float16 children under a DDP that reduce-scatters (what megatron 0.19 builds for Lion with
     --use-distributed-optimizer): each rank steps its own partial gradients, the replicas drift
     apart, and the save is refused instead of keeping one of them."""
-    from miles_lora_ckpt.sim import train
+    from miles_lora_ckpt_harness.sim import train
 
     original = train.ddp_config
 

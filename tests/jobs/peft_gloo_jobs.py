@@ -14,7 +14,7 @@ from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
 from miles_lora_ckpt.savers.peft_export import FAULT_PHASES, BridgeSource, LoraSpec, export_peft
-from miles_lora_ckpt.sim import bridge_double
+from miles_lora_ckpt_harness import bridge_double
 
 
 class CollectiveBridge:

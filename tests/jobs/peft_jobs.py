@@ -13,8 +13,8 @@ from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
 from miles_lora_ckpt.savers.peft_export import BridgeSource, LoraSpec, PeftExport, export_peft
 from miles_lora_ckpt.savers.single_lora import save_lora_checkpoint
-from miles_lora_ckpt.sim import bridge_double
-from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown, train_step
+from miles_lora_ckpt_harness import bridge_double
+from miles_lora_ckpt_harness.sim.train import build_run, config_from_dict, teardown, train_step
 
 
 class Args:
@@ -150,7 +150,7 @@ class _Run:
 def _model_without_adapters(config) -> _Run:
     from dataclasses import replace
 
-    from miles_lora_ckpt.sim.qwen2_model import SimQwen2Model
+    from miles_lora_ckpt_harness.sim.qwen2_model import SimQwen2Model
 
     bare = replace(config, adapters="none")
     return _Run([SimQwen2Model(bare.transformer_config(), bare)], bare)

@@ -23,10 +23,10 @@ from miles_lora_ckpt.core import storage
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.savers.single_lora import load as load_module
-from miles_lora_ckpt.sim.global_view import first_difference as _first_difference
-from miles_lora_ckpt.sim.global_view import global_view
-from miles_lora_ckpt.sim.snapshot import compare_digests, snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import build_run, config_from_dict, teardown
+from miles_lora_ckpt_harness.sim.global_view import first_difference as _first_difference
+from miles_lora_ckpt_harness.sim.global_view import global_view
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, config_from_dict, teardown
 
 
 def _slot_case(case: dict, consensus: Consensus) -> dict:
@@ -37,7 +37,7 @@ def _slot_case(case: dict, consensus: Consensus) -> dict:
     from multi_lora_jobs import _kw
 
     from miles_lora_ckpt.savers import multi_lora as ml
-    from miles_lora_ckpt.sim.slots import SlotTrainer
+    from miles_lora_ckpt_harness.sim.slots import SlotTrainer
 
     slot = case["slot"]
     before = build_run(config_from_dict(case["save"]))
@@ -173,8 +173,8 @@ def probe_loss(run, step: int) -> float | None:
     EP group (`sim.model.every_expert_on_every_token`). None with pipeline stages (stage-local
     losses) and with one expert per EP rank (experts seeded by EP rank: another model at another EP
     size)."""
-    from miles_lora_ckpt.sim.model import every_expert_on_every_token
-    from miles_lora_ckpt.sim.train import batch
+    from miles_lora_ckpt_harness.sim.model import every_expert_on_every_token
+    from miles_lora_ckpt_harness.sim.train import batch
 
     config = run.config
     if config.pp > 1 or (config.ep > 1 and not getattr(config, "num_experts", 0)):
@@ -229,7 +229,7 @@ def gated_fc1_halves(run) -> dict[str, str]:
 
     from megatron.core import parallel_state
 
-    from miles_lora_ckpt.sim.global_view import _bits
+    from miles_lora_ckpt_harness.sim.global_view import _bits
 
     group = parallel_state.get_tensor_model_parallel_group()
     size = parallel_state.get_tensor_model_parallel_world_size()

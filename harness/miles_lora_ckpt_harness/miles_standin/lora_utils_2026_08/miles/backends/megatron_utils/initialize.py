@@ -1,0 +1,17 @@
+"""Stand-in of miles/backends/megatron_utils/initialize.py: parallel state, then the custom init hook (§0)."""
+
+from __future__ import annotations
+
+from miles.utils.misc import load_function
+from miles_lora_ckpt_harness.miles_standin.common import indep_dp, megatron_lm, training
+
+
+def init(args, indep_dp_store_addr=None, indep_dp_info=None) -> None:
+    """`indep_dp_store_addr`, `indep_dp_info`: Miles' independent data-parallel cells (`common/indep_dp.py`);
+    the stand-in runs one cell and refuses any other value."""
+    indep_dp.require_one_cell(indep_dp_store_addr, indep_dp_info)
+    megatron_lm.set_args(args)
+    training.initialize_model_parallel(args)
+    if args.custom_megatron_init_path is not None:
+        custom_init = load_function(args.custom_megatron_init_path)
+        custom_init(args)
