@@ -59,14 +59,18 @@ def collect(
     return functions, files
 
 
+# What the plugin and its harness define (a stand-in function lives in the harness's `common/`).
+OURS = ("miles_lora_ckpt.", "miles_lora_ckpt_harness.")
+
+
 def _kept(obj, module: str, scope: str) -> bool:
     defined = getattr(obj, "__module__", None) or ""
     if scope == "all":
         return True
     if scope == "miles":
-        return defined.startswith(("miles.", "miles_lora_ckpt."))
+        return defined.startswith(("miles.", *OURS))
     if scope == "own":  # in this module, or in the harness (`common/`) and exposed by it
-        return defined == module or defined.startswith("miles_lora_ckpt.")
+        return defined == module or defined.startswith(OURS)
     raise ValueError(f"unknown scope {scope!r}; known: own, miles, all")
 
 
