@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import checked_reads, safetensors_write
 from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.layout import MANIFEST, seal_manifest
 
@@ -44,20 +44,20 @@ def reseal_file(gen: Path, rel: str, data: bytes, *, finite: bool | None = None)
 def rewrite_tensors(gen: Path, rel: str, change, *, finite: bool | None = None) -> None:
     """Load a safetensors file of the generation, `change(dict)` it, write it back resealed (with
     its own metadata, so its generation stamp still matches: only the tensors are forged)."""
-    tensors, metadata = storage.load_tensors(gen / rel)
+    tensors, metadata = checked_reads.load_tensors(gen / rel)
     tensors = {k: v.clone() for k, v in tensors.items()}
     change(tensors)
     with tempfile.TemporaryDirectory() as tmp:
-        storage.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata=metadata)
+        safetensors_write.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata=metadata)
         reseal_file(gen, rel, (Path(tmp) / "x.safetensors").read_bytes(), finite=finite)
 
 
 def rebind(gen: Path, rel: str, **binding: str) -> None:
     """Re-stamp a tensor file with another binding and list it so in the manifest (resealed): stamp
     and manifest agree, so verification passes; only a reader that knows what belongs there refuses."""
-    tensors, metadata = storage.load_tensors(gen / rel)
+    tensors, metadata = checked_reads.load_tensors(gen / rel)
     with tempfile.TemporaryDirectory() as tmp:
-        storage.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata={**metadata, **binding})
+        safetensors_write.save_tensors(Path(tmp) / "x.safetensors", tensors, metadata={**metadata, **binding})
         data = (Path(tmp) / "x.safetensors").read_bytes()
     (gen / rel).write_bytes(data)
 
@@ -72,7 +72,7 @@ def rebind(gen: Path, rel: str, **binding: str) -> None:
 def transplant_tensors(gen: Path, rel: str, donor: Path, donor_rel: str | None = None) -> None:
     """Put the tensors of `donor`'s file (another generation's, or another file's) into `rel`, under
     `rel`'s own stamp, resealed: every digest, stamp and binding agrees; only the content is foreign."""
-    foreign, _ = storage.load_tensors(donor / (donor_rel or rel))
+    foreign, _ = checked_reads.load_tensors(donor / (donor_rel or rel))
     foreign = {k: v.clone() for k, v in foreign.items()}
 
     def change(tensors):
@@ -181,7 +181,7 @@ def to_gathered_layout(gen: Path) -> None:
                 for b in range(len(per_bucket)):
                     for state_key in ("param", *child["keys"]):
                         name = f"{buf}.bucket{b}.{state_key}"
-                        pieces = [storage.load_tensors(gen / s["file"])[0].get(name) for s in slices]
+                        pieces = [checked_reads.load_tensors(gen / s["file"])[0].get(name) for s in slices]
                         parts.setdefault(f"{buf}.{state_key}", []).append(
                             torch.cat([p for p in pieces if p is not None])
                         )
@@ -192,7 +192,7 @@ def to_gathered_layout(gen: Path) -> None:
             binding = {"role": "optimizer", "coordinate": key, "child": index}
             stamp = {"generation": body["generation"], "file": rel, **binding}
             tensors = {name: torch.cat(p) for name, p in parts.items()}
-            record = storage.save_tensors(gen / rel, tensors, metadata=stamp, finite=True)
+            record = safetensors_write.save_tensors(gen / rel, tensors, metadata=stamp, finite=True)
             body["files"][rel] = {**record.to_dict(), "binding": binding}
     (gen / MANIFEST).write_text(json.dumps(body))
     edit_manifest(gen, lambda b: None)

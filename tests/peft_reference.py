@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core.storage import load_tensors
+from miles_lora_ckpt.core.checked_reads import load_tensors
 
 _NAME = re.compile(
     r"^decoder\.layers\.(\d+)\.(self_attention\.linear_\w+|mlp\.linear_\w+)\.adapter\.(linear_in|linear_out)\.weight$"

@@ -31,7 +31,7 @@ import pytest
 import torch
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.core.storage import load_tensors
+from miles_lora_ckpt.core.checked_reads import load_tensors
 from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, LATEST, WEIGHTS_NAME
 from miles_lora_ckpt.tools.cli import main as cli
 from miles_lora_ckpt_harness.sim import bridge_shims
@@ -174,7 +174,7 @@ def test_every_export_loads_in_peft_with_nothing_missing_and_matches_megatron_lo
 
 
 def test_the_plugin_export_equals_bridges_own_save_hf_adapter_byte_for_byte(story):
-    from miles_lora_ckpt.core.storage import json_bytes
+    from miles_lora_ckpt.core.json_files import json_bytes
 
     for name in CASES:
         result = story["results"][0]["cases"][name]

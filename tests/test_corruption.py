@@ -38,7 +38,7 @@ from damage import (
     write_manifest_text,
 )
 
-from miles_lora_ckpt.core import lease, settings, storage
+from miles_lora_ckpt.core import lease, safetensors_write, settings
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError, GenerationDamaged, IncompatibleCheckpoint
 from miles_lora_ckpt.core.layout import LEASE, MANIFEST, TRACKER, Topology
@@ -134,7 +134,7 @@ def tensor_file_with(value: float) -> bytes:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        storage.save_tensors(
+        safetensors_write.save_tensors(
             Path(tmp) / "x.safetensors", {"lora_A": torch.tensor([1.0, value]), "lora_B": torch.ones(2)}
         )
         return (Path(tmp) / "x.safetensors").read_bytes()

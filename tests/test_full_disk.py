@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_lora_ckpt.core import lease, protocol, storage
+from miles_lora_ckpt.core import atomic_files, json_files, lease, protocol
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError, CommittedButFailed
 from miles_lora_ckpt.core.layout import LATEST, LEASE, TRACKER, Topology
@@ -60,7 +60,7 @@ LEASE_STEPS = {
     "write": (os, "write"),
     "fsync": (os, "fsync"),
     "link": (os, "link"),
-    "fsync-root": (storage, "fsync_dir"),
+    "fsync-root": (atomic_files, "fsync_dir"),
 }
 
 
@@ -105,7 +105,7 @@ def test_a_lease_put_back_after_a_mistaken_takeover_is_the_same_whole_file(fresh
 
 
 def _fail_root_fsync(root: Path):
-    real = storage.fsync_dir
+    real = atomic_files.fsync_dir
 
     def fsync_dir(path):
         if Path(path) == root:
@@ -117,9 +117,9 @@ def _fail_root_fsync(root: Path):
 
 # each step after the publishing rename, and how it fails
 AFTER_RENAME = {
-    "tracker": lambda root: (storage, "write_json", _full),
+    "tracker": lambda root: (json_files, "write_json", _full),
     "latest link": lambda root: (os, "symlink", _full),
-    "fsync of the root": lambda root: (storage, "fsync_dir", _fail_root_fsync(root)),
+    "fsync of the root": lambda root: (atomic_files, "fsync_dir", _fail_root_fsync(root)),
 }
 
 

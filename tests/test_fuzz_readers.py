@@ -11,7 +11,7 @@ Targets, each with arbitrary inputs and with real ones mutated:
 - `manifest`: `Manifest.from_json_bytes` (and the tracker's `Tracker.from_dict`, the global
   layout's `Block.from_dict`): a real manifest with a value anywhere replaced by any JSON value
   (huge, deep, wide), a key deleted or added, resealed so that the digest passes; raw bytes edits;
-- `safetensors-header`: `storage.parse_safetensors_header` of a real file whose header is edited
+- `safetensors-header`: `safetensors_format.parse_safetensors_header` of a real file whose header is edited
   the same way (its length prefix rewritten), or whose bytes are.
 
 Every example must answer within the alarm (`EXAMPLE_SECONDS`), allocate at most
@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles_lora_ckpt.core import bounded, storage
+from miles_lora_ckpt.core import bounded, safetensors_format
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.dcp_metadata import DcpMetadataError, read_metadata
 from miles_lora_ckpt.core.digest import digest_bytes
@@ -401,7 +401,7 @@ def draw_case(target: str, data, real: dict[str, bytes], scratch: Path):
         (length,) = struct.unpack("<Q", source[:8])
         header = json.loads(source[8 : 8 + length])
         raw = join_header(mutate_json(data, header), source[8 + length :])
-    return lambda: expect_value_error(storage.parse_safetensors_header, raw)
+    return lambda: expect_value_error(safetensors_format.parse_safetensors_header, raw)
 
 
 def expect_dcp_error(file: Path) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from miles_lora_ckpt.core.storage import LazyTensor
+from miles_lora_ckpt.core.safetensors_write import LazyTensor
 from miles_lora_ckpt.savers.single_lora import async_save
 from miles_lora_ckpt.savers.single_lora.async_save import HostCopier
 

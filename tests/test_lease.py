@@ -94,6 +94,26 @@ def test_a_stale_lease_is_taken_over_and_its_old_holder_finds_out(tmp_path):
     lease.release(tmp_path)
 
 
+def test_the_next_holder_removes_side_files_of_killed_lease_creations_once_they_are_old(tmp_path):
+    # a creator killed between writing its side file and linking it, and a taker-over killed
+    # between moving the stale lease aside and removing it, each leave one file behind
+    old_new, old_aside = tmp_path / f"{LEASE}.new-0123456789ab", tmp_path / f"{LEASE}.aside-ba9876543210"
+    young = tmp_path / f"{LEASE}.new-aaaaaaaaaaaa"
+    unrelated = tmp_path / f"{LEASE}.new-not-ours"
+    for path in (old_new, old_aside, young, unrelated):
+        path.write_text("{}")
+    then = time.time() - 1000
+    for path in (old_new, old_aside, unrelated):
+        os.utime(path, (then, then))
+    lease.acquire(tmp_path)
+    try:
+        assert not old_new.exists() and not old_aside.exists()
+        assert young.exists(), "a side file younger than the timeout may be a live creation's"
+        assert unrelated.exists(), "only the lease's own side-file names are swept"
+    finally:
+        lease.release(tmp_path)
+
+
 def test_a_lease_renewed_while_being_taken_over_is_put_back_and_the_contender_refused(tmp_path, other_holder):
     then = time.time() - 1000
     os.utime(tmp_path / LEASE, (then, then))

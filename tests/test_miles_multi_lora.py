@@ -353,18 +353,26 @@ def test_v1_slot_scheduler_gets_its_saved_state_after_miles_repositions_it():
 
 MULTI_DATA_SOURCE = "miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource"
 STOCK_MULTI_DATA_SOURCE = "miles.rollout.multi_lora.data_source.MultiLoRAAsyncDataSource"  # the v2 stand-in's
+# Miles 2026-08 (v1) has the same class at the same path; the v1 stand-in tree has no `rollout/`, so a v1
+# launch names the class both trees share
+STOCK_MULTI_DATA_SOURCE_V1 = (
+    "miles_lora_ckpt_harness.miles_standin.common.multi_lora_data_source.MultiLoRAAsyncDataSource"
+)
 PROMPT_FILES = {"a": 10, "b": 7}  # prompts per adapter; 2 groups a step (4 samples, 2 per prompt): both wrap
 A_STEP_6 = {"adapter": "a", "step": 6, "rank": 1, "phase": "mid-write", "reason": "periodic"}
 
 
-def _prompted_run(launcher, tmp: Path, data_source: str) -> tuple[SlotRun, Path]:
-    """The v2 two-slot run, each adapter drawing from its own prompt file through `data_source`."""
+def _prompted_run(launcher, tmp: Path, data_source: str, shape: str = V2) -> tuple[SlotRun, Path]:
+    """The two-slot run of `shape`, each adapter drawing from its own prompt file through `data_source`."""
     from miles_lora_ckpt_harness.miles_standin.common.rollout import write_prompts
 
     tmp.mkdir(parents=True, exist_ok=True)
     adapters = [{**a, "data": str(write_prompts(tmp / f"{a['name']}.jsonl", PROMPT_FILES[a["name"]]))} for a in MOVED]
-    run = SlotRun(launcher, tmp, V2, adapters=adapters)
+    run = SlotRun(launcher, tmp, shape, adapters=adapters)
     run.argv += ["--data-source-path", data_source]
+    if shape == V1:  # the class the plugin's data source wraps (data_state.multi_lora_source)
+        stock = f'[data_state]\nmulti_lora_source = "{STOCK_MULTI_DATA_SOURCE_V1}"\n'
+        run.config.write_text(run.config.read_text() + stock)
     return run, tmp / "prompts.jsonl"
 
 
@@ -401,10 +409,12 @@ def _uninterrupted(adapter: str, step: int) -> list[int]:
 
 @pytest.mark.megatron
 @pytest.mark.multirank
-def test_each_adapter_resumes_its_own_prompt_cursor_after_a_kill_and_after_a_retire(prewarmed, tmp_path):
+@pytest.mark.parametrize("shape", [V1, V2])
+def test_each_adapter_resumes_its_own_prompt_cursor_after_a_kill_and_after_a_retire(prewarmed, tmp_path, shape):
     # with the plugin: launch 1 trains a to 6 (killed in its step-6 save) and b 1, 2, retired, back, 3;
-    # launch 2 resumes a at 4 and b at 2 (its retire save); every step draws what an uninterrupted source draws
-    run, log = _prompted_run(prewarmed, tmp_path / "plugin", MULTI_DATA_SOURCE)
+    # launch 2 resumes a at 4 and b at 2 (its retire save); every step draws what an uninterrupted source draws.
+    # v1 (multi_lora_utils) commits the state in its periodic and retire saves as v2's save_slot does
+    run, log = _prompted_run(prewarmed, tmp_path / "plugin", MULTI_DATA_SOURCE, shape)
     crashed = _launch_logged(run, log, crash=A_STEP_6)
     assert any(r.exitcode == -9 for r in crashed), [(r.rank, r.exitcode, r.error) for r in crashed]
     resumed = _ok(_launch_logged(run, log))
@@ -420,7 +430,8 @@ def test_each_adapter_resumes_its_own_prompt_cursor_after_a_kill_and_after_a_ret
 
     seen = set()
     for adapter in ("a", "b"):
-        for path in sorted((run.save / "adapters" / adapter).glob("gen-*")):
+        slot_root = run.save / "adapters" / adapter / ("checkpoints" if shape == V1 else "")
+        for path in sorted(slot_root.glob("gen-*")):
             generation = verify_generation(path)
             assert generation.intact, (path, generation.problems)
             step = generation.manifest.iteration
@@ -429,6 +440,8 @@ def test_each_adapter_resumes_its_own_prompt_cursor_after_a_kill_and_after_a_ret
             assert (doc["adapter"], doc["rollout_id"], doc["state"]["value"]["offset"]) == (adapter, step, cursor)
             seen.add((adapter, step))
     assert {("a", 4), ("a", 6), ("b", 2), ("b", 4)} <= seen
+    if shape == V1:
+        return  # the stock control below: the same data source class under both shapes
 
     # stock Miles' data source (negative control): b's source is rebuilt at offset 0 when it comes back,
     # and every source at a relaunch

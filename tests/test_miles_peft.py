@@ -40,9 +40,9 @@ import torch
 from jobs_paths import JOBS
 
 from miles_lora_ckpt.core import faults, lease
+from miles_lora_ckpt.core.checked_reads import load_tensors
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
-from miles_lora_ckpt.core.storage import load_tensors
 from miles_lora_ckpt.core.verify import committed_candidates, verify_generation
 from miles_lora_ckpt.integration import peft, runtime, single_lora
 from miles_lora_ckpt.integration.config import load_config
@@ -274,7 +274,7 @@ def rt():
 def test_save_hf_call_publishes_into_an_export_root_at_the_last_saved_rollout(rt, monkeypatch):
     calls = []
     monkeypatch.setattr(peft, "publish_save_hf_adapter", lambda *a, **k: calls.append(("peft", a, k)) or "/hf/3/x")
-    monkeypatch.setattr(single_lora.saver, "save_lora_checkpoint", lambda *a, **k: calls.append(("saver", a, k)))
+    monkeypatch.setattr(single_lora, "save_adapter_generation", lambda *a, **k: calls.append(("saver", a, k)))
     replacement = single_lora.save_lora_checkpoint(miles_save_lora_checkpoint, None)
     model = ["chunk"]
     assert replacement(model, rt.args, "/hf/3/adapter") == "/hf/3/x"  # hf_export.save_hf_model's call
@@ -282,11 +282,14 @@ def test_save_hf_call_publishes_into_an_export_root_at_the_last_saved_rollout(rt
     # with an optimizer (any other caller): a checkpoint generation, holding peft/ only with export.peft
     calls.clear()
     replacement(model, rt.args, "/elsewhere", optimizer="opt", iteration=5)
-    assert calls[0][0] == "saver" and calls[0][2]["peft"] is None and calls[0][2]["optimizer"] == "opt"
+    options = calls[0][1][3]  # save_adapter_generation(model, args, save_dir, options, ...)
+    assert (
+        calls[0][0] == "saver" and options.peft is None and options.iteration == 5 and calls[0][2]["optimizer"] == "opt"
+    )
     rt.config = load_config(ON)
     calls.clear()
     replacement(model, rt.args, "/elsewhere", optimizer="opt", iteration=5)
-    assert calls[0][2]["peft"] is rt.peft
+    assert calls[0][1][3].peft is rt.peft
 
 
 def weights(seed: int) -> list[ExportedWeight]:

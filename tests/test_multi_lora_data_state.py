@@ -155,3 +155,29 @@ def test_the_slot_generations_data_state_is_verified_and_inspected_naming_its_ad
     assert "data state belongs to rollout 4, not to this generation's rollout 6" in capsys.readouterr().out
     with pytest.raises(ValueError, match="data state adapter is 7, not a string"):
         data_state.check({**doc, "adapter": 7}, iteration=4)
+
+
+def test_a_v1_adapter_stages_in_its_save_directory_and_resumes_from_its_checkpoints_slot_root(tmp_path):
+    """Miles v1 keeps the slot root in `<adapter save>/checkpoints`: the states are staged in
+    `<adapter save>` (where v1's slot save takes them) and restored from the generation there."""
+    ADAPTERS["a"] = _adapter(tmp_path, "a")
+    args, source = _source()
+    assert _draw(source, 4) == {"a": [0, 1, 2, 3]}
+    doc = train_side.staged_for_slot(load_config({}), args, tmp_path / "a", 2, 0)
+    _commit(tmp_path / "a" / "checkpoints", 2, doc, saver=SLOT_SAVER)
+    source.save(0)
+    assert data_state.staged_rollouts(tmp_path / "a") == [2]  # below v1's newest committed step: removed
+    ADAPTERS["a"] = _adapter(tmp_path, "a", 2)
+    assert _draw(_source()[1], 2) == {"a": [4, 5]}
+
+
+def test_a_slot_root_holding_only_a_killed_first_saves_staging_has_no_step(tmp_path):
+    from miles_lora_ckpt.integration.multi_lora_data_source import newest_committed_step
+
+    ADAPTERS["a"] = _adapter(tmp_path, "a")
+    _, source = _source()
+    _draw(source, 2)
+    (tmp_path / "a" / ".staging-00000000000000aa").mkdir()  # the first save, killed: nothing committed
+    assert newest_committed_step(tmp_path / "a") is None
+    source.save(0)  # the rollout side goes on
+    assert data_state.staged_rollouts(tmp_path / "a") == [1]

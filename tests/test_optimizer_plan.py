@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_lora_ckpt.megatron.optimizer_children import chain, float16, layerwise
+from miles_lora_ckpt.megatron.optimizer_children import chain, layer_wise, replicated
 from miles_lora_ckpt.megatron.optimizer_children.child import leaf_children
 from miles_lora_ckpt.megatron.topology import Coordinates
 
@@ -50,7 +50,7 @@ def test_a_layer_wise_chain_is_flattened_in_slot_order_and_stubs_keep_their_inde
 def test_replicated_entries_are_written_once_by_the_lowest_rank_holding_them():
     ranks = [coords(0, 0), coords(1, 1)]
     same = [described({"tp000_pp000:chunk0.a": 0, "tp000_pp000:chunk0.b": 1}, "d1")] * 2
-    plan = float16.FAMILY.plan(3, same, ranks)
+    plan = replicated.FAMILY.plan(3, same, ranks)
     assert {e["file"] for e in plan["entries"].values()} == {
         "optimizer/child3_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"
     }
@@ -62,30 +62,30 @@ def test_replicas_that_differ_are_refused():
     ranks = [coords(0, 0), coords(1, 1)]
     diverged = [described({"tp000_pp000:chunk0.a": 0}, "d1"), described({"tp000_pp000:chunk0.a": 0}, "d2")]
     with pytest.raises(ValueError, match="replicas on ranks 0 and 1 hold different masters or moments"):
-        float16.FAMILY.plan(0, diverged, ranks)
+        replicated.FAMILY.plan(0, diverged, ranks)
     # on load no digests are computed, and nothing is compared
-    float16.FAMILY.plan(0, [described({"tp000_pp000:chunk0.a": 0})] * 2, ranks)
+    replicated.FAMILY.plan(0, [described({"tp000_pp000:chunk0.a": 0})] * 2, ranks)
 
 
 def test_layer_wise_entries_are_written_by_their_owner_and_never_twice():
     ranks = [coords(0, 0), coords(1, 1), coords(2, 2)]
     owners = [described({"tp000_pp000:chunk0.a": 0}), described({"tp000_pp000:chunk0.b": 0}), described({})]
-    plan = layerwise.FAMILY.plan(1, owners, ranks)
+    plan = layer_wise.FAMILY.plan(1, owners, ranks)
     assert plan["entries"]["tp000_pp000:chunk0.b"]["file"].endswith("_dp001_cp000.safetensors")
     assert plan["state_reporters"] == {"tp000_pp000_ep000_etp000": 0}  # rank 2 holds nothing: not a stub
     shared = [described({"tp000_pp000:chunk0.a": 0})] * 2 + [described({})]
     with pytest.raises(ValueError, match=r"held by ranks \[0, 1\] under a LayerWiseDistributedOptimizer"):
-        layerwise.FAMILY.plan(1, shared, ranks)
+        layer_wise.FAMILY.plan(1, shared, ranks)
 
 
 def test_a_load_needs_exactly_the_saved_entries():
     ranks = [coords(0, 0), coords(1, 1), coords(2, 2)]
-    saved = layerwise.FAMILY.plan(0, [described({"s:a": 0}), described({"s:b": 0})], ranks[:2])
+    saved = layer_wise.FAMILY.plan(0, [described({"s:a": 0}), described({"s:b": 0})], ranks[:2])
     view = SimpleNamespace(rank=2)
     now = [described({"s:a": 0}), described({}), described({"s:b": 0})]  # another DP size, other owners
-    assert layerwise.FAMILY.files_to_read(0, view, now, saved) == [saved["entries"]["s:b"]["file"]]
+    assert layer_wise.FAMILY.files_to_read(0, view, now, saved) == [saved["entries"]["s:b"]["file"]]
     with pytest.raises(ValueError, match="does not step"):
-        layerwise.FAMILY.files_to_read(0, view, [described({"s:a": 0}), described({}), described({})], saved)
+        layer_wise.FAMILY.files_to_read(0, view, [described({"s:a": 0}), described({}), described({})], saved)
 
 
 def child(index: int, **fields) -> dict:
@@ -132,7 +132,7 @@ def test_a_child_unlike_the_saved_one_is_refused(running, words):
 def test_a_family_that_cannot_change_dp_size_is_refused_when_it_changes(monkeypatch):
     """Every family megatron builds for LoRA restores at another DP size; one that could not says so."""
     saved = chain.plan([[child(0)]], [coords(0, 0)], save_optim=True)
-    monkeypatch.setattr(float16.FAMILY, "dp_elastic", False)
+    monkeypatch.setattr(replicated.FAMILY, "dp_elastic", False)
     chain.check_against(saved, [[child(0)]], 0, dp_changed=False)
     with pytest.raises(ValueError, match=r"child 0 \(replicated\) cannot be restored exactly at another data-parallel"):
         chain.check_against(saved, [[child(0)]], 0, dp_changed=True)

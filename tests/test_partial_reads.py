@@ -9,7 +9,7 @@ import pytest
 import torch
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import checked_reads, host_memory, partial_reads, read_ahead, safetensors_write
 from miles_lora_ckpt.core.layout import FileRecord
 from miles_lora_ckpt.core.protocol import WholeFileRanges
 from miles_lora_ckpt.core.verify import check_file_ranges
@@ -19,7 +19,7 @@ from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 def _write(tmp_path, tensors, block_bytes=256):
     path = tmp_path / "t.safetensors"
-    record = storage.save_tensors(path, tensors, finite=True, blocks=True, block_bytes=block_bytes)
+    record = safetensors_write.save_tensors(path, tensors, finite=True, blocks=True, block_bytes=block_bytes)
     return path, FileRecord.from_dict(record.to_dict())  # through the manifest's JSON
 
 
@@ -31,11 +31,11 @@ def test_block_index_round_trips_and_ranges_read_exactly(tmp_path):
     path, record = _write(tmp_path, _tensors())
     assert record.blocks is not None and len(record.blocks.digests) == -(-record.bytes // 256)
     wanted = [("a", 10, 20), ("a", 250, 300), ("b", 0, 7), ("b", 5, 5)]
-    got, metadata = storage.read_ranges(path, record, wanted)
+    got, metadata = partial_reads.read_ranges(path, record, wanted)
     for name, first, stop in wanted:
         assert torch.equal(got[(name, first, stop)], _tensors()[name][first:stop])
     # a whole read checks every block digest too
-    assert storage.check_file(path, record).entries is not None
+    assert checked_reads.check_file(path, record).entries is not None
 
 
 def test_a_flipped_byte_is_caught_exactly_where_it_is_read(tmp_path):
@@ -46,15 +46,15 @@ def test_a_flipped_byte_is_caught_exactly_where_it_is_read(tmp_path):
     data[flip] ^= 0x01
     path.write_bytes(bytes(data))
     far = flip // 256
-    near = storage.blocks_needed(record.blocks, [("a", 10, 20)])
+    near = partial_reads.blocks_needed(record.blocks, [("a", 10, 20)])
     assert far not in near
-    storage.read_ranges(path, record, [("a", 10, 20)])  # untouched bytes: fine (others verify the rest)
+    partial_reads.read_ranges(path, record, [("a", 10, 20)])  # untouched bytes: fine (others verify the rest)
     with pytest.raises(ValueError, match=f"block {far} .*digest mismatch"):
-        storage.read_ranges(path, record, [("a", 279, 281)])
+        partial_reads.read_ranges(path, record, [("a", 279, 281)])
     with pytest.raises(ValueError, match=f"block {far} .*digest mismatch"):
-        storage.check_blocks(path, record, [far])
+        partial_reads.check_blocks(path, record, [far])
     with pytest.raises(ValueError, match="digest mismatch"):
-        storage.check_file(path, record)
+        checked_reads.check_file(path, record)
 
 
 def test_header_and_block_index_must_agree(tmp_path):
@@ -63,11 +63,11 @@ def test_header_and_block_index_must_agree(tmp_path):
         {**record.to_dict(), "blocks": {**record.blocks.to_dict(), "tensors": {"a": ["F32", 100, 1300]}}}
     )
     with pytest.raises(ValueError, match="disagree"):
-        storage.read_ranges(path, forged, [("a", 0, 1)])
+        partial_reads.read_ranges(path, forged, [("a", 0, 1)])
     with pytest.raises(ValueError, match="elements"):
-        storage.read_ranges(path, record, [("a", 0, 301)])
+        partial_reads.read_ranges(path, record, [("a", 0, 301)])
     with pytest.raises(ValueError, match="not in the file"):
-        storage.read_ranges(path, record, [("c", 0, 1)])
+        partial_reads.read_ranges(path, record, [("c", 0, 1)])
     with pytest.raises(ValueError, match="digests: expected"):
         FileRecord.from_dict({**record.to_dict(), "blocks": {**record.blocks.to_dict(), "digests": []}})
 
@@ -76,19 +76,19 @@ def test_nan_in_a_read_range_is_refused(tmp_path):
     tensors = _tensors()
     tensors["a"][150] = float("nan")
     path = tmp_path / "nan.safetensors"
-    record = storage.save_tensors(path, tensors, blocks=True, block_bytes=256)  # finite not checked on write
-    storage.read_ranges(path, record, [("a", 0, 100)])
+    record = safetensors_write.save_tensors(path, tensors, blocks=True, block_bytes=256)  # finite not checked on write
+    partial_reads.read_ranges(path, record, [("a", 0, 100)])
     with pytest.raises(ValueError, match="NaN"):
-        storage.read_ranges(path, record, [("a", 140, 160)])
+        partial_reads.read_ranges(path, record, [("a", 140, 160)])
     with pytest.raises(ValueError, match="NaN"):
-        storage.check_blocks(path, record, storage.blocks_needed(record.blocks, [("a", 150, 151)]))
+        partial_reads.check_blocks(path, record, partial_reads.blocks_needed(record.blocks, [("a", 150, 151)]))
 
 
 def test_touching_ranges_stay_apart_and_each_block_is_read_once(tmp_path, monkeypatch):
     """`verify.coalesce_ranges` merges only overlapping ranges of one tensor: ranges that touch, or
     share a block, stay apart, each its own buffer (a resharding load's moment range can then become
     the state as it is, `distributed.replace_state`), and the block they share is still read and
-    hashed once (`storage._BlockFile` keeps the last block). Each range is exactly its elements."""
+    hashed once (`partial_reads._BlockFile` keeps the last block). Each range is exactly its elements."""
     from miles_lora_ckpt.core.verify import coalesce_ranges
 
     assert coalesce_ranges([("a", 20, 40), ("a", 10, 30), ("b", 0, 5)]) == [("a", 10, 40), ("b", 0, 5)]
@@ -100,14 +100,14 @@ def test_touching_ranges_stay_apart_and_each_block_is_read_once(tmp_path, monkey
     cut = next(e for e in range(1, 300) if (a0 + e * 4) % 256 == 128)  # mid-block: both ranges need it
     asked = [("a", 0, cut), ("a", cut, 300)]
     reads = []
-    real = storage.os.preadv
+    real = partial_reads.os.preadv
 
     def counted(fd, buffers, offset):
         reads.append(offset)
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(storage.os, "preadv", counted)
-    got, _ = storage.read_ranges(path, record, coalesce_ranges(asked))
+    monkeypatch.setattr(partial_reads.os, "preadv", counted)
+    got, _ = partial_reads.read_ranges(path, record, coalesce_ranges(asked))
     a_end = record.blocks.tensors["a"][2]
     assert sorted(reads) == list(range(0, a_end, 256))  # every block of "a" once, none twice
     for name, first, stop in asked:
@@ -133,15 +133,15 @@ def test_the_writer_pulls_lazy_tensors_one_at_a_time(tmp_path):
         return produce
 
     names = ["x0", "x1", "x2", "x3"]
-    lazy = {name: storage.LazyTensor(torch.float32, (1000,), producer(name, 1000)) for name in names}
+    lazy = {name: safetensors_write.LazyTensor(torch.float32, (1000,), producer(name, 1000)) for name in names}
     assert order == []  # nothing produced before writing
-    record = storage.save_tensors(tmp_path / "lazy.safetensors", lazy, finite=True, blocks=True)
+    record = safetensors_write.save_tensors(tmp_path / "lazy.safetensors", lazy, finite=True, blocks=True)
     assert order == names  # in file order, each once
-    loaded, _ = storage.load_tensors(tmp_path / "lazy.safetensors", record)
+    loaded, _ = checked_reads.load_tensors(tmp_path / "lazy.safetensors", record)
     assert [loaded[n][0].item() for n in names] == [1.0, 2.0, 3.0, 4.0]
-    wrong = {"y": storage.LazyTensor(torch.float32, (3,), lambda: torch.zeros(4))}
+    wrong = {"y": safetensors_write.LazyTensor(torch.float32, (3,), lambda: torch.zeros(4))}
     with pytest.raises(ValueError, match="announced"):
-        storage.save_tensors(tmp_path / "wrong.safetensors", wrong)
+        safetensors_write.save_tensors(tmp_path / "wrong.safetensors", wrong)
 
 
 # ------------------------------------------------------------------ slice bounds (pure, no megatron)
@@ -333,19 +333,19 @@ def test_read_ahead_of_a_large_kept_file_checks_every_byte(tmp_path):
     checking; the same digest, header and finiteness rules hold for every byte."""
     tensors = {"big": torch.arange(3 * 2**20, dtype=torch.float32), "small": torch.ones(5)}  # 12 MiB
     path = tmp_path / "big.safetensors"
-    record = storage.save_tensors(path, tensors, finite=True)
-    assert record.bytes > 2 * storage.READ_AHEAD_CHUNK
-    loaded, _ = storage.load_tensors(path, record)
+    record = safetensors_write.save_tensors(path, tensors, finite=True)
+    assert record.bytes > 2 * read_ahead.READ_AHEAD_CHUNK
+    loaded, _ = checked_reads.load_tensors(path, record)
     assert torch.equal(loaded["big"], tensors["big"]) and torch.equal(loaded["small"], tensors["small"])
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01  # in the last chunk
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="digest mismatch"):
-        storage.load_tensors(path, record)
+        checked_reads.load_tensors(path, record)
     tensors["big"][-1] = float("inf")
-    record = storage.save_tensors(path, tensors)
+    record = safetensors_write.save_tensors(path, tensors)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        storage.load_tensors(path, record)
+        checked_reads.load_tensors(path, record)
 
 
 # ------------------------------------------------------------------ reads of a same-layout load (speed3)
@@ -361,11 +361,11 @@ def test_whole_blocks_are_read_straight_into_the_range_and_verified_there(tmp_pa
     first = -(-begin // 256) * 256  # the first block wholly inside tensor "a"
     wanted = ("a", 0, 300)
     seen = []
-    real = storage._BlockFile.block
+    real = partial_reads._BlockFile.block
     monkeypatch.setattr(
-        storage._BlockFile, "block", lambda self, i, *into: seen.append((i, bool(into))) or real(self, i, *into)
+        partial_reads._BlockFile, "block", lambda self, i, *into: seen.append((i, bool(into))) or real(self, i, *into)
     )
-    got, _ = storage.read_ranges(path, record, [wanted])
+    got, _ = partial_reads.read_ranges(path, record, [wanted])
     assert torch.equal(got[wanted], _tensors()["a"])
     whole = set(range(first // 256, (begin + 1200) // 256))
     assert whole and {i for i, into in seen if into} == whole
@@ -374,7 +374,7 @@ def test_whole_blocks_are_read_straight_into_the_range_and_verified_there(tmp_pa
     data[first + 3] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=f"block {first // 256} .*digest mismatch"):
-        storage.read_ranges(path, record, [wanted])
+        partial_reads.read_ranges(path, record, [wanted])
 
 
 def test_check_only_ranges_are_verified_in_the_same_pass_and_not_returned(tmp_path):
@@ -383,20 +383,22 @@ def test_check_only_ranges_are_verified_in_the_same_pass_and_not_returned(tmp_pa
     the read as in a kept range."""
     tensors = _tensors()
     path, record = _write(tmp_path, tensors)
-    got, _ = storage.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 0, 300), ("a", 10, 20)])
+    got, _ = partial_reads.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 0, 300), ("a", 10, 20)])
     assert list(got) == [("b", 0, 7)] and torch.equal(got[("b", 0, 7)], tensors["b"][:7])
     data = bytearray(path.read_bytes())
     data[record.blocks.tensors["a"][1] + 4 * 150 + 1] ^= 0x01
     path.write_bytes(bytes(data))
-    storage.read_ranges(path, record, [("b", 0, 7)])  # the flip is not in what this reads
+    partial_reads.read_ranges(path, record, [("b", 0, 7)])  # the flip is not in what this reads
     with pytest.raises(ValueError, match="digest mismatch"):
-        storage.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 100, 200)])
+        partial_reads.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 100, 200)])
     nan = dict(tensors, a=tensors["a"].clone())
     nan["a"][150] = float("nan")
     path = tmp_path / "nan.safetensors"
-    record = FileRecord.from_dict(storage.save_tensors(path, nan, finite=False, blocks=True, block_bytes=256).to_dict())
+    record = FileRecord.from_dict(
+        safetensors_write.save_tensors(path, nan, finite=False, blocks=True, block_bytes=256).to_dict()
+    )
     with pytest.raises(ValueError, match="'a' holds NaN or Inf"):
-        storage.read_ranges(path, record, [], check_only=[("a", 100, 200)])
+        partial_reads.read_ranges(path, record, [], check_only=[("a", 100, 200)])
 
 
 def test_check_only_ranges_pass_through_one_block_of_memory_however_long(tmp_path, monkeypatch):
@@ -404,27 +406,31 @@ def test_check_only_ranges_pass_through_one_block_of_memory_however_long(tmp_pat
     relaunch's moments at open: what the load holds must not grow with them), every block of it
     still digest-checked and every element finiteness-checked, in its last block too."""
     sizes = []
-    real = storage.large_buffer
-    monkeypatch.setattr(storage, "large_buffer", lambda n: sizes.append(n) or real(n))
+    real = host_memory.large_buffer
+    monkeypatch.setattr(partial_reads, "large_buffer", lambda n: sizes.append(n) or real(n))
     tensors = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(200, dtype=torch.bfloat16)}
     path, record = _write(tmp_path, tensors)
-    got, _ = storage.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 0, 3000), ("a", 5, 2999)])
+    got, _ = partial_reads.read_ranges(path, record, [("b", 0, 7)], check_only=[("a", 0, 3000), ("a", 5, 2999)])
     assert list(got) == [("b", 0, 7)] and max(sizes) <= 256, sizes  # the block, the scratch: one block each
     nan = dict(tensors, a=tensors["a"].clone())
     nan["a"][2999] = float("inf")  # the last element, in the range's last (cut) block
     path = tmp_path / "inf.safetensors"
-    record = FileRecord.from_dict(storage.save_tensors(path, nan, finite=False, blocks=True, block_bytes=256).to_dict())
+    record = FileRecord.from_dict(
+        safetensors_write.save_tensors(path, nan, finite=False, blocks=True, block_bytes=256).to_dict()
+    )
     with pytest.raises(ValueError, match="'a' holds NaN or Inf"):
-        storage.read_ranges(path, record, [], check_only=[("a", 1, 3000)])
+        partial_reads.read_ranges(path, record, [], check_only=[("a", 1, 3000)])
     data = bytearray((tmp_path / "t.safetensors").read_bytes())
     data[record.blocks.tensors["a"][1] + 4 * 2500 + 1] ^= 0x01
     (tmp_path / "t.safetensors").write_bytes(bytes(data))
     record = FileRecord.from_dict(
-        storage.save_tensors(tmp_path / "u.safetensors", tensors, finite=True, blocks=True, block_bytes=256).to_dict()
+        safetensors_write.save_tensors(
+            tmp_path / "u.safetensors", tensors, finite=True, blocks=True, block_bytes=256
+        ).to_dict()
     )
     (tmp_path / "u.safetensors").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="digest mismatch"):
-        storage.read_ranges(tmp_path / "u.safetensors", record, [], check_only=[("a", 0, 3000)])
+        partial_reads.read_ranges(tmp_path / "u.safetensors", record, [], check_only=[("a", 0, 3000)])
 
 
 def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_again(tmp_path, monkeypatch):
@@ -437,20 +443,20 @@ def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_ag
     from miles_lora_ckpt.core.protocol import DeferredRanges, PartialRead, open_generation, save_generation
 
     tensors = _tensors()
-    monkeypatch.setattr(storage, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(safetensors_write, "BLOCK_BYTES", 256)
     spec = {"iteration": 1, "saver": "test", "topology": Topology()}
     write = lambda writer: writer.write_tensors("t.safetensors", tensors, blocks=True)  # noqa: E731
     gen = save_generation(Consensus.single_process(), tmp_path / "root", write_files=write, **spec)
     monkeypatch.undo()
     kept, later = ("a", 0, 300), ("b", 0, 200)
     reads = []
-    real = storage.read_ranges
+    real = partial_reads.read_ranges
 
     def counted(path, record, wanted, **kwargs):
         reads.append((sorted(wanted), sorted(kwargs.get("check_only", ()))))
         return real(path, record, wanted, **kwargs)
 
-    monkeypatch.setattr(storage, "read_ranges", counted)
+    monkeypatch.setattr(partial_reads, "read_ranges", counted)
     opened = open_generation(
         Consensus.single_process(),
         gen,
@@ -478,8 +484,8 @@ def test_a_file_read_in_part_keeps_the_ranges_asked_kept_and_reads_the_others_ag
 
 
 def test_unread_blocks_are_the_blocks_no_plan_touches_however_many_ranges():
-    """`protocol._unread_blocks` marks blocks range by range (`storage.mark_blocks`, no sort or
-    merge of a resharding load's thousands of rows): the same blocks as `storage.blocks_needed`
+    """`protocol._unread_blocks` marks blocks range by range (`partial_reads.mark_blocks`, no sort or
+    merge of a resharding load's thousands of rows): the same blocks as `partial_reads.blocks_needed`
     of the merged ranges, the header's included, empty ranges touching nothing; a range the file
     does not hold raises as `byte_range` does."""
     import random
@@ -502,7 +508,7 @@ def test_unread_blocks_are_the_blocks_no_plan_touches_however_many_ranges():
         read = set()
         for plan in plans:
             if "f" in plan["ranges"]:
-                read |= storage.blocks_needed(index, coalesce_ranges(tuple(i) for i in plan["ranges"]["f"]))
+                read |= partial_reads.blocks_needed(index, coalesce_ranges(tuple(i) for i in plan["ranges"]["f"]))
         expected = [i for i in range(40) if i not in read]
         assert _unread_blocks(index, "f", plans) == expected, plans
     for bad in (["c", 0, 1], ["a", 0, 201], ["a", 5, 4]):
@@ -524,7 +530,7 @@ def test_a_partial_read_of_every_block_checks_the_whole_file_digest_as_verify_do
     from miles_lora_ckpt.core.protocol import PartialRead, open_generation, save_generation
     from miles_lora_ckpt.tools.cli import main as cli
 
-    rel, numel = "slice.safetensors", 3 * storage.BLOCK_BYTES // 4 // 2  # 1.5 blocks each
+    rel, numel = "slice.safetensors", 3 * safetensors_write.BLOCK_BYTES // 4 // 2  # 1.5 blocks each
     tensors = {"param": torch.arange(numel, dtype=torch.float32), "exp_avg": torch.ones(numel)}
     write = lambda writer: writer.write_tensors(rel, tensors, blocks=True)  # noqa: E731
     gen = save_generation(
@@ -623,9 +629,9 @@ def test_a_range_read_alone_owns_its_buffer_so_an_install_may_adopt_it(tmp_path)
     its own (a same-layout load's whole bucket slice) is a tensor that is all of its buffer, small
     (a bytearray) or large (an anonymous map); a range cut from a wider verified span is a slice of
     a larger buffer (`replace_state` then copies it, see the test above)."""
-    for n in (300, storage.ANONYMOUS_ABOVE // 4 + 1000):
+    for n in (300, host_memory.ANONYMOUS_ABOVE // 4 + 1000):
         path, record = _write(tmp_path, {"a": torch.arange(n, dtype=torch.float32)}, block_bytes=4096)
-        got, _ = storage.read_ranges(path, record, [("a", 0, n)])
+        got, _ = partial_reads.read_ranges(path, record, [("a", 0, n)])
         tensor = got[("a", 0, n)]
         assert tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == n * 4, n
         assert torch.equal(tensor, torch.arange(n, dtype=torch.float32))
@@ -634,16 +640,16 @@ def test_a_range_read_alone_owns_its_buffer_so_an_install_may_adopt_it(tmp_path)
 
 
 def test_a_strided_range_comes_back_as_its_rows_compact_with_every_block_under_it_verified(tmp_path):
-    """A resharding load's half rows of a row-parallel factor (`storage.strided_rows`): the read
+    """A resharding load's half rows of a row-parallel factor (`partial_reads.strided_rows`): the read
     returns only the rows, one after the other, in a buffer of their own (an install may adopt it),
     each block under the whole span verified, a gap between rows included; plain ranges asked with
     it in the same pass come back as before."""
     a = torch.arange(2000, dtype=torch.float32)
     path, record = _write(tmp_path, {"a": a, "b": torch.arange(50, dtype=torch.float32)}, block_bytes=256)
     rows = ("a", 100, 100 + 9 * 64 + 24, 64, 24)  # 10 rows of 24 elements, one every 64
-    assert storage.strided_rows(rows) == (64, 24, 10) and storage.range_numel(rows) == 240
+    assert partial_reads.strided_rows(rows) == (64, 24, 10) and partial_reads.range_numel(rows) == 240
     expected = a[100 : 100 + 10 * 64].view(10, 64)[:, :24].reshape(-1)
-    got, _ = storage.read_ranges(path, record, [rows, ("a", 0, 30), ("b", 5, 9)])
+    got, _ = partial_reads.read_ranges(path, record, [rows, ("a", 0, 30), ("b", 5, 9)])
     compact = got[rows]
     assert torch.equal(compact, expected)
     assert compact.storage_offset() == 0 and compact.untyped_storage().nbytes() == 240 * 4  # its own buffer
@@ -665,7 +671,7 @@ def test_a_strided_range_comes_back_as_its_rows_compact_with_every_block_under_i
     data[gap] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="digest mismatch"):
-        storage.read_ranges(path, record, [rows])
+        partial_reads.read_ranges(path, record, [rows])
 
 
 @pytest.mark.parametrize(
@@ -681,7 +687,7 @@ def test_a_strided_range_comes_back_as_its_rows_compact_with_every_block_under_i
 )
 def test_a_strided_range_whose_rows_do_not_end_at_its_stop_is_refused(bad):
     with pytest.raises(ValueError, match="element range"):
-        storage.strided_rows(bad)
+        partial_reads.strided_rows(bad)
 
 
 def test_a_strided_part_whose_rows_fill_the_shard_is_installed_as_one_whole_part():

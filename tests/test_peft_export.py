@@ -29,7 +29,7 @@ import torch
 from jobs_paths import JOBS
 from peft_reference import base_logits, hf_deltas, peft_deltas, peft_logits, reference_logits
 
-from miles_lora_ckpt.core.storage import load_tensors
+from miles_lora_ckpt.core.checked_reads import load_tensors
 from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, LATEST, WEIGHTS_NAME
 from miles_lora_ckpt.tools.cli import main as cli
 from miles_lora_ckpt_harness.sim.launch import check_all, run_workers

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_lora_ckpt.core import faults, storage
+from miles_lora_ckpt.core import faults, json_files
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE, MANIFEST, TRACKER, Topology
@@ -524,8 +524,8 @@ def test_both_placements_follow_the_v2_rules_lease_signature_and_stamps(tmp_path
 
 def reseal(gen: Path, rel: str, content: bytes | None) -> None:
     """Rewrite (or drop) one file and re-seal the manifest, as a careless tool would."""
+    from miles_lora_ckpt.core.atomic_files import write_file_atomic
     from miles_lora_ckpt.core.layout import FileRecord, Manifest
-    from miles_lora_ckpt.core.storage import write_file_atomic
 
     manifest = Manifest.from_json_bytes((gen / MANIFEST).read_bytes())
     (gen / rel).unlink()
@@ -553,7 +553,7 @@ def test_export_peft_republishes_a_checkpoints_export_offline(tmp_path, capsys):
     published = (out / LATEST).resolve()
     assert published.name.startswith("gen-000000007-")
     assert (published / CONFIG_NAME).read_bytes() == (next(ckpt_root.glob("gen-*")) / "peft" / CONFIG_NAME).read_bytes()
-    from miles_lora_ckpt.core.storage import load_tensors
+    from miles_lora_ckpt.core.checked_reads import load_tensors
 
     got, _ = load_tensors(published / WEIGHTS_NAME)
     assert sorted(got) == sorted(files.state) and all(torch.equal(got[k], files.state[k]) for k in got)
@@ -628,6 +628,6 @@ def test_the_config_is_written_in_bridges_own_bytes_whoever_built_it(tmp_path):
     assert fmt.config_bytes(ours) == json.dumps(theirs, indent=2).encode() == fmt.config_bytes(theirs)
     assert not fmt.config_bytes(ours).endswith(b"\n") and fmt.config_bytes(ours).startswith(b'{\n  "peft_type"')
     # republished: parsed (order kept) and written again gives the same bytes
-    assert fmt.config_bytes(storage.parse_json(fmt.config_bytes(ours))) == fmt.config_bytes(ours)
+    assert fmt.config_bytes(json_files.parse_json(fmt.config_bytes(ours))) == fmt.config_bytes(ours)
     with pytest.raises(ValueError):
         fmt.config_bytes({**ours, "lora_alpha": float("nan")})

@@ -303,7 +303,7 @@ def test_reshard_is_bit_exact_at_the_load(request, name):
 
 def test_a_resharding_load_reads_each_file_once(resharded, resharded_w4):
     """Structural pin of the read-once load: on every rank, each optimizer slice file a resharding
-    load reads in part is opened and verified in one pass (one `storage.read_ranges` call: one
+    load reads in part is opened and verified in one pass (one `partial_reads.read_ranges` call: one
     header parse), and no block is hashed twice; adapter files are read in part too, or whole where
     they have no block index (the earlier code read and verified every planned
     piece separately, at open and again at install: 1,572 range reads in the bench's W=2 load)."""

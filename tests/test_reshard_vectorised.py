@@ -113,13 +113,12 @@ def test_install_copies_are_grouped_with_one_copy_per_group():
 
 
 def test_the_optimizer_read_plan_asks_one_range_per_row_group_not_per_row():
-    """`reshard._row_parts`: a parameter's half rows of one saved piece (a row-parallel split saved at
+    """`distributed._row_parts`: a parameter's half rows of one saved piece (a row-parallel split saved at
     TP 1, loaded at TP 2) are one part covering them (one range asked per key), with its rows;
     rows whose gaps would skip a whole block stay parts of their own (nothing more read)."""
     from types import SimpleNamespace
 
-    from miles_lora_ckpt.megatron.optimizer_children.distributed import Piece
-    from miles_lora_ckpt.megatron.reshard import _row_parts
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import Piece, _row_parts
 
     piece = Piece("optimizer/x.safetensors", {}, "buf0.bucket0", "buf0", 0, 1 << 20)
     runs = [(100 + r * 32 + 16, 7 + r * 16, 16) for r in range(64)]  # (first, offset in the shard, count)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from damage import reseal_file, rewrite_tensors
 
-from miles_lora_ckpt.core import content_rules, rng_state, storage
+from miles_lora_ckpt.core import checked_reads, content_rules, json_files, rng_state
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import save_generation
@@ -44,8 +44,8 @@ def _save_rng(root: Path, state: rng_state.RngState, rank: int = 0) -> Path:
 
 
 def _read(gen: Path, rank: int = 0) -> rng_state.RngState:
-    value = storage.parse_json((gen / rng_state.json_file(rank)).read_bytes())
-    tensors, _ = storage.load_tensors(gen / rng_state.tensor_file(rank))
+    value = json_files.parse_json((gen / rng_state.json_file(rank)).read_bytes())
+    tensors, _ = checked_reads.load_tensors(gen / rng_state.tensor_file(rank))
     return rng_state.decode(value, tensors, rank)
 
 
@@ -82,7 +82,7 @@ def test_a_malformed_rng_json_is_refused_by_verify_and_the_loader_alike(tmp_path
     gen = _save_rng(tmp_path / "ckpt", rng_state.capture())
     value = json.loads((gen / rng_state.json_file(0)).read_text())
     change(value)
-    reseal_file(gen, rng_state.json_file(0), storage.json_bytes(value))
+    reseal_file(gen, rng_state.json_file(0), json_files.json_bytes(value))
     problems = [p.reason for p in verify_generation(gen).problems]
     assert len(problems) == 1 and reason in problems[0], (name, problems)
     with pytest.raises(ValueError, match=None) as raised:
@@ -92,7 +92,7 @@ def test_a_malformed_rng_json_is_refused_by_verify_and_the_loader_alike(tmp_path
 
 def test_an_oversized_rng_file_is_refused_from_the_manifest_before_it_is_read(tmp_path):
     gen = _save_rng(tmp_path / "ckpt", rng_state.capture())
-    padded = storage.json_bytes(json.loads((gen / rng_state.json_file(0)).read_text())) + b" " * (
+    padded = json_files.json_bytes(json.loads((gen / rng_state.json_file(0)).read_text())) + b" " * (
         rng_state.MAX_RNG_FILE_BYTES
     )
     reseal_file(gen, rng_state.json_file(0), padded)

@@ -32,7 +32,7 @@ from damage import (
 )
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import checked_reads, json_files, safetensors_write
 from miles_lora_ckpt.core.verify import verify_generation
 from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 from miles_lora_ckpt_harness.sim.model import SimConfig
@@ -426,15 +426,15 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
 def _rng_json(gen: Path, rel: str, change) -> bytes:
     value = json.loads((gen / rel).read_text())
     change(value)
-    return storage.json_bytes(value)
+    return json_files.json_bytes(value)
 
 
 def _int32_slice_with_its_block_index(gen: Path, rel: str) -> None:
     """One fp32 tensor of an optimizer slice relabelled int32 (same bytes), its manifest record and
     block index rewritten to agree: only the rule on what such a file holds can refuse it."""
-    tensors, metadata = storage.load_tensors(gen / rel)
+    tensors, metadata = checked_reads.load_tensors(gen / rel)
     tensors = {k: (v.view(torch.int32) if k == "buf0.bucket0.exp_avg" else v).clone() for k, v in tensors.items()}
-    record = storage.save_tensors(gen / rel, tensors, metadata=metadata, blocks=True)
+    record = safetensors_write.save_tensors(gen / rel, tensors, metadata=metadata, blocks=True)
     edit_manifest(gen, lambda b: b["files"][rel].update({**record.to_dict(), "binding": b["files"][rel]["binding"]}))
 
 

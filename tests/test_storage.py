@@ -12,7 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lora_ckpt.core import bounded, storage
+from miles_lora_ckpt.core import (
+    atomic_files,
+    bounded,
+    checked_reads,
+    file_reader,
+    host_memory,
+    json_files,
+    read_ahead,
+    safetensors_format,
+    safetensors_write,
+)
 from miles_lora_ckpt.core.digest import digest_bytes
 
 DTYPES = [
@@ -41,7 +51,7 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 
 def test_our_file_loads_in_real_safetensors(tmp_path):
     tensors = sample_tensors()
-    record = storage.save_tensors(tmp_path / "a.safetensors", tensors, metadata={"k": "v"})
+    record = safetensors_write.save_tensors(tmp_path / "a.safetensors", tensors, metadata={"k": "v"})
     loaded = load_file(tmp_path / "a.safetensors")
     assert set(loaded) == set(tensors)
     for name, tensor in tensors.items():
@@ -53,14 +63,14 @@ def test_our_file_loads_in_real_safetensors(tmp_path):
 def test_real_safetensors_file_loads_in_ours(tmp_path):
     tensors = {k: v.contiguous() for k, v in sample_tensors().items()}
     save_file(tensors, tmp_path / "b.safetensors", metadata={"x": "y"})
-    loaded, metadata = storage.load_tensors(tmp_path / "b.safetensors")
+    loaded, metadata = checked_reads.load_tensors(tmp_path / "b.safetensors")
     assert metadata == {"x": "y"}
     for name, tensor in tensors.items():
         assert torch.equal(loaded[name], tensor), name
 
 
 def test_atomic_write_leaves_no_temp_and_failure_leaves_nothing(tmp_path):
-    storage.write_json(tmp_path / "ok.json", {"a": 1})
+    json_files.write_json(tmp_path / "ok.json", {"a": 1})
     assert sorted(os.listdir(tmp_path)) == ["ok.json"]
 
     def failing_chunks():
@@ -68,14 +78,16 @@ def test_atomic_write_leaves_no_temp_and_failure_leaves_nothing(tmp_path):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError):
-        storage.write_file_atomic(tmp_path / "bad.bin", failing_chunks())
+        atomic_files.write_file_atomic(tmp_path / "bad.bin", failing_chunks())
     assert sorted(os.listdir(tmp_path)) == ["ok.json"]
 
 
 def test_save_refuses_non_finite_when_asked(tmp_path):
     with pytest.raises(ValueError, match="NaN or Inf"):
-        storage.save_tensors(tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("nan")])}, finite=True)
-    storage.save_tensors(tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("inf")])}, finite=False)
+        safetensors_write.save_tensors(
+            tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("nan")])}, finite=True
+        )
+    safetensors_write.save_tensors(tmp_path / "n.safetensors", {"w": torch.tensor([1.0, float("inf")])}, finite=False)
 
 
 @pytest.mark.parametrize(
@@ -89,39 +101,39 @@ def test_save_refuses_non_finite_when_asked(tmp_path):
     ],
 )
 def test_strict_header_parser_rejects(tmp_path, mutate, reason):
-    storage.save_tensors(tmp_path / "c.safetensors", {"a": torch.ones(4), "b": torch.zeros(2, 2)})
+    safetensors_write.save_tensors(tmp_path / "c.safetensors", {"a": torch.ones(4), "b": torch.zeros(2, 2)})
     raw = mutate((tmp_path / "c.safetensors").read_bytes())
     with pytest.raises(ValueError, match=reason):
-        storage.parse_safetensors_header(raw)
+        safetensors_format.parse_safetensors_header(raw)
 
 
 def test_strict_json_rejects_nan():
     with pytest.raises(ValueError, match="non-finite"):
-        storage.parse_json(b'{"a": NaN}')
+        json_files.parse_json(b'{"a": NaN}')
     with pytest.raises(ValueError):
-        storage.json_bytes({"a": float("nan")})
+        json_files.json_bytes({"a": float("nan")})
 
 
 def test_digest_mismatch_is_reported(tmp_path):
-    record = storage.write_json(tmp_path / "d.json", {"a": 1})
+    record = json_files.write_json(tmp_path / "d.json", {"a": 1})
     data = bytearray((tmp_path / "d.json").read_bytes())
     data[2] ^= 1
     (tmp_path / "d.json").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="digest mismatch"):
-        storage.read_file_verified(tmp_path / "d.json", record)
+        file_reader.read_file_verified(tmp_path / "d.json", record)
 
 
 def test_finiteness_check_is_exact_even_when_a_sum_overflows(tmp_path):
     huge = torch.full((8,), 3.0e38)  # finite values whose float32 sum overflows
-    storage.save_tensors(tmp_path / "h.safetensors", {"w": huge}, finite=True)
+    safetensors_write.save_tensors(tmp_path / "h.safetensors", {"w": huge}, finite=True)
     for bad in (float("nan"), float("inf"), float("-inf")):
         tensor = huge.clone()
         tensor[3] = bad
         with pytest.raises(ValueError, match="NaN or Inf"):
-            storage.save_tensors(tmp_path / "x.safetensors", {"w": tensor}, finite=True)
+            safetensors_write.save_tensors(tmp_path / "x.safetensors", {"w": tensor}, finite=True)
     mixed = torch.tensor([float("inf"), float("-inf")])  # the sum is NaN, still caught
     with pytest.raises(ValueError, match="NaN or Inf"):
-        storage.save_tensors(tmp_path / "y.safetensors", {"w": mixed}, finite=True)
+        safetensors_write.save_tensors(tmp_path / "y.safetensors", {"w": mixed}, finite=True)
 
 
 @pytest.mark.parametrize(
@@ -168,40 +180,40 @@ def test_non_regular_files_are_refused_without_being_opened(tmp_path, kind):
         path.symlink_to(tmp_path / "real.json")
     else:
         path.mkdir()
-    for read in (storage.read_file_verified, storage.check_file, storage.read_json):
+    for read in (file_reader.read_file_verified, checked_reads.check_file, json_files.read_json):
         with pytest.raises(ValueError, match=f"is a {kind}, not a regular file"):
             read(path)
 
 
 def test_nothing_is_allocated_beyond_the_memory_available(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "available_memory", lambda: 2**30)
+    monkeypatch.setattr(host_memory, "available_memory", lambda: 2**30)
     # a sparse terabyte whose header describes it: refused for the memory it would take
     count = 2**40 - 8 - 128
     header = json.dumps({"w": {"dtype": "U8", "shape": [count], "data_offsets": [0, count]}}).encode()
     (tmp_path / "big.safetensors").write_bytes(struct.pack("<Q", 128) + header.ljust(128))
     os.truncate(tmp_path / "big.safetensors", 2**40)
     with pytest.raises(ValueError, match="more than the 1073741824 bytes of memory available"):
-        storage.check_file(tmp_path / "big.safetensors", keep=True)
+        checked_reads.check_file(tmp_path / "big.safetensors", keep=True)
     # a sparse terabyte its header does not describe: refused for that, kept whole or streamed alike
-    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1024, 1024)})
+    safetensors_write.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1024, 1024)})
     os.truncate(tmp_path / "t.safetensors", 2**40)
     for keep in (True, False):
         with pytest.raises(ValueError, match="data section ends at byte"):  # judged from the header
-            storage.check_file(tmp_path / "t.safetensors", keep=keep)
+            checked_reads.check_file(tmp_path / "t.safetensors", keep=keep)
 
 
 def test_streamed_checks_hold_one_slice_at_a_time(tmp_path):
     import tracemalloc
 
-    storage.save_tensors(tmp_path / "big.safetensors", {"w": torch.randn(16 * 1024 * 1024)})  # 64 MiB
+    safetensors_write.save_tensors(tmp_path / "big.safetensors", {"w": torch.randn(16 * 1024 * 1024)})  # 64 MiB
     tracemalloc.start()
     try:
-        checked = storage.check_file(tmp_path / "big.safetensors", keep=False)
+        checked = checked_reads.check_file(tmp_path / "big.safetensors", keep=False)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert checked.buffer is None and checked.entries["w"][1] == [16 * 1024 * 1024]
-    assert peak < 2 * storage.SLICE_BYTES, peak
+    assert peak < 2 * host_memory.SLICE_BYTES, peak
 
 
 @pytest.mark.parametrize(
@@ -219,32 +231,36 @@ def test_header_entries_are_bounded(entry, reason):
     header = json.dumps({"w": entry}).encode()
     raw = struct.pack("<Q", len(header)) + header + bytes(16)
     with pytest.raises(ValueError, match=re.escape(reason)):
-        storage.parse_safetensors_header(raw)
+        safetensors_format.parse_safetensors_header(raw)
 
 
 def test_the_header_limit_is_one_number_the_json_limit_does_not_undercut(tmp_path):
     """`MAX_HEADER_BYTES` (the safetensors library's 100,000,000) bounds a header, its JSON included:
     a header of 65 MiB (more than the 64 MiB of other JSON) is read like any other."""
-    assert storage.MAX_HEADER_BYTES == 100_000_000 > bounded.MAX_JSON_BYTES
-    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.arange(4.0)})
+    assert safetensors_format.MAX_HEADER_BYTES == 100_000_000 > bounded.MAX_JSON_BYTES
+    safetensors_write.save_tensors(tmp_path / "t.safetensors", {"w": torch.arange(4.0)})
     raw = (tmp_path / "t.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = raw[8 : 8 + length] + b" " * (65 * 1024 * 1024)  # trailing whitespace is valid JSON
-    metadata, entries = storage.parse_safetensors_header(struct.pack("<Q", len(header)) + header + raw[8 + length :])
+    metadata, entries = safetensors_format.parse_safetensors_header(
+        struct.pack("<Q", len(header)) + header + raw[8 + length :]
+    )
     assert list(entries) == ["w"] and entries["w"][0] == "F32"
 
 
 def test_the_writer_and_every_reader_share_the_header_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "MAX_HEADER_BYTES", 256)
+    monkeypatch.setattr(safetensors_format, "MAX_HEADER_BYTES", 256)
     many = {f"w{i}": torch.zeros(1) for i in range(20)}
     with pytest.raises(ValueError, match="header would be .* bytes, more than the 256 a reader accepts"):
-        storage.save_tensors(tmp_path / "big.safetensors", many)
-    monkeypatch.setattr(storage, "MAX_HEADER_BYTES", 100_000_000)
-    storage.save_tensors(tmp_path / "big.safetensors", many)
-    monkeypatch.setattr(storage, "MAX_HEADER_BYTES", 256)
-    for read in (storage.check_file, storage.parse_safetensors_header):
+        safetensors_write.save_tensors(tmp_path / "big.safetensors", many)
+    monkeypatch.setattr(safetensors_format, "MAX_HEADER_BYTES", 100_000_000)
+    safetensors_write.save_tensors(tmp_path / "big.safetensors", many)
+    monkeypatch.setattr(safetensors_format, "MAX_HEADER_BYTES", 256)
+    for read in (checked_reads.check_file, safetensors_format.parse_safetensors_header):
         arg = (
-            tmp_path / "big.safetensors" if read is storage.check_file else (tmp_path / "big.safetensors").read_bytes()
+            tmp_path / "big.safetensors"
+            if read is checked_reads.check_file
+            else (tmp_path / "big.safetensors").read_bytes()
         )
         with pytest.raises(ValueError, match="is more than the 256 bytes allowed"):
             read(arg)
@@ -253,8 +269,8 @@ def test_the_writer_and_every_reader_share_the_header_limit(tmp_path, monkeypatc
 @pytest.mark.parametrize("name", ["../w", "a/b", "a\\b", "..", ".", "w\n", "w\x00", ""])
 def test_tensor_names_with_path_or_control_characters_are_refused_on_write_and_read(tmp_path, name):
     with pytest.raises(ValueError, match="tensor name|path or control character"):
-        storage.save_tensors(tmp_path / "t.safetensors", {name: torch.zeros(1)})
-    storage.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1)})
+        safetensors_write.save_tensors(tmp_path / "t.safetensors", {name: torch.zeros(1)})
+    safetensors_write.save_tensors(tmp_path / "t.safetensors", {"w": torch.zeros(1)})
     raw = (tmp_path / "t.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + length])
@@ -262,7 +278,7 @@ def test_tensor_names_with_path_or_control_characters_are_refused_on_write_and_r
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     with pytest.raises(ValueError, match="tensor name|path or control character"):
-        storage.parse_safetensors_header(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+        safetensors_format.parse_safetensors_header(struct.pack("<Q", len(text)) + text + raw[8 + length :])
 
 
 def test_prefetch_hints_the_blocks_under_the_spans_merged_and_never_fails(tmp_path, monkeypatch):
@@ -275,36 +291,36 @@ def test_prefetch_hints_the_blocks_under_the_spans_merged_and_never_fails(tmp_pa
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, length, advice: calls.append((start, length, advice)))
     # widened to whole blocks, overlapping and touching runs merged, clipped to the file, empty spans dropped
-    storage.prefetch(path, record, [(5000, 5001), (10, 20), (1000, 2048), (9500, 20_000), (7000, 7000)])
+    read_ahead.prefetch(path, record, [(5000, 5001), (10, 20), (1000, 2048), (9500, 20_000), (7000, 7000)])
     assert calls == [
         (0, 2048, os.POSIX_FADV_WILLNEED),
         (4096, 1024, os.POSIX_FADV_WILLNEED),
         (9216, 784, os.POSIX_FADV_WILLNEED),
     ]
     calls.clear()
-    storage.prefetch(path, FileRecord(10_000, "d"), None)  # no block index: the whole file
+    read_ahead.prefetch(path, FileRecord(10_000, "d"), None)  # no block index: the whole file
     assert calls == [(0, 10_000, os.POSIX_FADV_WILLNEED)]
     calls.clear()
     # a hint only: a missing file, a FIFO and a link are left to the verified read to report
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "link").symlink_to(path)
     for name in ("missing", "fifo", "link"):
-        storage.prefetch(tmp_path / name, record)
+        read_ahead.prefetch(tmp_path / name, record)
     assert calls == []
 
     def refuse(*args):
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(os, "posix_fadvise", refuse)
-    storage.prefetch(path, record)  # a kernel that refuses the hint fails nothing
+    read_ahead.prefetch(path, record)  # a kernel that refuses the hint fails nothing
 
 
 def test_a_large_read_buffer_is_private_memory_not_shared_with_a_forked_process():
     """`large_buffer` above `ANONYMOUS_ABOVE` is a private anonymous map: a forked process's writes
     stay its own (Python's default anonymous map is shared, shmem, whose page faults and unmapping
     cost several times more: a load's reads and the freeing of the state it replaced)."""
-    buf = storage.large_buffer(storage.ANONYMOUS_ABOVE + 4096)
-    assert len(buf) == storage.ANONYMOUS_ABOVE + 4096 and buf[:4] == b"\0\0\0\0"
+    buf = host_memory.large_buffer(host_memory.ANONYMOUS_ABOVE + 4096)
+    assert len(buf) == host_memory.ANONYMOUS_ABOVE + 4096 and buf[:4] == b"\0\0\0\0"
     pid = os.fork()
     if pid == 0:  # the child writes into its copy and leaves at once
         buf[:4] = b"FORK"
@@ -312,19 +328,26 @@ def test_a_large_read_buffer_is_private_memory_not_shared_with_a_forked_process(
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert buf[:4] == b"\0\0\0\0", "the child's write reached the parent: the buffer is shared memory"
-    small = storage.large_buffer(16)
+    small = host_memory.large_buffer(16)
     assert isinstance(small, bytearray) and bytes(small) == bytes(16)
 
 
 def _resident_kib(buffer) -> int:
-    """KiB of `buffer`'s mapping resident in memory (its `Rss` line in /proc/self/smaps)."""
+    """KiB resident (`Rss` in /proc/self/smaps) in the mappings that overlap `buffer`. The kernel may
+    split its mapping (`madvise`) or merge it with a neighbour's, so every overlapping line counts;
+    a neighbour's pages cancel out of a before/after difference. Smaps, not `mincore`: a released
+    page read back maps the shared zero page, which `mincore` reports resident and `Rss` does not."""
     start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    end, total, overlapping = start + len(buffer), 0, False
     with open("/proc/self/smaps") as handle:
-        lines = handle.read().splitlines()
-    for i, line in enumerate(lines):
-        if line.split()[0].split("-")[0] == f"{start:x}":
-            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
-    raise AssertionError("mapping not found")
+        for line in handle:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(x, 16) for x in head.split("-"))
+                overlapping = low < end and start < high
+            elif overlapping and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
 
 
 def test_zero_pages_of_a_read_buffer_go_back_and_read_back_as_zeros():
@@ -332,7 +355,7 @@ def test_zero_pages_of_a_read_buffer_go_back_and_read_back_as_zeros():
     load's adapter buffer, once it holds a relaunch's zero LoRA B as their undo record), and every
     byte reads back as it was; a page with one byte set stays; a bytearray is left alone."""
     page = mmap.PAGESIZE
-    buf = storage.large_buffer(storage.ANONYMOUS_ABOVE + 300 * page + 100)
+    buf = host_memory.large_buffer(host_memory.ANONYMOUS_ABOVE + 300 * page + 100)
     data = torch.frombuffer(buf, dtype=torch.uint8)
     data.fill_(3)
     data[page : 200 * page] = 0
@@ -340,7 +363,7 @@ def test_zero_pages_of_a_read_buffer_go_back_and_read_back_as_zeros():
     data[-(page + 100) :] = 0  # the last whole page and the partial one after it
     before = data.clone()
     resident = _resident_kib(buf)
-    assert storage.release_zero_pages(buf) == (99 + 99 + 1) * page
+    assert host_memory.release_zero_pages(buf) == (99 + 99 + 1) * page
     assert torch.equal(data, before)
     assert resident - _resident_kib(buf) >= 199 * page // 1024 - 4, (resident, _resident_kib(buf))
-    assert storage.release_zero_pages(bytearray(2 * page)) == 0
+    assert host_memory.release_zero_pages(bytearray(2 * page)) == 0

@@ -33,14 +33,13 @@ def parse_json(
     what: str = "JSON",
     max_bytes: int = MAX_JSON_BYTES,
     max_depth: int = MAX_JSON_DEPTH,
-    max_values: int = MAX_JSON_VALUES,
 ) -> Any:
-    """Strict, bounded JSON: at most `max_bytes` bytes, `max_values` values (counted before
+    """Strict, bounded JSON: at most `max_bytes` bytes, `MAX_JSON_VALUES` values (counted before
     parsing: memory) and `max_depth` levels of nesting, UTF-8
     (and only UTF-8: no byte order mark, no UTF-16 or UTF-32, which `json.loads` would otherwise
     detect and accept), no `NaN`/`Infinity` constants, no number that overflows a float, no
     duplicate object keys."""
-    _check_value_count(raw, what, max_bytes, max_values)
+    _check_value_count(raw, what, max_bytes, MAX_JSON_VALUES)
     if len(raw) > max_bytes:
         raise ValueError(f"{what} is {len(raw)} bytes, more than the {max_bytes} allowed")
     text = utf8_text(raw, what)

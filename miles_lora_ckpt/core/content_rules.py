@@ -2,7 +2,7 @@
 
 `verify` and every loader read a listed file through `verify.check_file_content` (whole) or
 `verify.check_file_ranges` (some element ranges), and those apply exactly the rules here, after
-`storage` has checked the bytes (size, digests, a strict safetensors header with legal tensor
+`checked_reads` (or `partial_reads`) has checked the bytes (size, digests, a strict safetensors header with legal tensor
 names, finite floats, bounded UTF-8 JSON). So `verify` refuses what a loader refuses, for the same
 reason, and no loader holds a content check of its own that `verify` lacks:
 
@@ -44,10 +44,10 @@ from typing import Any
 
 from miles_lora_ckpt.core import data_state, layout_rules, rng_state, training_state
 from miles_lora_ckpt.core.errors import GenerationDamaged
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifest
 
 ROLE_OPTIMIZER = "optimizer"
-DISTRIBUTED_FAMILY = "distributed"
 DISTRIBUTED_DTYPE = "F32"
 
 # The savers that write the single-LoRA files (`savers.single_lora.SAVER`, `savers.multi_lora.SLOT_SAVER`),
@@ -258,7 +258,7 @@ def distributed_child(relpath: str, manifest: Manifest) -> str | None:
     if isinstance(children, dict):
         entry = children.get(child)
         family = entry.get("family") if isinstance(entry, dict) else None
-        return child if family == DISTRIBUTED_FAMILY else None
+        return child if family == FamilyKind.DISTRIBUTED else None
     state_keys = metadata.get("state_keys")
     return child if children is None and isinstance(state_keys, dict) and child in state_keys else None
 

@@ -16,7 +16,13 @@ The document (bounded JSON, no pickle; values that JSON cannot hold are tagged b
                "metadata": {...}, "dataset": {"size", "shuffle", "seed"} | null,
                "buffer": [[<sample>, ...], ...] | null}
             | {"kind": "custom", "value": <the class's own state_dict()>},
-     "adapter": "<name>"}                           (multi-LoRA only: the adapter whose data this is)
+     "adapter": "<name>",                           (multi-LoRA only: the adapter whose data this is)
+     "in_flight": [[<sample>, ...], ...]}           (optional, multi-LoRA: groups drawn and not shipped)
+
+`in_flight` (multi-LoRA under Miles' async producer): the adapter's groups its source had handed
+out but the rollout function had not shipped for training when the step's last group shipped,
+each sample as Miles' `Sample.to_dict()`. A resume gives them back before it draws new ones. A
+document without the key (written before it existed, or by a sync run) reads as none in flight.
 
 In a multi-LoRA slot generation the file holds one adapter's data state and `rollout_id` is the
 adapter's own step (the slot generation's iteration); it is staged in the slot root's
@@ -35,7 +41,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import bounded, storage
+from miles_lora_ckpt.core import atomic_files, bounded, json_files
 from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.jsoncodec import check_tags
@@ -56,12 +62,17 @@ class DataStateMissing(MilesLoraCkptError, ValueError):
 # --------------------------------------------------------------------------- the document
 
 
-def document(rollout_id: int, source: str, state: dict | None, *, adapter: str | None = None) -> dict:
+def document(
+    rollout_id: int, source: str, state: dict | None, *, adapter: str | None = None, in_flight: list | None = None
+) -> dict:
     """The data state of `rollout_id` (checked); `state` None records a source without one.
-    `adapter`: a multi-LoRA adapter's name (then `rollout_id` is that adapter's step)."""
+    `adapter`: a multi-LoRA adapter's name (then `rollout_id` is that adapter's step); `in_flight`:
+    its groups drawn and not shipped (samples as JSON), recorded only when given."""
     doc = {"format": FORMAT, "rollout_id": int(rollout_id), "source": str(source), "state": state}
     if adapter is not None:
         doc["adapter"] = str(adapter)
+    if in_flight is not None:
+        doc["in_flight"] = in_flight
     check(doc, iteration=int(rollout_id))
     return doc
 
@@ -69,7 +80,7 @@ def document(rollout_id: int, source: str, state: dict | None, *, adapter: str |
 def check(doc: Any, *, iteration: int) -> dict:
     """Raise ValueError (naming the field) unless `doc` is a data-state document of `iteration`."""
     bounded.mapping(doc, "data state")
-    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state", "adapter"})
+    unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state", "adapter", "in_flight"})
     if unknown:
         raise ValueError(f"data state has unknown keys {unknown}")
     if doc.get("format") != FORMAT:
@@ -80,6 +91,8 @@ def check(doc: Any, *, iteration: int) -> dict:
     bounded.string(doc.get("source"), "data state source")
     if "adapter" in doc:
         bounded.string(doc["adapter"], "data state adapter")
+    if "in_flight" in doc:
+        _check_groups(doc["in_flight"], "data state.in_flight")
     state = doc.get("state")
     if state is None:
         return doc
@@ -109,14 +122,25 @@ def check(doc: Any, *, iteration: int) -> dict:
         if not isinstance(dataset["shuffle"], bool):
             raise ValueError("data state.state.dataset.shuffle is not a boolean")
     if state["buffer"] is not None:
-        if not isinstance(state["buffer"], list):
-            raise ValueError("data state.state.buffer is not a list of sample groups")
-        for g, group in enumerate(state["buffer"]):
-            if not isinstance(group, list):
-                raise ValueError(f"data state.state.buffer[{g}] is not a list of samples")
-            for s, sample in enumerate(group):
-                bounded.mapping(sample, f"data state.state.buffer[{g}][{s}]")
+        _check_groups(state["buffer"], "data state.state.buffer")
     return doc
+
+
+def _check_groups(groups: Any, where: str) -> None:
+    """A list of sample groups, each a list of samples as JSON objects (tags checked)."""
+    if not isinstance(groups, list):
+        raise ValueError(f"{where} is not a list of sample groups")
+    for g, group in enumerate(groups):
+        if not isinstance(group, list):
+            raise ValueError(f"{where}[{g}] is not a list of samples")
+        for s, sample in enumerate(group):
+            bounded.mapping(sample, f"{where}[{g}][{s}]")
+    check_tags(groups, where)
+
+
+def in_flight(doc: dict) -> list:
+    """The document's groups drawn and not shipped (none for a document without the key)."""
+    return list(doc.get("in_flight") or [])
 
 
 def summary(doc: dict) -> str:
@@ -125,6 +149,8 @@ def summary(doc: dict) -> str:
     head = f"rollout {doc['rollout_id']} of {doc['source']}"
     if "adapter" in doc:
         head = f"adapter {doc['adapter']} step {doc['rollout_id']} of {doc['source']}"
+    if "in_flight" in doc:
+        head = f"{head}, {len(doc['in_flight'])} groups in flight"
     if state is None:
         return f"{head}: no data state (accepted by data_state.accept_none)"
     if state["kind"] == "custom":
@@ -153,14 +179,14 @@ def staged_path(root: str | os.PathLike, rollout_id: int) -> Path:
 def stage(root: str | os.PathLike, doc: dict) -> Path:
     """Seal and stage `doc` atomically (temporary name, fsync, rename, fsync of the directory)."""
     check(doc, iteration=doc["rollout_id"])
-    body = storage.json_bytes(doc)
+    body = json_files.json_bytes(doc)
     directory = staged_dir(root)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_temporaries(directory)
     path = staged_path(root, doc["rollout_id"])
     envelope = {"seal": digest_bytes(body), "data_state": doc}
-    storage.write_file_atomic(path, [storage.json_bytes(envelope)])
-    storage.fsync_dir(directory)
+    atomic_files.write_file_atomic(path, [json_files.json_bytes(envelope)])
+    atomic_files.fsync_dir(directory)
     return path
 
 
@@ -170,11 +196,11 @@ def read_staged(root: str | os.PathLike, rollout_id: int) -> dict:
     if not path.is_file():
         raise DataStateMissing(f"{path}: no data state was staged for rollout {rollout_id}")
     try:
-        envelope = bounded.mapping(storage.read_json(path), "staged data state")
+        envelope = bounded.mapping(json_files.read_json(path), "staged data state")
         if set(envelope) != {"seal", "data_state"}:
             raise ValueError(f"has keys {sorted(envelope)}, not ['data_state', 'seal']")
         doc = envelope["data_state"]
-        if digest_bytes(storage.json_bytes(doc)) != envelope["seal"]:
+        if digest_bytes(json_files.json_bytes(doc)) != envelope["seal"]:
             raise ValueError("its content does not match its seal (torn or altered)")
         return check(doc, iteration=int(rollout_id))
     except DataStateMissing:
@@ -204,7 +230,7 @@ def discard_staged(root: str | os.PathLike, *, above: int | None = None, upto: i
             staged_path(root, rollout).unlink(missing_ok=True)
             removed.append(rollout)
     if removed:
-        storage.fsync_dir(directory)
+        atomic_files.fsync_dir(directory)
     return removed
 
 

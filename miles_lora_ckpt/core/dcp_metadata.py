@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
-from miles_lora_ckpt.core.storage import read_file_verified
+from miles_lora_ckpt.core.file_reader import read_file_verified
 
 MAX_METADATA_BYTES = 64 << 20  # a large model's adapter and optimizer metadata is a few MiB
 _MAX_STACK = 1 << 20  # values on the stack (the file's opcodes bound it too)

@@ -15,8 +15,12 @@ compared, before anything changes, with the optimizer and scheduler the launch b
     "launch"      the launch's values are kept, in the param groups and the scheduler
                   (--override-opt-param-scheduler)
     "refuse"      any difference refuses the load (IncompatibleCheckpoint), before anything changes
-    None          megatron's own behaviour: param groups from the checkpoint, the scheduler's
-                  fields checked by its `load_state_dict` (its two flags decide); differences reported
+    "megatron"    (or None) megatron's own behaviour: param groups from the checkpoint, the
+                  scheduler's fields checked by its `load_state_dict` (its two flags decide);
+                  differences reported
+
+`HyperparameterPolicy` names them; its values are the strings above, so a config value or JSON
+holding one reads back as the same policy.
 
 Not compared: `params`, `param_names`; `lr` and `weight_decay`, which the scheduler sets at every
 step from `max_lr`/`min_lr` and the weight-decay schedule (compared through those); the counter
@@ -26,13 +30,36 @@ step from `max_lr`/`min_lr` and the weight-decay schedule (compared through thos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import to_json
 
-POLICIES = ("checkpoint", "launch", "refuse")
+
+class HyperparameterPolicy(StrEnum):
+    """How a load settles a checkpoint hyperparameter that differs from the launch's (module docstring)."""
+
+    CHECKPOINT = "checkpoint"  # the checkpoint's values restored
+    LAUNCH = "launch"  # the launch's values kept
+    REFUSE = "refuse"  # any difference refuses the load
+    MEGATRON = "megatron"  # megatron's own behaviour (None means this too)
+
+    @classmethod
+    def parse(cls, value: HyperparameterPolicy | str | None) -> HyperparameterPolicy:
+        """`value` as a policy (None: MEGATRON); ValueError naming the accepted values otherwise."""
+        if value is None:
+            return cls.MEGATRON
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"hyperparameters policy {value!r} is not one of {list(POLICIES)} or None (megatron's behaviour)"
+            ) from None
+
+
+POLICIES = tuple(policy.value for policy in HyperparameterPolicy)
 REFUSED = "the checkpoint's hyperparameters differ from the ones this launch built"  # starts the refusal
 NOT_COMPARED = ("params", "param_names", "lr", "weight_decay", "step")
 # megatron's OptimizerParamScheduler fields its `load_state_dict` checks (`_check_and_set`)
@@ -47,6 +74,15 @@ SCHEDULER_FIELDS = (
     "wd_incr_steps",
     "wd_incr_style",
 )
+
+
+# what a difference's report says happened to it, per policy
+_OUTCOMES = {
+    HyperparameterPolicy.CHECKPOINT: "the checkpoint's restored",
+    HyperparameterPolicy.LAUNCH: "the launch's kept",
+    HyperparameterPolicy.REFUSE: "refused",
+    HyperparameterPolicy.MEGATRON: "the checkpoint's restored (megatron's behaviour)",
+}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -65,13 +101,12 @@ def _show(value: Any) -> str:
 class Reconciler:
     """One load's policy (see the module docstring) and the differences it found."""
 
-    policy: str | None = None
+    policy: HyperparameterPolicy | str | None = None  # parsed into a HyperparameterPolicy (None: MEGATRON)
     differences: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # launch values kept for keys the checkpoint lacks
 
     def __post_init__(self) -> None:
-        if self.policy is not None and self.policy not in POLICIES:
-            raise ValueError(f"hyperparameters policy {self.policy!r} is not one of {list(POLICIES)} or None")
+        self.policy = HyperparameterPolicy.parse(self.policy)
 
     def param_groups(self, where: str, saved: list[dict], live: list[dict]) -> None:
         """Check the saved param groups (decoded, changed in place) against the live ones, in order.
@@ -101,15 +136,14 @@ class Reconciler:
                 self._differ(f"scheduler: {key}", saved, key, live[key])
 
     def _differ(self, label: str, saved: dict, key: str, launch: Any) -> None:
-        kept = {"checkpoint": "the checkpoint's restored", "launch": "the launch's kept", "refuse": "refused"}
-        outcome = kept.get(self.policy, "the checkpoint's restored (megatron's behaviour)")
+        outcome = _OUTCOMES[self.policy]
         self.differences.append(f"{label} differs: checkpoint {_show(saved[key])}, launch {_show(launch)} ({outcome})")
-        if self.policy == "launch":
+        if self.policy is HyperparameterPolicy.LAUNCH:
             saved[key] = launch
 
     def settle(self) -> None:
         """Under 'refuse', raise IncompatibleCheckpoint naming every difference found."""
-        if self.policy == "refuse" and self.differences:
+        if self.policy is HyperparameterPolicy.REFUSE and self.differences:
             raise IncompatibleCheckpoint(
                 f"{REFUSED}: "
                 + "; ".join(self.differences)

@@ -100,11 +100,6 @@ def is_staging_dir_name(name: str) -> bool:
     return _STAGING_RE.match(name) is not None
 
 
-def staging_attempt_id(name: str) -> str | None:
-    match = _STAGING_RE.match(name)
-    return match.group(1) if match else None
-
-
 @dataclass(frozen=True)
 class Topology:
     """The parallel layout a generation was written with."""
@@ -385,11 +380,6 @@ class Manifest:
 def canonical_json(body: dict) -> bytes:
     """The canonical bytes of a manifest body: what its digest and signature cover."""
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def manifest_digest(body: dict) -> str:
-    """Digest of a manifest body (without its `manifest_digest` and `signature` keys)."""
-    return digest_bytes(canonical_json(body))
 
 
 def seal_manifest(body: dict, key: signing.SigningKey | None = None) -> bytes:

@@ -40,15 +40,15 @@ import math
 import re
 from typing import Any
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import partial_reads, safetensors_format
 from miles_lora_ckpt.core.errors import GenerationDamaged, Problem
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import Block
 from miles_lora_ckpt.core.layout import MANIFEST, Manifest
 
 STAMP_KEY = "global_layout"  # a tensor file's safetensors metadata: `sha256:<hex>` of its layout entries
 _COORDINATE = re.compile(r"(tp[0-9]+)_(pp[0-9]+)_(ep[0-9]+)_(etp[0-9]+)")
 _ADAPTER = re.compile(r"adapter/(dense|expert)_[a-z0-9_]+\.safetensors")
-WHOLE_FAMILIES = ("replicated", "layer-wise")  # optimizer children saved as whole local parameters
 MASTER_STATE_KEY = "param"  # such a file's fp32 master, next to its state keys
 
 
@@ -80,7 +80,7 @@ def check_slices(manifest: Manifest) -> None:
     if not isinstance(children, dict):
         return
     for index, child in sorted(children.items()):
-        if not isinstance(child, dict) or child.get("family") != "distributed":
+        if not isinstance(child, dict) or child.get("family") != FamilyKind.DISTRIBUTED:
             continue
         layout = child.get("layout")
         if not isinstance(layout, dict) or "slices" not in layout:
@@ -261,7 +261,7 @@ def _check_adapter_files(manifest: Manifest, files: Any, blocks: dict) -> None:
             block = blocks[coordinate][name]
             if block is None:
                 continue  # megatron could not describe it (a multi-LoRA slot's adapter): never resharded
-            indexed = None if index is None else storage.indexed_tensor(index, name)
+            indexed = None if index is None else partial_reads.indexed_tensor(index, name)
             if index is not None and (
                 indexed is None or indexed[1] != block.numel or (block.dtype and f"torch.{indexed[0]}" != block.dtype)
             ):
@@ -353,7 +353,7 @@ def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str],
         if block is None:
             continue
         tag = dtypes.get(name)
-        held = None if tag is None else f"torch.{storage._DTYPES.get(tag, (tag,))[0]}"
+        held = None if tag is None else f"torch.{safetensors_format.DTYPES.get(tag, (tag,))[0]}"
         shape = None if shapes is None else shapes.get(name)
         if held is None or (block.dtype and held != block.dtype) or (shape is not None and not block.holds(shape)):
             what = "no such tensor" if held is None else f"{held}{list(shape) if shape is not None else ''}"
@@ -368,11 +368,11 @@ def _check_whole_child_file(relpath: str, manifest: Manifest, params: dict, shap
     """A Float16 / FP32 or layer-wise child's file (tensors `{parameter}.{key}`: the whole local
     parameter's master `param` and state) holds, for each parameter its writer's coordinate
     describes, a master and tensors of a shape that block holds (a 0-d state aside): what a
-    resharding load of such a child requires of it (`megatron/reshard_whole.py`)."""
+    resharding load of such a child requires of it (`optimizer_children.replicated.WholeParameterFamily.plan_reshard`)."""
     binding = manifest.files[relpath].binding
     children = manifest.metadata.get("optimizer_children")
     child = children.get(binding.get("child")) if isinstance(children, dict) else None
-    if binding.get("role") != "optimizer" or not isinstance(child, dict) or child.get("family") not in WHOLE_FAMILIES:
+    if binding.get("role") != "optimizer" or not isinstance(child, dict) or not _whole_parameter(child.get("family")):
         return
     match = _COORDINATE.match(str(binding.get("coordinate", "")))
     described = params.get(match[0]) if match is not None else None
@@ -462,3 +462,9 @@ def check_stamp(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> N
 def _digest(entries: dict) -> str:
     text = json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _whole_parameter(family) -> bool:
+    """Whether a manifest's `family` field names a family saved as whole local parameters."""
+    kind = FamilyKind.parse(family)
+    return kind is not None and kind.whole_parameter

@@ -19,6 +19,8 @@ reads; never on `flock`.
 - **Creation** writes the whole lease (fsynced) into a file of its own, then links it into place:
   a lease appears whole or not at all, and a create that fails at any step (a full disk) leaves
   nothing behind, so a retry, by this process or another, is not refused by an empty lease.
+  Only a process killed between the two steps leaves its side file (`.writer-lease.json.new-*`,
+  or `.aside-*` from a takeover); the next holder removes those older than the lease timeout.
 
 - **Renewal** sets the file's mtime to the file system's "now" (`utime` with no time: on NFS the
   server's clock) and reads the file back to check it still names this process.
@@ -42,15 +44,17 @@ import errno
 import json
 import logging
 import os
+import re
 import secrets
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import bounded, settings, storage
+from miles_lora_ckpt.core import atomic_files, bounded, regular_files, settings
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.layout import LEASE
 
@@ -146,6 +150,7 @@ def acquire(root: Path) -> None:
     for _ in range(_ATTEMPTS):
         if _create(root, holder, timeout_s):
             _register(root, timeout_s)
+            _sweep_leftovers(root, timeout_s)
             return
         state = read_state(root, judge=False)
         if state is not None and state.holder is not None and state.holder.token == holder.token:
@@ -235,7 +240,7 @@ def _create(root: Path, holder: Holder, timeout_s: float) -> bool:
     finally:
         fresh.unlink(missing_ok=True)
     try:
-        storage.fsync_dir(root)
+        atomic_files.fsync_dir(root)
     except BaseException:
         lease.unlink(missing_ok=True)  # ours: linked just now, and live, so nobody took it over
         raise
@@ -269,7 +274,7 @@ def _create_in_place(lease: Path, data: bytes) -> bool:
     except FileExistsError:
         return False
     try:
-        storage.fsync_dir(lease.parent)
+        atomic_files.fsync_dir(lease.parent)
     except BaseException:
         lease.unlink(missing_ok=True)
         raise
@@ -285,7 +290,7 @@ def _state_of(path: Path, root: Path, *, judge: bool = True) -> LeaseState | Non
     holder, problem, acquired, timeout_s = None, None, None, settings.current().lease_timeout_s
     inode, mtime_ns = before.st_ino, before.st_mtime_ns
     try:
-        fd, st = storage.open_regular(path)  # an open revalidates cached attributes on NFS
+        fd, st = regular_files.open_regular(path)  # an open revalidates cached attributes on NFS
         try:
             inode, mtime_ns = st.st_ino, st.st_mtime_ns
             if st.st_size > MAX_LEASE_BYTES:
@@ -370,6 +375,30 @@ def _put_back(root: Path, tomb: Path) -> None:
         _create_in_place(root / LEASE, data[:MAX_LEASE_BYTES])
     finally:
         tomb.unlink(missing_ok=True)
+
+
+# what a killed creator (`.new-`) or taker-over (`.aside-`) can leave: the name, then 12 hex digits
+_LEFTOVER = re.compile(re.escape(LEASE) + r"\.(new|aside)-[0-9a-f]{12}")
+
+
+def _sweep_leftovers(root: Path, timeout_s: float) -> None:
+    """Remove the side files of lease creations and takeovers killed midway, once they are older
+    than the lease timeout by the file system's clock. Only the new holder sweeps, so no live
+    creation or takeover can be racing it: each lasts milliseconds, far below any timeout.
+    Nothing reads these files; this only keeps the root tidy, so a failure is logged, not raised."""
+    try:
+        names = [name for name in os.listdir(root) if _LEFTOVER.fullmatch(name)]
+        if not names:
+            return
+        now_ns = _fs_now_ns(root)
+        for name in names:
+            path = root / name
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and now_ns - info.st_mtime_ns > timeout_s * 1e9:
+                path.unlink(missing_ok=True)
+                log.info("save root %s: removed %s, left by a lease creation or takeover that was killed", root, name)
+    except OSError as exc:
+        log.warning("save root %s: could not sweep the lease's leftover side files: %s", root, exc)
 
 
 def _refusal(root: Path, state: LeaseState) -> str:

@@ -48,7 +48,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from miles_lora_ckpt.core import attempts, faults, lease, retention, signing, storage
+from miles_lora_ckpt.core import (
+    atomic_files,
+    attempts,
+    checked_reads,
+    faults,
+    file_reader,
+    host_memory,
+    json_files,
+    lease,
+    partial_reads,
+    read_ahead,
+    retention,
+    safetensors_write,
+    signing,
+)
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import CheckpointError, CommittedButFailed, GenerationDamaged, RankFailure
 from miles_lora_ckpt.core.layout import (
@@ -108,27 +122,27 @@ class StagingWriter:
         finite: bool = True,
         blocks: bool = False,
     ) -> None:
-        """Write one safetensors file (values may be `storage.LazyTensor`s, produced one at a time);
+        """Write one safetensors file (values may be `safetensors_write.LazyTensor`s, produced one at a time);
         `blocks=True` records per-block digests so that loaders may read and verify parts of it."""
         binding = _checked_binding(binding)
         stamp = {"generation": self.generation, "file": relpath, **binding}
         clash = sorted(set(metadata or {}) & set(stamp))
         if clash:
             raise ValueError(f"{relpath}: metadata keys {clash} are reserved for the generation stamp and binding")
-        record = storage.save_tensors(
+        record = safetensors_write.save_tensors(
             self._target(relpath), tensors, metadata={**(metadata or {}), **stamp}, finite=finite, blocks=blocks
         )
         self._record(relpath, replace(record, binding=binding))
 
     def write_json(self, relpath: str, obj, *, binding: dict[str, str] | None = None) -> None:
-        """Write one JSON file in the plugin's own form (`storage.json_bytes`: sorted keys, indent 1)."""
-        record = storage.write_json(self._target(relpath), obj)
+        """Write one JSON file in the plugin's own form (`json_files.json_bytes`: sorted keys, indent 1)."""
+        record = json_files.write_json(self._target(relpath), obj)
         self._record(relpath, replace(record, binding=_checked_binding(binding)))
 
     def write_bytes(self, relpath: str, data: bytes, *, binding: dict[str, str] | None = None) -> None:
         """Write one file of already-encoded bytes (a format whose bytes another tool defines, e.g. the
         PEFT `adapter_config.json` in Megatron-Bridge's form); recorded and bound like any file."""
-        record = storage.write_file_atomic(self._target(relpath), [bytes(data)])
+        record = atomic_files.write_file_atomic(self._target(relpath), [bytes(data)])
         self._record(relpath, replace(record, binding=_checked_binding(binding)))
 
     def _target(self, relpath: str) -> Path:
@@ -145,7 +159,7 @@ class StagingWriter:
 
     def sync_dirs(self) -> None:
         for directory in sorted({(self.staging / rel).parent for rel in self.records}, reverse=True):
-            storage.fsync_dir(directory)
+            atomic_files.fsync_dir(directory)
 
 
 def _checked_binding(binding: dict[str, str] | None) -> dict[str, str]:
@@ -326,7 +340,7 @@ def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
             continue
         try:
             manifest = Manifest.from_json_bytes(
-                storage.read_file_verified(root / name / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+                file_reader.read_file_verified(root / name / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
             )
         except DAMAGE:  # an unreadable manifest holds no usable number
             continue
@@ -335,7 +349,7 @@ def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
         if manifest.sequence > highest:
             highest, holder = manifest.sequence, name
     try:
-        tracked = Tracker.from_dict(storage.read_json(root / TRACKER))
+        tracked = Tracker.from_dict(json_files.read_json(root / TRACKER))
     except DAMAGE:  # a missing or unusable tracker adds nothing
         tracked = None
     # a tracker that agrees with a counted manifest claims that manifest's number, already counted:
@@ -408,8 +422,8 @@ def _write_manifest(
         faults.point("mid-manifest", rank)
         yield body[half:]
 
-    storage.write_file_atomic(staging / MANIFEST, manifest_chunks())
-    storage.fsync_dir(staging)
+    atomic_files.write_file_atomic(staging / MANIFEST, manifest_chunks())
+    atomic_files.fsync_dir(staging)
     faults.point("before-publish", rank)
 
 
@@ -429,10 +443,10 @@ def _bystander_publish(staging: Path, final: Path, manifest: Manifest, links: tu
 
 def _after_rename(final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> None:
     tracker = Tracker(final.name, manifest.generation, manifest.iteration, manifest.sequence)
-    storage.write_json(final.parent / TRACKER, tracker.to_dict())
+    json_files.write_json(final.parent / TRACKER, tracker.to_dict())
     for link in links:
         point_link(final.parent, link, final.name)
-    storage.fsync_dir(final.parent)  # makes the rename, the tracker and the links durable together
+    atomic_files.fsync_dir(final.parent)  # makes the rename, the tracker and the links durable together
     faults.point("after-publish", rank)
 
 
@@ -494,7 +508,7 @@ class OpenedGeneration:
 
     path: Path
     manifest: Manifest
-    files: dict[str, storage.CheckedFile]
+    files: dict[str, checked_reads.CheckedFile]
     warnings: list[str] = field(default_factory=list)  # skipped generations, tracker disagreements
     ranges: dict[str, dict] = field(default_factory=dict)  # relpath -> {(name, first, stop): tensor}
 
@@ -512,7 +526,7 @@ class OpenedGeneration:
 
     def json(self, relpath: str):
         """A fresh copy of one of this rank's JSON files (already checked)."""
-        return storage.parse_json(self.files[relpath].buffer, what=relpath)
+        return json_files.parse_json(self.files[relpath].buffer, what=relpath)
 
     def binding(self, relpath: str) -> dict[str, str]:
         """What the manifest says the file is (format v2; empty for v1)."""
@@ -543,13 +557,13 @@ class DeferredRanges:
         item = tuple(wanted)
         if item in self.kept:
             return self.kept[item]
-        allocate = self._reused if transient else storage.large_buffer
+        allocate = self._reused if transient else host_memory.large_buffer
         return check_file_ranges(self.gen_dir, self.relpath, self.manifest, [item], allocate=allocate)[item]
 
     def _reused(self, nbytes: int):
         if self._scratch is None or len(self._scratch) < nbytes:
             self._scratch = None  # the old one goes before the new one is made
-            self._scratch = storage.large_buffer(nbytes)
+            self._scratch = host_memory.large_buffer(nbytes)
         return memoryview(self._scratch)[:nbytes]
 
     def release(self) -> None:
@@ -574,7 +588,7 @@ class WholeFileRanges:
 class PartialRead:
     """A loader's request for some element ranges of one tensor file: `(tensor name, first, stop)`
     of the flattened tensor, or a strided range `(name, first, stop, step, width)` whose rows come
-    back compact (`storage.strided_rows`: a row-parallel factor's half rows). Only the blocks
+    back compact (`partial_reads.strided_rows`: a row-parallel factor's half rows). Only the blocks
     holding them are read (and verified) when the manifest records a block index for the file;
     otherwise the whole file is read and checked. A rank's
     requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
@@ -585,7 +599,7 @@ class PartialRead:
     each. One file may have requests of both kinds (a range asked both ways is kept)."""
 
     relpath: str
-    ranges: tuple[storage.ElementRange, ...]
+    ranges: tuple[partial_reads.ElementRange, ...]
     keep: bool = True  # False: verify now, one range at a time; read again later (`DeferredRanges`)
 
 
@@ -682,7 +696,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
                 whole = sorted({*whole, rel})
             else:
                 for item in items:
-                    storage.byte_range(index, tuple(item))  # raises for a range the file does not hold
+                    partial_reads.byte_range(index, tuple(item))  # raises for a range the file does not hold
     except DAMAGE as exc:  # what the manifest says is damaged; IncompatibleCheckpoint and bugs fail the load
         return gen, {"files": [], "ranges": {}, "problems": _damage_lines(candidate, exc, MANIFEST)}
     missing = [
@@ -734,7 +748,7 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
             problems += _damage_lines(candidate, exc, rel)
     for rel, blocks in sorted(share.items()):
         try:
-            storage.check_blocks(candidate / rel, manifest.files[rel], blocks)
+            partial_reads.check_blocks(candidate / rel, manifest.files[rel], blocks)
         except DAMAGE as exc:
             problems += _damage_lines(candidate, exc, rel)
     return {rel: files[rel] for rel in mine["files"] if rel in files}, ranges, problems
@@ -747,7 +761,7 @@ def _damage_lines(candidate: Path, exc: BaseException, rel: str) -> list[str]:
 
 def _prefetch(candidate: Path, manifest: Manifest, whole: list[str], ranges: dict, share: dict) -> None:
     """Hint the kernel at every byte `_read_share` reads on this rank, in the order it reads them
-    (`storage.prefetch`): whole files, the blocks of its ranges, its share of unread blocks. The
+    (`read_ahead.prefetch`): whole files, the blocks of its ranges, its share of unread blocks. The
     disk then reads ahead while earlier bytes are hashed and checked; nothing is read or trusted here,
     and nothing fails: whatever would, the reads after it meet and report as damage."""
     try:
@@ -759,15 +773,15 @@ def _prefetch(candidate: Path, manifest: Manifest, whole: list[str], ranges: dic
 def _hint_reads(candidate: Path, listed: dict, whole: list[str], ranges: dict, share: dict) -> None:
     for rel in whole:
         if rel in listed:
-            storage.prefetch(candidate / rel, listed[rel])
+            read_ahead.prefetch(candidate / rel, listed[rel])
     for rel, items in sorted(ranges.items()):
         index = listed[rel].blocks if rel in listed and rel not in whole else None
         if index is not None:
-            spans = [(0, index.data_start)] + [storage.byte_range(index, tuple(item)) for item in items]
-            storage.prefetch(candidate / rel, listed[rel], spans)
+            spans = [(0, index.data_start)] + [partial_reads.byte_range(index, tuple(item)) for item in items]
+            read_ahead.prefetch(candidate / rel, listed[rel], spans)
     for rel, blocks in sorted(share.items()):
         block_bytes = listed[rel].blocks.block_bytes
-        storage.prefetch(candidate / rel, listed[rel], [(b * block_bytes, (b + 1) * block_bytes) for b in blocks])
+        read_ahead.prefetch(candidate / rel, listed[rel], [(b * block_bytes, (b + 1) * block_bytes) for b in blocks])
 
 
 def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
@@ -778,16 +792,16 @@ def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
         if rel in plan["ranges"]:
             for i in index.blocks_for(0, index.data_start):
                 read[i] = 1
-            storage.mark_blocks(index, plan["ranges"][rel], read)
+            partial_reads.mark_blocks(index, plan["ranges"][rel], read)
     return [i for i, touched in enumerate(read) if not touched]
 
 
-def _cut(checked: storage.CheckedFile, wanted: list) -> dict:
+def _cut(checked: checked_reads.CheckedFile, wanted: list) -> dict:
     tensors = checked.tensors()
     return {item: _cut_one(tensors, item) for item in wanted}
 
 
-def _cut_one(tensors: dict, wanted: storage.ElementRange):
+def _cut_one(tensors: dict, wanted: partial_reads.ElementRange):
     """Element range `wanted` of a file read whole (`tensors`): a view, or a strided range's rows (compact)."""
     name, first, stop = wanted[:3]
     tensor = tensors.get(name)
@@ -795,4 +809,4 @@ def _cut_one(tensors: dict, wanted: storage.ElementRange):
         raise GenerationDamaged(f"tensor {name!r} is not in the file (it holds {sorted(tensors)[:8]})")
     if not 0 <= first <= stop <= tensor.numel():
         raise GenerationDamaged(f"tensor {name!r} holds {tensor.numel()} elements, not [{first}, {stop})")
-    return storage.cut_range(tensor.reshape(-1)[first:stop], wanted)
+    return partial_reads.cut_range(tensor.reshape(-1)[first:stop], wanted)

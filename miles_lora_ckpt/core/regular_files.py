@@ -1,6 +1,7 @@
-"""Opening regular files, and nothing else, without blocking: the one piece `storage` (tensor and
-JSON files of generations) and `signing` (the key file) share. Imports nothing of the package, so
-`layout -> signing` never leads back to `layout` through `storage`.
+"""Opening regular files, and nothing else, without blocking: the one piece the file readers
+(`file_reader`, `read_ahead`: tensor and JSON files of generations), `lease` and `signing` (the key
+file) share. Imports nothing of the package, so `layout -> signing` never leads back to `layout`
+through the readers.
 
 A path is judged from `lstat` before it is opened: a FIFO, device, socket, directory or link is
 refused without being opened (so nothing blocks); a regular file is opened `O_NOFOLLOW|O_NONBLOCK`

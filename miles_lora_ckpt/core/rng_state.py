@@ -34,7 +34,6 @@ RNG_FORMAT = 1
 MAX_RNG_FILE_BYTES = 1 << 20  # a torch CPU state is 5 KiB; the JSON about 10 KiB
 MAX_RNG_TENSORS = 64
 MAX_RNG_TENSOR_BYTES = 64 * 1024
-MAX_TRACKER_NAME = 128
 _PYTHON_WORDS = 625  # Mersenne Twister: 624 words and the index
 _NUMPY_WORDS = 624
 _U32 = 2**32 - 1

@@ -3,13 +3,13 @@
 - `check_structure` reads only the manifest (bounded) and `lstat`s the rest: self-digest, fields,
   signature (when a key is configured), name consistency, every listed file present as a regular
   file of its size, nothing unlisted, no link, FIFO or device, no path escaping the generation.
-- `check_file_content` reads one listed file (see `storage.check_file`: digest, strict header
+- `check_file_content` reads one listed file (see `checked_reads.check_file`: digest, strict header
   with legal tensor names, every floating tensor finite, bounded UTF-8 JSON) and applies the
   generation's own rules (`content_rules`: stamps and bindings, the dtypes a loader requires, the
   training-state invariants). These are exactly the content rules of every loader, which reads
   each file through this function (`protocol.open_generation`): verify and loaders cannot drift.
 - `check_file_ranges` reads some element ranges of a tensor file written with a block index
-  (`storage.read_ranges`: only the blocks holding them, each block's digest checked, the header
+  (`partial_reads.read_ranges`: only the blocks holding them, each block's digest checked, the header
   checked against the index, every returned value finite) and applies the same rules; the ranges
   are coalesced first, so one call reads and verifies each block it needs once.
 - `verify_generation` does both for every file.
@@ -34,7 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from miles_lora_ckpt.core import content_rules, signing, storage
+from miles_lora_ckpt.core import (
+    checked_reads,
+    content_rules,
+    file_reader,
+    host_memory,
+    json_files,
+    partial_reads,
+    regular_files,
+    signing,
+)
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint, NothingCommitted, Problem
 from miles_lora_ckpt.core.layout import (
     DELETING_PREFIX,
@@ -110,9 +119,9 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     except OSError as exc:
         return Generation(gen_dir, None, [Problem(".", reason(exc))])
     if not stat.S_ISDIR(mode):
-        return Generation(gen_dir, None, [Problem(".", f"generation directory is a {storage.file_kind(mode)}")])
+        return Generation(gen_dir, None, [Problem(".", f"generation directory is a {regular_files.file_kind(mode)}")])
     try:
-        raw = storage.read_file_verified(gen_dir / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
+        raw = file_reader.read_file_verified(gen_dir / MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
         manifest = Manifest.from_json_bytes(raw)
     except DAMAGE as exc:
         return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
@@ -138,11 +147,13 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     return Generation(gen_dir, manifest, problems)
 
 
-def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep: bool = True) -> storage.CheckedFile:
+def check_file_content(
+    gen_dir: Path, relpath: str, manifest: Manifest, *, keep: bool = True
+) -> checked_reads.CheckedFile:
     """Read one listed file and apply every content rule (`content_rules`). Returns the checked
     file (its bytes with `keep=True`); raises `DAMAGE` (GenerationDamaged, OSError) with the reason."""
     record = manifest.files[relpath]
-    checked = storage.check_file(Path(gen_dir) / relpath, record, keep=keep)
+    checked = checked_reads.check_file(Path(gen_dir) / relpath, record, keep=keep)
     if checked.entries is not None:
         dtypes = {name: entry[0] for name, entry in checked.entries.items()}
         shapes = {name: entry[1] for name, entry in checked.entries.items()}
@@ -153,28 +164,28 @@ def check_file_content(gen_dir: Path, relpath: str, manifest: Manifest, *, keep:
 
 
 def check_file_ranges(
-    gen_dir: Path, relpath: str, manifest: Manifest, ranges, *, check_only=(), allocate=storage.large_buffer
+    gen_dir: Path, relpath: str, manifest: Manifest, ranges, *, check_only=(), allocate=host_memory.large_buffer
 ) -> dict:
-    """Read some element ranges of one listed tensor file (see `storage.read_ranges`), with the
+    """Read some element ranges of one listed tensor file (see `partial_reads.read_ranges`), with the
     rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`
     for `ranges`. The ranges of `check_only` are read and verified in the same pass, one at a time
-    in one reused buffer, and not returned. `allocate`: see `storage.read_ranges`.
+    in one reused buffer, and not returned. `allocate`: see `partial_reads.read_ranges`.
 
     One pass over the file: the ranges asked are sorted in file order and overlapping plain ranges
-    of one tensor merged (`coalesce_ranges`; a strided range, `storage.strided_rows`, is read on its
+    of one tensor merged (`coalesce_ranges`; a strided range, `partial_reads.strided_rows`, is read on its
     own and returned as its rows, compact), so the header and every block they touch are read and
     verified once, whatever the number of ranges (a block shared by two consecutive ranges is kept
-    between them, `storage._BlockFile`); each range asked is a view of its merged span. Ranges that
+    between them, `partial_reads._BlockFile`); each range asked is a view of its merged span. Ranges that
     merely touch, or lie in the same blocks, stay apart: each is its own buffer, so a resharding
     load's moment range can become the state as it is (`distributed.replace_state`) and a master's
     buffer goes once it is copied, never kept alive by a neighbour's."""
     record = manifest.files[relpath]
     asked = [(str(item[0]), *(int(v) for v in item[1:])) for item in ranges]
-    strided = sorted({item for item in asked if storage.strided_rows(item) is not None})
+    strided = sorted({item for item in asked if partial_reads.strided_rows(item) is not None})
     plain = [item for item in asked if len(item) == 3]
-    # a strided range is read on its own (its rows come back compact, `storage.read_ranges`)
+    # a strided range is read on its own (its rows come back compact, `partial_reads.read_ranges`)
     spans, checked = coalesce_ranges(plain) + strided, coalesce_ranges(item[:3] for item in check_only)
-    tensors, metadata = storage.read_ranges(
+    tensors, metadata = partial_reads.read_ranges(
         Path(gen_dir) / relpath, record, spans, check_only=checked, allocate=allocate
     )
     # read_ranges checked the header against the block index: its dtypes are the file's
@@ -260,7 +271,7 @@ def _listing_problems(gen_dir: Path, files: dict) -> list[Problem]:
             elif stat.S_ISDIR(st.st_mode):
                 dirs.add(rel)
             else:
-                odd[rel] = f"is a {storage.file_kind(st.st_mode)} (only regular files belong in a generation)"
+                odd[rel] = f"is a {regular_files.file_kind(st.st_mode)} (only regular files belong in a generation)"
     named = {p.file for p in problems}
     for rel, why in sorted(odd.items()):
         problems.append(Problem(rel, why))
@@ -422,12 +433,6 @@ def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
     return view_root(root, content=content).entries
 
 
-def read_tracker(root: Path) -> str | None:
-    """The generation directory name the tracker names, or None when there is no usable tracker."""
-    tracker, _ = _read_tracker(Path(root))
-    return tracker.generation_dir if tracker else None
-
-
 def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:
     """The tracker and, when there is a file that cannot be used, why."""
     path = root / TRACKER
@@ -438,7 +443,7 @@ def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:
     except OSError as exc:
         return None, reason(exc)
     try:
-        return Tracker.from_dict(storage.read_json(path, max_bytes=MAX_TRACKER_BYTES)), None
+        return Tracker.from_dict(json_files.read_json(path, max_bytes=MAX_TRACKER_BYTES)), None
     except DAMAGE as exc:  # a tracker is a hint: damage makes it unusable
         return None, reason(exc)
 
@@ -499,7 +504,7 @@ def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidat
     except OSError as exc:
         raise NotACheckpoint(f"{path}: {reason(exc)}") from None
     if not stat.S_ISDIR(mode):
-        raise NotACheckpoint(f"{path} is a {storage.file_kind(mode)}, not a checkpoint directory")
+        raise NotACheckpoint(f"{path} is a {regular_files.file_kind(mode)}, not a checkpoint directory")
     name = path.name or path.resolve().name
     if is_staging_dir_name(name):
         raise GenerationDamaged(str(path), [Problem(".", "uncommitted staging directory (in progress or abandoned)")])

@@ -33,14 +33,15 @@ def post_save(args, rollout_id, checkpoint_dir, hf_checkpoint_dir) -> None:
 
 
 _ROLLOUT_SIDE = {"CheckpointedDataSource", "generate_rollout"}
-_MULTI_LORA_SIDE = {"CheckpointedMultiLoRADataSource"}
+_MULTI_LORA_SIDE = {"CheckpointedMultiLoRADataSource", "generate_multi_lora_rollout"}
 
 
 def __getattr__(name: str):
     """The rollout manager's entry points, imported on first use (Miles' `load_function` does
     `getattr(module, name)`): `CheckpointedDataSource` for `--data-source-path`, and
     `generate_rollout`, which that data source puts in front of `--rollout-function-path`;
-    `CheckpointedMultiLoRADataSource` for a multi-LoRA run's `--data-source-path`."""
+    `CheckpointedMultiLoRADataSource` for a multi-LoRA run's `--data-source-path`, and
+    `generate_multi_lora_rollout`, which that one puts in front of `--rollout-function-path`."""
     if name in _MULTI_LORA_SIDE:
         from miles_lora_ckpt.integration import multi_lora_data_source
 

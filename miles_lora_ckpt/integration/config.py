@@ -37,10 +37,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
+from miles_lora_ckpt.core.hyperparameters import HyperparameterPolicy
 
 CONFIG_ENV = "MILES_LORA_CKPT_CONFIG"
 _TRUE = {"1", "true", "yes", "on"}
@@ -49,6 +51,32 @@ _FALSE = {"0", "false", "no", "off"}
 
 class ConfigError(MilesLoraCkptError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range; the message names the key."""
+
+
+# The string-valued keys' choices, as Enums whose values are the strings the file and the
+# environment hold (a config value compares equal to its member).
+
+
+class RootLayout(StrEnum):
+    """`save.layout`: where the save root lies relative to Miles' --save."""
+
+    SUBDIR = "subdir"  # <save>/<save.subdir>
+    FLAT = "flat"  # <save> itself
+
+
+AUTO_HYPERPARAMETERS = "auto"  # `resume.hyperparameters`: the policy from Miles' flags (`resume.hyperparameter_policy`)
+# `resume.hyperparameters`: "auto" or a `HyperparameterPolicy` other than megatron's (which "auto" picks from the flags)
+HYPERPARAMETER_SETTINGS = (
+    AUTO_HYPERPARAMETERS,
+    *(p.value for p in HyperparameterPolicy if p is not HyperparameterPolicy.MEGATRON),
+)
+
+
+class MissingDataState(StrEnum):
+    """`data_state.missing`: what a save does when the rollout's data state was not staged."""
+
+    REFUSE = "refuse"  # the save fails on every rank, nothing committed
+    WARN = "warn"  # committed without it, with a warning
 
 
 @dataclass(frozen=True)
@@ -75,7 +103,7 @@ KEYS: tuple[Key, ...] = (
         "MILES_LORA_CKPT_LAYOUT",
         "where generations live relative to Miles' --save (and --load): 'subdir' puts the save root in "
         "<save>/<save.subdir>, 'flat' makes <save> itself the save root",
-        choices=("subdir", "flat"),
+        choices=tuple(m.value for m in RootLayout),
     ),
     Key(
         "save.subdir",
@@ -158,7 +186,7 @@ KEYS: tuple[Key, ...] = (
         "checkpoint's; with neither, resume.strict refuses the resume and resume.strict = false restores the "
         "checkpoint's. 'checkpoint', 'launch', 'refuse': that, whatever the flags. A saved param-group key this "
         "launch's optimizer lacks is refused always",
-        choices=("auto", "checkpoint", "launch", "refuse"),
+        choices=HYPERPARAMETER_SETTINGS,
     ),
     Key(
         "export.peft",
@@ -200,7 +228,7 @@ KEYS: tuple[Key, ...] = (
         "saves was not staged (or is torn): 'refuse' fails the save on every rank (nothing is committed), 'warn' "
         "commits the generation without it and logs a warning (a resume from it then restarts the data source "
         "as stock Miles would)",
-        choices=("refuse", "warn"),
+        choices=tuple(m.value for m in MissingDataState),
     ),
     Key(
         "data_state.accept_none",

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from miles_lora_ckpt.core import data_state
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
-from miles_lora_ckpt.integration.config import PluginConfig
+from miles_lora_ckpt.integration.config import MissingDataState, PluginConfig
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
 HOOK = "miles_lora_ckpt.hooks.CheckpointedDataSource"  # Miles' --data-source-path
 ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_rollout"  # set by the data source itself
 MULTI_HOOK = "miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource"  # multi-LoRA's --data-source-path
+MULTI_ROLLOUT_HOOK = "miles_lora_ckpt.hooks.generate_multi_lora_rollout"  # set by the multi-LoRA data source
 
 
 class DataStateRefused(MilesLoraCkptError, RuntimeError):
@@ -70,7 +71,7 @@ def _read(config: PluginConfig, root, iteration: int, hook: str, what: str) -> d
     try:
         return data_state.read_staged(root, iteration)
     except data_state.DataStateMissing as exc:
-        if config["data_state.missing"] == "warn":
+        if config["data_state.missing"] == MissingDataState.WARN:
             log.warning("miles-lora-ckpt: %s; %s is committed WITHOUT its rollout data state", exc, what)
             return None
         raise DataStateRefused(

@@ -9,7 +9,9 @@ broadcast attempt directories, reader names swapped atomically).
 Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`, reader names `step_N`):
 
     save_multi_lora_checkpoints   each adapter's slot saved at its step: adapter, its children's fp32
-                                  masters, moments, steps, param groups, its scheduler; `step_N` a link
+                                  masters, moments, steps, param groups, its scheduler; `step_N` a link;
+                                  with the plugin's multi-LoRA data source, the adapter's data state
+                                  staged for that step (in the adapter's save directory) committed in it
     find_latest_checkpoint        the newest intact generation's step, agreed: `(root/step_N, N)`
     _register_adapter             Miles' own slot init, then the slot resumed (with its optimizer
                                   state while `load_adapters` runs; weights only otherwise); the
@@ -19,7 +21,8 @@ Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`
                                   are restored exactly, or a fresh slot's refreshed from its own params);
                                   then each resumed slot's scheduler, which Miles' `install_slot_scheduler`
                                   repositioned from the resumed step, gets its saved state (as v2 does)
-    _deregister_adapter           retire: the final save (the same step again replaces it atomically),
+    _deregister_adapter           retire: the final save (the same step again replaces it atomically;
+                                  the adapter's staged data state committed as above),
                                   then the slot cleared, its children reset, its grads and scheduler dropped;
                                   co-tenant masters never refreshed from bf16
 
@@ -118,6 +121,11 @@ def _children(optimizer, slot: int) -> list[int] | None:
     return list(indices[slot])
 
 
+def _slot_spec(root: Path, slot: int, optimizer) -> saver.SlotSpec:
+    """Slot `slot` of this run at `root`: Miles' slot filter and the slot's optimizer children."""
+    return saver.SlotSpec.of(root, slot, slot_filter(slot), _children(optimizer, slot))
+
+
 def _scheduler(optimizer, slot: int):
     return None if optimizer is None else getattr(optimizer, "miles_slot_schedulers", {}).get(slot)
 
@@ -204,20 +212,22 @@ def multi_lora_save(original: Callable, target) -> Callable:
             if root is None:
                 continue
             step = int(adapter_steps[name])
-            saver.save_slot_checkpoint(
-                model,
-                args,
-                root,
-                slot=adapter.slot,
+            rollout_data = _staged_slot_data_state(runtime.current(), root.parent, step, adapter.slot)
+            save = saver.SlotSave(
                 step=step,
-                adapter_filter=slot_filter(adapter.slot),
-                optimizer=optimizer,
-                opt_param_scheduler=_scheduler(optimizer, adapter.slot),
-                optimizer_children=_children(optimizer, adapter.slot),
                 keep=_keep(),
-                reader_names=[saver.v1_step_name(step)],
                 peft=_adapter_export(adapter),
                 peft_prefix=PEFT_PREFIX,
+                data_state=rollout_data,
+                reader_names=[saver.v1_step_name(step)],
+            )
+            saver.save_slot(
+                model,
+                args,
+                _slot_spec(root, adapter.slot, optimizer),
+                save,
+                optimizer=optimizer,
+                opt_param_scheduler=_scheduler(optimizer, adapter.slot),
             )
             log.info("miles-lora-ckpt: adapter %s (slot %d) saved at step %d in %s", name, adapter.slot, step, root)
 
@@ -262,14 +272,11 @@ def _resume_slot(adapter, model, optimizer, args) -> int:
     result = None
     capture = _SchedulerCapture() if optimizer is not None else None
     if root is not None:
-        result = saver.load_slot_checkpoint(
+        result = saver.load_slot(
             model,
-            root,
-            slot=adapter.slot,
-            adapter_filter=slot_filter(adapter.slot),
+            _slot_spec(root, adapter.slot, optimizer),
             optimizer=optimizer,
             opt_param_scheduler=capture,
-            optimizer_children=children,
             load_optim=not getattr(args, "no_load_optim", False),
             rename_slot=rename_miles_slot,
         )
@@ -385,21 +392,23 @@ def multi_lora_deregister(original: Callable, target) -> Callable:
 
         if getattr(args, "save_interval", None) and root is not None:
             step = int(adapter.step)
+            rollout_data = _staged_slot_data_state(runtime.current(), root.parent, step, slot)
+            save = saver.SlotSave(
+                step=step,
+                keep=_keep(),
+                peft=_adapter_export(adapter),
+                peft_prefix=PEFT_PREFIX,
+                reader_names=[saver.v1_step_name(step)],
+                data_state=rollout_data,
+            )
             saver.retire_slot(
                 model,
                 args,
-                root,
-                slot=slot,
-                step=step,
-                adapter_filter=slot_filter(slot),
+                _slot_spec(root, slot, optimizer),
+                save,
                 optimizer=optimizer,
                 opt_param_scheduler=_scheduler(optimizer, slot),
-                optimizer_children=children,
-                keep=_keep(),
-                reader_names=[saver.v1_step_name(step)],
                 clear_slot=clear,
-                peft=_adapter_export(adapter),
-                peft_prefix=PEFT_PREFIX,
             )
             log.info("miles-lora-ckpt: adapter %s (slot %d) retired at step %d", adapter.name, slot, step)
         else:
@@ -444,23 +453,23 @@ def slot_save(original: Callable, target) -> Callable:
         steps = Consensus.default().agree("multi-lora slot step", attempt(_local_slot_step, optimizer, children))
         step = max(steps)
         rollout_data = _staged_slot_data_state(rt, root, step, int(slot))
-        saver.save_slot_checkpoint(
-            model,
-            rt.args,
-            root,
-            slot=int(slot),
+        save = saver.SlotSave(
             step=step,
-            adapter_filter=slot_filter(int(slot)),
-            optimizer=optimizer,
-            opt_param_scheduler=_scheduler(optimizer, slot),
-            optimizer_children=children,
             keep=_keep(),
-            reader_names=[name],
             peft=_agreed_export(
                 int(slot), rt.args.lora_rank, getattr(rt.args, "lora_alpha", None) or rt.args.lora_rank
             ),
             peft_prefix=PEFT_PREFIX,
+            reader_names=[name],
             data_state=rollout_data,
+        )
+        saver.save_slot(
+            model,
+            rt.args,
+            _slot_spec(root, int(slot), optimizer),
+            save,
+            optimizer=optimizer,
+            opt_param_scheduler=_scheduler(optimizer, slot),
         )
         log.info("miles-lora-ckpt: slot %d saved at step %d as %s", slot, step, path)
 
@@ -468,7 +477,8 @@ def slot_save(original: Callable, target) -> Callable:
 
 
 def _staged_slot_data_state(rt, root: Path, step: int, slot: int) -> dict | None:
-    """Collective: rank 0 takes the adapter's data state staged for this step (`integration.data_state`);
+    """Collective: rank 0 takes the adapter's data state staged for this step under `root` (the
+    adapter's save directory: v2's slot root, the parent of v1's `checkpoints`; `integration.data_state`);
     a refusal raises on every rank before anything is written. Only rank 0 keeps the state."""
     consensus = Consensus.default()
     outcome = Outcome.success()
@@ -483,14 +493,11 @@ def slot_load(original: Callable, target) -> Callable:
     def load_slot(model, optimizer, slot, path, load_optimizer):
         runtime.current().multi_lora_optimizers[id(model)] = optimizer
         root, name = _split(path)
-        result = saver.load_slot_checkpoint(
+        result = saver.load_slot(
             model,
-            root,
-            slot=int(slot),
-            adapter_filter=slot_filter(int(slot)),
+            _slot_spec(root, int(slot), optimizer),
             optimizer=optimizer,
             opt_param_scheduler=_scheduler(optimizer, slot),
-            optimizer_children=_children(optimizer, slot),
             name=name,
             load_optim=bool(load_optimizer),
             rename_slot=rename_miles_slot,

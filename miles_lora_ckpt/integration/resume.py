@@ -31,11 +31,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_lora_ckpt.core import native_dist, storage
+from miles_lora_ckpt.core import atomic_files, native_dist
 from miles_lora_ckpt.core.errors import MilesLoraCkptError, NotACheckpoint, NothingCommitted
+from miles_lora_ckpt.core.hyperparameters import HyperparameterPolicy
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, is_save_root
-from miles_lora_ckpt.integration.config import PluginConfig
+from miles_lora_ckpt.integration.config import AUTO_HYPERPARAMETERS, PluginConfig, RootLayout
+from miles_lora_ckpt.savers.options import LoadOptions
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -52,7 +54,7 @@ class ResumeRefused(MilesLoraCkptError, RuntimeError):
 
 def save_root(config: PluginConfig, directory: str | os.PathLike) -> Path:
     """The plugin's save root for Miles' `--save` (or `--load`) directory."""
-    if config["save.layout"] == "flat":
+    if config["save.layout"] == RootLayout.FLAT:
         return Path(directory)
     return Path(directory) / config["save.subdir"]
 
@@ -68,7 +70,7 @@ def plugin_root(config: PluginConfig, load: str | os.PathLike | None) -> Path | 
     root = save_root(config, load)
     if not root.is_dir():
         return None
-    if config["save.layout"] == "flat" and not is_save_root(root):
+    if config["save.layout"] == RootLayout.FLAT and not is_save_root(root):
         if any(_MEGATRON_ITER_DIR.match(name) for name in os.listdir(root)):
             return None
     return root
@@ -89,8 +91,8 @@ def write_megatron_tracker(save_dir: str | os.PathLike, iteration: int) -> None:
     """Atomically write Megatron's tracker (the iteration as text) into `save_dir`."""
     directory = Path(save_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    storage.write_file_atomic(directory / MEGATRON_TRACKER, [f"{int(iteration)}\n".encode()])
-    storage.fsync_dir(directory)
+    atomic_files.write_file_atomic(directory / MEGATRON_TRACKER, [f"{int(iteration)}\n".encode()])
+    atomic_files.fsync_dir(directory)
 
 
 def prepare_save_dir(config: PluginConfig, save_dir: str | os.PathLike) -> str:
@@ -253,18 +255,30 @@ def choose_generation(config: PluginConfig, root: Path, flags: LoadFlags, *, wit
     return str(newest)
 
 
-def hyperparameter_policy(config: PluginConfig, args) -> str:
+def hyperparameter_policy(config: PluginConfig, args) -> HyperparameterPolicy:
     """The `core.hyperparameters` policy of this resume: `resume.hyperparameters`, or with "auto"
     Miles' scheduler flags as megatron reads them (override wins), else "refuse" under
     `resume.strict` and "checkpoint" without it."""
     chosen = config["resume.hyperparameters"]
-    if chosen != "auto":
-        return chosen
+    if chosen != AUTO_HYPERPARAMETERS:
+        return HyperparameterPolicy(chosen)
     if getattr(args, "override_opt_param_scheduler", False):
-        return "launch"
+        return HyperparameterPolicy.LAUNCH
     if getattr(args, "use_checkpoint_opt_param_scheduler", False):
-        return "checkpoint"
-    return "refuse" if config["resume.strict"] else "checkpoint"
+        return HyperparameterPolicy.CHECKPOINT
+    return HyperparameterPolicy.REFUSE if config["resume.strict"] else HyperparameterPolicy.CHECKPOINT
+
+
+def load_options(config: PluginConfig, args, flags: LoadFlags, *, with_optimizer: bool) -> LoadOptions:
+    """The options of a resume's load, from Miles' flags and the plugin config: the adapter only
+    with --finetune or without an optimizer (ref/teacher); no optimizer state with --no-load-optim;
+    no RNG state with --no-load-rng or --finetune (as megatron); `hyperparameter_policy`."""
+    return LoadOptions(
+        load_optim=not flags.no_load_optim,
+        weights_only=flags.finetune or not with_optimizer,
+        load_rng=not flags.no_load_rng,
+        hyperparameters=hyperparameter_policy(config, args),
+    )
 
 
 def samples_per_rollout(args) -> int:

@@ -37,7 +37,9 @@ from miles_lora_ckpt.integration import data_state, peft, resume, runtime
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration, validate_startup
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler, scheduler_state
-from miles_lora_ckpt.savers import single_lora as saver
+from miles_lora_ckpt.savers.options import LoadOptions, SaveOptions
+from miles_lora_ckpt.savers.single_lora.load import load_adapter_generation
+from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -84,20 +86,12 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
             raise UnsupportedConfiguration("a LoRA save was requested without --save")
         iteration = int(call["iteration"])
         root = resume.save_root(rt.config, rt.args.save)
-        rollout_data = _staged_data_state(rt, root, iteration)
+        options = save_options(rt, iteration, _staged_data_state(rt, root, iteration))
         if rt.config["save.async"]:
-            _save_async(rt, model, call["optimizer"], call["opt_param_scheduler"], iteration, rollout_data)
+            _save_async(rt, model, call["optimizer"], call["opt_param_scheduler"], options)
             return None
-        generation = saver.save_lora_checkpoint(
-            model,
-            rt.args,
-            root,
-            optimizer=call["optimizer"],
-            opt_param_scheduler=call["opt_param_scheduler"],
-            iteration=iteration,
-            keep=rt.config["save.keep"] or None,
-            peft=rt.peft if rt.config["export.peft"] else None,  # a failed export fails the save
-            data_state=rollout_data,
+        generation = save_adapter_generation(
+            model, rt.args, root, options, optimizer=call["optimizer"], opt_param_scheduler=call["opt_param_scheduler"]
         )
         _agree_on_rank0("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration)
         rt.saved[iteration] = generation
@@ -105,6 +99,14 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
         return None
 
     return replacement
+
+
+def save_options(rt, iteration: int | None, rollout_data: dict | None = None) -> SaveOptions:
+    """The options of this run's LoRA saves, from the plugin config: `save.keep`, and with
+    `export.peft` the PEFT export (a failed export fails the save; not with `save.async`, whose
+    snapshot cannot run it over the live model), `rollout_data` as the data state."""
+    export = rt.peft if rt.config["export.peft"] and not rt.config["save.async"] else None
+    return SaveOptions(iteration=iteration, keep=rt.config["save.keep"] or None, peft=export, data_state=rollout_data)
 
 
 def _staged_data_state(rt, root, iteration: int) -> dict | None:
@@ -118,7 +120,7 @@ def _staged_data_state(rt, root, iteration: int) -> dict | None:
     return outcome.value
 
 
-def _save_async(rt, model, optimizer, scheduler, iteration: int, rollout_data: dict | None = None) -> None:
+def _save_async(rt, model, optimizer, scheduler, options: SaveOptions) -> None:
     """save.async: copy the state now (collective), then write, commit, publish and write Megatron's
     tracker in the background on the saver's own group (`savers.single_lora.async_save`). The last
     rollout's save (`iteration == --num-rollout - 1`) waits for its commit before returning: Miles'
@@ -128,21 +130,16 @@ def _save_async(rt, model, optimizer, scheduler, iteration: int, rollout_data: d
     if rt.async_saver is None:
         rt.async_saver = AsyncSaver()  # collective: every rank's first LoRA save makes the group
 
+    iteration = options.iteration
+
     def after_commit(generation: str, consensus: Consensus) -> None:
         _agree_on_rank0("miles-tracker", resume.write_megatron_tracker, rt.args.save, iteration, consensus=consensus)
         rt.saved[iteration] = generation
         log.info("miles-lora-ckpt: committed %s (rollout %d, in the background)", generation, iteration)
 
-    pending = rt.async_saver.save(
-        model,
-        rt.args,
-        resume.save_root(rt.config, rt.args.save),
-        optimizer=optimizer,
-        opt_param_scheduler=scheduler,
-        iteration=iteration,
-        keep=rt.config["save.keep"] or None,
-        then=after_commit,
-        data_state=rollout_data,
+    root = resume.save_root(rt.config, rt.args.save)
+    pending = rt.async_saver.submit(
+        model, rt.args, root, options, optimizer=optimizer, opt_param_scheduler=scheduler, then=after_commit
     )
     log.info("miles-lora-ckpt: rollout %d copied in %.3f s, committing in the background", iteration, pending.blocked_s)
     last = getattr(rt.args, "num_rollout", None)
@@ -169,20 +166,20 @@ def save_lora_checkpoint(original: Callable, target) -> Callable:
             # Miles' --save-hf: save_lora_checkpoint(model, args, "<save-hf dir>/adapter"), no rollout id;
             # it runs right after this process committed that rollout's save
             iteration = call["iteration"] if call["iteration"] is not None else max(rt.saved, default=0)
-            keep = rt.config["save.keep"] or None
+            options = save_options(rt, iteration)
             published = peft.publish_save_hf_adapter(
-                rt.peft, call["model"], call["save_dir"], iteration=iteration, keep=keep
+                rt.peft, call["model"], call["save_dir"], iteration=iteration, keep=options.keep
             )
             log.info("miles-lora-ckpt: published the HF PEFT adapter %s", published)
             return str(published)
-        generation = saver.save_lora_checkpoint(
+        peft_export = rt.peft if rt.config["export.peft"] else None
+        generation = save_adapter_generation(
             call["model"],
             call["args"],
             call["save_dir"],
+            SaveOptions(iteration=call["iteration"], peft=peft_export),
             optimizer=call["optimizer"],
             opt_param_scheduler=call["opt_param_scheduler"],
-            iteration=call["iteration"],
-            peft=rt.peft if rt.config["export.peft"] else None,
         )
         log.info("miles-lora-ckpt: committed %s", generation)
         return generation
@@ -270,16 +267,10 @@ def _restore_generation(rt, root, model, optimizer, scheduler, flags: resume.Loa
     if with_optimizer:  # the adapter as Miles built it: ref and teacher loads start from it, as before
         rt.initial_adapter = {name: p.detach().cpu().clone() for name, p in shards.adapter_params(model).items()}
     restore_optimizer = with_optimizer and not flags.finetune
+    options = resume.load_options(rt.config, rt.args, flags, with_optimizer=with_optimizer)
     try:
-        result = saver.load_lora_checkpoint(
-            model,
-            path,
-            optimizer=optimizer,
-            opt_param_scheduler=scheduler if restore_optimizer else None,
-            load_optim=not flags.no_load_optim,
-            weights_only=flags.finetune or not with_optimizer,
-            load_rng=not flags.no_load_rng,  # as megatron: not with --no-load-rng or --finetune (weights only)
-            hyperparameters=resume.hyperparameter_policy(rt.config, rt.args),
+        result = load_adapter_generation(
+            model, path, options, optimizer=optimizer, opt_param_scheduler=scheduler if restore_optimizer else None
         )
     except CheckpointError as exc:  # raised on every rank alike; model and optimizer were rolled back
         if "OptimizerParamScheduler" not in str(exc) and hyperparameters.REFUSED not in str(exc):
@@ -325,8 +316,8 @@ def load_lora_adapter(original: Callable, target) -> Callable:
         # --lora-adapter-path: the initial adapter. Actor: a warm start (weights, masters refreshed,
         # fresh moments and scheduler; the rollout counter stays where Miles put it). Ref, teacher,
         # old actor (optimizer None): the weights, as stock Miles loads them.
-        result = saver.load_lora_checkpoint(
-            call["model"], call["adapter_path"], optimizer=call["optimizer"], weights_only=True
+        result = load_adapter_generation(
+            call["model"], call["adapter_path"], LoadOptions(weights_only=True), optimizer=call["optimizer"]
         )
         for warning in result.warnings:
             log.warning("miles-lora-ckpt: %s", warning)

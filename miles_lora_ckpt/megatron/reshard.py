@@ -11,12 +11,11 @@ lies in its bucket's world tensor), it works out, for this rank of the new layou
   (`core.global_layout.plan_copies`); of each saved adapter tensor it needs, the rank reads one
   range (from its first element needed to its last: `protocol.PartialRead`, only those blocks
   read and verified), or the whole file where it has no block index (written before 2026-12-02);
-- every parameter element of this rank's DistributedOptimizer shards: which element ranges of
-  which saved slice files hold its master and moments (`protocol.PartialRead`: only those blocks
-  are read and verified), and where they go in the shard; the install is the same-layout one
-  (`distributed.DistributedFamily.install`: bucket by bucket, read back bit for bit);
-- every parameter of a Float16 / FP32 or layer-wise child: assembled whole from the saved blocks
-  (`reshard_whole`);
+- every optimizer child's part on this rank, by its own family (`ChildFamily.plan_reshard`, given
+  a `family.ReshardContext`): a DistributedOptimizer child's shard elements from element ranges of
+  the saved slice files (`protocol.PartialRead`, `distributed.DistributedFamily.plan_reshard`), a
+  Float16 / FP32 or layer-wise child's parameters assembled whole from the saved blocks
+  (`replicated.WholeParameterFamily.plan_reshard`); the install is the same-layout one;
 
 and refuses (`IncompatibleCheckpoint`, naming the parameter and both values) what cannot map:
 another set of adapter parameters (target modules), another global shape (LoRA rank, model
@@ -26,7 +25,7 @@ load reshards its own adapter weights and children only (the whole model must st
 slot load through `rename_slot` (a model view) is refused (its parameters have no global block).
 
 `preflight` then reads (this rank's files were verified by the protocol), assembles each adapter
-weight and each child's restore, and checks that the saved param groups and steps of every
+weight and each child's restore (`ChildFamily.restore_resharded`), and checks that the saved param groups and steps of every
 coordinate this rank draws from agree. Nothing is changed before the load's preflight agreement.
 """
 
@@ -38,27 +37,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_lora_ckpt.core import layout_rules, storage
+from miles_lora_ckpt.core import layout_rules, partial_reads
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.global_layout import (
     Block,
-    cut_copies,
     distinct,
-    fill_problem,
     plan_copies,
     strided_runs,
     strided_view,
 )
-from miles_lora_ckpt.core.jsoncodec import from_json
-from miles_lora_ckpt.core.layout import MANIFEST
 from miles_lora_ckpt.core.protocol import PartialRead
-from miles_lora_ckpt.megatron import reshard_whole
-from miles_lora_ckpt.megatron.optimizer_children import chain, distributed
-from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY
+from miles_lora_ckpt.megatron.optimizer_children import chain, family_of
+from miles_lora_ckpt.megatron.optimizer_children.family import ReadContext, ReshardContext
 from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource
 from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
 
-WHOLE_FAMILIES = ("replicated", "layer-wise")  # Float16 / FP32 and layer-wise children (reshard_whole)
 _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
 
 
@@ -69,15 +62,6 @@ class _Source:
     where: str  # adapter file relpath, or the optimizer coordinate key
     name: str  # its chunk-qualified name there
     block: Block
-    position: tuple | None = None  # optimizer: (buffer, bucket, start, numel) in that coordinate's buckets
-
-
-@dataclass
-class _ChildPlan:
-    index: int
-    keys: tuple[str, ...]
-    coordinates: list[str]  # the saved coordinates this rank draws from (their JSON states must agree)
-    buckets: list[list]  # per bucket of this rank: [(piece, first, stop, offset in the shard, rows)] (`_row_parts`)
 
 
 @dataclass
@@ -86,8 +70,7 @@ class ReshardPlan:
 
     adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)  # name -> (block, [(source, copy)])
     adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (file, tensor) -> read
-    children: dict[int, _ChildPlan] = field(default_factory=dict)
-    whole: dict[int, tuple] = field(default_factory=dict)  # index -> (reshard_whole.WholePlan, state keys)
+    children: dict = field(default_factory=dict)  # index -> its family's plan (`ChildFamily.plan_reshard`)
     files: list = field(default_factory=list)
     # (wanted block, saved blocks) -> plan_copies of the whole block: an adapter weight and its
     # optimizer shard's part of it are planned once (`cut_copies`)
@@ -211,166 +194,41 @@ class ReshardPlan:
     # ----------------------------------------------------------------------- optimizer
 
     def _plan_optimizer(self, saved: dict, request, saved_children: dict, manifest, mine: dict) -> None:
+        """Each stepped child's plan, by its own family (`ChildFamily.plan_reshard`); the chain's
+        checks first (another class, optimizer or family refused)."""
         descriptions = request.descriptions()
         chain.check_against(saved_children, descriptions, request.rank, False)
-        requests: dict[str, set] = {}
+        layout = ReshardContext(manifest, saved, request.view.names, self._whole_plan, lambda n: _block_of(mine, n))
+        partial: list[PartialRead] = []
         for desc in descriptions[request.rank]:
-            index, entry = desc["index"], saved_children[str(desc["index"])]
-            if not entry["stepped"]:
+            index, entry = desc["index"], chain.saved_record(saved_children, desc["index"])
+            if not entry.stepped:
                 continue
-            if entry["family"] == desc["family"] and entry["family"] in WHOLE_FAMILIES:
-                child = chain.select(request.optimizer, [index])[0].optimizer
-                whole = reshard_whole.plan_child(
-                    index, entry["layout"], child, request.view.names, mine, saved, _block_of
-                )
-                self.whole[index] = (whole, tuple(entry["keys"]))
-                self.files += [f for f in sorted(whole.files) if f not in self.files]
-                continue
-            if entry["family"] != "distributed" or desc["family"] != "distributed":
-                raise IncompatibleCheckpoint(
-                    f"optimizer child {index}: the checkpoint saved a {entry['class']} ({entry['family']}), this run "
-                    f"has a {desc['class']} ({desc['family']}): not resharded"
-                )
-            child = chain.select(request.optimizer, [index])[0].optimizer
-            sources = _optimizer_sources(index, entry["layout"], saved, manifest)
-            keys = tuple(entry["keys"])
-            pieces = {
-                key: distributed.saved_pieces(index, entry["layout"], key, entry["layout"]["numel_unpadded"][key])
-                for key in sorted({s.where for found in sources.values() for s in found})
-            }
-            offsets = {
-                key: {buf: [sum(n[:b]) for b in range(len(n))] for buf, n in numels.items()}
-                for key, numels in entry["layout"]["numel_unpadded"].items()
-            }
-            used, buckets = set(), []
-            for layout in distributed.bucket_layouts(child):
-                parts, targets = [], []
-                for model_param, ranges in distributed._param_maps(child, layout).items():
-                    name = request.view.names[id(model_param)]
-                    block = _block_of(mine, name)
-                    found = sources.get(block.name, [])
-                    found = [found[i] for i in distinct([s.block for s in found])]
-                    first, stop = ranges["param"].start, ranges["param"].end
-                    try:
-                        copies = cut_copies(self._whole_plan(block, [s.block for s in found]), first, stop)
-                    except ValueError as exc:
-                        raise IncompatibleCheckpoint(f"optimizer child {index}, parameter {name}: {exc}") from None
-                    runs: dict = {}  # id(piece) -> (piece, [(first, offset in the shard, count)]), in shard order
-                    for copy in copies:
-                        source = found[copy.source]
-                        used.add(source.where)
-                        buf, bucket, start, _ = source.position
-                        lo = offsets[source.where][f"buf{buf}"][bucket] + start + copy.first
-                        hi = lo + copy.count
-                        into = ranges["gbuf_local"].start + copy.into
-                        for piece in pieces[source.where]:
-                            a, b = max(lo, piece.begin), min(hi, piece.end)
-                            if piece.buf == f"buf{buf}" and b > a:
-                                runs.setdefault(id(piece), (piece, []))[1].append(
-                                    (a - piece.begin, into + (a - lo), b - a)
-                                )
-                    for piece, found_runs in runs.values():
-                        for part in _row_parts(piece, found_runs, manifest):
-                            parts.append(part)
-                            requests.setdefault(piece.file, set()).update(
-                                distributed.range_key(piece, k, part[1], part[2], part[4]) for k in (MASTER_KEY, *keys)
-                            )
-                    targets.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end))
-                # every element of this rank's shard of the bucket filled exactly once, as a same-layout
-                # load checks its shard (`distributed.preflight`): no master or moment left as it was allocated
-                problem = fill_problem(targets, [span for part in parts for span in _part_spans(part)])
-                if problem is not None:
-                    raise layout_rules.damaged(
-                        manifest,
-                        MANIFEST,
-                        f"optimizer child {index}, buf{layout.buffer_index} bucket {layout.bucket_index} of this "
-                        f"rank's shard: {problem}: the saved positions and blocks do not give it",
-                    )
-                buckets.append(parts)
-            self.children[index] = _ChildPlan(index, keys, sorted(used), buckets)
-        self.files += [PartialRead(f, tuple(sorted(r))) for f, r in sorted(requests.items())]
+            child = chain.select(request.optimizer, [index])[0]
+            plan = family_of(child).plan_reshard(child, entry, layout)
+            self.children[index] = plan
+            self.files += [f for f in plan.files if not isinstance(f, PartialRead) and f not in self.files]
+            partial += [f for f in plan.files if isinstance(f, PartialRead)]
+        self.files += sorted(partial, key=lambda read: read.relpath)
 
     def restores(
         self, optimizer, bound_ranges, bound_tensors, states: dict, hyperparameters=None, adapter=None
     ) -> dict:
-        """`{index: the family's restore}` for `chain.allocate` / `chain.install`. A DistributedOptimizer
-        child's ranges were verified at open (kept; installed from there); a whole-parameter child's
-        files are read here. `hyperparameters` (a `core.hyperparameters.Reconciler`) checks every
-        child's saved param groups against the live ones, as a same-layout load does: unknown keys
-        refused, differences reported and settled by its policy. `adapter(model parameter)` is the
-        assembled adapter weight restored into it (`adapter_sources`): every master restored must be
-        its cast (`masters.check_master`, naming the parameter, the adapter files and the optimizer
-        file), as on a same-layout load; None: not checked."""
+        """`{index: the family's restore}` for `chain.allocate` / `chain.install`, each child's by its
+        family (`ChildFamily.restore_resharded`): a DistributedOptimizer child's ranges were verified
+        at open (kept; installed from there); a whole-parameter child's files are read here.
+        `hyperparameters` (a `core.hyperparameters.Reconciler`) checks every child's saved param
+        groups against the live ones, as a same-layout load does: unknown keys refused, differences
+        reported and settled by its policy. `adapter(model parameter)` is the assembled adapter
+        weight restored into it (`adapter_sources`): every master restored must be its cast
+        (`masters.check_master`, naming the parameter, the adapter files and the optimizer file), as
+        on a same-layout load; None: not checked."""
         out = {}
         for index, plan in self.children.items():
-            selected = chain.select(optimizer, [index])[0]
-            child = selected.optimizer
-            state = _one_state(index, plan.coordinates, states)
-            groups = len(state.get("optimizer", {}).get("param_groups", [])) if isinstance(state, dict) else None
-            if groups is not None and groups != len(child.optimizer.param_groups):
-                raise IncompatibleCheckpoint(
-                    f"optimizer child {index}: the checkpoint has {groups} param group(s), this run "
-                    f"{len(child.optimizer.param_groups)}"
-                )
-            buckets = [
-                [
-                    (piece, bound_ranges(piece.file, piece.binding), first, stop, offset, rows)
-                    for piece, first, stop, offset, rows in parts
-                ]
-                for parts in plan.buckets
-            ]
-            if adapter is not None:  # one bucket's master shard at a time, views of the verified ranges
-                for layout, parts in zip(distributed.bucket_layouts(child), buckets, strict=True):
-                    masters = [
-                        (piece.file, *distributed.read_part(piece, source, MASTER_KEY, first, stop, offset, rows))
-                        for piece, source, first, stop, offset, rows in parts
-                    ]
-                    distributed.check_master_shard(selected, layout, masters, adapter)
-            state = from_json(state)  # as the same-layout preflight hands it to `allocate`
-            groups = state.get("optimizer", {}).get("param_groups", [])
-            if hyperparameters is not None:
-                hyperparameters.param_groups(f"optimizer child {index}", groups, child.optimizer.param_groups)
-            out[index] = distributed._Restore(plan.keys, state, buckets, groups)
-        for index, (plan, keys) in self.whole.items():
-            child = chain.select(optimizer, [index])[0].optimizer
-            state = _one_state(index, plan.coordinates, states)
-            out[index] = reshard_whole.restore(plan, child, bound_tensors, state, keys, hyperparameters, adapter)
+            child = chain.select(optimizer, [index])[0]
+            read = ReadContext(bound_tensors, states, plan.keys, bound_ranges, adapter, hyperparameters)
+            out[index] = family_of(child).restore_resharded(child, plan, read)
         return out
-
-
-def _row_parts(piece, runs: list, manifest) -> list[tuple]:
-    """One parameter's `(first, offset in the shard, count)` runs of one saved piece, as bucket parts
-    `(piece, first, stop, offset, rows)`: a strided group of rows (`strided_runs`, e.g. the half rows
-    of a row-parallel split at another TP) is one part whose range `[first, stop)` covers them all
-    and `rows` is `(step, width, n, offset step)`; a lone run is `rows` None. A group is covered
-    only where the elements between its rows lie in blocks read and verified anyway (a gap shorter
-    than the file's block), so nothing more is
-    read or kept; otherwise its rows stay parts of their own. One range asked per group, not per row."""
-    record = manifest.files.get(piece.file)
-    blocks = getattr(record, "blocks", None)
-    gap_limit = None if blocks is None else blocks.block_bytes // 4  # fp32 elements (`distributed._read_piece`)
-    out = []
-    for g in strided_runs(runs):
-        if g.n == 1:
-            out.append((piece, g.first, g.first + g.width, g.into, None))
-        elif gap_limit is None or g.step - g.width <= gap_limit:
-            stop = g.first + (g.n - 1) * g.step + g.width
-            out.append((piece, g.first, stop, g.into, (g.step, g.width, g.n, g.into_step)))
-        else:
-            out += [
-                (piece, g.first + i * g.step, g.first + i * g.step + g.width, g.into + i * g.into_step, None)
-                for i in range(g.n)
-            ]
-    return out
-
-
-def _part_spans(part: tuple) -> list[tuple[int, int]]:
-    """The shard elements `(begin, end)` a bucket part (`_row_parts`) fills: one range, or its rows."""
-    _, first, stop, into, rows = part
-    if rows is None:
-        return [(into, into + stop - first)]
-    _, width, n, into_step = rows
-    return [(into + i * into_step, into + i * into_step + width) for i in range(n)]
 
 
 def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype, int, tuple | None]]:
@@ -381,29 +239,10 @@ def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype,
     if record.blocks is not None:
         out = {}
         for name in record.blocks.tensors:
-            torch_name, numel = storage.indexed_tensor(record.blocks, name)
+            torch_name, numel = partial_reads.indexed_tensor(record.blocks, name)
             out[name] = (getattr(torch, torch_name), numel, None)
         return out
     return {name: (t.dtype, t.numel(), tuple(t.shape)) for name, t in opened.tensors(relpath).items()}
-
-
-def _one_state(index: int, coordinates: list[str], states: dict):
-    """The saved JSON state (param groups, steps, grad scaler) of a child at the coordinates a rank
-    draws from: they must all be there and agree."""
-    found = {key: states.get(f"{index}:{key}") for key in coordinates}
-    missing = sorted(k for k, v in found.items() if v is None)
-    if missing:
-        raise ValueError(f"the training state holds no optimizer state for child {index} at {missing}")
-    if not found:
-        raise ValueError(f"optimizer child {index}: this rank draws from no saved coordinate")
-    first_key, state = next(iter(found.items()))
-    for key, other in found.items():
-        if other != state:
-            raise IncompatibleCheckpoint(
-                f"optimizer child {index}: the saved param groups and steps at {first_key} and {key} differ, "
-                "so no single state fits this rank's merged parameters"
-            )
-    return state
 
 
 def _topology(request):
@@ -505,21 +344,3 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
             raise IncompatibleCheckpoint(
                 f"cannot reshard ({changes}): {name} is {a.dtype} in the checkpoint, {b.dtype} in this run"
             )
-
-
-def _optimizer_sources(index: int, layout: dict, saved: dict, manifest) -> dict[str, list[_Source]]:
-    """`{global name: [_Source]}` of one child's saved positions (checked by `layout_rules.saved_blocks`:
-    inside their buckets, one parameter each, of their blocks' sizes)."""
-    positions = layout.get("positions")
-    if not isinstance(positions, dict):
-        raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint records no parameter positions")
-    sources: dict[str, list[_Source]] = {}
-    for key, named in sorted(positions.items()):
-        for name, where in sorted(named.items()):
-            block = saved.get(key, {}).get(name)
-            if block is None or block.numel != where[3]:
-                raise layout_rules.damaged(
-                    manifest, MANIFEST, f"optimizer child {index} at {key}: {name} has no matching global block"
-                )
-            sources.setdefault(block.name, []).append(_Source(key, name, block, tuple(where)))
-    return sources

@@ -109,14 +109,16 @@ def load_report(adapter_dir: str | Path, base_dir: str | Path, *, dtype=None) ->
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.core import file_reader, safetensors_format
     from miles_lora_ckpt.savers.peft_export import WEIGHTS_NAME
 
     hf_logging.disable_progress_bar()
     adapter_dir = Path(adapter_dir)
     report = LoadReport(str(adapter_dir))
     try:
-        _, entries = storage.parse_safetensors_header(storage.read_file_verified(adapter_dir / WEIGHTS_NAME))
+        _, entries = safetensors_format.parse_safetensors_header(
+            file_reader.read_file_verified(adapter_dir / WEIGHTS_NAME)
+        )
     except ValueError as exc:  # a FIFO or device is refused without being opened; named either way
         raise ValueError(f"{adapter_dir / WEIGHTS_NAME}: {exc}") from None
     provided = {_with_adapter_name(key): shape for key, (_, shape, _, _) in entries.items()}

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_lora_ckpt.core import faults, storage
+from miles_lora_ckpt.core import faults, safetensors_write
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
@@ -48,7 +48,7 @@ def _close(run: bm.BridgeRun) -> None:
 def _save_tensors_rank0(path: Path, tensors: dict, rank: int, metadata: dict | None = None) -> None:
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        storage.save_tensors(path, {k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+        safetensors_write.save_tensors(path, {k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
 
 
 def _exported(bridge, model) -> tuple[list[str], dict]:

@@ -290,11 +290,11 @@ def rng_digest() -> str:
     """A digest of every RNG state of this process (Python, numpy, torch, megatron's tracker)."""
     import hashlib
 
-    from miles_lora_ckpt.core import rng_state, storage
+    from miles_lora_ckpt.core import json_files, rng_state
     from miles_lora_ckpt.megatron import rng_tracker
 
     value, tensors = rng_state.encode(rng_state.capture(rng_tracker.capture()), 0)
-    digest = hashlib.sha256(storage.json_bytes(value))
+    digest = hashlib.sha256(json_files.json_bytes(value))
     for name in sorted(tensors):
         digest.update(name.encode() + tensors[name].numpy().tobytes())
     return digest.hexdigest()
@@ -383,7 +383,7 @@ def restored_against_saved(run, generation: Path) -> dict:
     import torch
     import torch.distributed as dist
 
-    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.core import checked_reads
     from miles_lora_ckpt.core.verify import resolve
     from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
     from miles_lora_ckpt.megatron.optimizer_children import leaf_children, resolve_state_keys
@@ -400,7 +400,7 @@ def restored_against_saved(run, generation: Path) -> dict:
         root = dist.get_process_group_ranks(group)[0]
         key = _coords_of(root, coords)
         slices = manifest.metadata["optimizer_children"][str(child.index)]["layout"]["slices"][key]
-        files = [storage.load_tensors(generation / entry["file"])[0] for entry in slices]
+        files = [checked_reads.load_tensors(generation / entry["file"])[0] for entry in slices]
         for layout in dopt.bucket_layouts(opt):
             n = layout.local_numel(size)
             lo, hi = min(rank * n, layout.numel_unpadded), min((rank + 1) * n, layout.numel_unpadded)

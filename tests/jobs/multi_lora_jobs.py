@@ -397,9 +397,11 @@ def retire(case: dict, ctx, consensus) -> dict:
     kw = _kw(run, trainer, 1, consensus)
     periodic = ml.save_slot_checkpoint(run.model, Args(), root, step=2, reader_names=["step_2"], **kw)
     before = _state(run, trainer)
-    final = ml.retire_slot(
-        run.model, Args(), root, step=2, reader_names=["step_2"], clear_slot=lambda: trainer.clear(1), **kw
-    )
+    # the retire save takes the slot and the save as one value each (`SlotSpec`, `SlotSave`)
+    spec = ml.SlotSpec.of(root, 1, kw["adapter_filter"], kw["optimizer_children"])
+    live = {k: kw[k] for k in ("optimizer", "opt_param_scheduler", "consensus")}
+    save = ml.SlotSave(step=2, reader_names=["step_2"])
+    final = ml.retire_slot(run.model, Args(), spec, save, clear_slot=lambda: trainer.clear(1), **live)
     cleared = _state(run, trainer)
     changed = sorted(n for n in before if before[n] != cleared[n])
     slot1 = [n for n, p in run.named_parameters() if p.requires_grad and trainer.adapter_filter(1)("chunk0." + n)]

@@ -26,10 +26,10 @@ from lora_jobs import (
     save_then_resume,
 )
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import checked_reads
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
-from miles_lora_ckpt.megatron.optimizer_children import chain, float16
+from miles_lora_ckpt.megatron.optimizer_children import chain, replicated
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
 from miles_lora_ckpt_harness.sim.model import SimConfig
@@ -119,10 +119,10 @@ def elastic_load(case: dict, consensus: Consensus) -> dict:
     compared, differing, files = 0, [], {}
     for child in chain.select(run.optimizer):
         entries = saved[str(child.index)]["layout"]["entries"]
-        for _, model_param, main, state in float16.param_states(child.optimizer):
+        for _, model_param, main, state in replicated.param_states(child.optimizer):
             name = names[id(model_param)]
-            file = entries[float16.entry_name(coords, model_param, name)]["file"]
-            tensors = files.setdefault(file, storage.load_tensors(generation / file)[0])
+            file = entries[replicated.entry_name(coords, model_param, name)]["file"]
+            tensors = files.setdefault(file, checked_reads.load_tensors(generation / file)[0])
             for key, live in [("param", main), *state.items()]:
                 compared += 1
                 if not live.detach().cpu().equal(tensors[f"{name}.{key}"]):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from miles_lora_ckpt.core import faults, storage
+from miles_lora_ckpt.core import faults, safetensors_write
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
@@ -71,7 +71,7 @@ def dump_megatron_adapter(run, path: Path, rank: int) -> None:
             tensors[name] = param.detach().clone()
     meta = {"tp": str(mpu.get_tensor_model_parallel_rank()), "pp": str(mpu.get_pipeline_model_parallel_rank())}
     path.mkdir(parents=True, exist_ok=True)
-    storage.save_tensors(path / f"rank{rank}.safetensors", tensors, metadata=meta)
+    safetensors_write.save_tensors(path / f"rank{rank}.safetensors", tensors, metadata=meta)
 
 
 def crash_mid_write(payload: dict, ctx) -> dict:

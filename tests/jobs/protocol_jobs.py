@@ -250,13 +250,13 @@ def partial_reads(payload: dict, ctx) -> dict:
     Cases: `{"name": {"flip": byte offset or None, "ranges": [[name, first, stop] per rank]}}`."""
     import torch.distributed as dist
 
-    from miles_lora_ckpt.core import storage
+    from miles_lora_ckpt.core import safetensors_write
     from miles_lora_ckpt.core.protocol import PartialRead
 
     consensus = Consensus.for_world(timeout_s=60)
     root = Path(payload["root"])
-    storage_block = storage.BLOCK_BYTES
-    storage.BLOCK_BYTES = BLOCK
+    real_block = safetensors_write.BLOCK_BYTES
+    safetensors_write.BLOCK_BYTES = BLOCK
     try:
 
         def write(writer):
@@ -266,7 +266,7 @@ def partial_reads(payload: dict, ctx) -> dict:
         topo = Topology(world=consensus.world_size, dp=consensus.world_size)
         gen = save_generation(consensus, root, iteration=1, saver="test", topology=topo, write_files=write)
     finally:
-        storage.BLOCK_BYTES = storage_block
+        safetensors_write.BLOCK_BYTES = real_block
     out = {}
     original = (gen / SLICED).read_bytes()
     for name, case in payload["cases"].items():

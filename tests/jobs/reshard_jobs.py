@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lora_jobs import Args, _failing_install, load, run_steps, save
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import partial_reads
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.savers.single_lora import load as load_module
@@ -262,12 +262,12 @@ def _unstamped():
 
 @contextmanager
 def counting_reads():
-    """Count, on this rank, each verified partial read of a file (`storage.read_ranges`: one open,
-    one header parse) and each block digest computed (`storage._BlockFile.block`, keyed by the
+    """Count, on this rank, each verified partial read of a file (`partial_reads.read_ranges`: one open,
+    one header parse) and each block digest computed (`partial_reads._BlockFile.block`, keyed by the
     file's digest and the block number; a block served from the reader's one-block cache is no new
     read). Yields `{"range_reads": Counter(file), "block_checks": Counter((file digest, block))}`."""
     counts = {"range_reads": Counter(), "block_checks": Counter()}
-    real_read, real_block = storage.read_ranges, storage._BlockFile.block
+    real_read, real_block = partial_reads.read_ranges, partial_reads._BlockFile.block
 
     def read_ranges(path, record, wanted, **kwargs):
         counts["range_reads"]["/".join(PurePath(path).parts[-2:])] += 1
@@ -278,11 +278,11 @@ def counting_reads():
             counts["block_checks"][(self.record.digest, i)] += 1
         return real_block(self, i, *args)
 
-    storage.read_ranges, storage._BlockFile.block = read_ranges, block
+    partial_reads.read_ranges, partial_reads._BlockFile.block = read_ranges, block
     try:
         yield counts
     finally:
-        storage.read_ranges, storage._BlockFile.block = real_read, real_block
+        partial_reads.read_ranges, partial_reads._BlockFile.block = real_read, real_block
 
 
 def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:

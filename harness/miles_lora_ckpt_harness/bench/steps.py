@@ -90,7 +90,7 @@ def drop_cache(path: Path) -> None:
 
 def raw_save(work: Path, rank: int, chunks) -> None:
     """The physical limit: write `chunks` to one file, fsync it and its directory."""
-    from miles_lora_ckpt.core.storage import fsync_dir
+    from miles_lora_ckpt.core.atomic_files import fsync_dir
 
     (work / "raw").mkdir(parents=True, exist_ok=True)
     path = work / "raw" / f"rank{rank}.bin"

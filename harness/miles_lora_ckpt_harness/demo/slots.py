@@ -239,7 +239,7 @@ def reference_job(payload: dict, ctx) -> dict:
 def train_job(payload: dict, ctx) -> dict:
     from miles_lora_ckpt.core import faults
     from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.savers.multi_lora import load_slot_checkpoint, retire_slot, save_slot_checkpoint, v1_step_name
+    from miles_lora_ckpt.savers.multi_lora import SlotSave, SlotSpec, load_slot, retire_slot, save_slot, v1_step_name
 
     run, trainer = _build(payload)
     consensus = Consensus.for_world(timeout_s=60)
@@ -247,18 +247,21 @@ def train_job(payload: dict, ctx) -> dict:
     last_save = max(i for i, e in enumerate(events) if e[0] == "save")
     written = []
     for index, (kind, slot, step) in enumerate(events):
-        root, kwargs = slot_root(payload["ckpt"], slot), _slot_kwargs(run, trainer, slot, consensus)
+        spec = SlotSpec.of(slot_root(payload["ckpt"], slot), slot, trainer.adapter_filter(slot), trainer.children[slot])
+        live = {"optimizer": run.optimizer, "opt_param_scheduler": trainer.schedulers[slot], "consensus": consensus}
         if kind == "train":
             trainer.step(slot, step)
         elif kind in ("save", "retire"):
             if index == last_save and payload["crash_at"] and ctx.rank == payload["crash_rank"]:
                 faults.arm(payload["crash_at"], ctx.rank, "kill")
-            save = retire_slot if kind == "retire" else save_slot_checkpoint
-            extra = {"clear_slot": lambda s=slot: trainer.clear(s)} if kind == "retire" else {}
-            path = save(run.model, _Args(), root, step=step, reader_names=[v1_step_name(step)], **kwargs, **extra)
+            save = SlotSave(step=step, reader_names=[v1_step_name(step)])
+            if kind == "retire":
+                path = retire_slot(run.model, _Args(), spec, save, clear_slot=lambda s=slot: trainer.clear(s), **live)
+            else:
+                path = save_slot(run.model, _Args(), spec, save, **live)
             written.append(f"slot{slot}:{Path(path).name}" + (" (retire)" if kind == "retire" else ""))
         elif kind == "register":
-            result = load_slot_checkpoint(run.model, root, **kwargs)
+            result = load_slot(run.model, spec, **live)
             written.append(f"slot{slot} registered from step {result.iteration}")
     return {"summary": ", ".join(written)}
 

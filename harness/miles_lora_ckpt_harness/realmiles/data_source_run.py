@@ -27,7 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles_lora_ckpt.core import data_state, storage
+from miles_lora_ckpt.core import atomic_files, data_state, json_files
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import save_generation
@@ -173,7 +173,7 @@ class _torn_writes:
             return self
         import torch
 
-        self.saved = (torch.save, storage.write_file_atomic)
+        self.saved = (torch.save, atomic_files.write_file_atomic)
 
         def torn_torch_save(obj, path, *a, **k):
             import io
@@ -188,14 +188,14 @@ class _torn_writes:
             Path(path).with_name(f".{Path(path).name}.tmp-dead").write_bytes(data[: len(data) // 2])
             raise Killed(f"inside the write of {path}")
 
-        torch.save, storage.write_file_atomic = torn_torch_save, torn_atomic
+        torch.save, atomic_files.write_file_atomic = torn_torch_save, torn_atomic
         return self
 
     def __exit__(self, *exc):
         if self.active:
             import torch
 
-            torch.save, storage.write_file_atomic = self.saved
+            torch.save, atomic_files.write_file_atomic = self.saved
         return False
 
 
@@ -277,7 +277,7 @@ def main(workdir: str, out: str) -> None:
             reference = dict(spec, kill=None)
             results[f"{tag}-reference"] = scenario(Path(workdir) / f"{tag}-reference", plugin=plugin, **reference)
     results["legacy"] = legacy(Path(workdir) / "legacy")
-    storage.write_json(Path(out), results)
+    json_files.write_json(Path(out), results)
 
 
 if __name__ == "__main__":

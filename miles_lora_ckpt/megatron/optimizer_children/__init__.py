@@ -6,9 +6,9 @@
     distributed  DistributedOptimizer                       element-wise shards of the grad buffers
                                                             over the child's DP group (distributed.py)
     replicated   Float16OptimizerWithFloat16Params,         whole parameters, the same on every DP rank
-                 FP32Optimizer                              (Muon, megatron 0.19's Lion; float16.py)
+                 FP32Optimizer                              (Muon, megatron 0.19's Lion; replicated.py)
     layer-wise   the same two classes under a               whole parameters, each on one DP rank
-                 LayerWiseDistributedOptimizer              (layer-wise Muon, multi-LoRA slots; layerwise.py)
+                 LayerWiseDistributedOptimizer              (layer-wise Muon, multi-LoRA slots; layer_wise.py)
 
 Stubs (megatron's `is_stub_optimizer`, no parameters anywhere) hold nothing and are skipped. A
 layer-wise child whose param groups are empty on some ranks is not a stub: it holds nothing there.
@@ -17,11 +17,13 @@ Every family implements `ChildFamily`, the same phases in the same order, so a s
 any selection of children (`chain.select`) with a consensus between any two:
 
     save:  describe -> plan -> collect (local) -> exchange_for_save -> write files
-    load:  describe -> files_to_read -> preflight (no mutation) -> allocate -> exchange_for_load
+    load:  describe -> files_to_read -> preflight (no mutation) -> allocate
            -> install (copies, then reads everything back bit for bit)
 
-(The `exchange_*` steps are where a family would run collectives; none does: every rank of every
-family writes and reads its own files, a DistributedOptimizer's DP ranks their own slices.)
+(No family runs collectives: every rank of every family writes and reads its own files, a
+DistributedOptimizer's DP ranks their own slices.) Each family is named by its
+`core.family_kind.FamilyKind` (the manifest's `family`), its module by that name; `replicated` and
+`layer-wise` share one implementation (`replicated.WholeParameterFamily`) and one file format.
 
 `chain` runs the phases over the selected children; a saver never touches a child it did not
 select (its masters, moments and param groups stay bit-identical; nothing is refreshed from bf16).
@@ -32,7 +34,8 @@ family's preflight reads its files through that binding check.
 
 from __future__ import annotations
 
-from miles_lora_ckpt.megatron.optimizer_children import distributed, float16, layerwise
+from miles_lora_ckpt.core.family_kind import FamilyKind
+from miles_lora_ckpt.megatron.optimizer_children import distributed, layer_wise, replicated
 from miles_lora_ckpt.megatron.optimizer_children.child import (
     DISTRIBUTED,
     FLOAT16,
@@ -56,7 +59,9 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
     file_binding,
 )
 
-FAMILIES: dict[str, ChildFamily] = {f.name: f for f in (distributed.FAMILY, float16.FAMILY, layerwise.FAMILY)}
+FAMILIES: dict[FamilyKind, ChildFamily] = {
+    f.kind: f for f in (distributed.FAMILY, replicated.FAMILY, layer_wise.FAMILY)
+}
 
 
 def family_of(child: Child) -> ChildFamily:
@@ -65,7 +70,7 @@ def family_of(child: Child) -> ChildFamily:
     if name == DISTRIBUTED and not child.layer_wise:
         return distributed.FAMILY
     if name in (FLOAT16, FP32):
-        return layerwise.FAMILY if child.layer_wise else float16.FAMILY
+        return layer_wise.FAMILY if child.layer_wise else replicated.FAMILY
     inner = type(getattr(child.optimizer, "optimizer", None)).__name__
     raise ValueError(
         f"optimizer child {child.index} is a {name} (inner optimizer {inner}), which miles-lora-ckpt cannot "

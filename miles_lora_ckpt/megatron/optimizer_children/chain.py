@@ -1,13 +1,11 @@
 """The optimizer chain as a saver sees it: a selection of children, and each phase over all of them.
 
-A saver calls these between consensus agreements; only the two `exchange_*` functions run
-collectives, everything else is local and may raise:
+A saver calls these between consensus agreements; every one is local and may raise:
 
     save: describe -> plan -> collect -> exchange_for_save -> (the saver writes the files)
-    load: describe -> files_to_read -> preflight -> allocate -> exchange_for_load -> install
+    load: describe -> files_to_read -> preflight -> allocate -> install
 
-(No family runs collectives any more: a DistributedOptimizer's DP ranks write and read their own
-slices. The `exchange_*` steps stay in the interface for families that would.)
+(No family runs collectives: a DistributedOptimizer's DP ranks write and read their own slices.)
 
 `indices` chooses children by their leaf index (`leaf_children`; for a LayerWise chain the index in
 `chained_optimizers`, as in Miles' `miles_slot_child_indices`); None means every non-stub child.
@@ -19,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.hyperparameters import Reconciler
 from miles_lora_ckpt.megatron.adapter_shards import strip_wrappers
 from miles_lora_ckpt.megatron.optimizer_children import FAMILIES, family_of
@@ -30,7 +29,13 @@ from miles_lora_ckpt.megatron.optimizer_children.child import (
     optimizer_kind,
     resolve_state_keys,
 )
-from miles_lora_ckpt.megatron.optimizer_children.family import Collected, OptimizerFile, RankView, ReadContext
+from miles_lora_ckpt.megatron.optimizer_children.family import (
+    Collected,
+    OptimizerFile,
+    RankView,
+    ReadContext,
+    SavedChild,
+)
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 
@@ -58,11 +63,11 @@ def select(optimizer, indices: Iterable[int] | None = None) -> list[Child]:
 
 def param_states(child: Child) -> list[tuple]:
     """(model parameter, this rank's fp32 master (shard), its optimizer state) of every parameter here."""
-    from miles_lora_ckpt.megatron.optimizer_children import distributed, float16
+    from miles_lora_ckpt.megatron.optimizer_children import distributed, replicated
 
     if family_of(child) is distributed.FAMILY:
         return distributed.param_states(child.optimizer)
-    return [(model, main, state) for _, model, main, state in float16.param_states(child.optimizer)]
+    return [(model, main, state) for _, model, main, state in replicated.param_states(child.optimizer)]
 
 
 def active_indices(optimizer) -> list[int]:
@@ -82,7 +87,7 @@ def describe(optimizer, model, coords: Coordinates, indices=None, *, saving: boo
         described.append(
             {
                 "index": child.index,
-                "family": family.name,
+                "family": family.kind,
                 "class": child.class_name,
                 "kind": optimizer_kind(child.optimizer),
                 "keys": list(resolve_state_keys(child.optimizer)),
@@ -128,15 +133,17 @@ def plan(descriptions: list[list[dict]], ranks: list[Coordinates], save_optim: b
                 raise ValueError(f"optimizer child {index} keeps {desc['keys']} on rank {rank} but {keys} elsewhere")
         stepped = save_optim and bool(stateful)
         family = FAMILIES[first["family"]]
-        plans[str(index)] = {
-            "family": first["family"],
-            "class": first["class"],
-            "kind": first["kind"],
-            "keys": keys,
-            "stepped": stepped,
-            "layout": family.plan(index, described, ranks) if stepped else {},
-        }
+        layout = family.plan(index, described, ranks) if stepped else {}
+        record = SavedChild(first["family"], first["class"], first["kind"], tuple(keys), stepped, layout)
+        plans[str(index)] = record.to_json()
     return plans
+
+
+def saved_record(saved: dict[str, dict], index: int) -> SavedChild | None:
+    """Child `index` of the manifest's (or `plan`'s) JSON `{index: child}` as a record (None where
+    it has none): the JSON boundary, each entry parsed where it is used."""
+    entry = saved.get(str(index))
+    return None if entry is None else SavedChild.parse(entry)
 
 
 def covered_params(descriptions: list[list[dict]]) -> set[str]:
@@ -151,19 +158,19 @@ def collect(optimizer, view: RankView, plans: dict[str, dict]) -> dict[int, Coll
     """Local: each stepped child's contribution on this rank (copies; may raise)."""
     collected = {}
     for child in select(optimizer, [int(i) for i, p in plans.items() if p["stepped"]]):
-        entry = plans[str(child.index)]
-        collected[child.index] = family_of(child).collect(child, view, entry["layout"], tuple(entry["keys"]))
+        entry = saved_record(plans, child.index)
+        collected[child.index] = family_of(child).collect(child, view, entry.layout, entry.keys)
     return collected
 
 
 def exchange_for_save(
     optimizer, view: RankView, plans: dict[str, dict], collected: dict[int, Collected]
 ) -> dict[str, OptimizerFile]:
-    """Collectives only. `{relpath: OptimizerFile}` this rank writes (tensors and their binding),
+    """`{relpath: OptimizerFile}` this rank writes (tensors and their binding; no collectives),
     over every stepped child."""
     files: dict[str, OptimizerFile] = {}
     for child in select(optimizer, sorted(collected)):
-        layout = plans[str(child.index)]["layout"]
+        layout = saved_record(plans, child.index).layout
         files.update(family_of(child).exchange_for_save(child, view, layout, collected[child.index]))
     return files
 
@@ -185,34 +192,34 @@ def check_against(
     (the load fails; it never falls back to an older generation)."""
     for desc in descriptions[rank]:
         index = desc["index"]
-        entry = saved.get(str(index))
+        entry = saved_record(saved, index)
         if entry is None:
             hint = f" (a chosen-children save: pass optimizer_children={saved_selection})" if saved_selection else ""
             raise IncompatibleCheckpoint(
                 f"the checkpoint holds no optimizer child {index}: it saved {sorted(map(int, saved))}{hint}"
             )
-        saved_as = f"a {entry['class']} over {entry['kind']}"
+        saved_as = f"a {entry.class_name} over {entry.kind}"
         running = f"a {desc['class']} over {desc['kind']}"
-        if entry["class"] != desc["class"]:
+        if entry.class_name != desc["class"]:
             raise IncompatibleCheckpoint(
                 f"optimizer child {index}: the checkpoint saved {saved_as}, this run has {running} "
                 "(--use-distributed-optimizer or the optimizer changed?)"
             )
-        if entry["family"] != desc["family"]:
+        if entry.family != desc["family"]:
             raise IncompatibleCheckpoint(
-                f"optimizer child {index}: the checkpoint saved {saved_as} ({entry['family']}), this run has one "
-                f"{'under' if desc['family'] == 'layer-wise' else 'outside'} a LayerWiseDistributedOptimizer "
+                f"optimizer child {index}: the checkpoint saved {saved_as} ({entry.family}), this run has one "
+                f"{'under' if desc['family'] == FamilyKind.LAYER_WISE else 'outside'} a LayerWiseDistributedOptimizer "
                 f"({desc['family']})"
             )
-        if entry["kind"] != desc["kind"] or (entry["stepped"] and set(entry["keys"]) != set(desc["keys"])):
+        if entry.kind != desc["kind"] or (entry.stepped and set(entry.keys) != set(desc["keys"])):
             raise IncompatibleCheckpoint(
-                f"optimizer child {index}: checkpoint holds state {entry['keys']} of {entry['kind']}, this run's "
+                f"optimizer child {index}: checkpoint holds state {list(entry.keys)} of {entry.kind}, this run's "
                 f"optimizer ({desc['kind']}) keeps {desc['keys']} (different optimizer?); load with "
                 "weights_only=True to warm-start"
             )
-        if dp_changed and entry["stepped"] and not FAMILIES[entry["family"]].dp_elastic:
+        if dp_changed and entry.stepped and not FAMILIES[entry.family].dp_elastic:
             raise IncompatibleCheckpoint(
-                f"optimizer child {index} ({entry['family']}) cannot be restored exactly at another data-parallel size"
+                f"optimizer child {index} ({entry.family}) cannot be restored exactly at another data-parallel size"
             )
 
 
@@ -221,10 +228,10 @@ def files_to_read(view: RankView, descriptions: list[list[dict]], saved: dict[st
     child saved with state."""
     files: list = []
     for index, described in sorted(by_index(descriptions).items()):
-        entry = saved[str(index)]
-        if entry["stepped"] and described[view.rank] is not None:
-            family = FAMILIES[entry["family"]]
-            files += [f for f in family.files_to_read(index, view, described, entry["layout"]) if f not in files]
+        entry = saved_record(saved, index)
+        if entry.stepped and described[view.rank] is not None:
+            family = FAMILIES[entry.family]
+            files += [f for f in family.files_to_read(index, view, described, entry.layout) if f not in files]
     return files
 
 
@@ -249,12 +256,10 @@ def preflight(
     restores = {}
     described = by_index(descriptions)
     for child in select(optimizer, [d["index"] for d in descriptions[view.rank]]):
-        entry = saved[str(child.index)]
-        if entry["stepped"]:
-            read = ReadContext(tensors, states, tuple(entry["keys"]), ranges, adapter, hyperparameters or Reconciler())
-            restores[child.index] = family_of(child).preflight(
-                child, view, described[child.index], entry["layout"], read
-            )
+        entry = saved_record(saved, child.index)
+        if entry.stepped:
+            read = ReadContext(tensors, states, entry.keys, ranges, adapter, hyperparameters or Reconciler())
+            restores[child.index] = family_of(child).preflight(child, view, described[child.index], entry.layout, read)
     return restores
 
 
@@ -275,15 +280,7 @@ def replaced_keys(optimizer, restores: dict) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def exchange_for_load(optimizer, view: RankView, restores: dict) -> dict:
-    """Collectives only: what each restored child receives on this rank."""
-    return {
-        child.index: family_of(child).exchange_for_load(child, view, restores[child.index])
-        for child in select(optimizer, sorted(restores))
-    }
-
-
-def install(optimizer, restores: dict, received: dict) -> None:
+def install(optimizer, restores: dict) -> None:
     """Copy into masters and state, param groups too, then read every tensor back bit for bit."""
     for child in select(optimizer, sorted(restores)):
-        family_of(child).install(child, restores[child.index], received.get(child.index))
+        family_of(child).install(child, restores[child.index])

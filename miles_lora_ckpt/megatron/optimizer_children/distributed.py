@@ -14,7 +14,7 @@ Files (no gather): DP rank `r` of `n` writes
 `optimizer/child{i}_{coordinate of its DP group's root}_s{r:03d}of{n:03d}.safetensors`, bound to
 child `i`, that coordinate and `slice` `"r/n"`, holding for every bucket where its slice is not
 empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one tensor at a time
-(`storage.LazyTensor`: one bucket slice of one key in memory) with per-block digests. The plan
+(`safetensors_write.LazyTensor`: one bucket slice of one key in memory) with per-block digests. The plan
 (manifest metadata `optimizer_children[i].layout`) records per coordinate `numel_unpadded` and
 `slices`: each file with its slice and per bucket its bounds `[lo, hi)` in the world tensor.
 
@@ -43,20 +43,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from miles_lora_ckpt.core import layout_rules, storage
+from miles_lora_ckpt.core import layout_rules, partial_reads
 from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, Problem
-from miles_lora_ckpt.core.global_layout import fill_problem, strided_runs, strided_view
+from miles_lora_ckpt.core.family_kind import FamilyKind
+from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, fill_problem, strided_runs, strided_view
 from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.core.layout import MANIFEST
 from miles_lora_ckpt.core.protocol import PartialRead
-from miles_lora_ckpt.core.storage import LazyTensor
+from miles_lora_ckpt.core.safetensors_write import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state, master_replaceable
 from miles_lora_ckpt.megatron.optimizer_children.family import (
     Collected,
     OptimizerFile,
     RankView,
     ReadContext,
+    ReshardContext,
+    SavedChild,
     file_binding,
+    saved_state_at,
 )
 from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements, check_master_rows
 from miles_lora_ckpt.megatron.topology import Coordinates
@@ -560,6 +564,82 @@ def check_master_shard(child: Child, layout: BucketLayout, parts: list, adapter)
             check_master_elements(params[i][3], values, where, positions)
 
 
+# --------------------------------------------------------------------------- resharding
+
+
+@dataclass(frozen=True)
+class _SavedPosition:
+    """One saved copy of a parameter in a child's buckets: the coordinate, its name there, its block."""
+
+    where: str  # the saved coordinate key
+    name: str  # its chunk-qualified name there
+    block: Block
+    position: tuple  # (buffer, bucket, start, numel) in that coordinate's buckets
+
+
+@dataclass(frozen=True)
+class Resharded:
+    """`DistributedFamily.plan_reshard`'s plan of one child on this rank."""
+
+    keys: tuple[str, ...]
+    coordinates: tuple[str, ...]  # the saved coordinates it draws from (their JSON states must agree)
+    buckets: tuple  # per bucket of this rank: ((piece, first, stop, offset in the shard, rows), ...) (`_row_parts`)
+    files: tuple[PartialRead, ...]  # the element ranges of the saved slice files it reads
+
+
+def _optimizer_sources(index: int, layout: dict, saved: dict, manifest) -> dict[str, list[_SavedPosition]]:
+    """`{global name: [_SavedPosition]}` of one child's saved positions (checked by
+    `layout_rules.saved_blocks`: inside their buckets, one parameter each, of their blocks' sizes)."""
+    positions = layout.get("positions")
+    if not isinstance(positions, dict):
+        raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint records no parameter positions")
+    sources: dict[str, list[_SavedPosition]] = {}
+    for key, named in sorted(positions.items()):
+        for name, where in sorted(named.items()):
+            block = saved.get(key, {}).get(name)
+            if block is None or block.numel != where[3]:
+                raise layout_rules.damaged(
+                    manifest, MANIFEST, f"optimizer child {index} at {key}: {name} has no matching global block"
+                )
+            sources.setdefault(block.name, []).append(_SavedPosition(key, name, block, tuple(where)))
+    return sources
+
+
+def _row_parts(piece: Piece, runs: list, manifest) -> list[tuple]:
+    """One parameter's `(first, offset in the shard, count)` runs of one saved piece, as bucket parts
+    `(piece, first, stop, offset, rows)`: a strided group of rows (`strided_runs`, e.g. the half rows
+    of a row-parallel split at another TP) is one part whose range `[first, stop)` covers them all
+    and `rows` is `(step, width, n, offset step)`; a lone run is `rows` None. A group is covered
+    only where the elements between its rows lie in blocks read and verified anyway (a gap shorter
+    than the file's block), so nothing more is read or kept; otherwise its rows stay parts of
+    their own. One range asked per group, not per row."""
+    record = manifest.files.get(piece.file)
+    blocks = getattr(record, "blocks", None)
+    gap_limit = None if blocks is None else blocks.block_bytes // 4  # fp32 elements (`_read_piece`)
+    out = []
+    for g in strided_runs(runs):
+        if g.n == 1:
+            out.append((piece, g.first, g.first + g.width, g.into, None))
+        elif gap_limit is None or g.step - g.width <= gap_limit:
+            stop = g.first + (g.n - 1) * g.step + g.width
+            out.append((piece, g.first, stop, g.into, (g.step, g.width, g.n, g.into_step)))
+        else:
+            out += [
+                (piece, g.first + i * g.step, g.first + i * g.step + g.width, g.into + i * g.into_step, None)
+                for i in range(g.n)
+            ]
+    return out
+
+
+def _part_spans(part: tuple) -> list[tuple[int, int]]:
+    """The shard elements `(begin, end)` a bucket part (`_row_parts`) fills: one range, or its rows."""
+    _, first, stop, into, rows = part
+    if rows is None:
+        return [(into, into + stop - first)]
+    _, width, n, into_step = rows
+    return [(into + i * into_step, into + i * into_step + width) for i in range(n)]
+
+
 # --------------------------------------------------------------------------- the family
 
 
@@ -569,7 +649,7 @@ class _Restore:
     state: dict  # the DP root's `state_dict()` (decoded, groups settled): param groups and step
     buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard, rows)]
     # rows: None (`[first, stop)` goes to `[offset, ...)`), or a resharding load's strided group of
-    # rows inside one parameter, `(step, width, n, offset step)` (`reshard._row_parts`)
+    # rows inside one parameter, `(step, width, n, offset step)` (`_row_parts`)
     groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
     # `(id(master), key)` of the state tensors `allocate` made (the optimizer held none before)
     allocated: frozenset = frozenset()
@@ -581,7 +661,7 @@ class _Restore:
 class DistributedFamily:
     """`ChildFamily` for DistributedOptimizer children (see the module docstring)."""
 
-    name = "distributed"
+    kind = FamilyKind.DISTRIBUTED
     dp_elastic = True  # world tensors are laid out independently of the DP size
 
     def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> dict:
@@ -698,6 +778,100 @@ class DistributedFamily:
         never_stepped = all(d is None or d.get("never_stepped") for d in described)
         return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
+    def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Resharded:
+        """Every parameter element of this rank's shards at another layout: which element ranges of
+        which saved slice files hold its master and moments (`protocol.PartialRead`: only those
+        blocks are read and verified), and where they go in the shard."""
+        index, opt = child.index, child.optimizer
+        sources = _optimizer_sources(index, saved.layout, layout.saved, layout.manifest)
+        keys = saved.keys
+        pieces = {
+            key: saved_pieces(index, saved.layout, key, saved.layout["numel_unpadded"][key])
+            for key in sorted({s.where for found in sources.values() for s in found})
+        }
+        offsets = {
+            key: {buf: [sum(n[:b]) for b in range(len(n))] for buf, n in numels.items()}
+            for key, numels in saved.layout["numel_unpadded"].items()
+        }
+        requests: dict[str, set] = {}
+        used, buckets = set(), []
+        for bucket in bucket_layouts(opt):
+            parts, targets = [], []
+            for model_param, ranges in _param_maps(opt, bucket).items():
+                name = layout.names[id(model_param)]
+                block = layout.block_of(name)
+                found = sources.get(block.name, [])
+                found = [found[i] for i in distinct([s.block for s in found])]
+                first, stop = ranges["param"].start, ranges["param"].end
+                try:
+                    copies = cut_copies(layout.copies(block, [s.block for s in found]), first, stop)
+                except ValueError as exc:
+                    raise IncompatibleCheckpoint(f"optimizer child {index}, parameter {name}: {exc}") from None
+                runs: dict = {}  # id(piece) -> (piece, [(first, offset in the shard, count)]), in shard order
+                for copy in copies:
+                    source = found[copy.source]
+                    used.add(source.where)
+                    buf, number, start, _ = source.position
+                    lo = offsets[source.where][f"buf{buf}"][number] + start + copy.first
+                    hi = lo + copy.count
+                    into = ranges["gbuf_local"].start + copy.into
+                    for piece in pieces[source.where]:
+                        a, b = max(lo, piece.begin), min(hi, piece.end)
+                        if piece.buf == f"buf{buf}" and b > a:
+                            runs.setdefault(id(piece), (piece, []))[1].append((a - piece.begin, into + (a - lo), b - a))
+                for piece, found_runs in runs.values():
+                    for part in _row_parts(piece, found_runs, layout.manifest):
+                        parts.append(part)
+                        requests.setdefault(piece.file, set()).update(
+                            range_key(piece, k, part[1], part[2], part[4]) for k in (MASTER_KEY, *keys)
+                        )
+                targets.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end))
+            # every element of this rank's shard of the bucket filled exactly once, as a same-layout
+            # load checks its shard (`preflight`): no master or moment left as it was allocated
+            problem = fill_problem(targets, [span for part in parts for span in _part_spans(part)])
+            if problem is not None:
+                raise layout_rules.damaged(
+                    layout.manifest,
+                    MANIFEST,
+                    f"optimizer child {index}, buf{bucket.buffer_index} bucket {bucket.bucket_index} of this "
+                    f"rank's shard: {problem}: the saved positions and blocks do not give it",
+                )
+            buckets.append(tuple(parts))
+        files = tuple(PartialRead(f, tuple(sorted(r))) for f, r in sorted(requests.items()))
+        return Resharded(keys, tuple(sorted(used)), tuple(buckets), files)
+
+    def restore_resharded(self, child: Child, plan: Resharded, read: ReadContext) -> _Restore:
+        """The verified ranges of the plan (kept at open; `install` installs from them), the masters
+        checked against their adapter one bucket at a time, the saved state of the coordinates
+        drawn from (which must agree)."""
+        index, opt = child.index, child.optimizer
+        state = saved_state_at(index, plan.coordinates, read.states)
+        groups = len(state.get("optimizer", {}).get("param_groups", [])) if isinstance(state, dict) else None
+        if groups is not None and groups != len(opt.optimizer.param_groups):
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the checkpoint has {groups} param group(s), this run "
+                f"{len(opt.optimizer.param_groups)}"
+            )
+        buckets = [
+            [
+                (piece, read.ranges(piece.file, piece.binding), first, stop, offset, rows)
+                for piece, first, stop, offset, rows in parts
+            ]
+            for parts in plan.buckets
+        ]
+        if read.adapter is not None:  # one bucket's master shard at a time, views of the verified ranges
+            for bucket, parts in zip(bucket_layouts(opt), buckets, strict=True):
+                masters = [
+                    (piece.file, *read_part(piece, source, MASTER_KEY, first, stop, offset, rows))
+                    for piece, source, first, stop, offset, rows in parts
+                ]
+                check_master_shard(child, bucket, masters, read.adapter)
+        state = from_json(state)  # as the same-layout preflight hands it to `allocate`
+        groups = state.get("optimizer", {}).get("param_groups", [])
+        if read.hyperparameters is not None:
+            read.hyperparameters.param_groups(f"optimizer child {index}", groups, opt.optimizer.param_groups)
+        return _Restore(plan.keys, state, buckets, groups)
+
     def allocate(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer
         had = {id(p): set(s) for p, s in opt.optimizer.state.items()}
@@ -719,9 +893,6 @@ class DistributedFamily:
             if key in state and key not in had.get(id(main), ())
         )
 
-    def exchange_for_load(self, child: Child, view: RankView, restore: _Restore) -> None:
-        """No collectives: every rank read its own ranges (no scatter from a DP root)."""
-
     def replaces(self, restore: _Restore) -> tuple[str, ...]:
         """The state keys `install` replaces with new tensors instead of writing into the old ones:
         every moment, and `MASTER_KEY`: the masters `master_replaceable` allows get new data
@@ -729,7 +900,7 @@ class DistributedFamily:
         not into a child that never stepped, whose masters `install` writes in place."""
         return restore.keys if restore.never_stepped else (MASTER_KEY, *restore.keys)
 
-    def install(self, child: Child, restore: _Restore, received: None) -> None:
+    def install(self, child: Child, restore: _Restore) -> None:
         """Bucket by bucket and key by key: this rank's pieces of one bucket for one key (views of
         the ranges verified at open). The masters get new data made of them (`replace_masters`: on
         the CPU, at a same layout, the verified bytes themselves; a master on a GPU, or that is its
@@ -763,9 +934,9 @@ def _forget(source, wanted) -> None:
 
 
 def range_key(piece: Piece, key: str, first: int, stop: int, rows) -> tuple:
-    """The element range (`storage.ElementRange`) a bucket part of `piece` is read as, for state
+    """The element range (`partial_reads.ElementRange`) a bucket part of `piece` is read as, for state
     `key`: `[first, stop)`, or for a strided group of rows (`rows`, see `_Restore.buckets`) the
-    strided range of those rows, which a read returns compact (`storage.strided_rows`)."""
+    strided range of those rows, which a read returns compact (`partial_reads.strided_rows`)."""
     name = f"{piece.prefix}.{key}"
     return (name, first, stop) if rows is None else (name, first, stop, rows[0], rows[1])
 
@@ -784,7 +955,7 @@ def read_part(piece: Piece, source, key: str, first: int, stop: int, offset: int
 
 
 def _read_piece(piece: Piece, source, wanted: tuple) -> torch.Tensor:
-    """One verified range of a piece (fp32, `storage.range_numel(wanted)` elements)."""
+    """One verified range of a piece (fp32, `partial_reads.range_numel(wanted)` elements)."""
     name, first, stop = wanted[:3]
     try:
         tensor = source.get(wanted)
@@ -792,7 +963,7 @@ def _read_piece(piece: Piece, source, wanted: tuple) -> torch.Tensor:
         raise ValueError(f"{piece.file}: {exc}") from None
     if tensor is None:
         raise ValueError(f"{piece.file}: {name} elements [{first}, {stop}) were not read")
-    expected = storage.range_numel(wanted)
+    expected = partial_reads.range_numel(wanted)
     if tensor.dtype != torch.float32 or tensor.numel() != expected:
         raise ValueError(f"{piece.file}: {name}: {tensor.dtype}[{tensor.numel()}], expected torch.float32[{expected}]")
     return tensor

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.megatron.optimizer_children.child import Child
 from miles_lora_ckpt.megatron.topology import Coordinates
 
@@ -29,12 +31,42 @@ def file_binding(index: int, coordinate: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class OptimizerFile:
     """One file a rank writes for a child: its binding (`file_binding`) and its tensors (values may
-    be `storage.LazyTensor`s, produced as they are written); `partial_reads` records per-block
+    be `safetensors_write.LazyTensor`s, produced as they are written); `partial_reads` records per-block
     digests so that loaders at another DP size read and verify only the ranges they need."""
 
     binding: dict[str, str]
     tensors: dict[str, Any]
     partial_reads: bool = False
+
+
+@dataclass(frozen=True)
+class SavedChild:
+    """The checkpoint's record of one optimizer child (manifest `optimizer_children["<i>"]`, made by
+    `chain.plan`), typed; JSON only at the manifest boundary (`parse`, `to_json`)."""
+
+    family: str  # a `FamilyKind` (a str); the manifest's string as is where it names none (refused)
+    class_name: str  # the megatron class (`class`)
+    kind: str  # the optimizer (`optimizer_kind`: adam, lion, muon, ...)
+    keys: tuple[str, ...]  # the per-element state keys, in their saved order
+    stepped: bool  # saved with its state (masters and moments)
+    layout: dict  # the family's plan (`ChildFamily.plan`, JSON: files and what they hold); {} unless stepped
+
+    @classmethod
+    def parse(cls, data: dict) -> SavedChild:
+        """From the manifest's JSON (or `to_json`'s)."""
+        family = FamilyKind.parse(data["family"]) or data["family"]
+        layout = data.get("layout", {})
+        return cls(family, data["class"], data["kind"], tuple(data.get("keys", ())), data["stepped"], layout)
+
+    def to_json(self) -> dict:
+        return {
+            "family": self.family,
+            "class": self.class_name,
+            "kind": self.kind,
+            "keys": list(self.keys),
+            "stepped": self.stepped,
+            "layout": self.layout,
+        }
 
 
 @dataclass(frozen=True)
@@ -79,16 +111,51 @@ class ReadContext:
     hyperparameters: Any = None
 
 
+@dataclass(frozen=True)
+class ReshardContext:
+    """What a resharding load (`megatron.reshard`) knows of the saved and the running global
+    layout, for a family's `plan_reshard`: every saved parameter's block per coordinate, this
+    rank's blocks, and the copies that give a wanted block from saved ones."""
+
+    manifest: Any  # the generation's `core.layout.Manifest` (damage is reported against it)
+    saved: dict  # saved coordinate -> {chunk-qualified name: `core.global_layout.Block`}
+    names: dict[int, str]  # id(model parameter) -> this run's chunk-qualified name
+    # (wanted block, [saved blocks]) -> `core.global_layout.plan_copies` of the whole wanted block;
+    # cached, so an adapter weight and its optimizer shard's part of it are planned once
+    copies: Callable[[Any, list], list]
+    # this run's parameter name -> its block on this rank; raises IncompatibleCheckpoint where
+    # megatron's layout does not say where it lies in the global model
+    block_of: Callable[[str], Any]
+
+
+def saved_state_at(index: int, coordinates, states: dict):
+    """The saved JSON state (param groups, steps, grad scaler) of child `index` at the saved
+    coordinates a resharding rank draws from: they must all be there and agree."""
+    found = {key: states.get(f"{index}:{key}") for key in coordinates}
+    missing = sorted(k for k, v in found.items() if v is None)
+    if missing:
+        raise ValueError(f"the training state holds no optimizer state for child {index} at {missing}")
+    if not found:
+        raise ValueError(f"optimizer child {index}: this rank draws from no saved coordinate")
+    first_key, state = next(iter(found.items()))
+    for key, other in found.items():
+        if other != state:
+            raise IncompatibleCheckpoint(
+                f"optimizer child {index}: the saved param groups and steps at {first_key} and {key} differ, "
+                "so no single state fits this rank's merged parameters"
+            )
+    return state
+
+
 class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
-    Only `exchange_for_save` and `exchange_for_load` may run collectives (no family does now);
-    everything else is local and may raise (the caller agrees on the outcome). `plan` is pure and JSON (it goes into the
-    manifest): every rank derives the same plan from the same descriptions, and raises the same
+    Every method is local and may raise (the caller agrees on the outcome). `plan` is pure and
+    JSON (it goes into the manifest): every rank derives the same plan from the same descriptions, and raises the same
     error where the descriptions are inconsistent.
     """
 
-    name: str
+    kind: FamilyKind  # its name in the manifest
     dp_elastic: bool  # its saved state restores exactly at another data-parallel size
 
     def describe(self, child: Child, coords: Coordinates, names: dict[int, str], saving: bool) -> dict:
@@ -103,7 +170,7 @@ class ChildFamily(Protocol):
     def exchange_for_save(
         self, child: Child, view: RankView, plan: dict, collected: Collected
     ) -> dict[str, OptimizerFile]:
-        """Collectives only. `{relpath: OptimizerFile}` this rank writes."""
+        """`{relpath: OptimizerFile}` this rank writes (from `collected`; no collectives)."""
 
     def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list:
         """The files this rank needs to restore the child (`plan` is the saved one): relpaths read
@@ -113,16 +180,26 @@ class ChildFamily(Protocol):
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
 
+    def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Any:
+        """A resharding load's plan for this rank's part of `child` (`saved`: the checkpoint's record
+        of the child, saved with state, of this family): which element ranges of which saved files
+        hold it. A frozen record with at least `keys` (the state keys) and `files` (relpaths read
+        whole, or `protocol.PartialRead`s); nothing read. Raises IncompatibleCheckpoint naming what
+        cannot map, `GenerationDamaged` where the saved layout does not give it."""
+
+    def restore_resharded(self, child: Child, plan: Any, read: ReadContext) -> Any:
+        """`plan_reshard`'s plan read and assembled (binding checked) into the same restore
+        `preflight` returns, for `allocate` and `install`; mutates nothing. Checks what `preflight`
+        checks: param groups (`read.hyperparameters`, if given), every master against its adapter
+        (`read.adapter`, if given), the saved states of the coordinates drawn from agreeing."""
+
     def allocate(self, child: Child, restore: Any) -> None:
         """First mutation: param groups and state allocated, ready to receive."""
-
-    def exchange_for_load(self, child: Child, view: RankView, restore: Any) -> Any:
-        """Collectives only: what each rank receives (DP roots send shards)."""
 
     def replaces(self, restore: Any) -> tuple[str, ...]:
         """The state keys `install` puts new tensors under, never writing the old ones (the undo
         record keeps those old tensors instead of copies); () when it writes in place."""
 
-    def install(self, child: Child, restore: Any, received: Any) -> None:
+    def install(self, child: Child, restore: Any) -> None:
         """Copy into masters and state (or replace the `replaces` keys' tensors), then read every
         copied tensor back bit for bit."""

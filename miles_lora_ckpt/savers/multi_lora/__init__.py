@@ -26,6 +26,11 @@ the slot index). `optimizer_children` (leaf indices, e.g. Miles'
 adapter parameter, and with children given it must match exactly the parameters those children
 step; otherwise the save (or load) fails on every rank before anything is written (or changed).
 
+Which slot is one value, `SlotSpec` (its root, index, adapter filter, optimizer children), and
+what a slot save writes another, `SlotSave` (step, keep, PEFT export, reader names, data state):
+`save_slot`, `load_slot` and `retire_slot` take them; `save_slot_checkpoint` and
+`load_slot_checkpoint` take the same as keywords.
+
 - `save_slot_checkpoint`: adapter shards (per TP/PP and per PP/EP/ETP coordinate), the slot's
   children's fp32 masters, every moment, steps and param groups, and its scheduler, as one new
   generation of the slot root; optional PEFT export (`peft=`), run after the slot's files are
@@ -35,11 +40,11 @@ step; otherwise the save (or load) fails on every rank before anything is writte
   `rename_slot` (`rename_by_pattern`) a generation saved from another slot index resumes into
   this one (`remap`).
 - `latest_slot_step`: the step of the generation a load would choose (agreed), or None.
-- `retire_slot`: the final save of a leaving slot (the same step saved twice replaces it
-  atomically), then the slot's optimizer state reset, co-tenants untouched.
+- `retire_slot(model, args, SlotSpec, SlotSave, ...)`: the final save of a leaving slot (the same
+  step saved twice replaces it atomically), then the slot's optimizer state reset, co-tenants untouched.
 """
 
-from miles_lora_ckpt.savers.multi_lora.load import latest_slot_step, load_slot_checkpoint
+from miles_lora_ckpt.savers.multi_lora.load import latest_slot_step, load_slot, load_slot_checkpoint
 from miles_lora_ckpt.savers.multi_lora.naming import (
     SLOT_SAVER,
     check_reader_name,
@@ -48,18 +53,23 @@ from miles_lora_ckpt.savers.multi_lora.naming import (
 )
 from miles_lora_ckpt.savers.multi_lora.remap import SlotRenamer, rename_by_pattern
 from miles_lora_ckpt.savers.multi_lora.retire import reset_slot_optimizer, retire_slot
-from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
+from miles_lora_ckpt.savers.multi_lora.save import save_slot, save_slot_checkpoint
+from miles_lora_ckpt.savers.multi_lora.slot import SlotSave, SlotSpec
 
 __all__ = [
     "SLOT_SAVER",
     "SlotRenamer",
+    "SlotSave",
+    "SlotSpec",
     "check_reader_name",
     "latest_slot_step",
+    "load_slot",
     "load_slot_checkpoint",
     "reader_links",
     "rename_by_pattern",
     "reset_slot_optimizer",
     "retire_slot",
+    "save_slot",
     "save_slot_checkpoint",
     "v1_step_name",
 ]

@@ -20,9 +20,10 @@ from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, find_candidates
 from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name, reader_links
 from miles_lora_ckpt.savers.multi_lora.remap import SlotRemap, SlotRenamer, model_view, optimizer_view
-from miles_lora_ckpt.savers.multi_lora.save import _required, _slot_index
-from miles_lora_ckpt.savers.single_lora.common import LoadResult, saved_metadata
-from miles_lora_ckpt.savers.single_lora.load import SaverCheck, load_adapter_generation
+from miles_lora_ckpt.savers.multi_lora.slot import SlotSpec
+from miles_lora_ckpt.savers.options import LoadOptions
+from miles_lora_ckpt.savers.single_lora.common import LoadResult, SaverSpec, saved_metadata
+from miles_lora_ckpt.savers.single_lora.load import load_adapter_generation
 
 
 def load_slot_checkpoint(
@@ -65,11 +66,42 @@ def load_slot_checkpoint(
       generation (or `name`); if the loader then falls back past a damaged one to a generation of
       yet another slot index, the load is refused (load that one by `name`).
     - A missing root, or one with nothing committed yet, loads nothing (`result.loaded` False).
-    `result.iteration` is the slot's step.
+    `result.iteration` is the slot's step. The keywords `slot_root`, `slot`, `adapter_filter` and
+    `optimizer_children` are a `SlotSpec` (see `load_slot`). Returns the `LoadResult`; raises the
+    same CheckpointError on every rank.
     """
+    slot_spec = SlotSpec.of(slot_root, slot, adapter_filter, optimizer_children)
+    return load_slot(
+        model,
+        slot_spec,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        consensus=consensus,
+        name=name,
+        load_optim=load_optim,
+        rename_slot=rename_slot,
+    )
+
+
+def load_slot(
+    model,
+    slot: SlotSpec,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    consensus: Consensus | None = None,
+    name: str | None = None,
+    load_optim: bool = True,
+    rename_slot: SlotRenamer | None = None,
+) -> LoadResult:
+    """Collective. `load_slot_checkpoint` with its slot as one value: restores `slot` from its root's
+    newest intact generation, or the one `name` picks; `load_optim`, `rename_slot` as there.
+    Returns the `LoadResult` (`iteration`: the slot's step); raises the same CheckpointError on
+    every rank (a bad `slot`, `SlotSpec.checked`, before anything is read)."""
     consensus = consensus or Consensus.default()
     # arguments: checked on every rank, and every rank must load the same slot
-    slot = consensus.agree_same("arguments", attempt(_checked_arguments, slot, adapter_filter))
+    index = consensus.agree_same("arguments", attempt(slot.checked))
+    slot_root, adapter_filter, optimizer_children = slot.root, slot.adapter_filter, slot.optimizer_children
     path = Path(slot_root)
     if name is not None:  # the coordinator reads the link once; every rank opens what it named
         consensus.agree_same("classify", Outcome.success([str(slot_root), name]))
@@ -79,15 +111,15 @@ def load_slot_checkpoint(
     # remap: the coordinator reads which slot (and children) the generation to load was saved from
     consensus.agree_same("remap", Outcome.success(str(path)))
     probed = attempt(_saved_slot, path) if consensus.rank == 0 else Outcome.success()
-    saved_slot, saved_children = consensus.agree("remap", probed)[0] or (slot, None)
+    saved_slot, saved_children = consensus.agree("remap", probed)[0] or (index, None)
     remap = None
-    if saved_slot != slot and rename_slot is not None:
-        remap = SlotRemap(saved_slot, slot, rename_slot)
+    if saved_slot != index and rename_slot is not None:
+        remap = SlotRemap(saved_slot, index, rename_slot)
         views = attempt(_views, remap, model, optimizer, saved_children, optimizer_children)
         consensus.agree("remap", views.map(lambda _: None))
         model, optimizer, optimizer_children = views.value
         adapter_filter = remap.view_filter(adapter_filter)
-    expected = saved_slot if remap is not None else slot
+    expected = saved_slot if remap is not None else index
 
     def same_slot(manifest) -> None:
         saved = saved_metadata(manifest, "slot", "index")
@@ -98,21 +130,19 @@ def load_slot_checkpoint(
                 else "an adapter resumes into another slot index only with rename_slot"
             )
             raise IncompatibleCheckpoint(
-                f"generation {manifest.generation} holds slot {saved}, not slot {slot} ({hint})"
+                f"generation {manifest.generation} holds slot {saved}, not slot {index} ({hint})"
             )
 
-    check = SaverCheck(
-        saver=SLOT_SAVER, adapter_filter=_required(adapter_filter), check_manifest=same_slot, legacy=False
-    )
+    spec = SaverSpec(saver=SLOT_SAVER, adapter_filter=adapter_filter, check_manifest=same_slot, legacy=False)
+    options = LoadOptions(load_optim=load_optim, optimizer_children=optimizer_children)
     return load_adapter_generation(
         model,
         path,
+        options,
         optimizer=optimizer,
         opt_param_scheduler=opt_param_scheduler,
         consensus=consensus,
-        load_optim=load_optim,
-        optimizer_children=optimizer_children,
-        check=check,
+        spec=spec,
     )
 
 
@@ -145,11 +175,6 @@ def _views(remap: SlotRemap, model, optimizer, saved_children, optimizer_childre
     return viewed_model, viewed, children
 
 
-def _checked_arguments(slot, adapter_filter) -> int:
-    _required(adapter_filter)
-    return _slot_index(slot)
-
-
 def _named(root: Path, name: str) -> str:
     """The generation directory name `name` stands for: itself (`gen-*`) or a reader link's target."""
     if parse_generation_dir_name(name) is not None:
@@ -163,7 +188,8 @@ def _named(root: Path, name: str) -> str:
 
 def latest_slot_step(slot_root: str | os.PathLike, *, consensus: Consensus | None = None) -> int | None:
     """Collective. The step of the generation `load_slot_checkpoint` would choose (newest intact,
-    agreed by every rank, fully verified), or None when the root is missing or holds none."""
+    agreed by every rank, fully verified), or None when the root is missing or holds none. Raises the
+    same CheckpointError on every rank (e.g. a generation of another saver)."""
     consensus = consensus or Consensus.default()
     consensus.agree_same("classify", Outcome.success(str(slot_root)))
     local = attempt(_has_generations, Path(slot_root)) if consensus.rank == 0 else Outcome.success()

@@ -9,63 +9,43 @@ own children.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.megatron.optimizer_children import chain
-from miles_lora_ckpt.savers.multi_lora.naming import AdapterFilter
-from miles_lora_ckpt.savers.multi_lora.save import save_slot_checkpoint
-from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport
+from miles_lora_ckpt.savers.multi_lora.save import save_slot
+from miles_lora_ckpt.savers.multi_lora.slot import SlotSave, SlotSpec
 
 
 def retire_slot(
     model,
     args,
-    slot_root: str | os.PathLike,
+    slot: SlotSpec,
+    save: SlotSave,
     *,
-    slot: int,
-    step: int,
-    adapter_filter: AdapterFilter,
     optimizer=None,
     opt_param_scheduler=None,
-    optimizer_children: Iterable[int] | None = None,
     consensus: Consensus | None = None,
-    keep: int | None = None,
-    peft: PeftExport | None = None,
-    reader_names: Sequence[str] = (),
     clear_slot: Callable[[], None] | None = None,
-    peft_prefix: str = GENERATION_SUBDIR,
 ) -> str:
     """Collective. The final save of a leaving slot, then its state cleared; returns the generation.
 
-    Saves exactly as `save_slot_checkpoint` (same arguments; a step already saved gets a new
+    Saves exactly as `save_slot` (the same `slot` and `save`, the adapter's data state at the step
+    included; a step already saved gets a new
     generation and its reader links are swapped atomically). Only after that save is published on
     every rank: `clear_slot()` (the caller's, e.g. Miles' `clear_adapter_slot`; on every rank) and
-    `reset_slot_optimizer(optimizer, optimizer_children, model)`. A failed save raises before
-    anything is cleared. The scheduler is the caller's to drop.
+    `reset_slot_optimizer(optimizer, slot.optimizer_children, model)`. A failed save raises the same
+    CheckpointError on every rank before anything is cleared; a failed clear raises it after the
+    save. The scheduler is the caller's to drop.
     """
     consensus = consensus or Consensus.default()
-    generation = save_slot_checkpoint(
-        model,
-        args,
-        slot_root,
-        slot=slot,
-        step=step,
-        adapter_filter=adapter_filter,
-        optimizer=optimizer,
-        opt_param_scheduler=opt_param_scheduler,
-        optimizer_children=optimizer_children,
-        consensus=consensus,
-        keep=keep,
-        peft=peft,
-        reader_names=reader_names,
-        peft_prefix=peft_prefix,
+    generation = save_slot(
+        model, args, slot, save, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler, consensus=consensus
     )
     # clear: the slot's weights (the caller's), then its optimizer children only; agreed
-    cleared = attempt(_clear, clear_slot, optimizer, optimizer_children, model)
+    cleared = attempt(_clear, clear_slot, optimizer, slot.optimizer_children, model)
     consensus.agree("retire", cleared)
     return generation
 

@@ -21,11 +21,12 @@ import os
 from collections.abc import Iterable, Sequence
 
 from miles_lora_ckpt.core.consensus import Consensus, attempt
-from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name
+from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter
+from miles_lora_ckpt.savers.multi_lora.slot import SlotSave, SlotSpec
+from miles_lora_ckpt.savers.options import SaveOptions
 from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport
+from miles_lora_ckpt.savers.single_lora.common import SaverSpec
 from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
-
-PEFT_PREFIXES = (GENERATION_SUBDIR, "")  # where a slot generation holds its PEFT export: peft/, or its top
 
 
 def save_slot_checkpoint(
@@ -47,6 +48,9 @@ def save_slot_checkpoint(
     data_state: dict | None = None,
 ) -> str:
     """Collective. Save slot `slot` at its step `step` as a new generation of `slot_root`; returns it.
+
+    The keywords are a `SlotSpec` (`slot_root`, `slot`, `adapter_filter`, `optimizer_children`) and a
+    `SlotSave` (`step`, `keep`, `peft`, `peft_prefix`, `reader_names`, `data_state`); see `save_slot`.
 
     - `adapter_filter(name)` picks the slot's adapter weights among the adapter parameters
       (`chunk{c}.`-qualified, wrapper-stripped names); `optimizer_children` (leaf indices, e.g.
@@ -72,55 +76,60 @@ def save_slot_checkpoint(
     The manifest records `slot` (index, step, the saved parameter names per file). Saving the same
     step again publishes a new generation and swaps the links: never a moment without one.
     """
-    consensus = consensus or Consensus.default()
-    # arguments: checked on every rank, and every rank must save the same slot, step and names
-    checked = attempt(_checked_arguments, slot, step, reader_names, adapter_filter, peft_prefix)
-    slot, step, names = consensus.agree_same("arguments", checked)
-
-    def slot_metadata(layout) -> dict:
-        return {"slot": {"index": slot, "step": step, "params": sorted(layout.adapter_names or ())}}
-
-    return save_adapter_generation(
-        model,
-        args,
-        slot_root,
-        optimizer=optimizer,
-        opt_param_scheduler=opt_param_scheduler,
-        iteration=step,
-        consensus=consensus,
-        keep=keep,
-        optimizer_children=optimizer_children,
-        peft=peft,
-        adapter_filter=adapter_filter,
-        saver=SLOT_SAVER,
-        links=names,
-        extra_metadata=slot_metadata,
-        export_after_write=True,
-        peft_prefix=peft_prefix,
-        data_state=data_state,
+    slot_spec = SlotSpec.of(slot_root, slot, adapter_filter, optimizer_children)
+    save = SlotSave(
+        step=step, keep=keep, peft=peft, peft_prefix=peft_prefix, reader_names=reader_names, data_state=data_state
+    )
+    return save_slot(
+        model, args, slot_spec, save, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler, consensus=consensus
     )
 
 
-def _checked_arguments(slot, step, reader_names, adapter_filter, peft_prefix) -> list:
-    _required(adapter_filter)
-    if peft_prefix not in PEFT_PREFIXES:
-        raise ValueError(f"peft_prefix must be one of {PEFT_PREFIXES}, got {peft_prefix!r}")
-    return [_slot_index(slot), _slot_step(step), [check_reader_name(n) for n in reader_names]]
+def save_slot(
+    model,
+    args,
+    slot: SlotSpec,
+    save: SlotSave,
+    *,
+    optimizer=None,
+    opt_param_scheduler=None,
+    consensus: Consensus | None = None,
+) -> str:
+    """Collective. `save_slot_checkpoint` with its slot and its save as one value each; returns the
+    committed generation directory. Bad values in either (`SlotSpec.checked`, `SlotSave.checked`),
+    or ranks that disagree on them, raise the same CheckpointError on every rank before anything
+    is written."""
+    consensus = consensus or Consensus.default()
+    # arguments: checked on every rank, and every rank must save the same slot, step and names
+    checked = attempt(lambda: [slot.checked(), *save.checked()])
+    index, step, names = consensus.agree_same("arguments", checked)
 
+    def slot_metadata(layout) -> dict:
+        return {"slot": {"index": index, "step": step, "params": sorted(layout.adapter_names or ())}}
 
-def _slot_index(slot) -> int:
-    if not isinstance(slot, int) or isinstance(slot, bool) or slot < 0:
-        raise ValueError(f"slot must be a non-negative int, got {slot!r}")
-    return slot
-
-
-def _slot_step(step) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int (the slot's optimizer-step count), got {step!r}")
-    return step
-
-
-def _required(adapter_filter):
-    if not callable(adapter_filter):
-        raise TypeError("adapter_filter must be a callable name -> bool that picks the slot's adapter weights")
-    return adapter_filter
+    options = SaveOptions(
+        iteration=step,
+        keep=save.keep,
+        optimizer_children=slot.optimizer_children,
+        peft=save.peft,
+        data_state=save.data_state,
+    )
+    spec = SaverSpec(
+        saver=SLOT_SAVER,
+        adapter_filter=slot.adapter_filter,
+        links=names,
+        extra_metadata=slot_metadata,
+        export_after_write=True,
+        peft_prefix=save.peft_prefix,
+        legacy=False,
+    )
+    return save_adapter_generation(
+        model,
+        args,
+        slot.root,
+        options,
+        optimizer=optimizer,
+        opt_param_scheduler=opt_param_scheduler,
+        consensus=consensus,
+        spec=spec,
+    )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import file_reader, json_files, safetensors_format
 from miles_lora_ckpt.core.errors import Problem
 from miles_lora_ckpt.core.finite import all_finite
 
@@ -360,13 +360,15 @@ def check_peft_dir(path: Path) -> list[Problem]:
     the `format: pt` metadata. Finiteness and digests are the manifest's (core verify's) job."""
     path = Path(path)
     try:
-        config = storage.read_json(path / CONFIG_NAME)
+        config = json_files.read_json(path / CONFIG_NAME)
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         return [Problem(CONFIG_NAME, _reason(exc))]
     try:
-        metadata, entries = storage.parse_safetensors_header(storage.read_file_verified(path / WEIGHTS_NAME))
+        metadata, entries = safetensors_format.parse_safetensors_header(
+            file_reader.read_file_verified(path / WEIGHTS_NAME)
+        )
     except (OSError, ValueError) as exc:
         return [Problem(WEIGHTS_NAME, _reason(exc))]
     problems = []

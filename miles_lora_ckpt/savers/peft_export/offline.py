@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import json_files
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.verify import check_file_content, resolve
@@ -113,7 +113,7 @@ def convert_shards(gen_dir: Path, manifest, base: Path, lora_alpha: float | None
     if any(rel.startswith("adapter/expert_") for rel in manifest.files):
         raise OfflineExportError("expert adapters need the live model (Bridge's expert mapping); export with Bridge")
     try:
-        hf = storage.read_json(base / "config.json")
+        hf = json_files.read_json(base / "config.json")
     except ValueError as exc:  # a FIFO or device is refused without being opened; named either way
         raise OfflineExportError(f"{base / 'config.json'}: {exc}") from None
     heads, layers = int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])

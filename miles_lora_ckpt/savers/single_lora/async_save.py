@@ -48,7 +48,8 @@ from collections.abc import Callable, Iterable
 
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.consensus import Consensus, attempt
-from miles_lora_ckpt.core.storage import LazyTensor
+from miles_lora_ckpt.core.safetensors_write import LazyTensor
+from miles_lora_ckpt.savers.options import SaveOptions
 from miles_lora_ckpt.savers.single_lora.save import PlannedSave, RankFile, plan_save, write_planned_save
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class PendingSave:
             raise self._error
         return self._generation
 
-    def _run(self, planned: PlannedSave, consensus: Consensus, save_dir, keep, then: ThenFn | None) -> None:
+    def _run(self, planned: PlannedSave, consensus: Consensus, save_dir, keep: int | None, then: ThenFn | None) -> None:
         try:
             generation = write_planned_save(planned, consensus, save_dir, keep=keep)
             if then is not None:
@@ -126,32 +127,48 @@ class AsyncSaver:
         then: ThenFn | None = None,
         data_state: dict | None = None,
     ) -> PendingSave:
-        """Collective. `save_lora_checkpoint`'s arguments (no `peft`); returns once the state is copied.
+        """Collective. `save_lora_checkpoint`'s arguments (no `peft`); returns the `PendingSave` once
+        the state is copied (`submit`, with these keywords as one `SaveOptions`).
 
         First waits for this saver's previous save to commit and raises its error if nobody saw it
         yet (on every rank alike: the error is collective). `then(generation, consensus)` runs on
         every rank in the background after the commit, with the saver's consensus (its failures
         must go through `consensus.agree`); its error is the pending save's error.
         """
+        options = SaveOptions(
+            iteration=iteration, keep=keep, optimizer_children=optimizer_children, data_state=data_state
+        )
+        return self.submit(
+            model, args, save_dir, options, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler, then=then
+        )
+
+    def submit(
+        self,
+        model,
+        args,
+        save_dir: str | os.PathLike,
+        options: SaveOptions,
+        *,
+        optimizer=None,
+        opt_param_scheduler=None,
+        then: ThenFn | None = None,
+    ) -> PendingSave:
+        """Collective. `save` with its options as one value (`options.peft` must be None): waits for
+        the previous save, plans and snapshots (training blocked), then writes in the background;
+        returns the `PendingSave`. Raises the previous save's unseen error, or the same
+        CheckpointError on every rank when planning or the snapshot fails."""
         started = time.perf_counter()
         self.wait()
         consensus = self.consensus
         planned = plan_save(
-            model,
-            args,
-            consensus,
-            optimizer=optimizer,
-            opt_param_scheduler=opt_param_scheduler,
-            iteration=iteration,
-            optimizer_children=optimizer_children,
-            data_state=data_state,
+            model, args, consensus, options, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler
         )
         snapped = attempt(snapshot, planned)
         consensus.agree("snapshot", snapped.map(lambda _: None))
         pending = PendingSave(planned.iteration)
         self._thread = threading.Thread(
             target=pending._run,
-            args=(snapped.value, consensus, save_dir, keep, then),
+            args=(snapped.value, consensus, save_dir, options.keep, then),
             name=f"miles-lora-ckpt-save-{planned.iteration}",
             daemon=False,  # process exit waits for the write
         )
@@ -274,7 +291,10 @@ def default_saver() -> AsyncSaver:
 
 def save_lora_checkpoint_async(model, args, save_dir: str | os.PathLike, **kwargs) -> PendingSave:
     """Collective. `save_lora_checkpoint` that returns once the state is copied (`AsyncSaver.save`,
-    on the process-wide saver); `.wait()` on the result returns the committed generation directory."""
+    on the process-wide saver, whose keywords it takes: `optimizer`, `opt_param_scheduler`,
+    `iteration`, `keep`, `optimizer_children`, `then`, `data_state`); returns the `PendingSave`, whose
+    `.wait()` returns the committed generation directory or raises the save's CheckpointError.
+    Raises as `AsyncSaver.save`."""
     return default_saver().save(model, args, save_dir, **kwargs)
 
 

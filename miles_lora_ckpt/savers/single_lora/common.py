@@ -1,4 +1,5 @@
-"""What the single-LoRA saver and loader share: file names, each rank's plan, the load result.
+"""What the single-LoRA saver and loader share: file names, each rank's plan, what another saver
+adds to their phases (`SaverSpec`), the load result.
 
 A generation written by the single-LoRA saver holds (paths relative to it)::
 
@@ -25,7 +26,9 @@ binding into tensor files and the manifest records it, and the loader checks it 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles_lora_ckpt.core.errors import GenerationDamaged
 from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
@@ -34,6 +37,8 @@ from miles_lora_ckpt.megatron import param_blocks
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.optimizer_children.family import RankView
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, current_topology
+from miles_lora_ckpt.savers.options import LoadSource
+from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR
 
 SAVER = "single-lora"
 TRAINING_STATE = "training_state.json"
@@ -42,6 +47,37 @@ TRAINING_STATE = "training_state.json"
 # What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on load.
 # (Optimizer files: `optimizer_children.file_binding`.)
 TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
+
+
+@dataclass(frozen=True)
+class SaverSpec:
+    """What another saver (multi-LoRA slots) adds to the single-LoRA save and load phases.
+
+    Both: `saver`, the manifest's saver name written and accepted; `adapter_filter(name)`, the
+    adapter weights saved or restored (chunk-qualified names; None: all), with the empty-shard guard
+    (`filtered_adapter_names`; a load must find every one of them on this rank in its file).
+    Save: `links`, reader names the publish points at the generation (`save_generation`'s links);
+    `extra_metadata(layout)`, more manifest metadata from the agreed layout; `export_after_write`,
+    with a PEFT export, run it after every rank's files are staged (Miles v1's order);
+    `peft_prefix`, where the PEFT files go (`peft/`, or "" for the generation's top).
+    Load: `check_manifest(manifest)`, more refusals (raise IncompatibleCheckpoint) before anything
+    is read; `legacy`, whether a stock Miles adapter directory may be warm-started.
+    """
+
+    saver: str = SAVER
+    adapter_filter: Callable[[str], bool] | None = None
+    links: Sequence[str] = ()
+    extra_metadata: Callable[[Any], dict] | None = None
+    export_after_write: bool = False
+    peft_prefix: str = GENERATION_SUBDIR
+    check_manifest: Callable[[Any], None] | None = None
+    legacy: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", tuple(self.links))
+
+
+SINGLE_LORA = SaverSpec()  # the single-LoRA saver itself
 
 
 def adapter_binding(kind: str, coordinate_key: str) -> dict[str, str]:
@@ -198,7 +234,7 @@ class LoadResult:
 
     loaded: bool
     iteration: int | None
-    source: str  # "generation", "legacy-miles", "native-dist" or "none"
+    source: LoadSource  # what it restored from (a str: "generation", "legacy-miles", "native-dist", "none")
     path: str | None = None
     adapter_restored: bool = False
     optimizer_restored: bool = False  # fp32 masters and every moment of every stepped child

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from miles_lora_ckpt.core import storage
+from miles_lora_ckpt.core import file_reader
 from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.megatron import adapter_shards as shards
@@ -20,6 +20,7 @@ from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler
 from miles_lora_ckpt.megatron.topology import current_coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, chunk_count
 
 
@@ -46,7 +47,7 @@ def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, schedu
     return LoadResult(
         True,
         iteration,
-        "legacy-miles",
+        LoadSource.LEGACY_MILES,
         str(path),
         adapter_restored=True,
         masters_refreshed=bool(children),
@@ -90,7 +91,7 @@ def _torch_load_weights_only(file: Path):
     """`torch.load(weights_only=True)` of a regular file read with bounds (a FIFO or link is
     refused without being opened, so nothing blocks); never a pickle fallback."""
     try:
-        data = storage.read_file_verified(file)
+        data = file_reader.read_file_verified(file)
     except ValueError as exc:  # a FIFO, device or link: refused without opening it, named
         raise ValueError(f"{file}: {exc}; refusing to read it") from None
     return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)

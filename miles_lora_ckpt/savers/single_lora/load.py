@@ -18,11 +18,12 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from miles_lora_ckpt.core import content_rules, faults, native_dist, rng_state, storage
+from miles_lora_ckpt.core import content_rules, faults, host_memory, native_dist, rng_state
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
@@ -32,7 +33,7 @@ from miles_lora_ckpt.core.errors import (
     NothingCommitted,
     RankFailure,
 )
-from miles_lora_ckpt.core.hyperparameters import Reconciler
+from miles_lora_ckpt.core.hyperparameters import HyperparameterPolicy, Reconciler
 from miles_lora_ckpt.core.jsoncodec import from_json
 from miles_lora_ckpt.core.layout import Manifest, Topology
 from miles_lora_ckpt.core.protocol import open_generation
@@ -51,11 +52,14 @@ from miles_lora_ckpt.megatron.reshard import ReshardPlan
 from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_scheduler
 from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.options import LoadOptions, LoadSource
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
+    SINGLE_LORA,
     TRAINING_STATE,
     TRAINING_STATE_BINDING,
     LoadResult,
+    SaverSpec,
     adapter_binding,
     bound_ranges,
     bound_tensors,
@@ -73,7 +77,9 @@ log = logging.getLogger(__name__)
 
 
 def load_lora_adapter(model, adapter_path, *, optimizer=None, opt_param_scheduler=None) -> tuple[bool, int | None]:
-    """Miles' signature. Collective. Returns `(loaded, iteration)`; see `load_lora_checkpoint`."""
+    """Miles' signature. Collective. Restores `adapter_path` into `model` (and, given, `optimizer`
+    and `opt_param_scheduler`) as `load_lora_checkpoint` with its defaults; returns `(loaded,
+    iteration)` (`(False, None)` when nothing was there). Raises as `load_lora_checkpoint`."""
     result = load_lora_checkpoint(model, adapter_path, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler)
     return result.loaded, result.iteration
 
@@ -89,10 +95,14 @@ def load_lora_checkpoint(
     weights_only: bool = False,
     scheduler_increment_per_iteration: int | None = None,
     optimizer_children: Iterable[int] | None = None,
-    hyperparameters: str | None = None,
+    hyperparameters: HyperparameterPolicy | str | None = None,
     load_rng: bool = True,
 ) -> LoadResult:
-    """Collective. Restore the newest intact generation under `path` (or `path` itself).
+    """Collective. Restore the newest intact generation under `path` (or `path` itself) into
+    `model`, `optimizer` and `opt_param_scheduler`; returns a `LoadResult` (what was restored, from
+    what: `LoadResult.source`). The keywords after `consensus` are the options
+    (`savers.options.LoadOptions`); an unknown `hyperparameters` policy raises ValueError before
+    anything collective.
 
     - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
       DP size may differ from the save; a format-v3 generation also reshards to another TP,
@@ -111,9 +121,10 @@ def load_lora_checkpoint(
     - Every restored param group and the scheduler's fields are compared with the optimizer and
       scheduler this launch built (`core.hyperparameters`): a saved key the live optimizer lacks is
       refused; each difference is reported (`LoadResult.hyperparameter_differences`, a warning on
-      rank 0) and settled by `hyperparameters`: "checkpoint" restores the checkpoint's values,
-      "launch" keeps the launch's, "refuse" refuses the load; None (default) does what megatron
-      does (param groups from the checkpoint, the scheduler's own flags for its fields).
+      rank 0) and settled by `hyperparameters` (`HyperparameterPolicy` or its string): "checkpoint"
+      restores the checkpoint's values, "launch" keeps the launch's, "refuse" refuses the load;
+      "megatron" or None (default) does what megatron does (param groups from the checkpoint, the
+      scheduler's own flags for its fields).
     - Every restored fp32 master must be the one the saved adapter was cast from
       (`optimizer_children.masters`): a generation assembled from two training states is refused.
     - Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are restored from its
@@ -123,73 +134,36 @@ def load_lora_checkpoint(
       `load_rng=False` (Miles' `--no-load-rng`) or `weights_only=True`.
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
-    return load_adapter_generation(
-        model,
-        path,
-        optimizer=optimizer,
-        opt_param_scheduler=opt_param_scheduler,
-        consensus=consensus,
+    options = LoadOptions(
         load_optim=load_optim,
         weights_only=weights_only,
-        scheduler_increment_per_iteration=scheduler_increment_per_iteration,
+        load_rng=load_rng,
         optimizer_children=optimizer_children,
         hyperparameters=hyperparameters,
-        load_rng=load_rng,
+        scheduler_increment_per_iteration=scheduler_increment_per_iteration,
     )
-
-
-@dataclass(frozen=True)
-class SaverCheck:
-    """What another saver's loader adds to `load_lora_checkpoint` (multi-LoRA slots).
-
-    `saver`: the manifest's saver name it accepts. `adapter_filter`: restore only the adapter
-    weights it accepts; the generation must then cover every one of them on this rank (its file
-    holding exactly them: the empty-shard guard). `check_manifest(manifest)`: more refusals
-    (raise IncompatibleCheckpoint), before anything is read. `legacy`: whether a stock Miles
-    adapter directory may be warm-started.
-    """
-
-    saver: str = SAVER
-    adapter_filter: Any = None
-    check_manifest: Any = None
-    legacy: bool = True
+    return load_adapter_generation(
+        model, path, options, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler, consensus=consensus
+    )
 
 
 def load_adapter_generation(
     model,
     path: str | os.PathLike,
+    options: LoadOptions,
     *,
     optimizer=None,
     opt_param_scheduler=None,
     consensus: Consensus | None = None,
-    load_optim: bool = True,
-    weights_only: bool = False,
-    scheduler_increment_per_iteration: int | None = None,
-    optimizer_children: Iterable[int] | None = None,
-    check: SaverCheck = SaverCheck(),
-    hyperparameters: str | None = None,
-    load_rng: bool = True,
+    spec: SaverSpec = SINGLE_LORA,
 ) -> LoadResult:
-    """`load_lora_checkpoint` for other savers' generations (`check`: see `SaverCheck`). Only a
-    single-LoRA generation holds RNG states (they are the process's, not a slot's)."""
+    """Collective. `load_lora_checkpoint` with its options as one value, for the Miles integration
+    and other savers' generations (`spec`: the saver name accepted, the adapter filter, more
+    manifest checks, whether a stock Miles directory may be warm-started; see `SaverSpec`).
+    Only a single-LoRA generation holds RNG states (they are the process's, not a slot's).
+    Returns the `LoadResult`; raises the same CheckpointError on every rank."""
     consensus = consensus or Consensus.default()
-    Reconciler(hyperparameters)  # an unknown policy is refused before anything collective
-    restore_optimizer = load_optim and not weights_only
-    restore_rng = load_rng and not weights_only and check.saver == SAVER
-    selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
-    result = _load(
-        consensus,
-        model,
-        path,
-        optimizer,
-        opt_param_scheduler,
-        restore_optimizer,
-        scheduler_increment_per_iteration,
-        selection,
-        check,
-        hyperparameters,
-        restore_rng,
-    )
+    result = _load(consensus, model, path, optimizer, opt_param_scheduler, options, spec)
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
         log.warning("LoRA checkpoint %s: %s", path, warning)
     if consensus.rank == 0:  # the same launch on every rank: rank 0 reports the differences it found
@@ -200,50 +174,35 @@ def load_adapter_generation(
     return result
 
 
-def _load(
-    consensus, model, path, optimizer, opt_param_scheduler, restore_optimizer, increment, selection, check, policy, rng
-) -> LoadResult:
+def _load(consensus, model, path, optimizer, opt_param_scheduler, options: LoadOptions, spec: SaverSpec) -> LoadResult:
     # classify: the coordinator decides what `path` is; everybody follows
     consensus.agree_same("classify", Outcome.success(str(path)))
-    kind = consensus.agree("classify", attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success())[0]
-    if kind in ("missing", "empty-root"):
-        why = "does not exist" if kind == "missing" else "has no committed generation yet"
-        return LoadResult(False, None, "none", warnings=[f"{path} {why}: starting from the initial adapter"])
-    if kind == "legacy-miles":
-        if not check.legacy:
+    classified = attempt(_classify, Path(path)) if consensus.rank == 0 else Outcome.success()
+    kind = PathKind(consensus.agree("classify", classified)[0])
+    if kind in (PathKind.MISSING, PathKind.EMPTY_ROOT):
+        why = "does not exist" if kind is PathKind.MISSING else "has no committed generation yet"
+        return LoadResult(False, None, LoadSource.NONE, warnings=[f"{path} {why}: starting from the initial adapter"])
+    if kind is PathKind.LEGACY_MILES:
+        if not spec.legacy:
             raise CheckpointError(
-                "classify", [RankFailure(0, f"{path} is a stock Miles adapter directory, not a {check.saver} root")]
+                "classify", [RankFailure(0, f"{path} is a stock Miles adapter directory, not a {spec.saver} root")]
             )
         return warm_start_legacy(consensus, model, Path(path), optimizer, opt_param_scheduler)
-    if kind == "native-dist":
+    if kind is PathKind.NATIVE_DIST:
         found = native_dist.find_native_checkpoint(path) or Path(path) / native_dist.NATIVE_SUBDIR
-        if not check.legacy:
+        if not spec.legacy:
             raise CheckpointError(
                 "classify",
                 [
-                    RankFailure(
-                        r, f"{path} is a stock Miles native LoRA checkpoint ({found}), not a {check.saver} root"
-                    )
+                    RankFailure(r, f"{path} is a stock Miles native LoRA checkpoint ({found}), not a {spec.saver} root")
                     for r in range(consensus.world_size)
                 ],
             )
         return warm_start_native(consensus, model, Path(path), found, optimizer, opt_param_scheduler)
 
     # plan: who holds what, so every rank can find its children's files and DP roots
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection))
-    request = attempt(
-        LoadRequest,
-        model,
-        optimizer,
-        opt_param_scheduler,
-        plans,
-        consensus.rank,
-        restore_optimizer,
-        selection,
-        check,
-        policy,
-        rng,
-    )
+    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, options.selection))
+    request = attempt(LoadRequest, model, optimizer, opt_param_scheduler, plans, consensus.rank, options, spec)
     consensus.agree("plan", attempt(request.value.check_selection) if request.ok else request)
     request = request.value
 
@@ -267,7 +226,7 @@ def _load(
         consensus.agree("install", installed)
 
         # finish: scheduler, and masters refreshed where none were restored
-        finished = attempt(_finish, request, plan.value, opened, increment)
+        finished = attempt(_finish, request, plan.value, opened)
         consensus.agree("finish", finished.map(lambda _: None))
     except CheckpointError:
         undo.value.restore()
@@ -279,27 +238,36 @@ def _load(
     return finished.value
 
 
-def _classify(path: Path) -> str:
-    """missing | empty-root (an empty directory too) | legacy-miles | native-dist (a stock Miles native
-    `torch_dist` checkpoint, or an adapter dir holding one, and no generation) | generation; raises
-    when `path` is none of those."""
+class PathKind(StrEnum):
+    """What a load's path is (rank 0 classifies it; every rank follows)."""
+
+    MISSING = "missing"
+    EMPTY_ROOT = "empty-root"  # a save root with nothing committed yet (an empty directory too)
+    LEGACY_MILES = "legacy-miles"  # a stock Miles adapter directory of per-rank `.pt` files
+    NATIVE_DIST = "native-dist"  # a stock Miles native `torch_dist` checkpoint (or a dir holding one)
+    GENERATION = "generation"  # a save root or generation directory of this plugin
+
+
+def _classify(path: Path) -> PathKind:
+    """The `PathKind` of `path` (native-dist only where no generation is there); raises when `path`
+    is none of those."""
     if not path.exists():
-        return "missing"
+        return PathKind.MISSING
     if native_dist.find_native_checkpoint(path) is not None and not is_save_root(path) and not is_generation_dir(path):
-        return "native-dist"
+        return PathKind.NATIVE_DIST
     if path.is_dir() and not path.is_symlink() and not os.listdir(path):
         # a save root whose only attempt failed (its staging removed, its lease released) is an
         # empty directory, like a --save directory made before the first save
-        return "empty-root"
+        return PathKind.EMPTY_ROOT
     try:
         committed_candidates(path)
     except NothingCommitted:
-        return "empty-root"
+        return PathKind.EMPTY_ROOT
     except NotACheckpoint:
         if is_legacy_miles_dir(path):
-            return "legacy-miles"
+            return PathKind.LEGACY_MILES
         raise
-    return "generation"
+    return PathKind.GENERATION
 
 
 @dataclass
@@ -325,15 +293,27 @@ class LoadRequest:
     scheduler: Any
     plans: list[dict]
     rank: int
-    restore_optimizer: bool  # False for load_optim=False or weights_only=True
-    selection: list[int] | None  # chosen optimizer children (None: all)
-    check: SaverCheck = SaverCheck()
-    policy: str | None = None  # the hyperparameters policy (core.hyperparameters)
-    restore_rng: bool = False  # restore this rank's RNG states where the layout is the saved one
+    options: LoadOptions
+    spec: SaverSpec = SINGLE_LORA
     reshard: ReshardPlan | None = None  # set by files_for_rank when the model-parallel layout changed
     rng_files: list[str] | None = None  # set by files_for_rank: this rank's RNG files, when restored
     rng_warning: str | None = None  # set by files_for_rank: what the generation lacks (a warning)
     rng_note: str | None = None  # set by files_for_rank: another layout (rank 0 logs it)
+
+    @property
+    def restore_optimizer(self) -> bool:
+        """False for load_optim=False or weights_only=True."""
+        return self.options.restore_optimizer
+
+    @property
+    def restore_rng(self) -> bool:
+        """Restore this rank's RNG states where the layout is the saved one (a single-LoRA generation only)."""
+        return self.options.restore_rng and self.spec.saver == SAVER
+
+    @property
+    def selection(self) -> list[int] | None:
+        """The chosen optimizer children (None: all)."""
+        return self.options.selection
 
     def check_selection(self) -> None:
         """The adapter filter's guard (every rank sees the same plans, so raises the same)."""
@@ -341,7 +321,7 @@ class LoadRequest:
 
     @cached_property
     def _adapter_names(self) -> set[str] | None:
-        return filtered_adapter_names(self.plans, self.selection, self.check.adapter_filter)
+        return filtered_adapter_names(self.plans, self.selection, self.spec.adapter_filter)
 
     @property
     def coords(self) -> Coordinates:
@@ -364,12 +344,12 @@ class LoadRequest:
         return params if names is None else {n: p for n, p in params.items() if n in names}
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
-        if manifest.saver != self.check.saver:
+        if manifest.saver != self.spec.saver:
             raise IncompatibleCheckpoint(
-                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.check.saver!r}"
+                f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.spec.saver!r}"
             )
-        if self.check.check_manifest is not None:
-            self.check.check_manifest(manifest)
+        if self.spec.check_manifest is not None:
+            self.spec.check_manifest(manifest)
         rng = self._rng_files(manifest)
         if manifest.topology.model_parallel_differences(Topology.from_dict(self.plans[self.rank]["topology"])):
             # another TP / PP / VPP: read by global layout (format v3), or refused naming what cannot map
@@ -378,7 +358,7 @@ class LoadRequest:
             )
             return [TRAINING_STATE, *self.reshard.files, *rng]
         dense, expert = shards.split_by_kind(self.adapter_params())
-        if self.check.adapter_filter is not None:
+        if self.spec.adapter_filter is not None:
             self._check_coverage(manifest, dense, expert)
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []
@@ -447,7 +427,7 @@ class LoadRequest:
         check_binding(opened, TRAINING_STATE, TRAINING_STATE_BINDING)
         state = opened.json(TRAINING_STATE)
         warnings = self._check_optimizer_claim(manifest)
-        reconciler = Reconciler(self.policy)
+        reconciler = Reconciler(self.options.hyperparameters)
         if self.reshard is not None:
             # a resharding load assembles the adapter from the files' global blocks; every restored
             # master is checked against it below (masters.py), as on a same-layout load
@@ -532,7 +512,7 @@ class LoadRequest:
         if not params:
             what = (
                 "the slot's adapter filter accepts none of this rank's"
-                if self.check.adapter_filter
+                if self.spec.adapter_filter
                 else "the model has no"
             )
             raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
@@ -545,7 +525,7 @@ class LoadRequest:
             if group:
                 check_binding(opened, file, adapter_binding(kind, key))
                 saved = opened.tensors(file)
-                if self.selection is not None and self.check.adapter_filter is None:
+                if self.selection is not None and self.spec.adapter_filter is None:
                     # a chosen-children load restores a subset of the file (a slot file: exactly it)
                     saved = {n: t for n, t in saved.items() if n in group}
                 shards.preflight_adapter(group, saved, file)
@@ -592,23 +572,22 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened, un
     for file in (shards.dense_file(request.coords), shards.expert_file(request.coords)):
         checked = opened.files.pop(file, None)
         if checked is not None:  # what it holds now that is zero (a relaunch's LoRA B) takes no memory
-            storage.release_zero_pages(checked.buffer)
+            host_memory.release_zero_pages(checked.buffer)
     chain.allocate(request.optimizer, plan.restore_children)
 
 
 def _install(request: LoadRequest, plan: LoadPlan) -> None:
-    received = chain.exchange_for_load(request.optimizer, request.view, plan.restore_children)  # local
-    chain.install(request.optimizer, plan.restore_children, received)
+    chain.install(request.optimizer, plan.restore_children)
 
 
-def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None) -> LoadResult:
+def _finish(request: LoadRequest, plan: LoadPlan, opened) -> LoadResult:
     # only the selected children's own masters, never the chain's (co-tenants keep their fp32 masters)
     for child in chain.select(request.optimizer, plan.fresh_children):
         child.optimizer.reload_model_params()
     result = LoadResult(
         loaded=True,
         iteration=plan.iteration,
-        source="generation",
+        source=LoadSource.GENERATION,
         path=str(opened.path),
         adapter_restored=True,
         optimizer_restored=bool(plan.restore_children),
@@ -618,10 +597,11 @@ def _finish(request: LoadRequest, plan: LoadPlan, opened, increment: int | None)
     )
     if request.scheduler is not None:
         if plan.scheduler is not None:
-            restore_scheduler(request.scheduler, plan.scheduler, checkpoint_fields=request.policy == "checkpoint")
+            checkpoint_fields = request.options.hyperparameters is HyperparameterPolicy.CHECKPOINT
+            restore_scheduler(request.scheduler, plan.scheduler, checkpoint_fields=checkpoint_fields)
             result.scheduler_restored = True
         else:
-            step = increment or _increment_from_saved(plan)
+            step = request.options.scheduler_increment_per_iteration or _increment_from_saved(plan)
             reposition_scheduler(request.scheduler, plan.iteration, step)
             result.warnings.append(f"scheduler repositioned to iteration {plan.iteration} x {step}")
     if request.optimizer is not None and not result.optimizer_restored and not plan.warnings:

@@ -24,9 +24,8 @@ from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import native_adapter
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.undo import UndoRecord
+from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.single_lora.common import LoadResult
-
-SOURCE = "native-dist"  # LoadResult.source of this warm start
 
 
 def warm_start_native(consensus: Consensus, model, path: Path, found: Path, optimizer, scheduler) -> LoadResult:
@@ -57,7 +56,13 @@ def warm_start_native(consensus: Consensus, model, path: Path, found: Path, opti
         "not read); the fp32 master weights were refreshed from the adapter"
     )
     return LoadResult(
-        True, None, SOURCE, str(path), adapter_restored=True, masters_refreshed=bool(children), warnings=[message]
+        True,
+        None,
+        LoadSource.NATIVE_DIST,
+        str(path),
+        adapter_restored=True,
+        masters_refreshed=bool(children),
+        warnings=[message],
     )
 
 

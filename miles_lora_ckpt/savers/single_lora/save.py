@@ -15,7 +15,7 @@ host memory (the only time training is blocked) and run `write_planned_save` in 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from miles_lora_ckpt.core import layout_rules, rng_state
@@ -28,11 +28,14 @@ from miles_lora_ckpt.megatron import rng_tracker
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
 from miles_lora_ckpt.megatron.topology import Coordinates
-from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR, PeftExport, plan_export
+from miles_lora_ckpt.savers.options import SaveOptions
+from miles_lora_ckpt.savers.peft_export import PeftExport, plan_export
 from miles_lora_ckpt.savers.single_lora.common import (
     SAVER,
+    SINGLE_LORA,
     TRAINING_STATE,
     TRAINING_STATE_BINDING,
+    SaverSpec,
     adapter_binding,
     describe_rank,
     filtered_adapter_names,
@@ -58,7 +61,10 @@ def save_lora_checkpoint(
 ) -> str:
     """Collective. Save adapter, optimizer state and scheduler as one new generation.
 
-    `save_dir` is the save root (see `layout`); returns the committed generation directory.
+    Takes the model (chunks), Miles' `args`, the save root `save_dir` (see `layout`), and as
+    keywords the live `optimizer` and `opt_param_scheduler`, the `consensus` group (default: the
+    world's) and the options (`savers.options.SaveOptions`: `iteration`, `keep`,
+    `optimizer_children`, `peft`, `data_state`). Returns the committed generation directory.
     With `args.no_save_optim` (or no optimizer) only the adapter and the iteration are saved.
     Every optimizer child megatron builds for LoRA is saved (DistributedOptimizer, Float16 / FP32,
     LayerWise per-slot children; see `megatron.optimizer_children`). `optimizer_children` saves only
@@ -70,20 +76,20 @@ def save_lora_checkpoint(
     when the save is called (`core.rng_state`), unless `args.no_save_rng`.
     `data_state` (rank 0's; `core.data_state.document`): the rollout side's data state of this
     rollout, committed as `rollout_data_state.json` in the same generation.
+    `keep`: afterwards keep the newest `keep` intact generations.
     Raises the same CheckpointError on every rank if anything fails anywhere.
     """
+    options = SaveOptions(
+        iteration=iteration, keep=keep, optimizer_children=optimizer_children, peft=peft, data_state=data_state
+    )
     return save_adapter_generation(
         model,
         args,
         save_dir,
+        options,
         optimizer=optimizer,
         opt_param_scheduler=opt_param_scheduler,
-        iteration=iteration,
         consensus=consensus,
-        keep=keep,
-        optimizer_children=optimizer_children,
-        peft=peft,
-        data_state=data_state,
     )
 
 
@@ -91,57 +97,31 @@ def save_adapter_generation(
     model,
     args,
     save_dir: str | os.PathLike,
+    options: SaveOptions,
     *,
     optimizer=None,
     opt_param_scheduler=None,
-    iteration: int | None = None,
     consensus: Consensus | None = None,
-    keep: int | None = None,
-    optimizer_children: Iterable[int] | None = None,
-    peft: PeftExport | None = None,
-    adapter_filter: Callable[[str], bool] | None = None,
-    saver: str = SAVER,
-    links: Sequence[str] = (),
-    extra_metadata: Callable[[SaveLayout], dict] | None = None,
-    export_after_write: bool = False,
-    peft_prefix: str = GENERATION_SUBDIR,
-    data_state: dict | None = None,
+    spec: SaverSpec = SINGLE_LORA,
 ) -> str:
-    """`save_lora_checkpoint` for other savers (multi-LoRA slots): the same phases and files, plus
+    """Collective. `save_lora_checkpoint` with its options as one value, for the Miles integration
+    and other savers (multi-LoRA slots: `spec`, see `SaverSpec`): the same phases and files.
 
-    - `adapter_filter(name)`: save only the adapter weights it accepts (chunk-qualified names); it
-      must accept at least one on some rank and, with `optimizer_children`, exactly those the
-      children step (else every rank raises before anything is written: the empty-shard guard);
-    - `saver`: the manifest's saver name; `links`: `save_generation`'s links;
-    - `extra_metadata(layout)`: more manifest metadata, derived from the agreed layout;
-    - `export_after_write`: with `peft`, the collective export runs after every rank's files are
-      staged (`save_generation`'s `write_produced`), as Miles v1 orders a slot save;
-    - `peft_prefix`: where the PEFT files go in the generation (`peft/`, or "" for its top);
-    - `data_state`: rank 0's data state of this rollout (`save_lora_checkpoint`).
+    With `spec.adapter_filter`, only the adapter weights it accepts are saved; it must accept at
+    least one on some rank and, with `options.optimizer_children`, exactly those the children step
+    (else every rank raises before anything is written: the empty-shard guard). Returns the
+    committed generation directory; raises the same CheckpointError on every rank.
     """
     consensus = consensus or Consensus.default()
     planned = plan_save(
-        model,
-        args,
-        consensus,
-        optimizer=optimizer,
-        opt_param_scheduler=opt_param_scheduler,
-        iteration=iteration,
-        optimizer_children=optimizer_children,
-        peft=peft,
-        adapter_filter=adapter_filter,
-        saver=saver,
-        extra_metadata=extra_metadata,
-        export_after_write=export_after_write,
-        peft_prefix=peft_prefix,
-        data_state=data_state,
+        model, args, consensus, options, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler, spec=spec
     )
-    return write_planned_save(planned, consensus, save_dir, keep=keep, links=links)
+    return write_planned_save(planned, consensus, save_dir, keep=options.keep)
 
 
 @dataclass
 class RankFile:
-    """One tensor file this rank writes: its binding, its tensors (values may be `storage.LazyTensor`s
+    """One tensor file this rank writes: its binding, its tensors (values may be `safetensors_write.LazyTensor`s
     or live parameters until `async_save.snapshot` copies them) and whether it gets a block index."""
 
     binding: dict[str, str]
@@ -165,48 +145,44 @@ class PlannedSave:
     rank_json: dict = field(default_factory=dict)  # relpath -> (JSON value, binding): this rank's JSON files
     export_after_write: bool = False  # the export's files go in a second, agreed write phase
     data_state: dict | None = None  # rank 0: the rollout side's data state (`core.data_state`)
+    links: Sequence[str] = ()  # reader names the publish points at the generation (`SaverSpec.links`)
 
 
 def plan_save(
     model,
     args,
     consensus: Consensus,
+    options: SaveOptions,
     *,
     optimizer=None,
     opt_param_scheduler=None,
-    iteration: int | None = None,
-    optimizer_children: Iterable[int] | None = None,
-    peft: PeftExport | None = None,
-    adapter_filter: Callable[[str], bool] | None = None,
-    saver: str = SAVER,
-    extra_metadata: Callable[[SaveLayout], dict] | None = None,
-    export_after_write: bool = False,
-    peft_prefix: str = GENERATION_SUBDIR,
-    data_state: dict | None = None,
+    spec: SaverSpec = SINGLE_LORA,
 ) -> PlannedSave:
     """Collective, the save's first half: plan -> agree -> layout -> agree -> [PEFT plan] ->
     this rank's files (adapter shards, optimizer slices, scheduler and child states) -> agree.
 
-    Nothing is written; the result says what to write (`write_planned_save`)."""
+    Nothing is written; the result says what to write (`write_planned_save`). Raises the same
+    CheckpointError on every rank."""
+    iteration = options.iteration
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
     # the RNG is the process's, not a slot's: multi-LoRA slot generations do not hold it
-    save_rng = saver == SAVER and not getattr(args, "no_save_rng", False)
-    selection = sorted(set(optimizer_children)) if optimizer_children is not None else None
+    save_rng = spec.saver == SAVER and not getattr(args, "no_save_rng", False)
+    selection = options.selection
 
     # plan: every rank says what it holds; everybody sees every rank's answer
     plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection, saving=save_optim))
 
     # layout: every rank derives the same decisions from the same answers (and refuses the same way)
-    layout = attempt(SaveLayout.from_plans, plans, save_optim, selection, adapter_filter)
+    layout = attempt(SaveLayout.from_plans, plans, save_optim, selection, spec.adapter_filter)
     consensus.agree("layout", layout.map(lambda _: None))
     layout = layout.value
     view = rank_view(model, plans, consensus.rank)
 
     # PEFT export (optional): plan and bind now; the collective export runs as the save's produce step
     peft_step = None
-    if peft is not None:
-        peft_step = plan_export(model, peft.source, peft.lora, consensus, prefix=peft_prefix)
+    if options.peft is not None:
+        peft_step = plan_export(model, options.peft.source, options.peft.lora, consensus, prefix=spec.peft_prefix)
 
     # this rank's files: its adapter shards, and for every saved child what it writes (a
     # DistributedOptimizer's DP ranks each write their own slice, produced lazily during the write:
@@ -236,19 +212,20 @@ def plan_save(
         }
     return PlannedSave(
         iteration=iteration,
-        saver=saver,
+        saver=spec.saver,
         topology=Topology.from_dict(plans[0]["topology"]),
         metadata={
             **layout.metadata(save_optim, opt_param_scheduler, args),
-            **({"rng_saved": save_rng} if saver == SAVER else {}),
-            **(extra_metadata(layout) if extra_metadata else {}),
+            **({"rng_saved": save_rng} if spec.saver == SAVER else {}),
+            **(spec.extra_metadata(layout) if spec.extra_metadata else {}),
         },
         files=files,
         training_state=training_state,
         peft_step=peft_step,
-        export_after_write=export_after_write,
+        export_after_write=spec.export_after_write,
         rank_json=rank_json,
-        data_state=data_state if consensus.rank == 0 else None,
+        data_state=options.data_state if consensus.rank == 0 else None,
+        links=spec.links,
     )
 
 
@@ -258,11 +235,11 @@ def write_planned_save(
     save_dir: str | os.PathLike,
     *,
     keep: int | None = None,
-    links: Sequence[str] = (),
 ) -> str:
     """Collective, the save's second half: `protocol.save_generation` (prepare -> [produce: PEFT
     export] -> write -> commit -> publish, each agreed); returns the committed generation directory.
-    `consensus` may be another group than `plan_save`'s (the asynchronous save's own)."""
+    `consensus` may be another group than `plan_save`'s (the asynchronous save's own); `keep`:
+    `SaveOptions.keep`. Raises the same CheckpointError on every rank."""
     peft_step = planned.peft_step
 
     # write, commit, publish: through the protocol; every rank writes its own files
@@ -292,7 +269,7 @@ def write_planned_save(
         metadata=planned.metadata,
         keep=keep,
         produce=peft_step.produce if peft_step is not None else None,
-        links=links,
+        links=planned.links,
         write_produced=peft_step.write if peft_step is not None and planned.export_after_write else None,
     )
     return str(generation)

@@ -18,8 +18,8 @@ each at its own cadence, saves each under its own root and retires it when it le
   `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain (§3.5) built by the
   harness on the slot model (`sim.multi_lora_model`).
 - `Producer`: the rollout side of the loop (rank 0, when every adapter has `data`, a prompt file):
-  the data source `--data-source-path` names (v2: Miles' `MultiLoRAAsyncDataSource`, or the
-  plugin's) drawn one group at a time, in turn over the adapters, as Miles' async producer does;
+  the data source `--data-source-path` names (Miles' `MultiLoRAAsyncDataSource`,
+  `common/multi_lora_data_source.py`, or the plugin's) drawn one group at a time, in turn over the adapters, as Miles' async producer does;
   groups drawn for an adapter wait until it trains (`adapter_global_batch_size /
   --n-samples-per-prompt` groups a step), so an adapter's source runs ahead of its saves. The
   prompt indices each step trained on are kept in `lifecycle.prompts[name][step]`.

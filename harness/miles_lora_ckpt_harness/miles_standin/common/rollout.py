@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPT_SOURCE = "miles_lora_ckpt_harness.miles_standin.common.rollout.PromptSource"
@@ -64,10 +64,31 @@ def scripted_rollout(args, rollout_id, data_source, evaluation=False):
     return done
 
 
+@dataclass(frozen=True)
+class AdapterRef:
+    """Miles' `AdapterRef`: the adapter a multi-LoRA sample is drawn for."""
+
+    name: str
+    slot: int
+
+
 @dataclass
 class Prompt:
+    """One sample of a prompt group; `to_dict` / `from_dict` as Miles' `Sample` has them."""
+
     label: str
-    adapter: object = None  # multi-LoRA: the adapter the group was drawn for (its data source stamps it)
+    adapter: AdapterRef | None = None  # multi-LoRA: the adapter the group was drawn for (its data source stamps it)
+    metadata: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        adapter = None if self.adapter is None else {"name": self.adapter.name, "slot": self.adapter.slot}
+        return {"label": self.label, "adapter": adapter, "metadata": dict(self.metadata)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Prompt:
+        adapter = data.get("adapter")
+        ref = None if adapter is None else AdapterRef(adapter["name"], int(adapter["slot"]))
+        return cls(data["label"], ref, dict(data.get("metadata") or {}))
 
 
 class PromptSource:

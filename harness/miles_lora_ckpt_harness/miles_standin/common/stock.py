@@ -118,3 +118,64 @@ def apply_training_state(state: dict, optimizer, scheduler, *, load_optimizer: b
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# What the shapes' `save_lora_checkpoint` and `load_lora_adapter` do; each shape's LoRA module
+# keeps Miles' signatures (and calls `_load_training_state` through its own global where Miles does).
+
+
+def save_in_place(model, save_dir: str, optimizer, scheduler, iteration) -> str:
+    """2026-08: every rank creates `save_dir` and writes into it; `--no-save-optim` is ignored (PR #3083)."""
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)  # every rank
+    barrier()
+    write_rank_files(save_dir, model, optimizer, scheduler, iteration, with_optimizer=True)
+    barrier()
+    return str(save_dir)
+
+
+def save_published(model, args, save_dir: str, optimizer, scheduler, iteration) -> str:
+    """2026-09 on: written through the shape's checkpoint_io (staging, version directory, symlink);
+    `--no-save-optim` drops only the optimizer entry."""
+    from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
+
+    with_optimizer = not getattr(args, "no_save_optim", False)
+    Path(save_dir).parent.mkdir(parents=True, exist_ok=True)
+
+    def write_shards(staging: Path) -> None:
+        write_rank_files(staging, model, optimizer, scheduler, iteration, with_optimizer=with_optimizer)
+
+    write_checkpoint_dir(save_dir, write_shards)
+    return str(save_dir)
+
+
+def load_adapter(model, adapter_path: str, *, follow_symlink: bool, peft_hint: bool) -> Path | None:
+    """`load_lora_adapter`'s first half: this rank's shard copied into the model (no
+    reload_model_params(): the masters stay stale). The adapter directory, or None with Miles' warning.
+    `follow_symlink`: 2026-09 on, the directory is resolved through the version symlink; `peft_hint`:
+    2026-08 names an HF PEFT adapter it cannot import."""
+    adapter_dir = Path(adapter_path)
+    if not adapter_dir.exists():
+        log.warning("LoRA adapter path %s does not exist", adapter_path)
+        return None
+    if follow_symlink:
+        adapter_dir = adapter_dir.resolve()
+    state = read_adapter_shard(adapter_dir)
+    if state is None:
+        if peft_hint and (adapter_dir / "adapter_model.bin").exists():
+            log.warning("HF PEFT adapter import is not implemented: %s", adapter_dir)
+        else:
+            log.warning("no LoRA adapter shard in %s", adapter_dir)
+        return None
+    copy_adapter(model, state)
+    return adapter_dir
+
+
+def load_training_state(adapter_dir: Path, optimizer, scheduler, load_optimizer: bool = True) -> int | None:
+    """`_load_training_state`: nothing without an optimizer or a training-state file; else its iteration."""
+    if optimizer is None:
+        return None
+    state = read_training_state(Path(adapter_dir))
+    if state is None:
+        return None
+    return apply_training_state(state, optimizer, scheduler, load_optimizer=load_optimizer)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-
 from miles.backends.megatron_utils.checkpoint import load_checkpoint
 from miles.backends.megatron_utils.initialize import init
 from miles.backends.megatron_utils.model import harness_train_step, initialize_model_and_optimizer, save
 from miles.utils.misc import load_function
+
 from miles_lora_ckpt_harness.miles_standin.common import send_ckpt, training
 from miles_lora_ckpt_harness.miles_standin.common.megatron_lm import get_checkpoint_name
 from miles_lora_ckpt_harness.miles_standin.common.weights import WeightBackups

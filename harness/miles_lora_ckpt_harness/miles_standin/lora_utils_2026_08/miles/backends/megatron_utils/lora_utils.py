@@ -1,6 +1,7 @@
 """Stand-in of miles/backends/megatron_utils/lora_utils.py (snapshot, §1): the stock LoRA checkpoint.
 
-`load_lora_adapter` calls `_load_training_state` through this module's global, as Miles does.
+`load_lora_adapter` calls `_load_training_state` through this module's global, as Miles does. Saves
+write in place on every rank and ignore `--no-save-optim`; the shared steps are `common/stock.py`'s.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from miles.utils.lora import is_lora_enabled, lora_rollout_enabled  # noqa: F401 - re-exported, as Miles does
+
 from miles_lora_ckpt_harness.miles_standin.common import stock
 
 log = logging.getLogger("miles.stand-in")
@@ -35,13 +36,7 @@ def save_lora_checkpoint(
     opt_param_scheduler: Any | None = None,
     iteration: int | None = None,
 ) -> str:
-    save_dir = Path(save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)  # every rank
-    stock.barrier()
-    # --no-save-optim is ignored here (fixed later by PR #3083)
-    stock.write_rank_files(save_dir, model, optimizer, opt_param_scheduler, iteration, with_optimizer=True)
-    stock.barrier()
-    return str(save_dir)
+    return stock.save_in_place(model, save_dir, optimizer, opt_param_scheduler, iteration)
 
 
 def load_lora_adapter(
@@ -51,26 +46,11 @@ def load_lora_adapter(
     optimizer: Any | None = None,
     opt_param_scheduler: Any | None = None,
 ) -> tuple[bool, int | None]:
-    adapter_dir = Path(adapter_path)
-    if not adapter_dir.exists():
-        log.warning("LoRA adapter path %s does not exist", adapter_path)
+    adapter_dir = stock.load_adapter(model, adapter_path, follow_symlink=False, peft_hint=True)
+    if adapter_dir is None:
         return False, None
-    state = stock.read_adapter_shard(adapter_dir)
-    if state is not None:
-        stock.copy_adapter(model, state)  # no reload_model_params(): the masters stay stale
-        iteration = _load_training_state(adapter_dir, optimizer, opt_param_scheduler)
-        return True, iteration
-    if (adapter_dir / "adapter_model.bin").exists():
-        log.warning("HF PEFT adapter import is not implemented: %s", adapter_dir)
-        return False, None
-    log.warning("no LoRA adapter shard in %s", adapter_dir)
-    return False, None
+    return True, _load_training_state(adapter_dir, optimizer, opt_param_scheduler)
 
 
 def _load_training_state(adapter_dir: Path, optimizer: Any | None, opt_param_scheduler: Any | None) -> int | None:
-    if optimizer is None:
-        return None
-    state = stock.read_training_state(Path(adapter_dir))
-    if state is None:
-        return None
-    return stock.apply_training_state(state, optimizer, opt_param_scheduler)
+    return stock.load_training_state(adapter_dir, optimizer, opt_param_scheduler)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from miles.backends.megatron_utils.multi_lora_scheduler import drop_slot_scheduler, install_slot_scheduler
+
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt_harness.miles_standin.common import multi_lora as common
 from miles_lora_ckpt_harness.miles_standin.common import slot_stock as stock

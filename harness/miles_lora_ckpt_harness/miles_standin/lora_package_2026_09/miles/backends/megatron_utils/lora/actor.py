@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from miles.backends.megatron_utils.lora.checkpoint import load_slot, save_slot
+
 from miles_lora_ckpt_harness.miles_standin.common import multi_lora as common
 from miles_lora_ckpt_harness.miles_standin.common import slot_stock as stock
 from miles_lora_ckpt_harness.sim import multi_lora_model as slot_model

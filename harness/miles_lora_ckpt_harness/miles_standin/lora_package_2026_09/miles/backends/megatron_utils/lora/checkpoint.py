@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
+
 from miles_lora_ckpt.core import faults
 from miles_lora_ckpt_harness.miles_standin.common import slot_stock as stock
 from miles_lora_ckpt_harness.sim import multi_lora_model as slot_model

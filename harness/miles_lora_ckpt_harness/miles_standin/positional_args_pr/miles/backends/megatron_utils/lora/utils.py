@@ -1,24 +1,22 @@
 """Stand-in of miles/backends/megatron_utils/lora/utils.py as open PRs would change it (§10.1).
 
 `load_lora_adapter(model, args, adapter_path, *, ...)` takes a positional `args` (#2516/#2661), and
-`_load_training_state` is gone, folded into it (#1792).
-
-Saves go through checkpoint_io (the adapter directory becomes a symlink to a version directory);
-`--no-save-optim` drops only the optimizer entry (PR #3083). Masters and moments are still not
-saved, the training state is still a pickle, and nothing refreshes the masters after a load.
+`_load_training_state` is gone, folded into it (#1792). The rest is lora-package-2026-09's: saves go
+through checkpoint_io, `--no-save-optim` drops only the optimizer entry (PR #3083); masters and
+moments are still not saved, the training state is still a pickle, and nothing refreshes the
+masters after a load.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-
-from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
+from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir  # noqa: F401 - bound here, as Miles does
 from miles.utils.lora.utils import is_lora_enabled, lora_rollout_enabled  # noqa: F401 - re-exported
+
 from miles_lora_ckpt_harness.miles_standin.common import stock
 
 log = logging.getLogger("miles.stand-in")
@@ -41,14 +39,7 @@ def save_lora_checkpoint(
     opt_param_scheduler: Any | None = None,
     iteration: int | None = None,
 ) -> str:
-    with_optimizer = not getattr(args, "no_save_optim", False)
-    Path(save_dir).parent.mkdir(parents=True, exist_ok=True)
-
-    def write_shards(staging: Path) -> None:
-        stock.write_rank_files(staging, model, optimizer, opt_param_scheduler, iteration, with_optimizer=with_optimizer)
-
-    write_checkpoint_dir(save_dir, write_shards)
-    return str(save_dir)
+    return stock.save_published(model, args, save_dir, optimizer, opt_param_scheduler, iteration)
 
 
 def load_lora_adapter(
@@ -60,20 +51,7 @@ def load_lora_adapter(
     opt_param_scheduler: Any | None = None,
     load_optimizer: bool = True,
 ) -> tuple[bool, int | None]:
-    adapter_dir = Path(adapter_path)
-    if not adapter_dir.exists():
-        log.warning("LoRA adapter path %s does not exist", adapter_path)
+    adapter_dir = stock.load_adapter(model, adapter_path, follow_symlink=True, peft_hint=False)
+    if adapter_dir is None:
         return False, None
-    adapter_dir = adapter_dir.resolve()  # follows the version symlink
-    state = stock.read_adapter_shard(adapter_dir)
-    if state is None:
-        log.warning("no LoRA adapter shard in %s", adapter_dir)
-        return False, None
-    stock.copy_adapter(model, state)  # no reload_model_params()
-    iteration = None
-    training_state = stock.read_training_state(adapter_dir) if optimizer is not None else None
-    if training_state is not None:
-        iteration = stock.apply_training_state(
-            training_state, optimizer, opt_param_scheduler, load_optimizer=load_optimizer
-        )
-    return True, iteration
+    return True, stock.load_training_state(adapter_dir, optimizer, opt_param_scheduler, load_optimizer)
