@@ -1,5 +1,6 @@
 """Shared test set-up. Multi-rank tests launch real processes through miles_lora_ckpt_harness.sim.launch;
-their worker functions live in tests/jobs/ (see jobs_paths.JOBS)."""
+each test module holds its own rank jobs, which the ranks import from the tests directory
+(`jobs_paths.TESTS`); the Bridge tier's jobs are still in tests/jobs/ (`jobs_paths.JOBS`)."""
 
 from __future__ import annotations
 

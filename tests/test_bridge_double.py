@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
 from miles_lora_ckpt_harness import bridge_double
 from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
@@ -38,10 +38,48 @@ def test_production_code_never_imports_the_harness():
     assert offenders == ["tools/cli.py: miles_lora_ckpt_harness"]  # `from miles_lora_ckpt_harness import commands`
 
 
+def double_isolation(payload: dict, ctx) -> dict:
+    """Inside a (megatron-free) harness worker: the double installs, names itself, uninstalls."""
+    import importlib
+
+    out = {}
+    for variant in payload["variants"]:
+        before = importlib.util.find_spec("megatron.bridge") is not None
+        auto_bridge = bridge_double.install(variant=variant)
+        mb = importlib.import_module("megatron.bridge")
+        peft_bridge = importlib.import_module("megatron.bridge.models.conversion.peft_bridge")
+        seen = {
+            "spec_before": before,
+            "class": mb.AutoBridge.__name__,
+            "is_double": getattr(mb, "IS_TEST_DOUBLE", False),
+            "doc": mb.__doc__,
+            "helpers": peft_bridge.__name__,
+            "same": auto_bridge is mb.AutoBridge,
+        }
+        bridge_double.install(variant=variant, peft_helpers=False)
+        seen["without_helpers"] = _importable("megatron.bridge.models.conversion.peft_bridge")
+        bridge_double.uninstall()
+        seen["after_uninstall"] = _importable("megatron.bridge")
+        out[variant] = seen
+    return out
+
+
+def _importable(name: str) -> str:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+        return "importable"
+    except ImportError:
+        return "gone"
+
+
 @pytest.mark.multirank
 def test_inside_a_worker_the_double_installs_names_itself_and_uninstalls():
     variants = ["nvidia", "fork"]
-    job = run_workers(1, "peft_gloo_jobs:double_isolation", {"variants": variants}, sys_path=[JOBS], megatron=False)
+    job = run_workers(
+        1, "test_bridge_double:double_isolation", {"variants": variants}, sys_path=[TESTS], megatron=False
+    )
     for variant, seen in check_all(job)[0].items():
         assert seen["spec_before"] is False
         assert seen["class"] == {"nvidia": "AutoBridgeDouble", "fork": "ForkAutoBridgeDouble"}[variant]

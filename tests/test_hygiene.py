@@ -1,5 +1,6 @@
 """Package-wide rules: no unpickling anywhere, lazy imports of heavy or optional dependencies, the layering
-rule (the plugin never imports the harness distribution), no import circles."""
+rule (the plugin never imports the harness distribution), no import circles; test modules that hold
+rank jobs import outside pytest."""
 
 from __future__ import annotations
 
@@ -336,3 +337,48 @@ def test_no_import_circles_among_the_package_modules():
         p.relative_to(root.parent).as_posix(): p.read_text() for root in (PACKAGE, HARNESS) for p in root.rglob("*.py")
     }
     assert _import_circles(_import_graph(sources)) == []
+
+
+# ------------------------------------------------------------------------------ rank jobs in test modules
+
+TESTS = Path(__file__).resolve().parent
+JOB_TARGET = re.compile(r"[\"'](test_\w+):(\w*)")  # "test_reshard:reshard_job"; f"test_x:{name}" gives no name
+
+
+def _module_level_skips(source: str) -> list[str]:
+    """Calls of pytest.skip or pytest.importorskip outside every function and class: they run when a
+    rank imports the module for its job, and raise pytest's Skipped there."""
+    found = []
+    for statement in ast.parse(source).body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Call) and _dotted(node.func) in ("pytest.skip", "pytest.importorskip"):
+                found.append(f"line {node.lineno}: {_dotted(node.func)}")
+    return found
+
+
+def test_module_level_skip_checker_catches_what_it_must():
+    assert _module_level_skips('import pytest\npytest.skip("no", allow_module_level=True)\n')
+    assert _module_level_skips("import pytest\nif True:\n    np = pytest.importorskip('numpy')\n")
+    assert not _module_level_skips("import pytest\ndef test_x():\n    pytest.skip('inside a test')\n")
+    assert not _module_level_skips("import pytest\npytestmark = pytest.mark.skipif(True, reason='fine')\n")
+
+
+def test_rank_jobs_named_by_tests_exist_in_modules_that_import_outside_pytest():
+    """Every "test_x:job" a test launches names a job `job(payload, ctx)` of tests/test_x.py, and
+    that module skips nothing at import (a rank imports it to run the job)."""
+    targets: dict[str, set[str]] = {}
+    for path in sorted(p for p in TESTS.glob("*.py") if p.name != Path(__file__).name):
+        for module, name in JOB_TARGET.findall(path.read_text()):
+            targets.setdefault(module, set()).update({name} if name else set())
+    assert {"test_single_lora", "test_reshard", "test_protocol_multirank"} <= set(targets), sorted(targets)
+    for module, names in targets.items():
+        source = (TESTS / f"{module}.py").read_text()
+        assert not _module_level_skips(source), (module, _module_level_skips(source))
+        jobs = {
+            node.name
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) and [a.arg for a in node.args.args] == ["payload", "ctx"]
+        }
+        assert names <= jobs, (module, sorted(names - jobs))

@@ -37,7 +37,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
 from miles_lora_ckpt.core import faults, lease
 from miles_lora_ckpt.core.checked_reads import load_tensors
@@ -375,7 +375,7 @@ class Launch:
             JOB,
             {"argv": argv, "crash": crash, "bridge": self.bridge, "hf_merged_fails": list(hf_merged_fails)},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
-            sys_path=[shape_path(self.shape), JOBS],
+            sys_path=[shape_path(self.shape), TESTS],
             timeout_s=400 if self.bridge == "real" else 240,
             failure_grace_s=5.0,
         )

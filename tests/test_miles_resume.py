@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
 from miles_lora_ckpt.core.verify import verify_generation
 from miles_lora_ckpt_harness.miles_standin import shape_path
@@ -61,7 +61,7 @@ class Run:
             JOB,
             {"argv": argv, "crash": crash, "send_ckpt": send_ckpt, "drop": list(drop)},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
-            sys_path=[shape_path(self.shape), JOBS],
+            sys_path=[shape_path(self.shape), TESTS],
             timeout_s=240,
             failure_grace_s=5.0,
         )

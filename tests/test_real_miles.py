@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 from test_miles_resume import _first_difference, failed, ok
 
 from miles_lora_ckpt_harness.realmiles import standins
@@ -67,7 +67,7 @@ class Run:
             JOB,
             {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_actor": wheel_actor},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
-            sys_path=[JOBS],
+            sys_path=[TESTS],
             timeout_s=300,
             failure_grace_s=5.0,
         )

@@ -5,7 +5,7 @@ master and every moment as the global tensor megatron's `sharded_state_dict` des
 shape and offsets: `megatron.param_blocks`), and digests its raw bits; per-parameter steps and each
 optimizer child's param groups are merged over the ranks. Two runs at different TP / PP / VPP / EP /
 DP layouts holding the same global state give the same digests. Used by the demo's resharding
-resume (`demo.reshard`) and the resharding tests (`tests/jobs/reshard_jobs.py`).
+resume (`demo.reshard`) and the resharding tests (`tests/test_reshard.py`).
 """
 
 from __future__ import annotations
