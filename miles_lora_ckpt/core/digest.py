@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import xxhash
 
+__all__ = ["BlockDigests", "StreamingDigest", "digest_bytes"]
+
 ALGORITHM = "xxh3_128"
 
 
@@ -21,6 +23,7 @@ class StreamingDigest:
 
 
 def digest_bytes(data: bytes | bytearray | memoryview) -> str:
+    """The digest of `data` in one go, as `"xxh3_128:<hex>"`."""
     hasher = StreamingDigest()
     hasher.update(data)
     return hasher.hexdigest()
