@@ -172,7 +172,7 @@ def number(value: Any, where: str, *, low: float = -math.inf, high: float = math
 
 
 def string(value: Any, where: str, *, max_len: int = 4096, pattern: re.Pattern | None = None) -> str:
-    """`value` if it is a str of at most `max_len` characters matching `pattern`; else ValueError."""
+    """`value` if a str of at most `max_len` characters matching `pattern`; else ValueError."""
     if not isinstance(value, str):
         raise ValueError(f"{where} is {show(value)}, not a string")
     if len(value) > max_len:
