@@ -153,7 +153,7 @@ class Topology:
         return cls(**data)
 
     def model_parallel_differences(self, other: Topology) -> list[str]:
-        """Axes other than DP and world whose sizes differ, e.g. ``"cp: 2 -> 1 (context parallel)"``.
+        """Axes besides DP and world whose sizes differ, e.g. ``"cp: 2 -> 1 (context parallel)"``.
 
         Each forbids an exact restore, since it changes which adapter shards and optimizer buckets
         a rank holds. ``cp`` and ``vpp`` count; a DP-size change alone is allowed.
@@ -417,7 +417,7 @@ def canonical_json(body: dict) -> bytes:
 
 
 def seal_manifest(body: dict, key: signing.SigningKey | None = None) -> bytes:
-    """The bytes of `manifest.json` for `body`: the body, its self-digest and, with `key`, its MAC."""
+    """The bytes of `manifest.json` for `body`: the body, its self-digest and, with `key`, a MAC."""
     canonical = canonical_json(body)
     sealed = dict(body, manifest_digest=digest_bytes(canonical))
     if key is not None:
