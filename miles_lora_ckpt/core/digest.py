@@ -16,9 +16,11 @@ class StreamingDigest:
         self._hasher = xxhash.xxh3_128()
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed the next bytes."""
         self._hasher.update(data)
 
     def hexdigest(self) -> str:
+        """The digest of every byte fed so far."""
         return f"{ALGORITHM}:{self._hasher.hexdigest()}"
 
 
@@ -42,6 +44,7 @@ class BlockDigests:
         self._filled = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed the next bytes; a block's digest is taken each time one fills."""
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), self.block_bytes - self._filled)

@@ -72,7 +72,7 @@ class FileReader:
             self.read(min(SLICE_BYTES, self.size - self.pos))
 
     def finish(self, record: FileRecord | None) -> None:
-        """Check that the file did not grow and its digests match `record`; else GenerationDamaged."""
+        """Check that the file did not grow and its digests match `record` (GenerationDamaged)."""
         if self._ahead is not None:
             self._ahead.stop()
         if os.pread(self.handle.fileno(), 1, self.size):

@@ -51,6 +51,7 @@ class Block:
 
     @property
     def numel(self) -> int:
+        """The number of elements of the local tensor."""
         return math.prod(self.shape)
 
     def holds(self, shape: Sequence[int]) -> bool:

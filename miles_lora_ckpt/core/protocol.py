@@ -168,6 +168,7 @@ class StagingWriter:
             faults.point("mid-write", self.rank)
 
     def sync_dirs(self) -> None:
+        """Fsync every directory this rank wrote into, deepest first; OSError propagates."""
         for directory in sorted({(self.staging / rel).parent for rel in self.records}, reverse=True):
             atomic_files.fsync_dir(directory)
 
@@ -521,8 +522,8 @@ class OpenedGeneration:
     def tensor_ranges(self, relpath: str):
         """`{(name, first, stop): 1-D tensor}`: the checked ranges this rank asked of `relpath`.
 
-        For a file this rank read whole, it cuts any range from it. `.get` raises ValueError for a
-        tensor the file lacks or a range it does not hold.
+        For a file this rank read whole, it cuts any range from it. `.get` raises GenerationDamaged,
+        a ValueError, for a tensor or range the file does not hold.
         """
         if relpath in self.ranges:
             return self.ranges[relpath]
@@ -538,6 +539,7 @@ class OpenedGeneration:
 
     @property
     def buffers(self) -> dict[str, bytearray]:
+        """`{relpath: bytes}` of this rank's files read whole, already checked."""
         return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
@@ -577,19 +579,21 @@ class DeferredRanges:
         self._scratch = None
 
     def drop(self, wanted) -> None:
+        """Forget kept range `wanted` after its last use, so its memory goes back."""
         self.kept.pop(tuple(wanted), None)
 
 
 class WholeFileRanges:
     """Element ranges cut from the tensors of a file read whole (`OpenedGeneration.tensor_ranges`).
 
-    `.get` raises ValueError for a tensor the file lacks or a range it does not hold.
+    `.get` raises GenerationDamaged, a ValueError, for a tensor or range the file does not hold.
     """
 
     def __init__(self, tensors: dict):
         self.tensors = tensors
 
     def get(self, wanted, default=None):
+        """Element range `wanted`, cut from the file's tensors; GenerationDamaged if it lacks it."""
         return _cut_one(self.tensors, tuple(wanted))
 
 

@@ -95,10 +95,12 @@ class Generation:
 
     @property
     def intact(self) -> bool:
+        """Whether the manifest parsed and no problem was found."""
         return self.manifest is not None and not self.problems
 
     @property
     def order(self) -> tuple:
+        """Its sort key in the root's commit order (`commit_order`)."""
         return commit_order(self.manifest, self.path.name)
 
 
@@ -360,6 +362,7 @@ class RootEntry:
 
     @property
     def order(self) -> tuple:
+        """Its sort key in the root's commit order (`commit_order`)."""
         return commit_order(self.generation.manifest if self.generation else None, self.name)
 
     @property
@@ -372,6 +375,7 @@ class RootEntry:
         return self.generation is not None and self.generation.manifest is not None
 
     def describe(self) -> str:
+        """The entry's name with its place in the commit order, for `ls`."""
         if self.sequence is not None:
             return f"{self.name} (sequence {self.sequence})"
         if self.generation is not None and self.generation.manifest is not None:
@@ -392,6 +396,7 @@ class RootView:
     warnings: list[str]
 
     def generations(self) -> list[RootEntry]:
+        """The entries that are generations, intact, committed or damaged, newest first."""
         return [e for e in self.entries if e.state in ("intact", "committed", "damaged")]
 
 
