@@ -1,12 +1,10 @@
 """`miles-lora-ckpt`: operator tools. Runs on a login node: no megatron, Miles or GPU needed.
 
 The command never prints a traceback: every failure is one `ERROR ...` line and an exit code
-(`--debug` adds the traceback of an internal error). See `EXIT_CODES`. The login-node commands
-(`verify`, `inspect`, `ls`, `gc`) live in `root_commands`, which the demos also call. `verify-peft` and `export-peft`
-live in `peft_tools` (torch, transformers and peft are imported only when they run). `demo` and `bench`
-belong to the harness, a separate distribution (`miles-lora-ckpt-harness`, `harness/` in the source tree):
-this CLI names them and hands their arguments to it, imported only when one of them runs; without it
-they print one line saying what to install.
+(`EXIT_CODES`); `--debug` adds the traceback of an internal error. The login-node commands live in
+`root_commands`, `verify-peft` and `export-peft` in `peft_tools`. `demo` and `bench` belong to the
+harness, a separate distribution: the CLI hands their arguments to it, imported only when one of
+them runs. Without the harness they print one line saying what to install.
 """
 
 from __future__ import annotations
@@ -26,6 +24,11 @@ from miles_lora_ckpt.tools.root_commands import (
     cmd_ls,
     cmd_verify,
 )
+
+__all__ = [
+    "main",
+    "build_parser",
+]
 
 EXIT_CODES = """\
 exit codes:

@@ -1,9 +1,8 @@
-"""The login-node commands of `miles-lora-ckpt`: `verify`, `inspect`, `ls` and `gc` (no megatron,
-Miles or GPU needed), and their exit codes.
+"""The login-node commands of `miles-lora-ckpt`: `verify`, `inspect`, `ls` and `gc`, and their exit codes.
 
-`tools.cli` parses the command line and calls these handlers; the demos call `verify_report`
-directly, so nothing here imports the CLI (which imports the demos). `verify` also fails a
-generation holding a PEFT adapter that PEFT would load wrongly.
+No megatron, Miles or GPU is needed. `tools.cli` parses the command line and calls these handlers.
+The harness's demos call `verify_report` directly, so nothing here imports the CLI. `verify` also
+fails a generation holding a PEFT adapter that PEFT would load wrongly.
 """
 
 from __future__ import annotations
@@ -14,6 +13,19 @@ import sys
 from pathlib import Path
 
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_DAMAGED",
+    "EXIT_USAGE",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "verify_report",
+    "cmd_verify",
+    "cmd_inspect",
+    "cmd_ls",
+    "cmd_gc",
+]
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
