@@ -39,7 +39,7 @@ Every remaining difference from the real 0.6.2 where they overlap:
 - Compared at fp32 only (the real-Bridge tests build fp32 models); the double yields each
   parameter's own dtype.
 
-Its parts, written from the contract:
+Its parts, written from Bridge's documentation:
 
 - `AutoBridgeDouble.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy,
   collective generator: pipeline stages exchange what they hold, tensor-parallel shards of every

@@ -1,4 +1,4 @@
-"""TEST DOUBLE of `AutoBridge.export_adapter_weights` (Megatron -> HF adapter names), from the contract.
+"""TEST DOUBLE of `AutoBridge.export_adapter_weights` (Megatron -> HF adapter names), from its documentation.
 
 Collective and lazy, like Bridge: on the first `next()` the pipeline stages exchange which adapter
 modules they hold (JSON in uint8 tensors over the PP group; no pickle); then, for every module in one
@@ -34,7 +34,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 class AutoBridgeDouble:
-    """Stands in for NVIDIA Megatron-Bridge's `AutoBridge` (main, 2026-08): two-item named tuples."""
+    """Stands in for NVIDIA Megatron-Bridge's `AutoBridge` (Bridge `main`, newer than 0.6.2): two-item named tuples."""
 
     IS_TEST_DOUBLE = True
 

@@ -14,8 +14,8 @@ raise there (`payload["crash"]`):
      "views": false, "hf_merged_fails": [1]}
 
 `drop` (optional) derives a tree variant from the shape: each named function is deleted from its
-module before the launch, e.g. the 2026-08 tree without `_load_training_state` of PR #1792's branch
-and current working branches (contract §10.6).
+module before the launch. An example is the lora-utils-2026-08 tree without `_load_training_state`,
+as PR #1792's branch and current working branches have it.
 
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; stock Miles' save has
 `before-write`, `mid-write` and `after-write`), a PEFT export phase (`core.faults.PEFT_PHASES`), or

@@ -1,7 +1,7 @@
 """Every in-process shim the real Megatron-Bridge 0.6.2 needs to import and run on this CPU machine.
 
 The Bridge tier (`make tier-bridge`) installs `megatron-bridge==0.6.2` next to megatron-core 0.19.2
-(bridge-and-peft.md, "Correction (2026-12-01)"). Its wheel declares Python >= 3.12 and expects
+(docs/testing.md, "The Bridge tier"). Its wheel declares Python >= 3.12 and expects
 Transformer Engine; three shims, each for the reason given, make it import on Python 3.11 without
 TE. Nothing else in the package patches Bridge:
 

@@ -1,4 +1,4 @@
-"""Stand-in of `patch_megatron_model` from miles/utils/megatron_bridge_utils.py (contract §1.2 step 5, §2.1).
+"""Stand-in of `patch_megatron_model` from miles/utils/megatron_bridge_utils.py.
 
 Miles calls Megatron-Bridge on its list of model chunks inside `patch_megatron_model(model)`, a
 context manager. Bridge reads `share_embeddings_and_output_weights` from the model's config, where

@@ -1,7 +1,7 @@
 """Stand-in of miles/rollout/multi_lora/data_source.py: one data source per adapter, drawn in turn.
 
-Miles has the same class in both multi-LoRA shapes (2026-08 with v1's `multi_lora_utils`, and
-2026-09's lora package); the v2 tree's `miles/rollout/multi_lora/data_source.py` re-exports it, and a
+Miles has the same class in both multi-LoRA shapes (lora-utils-2026-08 with v1's `multi_lora_utils`,
+and lora-package-2026-09); the v2 tree's `miles/rollout/multi_lora/data_source.py` re-exports it, and a
 v1 launch names it here (`data_state.multi_lora_source`, `--data-source-path`).
 
 Miles' `MultiLoRAAsyncDataSource` keeps a dict `sources` of per-adapter data sources and a queue of

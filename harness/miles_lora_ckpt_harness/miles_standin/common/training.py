@@ -2,7 +2,7 @@
 
 `setup_model_and_optimizer` maps Miles' flags onto a harness config and builds the run with the real
 megatron-core pieces (`sim.train.build_run`), then gives it Miles' scheduler (`get_optimizer_param_scheduler`:
-every step count in samples, §2.2). `train_one_step` is one optimizer step of a rollout; the data is a
+every step count in samples). `train_one_step` is one optimizer step of a rollout; the data is a
 function of (seed, global step, DP rank), so a resumed run sees the data an uninterrupted one saw.
 `load_hf_base` stands in for the bridge-mode base-model load (`_load_checkpoint_hf`): the "HF
 checkpoint" is a directory with a `config.json`, and the base weights are the run's seeded ones.
@@ -29,7 +29,7 @@ the Megatron model from the HF config:
   Bridge's own LoRA on the four linears (`--target-modules all-linear`), fp32 (no `--bf16`), and
   megatron's DistributedOptimizer with Adam (`sim.bridge_model`), as Miles' bridge mode does.
 The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
-torch alone, as Miles' `lora_utils` does (contract §8).
+torch alone, as Miles' `lora_utils` does.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def adapter_kind(target_modules: str | None) -> str:
 
 
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
-HF_TO_MEGATRON = {  # Miles' convert_target_modules_to_megatron for a Qwen2 decoder (contract §1.6)
+HF_TO_MEGATRON = {  # Miles' convert_target_modules_to_megatron for a Qwen2 decoder
     "q_proj": "linear_qkv",
     "k_proj": "linear_qkv",
     "v_proj": "linear_qkv",
