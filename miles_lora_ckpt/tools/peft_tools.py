@@ -1,9 +1,11 @@
 """`miles-lora-ckpt verify-peft` and `export-peft`: the PEFT side of the operator tools.
 
-`verify-peft ADAPTER --base HF_MODEL_DIR` loads the adapter onto the base with the real HF PEFT,
-offline. It reports the keys PEFT would silently get wrong: missing (PEFT keeps B = 0), unexpected
-(PEFT drops them) and mismatched in shape. It exits 0 when all three are empty, 1 otherwise and 2
-on a usage error. ADAPTER is an adapter directory, an export root, or a generation or save root
+`verify-peft ADAPTER --base HF_MODEL_DIR` loads the adapter with the real HF PEFT
+(`PeftModel.from_pretrained`) onto the base, offline (no hub access), and reports the keys PEFT
+would silently get wrong: missing (a module PEFT adapts but no tensor was found: it keeps B = 0),
+unexpected (a tensor no adapted module takes: PEFT drops it), mismatched (shape differs from the
+module PEFT built). Exit 0 when all three are empty, 1 otherwise, 2 for usage errors. ADAPTER is an
+adapter directory, an export root (its newest export), or a checkpoint generation or save root
 holding `peft/`. torch, transformers and peft are imported only when the command runs.
 
 `export-peft GENERATION --out DIR` publishes a committed generation's adapter as a new export in
@@ -30,6 +32,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_parsers(subparsers) -> None:
+    # verify-peft --help shows the module docstring's second paragraph: edit it as help text.
     verify = subparsers.add_parser(
         "verify-peft",
         help="load a PEFT adapter onto an HF base with the real PEFT (offline); report missing/unexpected keys",
