@@ -170,10 +170,12 @@ def _config(world: int, bucket_mib: float, tp: int):
 
 
 def model_sharded_state_dict(run) -> dict:
-    """`{global name: ShardedTensor}` of every trainable parameter: megatron's own global shape and
-    offsets (`megatron.param_blocks`), the parameter itself as data (dist_checkpointing loads into
-    it, and the optimizer's fully_reshardable state finds its parameters by it); DP replicas (and TP
-    replicas of a replicated factor) marked as such, so each element is written once."""
+    """`{global name: ShardedTensor}` of every trainable parameter, with megatron's own global shape
+    and offsets (`megatron.param_blocks`).
+
+    The data is the parameter itself: dist_checkpointing loads into it, and the optimizer's
+    fully_reshardable state finds its parameters by it. DP replicas, and TP replicas of a replicated
+    factor, are marked as such, so each element is written once."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedTensor

@@ -214,9 +214,11 @@ NOT_DEFINED_IN_SOURCE = {
 
 
 def drift(standin: dict[str, str]) -> dict[str, str]:
-    """What disagrees with the facts, by name: `standin` maps each stand-in function (in a module of
-    SOURCE_MODULES) to `render_signature(f, defaults=True)`; a name neither in the table nor listed as
-    not defined in the source is reported too (a new stand-in function must be checked against the source)."""
+    """What disagrees with the facts, by name.
+
+    `standin` maps each stand-in function in a module of SOURCE_MODULES to
+    `render_signature(f, defaults=True)`. A name neither in the table nor listed as not defined in
+    the source is reported too: a new stand-in function must be checked against the source."""
     problems = {}
     for name, signature in sorted(standin.items()):
         if name in SIGNATURES_2026_08:

@@ -227,10 +227,11 @@ def scenario(workdir: Path, *, plugin: bool, driver: str, partial: bool, kill, n
 
 
 def legacy(workdir: Path) -> dict:
-    """Generations saved without a data state (stock data source, rollouts 0..3) next to Miles' own
-    `global_dataset_state_dict_3.pt`, relaunched with the plugin's data source: that file replaced by
-    a pickled object is refused, naming it; Miles' genuine file is read with
-    `torch.load(weights_only=True)` and the run goes on from its cursor."""
+    """Generations saved without a data state, next to Miles' own `global_dataset_state_dict_3.pt`,
+    relaunched with the plugin's data source.
+
+    That file replaced by a pickled object is refused, naming it. Miles' genuine file is read with
+    `torch.load(weights_only=True)`, and the run goes on from its cursor."""
     import torch
 
     workdir.mkdir(parents=True, exist_ok=True)

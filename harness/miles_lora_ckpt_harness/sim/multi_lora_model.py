@@ -1,7 +1,7 @@
 """A multi-LoRA slot model for the harness and the Miles stand-in: several adapter slots on one base linear.
 
-Miles' multi-LoRA trains several adapters at once on one frozen base model: every
-adapted base linear is a `MultiLoRALinear` holding one adapter per *slot*; an adapter (a named
+Miles' multi-LoRA trains several adapters at once on one frozen base model. Every
+adapted base linear is a `MultiLoRALinear` holding one adapter per *slot*. An adapter (a named
 training run) is registered into a free slot, trained at its own cadence, and retired, which frees
 the slot. This module is that model, written from a description (never from Miles or Bridge code), with
 the real megatron-core pieces Miles uses: `Float16Module`, `DistributedDataParallel` and Miles'
