@@ -5,9 +5,10 @@ the file (optional); the few settings operators flip also have their own variabl
 variable wins over the file, and the file over the default. Every value is checked at startup, and
 an error names the key and where its value came from.
 
-`KEYS` is the whole schema: a new setting is one `Key(...)` line and a row in docs/use-with-miles.md,
-"Config keys". Keys marked `core=` set `core.settings` through `apply_core_settings`; every core
-setting has such a key or is in `ENV_ONLY_CORE_SETTINGS` (secrets, never in a file).
+`KEYS` is the whole schema: a new setting is one `Key(...)` line and a row in
+docs/use-with-miles.md, "Config keys". Keys marked `core=` set `core.settings` through
+`apply_core_settings`; every core setting has such a key or is in `ENV_ONLY_CORE_SETTINGS` (secrets,
+never in a file).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Construction refuses a class whose state it cannot read (`codec_for`). It also p
 finished rollout's state is staged, sealed (`core.data_state.stage`). The train side's save of
 generation N commits rollout N's (`integration.data_state`). `save(N)` writes no pickle: it removes
 the staged states that generation N and older hold. `load(N)` reads the state from the committed
-generation N, never from a loose file. It removes later staged states, which the relaunch draws again.
+generation N, never from a loose file. It removes later staged states, which the relaunch draws
+again.
 
 docs/use-with-miles.md, "The rollout data state", says what each case does.
 """

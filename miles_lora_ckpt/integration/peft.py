@@ -7,8 +7,8 @@ A multi-LoRA run exports per slot instead (`integration.multi_lora`); a v1 run d
 when it can.
 
 `prepare` checks, in the init hook, everything an export needs and builds Bridge there. A run that
-could not export is then refused at startup, on every rank and before anything is patched. docs/peft-export.md, "PEFT export in a Miles run", and docs/multi-lora.md have the
-details.
+could not export is then refused at startup, on every rank and before anything is patched.
+docs/peft-export.md, "PEFT export in a Miles run", and docs/multi-lora.md have the details.
 """
 
 from __future__ import annotations

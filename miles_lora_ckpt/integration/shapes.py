@@ -48,7 +48,7 @@ MODEL = f"{MEGATRON_UTILS}.model"
 ACTOR = f"{MEGATRON_UTILS}.actor"
 HF_EXPORT = f"{MEGATRON_UTILS}.hf_export"
 FT_IN_MEMORY = f"{MEGATRON_UTILS}.ft.in_memory_checkpoint"
-DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # Miles' debug tool; imports load_checkpoint lazily
+DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # Miles' debug tool, a late consumer
 # Miles runs Bridge's export (and its HF base load) under this context manager
 PATCH_MEGATRON_MODEL = "miles.utils.megatron_bridge_utils.patch_megatron_model"
 MULTI_LORA_UTILS = f"{MEGATRON_UTILS}.multi_lora_utils"  # multi-LoRA v1

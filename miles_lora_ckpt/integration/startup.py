@@ -78,9 +78,10 @@ def _optimizer_problems(optimizer) -> list[str]:
 def _replica_problems(model, optimizer) -> list[str]:
     """Non-distributed children while DDP reduce-scatters: every DP rank steps different gradients.
 
-    megatron 0.19 builds Lion and Muon as Float16/FP32 children even with --use-distributed-optimizer.
-    DDP built for the distributed optimizer reduces each gradient only on its own shard, so the DP
-    replicas of masters and moments drift apart, and the saver refuses to pick one of them.
+    megatron 0.19 builds Lion and Muon as Float16/FP32 children even with
+    --use-distributed-optimizer. DDP built for the distributed optimizer reduces each gradient only
+    on its own shard, so the DP replicas of masters and moments drift apart, and the saver refuses
+    to pick one of them.
     """
     chunks = model if isinstance(model, list | tuple) else [model]
     if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):

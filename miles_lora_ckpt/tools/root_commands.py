@@ -1,4 +1,4 @@
-"""The login-node commands of `miles-lora-ckpt`: `verify`, `inspect`, `ls` and `gc`, and their exit codes.
+"""`miles-lora-ckpt verify`, `inspect`, `ls` and `gc`: the login-node commands, and their exit codes.
 
 No megatron, Miles or GPU is needed. `tools.cli` parses the command line and calls these handlers.
 The harness's demos call `verify_report` directly, so nothing here imports the CLI. `verify` also

@@ -1,4 +1,4 @@
-"""Facts: the signatures of the real Miles functions the stand-ins define, and what they define that Miles lacks.
+"""Facts: the real Miles signatures the stand-ins define, and what they define that Miles lacks.
 
 Read from radixark/miles at commit `SOURCE_COMMIT` (31f1ca961a94, the snapshot the
 `lora-utils-2026-08` shape stands for), as `ast` writes a `def`'s parameters without annotations,
@@ -196,7 +196,7 @@ SIGNATURES_2026_08 = {
     ),
 }
 
-# names a stand-in defines in a module of SOURCE_MODULES that the source at SOURCE_COMMIT does not define there
+# names a stand-in defines in a SOURCE_MODULES module that the source at SOURCE_COMMIT lacks there
 NOT_DEFINED_IN_SOURCE = {
     "miles.backends.megatron_utils.actor.WeightBackups.__init__": "harness record of the ref/old-actor loads; Miles uses TensorBackuper",
     "miles.backends.megatron_utils.actor.WeightBackups.loading": "harness record of the ref/old-actor loads; Miles uses TensorBackuper",

@@ -11,9 +11,9 @@ What is not the wheel's, and why:
   while parsing), and `sglang_router`'s `RouterArgs`, which declares no `--router-*` flag;
 - `init`'s `assert np.__version__.startswith("1.")` (Megatron-LM issue 1563) runs unchanged under
   `make tier-miles`, which puts numpy 1.26.4 first on PYTHONPATH. This project's torch 2.13,
-  megatron-core 0.16.1 and transformers run with it. Under numpy 2 (pytest by hand), `init` sees, for
-  that one name, a numpy whose `__version__` reads `1.x` (`numpy_1_for_init`). That is safe because
-  the harness never builds a Megatron dataset. The job reports which numpy it ran.
+  megatron-core 0.16.1 and transformers run with it. Under numpy 2 (pytest by hand), `init` sees,
+  for that one name, a numpy whose `__version__` reads `1.x` (`numpy_1_for_init`). That is safe
+  because the harness never builds a Megatron dataset. The job reports which numpy it ran.
 
 `command` builds a realistic LoRA command for the harness's tiny Qwen2 base, whose model flags match
 the `--hf-checkpoint` config, as `hf_validate_args` demands. The job parses each case of the payload

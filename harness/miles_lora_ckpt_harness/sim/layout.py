@@ -10,11 +10,11 @@ Megatron's rules, as the harness applies them:
   (expert mesh, order etp-ep-dp-pp). The expert tensor parallel size ``etp`` defaults to ``tp``, as
   megatron's does; context parallel folds into the expert DP ``edp``.
 * An expert-TP other than TP (``etp != tp``) may be 1 or 2. With ``etp > tp`` the expert-TP group
-  spans data-parallel (or context-parallel) replicas, each with its own tokens. With ``etp < tp`` the
-  TP ranks hold the same tokens, and each runs the whole experts on its own part of them, as
+  spans data-parallel (or context-parallel) replicas, each with its own tokens. With ``etp < tp``
+  the TP ranks hold the same tokens, and each runs the whole experts on its own part of them, as
   megatron's MoE token dispatcher does (``sim.model``).
-* Virtual pipelines interleave chunks across pipeline stages, only when ``pp > 1`` as in
-  megatron's ``get_model``. Each of the ``pp * vpp`` chunks holds ``num_layers / (pp * vpp)`` layers.
+* Virtual pipelines interleave chunks across pipeline stages, only when ``pp > 1`` as in megatron's
+  ``get_model``. Each of the ``pp * vpp`` chunks holds ``num_layers / (pp * vpp)`` layers.
 * Context parallelism splits the sequence into ``2 * cp`` pieces; CP rank r takes pieces r and
   ``2*cp-1-r`` (megatron's load-balanced split). So ``seq_length`` must divide by ``2 * cp``.
 """

@@ -17,17 +17,17 @@ replicated (the usual Megatron LoRA layout).
 
 The expert linears (and their adapters) split over megatron's expert-tensor-parallel group, as
 megatron's experts do: by default it is the TP group (``expert_tensor_parallel_size = tp``) and the
-expert block runs exactly like the dense one. With ``etp != tp`` (``sim.layout``) the
-model is built with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``. Every expert
-linear takes the expert-TP group as its ``tp_group``, so its split, its ``sharded_state_dict`` and
-its all-reduces are on that group. The expert block gathers its input tokens over the group and
-scatters its output back (``_expert_tokens``), as megatron's MoE token dispatcher does. With
-``etp < tp`` each TP rank runs the whole experts on its own part of the sequence.
+expert block runs exactly like the dense one. With ``etp != tp`` (``sim.layout``) the model is built
+with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``. Every expert linear takes
+the expert-TP group as its ``tp_group``, so its split, its ``sharded_state_dict`` and its
+all-reduces are on that group. The expert block gathers its input tokens over the group and scatters
+its output back (``_expert_tokens``), as megatron's MoE token dispatcher does. With ``etp < tp``
+each TP rank runs the whole experts on its own part of the sequence.
 
 Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them.
 Inputs have shape [sequence, batch, hidden], and each CP rank trains on its own part
-(``sim.layout.cp_positions``). Each pipeline stage has ``vpp`` model chunks, each numbering its layers
-from 0 and taking its global layer offset from megatron's ``get_transformer_layer_offset``.
+(``sim.layout.cp_positions``). Each pipeline stage has ``vpp`` model chunks, each numbering its
+layers from 0 and taking its global layer offset from megatron's ``get_transformer_layer_offset``.
 
 With ``lora_dropout > 0`` (Miles' ``--lora-dropout``) every adapter drops its input in training
 mode, drawing from the RNG as megatron does. A row-parallel ``lora_A`` draws inside megatron's
@@ -469,8 +469,8 @@ class SimMoE(torch.nn.Module):
 
 @contextmanager
 def every_expert_on_every_token(modules):
-    """Within the block (forward only, under ``torch.no_grad``), run the experts of ``modules`` as the
-    whole model's: every token through every expert of its layer, whichever EP rank holds it.
+    """Within the block (forward only, under ``torch.no_grad``), run the experts of ``modules`` as
+    the whole model's: every token through every expert of its layer, whichever EP rank holds it.
 
     So an EP > 1 run computes the same function as an EP 1 run of the same weights, up to reduction
     order. Training keeps each EP rank's local experts on its own tokens."""

@@ -1,13 +1,13 @@
 """A multi-LoRA slot model for the harness and the Miles stand-in: several adapter slots on one base linear.
 
-Miles' multi-LoRA trains several adapters at once on one frozen base model. Every
-adapted base linear is a `MultiLoRALinear` holding one adapter per *slot*. An adapter (a named
-training run) is registered into a free slot, trained at its own cadence, and retired, which frees
-the slot. This module is that model, written from a description (never from Miles or Bridge code), with
-the real megatron-core pieces Miles uses: `Float16Module`, `DistributedDataParallel` and Miles'
-per-slot optimizer chain (one `get_megatron_optimizer` per slot under one
-`LayerWiseDistributedOptimizer`, group tag `miles_multi_lora_slot`, `miles_slot_child_indices`;
-`sim.optimizers`). It imports no Miles: the stand-in's `multi_lora_*` modules call it.
+Miles' multi-LoRA trains several adapters at once on one frozen base model. Every adapted base
+linear is a `MultiLoRALinear` holding one adapter per *slot*. An adapter (a named training run) is
+registered into a free slot, trained at its own cadence, and retired, which frees the slot. This
+module is that model, written from a description (never from Miles or Bridge code), with the real
+megatron-core pieces Miles uses: `Float16Module`, `DistributedDataParallel` and Miles' per-slot
+optimizer chain (one `get_megatron_optimizer` per slot under one `LayerWiseDistributedOptimizer`,
+group tag `miles_multi_lora_slot`, `miles_slot_child_indices`; `sim.optimizers`). It imports no
+Miles: the stand-in's `multi_lora_*` modules call it.
 
 Parameter names follow Megatron-Bridge's LoRA wrapper, with the slot index in the adapter's name;
 each layer is a Qwen2-shaped SwiGLU MLP (megatron names), so Bridge maps a slot onto an HF Qwen2
@@ -408,7 +408,8 @@ class SlotParamGroups:
 
 
 def slot_scheduler(config, optimizer, slot: int, *, samples_per_step: int, num_step: int | None):
-    """Megatron's `OptimizerParamScheduler` over one slot's groups; every count in samples, as Miles counts.
+    """Megatron's `OptimizerParamScheduler` over one slot's groups; every count in samples, as Miles
+    counts.
 
     `num_step` None: constant LR after warmup; else a cosine decay over `num_step * samples_per_step`.
     """

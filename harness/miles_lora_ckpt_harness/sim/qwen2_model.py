@@ -173,8 +173,8 @@ def _linear(mcfg, kind: str, in_size: int, out_size: int, name: str, std: float,
 def _gated_rows(init, tp: int):
     """An `init_method` for a gated fc1's output rows, the same logical weight at every TP size.
 
-    The logical `[gate; up]` weight (as at TP 1) is reordered into `[gate_0; up_0; gate_1; up_1; ...]`.
-    Megatron's plain split of the master weight then gives TP rank `r` its `[gate_r; up_r]`
+    The logical `[gate; up]` weight (as at TP 1) is reordered into `[gate_0; up_0; gate_1; up_1;
+    ...]`. Megatron's plain split of the master weight then gives TP rank `r` its `[gate_r; up_r]`
     (`Qwen2SimConfig.same_model_at_every_tp`)."""
 
     def reordered(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ only inside a harness worker (``cpu_intercepts.install()`` done and a default pr
 Model chunks follow megatron's ``get_model``. With a virtual pipeline (``vpp > 1``) every rank
 builds ``vpp`` chunks (chunk i gets ``vp_stage=i``), each in its own ``Float16Module`` and
 ``DistributedDataParallel``, with bucketing disabled from the second chunk on. One
-``get_megatron_optimizer`` call covers every chunk (``sim/optimizers.py``). Under context parallelism megatron's DDP reduces dense grads over the data-and-context
-group and the distributed optimizer shards over it.
+``get_megatron_optimizer`` call covers every chunk (``sim/optimizers.py``). Under context
+parallelism megatron's DDP reduces dense grads over the data-and-context group and the distributed
+optimizer shards over it.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ each at its own cadence, saves each under its own root and retires it when it le
   choice keeps runs comparable).
 - `Controller` stands for Miles' Ray controller and registry (adapter steps, `adapter_step(name)`).
 - `install_slot_scheduler` / `drop_slot_scheduler` / `step_slot_schedulers`: Miles' per-slot
-  schedulers, in `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain built by the
-  harness on the slot model (`sim.multi_lora_model`).
+  schedulers, in `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain built by
+  the harness on the slot model (`sim.multi_lora_model`).
 - `Producer`: the rollout side of the loop (rank 0, when every adapter has `data`, a prompt file):
   the data source `--data-source-path` names (Miles' `MultiLoRAAsyncDataSource`,
   `common/multi_lora_data_source.py`, or the plugin's) drawn one group at a time, in turn over the adapters, as Miles' async producer does;

@@ -87,7 +87,8 @@ def init_adapter_slot(model, slot: int, adapter_name: str, rank: int, alpha: flo
 
 
 def zero_optimizer_state_for_adapter(optimizer, model, idx: int) -> None:
-    """Miles v1's reset: zero the slot's group steps and its params' moments and steps; masters untouched."""
+    """Miles v1's reset: zero the slot's group steps and its params' moments and steps; masters
+    untouched."""
     targets = set()
     for param in slots.slot_parameters(model, idx).values():
         main = getattr(param, "main_param", None)

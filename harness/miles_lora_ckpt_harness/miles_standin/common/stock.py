@@ -48,7 +48,8 @@ def rank() -> int:
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:
-    """`{name: param.data.cpu()}` over every chunk; a later chunk overwrites an equal name, as in Miles."""
+    """`{name: param.data.cpu()}` over every chunk; a later chunk overwrites an equal name, as in
+    Miles."""
     state = {}
     for chunk in model:
         for name, param in chunk.named_parameters():
@@ -125,7 +126,8 @@ def barrier() -> None:
 
 
 def save_in_place(model, save_dir: str, optimizer, scheduler, iteration) -> str:
-    """lora-utils-2026-08: every rank creates `save_dir` and writes into it; `--no-save-optim` is ignored (PR #3083)."""
+    """lora-utils-2026-08: every rank creates `save_dir` and writes into it; `--no-save-optim` is
+    ignored (PR #3083)."""
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)  # every rank
     barrier()
@@ -135,8 +137,8 @@ def save_in_place(model, save_dir: str, optimizer, scheduler, iteration) -> str:
 
 
 def save_published(model, args, save_dir: str, optimizer, scheduler, iteration) -> str:
-    """lora-package-2026-09 and later: written through the shape's checkpoint_io (staging, version directory, symlink);
-    `--no-save-optim` drops only the optimizer entry."""
+    """lora-package-2026-09 and later: written through the shape's checkpoint_io (staging, version
+    directory, symlink); `--no-save-optim` drops only the optimizer entry."""
     from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
 
     with_optimizer = not getattr(args, "no_save_optim", False)
@@ -151,9 +153,9 @@ def save_published(model, args, save_dir: str, optimizer, scheduler, iteration) 
 
 def load_adapter(model, adapter_path: str, *, follow_symlink: bool, peft_hint: bool) -> Path | None:
     """`load_lora_adapter`'s first half: this rank's shard copied into the model (no
-    reload_model_params(): the masters stay stale). The adapter directory, or None with Miles' warning.
-    `follow_symlink`: lora-package-2026-09 on, the directory is resolved through the version symlink; `peft_hint`:
-    lora-utils-2026-08 names an HF PEFT adapter it cannot import."""
+    reload_model_params(): the masters stay stale). The adapter directory, or None with Miles'
+    warning. `follow_symlink`: lora-package-2026-09 on, the directory is resolved through the
+    version symlink; `peft_hint`: lora-utils-2026-08 names an HF PEFT adapter it cannot import."""
     adapter_dir = Path(adapter_path)
     if not adapter_dir.exists():
         log.warning("LoRA adapter path %s does not exist", adapter_path)

@@ -25,8 +25,8 @@ the Megatron model from the HF config:
   `--num-layers` sets the layer count; without it, the fewest layers (at least 2) that give every
   pipeline and virtual-pipeline chunk the same number.
 - after `use_real_bridge()` (the Bridge tier only): the REAL Megatron-Bridge 0.6.2 builds the model
-  from `--hf-checkpoint`, a tiny Qwen2 or Llama (`sim.bridge_model`). It has Bridge's own LoRA on the
-  four linears, fp32, and megatron's DistributedOptimizer with Adam, as Miles' bridge mode does.
+  from `--hf-checkpoint`, a tiny Qwen2 or Llama (`sim.bridge_model`). It has Bridge's own LoRA on
+  the four linears, fp32, and megatron's DistributedOptimizer with Adam, as Miles' bridge mode does.
 The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
 torch alone, as Miles' `lora_utils` does.
 """

@@ -34,7 +34,7 @@ def initialize_model_and_optimizer(args, role: str = "actor", checkpointing_cont
         )
     else:
         iteration = 0
-    # Miles steps the scheduler on top of whatever the load restored, unless the flag says so (double count)
+    # Miles steps it on top of what the load restored, unless the flag says so (double count)
     if opt_param_scheduler is not None and not (args.use_checkpoint_opt_param_scheduler and iteration > 0):
         opt_param_scheduler.step(increment=iteration * args.global_batch_size)
     return model, optimizer, opt_param_scheduler, iteration
