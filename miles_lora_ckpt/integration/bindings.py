@@ -70,6 +70,8 @@ class Binding:
 
 @dataclass
 class Plan:
+    """What `apply` will set for one shape: every binding, and notes for the log."""
+
     shape: Shape
     bindings: list[Binding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -80,6 +82,7 @@ class Plan:
 
 
 def is_replacement(obj: object) -> bool:
+    """Whether `obj` is one of the plugin's replacements (it carries its original)."""
     return callable(obj) and getattr(obj, _HANDLER, None) is not None
 
 

@@ -39,6 +39,8 @@ POST_SAVE_HOOK = "miles_lora_ckpt.hooks.post_save"
 
 @dataclass
 class Prepared:
+    """What the prepare phase decided on this rank, before anything in Miles changes."""
+
     config: PluginConfig
     shape: Shape
     plan: bindings.Plan

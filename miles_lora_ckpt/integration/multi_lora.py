@@ -187,6 +187,9 @@ def _v1_root(adapter) -> Path | None:
 
 
 def multi_lora_save(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It saves each due adapter's slot at its step (module docstring, v1)."""
+
     @functools.wraps(original)
     def save_multi_lora_checkpoints(args, model, adapter_steps, adapters):
         optimizer = _optimizer_of(model)
@@ -218,6 +221,9 @@ def multi_lora_save(original: Callable, target) -> Callable:
 
 
 def multi_lora_find_latest(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It returns the newest intact generation's step, agreed by every rank."""
+
     @functools.wraps(original)
     def find_latest_checkpoint(ckpt_dir):
         step = saver.latest_slot_step(ckpt_dir)
@@ -290,6 +296,9 @@ def _without_save(adapter):
 
 
 def multi_lora_register(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It runs Miles' slot init, then resumes the slot from its slot root."""
+
     @functools.wraps(original)
     def _register_adapter(adapter, model):
         original(_without_save(adapter), model)  # Miles' slot init (rank, alpha; fresh weights)
@@ -319,6 +328,9 @@ class _NoChainRefresh:
 
 
 def multi_lora_load_adapters(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It runs Miles' loop without the whole-chain refresh, then restores each slot's scheduler."""
+
     @functools.wraps(original)
     def load_adapters(args, model, optimizer, adapters):
         rt = runtime.current()
@@ -359,6 +371,9 @@ def _restore_slot_schedulers(optimizer, saved: dict[int, dict]) -> dict[int, int
 
 
 def multi_lora_deregister(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It makes the retiring adapter's final save, then clears the slot."""
+
     @functools.wraps(original)
     def _deregister_adapter(adapter, args, model, optimizer):
         module = _module(target)
@@ -426,6 +441,9 @@ def _local_slot_step(optimizer, children) -> int:
 
 
 def slot_save(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It saves one slot as a generation of the named path's root (v2)."""
+
     @functools.wraps(original)
     def save_slot(model, optimizer, slot, path):
         rt = runtime.current()
@@ -473,6 +491,9 @@ def _staged_slot_data_state(rt, root: Path, step: int, slot: int) -> dict | None
 
 
 def slot_load(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It restores the named generation into one slot; only the slot's children change (v2)."""
+
     @functools.wraps(original)
     def load_slot(model, optimizer, slot, path, load_optimizer):
         runtime.current().multi_lora_optimizers[id(model)] = optimizer

@@ -63,9 +63,11 @@ def current() -> Runtime:
 
 
 def installed() -> Runtime | None:
+    """The installed runtime, or None when the init hook has not run in this process."""
     return _current
 
 
 def set_current(runtime: Runtime | None) -> None:
+    """Install `runtime` as this process's runtime; None removes it."""
     global _current
     _current = runtime

@@ -71,6 +71,8 @@ def _agree_on_rank0(phase: str, fn: Callable, *args, consensus: Consensus | None
 
 
 def save_checkpoint_with_lora(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It commits a generation under the save root and writes Megatron's tracker."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -153,6 +155,8 @@ def wait_for_async_save(rt) -> None:
 
 
 def save_lora_checkpoint(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    Without an optimizer (`--save-hf`) it publishes a PEFT adapter into the export root."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -186,6 +190,8 @@ def save_lora_checkpoint(original: Callable, target) -> Callable:
 
 
 def save(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It refuses Miles' in-memory FT checkpoint for LoRA models."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -215,6 +221,8 @@ def _in_memory(context) -> bool:
 
 
 def load_checkpoint(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It runs Miles' base load, then restores the newest generation (`integration.resume`)."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -305,6 +313,8 @@ def _put_initial_adapter(rt, model) -> None:
 
 
 def load_lora_adapter(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It loads the adapter weights only (`--lora-adapter-path`, ref and teacher loads)."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -325,6 +335,9 @@ def load_lora_adapter(original: Callable, target) -> Callable:
 
 
 def load_training_state(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It refuses: Miles' version unpickles, and nothing of the plugin calls it."""
+
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         raise UnsupportedConfiguration(
@@ -336,6 +349,9 @@ def load_training_state(original: Callable, target) -> Callable:
 
 
 def initialize_model_and_optimizer(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It re-applies the scheduler state the load decided, so the scheduler is stepped once."""
+
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         rt = runtime.current()

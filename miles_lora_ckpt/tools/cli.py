@@ -49,6 +49,9 @@ documentation: docs/cli.md (every command and flag), docs/use-with-miles.md, doc
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `miles-lora-ckpt` on `argv` (default `sys.argv[1:]`); return the exit code, never raise.
+
+    An internal error prints one line (the traceback with `--debug`) and returns `EXIT_INTERNAL`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(argv)
@@ -103,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole `miles-lora-ckpt` parser, every command included (the docs check its flags)."""
     parser = argparse.ArgumentParser(
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "

@@ -36,6 +36,9 @@ def verify_report(path: str | Path) -> int:
 
 
 def cmd_verify(args) -> int:
+    """`verify`: take the parsed args, return `EXIT_OK` or `EXIT_DAMAGED`.
+
+    Raises NotACheckpoint for a path that holds no generation; the CLI exits `EXIT_USAGE` then."""
     several = _each_root(args, "path", cmd_verify)
     if several is not None:
         return several
@@ -143,6 +146,7 @@ def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
 
 
 def cmd_inspect(args) -> int:
+    """`inspect`: take the parsed args, print what a generation holds, return the exit code."""
     several = _each_root(args, "path", cmd_inspect)
     if several is not None:
         return several
@@ -197,6 +201,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ls(args) -> int:
+    """`ls`: take the parsed args, list a save root's generations, return the exit code."""
     several = _each_root(args, "root", cmd_ls)
     if several is not None:
         return several
@@ -308,6 +313,9 @@ def _slot_index(entry):
 
 
 def cmd_gc(args) -> int:
+    """`gc`: take the parsed args, prune the save root, return the exit code.
+
+    Raises NotACheckpoint when the path is not a save root."""
     several = _each_root(args, "root", cmd_gc)
     if several is not None:
         return several
