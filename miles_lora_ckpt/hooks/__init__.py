@@ -1,6 +1,7 @@
 """Entry points Miles loads by dotted path; all the logic lives in `miles_lora_ckpt.integration`.
 
-Add to the Miles launch command (every train actor process calls the first once)::
+Add both to the Miles launch command. Every train actor process calls the first once; the rollout
+manager builds its data source from the second::
 
     --custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init
     --data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource
