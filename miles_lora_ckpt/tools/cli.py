@@ -1,12 +1,10 @@
 """`miles-lora-ckpt`: operator tools. Runs on a login node: no megatron, Miles or GPU needed.
 
 The command never prints a traceback: every failure is one `ERROR ...` line and an exit code
-(`--debug` adds the traceback of an internal error). See `EXIT_CODES`. The login-node commands
-(`verify`, `inspect`, `ls`, `gc`) live in `root_commands`, which the demos also call. `verify-peft` and `export-peft`
-live in `peft_tools` (torch, transformers and peft are imported only when they run). `demo` and `bench`
-belong to the harness, a separate distribution (`miles-lora-ckpt-harness`, `harness/` in the source tree):
-this CLI names them and hands their arguments to it, imported only when one of them runs; without it
-they print one line saying what to install.
+(`EXIT_CODES`); `--debug` adds the traceback of an internal error. The login-node commands live in
+`root_commands`, `verify-peft` and `export-peft` in `peft_tools`. `demo` and `bench` belong to the
+harness, a separate distribution: the CLI hands their arguments to it, imported only when one of
+them runs. Without the harness they print one line saying what to install.
 """
 
 from __future__ import annotations
@@ -27,6 +25,11 @@ from miles_lora_ckpt.tools.root_commands import (
     cmd_verify,
 )
 
+__all__ = [
+    "main",
+    "build_parser",
+]
+
 EXIT_CODES = """\
 exit codes:
   0    OK (verify: intact; ls and inspect: listed; gc: done)
@@ -46,6 +49,9 @@ documentation: docs/cli.md (every command and flag), docs/use-with-miles.md, doc
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `miles-lora-ckpt` on `argv` (default `sys.argv[1:]`); return the exit code, never raise.
+
+    An internal error prints one line (the traceback with `--debug`) and returns `EXIT_INTERNAL`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(argv)
@@ -100,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole `miles-lora-ckpt` parser, every command included (the docs check its flags)."""
     parser = argparse.ArgumentParser(
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "

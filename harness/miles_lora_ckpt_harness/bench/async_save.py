@@ -1,8 +1,8 @@
 """The bench's `async` section: how long an asynchronous save blocks training, against a synchronous save.
 
-W=--async-world (2) real processes with megatron's DistributedOptimizer (the sim harness, a LoRA
-whose one bucket is about --async-bucket-mib MiB of fp32, one training step taken). Each of
---repeats rounds, barrier to barrier on every rank, in an order rotated from round to round:
+W=--async-world (2) real processes run megatron's DistributedOptimizer on a LoRA whose one bucket
+is about --async-bucket-mib MiB of fp32, after one training step. Each of --repeats rounds runs
+these, barrier to barrier on every rank, in an order rotated from round to round:
 
     sync     `save_lora_checkpoint` of the state, until it returns (committed)
     async    `AsyncSaver.save` of the same state, until it returns (the snapshot: training is

@@ -1,9 +1,9 @@
 """The bench's `distckpt` section: the plugin against megatron-core's `dist_checkpointing`.
 
-For W in --distckpt-worlds (2,4): W real processes (gloo) with megatron's DistributedOptimizer
-(the sim harness: a bf16 LoRA whose one bucket is about --distckpt-bucket-mib MiB of fp32, one
-training step taken). Each of --repeats rounds, barrier to barrier on every rank, in an order
-rotated from round to round, on the same storage (--dir, or a temporary folder):
+For W in --distckpt-worlds (2,4), W real processes (gloo) run megatron's DistributedOptimizer on a
+bf16 LoRA whose one bucket is about --distckpt-bucket-mib MiB of fp32, after one training step.
+Each of --repeats rounds runs these on the same storage (--dir, or a temporary folder), barrier to
+barrier on every rank, in an order rotated from round to round:
 
     ours save     `save_lora_checkpoint` (adapter, fp32 masters, moments, steps, scheduler)
     dc save       `megatron.core.dist_checkpointing.save` of the same state: the trainable
@@ -17,16 +17,16 @@ rotated from round to round, on the same storage (--dir, or a temporary folder):
                   scheduler's `load_state_dict` (what Megatron-LM's load does with it)
 
 Before each load the files' pages are dropped from the page cache (posix_fadvise DONTNEED). Then
-the run is rebuilt at TP 2 (DP W/2), loads the last TP 1 save of ours and saves it again at TP 2
-(untimed); each of --repeats rounds, in an order rotated from round to round, it loads the TP 1
-save (a resharding load) and the TP 2 save (a same-layout load at the layout it loads into).
+the run is rebuilt at TP 2 (DP W/2), loads the last TP 1 save of ours and saves it again at TP 2,
+untimed. Each of --repeats rounds then loads the TP 1 save (a resharding load) and the TP 2 save (a
+same-layout load), in an order rotated from round to round.
 
-Prints, from the medians over rounds of the slowest rank's times,
-`DISTCKPT W=<w> save/ours=<x> load/ours=<y>` (dist_checkpointing's time over ours) and
-`RESHARD W=<w> load/same=<z>` (our resharding load's time over our same-layout load at TP 2, DP
-W/2: what changing the layout costs; also printed over the TP 1 same-layout load above), with each
-rank's bytes read (`rchar` of /proc/self/io) and median process CPU seconds (`time.process_time`)
-of both loads: less sensitive than wall time to other work on the machine.
+It prints, from the medians over rounds of the slowest rank's times,
+`DISTCKPT W=<w> save/ours=<x> load/ours=<y>`: dist_checkpointing's time over ours. It prints
+`RESHARD W=<w> load/same=<z>`: our resharding load's time over our same-layout load at TP 2, which
+is what changing the layout costs; it is also printed over the TP 1 same-layout load. Each rank's
+bytes read (`rchar` of /proc/self/io) and median process CPU seconds of both loads come with them,
+being less sensitive than wall time to other work on the machine.
 
 With --distckpt-profile DIR, rank 0 runs our loads under cProfile (the timed figures then include
 the profiler's overhead) and writes `DIR/W{w}-same.prof` (the same-layout loads) and
@@ -170,10 +170,12 @@ def _config(world: int, bucket_mib: float, tp: int):
 
 
 def model_sharded_state_dict(run) -> dict:
-    """`{global name: ShardedTensor}` of every trainable parameter: megatron's own global shape and
-    offsets (`megatron.param_blocks`), the parameter itself as data (dist_checkpointing loads into
-    it, and the optimizer's fully_reshardable state finds its parameters by it); DP replicas (and TP
-    replicas of a replicated factor) marked as such, so each element is written once."""
+    """`{global name: ShardedTensor}` of every trainable parameter, with megatron's own global shape
+    and offsets (`megatron.param_blocks`).
+
+    The data is the parameter itself: dist_checkpointing loads into it, and the optimizer's
+    fully_reshardable state finds its parameters by it. DP replicas, and TP replicas of a replicated
+    factor, are marked as such, so each element is written once."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedTensor

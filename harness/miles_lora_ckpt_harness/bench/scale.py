@@ -1,11 +1,11 @@
 """The bench's `scale` section: how the protocol's cost grows with the state size and the world size.
 
 For each world size W of --scale-worlds, one job of W real processes (gloo, no megatron) sweeps
-every size S of --scale-sizes-mib: each rank is a DP root holding S MiB of adapter- and
-optimizer-like tensors (as the `ratio` section's). Each of --scale-repeats rounds runs, barrier to
-barrier on every rank and in an order rotated from round to round, a raw write + fsync of the same
-bytes and the protocol save, then a raw read and the protocol's verified load (page cache dropped
-before every read). Per point it prints one line:
+every size S of --scale-sizes-mib. Each rank is a DP root holding S MiB of adapter- and
+optimizer-like tensors, as in the `ratio` section. Each of --scale-repeats rounds runs a raw write
++ fsync of the same bytes and the protocol save, then a raw read and the protocol's verified load.
+They run barrier to barrier on every rank, in an order rotated from round to round, with the page
+cache dropped before every read. Per point it prints one line:
 
     SCALE W=<w> size=<s>MiB/root save/raw=<x> load/raw=<y> consensus save=<c>s load=<d>s
           manifest=<m>KiB peak save=<p>MiB load=<q>MiB ...

@@ -1,12 +1,12 @@
 """A TEST DOUBLE of Megatron-Bridge's adapter export, for the CPU harness. It is not Megatron-Bridge.
 
-The real Megatron-Bridge 0.6.2 runs here only in the Bridge tier (`make tier-bridge`, with the
-shims of `sim.bridge_shims`); tiers 1 and 2 and the demos drive the PEFT export path through this
-double, written from Bridge's documented contract. Where the two overlap (NVIDIA's two-item export
-of a dense Qwen2/Llama decoder at TP=1, TP=2 and PP=2), `tests/test_bridge_real.py` compares them on
-the same real-Bridge-built models: the same names, each once, the same values, and the same order
-within each Megatron module; a negative control shows an altered double fails. What the double has
-that 0.6.2 lacks, and why it stays:
+The real Megatron-Bridge 0.6.2 runs here only in the Bridge tier (`make tier-bridge`, with the shims
+of `sim.bridge_shims`); tiers 1 and 2 and the demos drive the PEFT export path through this double,
+written from Bridge's documented contract. Where the two overlap (NVIDIA's two-item export of a
+dense Qwen2/Llama decoder at TP=1, TP=2 and PP=2), `tests/test_bridge_real.py` compares them on the
+same real-Bridge-built models. They give the same names, each once, the same values, and the same
+order within each Megatron module; a negative control shows an altered double fails. What the double
+has that 0.6.2 lacks, and why it stays:
 
 - the Miles fork's shape (`ForkAutoBridgeDouble`): three-item `(hf_name, weight, megatron_name)`
   tuples and the fork's narrower signature (the fork, radixark/Megatron-Bridge@7f0fb345, is not
@@ -14,13 +14,16 @@ that 0.6.2 lacks, and why it stays:
 - `multi_lora_layers.expose_adapter_slot` (only on Bridge `main`, not in 0.6.2);
 - `expand_shared_outer` in the export signature (Bridge `main`; 0.6.2 has no such parameter).
 
-Where it is still used, and why (the real Bridge is the default wherever it can run the scenario):
-`tests/test_peft_export.py` (the harness's Qwen2-shaped model, whose LoRA is ours and which 0.6.2
-cannot export; the fp64 reference; the fork's tuples), the Miles stand-in launches of
-`tests/test_miles_peft.py` in tiers 1 and 2 (the bf16 harness model; the fork's tuples; a Miles
-without Bridge; in the Bridge tier two of them run on the real Bridge), the multi-LoRA slot exports
-(`expose_adapter_slot`) and the real-Miles launches (`realmiles`: megatron-core 0.16.1, with
-which 0.6.2 does not import).
+The real Bridge is the default wherever it can run the scenario. The double is still used where
+it cannot, each for its reason:
+
+- `tests/test_peft_export.py`: the harness's Qwen2-shaped model, whose LoRA 0.6.2 cannot export;
+  the fp64 reference; the fork's tuples.
+- the Miles stand-in launches of `tests/test_miles_peft.py` in tiers 1 and 2: the bf16 harness
+  model, the fork's tuples, a Miles without Bridge. In the Bridge tier two of them run on the real
+  Bridge.
+- the multi-LoRA slot exports (`expose_adapter_slot`).
+- the real-Miles launches (`realmiles`), on megatron-core 0.16.1, with which 0.6.2 does not import.
 
 Every remaining difference from the real 0.6.2 where they overlap:
 
@@ -30,22 +33,22 @@ Every remaining difference from the real 0.6.2 where they overlap:
   `lora_A` before `lora_B`, q/k/v and gate/up in that order. The plugin never depends on the order
   (ranks only have to agree with each other).
 - Collectives: the double exchanges JSON lists over the PP group, all-gathers TP shards and
-  broadcasts from the owning stage; 0.6.2 runs its own gathers. The export's fault matrix (a raise
-  at every phase on every rank, a rank killed inside the collective export) runs on the real
-  0.6.2 in `tests/test_bridge_real.py`.
+  broadcasts from the owning stage; 0.6.2 runs its own gathers. The export's fault matrix runs on
+  the real 0.6.2 in `tests/test_bridge_real.py`: a raise at every phase on every rank, and a rank
+  killed inside the collective export.
 - `from_hf_pretrained` reads `config.json` only (no weights), and maps only `Qwen2ForCausalLM` and
   `LlamaForCausalLM` dense decoders: no MoE experts, no virtual pipeline chunks, no other families.
 - `peft_bridge` helpers raise on 3-D expert stacks (0.6.2 packs them).
 - Compared at fp32 only (the real-Bridge tests build fp32 models); the double yields each
   parameter's own dtype.
 
-Its parts, written from the contract:
+Its parts, written from Bridge's documentation:
 
 - `AutoBridgeDouble.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy,
-  collective generator: pipeline stages exchange what they hold, tensor-parallel shards of every
-  adapter tensor are all-gathered over the TP group (gloo here), the owning stage broadcasts to the
-  others, and every rank yields the same full tensors in the same order. Fused QKV is split into
-  `q_proj`/`k_proj`/`v_proj` (one shared `lora_A`), fused fc1 into `gate_proj`/`up_proj`.
+  collective generator. Pipeline stages exchange what they hold, and the tensor-parallel shards of
+  every adapter tensor are all-gathered over the TP group (gloo here). The owning stage broadcasts
+  to the others, and every rank yields the same full tensors in the same order. Fused QKV is
+  split into `q_proj`/`k_proj`/`v_proj` (one shared `lora_A`), fused fc1 into `gate_proj`/`up_proj`.
   NVIDIA's shape yields `(param_name, weight)` named tuples; the fork's (`ForkAutoBridgeDouble`)
   yields `(hf_name, weight, megatron_name)` and has the fork's narrower signature.
 - `peft_bridge`: the four documented pure conversion helpers.

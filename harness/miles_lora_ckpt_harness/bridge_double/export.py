@@ -1,9 +1,9 @@
-"""TEST DOUBLE of `AutoBridge.export_adapter_weights` (Megatron -> HF adapter names), from the contract.
+"""TEST DOUBLE of `AutoBridge.export_adapter_weights` (Megatron -> HF names), from Bridge's docs.
 
-Collective and lazy, like Bridge: on the first `next()` the pipeline stages exchange which adapter
-modules they hold (JSON in uint8 tensors over the PP group; no pickle); then, for every module in one
-global order, the owning stage all-gathers each tensor-parallel shard over the TP group
-(`param.partition_dim` says along which dimension) and broadcasts the full tensor to the other stages.
+Collective and lazy, like Bridge. On the first `next()` the pipeline stages exchange which adapter
+modules they hold, as JSON in uint8 tensors over the PP group (no pickle). Then, for every module in
+one global order, the owning stage all-gathers each tensor-parallel shard over the TP group along
+`param.partition_dim`, and broadcasts the full tensor to the other stages.
 Every rank yields the same tensors in the same order. Names map as Bridge maps a Qwen2/Llama decoder::
 
     decoder.layers.{i}.self_attention.linear_qkv  -> model.layers.{i}.self_attn.{q,k,v}_proj  (split per query group)
@@ -34,7 +34,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 class AutoBridgeDouble:
-    """Stands in for NVIDIA Megatron-Bridge's `AutoBridge` (main, 2026-08): two-item named tuples."""
+    """NVIDIA Megatron-Bridge's `AutoBridge` (Bridge `main`, after 0.6.2): two-item named tuples."""
 
     IS_TEST_DOUBLE = True
 

@@ -1,6 +1,6 @@
 """TEST DOUBLE of `megatron.bridge.models.conversion.peft_bridge`: the four documented pure helpers.
 
-Written from the contract in bridge-and-peft.md (not from Bridge's source): HF names without PEFT's
+Written from Bridge's documentation, not from its source. HF names without PEFT's
 prefix in, PEFT keys (`base_model.model.` + name) out; `lora_A` is [r, in], `lora_B` [out, r]. The
 double packs no fused 3-D expert stacks (it raises); the exporter refuses those before converting.
 """

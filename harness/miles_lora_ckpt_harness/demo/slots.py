@@ -1,13 +1,13 @@
 """`miles-lora-ckpt demo --slots N`: multi-LoRA on the CPU harness, killed mid-save, resumed per slot, bit-exact.
 
-N adapter slots share one base model (the harness deals its layers round-robin to the slots; each
-slot has its own LayerWise children and its own scheduler, and trains on its own data, one slot at
-a time, as Miles' multi-LoRA steps them: `sim.slots`). Each slot has its own slot root
-`DIR/ckpt/adapters/slot<k>/checkpoints` (Miles v1's `{save}/adapters/{name}/checkpoints`) and its
-own cadence: the last slot saves every --save-every steps, slot k < N-1 every --save-every + 1 + k.
-The last slot is retired right after its first save (a final save of the same step: the
-generation is replaced atomically and `step_N` swapped), sits out one round, and is registered
-again (restored from its slot root) while the others train on.
+N adapter slots share one base model, whose layers the harness deals round-robin to the slots. Each
+slot has its own LayerWise children and scheduler, and trains on its own data, one slot at a time,
+as Miles' multi-LoRA steps them (`sim.slots`). Each slot has its own slot root
+`DIR/ckpt/adapters/slot<k>/checkpoints`, as Miles v1's `{save}/adapters/{name}/checkpoints`. Each
+has its own cadence: the last slot saves every --save-every steps, slot k < N-1 every --save-every +
+1 + k. The last slot is retired right after its first save, with a final save of the same step that
+replaces the generation atomically. It sits out one round and is registered again, restored from its
+slot root, while the others train on.
 
     reference  every slot trains --steps steps, uninterrupted, never retired -> DIR/reference.json
     train      the schedule above with every save and the retirement; with --crash-at, rank
@@ -19,7 +19,7 @@ again (restored from its slot root) while the others train on.
 
 The last line is `RESULT: bit-exact` (every slot), `RESULT: MISMATCH slot<k>:<tensor>` or
 `RESULT: ERROR <reason>`. `--chain-slots 2` is the single-LoRA demo with two slots' children saved
-together as one generation (issue 10's chain case).
+together as one generation (the chain case).
 """
 
 from __future__ import annotations

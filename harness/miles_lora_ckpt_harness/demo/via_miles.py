@@ -17,16 +17,16 @@ With --steps N rollouts of 2 optimizer steps each and --save-every K (Miles' --s
 --without-plugin runs the same scenario on stock Miles: no init hook; the relaunch adds
 --lora-adapter-path <newest iter_*/adapter>, the edit a stock user must make by hand.
 
---export-peft: --hf-checkpoint is a tiny HF Qwen2 (DIR/hf-base, built from a config, no hub), so
-the stand-in trains the Qwen2-shaped harness model (TP=2 where the world allows it unless --tp is given;
---adapters dense adapts q/k/v/o, mixed all linears), with Megatron-Bridge (the harness's double)
-in every rank. The config sets `export.peft = true`, so every committed generation holds peft/,
-and the command adds `--save-hf DIR/miles/hf-out/{rollout_id}`, whose adapter/latest is an HF PEFT
-adapter. After the relaunch, the newest generation's peft/ and the last --save-hf adapter are
-loaded with the real PEFT onto DIR/hf-base (`PEFT: loadable (0 missing, 0 unexpected)` and
-`--save-hf PEFT: loadable (...)`); a PEFT adapter that does not load ends `RESULT: MISMATCH`.
---export-peft --without-plugin is a usage error (exit 2): stock Miles' export (a pickled
-adapter_model.bin that PEFT cannot load, its errors swallowed) is not imitated by the stand-in.
+--export-peft: --hf-checkpoint is a tiny HF Qwen2 (DIR/hf-base, built from a config, no hub). The
+stand-in then trains the Qwen2-shaped harness model, at TP=2 where the world allows it unless --tp
+is given, with the harness's Bridge double in every rank. --adapters dense adapts q/k/v/o, mixed
+all linears. The config sets `export.peft = true`, so every committed generation holds peft/. The
+command adds `--save-hf DIR/miles/hf-out/{rollout_id}`, whose adapter/latest is an HF PEFT adapter.
+After the relaunch, the real PEFT loads the newest generation's peft/ and the last --save-hf
+adapter onto DIR/hf-base (`PEFT: loadable (0 missing, 0 unexpected)`, `--save-hf PEFT: loadable
+(...)`). A PEFT adapter that does not load ends `RESULT: MISMATCH`. --export-peft --without-plugin
+is a usage error (exit 2): the stand-in does not imitate stock Miles' export, a pickled
+adapter_model.bin that PEFT cannot load.
 
 --miles-shape miles-rl-0.0.2: the real Miles wheel's modules instead of a stand-in tree (its
 `lora_utils`, `checkpoint`, `model`; `realmiles/launch.py`), from the real-Miles tier folder that
@@ -35,11 +35,12 @@ Stock 0.0.2 has no fault points: with --without-plugin the stock launch is kille
 (crash rollout + 1) trained, before its save, so the stock save of the crash rollout is complete.
 
 Every launch's rollout manager (rank 0, `miles_standin/common/rollout.py`) runs a data source in
-Miles' order over DIR/miles/prompts.jsonl, over-sampling with partial rollouts (aborted groups go
-back to the buffer): with the plugin `--data-source-path miles_lora_ckpt.hooks.CheckpointedDataSource`
-over the stand-in shapes' `PromptSource`, or over the wheel's `RolloutDataSourceWithBuffer` with
---miles-shape miles-rl-0.0.2. After the relaunch the demo prints the prompt indices each rollout
-drew, reference and resumed, and a `PROMPTS:` line; a rollout that drew other prompts is a MISMATCH.
+Miles' order over DIR/miles/prompts.jsonl. It over-samples with partial rollouts, so aborted groups
+go back to the buffer. With the plugin, `--data-source-path
+miles_lora_ckpt.hooks.CheckpointedDataSource` wraps the stand-in shapes' `PromptSource`, or the
+wheel's `RolloutDataSourceWithBuffer` with --miles-shape miles-rl-0.0.2. After the relaunch the
+demo prints the prompt indices each rollout drew, reference and resumed, and a `PROMPTS:` line. A
+rollout that drew other prompts is a MISMATCH.
 
 The output ends with `ROLLOUT: resumed at <id>` and `RESULT: bit-exact` (exit 0) or
 `RESULT: MISMATCH <what>` (exit 1). With --slots N the Miles multi-LoRA demo runs instead

@@ -1,9 +1,8 @@
 """`miles-lora-ckpt demo --via miles --tp 2 --resume-tp 1 --resume-world-size 1`: resharding through Miles.
 
-The `--via miles` demo (`demo.via_miles`) with its launch 2 at another layout: the user's launch
-command with other Megatron parallel sizes (tensor, pipeline, virtual pipeline, expert, expert
-tensor) and/or another number of ranks (data parallelism follows), the plugin's init hook
-resharding the newest committed generation at the load. Phases:
+The `--via miles` demo (`demo.via_miles`) with its launch 2 at another layout. Launch 2 is the
+user's launch command with other Megatron parallel sizes or another number of ranks, and the
+plugin's init hook reshards the newest committed generation at the load. Phases:
 
     reference  the training uninterrupted at the saved layout, no checkpoints; after each rollout
                the global view of the trainable state (`sim.global_view`: every adapter weight,
@@ -13,17 +12,17 @@ resharding the newest committed generation at the load. Phases:
                its global view right after init must equal the reference's at the rollout loaded
 
 The output ends with `ROLLOUT: resumed at <id>`, `RESULT: bit-exact` (exit 0), `RESULT: MISMATCH
-<first differing global tensor>` or `RESULT: ERROR <reason>` (exit 1), then `LOSS: max relative
-difference <x> over <n> steps` (rank 0's losses after the load against the reference's: another TP
-changes the reduction order, another DP size the data each rank trains on).
+<first differing global tensor>` or `RESULT: ERROR <reason>` (exit 1). Then comes `LOSS: max
+relative difference <x> over <n> steps`: rank 0's losses after the load against the reference's.
+Another TP changes the reduction order, another DP size the data each rank trains on.
 
 Every `--resume-*` axis goes through Miles (TP, PP, EP, expert TP, VPP, world size), and both
-launches train the same model: when either has expert parallelism, both pass Megatron-LM's
-`--num-experts` (the least common multiple of the two EP sizes; the stand-in then numbers its
-experts globally, as megatron's MoE layer does), and when the pipeline layouts differ, both pass
-Megatron-LM's `--num-layers` (the fewest layers, at least 2, that every model chunk of both
-divides). Stock Miles (`--without-plugin`) has no resharding load, and the real wheel's launch
-(`--miles-shape miles-rl-0.0.2`) has no global-view probe: both are usage errors (exit 2).
+launches train the same model. When either has expert parallelism, both pass Megatron-LM's
+`--num-experts`, the least common multiple of the two EP sizes; the stand-in then numbers its
+experts globally, as megatron's MoE layer does. When the pipeline layouts differ, both pass
+Megatron-LM's `--num-layers`: the fewest layers, at least 2, that every model chunk of both divides.
+Stock Miles (`--without-plugin`) has no resharding load, and the real wheel's launch (`--miles-shape
+miles-rl-0.0.2`) has no global-view probe: both are usage errors (exit 2).
 """
 
 from __future__ import annotations

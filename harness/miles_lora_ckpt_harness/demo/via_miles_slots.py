@@ -18,11 +18,11 @@ Miles' `--save-interval` (in adapter steps). Each adapter's slot root is
     all        the three (default)
 
 --export-peft: `--hf-checkpoint` is a tiny HF Qwen2 whose MLPs have the slot model's shapes
-(DIR/miles-slots/hf-base, built from a config, no hub) and the config sets `export.peft = true`:
-every slot save also exports the slot through Megatron-Bridge (the harness's double) at the top of
-its generation, Miles v1's stock names. After the relaunch, each adapter's newest checkpoint, by
-the name Miles' readers use (v1 `<slot root>/step_N`, v2 `<adapter save>/current`), is loaded as is
-with the real HF PEFT onto that base: `PEFT: loadable (0 missing, 0 unexpected)` per slot.
+(DIR/miles-slots/hf-base, built from a config, no hub), and the config sets `export.peft = true`.
+Every slot save then also exports the slot through the harness's Bridge double, at the top of its
+generation under Miles v1's stock names. After the relaunch, the real HF PEFT loads each adapter's
+newest checkpoint as is onto that base, by the name Miles' readers use (v1 `<slot root>/step_N`, v2
+`<adapter save>/current`). It prints `PEFT: loadable (0 missing, 0 unexpected)` per slot.
 
 Ends with `RESULT: bit-exact` (exit 0) or `RESULT: MISMATCH <slot>:<tensor>` (exit 1).
 `--without-plugin` runs stock Miles (no init hook): its relaunch resumes the adapters without

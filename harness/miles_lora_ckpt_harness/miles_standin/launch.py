@@ -3,19 +3,19 @@
 The job runs the stand-in's driver (Miles' train.py) with `payload["argv"]`, the shape directory
 already on sys.path and the launch's environment (e.g. `MILES_LORA_CKPT_CONFIG`) already set by
 the launcher, exactly as a user's launch command would run. Miles' GPU image has Megatron-Bridge,
-so every rank first installs the Bridge double as `megatron.bridge` (`bridge_double`; variant
-`payload["bridge"]`: "nvidia" by default, "fork", or None for a Miles without Bridge; "real" in the
-Bridge tier: the real Megatron-Bridge 0.6.2 builds the model and exports it, no double). The harness
-observes the run through the driver's probe, and may SIGKILL one rank during one save, or make it
-raise there (`payload["crash"]`):
+so every rank first installs the Bridge double as `megatron.bridge`. `payload["bridge"]` picks the
+variant: "nvidia" by default, "fork", or None for a Miles without Bridge. "real", in the Bridge
+tier, has the real Megatron-Bridge 0.6.2 build the model and export it. The harness observes the run
+through the driver's probe. It may SIGKILL one rank during one save, or make it raise there
+(`payload["crash"]`):
 
     {"argv": [...], "crash": {"rollout": 5, "rank": 1, "phase": "mid-write", "action": "kill"} | None,
      "send_ckpt": false, "bridge": "nvidia", "drop": ["miles.backends.megatron_utils.lora_utils._load_training_state"],
      "views": false, "hf_merged_fails": [1]}
 
 `drop` (optional) derives a tree variant from the shape: each named function is deleted from its
-module before the launch, e.g. the 2026-08 tree without `_load_training_state` of PR #1792's branch
-and current working branches (contract §10.6).
+module before the launch. An example is the lora-utils-2026-08 tree without `_load_training_state`,
+as PR #1792's branch and current working branches have it.
 
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; stock Miles' save has
 `before-write`, `mid-write` and `after-write`), a PEFT export phase (`core.faults.PEFT_PHASES`), or
@@ -25,13 +25,12 @@ is "kill" (default) or "raise" (`core.faults.InjectedFault`).
 `hf_merged_fails` (optional): the rollouts at which the merged-model half of Miles' `--save-hf`
 export (`save_hf_model`, `common.hf_merged`) fails on every rank, as a failed Bridge export would.
 
-Each rank returns: the start rollout, the rollouts trained and their losses by global step, digests
-of every training-state tensor after init, at each save and at the end (`sim.snapshot`), whether
-the fp32 masters equal the adapter after init, the scheduler's step count after init, the adapter
-digests of ref / old-actor loads, what the plugin installed (when it is installed), and how many
-times Miles' `patch_megatron_model` (the context of every Bridge call) was entered. With `views`
-(the resharding demo, `demo.via_miles_reshard`) also the layout-independent global view
-(`sim.global_view`: digests of every global adapter weight, master and moment, steps, param groups)
+Each rank returns the start rollout, the rollouts trained and their losses by global step. It
+returns digests of every training-state tensor after init, at each save and at the end
+(`sim.snapshot`). It says whether the fp32 masters equal the adapter after init, and gives the
+scheduler's step count after init and the adapter digests of ref and old-actor loads. It also
+reports what the plugin installed and how many times Miles' `patch_megatron_model` was entered.
+With `views` (the resharding demo) it adds the layout-independent global view (`sim.global_view`)
 after init (`view_after_init`) and after each rollout trained (`views`, by rollout id).
 """
 

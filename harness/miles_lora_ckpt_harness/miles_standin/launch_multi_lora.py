@@ -13,13 +13,14 @@ Miles' GPU image has Megatron-Bridge, so every rank first installs the harness's
 `payload["bridge"]`: "nvidia" by default, "fork", or None for a Miles without Bridge).
 
 `phase` is a save phase of the plugin's protocol (`core.faults.SAVE_PHASES`; the stock saves have
-before-write, mid-write and after-write). Each rank returns, per adapter, the digests of its slot's
-state (adapter, masters, moments, steps, scheduler; `slot_digests`) after every one of its steps,
-the final digests, those of a slot as it retires (`retired`) and as it comes back (`joined`, right
-after its resume), the steps it trained, what the plugin installed, and (v1) what
-`find_latest_checkpoint` returns for every adapter at the end; with prompt files (rank 0), the prompt
-indices each adapter's steps trained on (`prompts`: adapter -> step -> indices), also appended, one
-JSON line a step, to `payload["prompts_log"]` when given (a killed launch keeps what it trained).
+before-write, mid-write and after-write).
+
+Each rank returns, per adapter, the digests of its slot's state (`slot_digests`) after every one of
+its steps and at the end. It adds those of a slot as it retires (`retired`) and as it comes back
+(`joined`, right after its resume), the steps it trained and what the plugin installed. Under v1 it
+also returns what `find_latest_checkpoint` gives for every adapter at the end. With prompt files,
+rank 0 returns the prompt indices each adapter's steps trained on (`prompts`). It also appends them,
+one JSON line a step, to `payload["prompts_log"]` when given, so a killed launch keeps them.
 """
 
 from __future__ import annotations

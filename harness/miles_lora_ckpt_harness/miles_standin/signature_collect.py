@@ -1,16 +1,15 @@
 """The functions and methods one Miles tree exposes, by dotted name, for the signature checks.
 
-`collect(tree)` imports every module of a stand-in shape directory (or, with `source`, the same
-module names from another `miles` on sys.path, e.g. the real miles-rl wheel) and returns each
-function and each method (`__init__` and the non-dunder ones) of each class found in a module's
+`collect(tree)` imports every module of a stand-in shape directory, or with `source` the same
+module names from another `miles` on sys.path, such as the real miles-rl wheel. It returns each
+function and each method (`__init__` and the non-dunder ones) of each class in a module's
 namespace, named `module.function` or `module.Class.method`. Run it in a process of its own: the
 shape directories all hold a package named `miles`.
 
-Which names it keeps (`scope`): "own", what the stand-in defines for that module (in the tree or in
-`common/`, exposed there), not what a module imports from another `miles.*` module (compared where
-it is defined) nor from elsewhere (torch, ...); "miles", also what it imports from other `miles.*`
-modules (what a module binds by name); "all", every function and class member in the namespace
-(the wheel: its modules import from packages the stand-in has no counterpart of).
+`scope` says which names it keeps. "own" keeps what the stand-in defines for that module, in the
+tree or in `common/`, and not what it imports. "miles" adds what it imports from other `miles.*`
+modules, which a module binds by name. "all" keeps every function and class member in the
+namespace; the wheel needs it, because its modules import from packages the stand-in lacks.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""Facts: the signatures of the real Miles 2026-08 functions the stand-ins define, and what they define that it lacks.
+"""Facts: the real Miles signatures the stand-ins define, and what they define that Miles lacks.
 
-Read from radixark/miles at commit `SOURCE_COMMIT` (2026-08-21, the snapshot the 2026-08 shape
-stands for; contract §0) as `ast` writes a `def`'s parameters without annotations (names, order,
-kinds, default values as written), with the file and line of the `def`. Only signatures are recorded
-here, no Miles code. `tests/test_miles_standin_signatures.py` compares every stand-in function
-(`signature_collect.collect`, all three shape directories) with this table;
-`scripts/check_standin_signatures.py` re-reads a mirror of the Miles repository and reports where
-this table, or the stand-ins' list of modules, no longer says what the source says.
+Read from radixark/miles at commit `SOURCE_COMMIT` (31f1ca961a94, the snapshot the
+`lora-utils-2026-08` shape stands for), as `ast` writes a `def`'s parameters without annotations,
+with the file and line of the `def`. Only signatures are recorded here, no Miles code.
+`tests/test_miles_standin_signatures.py` compares every stand-in function of all three shape
+directories with this table. `scripts/check_standin_signatures.py` re-reads a Miles mirror and
+reports where this table, or the list of stand-in modules, no longer says what the source says.
 
-The 2026-09 package layout and the positional-args PR change only modules the 2026-08 source does not
-have (`lora/`, `function_registry`, `training_utils/checkpoint_io`, `utils/lora/utils`; §10.1-10.6):
-every stand-in function in a module listed in `SOURCE_MODULES`, in any of the three shapes, is
-compared with this one table.
+The other two shapes change only modules this source does not have (`lora/`, `function_registry`,
+`training_utils/checkpoint_io`, `utils/lora/utils`). So every stand-in function in a module of
+`SOURCE_MODULES`, in any shape, is compared with this one table.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from __future__ import annotations
 SOURCE_REPOSITORY = "radixark/miles"
 SOURCE_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
 
-# the stand-in modules (any shape) that the 2026-08 source has, as a module or a package
+# the stand-in modules (any shape) that the source at SOURCE_COMMIT has, as a module or a package
 SOURCE_MODULES = frozenset(
     {
         "miles",
@@ -198,7 +196,7 @@ SIGNATURES_2026_08 = {
     ),
 }
 
-# names a stand-in defines in a module of SOURCE_MODULES that the 2026-08 source does not define there
+# names a stand-in defines in a SOURCE_MODULES module that the source at SOURCE_COMMIT lacks there
 NOT_DEFINED_IN_SOURCE = {
     "miles.backends.megatron_utils.actor.WeightBackups.__init__": "harness record of the ref/old-actor loads; Miles uses TensorBackuper",
     "miles.backends.megatron_utils.actor.WeightBackups.loading": "harness record of the ref/old-actor loads; Miles uses TensorBackuper",
@@ -216,9 +214,11 @@ NOT_DEFINED_IN_SOURCE = {
 
 
 def drift(standin: dict[str, str]) -> dict[str, str]:
-    """What disagrees with the facts, by name: `standin` maps each stand-in function (in a module of
-    SOURCE_MODULES) to `render_signature(f, defaults=True)`; a name neither in the table nor listed as
-    not defined in the source is reported too (a new stand-in function must be checked against the source)."""
+    """What disagrees with the facts, by name.
+
+    `standin` maps each stand-in function in a module of SOURCE_MODULES to
+    `render_signature(f, defaults=True)`. A name neither in the table nor listed as not defined in
+    the source is reported too: a new stand-in function must be checked against the source."""
     problems = {}
     for name, signature in sorted(standin.items()):
         if name in SIGNATURES_2026_08:

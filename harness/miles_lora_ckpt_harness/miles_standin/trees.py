@@ -1,11 +1,11 @@
 """The stand-in Miles trees: one base tree plus, per shape, whole-module overlays and removed modules.
 
-`base/miles/` holds the modules the shapes share, as they are: the 2026-09 package layout
-(`lora/utils.py`, `utils/function_registry.py`, `training_utils/checkpoint_io.py`,
+`base/miles/` holds the modules the shapes share, as they are: the lora-package-2026-09 package
+layout (`lora/utils.py`, `utils/function_registry.py`, `training_utils/checkpoint_io.py`,
 `utils/lora/utils.py`) with lora-package-2026-09's `checkpoint.py` and `lora/utils.py`. A shape's
 directory (`SHAPE_DIRS`) holds only what is its own: each file there replaces the base module of the
-same path or adds a module, and `REMOVED` names the base modules and packages the shape lacks.
-Every shape has its own `miles/__init__.py` (the base has none, so no shape can miss it silently).
+same path or adds a module, and `REMOVED` names the base modules and packages the shape lacks. Every
+shape has its own `miles/__init__.py` (the base has none, so no shape can miss it silently).
 
 `materialise(shape)` writes the shape's complete `miles/` tree into a cache directory named after
 the shape and a digest of what it holds. It is built in a temporary sibling and renamed into place,
@@ -31,7 +31,7 @@ SHAPE_DIRS = {
 # base modules (a file, or a package directory with all below it) that a shape does not have
 REMOVED = {
     "lora-utils-2026-08": (
-        "miles/backends/megatron_utils/lora",  # 2026-08 has lora_utils.py
+        "miles/backends/megatron_utils/lora",  # lora-utils-2026-08 has lora_utils.py
         "miles/backends/training_utils",  # no checkpoint_io yet: saves write in place
         "miles/utils/function_registry.py",  # load_function is misc's own
         "miles/utils/lora",  # utils/lora.py, a module

@@ -1,24 +1,19 @@
 """The real-Miles tier's rollout-side runs: the wheel's data source classes under Miles' drivers.
 
-What is real: the `miles-rl` wheel's `RolloutDataSource`/`RolloutDataSourceWithBuffer` (its
-`Dataset` over a jsonl prompt file, its tokenizer loading through transformers from a folder this
-module builds with `tokenizers`: no hub), its `load_function`, `Sample` and `call_rollout_fn`,
-and the plugin's data source, staging and protocol. What is scripted, each as Miles' own code
-orders it (the wheel's rollout manager and SGLang rollout cannot import here, `standins`):
+Real here: the `miles-rl` wheel's `RolloutDataSource` and `RolloutDataSourceWithBuffer` (its
+`Dataset` over a jsonl prompt file, its tokenizer from a local folder), its `load_function`,
+`Sample` and `call_rollout_fn`, and the plugin's data source, staging and protocol. The wheel's
+rollout manager and SGLang rollout cannot import here (`standins`), so the rest is scripted, each
+piece in the order Miles' own code runs it:
 
-- `Manager`: `miles/ray/rollout.py`'s RolloutManager as far as the data source goes: the data
-  source from `--data-source-path`, then the rollout function from `--rollout-function-path`;
-  `generate(N)` calls the rollout function through `call_rollout_fn`; `save`/`load` pass on;
-- the rollout function: `miles_standin.common.rollout.scripted_rollout`, the data-source calls of
-  `sglang_rollout.generate_rollout` (over-sampled draws, aborted groups back to the buffer);
-- `train_commit`: the train side's save of rollout N on one process, through the same calls the
-  plugin's save makes (`integration.data_state.staged_for_save`, the saver's data-state file,
-  `protocol.save_generation`, Megatron's tracker), without a model: the data source only reads
-  the generation's data state;
-- `run`: `train.py` (sync: generate N, train N, save_model N, rollout_manager.save N) or
-  `train_async.py` (generate N+1 is started before N is trained and saved; the manager runs one
-  call at a time, so N+1's draw happens before `save(N)`), with a kill at a named point, then a
-  relaunch: start at the newest committed rollout + 1, `load(start - 1)`, go on to the end.
+- `Manager`: Miles' RolloutManager as far as the data source goes. It builds the data source, then
+  the rollout function, and passes `generate(N)`, `save` and `load` on.
+- The rollout function, `miles_standin.common.rollout.scripted_rollout`, makes the data-source calls
+  of `sglang_rollout.generate_rollout`: over-sampled draws, aborted groups back to the buffer.
+- `train_commit`: the train side's save of rollout N on one process, through the calls the
+  plugin's save makes, without a model. The data source only reads the generation's data state.
+- `run`: `train.py` (sync) or `train_async.py` (rollout N+1's draw before N is saved), with a kill
+  at a named point, then a relaunch from the newest committed rollout + 1.
 """
 
 from __future__ import annotations
@@ -232,10 +227,11 @@ def scenario(workdir: Path, *, plugin: bool, driver: str, partial: bool, kill, n
 
 
 def legacy(workdir: Path) -> dict:
-    """Generations saved without a data state (stock data source, rollouts 0..3) next to Miles' own
-    `global_dataset_state_dict_3.pt`, relaunched with the plugin's data source: that file replaced by
-    a pickled object is refused, naming it; Miles' genuine file is read with
-    `torch.load(weights_only=True)` and the run goes on from its cursor."""
+    """Generations saved without a data state, next to Miles' own `global_dataset_state_dict_3.pt`,
+    relaunched with the plugin's data source.
+
+    That file replaced by a pickled object is refused, naming it. Miles' genuine file is read with
+    `torch.load(weights_only=True)`, and the run goes on from its cursor."""
     import torch
 
     workdir.mkdir(parents=True, exist_ok=True)

@@ -1,38 +1,32 @@
 """One launch of the real Miles wheel (miles-rl 0.0.2), as one rank of a harness job: `launch_job`.
 
-Real here: the wheel's `miles.backends.megatron_utils` modules `lora_utils`, `checkpoint`
-(`load_checkpoint`, `save_checkpoint_with_lora`, `_load_checkpoint_hf`) and `model`
-(`initialize_model_and_optimizer`, `save`, `save_hf_model`), `miles.utils.misc` (`load_function`,
-`should_run_periodic_action`), the wheel's Megatron-LM `megatron.training.global_vars`
-(`set_args`/`get_args`), and megatron-core's optimizers. The plugin, when the command has its init
-hook, binds to these very module objects.
+Real here: the wheel's `miles.backends.megatron_utils` modules `lora_utils`, `checkpoint` and
+`model`, `miles.utils.misc`, the wheel's Megatron-LM `megatron.training.global_vars`, and
+megatron-core's optimizers. The plugin, when the command has its init hook, binds to these very
+module objects.
 
 The harness's part, and why:
-- argument parsing: the stand-in parser (`miles_standin.common.args`) plus the attributes the wheel's
-  functions read; the wheel's own `parse_args` forces `start_rollout_id = 0` in bridge mode (before
-  Miles #2682), so its driver would replay from rollout 0 (the wheel's parsing and validation run for
-  real in `realmiles/wheel_args.py`, which shows the hook refusing that relaunch);
-- `initialize.init`: the harness sets the args (real `set_args`), builds megatron's parallel state,
-  Miles' `ParallelState` from it (the wheel's `create_megatron_parallel_state`, `set_parallel_state`)
-  and calls the hook with the wheel's `load_function`, as `init` does at its end; `init` reads what the
-  stand-in parser's args lack (the wheel's own `init` runs for real in `wheel_args.py`);
-- the train actor: with `wheel_actor`, the wheel's actor module is imported before the hook and its own
-  `MegatronTrainRayActor.save_model` saves; its `init` and `train` need Ray and rollout data, so
-  `RealWheelActor` follows their order of calls;
-- in the wheel's `model` module, two names are replaced: `setup_model_and_optimizer` builds the
-  harness's model and megatron optimizers (`sim.train.build_run`; Miles' own builds a GPTModel on GPU),
-  and `clear_memory` (torch.cuda.synchronize) is gc only;
-- the driver loop: the start rollout is 0 when `--load` has no Megatron tracker, else the actors'
-  returned one (2026-08 Miles, after #2682; the wheel's own `miles_validate_args` forces 0 in bridge
-  mode even with a tracker, so its driver would replay from rollout 0: the real-validation job,
-  `realmiles/wheel_args.py`, shows the hook refusing that relaunch), train, save at Miles' cadence;
-- Megatron-Bridge: the harness's double (`bridge_double`), whose `load_hf_weights` writes nothing
-  (the frozen base weights are the run's seeded ones).
 
-Payload and report are those of `miles_standin.launch` (`argv`, `crash`, the per-rank report), plus
-`tier` (the wheel's folder) and `wheel_actor`: load the wheel's train actor module before the hook (as Miles does: the hook runs
-inside the actor's init) and save through its own `MegatronTrainRayActor.save_model`
-(`standins.ACTOR_STANDINS`; the actor's by-name `save` is the plugin's late consumer).
+- Argument parsing is the stand-in parser (`miles_standin.common.args`) plus the attributes the
+  wheel's functions read. The wheel's own `parse_args` forces `start_rollout_id = 0` in bridge mode
+  (before Miles #2682), so its driver would replay from rollout 0. `realmiles/wheel_args.py` runs
+  the wheel's parsing, validation and `init` for real and shows the hook refusing that relaunch.
+- `initialize.init`: the harness sets the args, builds megatron's parallel state and Miles'
+  `ParallelState` from it, and calls the hook with the wheel's `load_function`, as `init` does.
+- The train actor: with `wheel_actor`, the wheel's actor module is imported before the hook, and
+  its own `MegatronTrainRayActor.save_model` saves. Its `init` and `train` need Ray and rollout
+  data, so `RealWheelActor` follows their order of calls.
+- In the wheel's `model` module, `setup_model_and_optimizer` builds the harness's model and
+  optimizers (`sim.train.build_run`), because Miles' builds a GPTModel on GPU. `clear_memory` is gc
+  only.
+- The driver loop starts at rollout 0 when `--load` has no Megatron tracker, else at the actors'
+  returned rollout, as radixark/miles 31f1ca961a94 does. It trains and saves at Miles' cadence.
+- Megatron-Bridge is the harness's double (`bridge_double`), whose `load_hf_weights` writes
+  nothing: the frozen base weights are the run's seeded ones.
+
+Payload and report are those of `miles_standin.launch`, plus `tier` (the wheel's folder) and
+`wheel_actor`. The latter loads the wheel's train actor module before the hook, as Miles does, and
+saves through its `MegatronTrainRayActor.save_model` (`standins.ACTOR_STANDINS`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every stand-in the real-Miles tier uses, with its reason: the one list (issue 19 item 1).
+"""Every stand-in the real-Miles tier uses, with its reason: the one list.
 
 The real-Miles tier runs the `miles-rl` wheel (radixark Miles 0.0.2, pure Python), installed with
 `--no-deps` into its own folder (`make tier-miles`, `.tier-miles/miles-rl-0.0.2`). The wheel ships
@@ -16,16 +16,15 @@ works (`from ray.actor import ActorHandle`, `class X(ray.Something)`), *calling*
 raises `StandInCalled` naming the stand-in and its reason. Nothing on the LoRA checkpoint path
 calls them; a test that reached one would fail loudly.
 
-`install()` puts them into `sys.modules`. Only the harness calls it (`activate`, from the real-Miles
-harness job `realmiles/launch.py`, which the `realmiles` tests and the demo's
-`--miles-shape miles-rl-0.0.2` launch, and from the tests' signature subprocess), never a production
-path, so the real names are never stood in outside the harness (`tests/test_real_miles.py` checks
-that importing the plugin leaves `import ray` failing); `installed()` says which are in place.
+`install()` puts them into `sys.modules`. Only the harness calls it: `activate`, from the real-Miles
+harness job `realmiles/launch.py` and from the tests' signature subprocess. So the real names are
+never stood in outside the harness; `tests/test_real_miles.py` checks that importing the plugin
+leaves `import ray` failing. `installed()` says which are in place.
 
 `ARGUMENT_STANDINS` lists what the wheel's argument parsing needs on top (SGLang's server-argument tree
 imports them); only the validation job (`realmiles/wheel_args.py`) installs them
-(`install_for_arguments`). The wheel's folder also gets the real `pillow` (a small binary wheel) and the pure-Python `dill` that
-SGLang's model configs use at import time (registering image processors, serialising a logit processor).
+(`install_for_arguments`). The wheel's folder also gets the real `pillow` and `dill`, which SGLang's
+model configs use at import time.
 
 `SUBSTITUTIONS` lists the other harness pieces of a real-Miles run: names inside the wheel's modules
 that the job replaces, and the parts of Miles it does not run (with the reason for each).

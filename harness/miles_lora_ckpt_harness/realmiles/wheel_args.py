@@ -1,27 +1,24 @@
 """The wheel's own argument parsing, validation and `initialize.init`, as one harness job: `validation_job`.
 
 Real here (miles-rl 0.0.2): `miles.utils.arguments.parse_args`, which builds Miles' parser on top of
-the wheel's Megatron-LM parser and SGLang's server arguments, then runs `hf_validate_args` against
-the `--hf-checkpoint` config, `set_default_megatron_args`, `miles_validate_args`, Megatron-LM's
-`validate_args` and SGLang's `validate_args`; and `miles.backends.megatron_utils.initialize.init`:
-`set_args`, megatron's parallel groups (gloo here), Miles' `ParallelState`, the random seeds,
-Megatron-LM's tokenizer (`NullTokenizer`: the harness trains on hidden states), the microbatch
-calculator, then the `--custom-megatron-init-path` hook through the wheel's `load_function`.
+the wheel's Megatron-LM parser and SGLang's server arguments and runs every validation they have.
+Also real: `miles.backends.megatron_utils.initialize.init`, with megatron's parallel groups (gloo
+here), Miles' `ParallelState`, the seeds, Megatron-LM's `NullTokenizer` and microbatch calculator.
+It ends by calling the `--custom-megatron-init-path` hook through the wheel's `load_function`.
 
 What is not the wheel's, and why:
 - the modules `standins.ARGUMENT_STANDINS` lists (SGLang's server tree imports them; none is called
   while parsing), and `sglang_router`'s `RouterArgs`, which declares no `--router-*` flag;
-- `init`'s `assert np.__version__.startswith("1.")` (Megatron-LM issue 1563: its dataset index helpers
-  under numpy 2) runs unchanged under `make tier-miles`, which puts numpy 1.26.4 first on PYTHONPATH
-  (`.tier-miles/numpy-1.26.4`; measured: this project's torch 2.13, megatron-core 0.16.1 and
-  transformers import and run with it). Run elsewhere under numpy 2 (pytest by hand), `init` sees, for
-  that one name, a numpy whose `__version__` reads `1.x` (`numpy_1_for_init`; every other attribute is
-  the real numpy's): the harness never builds a Megatron dataset. The job reports which numpy it ran.
+- `init`'s `assert np.__version__.startswith("1.")` (Megatron-LM issue 1563) runs unchanged under
+  `make tier-miles`, which puts numpy 1.26.4 first on PYTHONPATH. This project's torch 2.13,
+  megatron-core 0.16.1 and transformers run with it. Under numpy 2 (pytest by hand), `init` sees,
+  for that one name, a numpy whose `__version__` reads `1.x` (`numpy_1_for_init`). That is safe
+  because the harness never builds a Megatron dataset. The job reports which numpy it ran.
 
-`command` builds a realistic LoRA command for the harness's tiny Qwen2 base (the model flags match
-the `--hf-checkpoint` config, as `hf_validate_args` demands). The job parses each case of the payload
-with the wheel, runs the wheel's `init` on what parsed, and reports what each step did; between cases
-it tears down megatron's groups and Megatron-LM's globals, as a fresh process would have none.
+`command` builds a realistic LoRA command for the harness's tiny Qwen2 base, whose model flags match
+the `--hf-checkpoint` config, as `hf_validate_args` demands. The job parses each case of the payload
+with the wheel, runs the wheel's `init` on what parsed, and reports what each step did. Between
+cases it tears down megatron's groups and Megatron-LM's globals, as a fresh process would have none.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@
 5. megatron's real `DistributedDataParallel` and `get_megatron_optimizer` (a DistributedOptimizer,
    Adam, fp32) and an `OptimizerParamScheduler`.
 
-`bridge_train_step` trains on seeded token batches: with PP=1 on the model's own LM loss; with PP=2
-each stage on a local loss (stage 0: its hidden states against a seeded target; the last stage: the
-LM loss from a seeded input hidden state), as the rest of the harness does (no pipelined schedule).
+`bridge_train_step` trains on seeded token batches. With PP=1 it uses the model's own LM loss. With
+PP=2 each stage trains on a local loss, as the rest of the harness does, without a pipelined
+schedule: stage 0 its hidden states against a seeded target, the last stage the LM loss from a
+seeded input hidden state.
 `megatron_logits` runs a real forward pass (TP all-reduces, the PP hand-over by broadcast) and gives
 every rank the full fp32 logits [batch, seq, vocab].
 

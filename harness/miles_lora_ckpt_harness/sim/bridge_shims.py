@@ -1,7 +1,7 @@
 """Every in-process shim the real Megatron-Bridge 0.6.2 needs to import and run on this CPU machine.
 
 The Bridge tier (`make tier-bridge`) installs `megatron-bridge==0.6.2` next to megatron-core 0.19.2
-(bridge-and-peft.md, "Correction (2026-12-01)"). Its wheel declares Python >= 3.12 and expects
+(docs/testing.md, "The Bridge tier"). Its wheel declares Python >= 3.12 and expects
 Transformer Engine; three shims, each for the reason given, make it import on Python 3.11 without
 TE. Nothing else in the package patches Bridge:
 
@@ -11,14 +11,14 @@ TE. Nothing else in the package patches Bridge:
    ``import transformer_engine.pytorch as te`` while Bridge is imported: that module imports TE
    unconditionally and evaluates ``te.ops.Sequential`` (return annotations), ``te.Linear`` and
    ``te.LayerNormLinear`` at class-definition time. The fake holds empty placeholder classes (no
-   instance ever matches them). It is handed out by a wrapper of ``builtins.__import__`` that answers
-   that one module's import statement only, and is never put in ``sys.modules``: every other module
-   (megatron-core's ``HAVE_TE`` probes, imported during the same ``import megatron.bridge``) still
-   finds no TE, and the wrapper is removed once Bridge is imported (``fake_te_present()`` is False).
+   instance ever matches them). A wrapper of ``builtins.__import__`` hands it out to
+   that one module's import statement only; it is never put in ``sys.modules``. So every other
+   module, megatron-core's ``HAVE_TE`` probes included, still finds no TE. The wrapper is removed
+   once Bridge is imported (``fake_te_present()`` is False).
 3. Bridge's own ``HAVE_TE`` flags (``megatron.bridge.peft.utils`` and ``...peft.module_matcher``)
-   forced to False: they test only that TE class names import from
-   ``megatron.core.extensions.transformer_engine``, and megatron-core 0.19 defines placeholders
-   there without TE, so Bridge's LoRA would call ``isinstance(m, <placeholder>)`` and crash with
+   forced to False. They test only that TE class names import from
+   ``megatron.core.extensions.transformer_engine``, where megatron-core 0.19 defines placeholders
+   without TE. Bridge's LoRA would then call ``isinstance(m, <placeholder>)`` and crash with
    ``isinstance() arg 2 must be a type``.
 
 A megatron forward pass also needs the harness's device stand-ins (CUDA RNG and devices), which

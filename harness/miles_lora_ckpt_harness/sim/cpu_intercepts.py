@@ -1,6 +1,6 @@
 """Every interception the CPU harness needs to drive the real megatron-core DistributedOptimizer.
 
-Two kinds of items live here, and nothing else in the package patches torch or megatron:
+These items live here, and nothing else in the package patches torch or megatron:
 
 * Device stand-ins, needed ONLY because the harness machine has no GPU. megatron-core allocates
   tensors on ``'cuda'``, asks ``torch.cuda`` for devices, streams, events and RNG states, and

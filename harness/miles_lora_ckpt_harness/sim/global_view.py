@@ -1,11 +1,11 @@
 """The global view of a harness run's trainable state, for layout-independent bit comparisons.
 
-`global_view` assembles, from every rank's part, each adapter weight and each parameter's fp32
-master and every moment as the global tensor megatron's `sharded_state_dict` describes (global
-shape and offsets: `megatron.param_blocks`), and digests its raw bits; per-parameter steps and each
-optimizer child's param groups are merged over the ranks. Two runs at different TP / PP / VPP / EP /
-DP layouts holding the same global state give the same digests. Used by the demo's resharding
-resume (`demo.reshard`) and the resharding tests (`tests/test_reshard.py`).
+`global_view` assembles, from every rank's part, each adapter weight, fp32 master and moment as the
+global tensor megatron's `sharded_state_dict` describes (`megatron.param_blocks`). It digests the
+raw bits. Per-parameter steps and each optimizer child's param groups are merged over the ranks. Two
+runs at different TP / PP / VPP / EP / DP layouts holding the same global state give the same
+digests. Used by the demo's resharding resume (`demo.reshard`) and the resharding tests
+(`tests/test_reshard.py`).
 """
 
 from __future__ import annotations

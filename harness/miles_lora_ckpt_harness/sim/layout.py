@@ -1,24 +1,22 @@
 """Which parallel layouts the CPU harness runs, checked without importing torch or megatron.
 
-The demo's parent process (which never imports megatron) and ``SimConfig`` use the same check, so
+The demo's parent process (which never imports megatron) and ``SimConfig`` use the same check. So
 an invalid combination of ``--tp/--pp/--ep/--etp/--cp/--vpp/--world-size`` is refused with one clear
 sentence before any worker starts.
 
 Megatron's rules, as the harness applies them:
 
 * ``world = tp * cp * dp * pp`` (dense mesh, order tp-cp-ep-dp-pp) and ``world = etp * ep * edp * pp``
-  (expert mesh, order etp-ep-dp-pp: expert tensor parallel ``etp``, by default megatron's
-  ``expert_tensor_parallel_size = tp``; context parallel folded into the expert DP ``edp``).
-* An expert-TP other than TP (``etp != tp``), both 1 or 2: with ``etp > tp`` the expert-TP group
-  spans data-parallel (or context-parallel) replicas, each with its own tokens, which the expert
-  block gathers over that group and scatters back; with ``etp < tp`` the TP ranks hold the same
-  tokens, and each runs the (unsplit) experts on its own part of them, as megatron's sequence
-  parallelism hands the MoE layer one part of the sequence per TP rank, the outputs gathered back
-  over the TP group (what megatron's MoE token dispatcher does; ``sim.model``).
-* Virtual pipelines interleave chunks across pipeline stages (megatron's ``get_model`` builds chunks
-  only when ``pp > 1``); each of the ``pp * vpp`` chunks holds ``num_layers / (pp * vpp)`` layers.
+  (expert mesh, order etp-ep-dp-pp). The expert tensor parallel size ``etp`` defaults to ``tp``, as
+  megatron's does; context parallel folds into the expert DP ``edp``.
+* An expert-TP other than TP (``etp != tp``) may be 1 or 2. With ``etp > tp`` the expert-TP group
+  spans data-parallel (or context-parallel) replicas, each with its own tokens. With ``etp < tp``
+  the TP ranks hold the same tokens, and each runs the whole experts on its own part of them, as
+  megatron's MoE token dispatcher does (``sim.model``).
+* Virtual pipelines interleave chunks across pipeline stages, only when ``pp > 1`` as in megatron's
+  ``get_model``. Each of the ``pp * vpp`` chunks holds ``num_layers / (pp * vpp)`` layers.
 * Context parallelism splits the sequence into ``2 * cp`` pieces; CP rank r takes pieces r and
-  ``2*cp-1-r`` (megatron's load-balanced split), so ``seq_length`` must divide by ``2 * cp``.
+  ``2*cp-1-r`` (megatron's load-balanced split). So ``seq_length`` must divide by ``2 * cp``.
 """
 
 from __future__ import annotations

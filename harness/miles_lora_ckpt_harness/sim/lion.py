@@ -1,11 +1,10 @@
 """A small, correct Lion (Chen et al. 2023) for megatron-core 0.16, which has no Lion at all.
 
-Only there (megatron-core 0.19 builds its own Lion through emerging-optimizers, see
-sim/optimizers.py) the harness builds the optimizer as Adam and then swaps every child's inner
-optimizer for this one over the very same param groups (DistributedOptimizer, Float16/FP32 and
-LayerWise children alike), and sets `config.optimizer = "lion"`, so that megatron and this project
-see a single-moment optimizer. State per param: `exp_avg` and a `step` (megatron's fallback-path
-`DistributedOptimizer.state_dict()` needs one).
+Only there (megatron-core 0.19 builds its own Lion, see sim/optimizers.py) the harness builds the
+optimizer as Adam. It then swaps every child's inner optimizer for this one over the very same param
+groups, for every child class alike. It also sets `config.optimizer = "lion"`, so that megatron and
+this project see a single-moment optimizer. State per param: `exp_avg` and a `step` (megatron's
+fallback-path `DistributedOptimizer.state_dict()` needs one).
 """
 
 from __future__ import annotations

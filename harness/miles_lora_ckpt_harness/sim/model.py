@@ -17,26 +17,22 @@ replicated (the usual Megatron LoRA layout).
 
 The expert linears (and their adapters) split over megatron's expert-tensor-parallel group, as
 megatron's experts do: by default it is the TP group (``expert_tensor_parallel_size = tp``) and the
-expert block runs exactly like the dense one. With ``etp != tp`` (``sim.layout``) the
-model is built with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``; every expert
-linear takes the expert-TP group (``parallel_state.get_expert_tensor_parallel_group``) as its
-``tp_group``, so its split, its ``sharded_state_dict`` (global shape, offsets) and its all-reduces
-are on that group; and the expert block gathers its input tokens over the group and scatters its
-output back (``_expert_tokens``), as megatron's MoE token dispatcher brings the tokens of the
-expert-TP group's data-parallel replicas to their experts; with ``etp < tp`` each TP rank runs the
-whole experts on its own part of the sequence (megatron's sequence parallelism at the MoE layer).
+expert block runs exactly like the dense one. With ``etp != tp`` (``sim.layout``) the model is built
+with ``initialize_model_parallel(..., expert_tensor_parallel_size=etp)``. Every expert linear takes
+the expert-TP group as its ``tp_group``, so its split, its ``sharded_state_dict`` and its
+all-reduces are on that group. The expert block gathers its input tokens over the group and scatters
+its output back (``_expert_tokens``), as megatron's MoE token dispatcher does. With ``etp < tp``
+each TP rank runs the whole experts on its own part of the sequence.
 
-Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them:
-parallel state with ``context_parallel_size`` / ``virtual_pipeline_model_parallel_size``, inputs of
-shape [sequence, batch, hidden] of which each CP rank trains on its own part (``sim.layout.cp_positions``),
-and ``vpp`` model chunks per pipeline stage, each numbering its layers from 0 and taking its global
-layer offset from megatron's ``get_transformer_layer_offset`` (see ``sim.train.build_run``).
+Context parallelism (``cp``) and virtual pipelines (``vpp``) are built as megatron builds them.
+Inputs have shape [sequence, batch, hidden], and each CP rank trains on its own part
+(``sim.layout.cp_positions``). Each pipeline stage has ``vpp`` model chunks, each numbering its
+layers from 0 and taking its global layer offset from megatron's ``get_transformer_layer_offset``.
 
 With ``lora_dropout > 0`` (Miles' ``--lora-dropout``) every adapter drops its input in training
-mode, drawing from the RNG as megatron does: a row-parallel ``lora_A`` (its input split over TP)
-inside megatron's tensor-parallel RNG tracker (``get_cuda_rng_tracker().fork()``, each TP rank its
-own stream; on CPU the harness's device stand-ins route it to torch's generator), the replicated
-factor of a column-parallel linear from torch's default generator (the same on every TP rank).
+mode, drawing from the RNG as megatron does. A row-parallel ``lora_A`` draws inside megatron's
+tensor-parallel RNG tracker, each TP rank from its own stream. The replicated factor of a
+column-parallel linear draws from torch's default generator, the same on every TP rank.
 A resume is then bit-exact only with those RNG states restored (``core.rng_state``).
 """
 
@@ -316,21 +312,21 @@ def _up_down(x, up, down):
 
 
 def _expert_tokens(config: SimConfig, x, block):
-    """``x + block(x)`` for an expert block. With ``etp > tp`` the expert-TP group's ranks are
-    data-parallel (or context-parallel) replicas holding their own tokens: the tokens of the whole
-    group are gathered (sequence axis, rank order), the block (split over the group, its
-    row-parallel linears all-reducing on it) runs on all of them, and each rank keeps its own
-    tokens' output. Backward: the scatter all-gathers the output grads (each expert shard learns
-    from every token of the group), the gather keeps this rank's part of the input grad (already
-    all-reduced over the group by the column-parallel linears).
+    """``x + block(x)`` for an expert block.
+
+    With ``etp > tp`` the expert-TP group's ranks are data-parallel (or context-parallel) replicas
+    holding their own tokens. The tokens of the whole group are gathered (sequence axis, rank
+    order), the block runs on all of them split over the group, and each rank keeps its own tokens'
+    output. Backward: the scatter all-gathers the output grads, so each expert shard learns from
+    every token of the group. The gather keeps this rank's part of the input grad, which the
+    column-parallel linears already all-reduced over the group.
 
     With ``etp < tp`` it is the mirror image: the TP ranks hold the same tokens and the experts
-    whole (an expert-TP group of one), so each TP rank runs the block on its own part of the
-    tokens (sequence axis; megatron's sequence parallelism, which megatron requires for MoE with
-    TP, hands the MoE layer that part) and the outputs are gathered back over the TP group.
-    Backward: the gather keeps this rank's part of the (complete, TP-replicated) output grad, the
-    scatter all-gathers the input grads; each rank's expert grads cover its own tokens, summed over
-    the expert data-parallel group (the TP ranks) by megatron's DDP."""
+    whole. Each TP rank runs the block on its own part of the tokens along the sequence, as
+    megatron's sequence parallelism hands it to the MoE layer. The outputs are gathered back over
+    the TP group. Backward: the gather keeps this rank's part of the output grad, and the scatter
+    all-gathers the input grads. Each rank's expert grads cover its own tokens, summed over the
+    expert data-parallel group (the TP ranks) by megatron's DDP."""
     if not config.expert_tp_differs:
         return x + block(x)
     if config.expert_tp < config.tp:
@@ -451,11 +447,12 @@ class SimMoE(torch.nn.Module):
         return x + block(x) if block else self._experts(x, x)
 
     def _dispatched(self, x):
-        """The output of every expert of the layer (on every EP rank) for this rank's tokens ``x``: the
-        tokens of the EP group gathered (sequence axis, rank order), each rank's local experts run on
-        all of them, their sums added up over the group, and this rank's part kept (what megatron's
-        token dispatcher does with every token routed to every expert). Forward only: its collectives
-        are not autograd functions."""
+        """The output of every expert of the layer, on every EP rank, for this rank's tokens ``x``.
+
+        The tokens of the EP group are gathered (sequence axis, rank order) and each rank's local
+        experts run on all of them. Their sums are added up over the group and this rank's part
+        kept, as megatron's token dispatcher does with every token routed to every expert. Forward
+        only: its collectives are not autograd functions."""
         if torch.is_grad_enabled():
             raise RuntimeError("the dispatched expert forward is for inference only (torch.no_grad)")
         group = parallel_state.get_expert_model_parallel_group()
@@ -472,11 +469,11 @@ class SimMoE(torch.nn.Module):
 
 @contextmanager
 def every_expert_on_every_token(modules):
-    """Within the block (forward only, under ``torch.no_grad``), the globally numbered experts of
-    ``modules`` (``SimMoE``) run as the whole model's: every token through every expert of its layer,
-    whichever EP rank holds it (``SimMoE._dispatched``), so that an EP > 1 run computes the same
-    function as an EP 1 run of the same weights (up to reduction order). Training keeps each EP rank's
-    local experts on its own tokens."""
+    """Within the block (forward only, under ``torch.no_grad``), run the experts of ``modules`` as
+    the whole model's: every token through every expert of its layer, whichever EP rank holds it.
+
+    So an EP > 1 run computes the same function as an EP 1 run of the same weights, up to reduction
+    order. Training keeps each EP rank's local experts on its own tokens."""
     layers = [m for module in modules for m in module.modules() if isinstance(m, SimMoE)]
     for layer in layers:
         layer.dispatch = True

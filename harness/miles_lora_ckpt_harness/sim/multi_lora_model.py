@@ -1,13 +1,13 @@
 """A multi-LoRA slot model for the harness and the Miles stand-in: several adapter slots on one base linear.
 
-Miles' multi-LoRA (contract §3) trains several adapters at once on one frozen base model: every
-adapted base linear is a `MultiLoRALinear` holding one adapter per *slot*; an adapter (a named
-training run) is registered into a free slot, trained at its own cadence, and retired, which frees
-the slot. This module is that model, written from the contract (never from Miles or Bridge), with
-the real megatron-core pieces Miles uses: `Float16Module`, `DistributedDataParallel` and Miles'
-per-slot optimizer chain (one `get_megatron_optimizer` per slot under one
-`LayerWiseDistributedOptimizer`, group tag `miles_multi_lora_slot`, `miles_slot_child_indices`;
-`sim.optimizers`). It imports no Miles: the stand-in's `multi_lora_*` modules call it.
+Miles' multi-LoRA trains several adapters at once on one frozen base model. Every adapted base
+linear is a `MultiLoRALinear` holding one adapter per *slot*. An adapter (a named training run) is
+registered into a free slot, trained at its own cadence, and retired, which frees the slot. This
+module is that model, written from a description (never from Miles or Bridge code), with the real
+megatron-core pieces Miles uses: `Float16Module`, `DistributedDataParallel` and Miles' per-slot
+optimizer chain (one `get_megatron_optimizer` per slot under one `LayerWiseDistributedOptimizer`,
+group tag `miles_multi_lora_slot`, `miles_slot_child_indices`; `sim.optimizers`). It imports no
+Miles: the stand-in's `multi_lora_*` modules call it.
 
 Parameter names follow Megatron-Bridge's LoRA wrapper, with the slot index in the adapter's name;
 each layer is a Qwen2-shaped SwiGLU MLP (megatron names), so Bridge maps a slot onto an HF Qwen2
@@ -25,10 +25,10 @@ Bridge's `export_adapter_weights` exports a slot.
 
 A forward runs the base plus the *active* slot's adapter (`set_active_slot`; Miles routes each
 sample to its adapter's slot, the stand-in trains one slot per forward). `train_slot_step` is one
-optimizer step of one slot, as Miles' `step_adapter_slots` does it (§3.5): the slot's children
+optimizer step of one slot, as Miles' `step_adapter_slots` does it: the slot's children
 prepare their grads, the grad norm is reduced over the world, clipped, the children step, then the
 chain all-gathers the updated parameters. Co-tenant slots' adapters, masters and moments are not
-touched. `SlotScheduler` is §3.6's per-slot `OptimizerParamScheduler` over the slot's param groups.
+touched. `SlotScheduler` is Miles' per-slot `OptimizerParamScheduler` over the slot's param groups.
 
 An adapter's initial weights and its training data are functions of (seed, adapter name, step)
 only, never of the slot it is in, so a run is reproducible whatever slot an adapter lands in.
@@ -397,7 +397,7 @@ def slot_children(optimizer, slot: int) -> list:
 
 
 class SlotParamGroups:
-    """The `.param_groups` of one slot's children: what Miles' per-slot scheduler drives (§3.6)."""
+    """The `.param_groups` of one slot's children: what Miles' per-slot scheduler drives."""
 
     def __init__(self, optimizer, slot: int):
         self.optimizer, self.slot = optimizer, slot
@@ -408,7 +408,8 @@ class SlotParamGroups:
 
 
 def slot_scheduler(config, optimizer, slot: int, *, samples_per_step: int, num_step: int | None):
-    """Megatron's `OptimizerParamScheduler` over one slot's groups; every count in samples (§3.6).
+    """Megatron's `OptimizerParamScheduler` over one slot's groups; every count in samples, as Miles
+    counts.
 
     `num_step` None: constant LR after warmup; else a cosine decay over `num_step * samples_per_step`.
     """
@@ -434,7 +435,7 @@ def slot_scheduler(config, optimizer, slot: int, *, samples_per_step: int, num_s
 
 @torch.no_grad()
 def step_slot(optimizer, slot: int, clip_grad: float) -> float:
-    """One optimizer step of slot `slot`'s children only (Miles' `step_adapter_slots`, §3.5)."""
+    """One optimizer step of slot `slot`'s children only (Miles' `step_adapter_slots`)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 
     children = slot_children(optimizer, slot)

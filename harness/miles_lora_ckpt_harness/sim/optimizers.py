@@ -147,7 +147,7 @@ def _optimizer_config(config: SimConfig, name: str) -> OptimizerConfig:
 
 
 def _multi_lora_chain(config: SimConfig, optimizer_config: OptimizerConfig, model_chunks: list, inner_models: list):
-    """Miles' multi-LoRA optimizer (contract §3.5), written from its description: one slot at a time."""
+    """Miles' multi-LoRA optimizer, written from its description: one slot at a time."""
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 

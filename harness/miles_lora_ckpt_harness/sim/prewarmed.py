@@ -2,13 +2,13 @@
 
 `launch.run_workers` starts every rank as a fresh interpreter, which costs seconds of imports per
 rank on a small machine. A test or demo that launches the same training many times (run, SIGKILL,
-relaunch with the identical command) uses `PrewarmedLauncher`: one server process imports torch
-and megatron-core and installs the CPU intercepts, then, for every launch, forks one child per
-rank. A child shares nothing with its siblings or with earlier launches but those imports: it
-applies the launch's environment and sys.path, joins a new gloo group and runs
-`function(payload, ctx)` exactly as a `run_workers` rank does (same `WorkerContext`, same JSON
-report, same `RankResult` on the caller's side). A SIGKILL of a child is a real SIGKILL. The server
-never imports Miles or runs plugin code, so `import miles` and the init hook run afresh in every launch.
+relaunch with the identical command) uses `PrewarmedLauncher`: one server process imports torch and
+megatron-core and installs the CPU intercepts, then, for every launch, forks one child per rank. A
+child shares nothing with its siblings or with earlier launches but those imports. It applies the
+launch's environment and sys.path, joins a new gloo group and runs `function(payload, ctx)` exactly
+as a `run_workers` rank does, with the same context and report. A SIGKILL of a child is a real
+SIGKILL. The server never imports Miles or runs plugin code, so `import miles` and the init hook run
+afresh in every launch.
 
     with PrewarmedLauncher() as launcher:
         results = launcher.run(2, "module:function", payload, sys_path=[...], env={...})

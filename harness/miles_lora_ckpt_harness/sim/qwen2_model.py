@@ -171,10 +171,11 @@ def _linear(mcfg, kind: str, in_size: int, out_size: int, name: str, std: float,
 
 
 def _gated_rows(init, tp: int):
-    """An `init_method` for a gated fc1's output rows: the logical `[gate; up]` weight (as at TP 1)
-    reordered into what megatron's plain split of the master weight gives each TP rank,
-    `[gate_0; up_0; gate_1; up_1; ...]`, so that TP rank `r` holds `[gate_r; up_r]` of the same
-    logical weight at every TP size (`Qwen2SimConfig.same_model_at_every_tp`)."""
+    """An `init_method` for a gated fc1's output rows, the same logical weight at every TP size.
+
+    The logical `[gate; up]` weight (as at TP 1) is reordered into `[gate_0; up_0; gate_1; up_1;
+    ...]`. Megatron's plain split of the master weight then gives TP rank `r` its `[gate_r; up_r]`
+    (`Qwen2SimConfig.same_model_at_every_tp`)."""
 
     def reordered(tensor: torch.Tensor) -> torch.Tensor:
         init(tensor)

@@ -2,8 +2,8 @@
 
 A run built with `SimConfig(slots=N)` deals its layers round-robin to N slots (`SimConfig.slot_of`)
 and gives every slot its own children under one LayerWiseDistributedOptimizer
-(`optimizer.miles_slot_child_indices`). `SlotTrainer` adds what Miles' multi-LoRA step adds
-(contract §3.5, §3.6), written from its description:
+(`optimizer.miles_slot_child_indices`). `SlotTrainer` adds what Miles' multi-LoRA step adds,
+written from its description and not from Miles' code:
 
 - a slot's step runs the forward with only that slot's adapters (every other adapter bypassed: the
   base alone), so a slot's training never depends on another slot's weights;

@@ -6,12 +6,12 @@ distributed optimizer a dense child, plus an expert child when expert adapters e
 kinds of children are built in ``sim/optimizers.py``) and an ``OptimizerParamScheduler``. Call
 only inside a harness worker (``cpu_intercepts.install()`` done and a default process group up).
 
-Model chunks follow megatron's ``get_model``: with a virtual pipeline (``vpp > 1``) every rank
-builds ``vpp`` chunks (chunk i gets ``vp_stage=i``), each wrapped in its own ``Float16Module`` and
-its own ``DistributedDataParallel`` (bucketing disabled from the second chunk on), and one
-``get_megatron_optimizer`` call covers every chunk (``sim/optimizers.py``, for every kind of
-child). Under context parallelism megatron's DDP reduces dense grads over the data-and-context
-group and the distributed optimizer shards over it.
+Model chunks follow megatron's ``get_model``. With a virtual pipeline (``vpp > 1``) every rank
+builds ``vpp`` chunks (chunk i gets ``vp_stage=i``), each in its own ``Float16Module`` and
+``DistributedDataParallel``, with bucketing disabled from the second chunk on. One
+``get_megatron_optimizer`` call covers every chunk (``sim/optimizers.py``). Under context
+parallelism megatron's DDP reduces dense grads over the data-and-context group and the distributed
+optimizer shards over it.
 """
 
 from __future__ import annotations

@@ -95,10 +95,9 @@ def release_leases() -> None:
 def stop_child_processes(timeout_s: float = 10.0) -> list[int]:
     """Stop the `multiprocessing` children this rank started and left running; return their pids.
 
-    megatron-core's `dist_checkpointing` (its async file writer's results queue) starts a
-    `multiprocessing.Manager` server in the saving process and never stops it; a rank leaves
-    through `os._exit`, which runs no finalizer, so that server would outlive the rank, the test
-    run and the demo, waiting for a parent that is gone. Each child is asked to stop (SIGTERM),
+    megatron-core's `dist_checkpointing` starts a `multiprocessing.Manager` server in the saving
+    process and never stops it. A rank leaves through `os._exit`, which runs no finalizer, so that
+    server would outlive the rank, the test run and the demo. Each child is asked to stop (SIGTERM),
     then killed if it has not stopped within `timeout_s`."""
     import multiprocessing
 

@@ -1,7 +1,7 @@
 """Miles' launch flags (the subset the stand-in runs on) and its argument validation.
 
-`build_parser` rejects unknown flags, as Miles' parser does (contract §5.1): plugins cannot add
-flags. `validate` reproduces `miles_validate_args`' checkpoint-related overrides (§2.5): in bridge
+`build_parser` rejects unknown flags, as Miles' parser does: plugins cannot add
+flags. `validate` reproduces `miles_validate_args`' checkpoint-related overrides: in bridge
 mode, a `--load` without Megatron's `latest_checkpointed_iteration.txt` is replaced by the base
 model (`--ref-load` or `--hf-checkpoint`) and `start_rollout_id` is forced to 0; raw mode does the
 same and also sets `no_load_optim`, `no_load_rng` and `finetune`.
@@ -139,7 +139,7 @@ def command_line(argv: list[str]):
 
 
 def validate(args) -> None:
-    """Miles' checks and overrides that touch checkpoints (bridge and raw mode, §2.5)."""
+    """Miles' checks and overrides that touch checkpoints (bridge and raw mode)."""
     if args.fp16:
         raise ValueError("the Miles stand-in does not simulate --fp16")
     if args.save_interval is not None and args.save is None:
@@ -169,7 +169,7 @@ def validate(args) -> None:
 
 
 def validate_multi_lora_args(args) -> None:
-    """Miles' `validate_multi_lora_args` (contract §3.1), as far as the stand-in runs multi-LoRA."""
+    """Miles' `validate_multi_lora_args`, as far as the stand-in runs multi-LoRA."""
     if args.lora_rank <= 0:
         raise ValueError("multi-LoRA needs --lora-rank > 0")
     if args.pipeline_model_parallel_size != 1:

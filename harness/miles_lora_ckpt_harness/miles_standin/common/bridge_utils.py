@@ -1,9 +1,9 @@
-"""Stand-in of `patch_megatron_model` from miles/utils/megatron_bridge_utils.py (contract §1.2 step 5, §2.1).
+"""Stand-in of `patch_megatron_model` from miles/utils/megatron_bridge_utils.py.
 
 Miles calls Megatron-Bridge on its list of model chunks inside `patch_megatron_model(model)`, a
 context manager. Bridge reads `share_embeddings_and_output_weights` from the model's config, where
-Megatron keeps it on the model itself; while the context is open the first chunk's config (below
-DDP and Float16Module) has it, copied from the model, and on exit an attribute the context added is
+Megatron keeps it on the model itself. While the context is open, the first chunk's config (below
+DDP and Float16Module) has it, copied from the model. On exit, an attribute the context added is
 taken away again. The stand-in does that, and counts the times it was entered in this process
 (`entries()`), so that a test can tell the plugin ran Bridge inside Miles' context.
 """

@@ -1,8 +1,8 @@
 """Stand-in of Miles' `train.py` driver and its Ray placement, for one training process per rank.
 
-Miles' driver parses and validates the arguments once, ships a copy to every train actor (Ray
-serialises them: an actor's changes never reach the driver), takes the start rollout from the
-actors only when `args.start_rollout_id` is None (all actors must agree), then runs the rollout
+Miles' driver parses and validates the arguments once and ships a copy to every train actor; Ray
+serialises them, so an actor's changes never reach the driver. It takes the start rollout from the
+actors only when `args.start_rollout_id` is None (all actors must agree). Then it runs the rollout
 loop with periodic saves. Here every rank runs the driver's deterministic part itself and holds
 one actor; a deep copy stands for Ray's serialisation. `probe` is the harness's observer (after
 init, before/after each save, after each rollout); Miles has no such thing.

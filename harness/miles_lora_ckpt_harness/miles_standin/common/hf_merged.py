@@ -38,7 +38,7 @@ def save_hf_model_flow(
 ) -> None:
     """The body every stand-in tree's `save_hf_model` runs, with that tree's `is_lora_model` and
     `save_lora_checkpoint` as its module holds them at call time (the plugin rebinds the latter):
-    Miles' 2026-08 control flow, described in the trees' `hf_export.py`."""
+    the control flow of radixark/miles 31f1ca961a94, described in the trees' `hf_export.py`."""
     path = Path(path or args.save_hf.format(rollout_id=rollout_id))
     try:  # the merged model; Miles clears a stale marker first
         if dist.get_rank() == 0 and path.is_dir():

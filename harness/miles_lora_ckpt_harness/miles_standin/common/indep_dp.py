@@ -1,11 +1,12 @@
 """Stand-in of the value Miles' train actors get about independent data-parallel cells (fault tolerance).
 
-Miles (2026-08) can run training as several independent data-parallel *cells* that heal one another:
-each train actor's `init` takes a keyword-only `indep_dp_info` saying which cell it is, how many
-cells there are and which are alive, and passes it on to `initialize.init`, which builds the
-cross-cell group from it (`None` there: one cell). The Ray train group passes the one-cell value
-unless cells are configured. The stand-in runs one cell per launch, so its value carries only what
-says so, and `initialize.init`'s stand-in refuses anything else rather than pretend to heal.
+Miles (radixark/miles 31f1ca961a94) can run training as several independent data-parallel *cells*
+that heal one another. Each train actor's `init` takes a keyword-only `indep_dp_info` saying which
+cell it is, how many cells there are and which are alive. It passes it on to `initialize.init`,
+which builds the cross-cell group from it (`None` there: one cell). The Ray train group passes the
+one-cell value unless cells are configured. The stand-in runs one cell per launch, so its value
+carries only what says so, and `initialize.init`'s stand-in refuses anything else rather than
+pretend to heal.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What both Miles multi-LoRA shapes share in the stand-in: adapters, the controller, schedulers, the loop.
 
-Miles' multi-LoRA (contract §3.1, §10.2) registers named adapters into slots of one model, trains
+Miles' multi-LoRA (v1 and v2) registers named adapters into slots of one model, trains
 each at its own cadence, saves each under its own root and retires it when it leaves. Here:
 
 - adapters come from a JSON file, `--multi-lora-config PATH` (a stand-in flag: Miles registers
@@ -11,12 +11,12 @@ each at its own cadence, saves each under its own root and retires it when it le
   reaches `retire_at` and registered again (resuming from its retire save) once every adapter named
   in `return_when` has reached the step given there, into slot `return_slot` when given (Miles'
   registry hands out whichever slot is free: the adapter resumes into another slot index). Its save
-  root is `{--save}/adapters/{name}` (Miles' default, §3.2). Adapter i first takes slot i (a fixed
+  root is `{--save}/adapters/{name}` (Miles' default). Adapter i first takes slot i (a fixed
   choice keeps runs comparable).
 - `Controller` stands for Miles' Ray controller and registry (adapter steps, `adapter_step(name)`).
-- `install_slot_scheduler` / `drop_slot_scheduler` / `step_slot_schedulers`: §3.6, in
-  `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain (§3.5) built by the
-  harness on the slot model (`sim.multi_lora_model`).
+- `install_slot_scheduler` / `drop_slot_scheduler` / `step_slot_schedulers`: Miles' per-slot
+  schedulers, in `optimizer.miles_slot_schedulers`; the optimizer is Miles' per-slot chain built by
+  the harness on the slot model (`sim.multi_lora_model`).
 - `Producer`: the rollout side of the loop (rank 0, when every adapter has `data`, a prompt file):
   the data source `--data-source-path` names (Miles' `MultiLoRAAsyncDataSource`,
   `common/multi_lora_data_source.py`, or the plugin's) drawn one group at a time, in turn over the adapters, as Miles' async producer does;
@@ -140,7 +140,7 @@ def sim_config(args):
 
 
 def setup_model_and_optimizer(args):
-    """The slot model and Miles' per-slot chain (`build_multi_lora_optimizer`, §3.5)."""
+    """The slot model and Miles' per-slot chain (`build_multi_lora_optimizer`)."""
     from miles_lora_ckpt_harness.sim.train import build_run
 
     run = build_run(sim_config(args))
@@ -155,7 +155,7 @@ def run_of(model):
 
 
 def install_slot_scheduler(args, optimizer, adapter: AdapterRun, resume_step: int):
-    """§3.6: the slot's scheduler, repositioned to `resume_step * adapter_global_batch_size`."""
+    """The slot's scheduler, repositioned to `resume_step * adapter_global_batch_size`."""
     from miles_lora_ckpt_harness.sim.multi_lora_model import slot_scheduler
 
     samples = adapter.config.adapter_global_batch_size
@@ -326,7 +326,7 @@ class Lifecycle:
         return loss
 
     def due(self, trained: list[AdapterRun]) -> list[AdapterRun]:
-        """Adapters whose step is a multiple of --save-interval (Miles' cadence, §3.3)."""
+        """Adapters whose step is a multiple of --save-interval (Miles' cadence)."""
         interval = self.args.save_interval
         if not interval:
             return []

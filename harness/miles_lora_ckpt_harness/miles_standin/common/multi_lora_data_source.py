@@ -1,14 +1,14 @@
 """Stand-in of miles/rollout/multi_lora/data_source.py: one data source per adapter, drawn in turn.
 
-Miles has the same class in both multi-LoRA shapes (2026-08 with v1's `multi_lora_utils`, and
-2026-09's lora package); the v2 tree's `miles/rollout/multi_lora/data_source.py` re-exports it, and a
-v1 launch names it here (`data_state.multi_lora_source`, `--data-source-path`).
+Miles has the same class in both multi-LoRA shapes, lora-utils-2026-08 (v1) and
+lora-package-2026-09 (v2). The v2 tree's `miles/rollout/multi_lora/data_source.py` re-exports it,
+and a v1 launch names it here (`data_state.multi_lora_source`, `--data-source-path`).
 
 Miles' `MultiLoRAAsyncDataSource` keeps a dict `sources` of per-adapter data sources and a queue of
 adapter names. Every `get_samples(1)` takes the controller's snapshot (active and retiring adapters)
-and reconciles: the source of an adapter that left is deleted, and a missing one is built with
-`create_source(adapter)` (a copy of the args with the adapter's prompt file, and its save directory
-as `--save` and `--load`). Then it turns the queue once and returns one prompt group from the first
+and reconciles. The source of an adapter that left is deleted, and a missing one is built with
+`create_source(adapter)`: a copy of the args with the adapter's prompt file, and its save directory
+as `--save` and `--load`. Then it turns the queue once and returns one prompt group from the first
 adapter whose source yields, each sample stamped with the adapter (`sample.adapter.name`, `.slot`).
 `add_samples` hands groups back to their adapter's source (groups of an adapter that left are
 dropped); `save(rollout_id)` and `load(rollout_id)` pass on to the sources that exist.

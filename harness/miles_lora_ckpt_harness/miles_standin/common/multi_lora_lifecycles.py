@@ -1,7 +1,7 @@
 """The two Miles multi-LoRA shapes' slot lifecycles in the stand-in, and which one the running shape has.
 
-- `V1Lifecycle`: multi-LoRA v1 (§3.3), through the shape's `multi_lora_utils`;
-- `V2Lifecycle`: multi-LoRA v2 (§10.2), through the shape's `lora/actor.py`;
+- `V1Lifecycle`: multi-LoRA v1, through the shape's `multi_lora_utils`;
+- `V2Lifecycle`: multi-LoRA v2, through the shape's `lora/actor.py`;
 - `lifecycle_for_shape()`: the one the running shape has, for `common.multi_lora.run`.
 
 Kept out of `common/multi_lora.py`, which those modules of the shapes import: each lifecycle calls its
@@ -14,7 +14,7 @@ from miles_lora_ckpt_harness.miles_standin.common.multi_lora import AdapterRun, 
 
 
 class V1Lifecycle(Lifecycle):
-    """Multi-LoRA v1 (§3.3): `load_adapters`, `cleanup_adapters`, `save_due_adapter_checkpoints`."""
+    """Multi-LoRA v1: `load_adapters`, `cleanup_adapters`, `save_due_adapter_checkpoints`."""
 
     @staticmethod
     def _mlu():
@@ -35,7 +35,7 @@ class V1Lifecycle(Lifecycle):
 
 
 class V2Lifecycle(Lifecycle):
-    """Multi-LoRA v2 (§10.2): the actor's `load_slot` / `save_slot` / `unload_slot` at named paths."""
+    """Multi-LoRA v2: the actor's `load_slot` / `save_slot` / `unload_slot` at named paths."""
 
     def __init__(self, args, model, optimizer):
         from miles.backends.megatron_utils.lora.actor import MultiLoRATrainRayActor

@@ -1,10 +1,10 @@
-"""Stock Miles' multi-LoRA slot primitives shared by both shapes (contract §3.3, §10.2), defects included.
+"""Stock Miles' multi-LoRA slot primitives shared by both shapes (v1 and v2), defects included.
 
-Bridge's slot helpers as the stand-in has them (no Megatron-Bridge here): `load_adapter` copies a
-saved state into a slot by slot-independent name and returns how many tensors it copied;
-`init_adapter_slot` sets the slot's scale and, for a slot that loaded nothing, draws the adapter's
-initial weights (`sim.multi_lora_model.init_adapter_weights`: a function of the adapter's name).
-`zero_optimizer_state_for_adapter` is §3.3's: the slot's groups' step and its params' exp_avg,
+Bridge's slot helpers as the stand-in has them (no Megatron-Bridge here). `load_adapter` copies a
+saved state into a slot by slot-independent name and returns how many tensors it copied.
+`init_adapter_slot` sets the slot's scale; for a slot that loaded nothing, it draws the adapter's
+initial weights, a function of the adapter's name (`sim.multi_lora_model.init_adapter_weights`).
+`zero_optimizer_state_for_adapter` is v1's: the slot's groups' step and its params' exp_avg,
 exp_avg_sq and step set to zero, masters left as they are. Collectives use tensors (Miles uses
 `all_gather_object` / `broadcast_object_list`; the stand-in never pickles).
 """
@@ -87,7 +87,8 @@ def init_adapter_slot(model, slot: int, adapter_name: str, rank: int, alpha: flo
 
 
 def zero_optimizer_state_for_adapter(optimizer, model, idx: int) -> None:
-    """§3.3: zero the slot's group steps and its params' moments and steps; masters untouched."""
+    """Miles v1's reset: zero the slot's group steps and its params' moments and steps; masters
+    untouched."""
     targets = set()
     for param in slots.slot_parameters(model, idx).values():
         main = getattr(param, "main_param", None)

@@ -1,4 +1,4 @@
-"""Stock Miles' single-LoRA checkpoint I/O (contract §1.2-§1.4, §10.1), defects included.
+"""Stock Miles' single-LoRA checkpoint I/O, defects included.
 
 Per global rank: `adapter_megatron_rank{r}.pt` (a pickle of `{wrapped-chunk param name: tensor}`)
 and `training_state_rank{r}.pt` (`{"iteration", "optimizer": optimizer.state_dict(),
@@ -6,7 +6,7 @@ and `training_state_rank{r}.pt` (`{"iteration", "optimizer": optimizer.state_dic
 defect: no fp32 masters, no moments; loading it gives `torch.empty` moments, and nothing refreshes
 the masters after the adapter copy. A stub optimizer child makes `state_dict()` raise after the
 adapter file is written. Stock Miles' PEFT export (a pickled `adapter_model.bin` under names PEFT
-does not load, §1.2 step 5) is not run: the stand-in logs the warning stock Miles logs when its
+does not load) is not run: the stand-in logs the warning stock Miles logs when its
 export fails, and goes on, as stock Miles does.
 
 Stand-in differences: reads use `torch.load(weights_only=True)` (Miles unpickles the training state;
@@ -48,7 +48,8 @@ def rank() -> int:
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:
-    """`{name: param.data.cpu()}` over every chunk; a later chunk overwrites an equal name (§1.2 step 3)."""
+    """`{name: param.data.cpu()}` over every chunk; a later chunk overwrites an equal name, as in
+    Miles."""
     state = {}
     for chunk in model:
         for name, param in chunk.named_parameters():
@@ -65,7 +66,7 @@ def write_rank_files(save_dir: Path, model, optimizer, scheduler, iteration, *, 
     faults.point("mid-write", me)
     try:
         raise RuntimeError("the Miles stand-in does not run stock Miles' PEFT export (it pickles adapter_model.bin)")
-    except Exception as exc:  # noqa: BLE001 - stock Miles logs and goes on (§1.2 step 5)
+    except Exception as exc:  # noqa: BLE001 - stock Miles logs and goes on
         log.warning("HF PEFT export failed, continuing: %s", exc)
     if optimizer is not None:
         state = {"iteration": iteration}
@@ -125,7 +126,8 @@ def barrier() -> None:
 
 
 def save_in_place(model, save_dir: str, optimizer, scheduler, iteration) -> str:
-    """2026-08: every rank creates `save_dir` and writes into it; `--no-save-optim` is ignored (PR #3083)."""
+    """lora-utils-2026-08: every rank creates `save_dir` and writes into it; `--no-save-optim` is
+    ignored (PR #3083)."""
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)  # every rank
     barrier()
@@ -135,8 +137,8 @@ def save_in_place(model, save_dir: str, optimizer, scheduler, iteration) -> str:
 
 
 def save_published(model, args, save_dir: str, optimizer, scheduler, iteration) -> str:
-    """2026-09 on: written through the shape's checkpoint_io (staging, version directory, symlink);
-    `--no-save-optim` drops only the optimizer entry."""
+    """lora-package-2026-09 and later: written through the shape's checkpoint_io (staging, version
+    directory, symlink); `--no-save-optim` drops only the optimizer entry."""
     from miles.backends.training_utils.checkpoint_io import write_checkpoint_dir
 
     with_optimizer = not getattr(args, "no_save_optim", False)
@@ -151,9 +153,9 @@ def save_published(model, args, save_dir: str, optimizer, scheduler, iteration) 
 
 def load_adapter(model, adapter_path: str, *, follow_symlink: bool, peft_hint: bool) -> Path | None:
     """`load_lora_adapter`'s first half: this rank's shard copied into the model (no
-    reload_model_params(): the masters stay stale). The adapter directory, or None with Miles' warning.
-    `follow_symlink`: 2026-09 on, the directory is resolved through the version symlink; `peft_hint`:
-    2026-08 names an HF PEFT adapter it cannot import."""
+    reload_model_params(): the masters stay stale). The adapter directory, or None with Miles'
+    warning. `follow_symlink`: lora-package-2026-09 on, the directory is resolved through the
+    version symlink; `peft_hint`: lora-utils-2026-08 names an HF PEFT adapter it cannot import."""
     adapter_dir = Path(adapter_path)
     if not adapter_dir.exists():
         log.warning("LoRA adapter path %s does not exist", adapter_path)

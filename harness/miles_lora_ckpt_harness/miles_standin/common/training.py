@@ -2,7 +2,7 @@
 
 `setup_model_and_optimizer` maps Miles' flags onto a harness config and builds the run with the real
 megatron-core pieces (`sim.train.build_run`), then gives it Miles' scheduler (`get_optimizer_param_scheduler`:
-every step count in samples, §2.2). `train_one_step` is one optimizer step of a rollout; the data is a
+every step count in samples). `train_one_step` is one optimizer step of a rollout; the data is a
 function of (seed, global step, DP rank), so a resumed run sees the data an uninterrupted one saw.
 `load_hf_base` stands in for the bridge-mode base-model load (`_load_checkpoint_hf`): the "HF
 checkpoint" is a directory with a `config.json`, and the base weights are the run's seeded ones.
@@ -20,16 +20,15 @@ the Megatron model from the HF config:
 - any other `config.json` (e.g. `{}`): the tiny LoRA model of `sim.model`; `--target-modules` picks
   dense (`linear_qkv,linear_proj`), expert (`linear_fc1,linear_fc2`) or both (the default).
   Megatron-LM's `--expert-tensor-parallel-size` (default: the TP size) splits the expert linears
-  over megatron's expert-TP group, and `--num-experts N` numbers N experts globally (N / EP per
-  EP rank, the same model at every EP size; without it, one expert per EP rank). `--num-layers`
-  (Megatron-LM's) sets the layer count; without it, the fewest layers (at least 2) that give every
+  over megatron's expert-TP group. `--num-experts N` numbers N experts globally, N / EP per EP rank,
+  so the model is the same at every EP size; without it, there is one expert per EP rank.
+  `--num-layers` sets the layer count; without it, the fewest layers (at least 2) that give every
   pipeline and virtual-pipeline chunk the same number.
-- after `use_real_bridge()` (the Bridge tier only): the model is built by the REAL Megatron-Bridge
-  0.6.2 from `--hf-checkpoint` (a tiny Qwen2 or Llama of `sim.bridge_model.build_hf_base`), with
-  Bridge's own LoRA on the four linears (`--target-modules all-linear`), fp32 (no `--bf16`), and
-  megatron's DistributedOptimizer with Adam (`sim.bridge_model`), as Miles' bridge mode does.
+- after `use_real_bridge()` (the Bridge tier only): the REAL Megatron-Bridge 0.6.2 builds the model
+  from `--hf-checkpoint`, a tiny Qwen2 or Llama (`sim.bridge_model`). It has Bridge's own LoRA on
+  the four linears, fp32, and megatron's DistributedOptimizer with Adam, as Miles' bridge mode does.
 The harness (and megatron) is imported inside the functions, so the stand-in's modules import with
-torch alone, as Miles' `lora_utils` does (contract §8).
+torch alone, as Miles' `lora_utils` does.
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ def adapter_kind(target_modules: str | None) -> str:
 
 
 QWEN2_ARCHITECTURE = "Qwen2ForCausalLM"
-HF_TO_MEGATRON = {  # Miles' convert_target_modules_to_megatron for a Qwen2 decoder (contract §1.6)
+HF_TO_MEGATRON = {  # Miles' convert_target_modules_to_megatron for a Qwen2 decoder
     "q_proj": "linear_qkv",
     "k_proj": "linear_qkv",
     "v_proj": "linear_qkv",

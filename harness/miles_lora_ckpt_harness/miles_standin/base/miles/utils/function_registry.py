@@ -1,4 +1,4 @@
-"""Stand-in of miles/utils/function_registry.py: `load_function` moved here (§10.1); a registry first."""
+"""Stand-in of miles/utils/function_registry.py: `load_function` moved here; a registry first."""
 
 import importlib
 from contextlib import contextmanager

@@ -1,4 +1,4 @@
-"""Stand-in of miles/utils/lora.py (§1.1)."""
+"""Stand-in of miles/utils/lora.py."""
 
 from argparse import Namespace
 

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/actor.py (§2.3): the train actor's order of calls."""
+"""Stand-in of miles/backends/megatron_utils/actor.py: the train actor's order of calls."""
 
 from __future__ import annotations
 

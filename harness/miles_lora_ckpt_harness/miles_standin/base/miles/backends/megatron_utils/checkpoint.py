@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/checkpoint.py (§2.1): binds the LoRA functions by name."""
+"""Stand-in of miles/backends/megatron_utils/checkpoint.py: binds the LoRA functions by name."""
 
 from __future__ import annotations
 

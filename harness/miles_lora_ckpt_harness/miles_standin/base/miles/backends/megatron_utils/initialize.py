@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/initialize.py: parallel state, then the custom init hook (§0).
+"""Stand-in of miles/backends/megatron_utils/initialize.py: parallel state, then the custom init hook.
 
 Every shape's: `load_function` comes from `miles.utils.function_registry` (2026-09 on) or
 `miles.utils.misc` (2026-08), as Miles' initialize.py of that version imports it.

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/model.py (§2.2): setup, initialize (load + scheduler step), save.
+"""Stand-in of miles/backends/megatron_utils/model.py: setup, initialize (load + scheduler step), save.
 
 Every shape's: it binds the LoRA helpers from the shape's LoRA module, `lora/utils.py` (2026-09 on)
 or `lora_utils.py` (2026-08), as Miles' model.py of that version does.
@@ -34,7 +34,7 @@ def initialize_model_and_optimizer(args, role: str = "actor", checkpointing_cont
         )
     else:
         iteration = 0
-    # §2.2 step 6: on top of whatever the load restored, unless the flag says so (double count)
+    # Miles steps it on top of what the load restored, unless the flag says so (double count)
     if opt_param_scheduler is not None and not (args.use_checkpoint_opt_param_scheduler and iteration > 0):
         opt_param_scheduler.step(increment=iteration * args.global_batch_size)
     return model, optimizer, opt_param_scheduler, iteration
@@ -47,7 +47,7 @@ def harness_train_step(args, rollout_id, step_id, model, optimizer, opt_param_sc
 
 def save(iteration, model, optimizer, opt_param_scheduler, checkpointing_context=None, non_persistent_ckpt=False):
     if is_lora_model(model):
-        save_checkpoint_with_lora(iteration, model, optimizer, opt_param_scheduler)  # drops the context (§2.2)
+        save_checkpoint_with_lora(iteration, model, optimizer, opt_param_scheduler)  # drops the context, as Miles does
     else:
         save_checkpoint(
             iteration,

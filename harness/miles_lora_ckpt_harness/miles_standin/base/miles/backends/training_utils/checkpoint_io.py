@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/training_utils/checkpoint_io.py (§10.1): staging, version directory, symlink.
+"""Stand-in of miles/backends/training_utils/checkpoint_io.py: staging, version directory, symlink.
 
 Rank 0 clears and creates `<parent>/_tmp_<name>`; every rank writes; a barrier; rank 0 renames the
 staging directory to `<parent>/_version_<name>_<uuid4>` and swaps the relative symlink `<name>`

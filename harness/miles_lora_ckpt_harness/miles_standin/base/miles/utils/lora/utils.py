@@ -1,4 +1,4 @@
-"""Stand-in of miles/utils/lora/utils.py (§10.1: miles/utils/lora.py became a package)."""
+"""Stand-in of miles/utils/lora/utils.py (miles/utils/lora.py became a package)."""
 
 from argparse import Namespace
 

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/lora_utils.py (snapshot, §1): the stock LoRA checkpoint.
+"""Stand-in of miles/backends/megatron_utils/lora_utils.py (radixark/miles 31f1ca961a94): the stock LoRA checkpoint.
 
 `load_lora_adapter` calls `_load_training_state` through this module's global, as Miles does. Saves
 write in place on every rank and ignore `--no-save-optim`; the shared steps are `common/stock.py`'s.

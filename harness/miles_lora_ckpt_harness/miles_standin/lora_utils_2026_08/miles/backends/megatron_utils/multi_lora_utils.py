@@ -1,12 +1,12 @@
-"""Stand-in of miles/backends/megatron_utils/multi_lora_utils.py (multi-LoRA v1, contract §3.3), defects included.
+"""Stand-in of miles/backends/megatron_utils/multi_lora_utils.py (multi-LoRA v1), defects included.
 
 Per adapter, `{save}/checkpoints/step_{N}/adapter_megatron_tp{tp}_pp{pp}[_ep{ep}].pt`, staged in
-`_tmp_step_{N}` (§3.2). As written in Miles (§3.4): the staging directory depends only on N and is
+`_tmp_step_{N}`. As written in Miles: the staging directory depends only on N and is
 reused (`exist_ok=True`), so a crashed attempt's files are promoted by a later one; an existing
 `step_N` is removed before the staging directory replaces it; only the global writer syncs;
 `find_latest_checkpoint` scans on each rank and raises on a stray `step_foo`; `_register_adapter`
 asserts rank-locally; no optimizer or scheduler state is saved, and retiring or registering an
-adapter refreshes every co-tenant's fp32 masters from bf16 (`reload_model_params`, §2.6).
+adapter refreshes every co-tenant's fp32 masters from bf16 (`reload_model_params`).
 
 Stand-in differences: no Megatron-Bridge, so no `adapter_model.safetensors` (a warning, as the
 single-LoRA stand-in does); reads use `torch.load(weights_only=True)`; collectives use tensors;
@@ -44,7 +44,7 @@ def all_megatron_checkpoints_exist(step_dir: Path, shard_names) -> bool:
 
 
 def find_latest_checkpoint(ckpt_dir: Path) -> tuple[Path | None, int]:
-    """Each rank scans on its own: the newest `step_N` holding every expected shard (§3.3)."""
+    """Each rank scans on its own: the newest `step_N` holding every expected shard."""
     _, coords = adapter_shard_topology()
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.exists():
@@ -126,7 +126,7 @@ def _deregister_adapter(adapter, args, model, optimizer) -> None:
     zero_optimizer_state_for_adapter(optimizer, model, adapter.slot)
     zero_adapter_slot_grads(model, adapter.slot)
     drop_slot_scheduler(optimizer, adapter.slot)
-    optimizer.reload_model_params()  # every co-tenant's masters from bf16 (§2.6)
+    optimizer.reload_model_params()  # every co-tenant's masters from bf16
 
 
 def load_adapters(args, model, optimizer, adapters) -> int:

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/ft/in_memory_checkpoint.py (§2.3 send_ckpt)."""
+"""Stand-in of miles/backends/megatron_utils/ft/in_memory_checkpoint.py (`send_ckpt`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/lora/utils.py (§10.1): load_lora_adapter(..., load_optimizer=True).
+"""Stand-in of miles/backends/megatron_utils/lora/utils.py: load_lora_adapter(..., load_optimizer=True).
 
 Saves go through checkpoint_io (the adapter directory becomes a symlink to a version directory);
 `--no-save-optim` drops only the optimizer entry (PR #3083). Masters and moments are still not

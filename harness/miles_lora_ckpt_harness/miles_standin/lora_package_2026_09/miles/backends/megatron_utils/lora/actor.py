@@ -5,7 +5,7 @@ stand-in's controller names `{adapter save}/current`; no directory scan picks a 
 adapter's step after a load is the largest Adam step of its children (what v2 saves). A fresh slot
 (nothing to load) gets the adapter's initial weights and only that slot's masters refreshed; an
 unloaded slot is saved, cleared and its moments zeroed (the whole-chain master refresh of v2 is in
-`load_slot`, §10.2). The contract does not describe these two paths; the stand-in takes the
+`load_slot`). Miles' description does not cover these two paths; the stand-in takes the
 narrowest reading.
 Stand-in simplification: Miles' actor also runs forward/backward; here `common.multi_lora` does.
 """

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/lora/checkpoint.py (multi-LoRA v2, contract §10.2), defects included.
+"""Stand-in of miles/backends/megatron_utils/lora/checkpoint.py (multi-LoRA v2), defects included.
 
 `save_slot` publishes through `checkpoint_io` (staging `_tmp_<name>` cleared and reused, a
 `_version_<name>_<uuid>` directory, the symlink `<name>` swapped): the shard writer of each

@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/lora/slots.py (multi-LoRA v2, contract §10.2): slot primitives.
+"""Stand-in of miles/backends/megatron_utils/lora/slots.py (multi-LoRA v2): slot primitives.
 
 The v1 helpers moved here: `megatron_shard_name`, `adapter_shard_topology` (cached in the module
 global `_shard_topology` of `common.slot_stock`), `zero_optimizer_state_for_adapter`,

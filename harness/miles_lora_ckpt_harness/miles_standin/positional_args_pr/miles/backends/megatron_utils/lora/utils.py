@@ -1,4 +1,4 @@
-"""Stand-in of miles/backends/megatron_utils/lora/utils.py as open PRs would change it (§10.1).
+"""Stand-in of miles/backends/megatron_utils/lora/utils.py as open PRs would change it.
 
 `load_lora_adapter(model, args, adapter_path, *, ...)` takes a positional `args` (#2516/#2661), and
 `_load_training_state` is gone, folded into it (#1792). The rest is lora-package-2026-09's: saves go
