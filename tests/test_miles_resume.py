@@ -156,7 +156,7 @@ def _check_post_save_hook(run: Run) -> None:
 
 def test_a_2026_08_tree_without_load_training_state_binds_and_resumes_bit_exact(launcher, tmp_path):
     """PR #1792's branch and current working branches: the 2026-08 tree minus `_load_training_state`
-    (contract §10.6) binds as lora-utils-2026-08 and resumes bit-exact after a kill mid-save."""
+    binds as lora-utils-2026-08 and resumes bit-exact after a kill mid-save."""
     drop = ["miles.backends.megatron_utils.lora_utils._load_training_state"]
     run = Run(launcher, tmp_path, "lora-utils-2026-08", 2, "mixed", "bf16")
     reference = run.reference()
@@ -170,7 +170,7 @@ def test_a_2026_08_tree_without_load_training_state_binds_and_resumes_bit_exact(
 
 
 def test_without_the_plugin_stock_defects_show(launcher, tmp_path):
-    """Negative control: stock Miles on the same stand-in (contract §10.4)."""
+    """Negative control: stock Miles on the same stand-in."""
     run = Run(launcher, tmp_path / "dense", "lora-utils-2026-08", 2, "dense", "bf16")
     reference = run.reference()
     crash = {"rollout": 2, "rank": 1, "phase": "after-write"}  # a complete stock checkpoint of rollout 2

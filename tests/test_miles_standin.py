@@ -126,7 +126,7 @@ def test_real_miles_matches_a_known_shape():
     """Real Miles' LoRA module matches a known shape, and the plugin can bind to it in a fresh process.
 
     Where Megatron-LM is missing (a CPU box), checkpoint.py and model.py cannot import: only the
-    LoRA module's own targets are checked then (contract §10.4), and binding is planned for them
+    LoRA module's own targets are checked then, and binding is planned for them
     (their consumers are rebound where they imported).
     """
     code = (

@@ -145,7 +145,7 @@ def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world
 @pytest.mark.megatron
 @pytest.mark.multirank
 def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
-    """Negative control, plugin not installed (contract §10.4): the wheel's own LoRA save/load."""
+    """Negative control, plugin not installed: the wheel's own LoRA save/load."""
     run = Run(prewarmed, tmp_path / "dense", 2, "dense")
     reference = ok(run.launch(run.training))
     # killed after rollout 3 trained, before its save: stock Miles' save of rollout 2 is complete
@@ -246,7 +246,7 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
 # Every function and method the 2026-08 stand-in (miles_standin/lora_utils_2026_08) defines or
 # re-exports in a module the wheel also has is compared with the wheel's, as `render_signature` writes
 # them (names, kinds, defaults). Only these differ, each exactly as recorded: the 2026-08 shape's own
-# signatures where Miles changed after the 0.0.2 wheel (contract §2.2, §2.3, §10.5), as the 2026-08 source
+# signatures where Miles changed after the 0.0.2 wheel, as the 2026-08 source
 # has them (miles_standin/source_signatures.py, tests/test_miles_standin_signatures.py).
 KNOWN_2026_08_DIFFERENCES = {
     "miles.backends.megatron_utils.model.initialize_model_and_optimizer": (

@@ -1127,7 +1127,7 @@ def legacy_warm_start(payload: dict, ctx) -> dict:
 
 
 def _write_native_torch_dist(run, save_dir: Path) -> None:
-    """What stock Miles' native (raw-mode) LoRA save writes (contract §10.6): ONE megatron-core
+    """What stock Miles' native (raw-mode) LoRA save writes: ONE megatron-core
     dist_checkpointing checkpoint in `<save>/iter_NNNNNNN/adapter/torch_dist` holding the adapter's
     sharded state dict, the optimizer's fully_reshardable sharded state and the scheduler."""
     from miles_lora_ckpt_harness.bench.distckpt import _dc_save

@@ -300,8 +300,8 @@ SHAPES: tuple[Shape, ...] = (
     ),
     Shape(
         "lora-utils-2026-08",
-        "the 2026-08 snapshot (31f1ca961a94): backends/megatron_utils/lora_utils.py; also the trees of PR #1792 "
-        "and of working branches, which lack _load_training_state (§10.6)",
+        "Miles at radixark/miles 31f1ca961a94: backends/megatron_utils/lora_utils.py; also the trees of PR #1792 "
+        "and of working branches, which lack _load_training_state",
         LORA_UTILS_2026_08,
         "enable_gloo_process_groups",
         _lora_targets(
@@ -316,9 +316,9 @@ SHAPES: tuple[Shape, ...] = (
     ),
     Shape(
         "miles-rl-0.0.2",
-        "the miles-rl 0.0.2 wheel on PyPI (2026-05): lora_utils.py as 2026-08; model.py has "
+        "the miles-rl 0.0.2 wheel on PyPI: lora_utils.py as at 31f1ca961a94; model.py has "
         "initialize_model_and_optimizer(args, role=...) and save(iteration, model, optimizer, opt_param_scheduler) "
-        "and binds save_lora_checkpoint by name; no multi-LoRA, hf_export or ft/ (§10.5)",
+        "and binds save_lora_checkpoint by name; no multi-LoRA, hf_export or ft/",
         LORA_UTILS_2026_08,
         "enable_gloo_process_groups",
         _lora_targets(

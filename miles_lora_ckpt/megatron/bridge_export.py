@@ -1,7 +1,7 @@
 """Thin adapter to Megatron-Bridge's adapter export. Imports `megatron.bridge` lazily, never at import.
 
 Bridge converts Megatron-side LoRA weights to HF names; the plugin owns every barrier around it (see
-`savers/peft_export`). What this module knows about Bridge (contract §10.3, bridge-and-peft.md):
+`savers/peft_export`). What this module knows about Bridge, read in its source (0.6.2 and the fork Miles installs):
 
 - `AutoBridge.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy, collective
   generator: every rank must iterate it fully and in the same order. What it yields, all accepted

@@ -224,7 +224,7 @@ def drift(standin: dict[str, str]) -> dict[str, str]:
         if name in SIGNATURES_2026_08:
             real, where = SIGNATURES_2026_08[name]
             if signature != real:
-                problems[name] = f"stand-in {signature}, Miles 2026-08 {real} ({where})"
+                problems[name] = f"stand-in {signature}, Miles at 31f1ca961a94 {real} ({where})"
         elif name not in NOT_DEFINED_IN_SOURCE:
             problems[name] = f"stand-in {signature}: not in the table (check it against the 2026-08 source)"
     return problems

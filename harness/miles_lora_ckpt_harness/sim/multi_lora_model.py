@@ -98,7 +98,7 @@ class MultiLoraSimConfig(DictConfig):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.optimizer != "adam" or self.distributed or not self.layer_wise:
-            raise ValueError("Miles' multi-LoRA builds Adam per slot under a LayerWise optimizer (§3.1, §3.5)")
+            raise ValueError("Miles' multi-LoRA builds Adam per slot under a LayerWise optimizer")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
 
