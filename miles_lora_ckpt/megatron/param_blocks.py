@@ -143,11 +143,10 @@ def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict, s
     return Block(name, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(param.shape), dtype)
 
 
-# The adapter factor whose axis 0 is a gated `linear_fc1`'s fused [gate; up] output: Bridge's LoRA
-# (`linear_out`, to which its `ParallelLinearAdapter.sharded_state_dict` applies megatron's swiglu
-# factory; its `linear_in` keeps the plain ShardedTensor) and the harness's (`lora_B`); and the
-# `linear_fc1` linear's own weight and bias (megatron's MLP applies the factory to them; trainable
-# only in a full fine-tune).
+# The adapter factors whose axis 0 is a gated `linear_fc1`'s fused [gate; up] output: Bridge's
+# `linear_out` (its `ParallelLinearAdapter.sharded_state_dict` applies megatron's swiglu factory to
+# it, not to `linear_in`) and the harness's `lora_B`. The `linear_fc1` linear's own weight and bias
+# are described the same way; they are trainable only in a full fine-tune.
 SWIGLU_OUTPUTS = ("linear_out", "lora_B")
 
 

@@ -200,10 +200,10 @@ def plan_save(
     if options.peft is not None:
         peft_step = plan_export(model, options.peft.source, options.peft.lora, consensus, prefix=spec.peft_prefix)
 
-    # this rank's files: its adapter shards, and for every saved child what it writes (a
+    # this rank's files: its adapter shards, and what each saved child writes and records. A
     # DistributedOptimizer's DP ranks each write their own slice, produced lazily during the write:
-    # no gather, no root), and the JSON state it records; rank 0 also takes the scheduler's state;
-    # every rank its RNG states as they are now (an asynchronous save's snapshot time)
+    # no gather, no root. Rank 0 also takes the scheduler's state. Every rank takes its RNG states
+    # as they are now, an asynchronous save's snapshot time.
     prepared = attempt(
         _rank_files,
         model,
@@ -343,6 +343,7 @@ class SaveLayout:
     def from_plans(
         cls, plans: list[dict], save_optim: bool, selection: list[int] | None, adapter_filter=None
     ) -> SaveLayout:
+        """The layout every rank derives from `plans`: the children's plan and each shard's writer."""
         layout = cls(plans, selection, filtered_adapter_names(plans, selection, adapter_filter))
         ranks = [Coordinates(**p["coords"]) for p in plans]
         layout.children = chain.plan([p["children"] for p in plans], ranks, save_optim)
@@ -363,6 +364,7 @@ class SaveLayout:
         return [n for n in names if n in self.adapter_names]
 
     def metadata(self, save_optim: bool, scheduler, args) -> dict:
+        """The manifest's metadata: what was saved, the children's plan and the global layout."""
         active = {Coordinates(**p["coords"]).model_parallel_key: p["active"] for p in self.plans}
         return {
             "optimizer_saved": save_optim,
