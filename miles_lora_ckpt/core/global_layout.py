@@ -25,6 +25,18 @@ import torch
 
 from miles_lora_ckpt.core import bounded
 
+__all__ = [
+    "Block",
+    "Strided",
+    "cut_copies",
+    "distinct",
+    "fill_problem",
+    "global_indices",
+    "plan_copies",
+    "strided_runs",
+    "strided_view",
+]
+
 MAX_DIMS = 8
 MAX_EXTENT = 2**40
 

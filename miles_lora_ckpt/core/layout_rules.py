@@ -30,6 +30,18 @@ from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import Block
 from miles_lora_ckpt.core.layout import MANIFEST, Manifest
 
+__all__ = [
+    "STAMP_KEY",
+    "check",
+    "check_file_tensors",
+    "check_stamp",
+    "damaged",
+    "file_entries",
+    "saved_blocks",
+    "slice_problem",
+    "stamp",
+]
+
 STAMP_KEY = "global_layout"  # a tensor file's safetensors metadata: `sha256:<hex>` of its layout entries
 _COORDINATE = re.compile(r"(tp[0-9]+)_(pp[0-9]+)_(ep[0-9]+)_(etp[0-9]+)")
 _ADAPTER = re.compile(r"adapter/(dense|expert)_[a-z0-9_]+\.safetensors")
