@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.sim.launch import check_all, run_workers
-from miles_lora_ckpt.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.model import SimConfig
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
