@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
 from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 from miles_lora_ckpt_harness.sim.model import SimConfig
@@ -46,7 +46,7 @@ def save_once(root: Path) -> dict:
     """Two ranks (DP 2, dense and expert adapters, bf16) train two steps and save once."""
     config = SimConfig(world_size=2, dtype="bf16", adapters="mixed").to_dict()
     payload = {"config": config, "root": str(root), "steps": 2}
-    results = check_all(run_workers(2, "lora_jobs:train_and_save", payload, sys_path=[JOBS], timeout_s=400))
+    results = check_all(run_workers(2, "test_single_lora:train_and_save", payload, sys_path=[TESTS], timeout_s=400))
     return json.loads((Path(results[0]["paths"][0]) / "manifest.json").read_text())
 
 
