@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from miles_lora_ckpt.core.global_layout import Block, Strided, plan_copies, strided_runs, strided_view
 from miles_lora_ckpt.core.protocol import WholeFileRanges
 from miles_lora_ckpt.megatron.optimizer_children.distributed import _strided_groups
-from miles_lora_ckpt.megatron.reshard import ReshardPlan, _Source
+from miles_lora_ckpt.megatron.reshard import AdapterCopy, AdapterPlan, ReshardPlan, _Source
 
 
 class _Count(TorchFunctionMode):
@@ -73,7 +73,7 @@ def test_the_adapter_is_assembled_with_torch_calls_per_tensor_not_per_row(tp):
         source = _Source("adapter/dense_t0p0.safetensors", "w", saved)
         plan = ReshardPlan()
         copies = plan_copies(wanted, 0, wanted.numel, [saved])
-        plan.adapter["w"] = (wanted, [(source, c) for c in copies])
+        plan.adapter["w"] = AdapterPlan(wanted, [AdapterCopy(source, c) for c in copies])
         plan.adapter_spans[(source.where, "w")] = (copies[0].first, copies[-1].first + copies[-1].count)
 
         class _Opened:  # the file read whole (no block index): its ranges cut from its tensors
