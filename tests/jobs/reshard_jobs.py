@@ -285,6 +285,33 @@ def counting_reads():
         partial_reads.read_ranges, partial_reads._BlockFile.block = real_read, real_block
 
 
+@contextmanager
+def through_the_plan():
+    """Route a load at the saved layout through the global-layout plan (`ReshardPlan`) after the
+    same-layout path has planned and checked it. Yields `{"same_files": bool, "files": [old, new]}`:
+    whether the plan reads exactly the files and ranges the same-layout path would (each sorted)."""
+    from miles_lora_ckpt.megatron.reshard import ReshardPlan
+
+    found: dict = {}
+    real = load_module.LoadRequest.files_for_rank
+
+    def files_for_rank(self, manifest):
+        old = real(self, manifest)
+        assert self.reshard is None, "the layout differs: not a same-layout case"
+        optimizer = self._optimizer_in(manifest)
+        self.reshard = ReshardPlan.build(manifest, self, self._saved_children_or_none(manifest), optimizer)
+        new = [load_module.TRAINING_STATE, *self.reshard.files, *(self.rng_files or [])]
+        listed = [sorted(map(repr, files)) for files in (old, new)]
+        found.update(same_files=listed[0] == listed[1], files=listed)
+        return new
+
+    load_module.LoadRequest.files_for_rank = files_for_rank
+    try:
+        yield found
+    finally:
+        load_module.LoadRequest.files_for_rank = real
+
+
 def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` whose dense adapter file has one element of its
     first tensor changed, resealed with its own stamp (every digest, stamp and binding agrees): only
@@ -396,7 +423,7 @@ def reshard_job(payload: dict, ctx) -> dict:
         if case.get("unindexed_adapters"):
             source = _unindexed_adapters(source, case["name"], consensus)
         after = build_run(config_from_dict(case["load"]))
-        with counting_reads() as counts:
+        with counting_reads() as counts, through_the_plan() if case.get("through_plan") else nullcontext({}) as plan:
             result = load(after, source, consensus)
         loaded_view = global_view(after, consensus)
         loaded_halves = gated_fc1_halves(after)
@@ -420,6 +447,7 @@ def reshard_job(payload: dict, ctx) -> dict:
             # the resharding load's reads on this rank: each file read (and each block verified) once
             "range_reads": dict(counts["range_reads"]),
             "max_block_checks": max(counts["block_checks"].values(), default=0),
+            "through_plan": plan,  # at the saved layout, through the plan: its files against the old path's
         }
         if payload.get("debug"):
             out[case["name"]]["debug"] = {

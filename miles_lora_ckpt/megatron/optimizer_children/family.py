@@ -10,7 +10,7 @@ binds to anything else (a file of another child or coordinate).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -126,6 +126,15 @@ class ReshardContext:
     # this run's parameter name -> its block on this rank; raises IncompatibleCheckpoint where
     # megatron's layout does not say where it lies in the global model
     block_of: Callable[[str], Any]
+    # this rank and every rank's coordinates, this run (a family prefers the saved copies its own
+    # coordinate wrote: at the saved layout it then reads its own files only); None: no preference
+    view: RankView | None = None
+    # child index -> every rank's description of it (`chain.by_index`: None where a stub)
+    described: dict = field(default_factory=dict)
+    # at the saved layout: a child that never stepped on any rank has its moments verified at open
+    # but not kept, and read again at install (the same-layout load's memory bound); elsewhere
+    # every range is read once and kept
+    defer_moments: bool = False
 
 
 def saved_state_at(index: int, coordinates, states: dict):

@@ -331,10 +331,12 @@ class WholeParameterFamily:
             )
         writers: dict[str, str] = {}
         params, used = [], set()
+        # the copies this rank's own coordinate wrote first: at the saved layout it reads its own files
+        mine = None if layout.view is None else layout.view.coords.model_parallel_key
         for group, model_param, main, _ in param_states(child.optimizer):
             name = layout.names[id(model_param)]
             block = layout.block_of(name)
-            found = sources.get(block.name, [])
+            found = sorted(sources.get(block.name, []), key=lambda s: s.coordinate != mine)
             found = [found[i] for i in distinct([s.block for s in found])]
             try:
                 copies = plan_copies(block, 0, block.numel, [s.block for s in found])

@@ -75,6 +75,8 @@ from miles_lora_ckpt.savers.single_lora.native_warm import warm_start_native
 
 log = logging.getLogger(__name__)
 
+_ADAPTER_DIR = "adapter/"  # where a generation's adapter files lie (`adapter_shards.dense_file`)
+
 
 def load_lora_adapter(model, adapter_path, *, optimizer=None, opt_param_scheduler=None) -> tuple[bool, int | None]:
     """Miles' signature. Collective. Restores `adapter_path` into `model` (and, given, `optimizer`
@@ -569,7 +571,7 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened, un
     # into the read buffer, which the record now holds, or copied): the load's own references go
     # before the optimizer allocates (bounded memory)
     plan.adapter.clear()
-    for file in (shards.dense_file(request.coords), shards.expert_file(request.coords)):
+    for file in [f for f in opened.files if f.startswith(_ADAPTER_DIR)]:  # every adapter file read whole
         checked = opened.files.pop(file, None)
         if checked is not None:  # what it holds now that is zero (a relaunch's LoRA B) takes no memory
             host_memory.release_zero_pages(checked.buffer)
