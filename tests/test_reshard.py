@@ -94,8 +94,8 @@ CASES = {  # name: (saved layout, loaded layout)
         cfg(tp=2, distributed=False),
     ),
 }
-# a load at the saved layout planned from the global layout (the same-layout path's checks first):
-# bit-exact, and reading exactly the files and ranges the same-layout path reads
+# a load at the saved layout, planned from the global layout as every format-v3 load is: bit-exact,
+# and reading exactly the files and ranges the reader of v1 and v2 generations reads there
 THROUGH_PLAN = {name for name in CASES if name.endswith("through the plan)")}
 # megatron 0.19's own layer-wise Muon (emerging-optimizers): the 0.19 tier only (0.16 cannot build it)
 TIER2_CASES = {
@@ -353,9 +353,10 @@ def _same_splits(saved: dict, loaded: dict) -> bool:
 @pytest.mark.parametrize("name", sorted(THROUGH_PLAN))
 def test_the_saved_layout_through_the_plan_reads_what_the_same_layout_path_reads(resharded, name):
     """A load at the saved layout, planned from the global layout (`ReshardPlan`), asks for exactly
-    the files and element ranges the same-layout path asks for on every rank: adapter files whole,
-    its own slices (one range per slice, a never-stepped child's moments deferred), its own
-    coordinate's copies of TP replicas. Bit-exactness is `test_reshard_is_bit_exact_at_the_load`."""
+    the files and element ranges the reader of v1 and v2 generations asks for there, on every rank:
+    its own adapter files whole, its own slices (one range per slice, a never-stepped child's
+    moments deferred), its own copies of TP replicas. Bit-exactness is
+    `test_reshard_is_bit_exact_at_the_load`."""
     for r in resharded:
         plan = r["cases"][name]["through_plan"]
         assert plan["same_files"], plan["files"]

@@ -1,23 +1,26 @@
-"""A load planned from a format-v3 generation's global layout, at another TP, expert TP, EP, PP, VPP or CP.
+"""A format-v3 load planned from the generation's global layout, at its layout or another.
+
+Another layout may differ in TP, expert TP, EP, PP, VPP or CP.
 
 `ReshardPlan.build` runs before any file is read. From the manifest's `global_layout` (every saved
 parameter's `Block` per coordinate, the adapter files and who wrote them) it plans, for this rank:
 
-- every adapter weight: which runs of which saved tensors make it (`global_layout.plan_copies`).
-  A file whose every tensor is wanted whole is read whole, and each tensor goes into its parameter
-  as read, with no copy. Any other file is read in part: one range per saved tensor
-  (`protocol.PartialRead`), or whole where it has no block index.
-- every optimizer child, by its own family (`ChildFamily.plan_reshard`): a DistributedOptimizer
-  shard from element ranges of the saved slice files; a Float16, FP32 or layer-wise child's
-  parameters assembled whole from the saved blocks.
+- Every adapter weight: which runs of which saved tensors make it (`global_layout.plan_copies`).
+  A file whose every tensor is wanted whole is read whole. A weight that is one whole saved
+  tensor goes into its parameter as read, with no copy. Any other file is read in part: one
+  range per saved tensor (`protocol.PartialRead`), or the whole file without a block index.
+- Every optimizer child, by its own family (`ChildFamily.plan_reshard`). A DistributedOptimizer
+  shard comes from element ranges of the saved slice files. A Float16, FP32 or layer-wise child's
+  parameters are assembled whole from the saved blocks.
 
 Saved copies in the files this rank's own coordinate wrote come first. A load at the saved layout
 then reads its own files only, as the same-layout path does.
 
-It refuses, with `IncompatibleCheckpoint` naming the parameter and both values, what cannot map:
-other target modules, another global shape or dtype, a parameter megatron cannot place (an EP
-change needs globally numbered experts), another optimizer or child family. A slot load through
-`rename_slot` (a model view) is refused: its parameters have no global block.
+What cannot map is refused with `IncompatibleCheckpoint`, naming the parameter and both values.
+That is other target modules, another global shape or dtype, or another optimizer or child family.
+So is a parameter megatron cannot place (an EP change needs globally numbered experts). A slot
+load through `rename_slot` (a model view) has no global blocks: it loads at the saved layout only,
+by the reader of each rank's own files (`savers.single_lora.load`).
 
 `preflight` then assembles each adapter weight and each child's restore
 (`ChildFamily.restore_resharded`). Nothing changes before the load's preflight agreement.
@@ -54,9 +57,9 @@ _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$"
 
 @dataclass(frozen=True)
 class _Source:
-    """One saved copy of a global tensor: where it is (adapter file / optimizer coordinate) and its block."""
+    """One saved copy of a global tensor: where it is (an adapter file) and its block."""
 
-    where: str  # adapter file relpath, or the optimizer coordinate key
+    where: str  # the adapter file's relpath
     name: str  # its chunk-qualified name there
     block: Block
 
@@ -65,9 +68,11 @@ class _Source:
 class ReshardPlan:
     """What this rank reads and where it goes (see the module docstring)."""
 
-    adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)  # name -> (block, [(source, copy)])
-    adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (file, tensor) -> read
-    children: dict = field(default_factory=dict)  # index -> its family's plan (`ChildFamily.plan_reshard`)
+    # parameter name -> (its block, [(source, copy)])
+    adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)
+    # (file, saved tensor) -> the elements [first, stop) read of it
+    adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    children: dict = field(default_factory=dict)  # index -> its family's plan (`plan_reshard`)
     files: list = field(default_factory=list)
     # (wanted block, saved blocks) -> plan_copies of the whole block: an adapter weight and its
     # optimizer shard's part of it are planned once (`cut_copies`)
@@ -93,7 +98,9 @@ class ReshardPlan:
         # the layout's structural rules, as `verify` checks them (`layout_rules`: blocks tiling their
         # global tensors, adapter files' coordinates their bindings', positions inside their buckets)
         saved = _gate_up_axis(layout_rules.saved_blocks(manifest), running)
-        _check_same_model(saved, running, changes)
+        _check_same_model(
+            saved, running, f"cannot reshard ({changes})" if changes else "cannot load at the saved layout"
+        )
         plan = cls()
         mine = running[request.rank]
         plan._plan_adapter(layout, saved, request, mine, manifest)
@@ -124,6 +131,10 @@ class ReshardPlan:
         for name in sorted(request.adapter_params()):
             block = _block_of(mine, name)
             found = sorted(sources.get(block.name, []), key=lambda s: s.where not in own)
+            if not found:  # the model has it, no saved adapter file does (a slot saved with a narrower filter)
+                raise IncompatibleCheckpoint(
+                    f"adapter names differ: missing {name}: no saved adapter file holds {block.name}"
+                )
             found = [found[i] for i in distinct([s.block for s in found])]
             try:
                 copies = self._whole_plan(block, [s.block for s in found])
@@ -257,9 +268,9 @@ class ReshardPlan:
 
 
 def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype, int, tuple | None]]:
-    """`{name: (dtype, element count, shape or None)}` of the tensors of one saved adapter file, once
-    per file: from its block index where it has one (a file read in part: the header agreed with
-    the index when read; no shape), otherwise from the tensors of the file read whole."""
+    """`{name: (dtype, element count, shape or None)}` of the tensors of one saved adapter file.
+    They come from its block index where it has one (no shape; the header agreed with the index
+    when read), otherwise from the tensors of the file read whole."""
     record = opened.manifest.files[relpath]
     if record.blocks is not None:
         out = {}
@@ -317,7 +328,7 @@ def _block_of(described: dict, name: str) -> Block:
     return block
 
 
-def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
+def _check_same_model(saved: dict, running: list[dict], refused: str) -> None:
     """Every trainable parameter of this run and of the checkpoint, by global name: the same set,
     global shapes and dtypes. Raises IncompatibleCheckpoint naming the first difference."""
     theirs: dict[str, Block] = {}
@@ -325,7 +336,7 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
         for name, block in blocks.items():
             if block is None:
                 raise IncompatibleCheckpoint(
-                    f"cannot reshard ({changes}): the checkpoint does not say where {name} (at {key}) lies in the global model"
+                    f"{refused}: the checkpoint does not say where {name} (at {key}) lies in the global model"
                 )
             theirs.setdefault(block.name, block)
     ours: dict[str, Block] = {}
@@ -339,7 +350,7 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
     unnumbered = sorted(n for n in (*extra, *missing) if UNNUMBERED_EXPERT in n and base(n) in moved)
     if unnumbered:
         raise IncompatibleCheckpoint(
-            f"cannot reshard ({changes}): expert parameter {unnumbered[0]} has no global expert number "
+            f"{refused}: expert parameter {unnumbered[0]} has no global expert number "
             "(one expert per EP rank, no local_expert_indices): experts cannot move across EP ranks"
         )
     if extra or missing:
@@ -347,7 +358,7 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
         where = "this run has" if extra else "the checkpoint has"
         other = "the checkpoint does not" if extra else "this run does not"
         raise IncompatibleCheckpoint(
-            f"cannot reshard ({changes}): {where} trainable parameter {first}, {other} "
+            f"{refused}: {where} trainable parameter {first}, {other} "
             f"({len(extra)} only in this run, {len(missing)} only in the checkpoint: other target modules?)"
         )
     for name in sorted(ours):
@@ -362,10 +373,8 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
                 else "another LoRA rank or model shape?"
             )
             raise IncompatibleCheckpoint(
-                f"cannot reshard ({changes}): {name} has global shape {list(a.global_shape)} in the checkpoint, "
+                f"{refused}: {name} has global shape {list(a.global_shape)} in the checkpoint, "
                 f"{list(b.global_shape)} in this run ({why})"
             )
         if a.dtype != b.dtype:
-            raise IncompatibleCheckpoint(
-                f"cannot reshard ({changes}): {name} is {a.dtype} in the checkpoint, {b.dtype} in this run"
-            )
+            raise IncompatibleCheckpoint(f"{refused}: {name} is {a.dtype} in the checkpoint, {b.dtype} in this run")

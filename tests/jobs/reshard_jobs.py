@@ -287,20 +287,16 @@ def counting_reads():
 
 @contextmanager
 def through_the_plan():
-    """Route a load at the saved layout through the global-layout plan (`ReshardPlan`) after the
-    same-layout path has planned and checked it. Yields `{"same_files": bool, "files": [old, new]}`:
-    whether the plan reads exactly the files and ranges the same-layout path would (each sorted)."""
-    from miles_lora_ckpt.megatron.reshard import ReshardPlan
-
+    """Record, for a load at the saved layout, whether the global-layout plan (`ReshardPlan`, which
+    plans it) reads exactly the files and ranges the reader of v1 and v2 generations would read
+    there (its own files). Yields `{"same_files": bool, "files": [that reader's, the plan's]}`."""
     found: dict = {}
     real = load_module.LoadRequest.files_for_rank
 
     def files_for_rank(self, manifest):
-        old = real(self, manifest)
-        assert self.reshard is None, "the layout differs: not a same-layout case"
-        optimizer = self._optimizer_in(manifest)
-        self.reshard = ReshardPlan.build(manifest, self, self._saved_children_or_none(manifest), optimizer)
-        new = [load_module.TRAINING_STATE, *self.reshard.files, *(self.rng_files or [])]
+        new = real(self, manifest)
+        assert self.reshard is not None, "not planned from the global layout"
+        old = [*self._saved_layout_files(manifest), *(self.rng_files or [])]
         listed = [sorted(map(repr, files)) for files in (old, new)]
         found.update(same_files=listed[0] == listed[1], files=listed)
         return new

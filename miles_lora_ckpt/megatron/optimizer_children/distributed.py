@@ -796,6 +796,10 @@ class DistributedFamily:
         never_stepped = all(d is None or d.get("never_stepped") for d in described)
         return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
+    def plannable(self, saved: SavedChild) -> bool:
+        """Every parameter's place in its bucket (`positions`, format v3) is what a plan reads by."""
+        return isinstance(saved.layout.get("positions"), dict)
+
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Resharded:
         """Every parameter element of this rank's shards at another layout: which element ranges of
         which saved slice files hold its master and moments (`protocol.PartialRead`: only those

@@ -189,6 +189,11 @@ class ChildFamily(Protocol):
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
 
+    def plannable(self, saved: SavedChild) -> bool:
+        """Whether `plan_reshard` can plan `saved` (the checkpoint's record of a child of this
+        family, saved with state). A record written before the family recorded what that needs
+        loads at its saved layout only."""
+
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Any:
         """A resharding load's plan for this rank's part of `child` (`saved`: the checkpoint's record
         of the child, saved with state, of this family): which element ranges of which saved files

@@ -1,14 +1,19 @@
 """Single-LoRA resume: verify, preflight, then restore adapter, masters, moments and scheduler.
 
-Collective; reads as phases::
+Collective. It reads as phases:
 
     classify path -> agree -> plan -> agree -> protocol.open_generation (verify, agree)
     -> preflight -> agree -> apply adapter, allocate optimizer state -> agree
     -> install and check (each rank its own ranges, bucket by bucket) -> agree
     -> scheduler, master refresh, RNG states -> agree
 
-Nothing changes before the preflight agreement; if any later phase fails on any rank, every rank
-rolls its model, optimizer and scheduler back to the bytes they held before the load (megatron.undo),
+A format-v3 generation is read by its global layout (`megatron.reshard.ReshardPlan`), at the saved
+layout or another. At the saved layout every saved block is wanted whole, so the reads are this
+rank's own files, as before. A v1 or v2 generation is read at its saved layout only, from this
+rank's own files (`LoadRequest._saved_layout_files`, `_preflight_adapter`).
+
+Nothing changes before the preflight agreement. If a later phase fails on any rank, every rank
+rolls its model, optimizer and scheduler back to their bytes before the load (`megatron.undo`),
 and its RNG states to those it held (they change in the last phase only).
 """
 
@@ -73,6 +78,8 @@ from miles_lora_ckpt.savers.single_lora.common import (
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
 from miles_lora_ckpt.savers.single_lora.native_warm import warm_start_native
 
+__all__ = ["PathKind", "load_adapter_generation", "load_lora_adapter", "load_lora_checkpoint"]
+
 log = logging.getLogger(__name__)
 
 _ADAPTER_DIR = "adapter/"  # where a generation's adapter files lie (`adapter_shards.dense_file`)
@@ -80,8 +87,8 @@ _ADAPTER_DIR = "adapter/"  # where a generation's adapter files lie (`adapter_sh
 
 def load_lora_adapter(model, adapter_path, *, optimizer=None, opt_param_scheduler=None) -> tuple[bool, int | None]:
     """Miles' signature. Collective. Restores `adapter_path` into `model` (and, given, `optimizer`
-    and `opt_param_scheduler`) as `load_lora_checkpoint` with its defaults; returns `(loaded,
-    iteration)` (`(False, None)` when nothing was there). Raises as `load_lora_checkpoint`."""
+    and `opt_param_scheduler`) as `load_lora_checkpoint` does with its defaults. Returns `(loaded,
+    iteration)`: `(False, None)` when nothing was there. Raises as `load_lora_checkpoint`."""
     result = load_lora_checkpoint(model, adapter_path, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler)
     return result.loaded, result.iteration
 
@@ -101,9 +108,9 @@ def load_lora_checkpoint(
     load_rng: bool = True,
 ) -> LoadResult:
     """Collective. Restore the newest intact generation under `path` (or `path` itself) into
-    `model`, `optimizer` and `opt_param_scheduler`; returns a `LoadResult` (what was restored, from
-    what: `LoadResult.source`). The keywords after `consensus` are the options
-    (`savers.options.LoadOptions`); an unknown `hyperparameters` policy raises ValueError before
+    `model`, `optimizer` and `opt_param_scheduler`. Returns a `LoadResult`: what was restored, and
+    from what (`LoadResult.source`). The keywords after `consensus` are the options
+    (`savers.options.LoadOptions`). An unknown `hyperparameters` policy raises ValueError before
     anything collective.
 
     - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
@@ -160,10 +167,10 @@ def load_adapter_generation(
     spec: SaverSpec = SINGLE_LORA,
 ) -> LoadResult:
     """Collective. `load_lora_checkpoint` with its options as one value, for the Miles integration
-    and other savers' generations (`spec`: the saver name accepted, the adapter filter, more
-    manifest checks, whether a stock Miles directory may be warm-started; see `SaverSpec`).
-    Only a single-LoRA generation holds RNG states (they are the process's, not a slot's).
-    Returns the `LoadResult`; raises the same CheckpointError on every rank."""
+    and other savers' generations. `spec` (`SaverSpec`) names the saver accepted, the adapter
+    filter, more manifest checks, and whether a stock Miles directory may be warm-started. Only a
+    single-LoRA generation holds RNG states: they are the process's, not a slot's. Returns the
+    `LoadResult`. Raises the same CheckpointError on every rank."""
     consensus = consensus or Consensus.default()
     result = _load(consensus, model, path, optimizer, opt_param_scheduler, options, spec)
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
@@ -290,6 +297,9 @@ class LoadPlan:
 
 @dataclass
 class LoadRequest:
+    """One rank's load: what it restores into, every rank's plan (`describe_rank`), the options;
+    `files_for_rank` and `preflight` run the phases that read."""
+
     model: Any
     optimizer: Any
     scheduler: Any
@@ -346,6 +356,11 @@ class LoadRequest:
         return params if names is None else {n: p for n, p in params.items() if n in names}
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
+        """The files this rank reads of `manifest`'s generation, after every check that needs no
+        read; `reshard` is set where the global layout plans the load. A format-v3 generation is
+        planned from its global layout, at the saved layout too (each saved block then wanted
+        whole). A v1 or v2 generation, or one with a parameter megatron cannot place, loads at
+        its saved layout only (`_saved_layout_files`). Raises IncompatibleCheckpoint."""
         if manifest.saver != self.spec.saver:
             raise IncompatibleCheckpoint(
                 f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.spec.saver!r}"
@@ -353,12 +368,21 @@ class LoadRequest:
         if self.spec.check_manifest is not None:
             self.spec.check_manifest(manifest)
         rng = self._rng_files(manifest)
-        if manifest.topology.model_parallel_differences(Topology.from_dict(self.plans[self.rank]["topology"])):
-            # another TP / PP / VPP: read by global layout (format v3), or refused naming what cannot map
-            self.reshard = ReshardPlan.build(
-                manifest, self, self._saved_children_or_none(manifest), self._optimizer_in(manifest)
-            )
-            return [TRAINING_STATE, *self.reshard.files, *rng]
+        if not manifest.topology.model_parallel_differences(Topology.from_dict(self.plans[self.rank]["topology"])):
+            files = self._saved_layout_files(manifest)
+            if not self._planned(manifest):
+                return files + rng
+        # format v3: read by the global layout (at another TP / PP / VPP: resharded), or refused
+        # naming what cannot map (a v1 or v2 generation at another layout too)
+        self.reshard = ReshardPlan.build(
+            manifest, self, self._saved_children_or_none(manifest), self._optimizer_in(manifest)
+        )
+        return [TRAINING_STATE, *self.reshard.files, *rng]
+
+    def _saved_layout_files(self, manifest: Manifest) -> list:
+        """The checks of a load at the saved model-parallel layout: the slot's adapter coverage,
+        the optimizer children and their layout, a DP change. Returns the files the reader of v1
+        and v2 generations reads there: this rank's own adapter and optimizer files."""
         dense, expert = shards.split_by_kind(self.adapter_params())
         if self.spec.adapter_filter is not None:
             self._check_coverage(manifest, dense, expert)
@@ -375,7 +399,21 @@ class LoadRequest:
             )
             self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
-        return files + rng
+        return files
+
+    def _planned(self, manifest: Manifest) -> bool:
+        """Whether a load at the saved layout is planned from the global layout: a format-v3
+        generation that records one, every parameter placed on both sides, every restored child's
+        record plannable (`chain.plannable`). A malformed layout is planned: the plan reports it."""
+        layout = manifest.metadata.get("global_layout")
+        if manifest.format_version < 3 or not isinstance(layout, dict):
+            return False
+        saved = layout.get("params")
+        saved = saved.values() if isinstance(saved, dict) else []
+        placed = all(not isinstance(blocks, dict) or None not in blocks.values() for blocks in saved)
+        placed = placed and all(None not in plan["global"].values() for plan in self.plans)
+        children = self._saved_children_or_none(manifest)
+        return placed and chain.plannable(children, self.descriptions(), self.rank)
 
     def _rng_files(self, manifest: Manifest) -> list[str]:
         """This rank's RNG files where they are restored; else the reason, as a warning (the
@@ -431,8 +469,9 @@ class LoadRequest:
         warnings = self._check_optimizer_claim(manifest)
         reconciler = Reconciler(self.options.hyperparameters)
         if self.reshard is not None:
-            # a resharding load assembles the adapter from the files' global blocks; every restored
-            # master is checked against it below (masters.py), as on a same-layout load
+            # the adapter from the files' global blocks (a whole saved tensor as read); every
+            # restored master is checked against it below (masters.py)
+            self._check_adapter_params()
             adapter = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding)
             sources = self.reshard.adapter_sources(adapter)
         else:
@@ -509,15 +548,9 @@ class LoadRequest:
         ]
 
     def _preflight_adapter(self, opened) -> tuple[list[tuple[dict, dict]], dict[int, AdapterSource]]:
-        """`(params, saved tensors)` per adapter file, checked, and `{id(param): AdapterSource}`."""
-        params = self.adapter_params()
-        if not params:
-            what = (
-                "the slot's adapter filter accepts none of this rank's"
-                if self.spec.adapter_filter
-                else "the model has no"
-            )
-            raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
+        """The v1 and v2 reader: `(params, saved tensors)` per adapter file of this rank, checked,
+        and `{id(param): AdapterSource}`."""
+        params = self._check_adapter_params()
         dense, expert = shards.split_by_kind(params)
         checked, sources = [], {}
         for kind, group, file, key in (
@@ -534,6 +567,18 @@ class LoadRequest:
                 checked.append((group, saved))
                 sources.update({id(p): AdapterSource(n, saved[n], file) for n, p in group.items()})
         return checked, sources
+
+    def _check_adapter_params(self) -> dict:
+        """This load's adapter parameters; a ValueError where there are none."""
+        params = self.adapter_params()
+        if not params:
+            what = (
+                "the slot's adapter filter accepts none of this rank's"
+                if self.spec.adapter_filter
+                else "the model has no"
+            )
+            raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
+        return params
 
     def _check_child_layout(self, manifest: Manifest) -> None:
         recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
