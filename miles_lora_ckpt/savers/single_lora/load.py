@@ -113,34 +113,41 @@ def load_lora_checkpoint(
     (`savers.options.LoadOptions`). An unknown `hyperparameters` policy raises ValueError before
     anything collective.
 
-    - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
-      DP size may differ from the save; a format-v3 generation also reshards to another TP,
-      expert TP, PP, VPP or (experts numbered globally) EP (`megatron.reshard`); CP, the optimizer
-      child layout, each child's class and its optimizer may not change.
-    - `optimizer_children` restores only those children (leaf indices, e.g. one slot's
-      `miles_slot_child_indices`) and the adapter weights they step; every other child's masters,
-      moments and param groups stay bit-identical and nothing is refreshed from bf16. Pass the
-      scheduler that drives only those children, or None.
-    - `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter
-      only, refresh the masters from it and reposition the scheduler from the iteration.
-    - A stock Miles adapter directory warm-starts the adapter weights only, with a warning: one of
-      per-rank `.pt` files (`legacy_miles`), or a native `torch_dist` checkpoint, resharded to this
-      run's TP/PP/EP (`native_warm`; its metadata read by the plugin's data-only reader).
-    - A missing path, or a save root with no committed generation yet, loads nothing.
-    - Every restored param group and the scheduler's fields are compared with the optimizer and
-      scheduler this launch built (`core.hyperparameters`): a saved key the live optimizer lacks is
-      refused; each difference is reported (`LoadResult.hyperparameter_differences`, a warning on
-      rank 0) and settled by `hyperparameters` (`HyperparameterPolicy` or its string): "checkpoint"
-      restores the checkpoint's values, "launch" keeps the launch's, "refuse" refuses the load;
-      "megatron" or None (default) does what megatron does (param groups from the checkpoint, the
-      scheduler's own flags for its fields).
-    - Every restored fp32 master must be the one the saved adapter was cast from
-      (`optimizer_children.masters`): a generation assembled from two training states is refused.
-    - Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are restored from its
-      own files when the layout (world, TP, PP, EP, expert TP, DP, CP, VPP) is the saved one, as the
-      load's last step. At another layout they stay as megatron seeded them (rank 0 logs one line
-      saying so); a generation without RNG state loads with a warning naming it. Not with
-      `load_rng=False` (Miles' `--no-load-rng`) or `weights_only=True`.
+    A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly. The DP
+    size may differ from the save. A format-v3 generation also reshards to another TP, expert TP,
+    PP, VPP, CP or (experts numbered globally) EP (`megatron.reshard`). The optimizer child layout,
+    each child's class and its optimizer may not change.
+
+    `optimizer_children` restores only those children (leaf indices, e.g. one slot's
+    `miles_slot_child_indices`) and the adapter weights they step. Every other child's masters,
+    moments and param groups stay bit-identical, and nothing is refreshed from bf16. Pass the
+    scheduler that drives only those children, or None.
+
+    `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter only.
+    The masters are then refreshed from it and the scheduler repositioned from the iteration.
+
+    A stock Miles adapter directory warm-starts the adapter weights only, with a warning. It holds
+    per-rank `.pt` files (`legacy_miles`) or a native `torch_dist` checkpoint. The latter is
+    resharded to this run's TP/PP/EP (`native_warm`), its metadata read by the plugin's own reader.
+    A missing path, or a save root with no committed generation yet, loads nothing.
+
+    Every restored param group and the scheduler's fields are compared with the ones this launch
+    built (`core.hyperparameters`). A saved key the live optimizer lacks is refused. Each difference
+    is reported (`LoadResult.hyperparameter_differences`, a warning on rank 0) and settled by
+    `hyperparameters` (`HyperparameterPolicy` or its string). With "checkpoint" the checkpoint's
+    values are restored, with "launch" the launch's kept, and "refuse" refuses the load. With
+    "megatron" or None (the default) it does what megatron does: param groups from the checkpoint,
+    the scheduler's own flags for its fields.
+
+    Every restored fp32 master must be the one the saved adapter was cast from
+    (`optimizer_children.masters`): a generation assembled from two training states is refused.
+
+    Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are restored from its
+    own files as the load's last step, when the layout (world, TP, PP, EP, expert TP, DP, CP, VPP)
+    is the saved one. At another layout they stay as megatron seeded them (rank 0 logs one line
+    saying so). A generation without RNG state loads with a warning naming it. Not with
+    `load_rng=False` (Miles' `--no-load-rng`) or `weights_only=True`.
+
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
     options = LoadOptions(
