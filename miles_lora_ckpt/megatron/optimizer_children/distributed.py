@@ -870,6 +870,8 @@ class DistributedFamily:
                 )
             buckets.append(tuple(parts))
         files = tuple(PartialRead(f, tuple(sorted(r)), keep) for (f, keep), r in sorted(requests.items()))
+        if not used and own is not None:  # no parameter in this rank's shard: its own group's state
+            used.add(own)
         return Resharded(keys, tuple(sorted(used)), tuple(buckets), files, never)
 
     def restore_resharded(self, child: Child, plan: Resharded, read: ReadContext) -> _Restore:

@@ -358,6 +358,8 @@ class WholeParameterFamily:
                 writers[source.file] = entries["files"][source.file]
                 used.add(source.coordinate)
             params.append((group, name, main, tuple(pieces), model_param))
+        if not used and mine is not None:  # no parameter here (a layer-wise child): its own coordinate's state
+            used.add(mine)
         return WholeReshard(saved.keys, writers, tuple(params), tuple(sorted(used)))
 
     def restore_resharded(self, child: Child, plan: WholeReshard, read: ReadContext) -> _Restore:
@@ -382,6 +384,10 @@ class WholeParameterFamily:
         for group, name, main, pieces, model_param in plan.params:
             keys = None
             assembled: dict[str, torch.Tensor] = {}
+            # one saved block that is the whole parameter (the saved layout): its tensors as read,
+            # no copy, as the same-layout preflight takes them
+            whole = len(pieces) == 1 and (pieces[0][1].first, pieces[0][1].into) == (0, 0)
+            whole = whole and pieces[0][1].count == main.numel()
             for source, copy in pieces:
                 found = files[source.file].get(source.name, {})
                 if keys is None:
@@ -399,6 +405,9 @@ class WholeParameterFamily:
                         raise ValueError(
                             f"{source.file}: {source.name}.{key} is {list(tensor.shape)}, not {list(source.block.shape)}"
                         )
+                    if whole and tensor.numel() == main.numel():
+                        assembled[key] = tensor.reshape(-1)
+                        continue
                     target = assembled.setdefault(key, torch.empty(main.numel(), dtype=tensor.dtype))
                     target[copy.into : copy.into + copy.count] = tensor.reshape(-1)[
                         copy.first : copy.first + copy.count
