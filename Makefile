@@ -18,9 +18,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+# The plugin, then the harness (harness/: its own distribution, miles-lora-ckpt-harness, which `demo`,
+# `bench` and the tests need), both editable.
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml harness/pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e ./harness
 	touch $@
 
 # Second megatron tier: megatron-core 0.19.2 declares Python>=3.12, but its wheel runs on 3.11.
@@ -36,7 +39,7 @@ $(TIER2)/.emerging-optimizers: $(TIER2)/.installed
 	touch $@
 
 # Bridge tier: the real Megatron-Bridge 0.6.2 (pure Python; declares Python>=3.12, runs on 3.11 with
-# the three shims of sim/bridge_shims.py) on top of the 0.19.2 tier (it does not import with 0.16).
+# the three shims of the harness's sim/bridge_shims.py) on top of the 0.19.2 tier (it does not import with 0.16).
 # Bridge pins transformers<=5.12.1 (5.24 lacks transformers.modeling_attn_mask_utils), so that
 # transformers and its hub/tokenizer pins live in this folder too, first on PYTHONPATH for this tier only.
 $(TIER3)/.installed: $(TIER2)/.emerging-optimizers
@@ -46,20 +49,20 @@ $(TIER3)/.installed: $(TIER2)/.emerging-optimizers
 
 # Real Miles: the `miles-rl` wheel (radixark Miles, pure Python) without its dependencies, in its own
 # folder, put on PYTHONPATH only for the real-Miles test run (marker `realmiles`). What it imports that
-# cannot be installed here is stood in by miles_lora_ckpt/sim/realmiles/standins.py, inside the harness only.
+# cannot be installed here is stood in by harness/miles_lora_ckpt_harness/realmiles/standins.py, inside the harness only.
 $(TIERMILES)/.installed: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --target $(TIERMILES) miles-rl==0.0.2 six==1.17.0 pybase64==1.5.1 'triton==3.7.*'
 	touch $@
 
 # The wheel's own argument parsing imports SGLang's server-argument tree, whose model configs need the
-# real pillow (image-processor registration) and dill at import time (sim/realmiles/wheel_args.py).
+# real pillow (image-processor registration) and dill at import time (the harness's realmiles/wheel_args.py).
 $(TIERMILES)/.argparse: $(TIERMILES)/.installed
 	$(BIN)/pip install -q --no-deps --target $(TIERMILES) pillow==13.0.0 dill==0.4.1
 	touch $@
 
 # Megatron-LM (and so the wheel's initialize.init) asserts numpy 1.x. The real-Miles test run puts
 # numpy 1.26.4 first on PYTHONPATH (measured: torch 2.13, megatron-core 0.16.1 and transformers import
-# and run with it), so init's assertion runs unchanged; sim/realmiles/wheel_args.py: numpy_1_for_init.
+# and run with it), so init's assertion runs unchanged; the harness's realmiles/wheel_args.py: numpy_1_for_init.
 TIERNUMPY1 := .tier-miles/numpy-1.26.4
 $(TIERNUMPY1)/.installed: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --target $(TIERNUMPY1) numpy==1.26.4
@@ -104,7 +107,7 @@ tier2: $(TIER2)/.emerging-optimizers
 tier-bridge: $(TIER3)/.installed
 	MILES_LORA_CKPT_TIER=bridge PYTHONPATH=$(CURDIR)/$(TIER3):$(CURDIR)/$(TIER2) $(BIN)/python -m pytest -q -m bridge $(PYTEST_ARGS)
 
-# Only the tests marked `realmiles` (the real miles-rl 0.0.2 wheel; sim/realmiles/standins.py lists what is stood in).
+# Only the tests marked `realmiles` (the real miles-rl 0.0.2 wheel; the harness's realmiles/standins.py lists what is stood in).
 tier-miles: $(TIERMILES)/.argparse $(TIERNUMPY1)/.installed
 	MILES_LORA_CKPT_REAL_MILES=$(CURDIR)/$(TIERMILES) PYTHONPATH=$(CURDIR)/$(TIERNUMPY1) $(BIN)/python -m pytest -q -m realmiles $(PYTEST_ARGS)
 
@@ -118,7 +121,7 @@ test-long: $(VENV)/.installed
 # CUDA with NCCL as the default group, the async save's pinned side-stream copy, a training step's
 # stall against DCP's async_save. Without CUDA it skips in one line; ARGS="--device cpu": the dry run.
 gpu-check: $(VENV)/.installed
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m miles_lora_ckpt.tools.gpu_check $(ARGS)
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m miles_lora_ckpt_harness.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) .tier2 .tier3 .tier-miles build site *.egg-info .pytest_cache

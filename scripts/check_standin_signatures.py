@@ -22,9 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles_lora_ckpt.sim.miles_standin import SHAPES, shape_path
-from miles_lora_ckpt.sim.miles_standin import source_signatures as facts
-from miles_lora_ckpt.sim.miles_standin.signature_collect import module_names, standin_signatures
+from miles_lora_ckpt_harness.miles_standin import SHAPES, shape_path
+from miles_lora_ckpt_harness.miles_standin import source_signatures as facts
+from miles_lora_ckpt_harness.miles_standin.signature_collect import module_names, standin_signatures
 
 DEFAULT_MIRROR = "/work/.mirror/radixark+miles/repo"
 

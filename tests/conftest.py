@@ -1,5 +1,6 @@
-"""Shared test set-up. Multi-rank tests launch real processes through miles_lora_ckpt.sim.launch;
-their worker functions live in tests/jobs/ (see jobs_paths.JOBS)."""
+"""Shared test set-up. Multi-rank tests launch real processes through miles_lora_ckpt_harness.sim.launch;
+each test module holds its own rank jobs, which the ranks import from the tests directory
+(`jobs_paths.TESTS`); the Bridge tier's jobs are still in tests/jobs/ (`jobs_paths.JOBS`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import pytest
 from jobs_paths import JOBS
 
-from miles_lora_ckpt.sim.cpu_intercepts import install_typing_override
+from miles_lora_ckpt_harness.sim.cpu_intercepts import install_typing_override
 
 sys.path.insert(0, JOBS)
 # Tests that import megatron in this process (tier 2: megatron-core 0.19 with emerging-optimizers,
@@ -33,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def prewarmed():
     """One pre-warmed fork launcher (sim.prewarmed), started on first use, for the whole session."""
-    from miles_lora_ckpt.sim.prewarmed import PrewarmedLauncher
+    from miles_lora_ckpt_harness.sim.prewarmed import PrewarmedLauncher
 
     with PrewarmedLauncher() as launcher:
         yield launcher
@@ -47,7 +48,7 @@ def megatron_jobs_forked(prewarmed):
     rank. The launcher's own tests (test_launcher.py) spawn, as the `demo` and `bench` commands
     always do. `MILES_LORA_CKPT_TEST_SPAWN=1` spawns every job of the suite instead.
     """
-    from miles_lora_ckpt.sim import launch
+    from miles_lora_ckpt_harness.sim import launch
 
     if os.environ.get("MILES_LORA_CKPT_TEST_SPAWN") == "1":
         yield

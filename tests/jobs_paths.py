@@ -1,5 +1,8 @@
-"""Where worker-job modules live (they run in spawned processes, which get this on sys.path)."""
+"""What a test puts on its workers' sys.path: the tests directory, so a rank imports its job from the
+test module itself (``run_workers(2, "test_reshard:reshard_job", payload, sys_path=[TESTS])``) and
+the small shared modules beside it (``single_lora_steps``, ``protocol_generations``, ...)."""
 
 from pathlib import Path
 
-JOBS = str(Path(__file__).parent / "jobs")
+TESTS = str(Path(__file__).parent)
+JOBS = str(Path(__file__).parent / "jobs")  # bridge_jobs: the Bridge tier's jobs, not yet beside their test

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from miles_lora_ckpt.tools import bench_scale
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.bench import scale as bench_scale
 
 NUMBER = r"([0-9.eE+-]+)"
 LINE = re.compile(

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
-from miles_lora_ckpt.sim import bridge_double
-from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness import bridge_double
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 PACKAGE = Path(__file__).resolve().parents[1] / "miles_lora_ckpt"
 
@@ -25,42 +25,64 @@ def test_the_double_refuses_to_install_outside_a_harness_worker(monkeypatch):
     assert importlib.util.find_spec("megatron.bridge") is None  # no Bridge here, real or double
 
 
-# the tools that drive the harness (demos and bench); nothing else outside sim/ may import it
-DEMO_AND_BENCH = (
-    "tools/demo.py",
-    "tools/demo_miles.py",
-    "tools/demo_slots.py",
-    "tools/demo_miles_slots.py",
-    "tools/bench.py",
-    "tools/bench_async.py",
-    "tools/bench_distckpt.py",
-    "tools/bench_scale.py",
-    "tools/demo_reshard.py",
-    "tools/demo_miles_reshard.py",
-    "tools/demo_miles_launch.py",
-)
-
-
 def test_production_code_never_imports_the_harness():
+    """The harness (the double with it) is another distribution: no plugin module imports it, but the
+    CLI's hand-off of `demo` and `bench` to the harness's `commands` (tests/test_hygiene.py: the layering)."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith("sim/") or rel in DEMO_AND_BENCH:
-            continue  # the harness itself, and the tools that drive it (demos and bench)
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{rel}: {n}" for n in names if n.startswith("miles_lora_ckpt.sim")]
-    assert offenders == []
+            offenders += [f"{rel}: {n}" for n in names if n.startswith("miles_lora_ckpt_harness")]
+    assert offenders == ["tools/cli.py: miles_lora_ckpt_harness"]  # `from miles_lora_ckpt_harness import commands`
+
+
+def double_isolation(payload: dict, ctx) -> dict:
+    """Inside a (megatron-free) harness worker: the double installs, names itself, uninstalls."""
+    import importlib
+
+    out = {}
+    for variant in payload["variants"]:
+        before = importlib.util.find_spec("megatron.bridge") is not None
+        auto_bridge = bridge_double.install(variant=variant)
+        mb = importlib.import_module("megatron.bridge")
+        peft_bridge = importlib.import_module("megatron.bridge.models.conversion.peft_bridge")
+        seen = {
+            "spec_before": before,
+            "class": mb.AutoBridge.__name__,
+            "is_double": getattr(mb, "IS_TEST_DOUBLE", False),
+            "doc": mb.__doc__,
+            "helpers": peft_bridge.__name__,
+            "same": auto_bridge is mb.AutoBridge,
+        }
+        bridge_double.install(variant=variant, peft_helpers=False)
+        seen["without_helpers"] = _importable("megatron.bridge.models.conversion.peft_bridge")
+        bridge_double.uninstall()
+        seen["after_uninstall"] = _importable("megatron.bridge")
+        out[variant] = seen
+    return out
+
+
+def _importable(name: str) -> str:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+        return "importable"
+    except ImportError:
+        return "gone"
 
 
 @pytest.mark.multirank
 def test_inside_a_worker_the_double_installs_names_itself_and_uninstalls():
     variants = ["nvidia", "fork"]
-    job = run_workers(1, "peft_gloo_jobs:double_isolation", {"variants": variants}, sys_path=[JOBS], megatron=False)
+    job = run_workers(
+        1, "test_bridge_double:double_isolation", {"variants": variants}, sys_path=[TESTS], megatron=False
+    )
     for variant, seen in check_all(job)[0].items():
         assert seen["spec_before"] is False
         assert seen["class"] == {"nvidia": "AutoBridgeDouble", "fork": "ForkAutoBridgeDouble"}[variant]
         assert seen["is_double"] is True and "TEST DOUBLE" in seen["doc"] and seen["same"]
-        assert seen["helpers"] == "miles_lora_ckpt.sim.bridge_double.peft_bridge"
+        assert seen["helpers"] == "miles_lora_ckpt_harness.bridge_double.peft_bridge"
         assert seen["after_uninstall"] == "gone" and seen["without_helpers"] == "gone"

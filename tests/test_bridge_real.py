@@ -7,7 +7,7 @@ plugin exports it with `export_peft(..., source=BridgeSource(real AutoBridge))`,
 inside a checkpoint generation (`peft/`). Checked here: the real PEFT loads every export with 0
 missing and 0 unexpected keys, and HF-with-PEFT logits equal megatron-with-LoRA logits within fp32
 tolerance; the plugin's export equals Bridge's own `save_hf_adapter`, byte for byte; the Bridge
-double (`sim/bridge_double`) exports the same names and values as the real Bridge on the same
+double (`bridge_double`) exports the same names and values as the real Bridge on the same
 models (with negative controls: a double with altered names or order fails the comparison); a
 SIGKILL mid-export leaves the committed generation and exports intact, and the resume is bit-exact.
 The export scenarios ported from tests/test_peft_export.py run here on the real Bridge: the fault
@@ -33,10 +33,10 @@ from jobs_paths import JOBS
 
 from miles_lora_ckpt.core.checked_reads import load_tensors
 from miles_lora_ckpt.savers.peft_export import CONFIG_NAME, LATEST, WEIGHTS_NAME
-from miles_lora_ckpt.sim import bridge_shims
-from miles_lora_ckpt.sim.bridge_model import BridgeRunConfig
-from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim import bridge_shims
+from miles_lora_ckpt_harness.sim.bridge_model import BridgeRunConfig
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 pytestmark = [pytest.mark.bridge, pytest.mark.multirank, pytest.mark.peft]
 IN_BRIDGE_TIER = os.environ.get("MILES_LORA_CKPT_TIER") == "bridge"
@@ -70,7 +70,7 @@ def test_the_shims_refuse_to_install_outside_a_harness_worker(monkeypatch):
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory):
-    from miles_lora_ckpt.sim.bridge_model import build_hf_base
+    from miles_lora_ckpt_harness.sim.bridge_model import build_hf_base
 
     work = tmp_path_factory.mktemp("bridge")
     hf = {family: str(build_hf_base(work / f"hf-{family}", CASES[f"{family}-tp1"])) for family in FAMILIES}

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs_paths import JOBS
+from jobs_paths import TESTS
+from protocol_generations import load_ranks, rank_file, save_ranks
 
 from miles_lora_ckpt.core import content_rules
-from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.consensus import Consensus, Outcome
 from miles_lora_ckpt.core.errors import (
     CheckpointError,
     CommittedButFailed,
@@ -24,8 +25,8 @@ from miles_lora_ckpt.core.errors import (
 )
 from miles_lora_ckpt.core.layout import Topology
 from miles_lora_ckpt.core.protocol import save_generation
-from miles_lora_ckpt.sim.launch import check_all, run_workers
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 ADAPTER = "adapter.safetensors"
 
@@ -69,7 +70,7 @@ def test_every_error_of_the_package_derives_from_one_base():
     assert exported is MilesLoraCkptError
     found = []
     for info in pkgutil.walk_packages(miles_lora_ckpt.__path__, "miles_lora_ckpt."):
-        if info.name.startswith(("miles_lora_ckpt.sim", "miles_lora_ckpt.tools", "miles_lora_ckpt.__main__")):
+        if info.name.startswith(("miles_lora_ckpt.tools", "miles_lora_ckpt.__main__")):
             continue
         module = importlib.import_module(info.name)
         for value in vars(module).values():
@@ -85,9 +86,55 @@ def test_every_error_of_the_package_derives_from_one_base():
         assert cls in found, cls
 
 
+# --------------------------------------------------------------------------- a bug is not damage
+
+
+def bug_or_damage(payload: dict, ctx) -> dict:
+    """Two generations. A TypeError injected into rank 1's content check of the newer one must fail
+    the load on every rank (never the older generation), its traceback in rank 1's log; real
+    damage to the newer one (a flipped byte) must still make every rank fall back to the older."""
+    consensus = Consensus.for_world(timeout_s=60)
+    root = Path(payload["root"])
+    save_ranks(consensus, root, 1)
+    newest = save_ranks(consensus, root, 2)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("miles_lora_ckpt").addHandler(handler)
+    original = content_rules.check_tensor_file
+
+    def buggy(relpath, manifest, *args, **kwargs):
+        if manifest.iteration == 2:
+            raise TypeError("injected bug: unsupported operand type(s)")
+        return original(relpath, manifest, *args, **kwargs)
+
+    bug: dict = {}
+    if ctx.rank == 1:
+        content_rules.check_tensor_file = buggy
+    try:
+        bug["loaded"] = load_ranks(consensus, root)[0]
+    except CheckpointError as exc:
+        bug["error"] = {"phase": exc.phase, "ranks": exc.failed_ranks, "text": str(exc)}
+    finally:
+        content_rules.check_tensor_file = original
+        logging.getLogger("miles_lora_ckpt").removeHandler(handler)
+    formatter = logging.Formatter()
+    tracebacks = [formatter.format(r) for r in records if r.exc_info and r.exc_info[0] is TypeError]
+    consensus.agree("sync", Outcome.success())
+    if ctx.rank == 0:  # damage: one byte of rank 1's tensor data, same size (its digest no longer matches)
+        target = newest / rank_file(1)
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0x40
+        target.write_bytes(bytes(data))
+    consensus.agree("sync", Outcome.success())
+    return {"bug": bug, "tracebacks": tracebacks, "damaged_load": list(load_ranks(consensus, root))}
+
+
 def test_a_bug_in_a_check_fails_the_load_on_every_rank_and_damage_still_falls_back(tmp_path):
     results = check_all(
-        run_workers(2, "protocol_jobs:bug_or_damage", {"root": str(tmp_path / "root")}, sys_path=[JOBS], megatron=False)
+        run_workers(
+            2, "test_bug_not_damage:bug_or_damage", {"root": str(tmp_path / "root")}, sys_path=[TESTS], megatron=False
+        )
     )
     errors = [r["bug"].get("error") for r in results]
     assert all(r["bug"].get("loaded") is None for r in results)  # no rank resumed the older generation

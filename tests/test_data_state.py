@@ -174,7 +174,7 @@ def test_the_save_takes_its_own_rollouts_staged_state_or_refuses(tmp_path, caplo
     stock = _args(tmp_path, data_source_path="miles.rollout.data_source.RolloutDataSourceWithBuffer")
     assert train_side.staged_for_save(load_config({}), stock, root, 4) is None
     assert train_side.startup_note(stock).startswith("WARNING: --data-source-path")
-    from miles_lora_ckpt.tools.demo_miles_config import DATA_SOURCE_HOOK
+    from miles_lora_ckpt_harness.demo.via_miles_config import DATA_SOURCE_HOOK
 
     assert DATA_SOURCE_HOOK == train_side.HOOK  # the demo's command names the real entry point
 

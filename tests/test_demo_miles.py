@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from miles_lora_ckpt.tools import demo_miles
-from miles_lora_ckpt.tools.cli import build_parser
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.commands import build_parser
+from miles_lora_ckpt_harness.demo import via_miles as demo_miles
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 

@@ -28,10 +28,12 @@ import pytest
 
 from miles_lora_ckpt.tools.cli import build_parser
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.commands import build_parser as build_harness_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PACKAGE = REPO / "miles_lora_ckpt"
+HARNESS = REPO / "harness" / "miles_lora_ckpt_harness"  # the harness distribution
 PAGES = sorted(p for p in DOCS.glob("*.md"))
 SOURCES = [REPO / "README.md", *PAGES]
 MARKED = re.compile(r"<!-- docs-check: (\w+) -->\n([ \t]*)```(\w*)\n(.*?)\n\2```", re.DOTALL)
@@ -135,13 +137,11 @@ def test_the_readmes_links_land(site):
 def test_docs_named_in_code_configs_and_help_exist():
     """Every `docs/<page>.md` the package, the configs, the Makefile or the CLI's help texts name is a
     page; the package refers to the docs, not to the README, for what moved there."""
-    texts = {str(p.relative_to(REPO)): p.read_text() for p in PACKAGE.rglob("*.py")}
+    texts = {str(p.relative_to(REPO)): p.read_text() for root in (PACKAGE, HARNESS) for p in root.rglob("*.py")}
     texts.update({str(p.relative_to(REPO)): p.read_text() for p in (REPO / "configs").iterdir() if p.is_file()})
     texts["Makefile"] = (REPO / "Makefile").read_text()
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    texts["--help"] = parser.format_help()
-    texts.update({f"{name} --help": sub.format_help() for name, sub in subparsers.choices.items()})
+    texts["--help"] = build_parser().format_help()
+    texts.update({f"{name} --help": sub.format_help() for name, sub in command_parsers().items()})
     assert "docs/cli.md" in texts["--help"]
     for where, text in texts.items():
         for page in re.findall(r"docs/([\w-]+\.md)", text):
@@ -235,6 +235,16 @@ def documented_flags(text: str) -> set[str]:
     return flags
 
 
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each command's parser: the plugin CLI's, with `demo` and `bench` as the harness parses them (the
+    plugin's CLI hands their arguments to the harness unparsed)."""
+
+    def choices(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    return {**choices(build_parser()), **choices(build_harness_parser())}
+
+
 def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
     return {s for action in parser._actions for s in action.option_strings if s.startswith("--")} - {"--help"}
 
@@ -252,10 +262,10 @@ def test_the_cli_synopsis_names_exactly_the_parsers_flags():
         elif current is not None and line.startswith(" "):
             entries[current] += "\n" + line
     parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(entries) == {"", *subparsers.choices}, "every command has a synopsis entry, and only they do"
+    commands = command_parsers()
+    assert set(entries) == {"", *commands}, "every command has a synopsis entry, and only they do"
     assert documented_flags(entries[""]) == parser_flags(parser)
-    for name, sub in subparsers.choices.items():
+    for name, sub in commands.items():
         assert documented_flags(entries[name]) == parser_flags(sub) - COMMON, name
 
 
@@ -316,10 +326,20 @@ def test_python_examples_name_what_exists():
 # --------------------------------------------------------------------------- the package map
 
 
+HARNESS_MAP = "## The harness distribution"  # the heading of the harness's map on docs/architecture.md
+
+
 def test_the_package_map_names_every_module():
-    """docs/architecture.md's map: every module of the package is named (by its path, or by its name in
-    the row of its directory), and every path the map names exists."""
-    page = (DOCS / "architecture.md").read_text()
+    """docs/architecture.md's maps, the plugin's (paths under `miles_lora_ckpt/`) then, under its own
+    heading, the harness's (paths under `harness/miles_lora_ckpt_harness/`): every module of each package
+    is named (by its path, or by its name in the row of its directory), and every path a map names exists."""
+    plugin_map, heading, harness_map = (DOCS / "architecture.md").read_text().partition(HARNESS_MAP)
+    assert heading, f"docs/architecture.md has no '{HARNESS_MAP}' section"
+    missing = _unmapped(plugin_map, PACKAGE) + _unmapped(harness_map, HARNESS)
+    assert missing == [], f"modules missing from the package maps in docs/architecture.md: {missing}"
+
+
+def _unmapped(page: str, package: Path) -> list[str]:
     rows = [line for line in page.splitlines() if line.startswith("| ") and line.count("|") >= 4]
     directories: dict[str, set[str]] = {}
     named_paths = set(re.findall(r"`([\w/]+\.py)`", page))
@@ -328,16 +348,16 @@ def test_the_package_map_names_every_module():
         for path in re.findall(r"`([\w/.]+)`", module_cell):
             if "/" not in path and not path.endswith(".py"):
                 continue  # a word in the cell, not a path
-            assert (PACKAGE / path).exists(), f"the map names {path}, which is not in the package"
+            assert (package / path).exists(), f"the map names {path}, which is not in {package.name}"
             if path.endswith("/"):
                 directories.setdefault(path, set()).update(re.findall(r"`([\w.]+)`", row))
     missing = []
-    for module in sorted(PACKAGE.rglob("*.py")):
-        rel = module.relative_to(PACKAGE).as_posix()
-        if module.name == "__init__.py" or rel.startswith("sim/miles_standin/"):
+    for module in sorted(package.rglob("*.py")):
+        rel = module.relative_to(package).as_posix()
+        if module.name == "__init__.py" or rel.startswith("miles_standin/"):
             continue  # a package is named by its directory; the Miles stand-in's trees by theirs
         parent, _, stem = rel.rpartition("/")
         in_row = directories.get(f"{parent}/" if parent else "", set())
         if rel not in named_paths and stem not in in_row and stem.removesuffix(".py") not in in_row:
-            missing.append(rel)
-    assert missing == [], f"modules missing from the package map in docs/architecture.md: {missing}"
+            missing.append(f"{package.name}/{rel}")
+    return missing

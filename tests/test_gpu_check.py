@@ -1,4 +1,4 @@
-"""The GPU check (`make gpu-check`, `tools/gpu_check.py`) without a GPU: it skips in one line, refuses
+"""The GPU check (`make gpu-check`, the harness's `gpu_check.py`) without a GPU: it skips in one line, refuses
 bad usage, and its CPU dry run (gloo for both groups) runs every check end to end; its bit
 comparison and its report catch what they must (no timing is asserted)."""
 
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from miles_lora_ckpt.tools import gpu_check
+from miles_lora_ckpt_harness import gpu_check
 
 
 def test_without_cuda_it_skips_in_one_line(capsys, monkeypatch):

@@ -1,5 +1,6 @@
 """Package-wide rules: no unpickling anywhere, lazy imports of heavy or optional dependencies, the layering
-rule, no import circles."""
+rule (the plugin never imports the harness distribution), no import circles; test modules that hold
+rank jobs import outside pytest."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "miles_lora_ckpt"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "miles_lora_ckpt"
+HARNESS = REPO / "harness" / "miles_lora_ckpt_harness"  # the harness distribution (harness/)
 FORBIDDEN_CALLS = {
     "pickle.load",
     "pickle.loads",
@@ -59,7 +62,9 @@ def test_scanner_catches_what_it_must():
 
 
 def test_no_module_unpickles():
-    offences = {str(p.relative_to(PACKAGE)): _offences(p.read_text()) for p in PACKAGE.rglob("*.py")}
+    offences = {
+        str(p.relative_to(REPO)): _offences(p.read_text()) for root in (PACKAGE, HARNESS) for p in root.rglob("*.py")
+    }
     assert {k: v for k, v in offences.items() if v} == {}
 
 
@@ -87,9 +92,10 @@ def test_package_and_cli_work_without_megatron_peft_transformers(tmp_path):
 
 
 # The layering rule of docs/architecture.md: core <- megatron <- savers <- integration <- hooks, tools;
-# sim (the test harness) only from the demo and bench tools.
+# the harness (a separate distribution) is never imported by the plugin, but for the one hand-off of
+# `demo` and `bench`: the CLI's lazy import of the harness's `commands`.
 LAYERS = {"core": 0, "megatron": 1, "savers": 2, "integration": 3, "hooks": 4, "tools": 4}
-HARNESS_USERS = ("tools/demo", "tools/bench")
+HARNESS_HAND_OFF = ("tools/cli.py", {"miles_lora_ckpt_harness", "miles_lora_ckpt_harness.commands"})
 THIRD_PARTY_IN_CORE = {"megatron", "miles", "peft", "transformers", "ray"}
 
 
@@ -117,12 +123,13 @@ def _layering_offences(files: dict[str, list[str]]) -> list[str]:
             parts = module.split(".")
             if layer == "core" and parts[0] in THIRD_PARTY_IN_CORE:
                 offences.append(f"{rel} imports {module} (core imports neither megatron nor Miles nor Bridge)")
+            hand_off = rel == HARNESS_HAND_OFF[0] and module in HARNESS_HAND_OFF[1]
+            if parts[0] == "miles_lora_ckpt_harness" and not hand_off:
+                offences.append(f"{rel} imports {module} (the harness is not a part of the plugin)")
             if parts[0] != "miles_lora_ckpt" or len(parts) < 2:
                 continue
             target = parts[1]
-            if target == "sim" and layer != "sim" and not rel.startswith(HARNESS_USERS):
-                offences.append(f"{rel} imports {module} (sim is the test harness)")
-            elif layer in LAYERS and target in LAYERS and LAYERS[target] > LAYERS[layer]:
+            if layer in LAYERS and target in LAYERS and LAYERS[target] > LAYERS[layer]:
                 offences.append(f"{rel} imports {module} (an upper layer)")
     return offences
 
@@ -130,10 +137,23 @@ def _layering_offences(files: dict[str, list[str]]) -> list[str]:
 def test_layering_checker_catches_what_it_must():
     bad = {
         "core/x.py": ["megatron.core", "miles_lora_ckpt.savers.single_lora"],
-        "savers/y.py": ["miles_lora_ckpt.sim.train", "miles_lora_ckpt.integration.runtime"],
-        "tools/demo.py": ["miles_lora_ckpt.sim.train"],
+        "savers/y.py": ["miles_lora_ckpt_harness.sim.train", "miles_lora_ckpt.integration.runtime"],
+        "tools/peft_tools.py": ["miles_lora_ckpt_harness.demo.command"],
+        "tools/cli.py": ["miles_lora_ckpt_harness.commands", "miles_lora_ckpt_harness.sim"],
     }
-    assert len(_layering_offences(bad)) == 4
+    assert len(_layering_offences(bad)) == 6
+    assert _layering_offences({"tools/cli.py": ["miles_lora_ckpt_harness", "miles_lora_ckpt_harness.commands"]}) == []
+
+
+def test_the_cli_imports_the_harness_only_when_demo_or_bench_runs():
+    """The hand-off's import is inside a function: the plugin's CLI never loads the harness for its own commands."""
+    tree = ast.parse((PACKAGE / "tools" / "cli.py").read_text())
+    top_level = [m for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom) for m in _names(node)]
+    assert not [m for m in top_level if m.startswith("miles_lora_ckpt_harness")]
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    return [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
 
 
 def test_imports_follow_the_layering_rule():
@@ -146,12 +166,12 @@ def test_imports_follow_the_layering_rule():
 
 
 # No import circles: the brief's "no import runs back up", for every pair of package modules.
-STANDIN_TREE = re.compile(r"sim/miles_standin/(\w+)/miles(/|\.py$|$)")
+STANDIN_TREE = re.compile(r"miles_lora_ckpt_harness/miles_standin/(\w+)/miles(/|\.py$|$)")
 
 
 def _module_name(rel: str) -> str:
-    """`tools/demo.py` -> `miles_lora_ckpt.tools.demo`; a package is its `__init__.py`."""
-    parts = ("miles_lora_ckpt", *rel.removesuffix(".py").split("/"))
+    """`miles_lora_ckpt/tools/cli.py` -> `miles_lora_ckpt.tools.cli`; a package is its `__init__.py`."""
+    parts = rel.removesuffix(".py").split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -168,7 +188,8 @@ def _runtime_nodes(tree: ast.AST):
 
 
 def _import_graph(sources: dict[str, str]) -> dict[str, dict[str, int]]:
-    """`{module: {package module it imports: line}}` for `sources` (`{path under the package: text}`),
+    """`{module: {package module it imports: line}}` for `sources` (`{path from the folder holding the
+    package: text}`, the plugin's and the harness's modules together),
     by the rules of `test_no_import_circles_among_the_package_modules`."""
     modules = {_module_name(rel): rel for rel in sources}
     trees: dict[str, dict[str, str]] = {}
@@ -270,33 +291,35 @@ def _shortest_cycle(graph: dict[str, dict[str, int]], start: str, members: set[s
 def test_import_circle_checker_catches_what_it_must():
     sources = {
         # a lazy import back: tools/a -> tools/b -> tools/a
-        "tools/a.py": "from miles_lora_ckpt.tools import b\n",
-        "tools/b.py": "def f():\n    from miles_lora_ckpt.tools.a import g\n",
+        "miles_lora_ckpt/tools/a.py": "from miles_lora_ckpt.tools import b\n",
+        "miles_lora_ckpt/tools/b.py": "def f():\n    from miles_lora_ckpt.tools.a import g\n",
         # a re-export of the package's __init__ used by a module it re-exports (relative import)
-        "savers/p/__init__.py": "from miles_lora_ckpt.savers.p.x import f\n",
-        "savers/p/x.py": "from . import helper\n",
-        "savers/p/y.py": "from miles_lora_ckpt.savers.p import x\n",  # a submodule: not the __init__
+        "miles_lora_ckpt/savers/p/__init__.py": "from miles_lora_ckpt.savers.p.x import f\n",
+        "miles_lora_ckpt/savers/p/x.py": "from . import helper\n",
+        "miles_lora_ckpt/savers/p/y.py": "from miles_lora_ckpt.savers.p import x\n",  # a submodule: not the __init__
         # the Miles stand-in: miles.m from common/ is a tree's miles/m.py
-        "sim/miles_standin/common/t.py": "import importlib\ndef f():\n    importlib.import_module('miles.m')\n",
-        "sim/miles_standin/shape/miles/__init__.py": "",
-        "sim/miles_standin/shape/miles/m.py": "from miles_lora_ckpt.sim.miles_standin.common import t\n",
+        "miles_lora_ckpt_harness/miles_standin/common/t.py": "import importlib\ndef f():\n    importlib.import_module('miles.m')\n",
+        "miles_lora_ckpt_harness/miles_standin/shape/miles/__init__.py": "",
+        "miles_lora_ckpt_harness/miles_standin/shape/miles/m.py": "from miles_lora_ckpt_harness.miles_standin.common import t\n",
         # not circles: an import only for type checkers, a parent package initialised on the way
-        "core/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from miles_lora_ckpt.core.d import D\n",
-        "core/d.py": "from miles_lora_ckpt.core import c\n",
-        "core/__init__.py": "from miles_lora_ckpt.core.d import D\n",
+        "miles_lora_ckpt/core/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from miles_lora_ckpt.core.d import D\n",
+        "miles_lora_ckpt/core/d.py": "from miles_lora_ckpt.core import c\n",
+        "miles_lora_ckpt/core/__init__.py": "from miles_lora_ckpt.core.d import D\n",
     }
     circles = _import_circles(_import_graph(sources))
     assert circles == [
+        "miles_lora_ckpt_harness.miles_standin.common.t -> miles_lora_ckpt_harness.miles_standin.shape.miles.m (line 3) "
+        "-> miles_lora_ckpt_harness.miles_standin.common.t (line 1)",
         "savers.p -> savers.p.x (line 1) -> savers.p (line 1)",
-        "sim.miles_standin.common.t -> sim.miles_standin.shape.miles.m (line 3) -> sim.miles_standin.common.t (line 1)",
         "tools.a -> tools.b (line 1) -> tools.a (line 2)",
     ]
-    del sources["tools/b.py"], sources["savers/p/x.py"], sources["sim/miles_standin/shape/miles/m.py"]
+    del sources["miles_lora_ckpt/tools/b.py"], sources["miles_lora_ckpt/savers/p/x.py"]
+    del sources["miles_lora_ckpt_harness/miles_standin/shape/miles/m.py"]
     assert _import_circles(_import_graph(sources)) == []
 
 
 def test_no_import_circles_among_the_package_modules():
-    """No module of the package imports, however lazily, a module that imports it back, directly or
+    """No module of the package or the harness imports, however lazily, a module that imports it back, directly or
     through others: a piece two modules share goes into a module both import, downward.
 
     Counted: every `import` and `from ... import` anywhere in a module (module level, functions, classes,
@@ -307,8 +330,55 @@ def test_no_import_circles_among_the_package_modules():
     importing `a.b.c` initialises on the way are not edges (a package whose `__init__.py` re-exports its
     modules would otherwise be in a circle with each of them; Python imports a submodule of a package
     whose `__init__.py` is still running without running it again). The Miles stand-in's trees
-    (`sim/miles_standin/<tree>/miles/...`) run as the top-level `miles` in a harness worker: `miles.x`
+    (`miles_standin/<tree>/miles/...` of the harness) run as the top-level `miles` in a harness worker: `miles.x`
     in one of a tree's modules is that tree's `miles.x`; in any other module, `miles.x` of every tree
     (whichever the worker put on sys.path)."""
-    sources = {p.relative_to(PACKAGE).as_posix(): p.read_text() for p in PACKAGE.rglob("*.py")}
+    sources = {
+        p.relative_to(root.parent).as_posix(): p.read_text() for root in (PACKAGE, HARNESS) for p in root.rglob("*.py")
+    }
     assert _import_circles(_import_graph(sources)) == []
+
+
+# ------------------------------------------------------------------------------ rank jobs in test modules
+
+TESTS = Path(__file__).resolve().parent
+JOB_TARGET = re.compile(r"[\"'](test_\w+):(\w*)")  # "test_reshard:reshard_job"; f"test_x:{name}" gives no name
+
+
+def _module_level_skips(source: str) -> list[str]:
+    """Calls of pytest.skip or pytest.importorskip outside every function and class: they run when a
+    rank imports the module for its job, and raise pytest's Skipped there."""
+    found = []
+    for statement in ast.parse(source).body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Call) and _dotted(node.func) in ("pytest.skip", "pytest.importorskip"):
+                found.append(f"line {node.lineno}: {_dotted(node.func)}")
+    return found
+
+
+def test_module_level_skip_checker_catches_what_it_must():
+    assert _module_level_skips('import pytest\npytest.skip("no", allow_module_level=True)\n')
+    assert _module_level_skips("import pytest\nif True:\n    np = pytest.importorskip('numpy')\n")
+    assert not _module_level_skips("import pytest\ndef test_x():\n    pytest.skip('inside a test')\n")
+    assert not _module_level_skips("import pytest\npytestmark = pytest.mark.skipif(True, reason='fine')\n")
+
+
+def test_rank_jobs_named_by_tests_exist_in_modules_that_import_outside_pytest():
+    """Every "test_x:job" a test launches names a job `job(payload, ctx)` of tests/test_x.py, and
+    that module skips nothing at import (a rank imports it to run the job)."""
+    targets: dict[str, set[str]] = {}
+    for path in sorted(p for p in TESTS.glob("*.py") if p.name != Path(__file__).name):
+        for module, name in JOB_TARGET.findall(path.read_text()):
+            targets.setdefault(module, set()).update({name} if name else set())
+    assert {"test_single_lora", "test_reshard", "test_protocol_multirank"} <= set(targets), sorted(targets)
+    for module, names in targets.items():
+        source = (TESTS / f"{module}.py").read_text()
+        assert not _module_level_skips(source), (module, _module_level_skips(source))
+        jobs = {
+            node.name
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) and [a.arg for a in node.args.args] == ["payload", "ctx"]
+        }
+        assert names <= jobs, (module, sorted(names - jobs))

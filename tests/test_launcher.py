@@ -15,12 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from jobs_paths import TESTS
 
-from miles_lora_ckpt.sim import check_all, launch, run_workers
+from miles_lora_ckpt_harness.sim import check_all, cpu_intercepts, launch, run_workers
 
 pytestmark = [pytest.mark.multirank]
 
-JOBS_DIR = str(Path(__file__).parent / "jobs")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,7 +34,7 @@ def every_rank_spawned():
 
 IMPORT_CHECK = """
 import os, sys, torch
-from miles_lora_ckpt.sim import cpu_intercepts as ci
+from miles_lora_ckpt_harness.sim import cpu_intercepts as ci
 assert not ci.active()
 assert not [m for m in sys.modules if m.startswith("megatron")]
 assert torch._C._len_torch_function_stack() == 0
@@ -53,13 +55,45 @@ def test_nothing_is_intercepted_at_import_or_outside_workers():
     assert done.returncode == 0, done.stderr
 
 
+# ------------------------------------------------------------------------------ launcher behaviour
+
+
+_KEPT: list = []  # what a job keeps alive until its process ends, as a module global would
+
+
+def launcher_job(payload: dict, ctx) -> dict:
+    """Per-rank behaviour chosen by the payload: return, raise, SIGKILL itself, or hang."""
+    action = payload["actions"][ctx.rank]
+    if action == "raise":
+        raise ValueError(f"boom from rank {ctx.rank}")
+    if action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        time.sleep(3600)
+    if action == "leave-a-child":  # as megatron's dist_checkpointing does: a Manager kept in a global
+        import multiprocessing
+
+        _KEPT.append(multiprocessing.get_context("spawn").Manager())
+        return {"child_pid": _KEPT[-1]._process.pid}
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "payload": payload,
+        "scratch_is_dir": ctx.scratch_dir.is_dir(),
+        "env_mark": os.environ.get("SIM_TEST_MARK"),
+        "torch_threads": torch.get_num_threads(),
+        "dist_world_size": torch.distributed.get_world_size(),
+        "intercepts_active": cpu_intercepts.active(),
+    }
+
+
 def test_launcher_reports_results_errors_signals_and_grace_kills():
     payload = {"actions": ["return", "sigkill", "raise", "hang"]}
     results = run_workers(
         4,
-        "harness_jobs:launcher_job",
+        "test_launcher:launcher_job",
         payload,
-        sys_path=[JOBS_DIR],
+        sys_path=[TESTS],
         env={"SIM_TEST_MARK": "marked"},
         failure_grace_s=5,
         timeout_s=120,
@@ -86,9 +120,7 @@ def test_launcher_reports_results_errors_signals_and_grace_kills():
 
 def test_launcher_kills_every_rank_at_timeout():
     start = time.monotonic()
-    results = run_workers(
-        2, "harness_jobs:launcher_job", {"actions": ["hang", "hang"]}, sys_path=[JOBS_DIR], timeout_s=6
-    )
+    results = run_workers(2, "test_launcher:launcher_job", {"actions": ["hang", "hang"]}, sys_path=[TESTS], timeout_s=6)
     assert time.monotonic() - start < 20
     for result in results:
         assert result.timed_out and result.exitcode == -signal.SIGKILL
@@ -111,13 +143,21 @@ def test_a_child_process_a_rank_left_running_is_stopped_with_the_rank(route, pre
     orphans after `make test`, in the native warm-start job's dist_checkpointing.save)."""
     with launch.route_megatron_jobs(prewarmed if route == "forked" else None):
         (result,) = check_all(
-            run_workers(1, "harness_jobs:launcher_job", {"actions": ["leave-a-child"]}, sys_path=[JOBS_DIR])
+            run_workers(1, "test_launcher:launcher_job", {"actions": ["leave-a-child"]}, sys_path=[TESTS])
         )
     pid = result["child_pid"]
     deadline = time.monotonic() + 30
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), f"the rank's multiprocessing child {pid} outlived it"
+
+
+def import_job(payload: dict, ctx) -> dict:
+    """Import the payload's module by name (found on the rank's sys.path) and return its VALUE."""
+    import importlib
+
+    module = importlib.import_module(payload["module"])
+    return {"module": payload["module"], "value": module.VALUE}
 
 
 def test_a_routed_job_sees_what_a_spawned_rank_would(prewarmed, monkeypatch, tmp_path):
@@ -129,8 +169,8 @@ def test_a_routed_job_sees_what_a_spawned_rank_would(prewarmed, monkeypatch, tmp
     (tmp_path / "late_module.py").write_text("VALUE = 7\n")
     payload = {"actions": ["return", "sigkill", "raise"]}
     with launch.route_megatron_jobs(prewarmed):
-        results = run_workers(3, "harness_jobs:launcher_job", payload, sys_path=[JOBS_DIR], failure_grace_s=5)
-        late = check_all(run_workers(1, "harness_jobs:import_job", {"module": "late_module"}, sys_path=[JOBS_DIR]))
+        results = run_workers(3, "test_launcher:launcher_job", payload, sys_path=[TESTS], failure_grace_s=5)
+        late = check_all(run_workers(1, "test_launcher:import_job", {"module": "late_module"}, sys_path=[TESTS]))
     ok, killed, raised = results
     assert ok.ok and ok.result["env_mark"] == "set-after-the-server-started"
     assert ok.result["intercepts_active"] is True and ok.result["torch_threads"] == 1

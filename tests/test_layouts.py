@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from miles_lora_ckpt.core.layout import Topology
-from miles_lora_ckpt.sim.layout import check_layout, cp_positions, layers_for
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.layout import check_layout, cp_positions, layers_for
 
 
 @pytest.mark.parametrize(
@@ -107,8 +107,8 @@ def test_a_layout_change_names_each_axis():
     ],
 )
 def test_demo_layout_flags_reach_the_workers_config(flags, layout, dp, tmp_path, monkeypatch, capsys):
-    from miles_lora_ckpt.sim.model import SimConfig
-    from miles_lora_ckpt.tools import demo
+    from miles_lora_ckpt_harness.demo import command as demo
+    from miles_lora_ckpt_harness.sim.model import SimConfig
 
     seen = []
     monkeypatch.setattr(demo, "_phase_reference", lambda workdir, config, args: seen.append(config))

@@ -14,9 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from single_lora_steps import load, run_steps, save
 
-from miles_lora_ckpt.core import lease, settings
-from miles_lora_ckpt.core.layout import LEASE
+from miles_lora_ckpt.core import faults, lease, settings
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import CheckpointError
+from miles_lora_ckpt.core.layout import LEASE, Topology
+from miles_lora_ckpt.core.protocol import save_generation
+from miles_lora_ckpt.core.verify import verify_generation
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown
 
 HOLDER = """
 import sys, time
@@ -195,9 +203,6 @@ def _staging(root: Path) -> list[str]:
 
 def test_the_next_save_reclaims_the_staging_of_crashed_coordinators_and_keeps_every_generation(tmp_path):
     from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.core.layout import Topology
-    from miles_lora_ckpt.core.protocol import save_generation
-    from miles_lora_ckpt.core.verify import verify_generation
     from miles_lora_ckpt.tools.cli import main as cli
 
     root = tmp_path / "root"
@@ -235,8 +240,6 @@ def test_the_next_save_reclaims_the_staging_of_crashed_coordinators_and_keeps_ev
 def test_a_save_refused_by_a_live_writer_leaves_that_writers_staging_alone(tmp_path, other_holder):
     from miles_lora_ckpt.core.consensus import Consensus
     from miles_lora_ckpt.core.errors import CheckpointError
-    from miles_lora_ckpt.core.layout import Topology
-    from miles_lora_ckpt.core.protocol import save_generation
 
     live = tmp_path / ".staging-00000000000000aa"  # the other writer's attempt in flight
     live.mkdir()
@@ -259,8 +262,6 @@ def test_a_save_never_reclaims_the_staging_of_another_attempt_of_its_own_process
     import threading
 
     from miles_lora_ckpt.core.consensus import Consensus
-    from miles_lora_ckpt.core.layout import Topology
-    from miles_lora_ckpt.core.protocol import save_generation
 
     writing, resume, outcome = threading.Event(), threading.Event(), {}
 
@@ -306,20 +307,108 @@ def test_a_save_never_reclaims_the_staging_of_another_attempt_of_its_own_process
     assert second.exists() and _staging(tmp_path) == []
 
 
+def hold_lease(payload: dict, ctx) -> dict:
+    """Rank 0 takes the writer lease of `root` and returns normally, still holding it."""
+    from miles_lora_ckpt.core import lease
+
+    if ctx.rank == 0:
+        lease.acquire(Path(payload["root"]))
+    return {"pid": os.getpid(), "holds": lease.holds(Path(payload["root"]))}
+
+
 @pytest.mark.multirank
 def test_a_harness_worker_releases_its_lease_when_it_exits_normally(tmp_path, prewarmed):
     """Workers leave through os._exit (no atexit): they release their leases themselves, spawned
     (sim.worker) and forked (sim.prewarmed) alike."""
-    from jobs_paths import JOBS
+    from jobs_paths import TESTS
 
-    from miles_lora_ckpt.sim.launch import check_all, run_workers
+    from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
     spawned = check_all(
-        run_workers(1, "protocol_jobs:hold_lease", {"root": str(tmp_path)}, sys_path=[JOBS], megatron=False)
+        run_workers(1, "test_lease:hold_lease", {"root": str(tmp_path)}, sys_path=[TESTS], megatron=False)
     )
     assert spawned[0]["holds"] and not (tmp_path / LEASE).exists()
-    forked = check_all(prewarmed.run(1, "protocol_jobs:hold_lease", {"root": str(tmp_path)}, sys_path=[JOBS]))
+    forked = check_all(prewarmed.run(1, "test_lease:hold_lease", {"root": str(tmp_path)}, sys_path=[TESTS]))
     assert forked[0]["holds"] and forked[0]["pid"] != spawned[0]["pid"] and not (tmp_path / LEASE).exists()
+
+
+# ------------------------------------------------------------------ two writers that really overlap
+
+
+def _mark(scratch: Path, event: str, rank: int) -> None:
+    (scratch / f"{event}.r{rank}").touch()
+
+
+def _await(scratch: Path, event: str, ranks: int, timeout_s: float) -> None:
+    """Wait until ranks 0..ranks-1 of a run marked `event` (a file barrier between two runs)."""
+    deadline = time.monotonic() + timeout_s
+    while not all((scratch / f"{event}.r{r}").exists() for r in range(ranks)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s} s for {event} of {ranks} rank(s)")
+        time.sleep(0.02)
+
+
+def overlapping_writer(payload: dict, ctx) -> dict:
+    """One of two whole training runs on one root that save at the same moments.
+
+    Both runs train `steps` steps, then meet at a file barrier and both save, `saves` times. The
+    `leader`'s save holds still right after its prepare (the lease taken, its staging directory
+    made: a fault hook) until every rank of the other run finished its own save attempt, so the two
+    saves overlap by construction; the other run's save starts only once the leader's is in flight.
+    Afterwards the leader loads each generation it committed into a fresh run and compares every
+    tensor, counter and scheduler field with the run at the moment it saved.
+    """
+    scratch, name, other = Path(payload["scratch"]), payload["name"], payload["other"]
+    others, timeout_s, leader = payload["other_world"], payload["wait_s"], payload["leader"]
+    consensus = Consensus.for_world(timeout_s=120)
+    config = SimConfig.from_dict(payload["config"])
+    current = {"save": None}
+    if leader:
+        real_point = faults.point
+
+        def held_point(phase: str, rank: int) -> None:
+            if phase == "after-prepare" and rank == 0 and current["save"] is not None:
+                _mark(scratch, f"in-save-{name}-{current['save']}", 0)
+                _await(scratch, f"done-{other}-{current['save']}", others, timeout_s)
+            real_point(phase, rank)
+
+        faults.point = held_point
+    run = build_run(config)
+    outcomes, at_save = [], {}
+    for k in range(payload["saves"]):
+        run_steps(run, k * payload["steps"], (k + 1) * payload["steps"])
+        _mark(scratch, f"arrived-{name}-{k}", ctx.rank)
+        _await(scratch, f"arrived-{other}-{k}", others, timeout_s)  # both runs at the same save point
+        if not leader:
+            _await(scratch, f"in-save-{other}-{k}", 1, timeout_s)  # the leader's save is in flight
+        current["save"] = k
+        iteration = (k + 1) * payload["steps"]
+        staging_seen = sorted(n for n in os.listdir(payload["root"]) if n.startswith(".staging-"))
+        try:
+            path = save(run, payload["root"], iteration, consensus)
+            at_save[path] = snapshot_digests(snapshot(run))
+            outcomes.append({"saved": Path(path).name})
+        except CheckpointError as exc:
+            outcomes.append({"refused": str(exc), "phase": exc.phase, "staging_seen": staging_seen})
+        current["save"] = None
+        _mark(scratch, f"done-{name}-{k}", ctx.rank)
+    _mark(scratch, f"finished-{name}", ctx.rank)
+    _await(scratch, f"finished-{other}", others, timeout_s)
+    loaded = {}
+    if at_save:
+        teardown(run)
+        for path, digests in at_save.items():
+            fresh = build_run(config)
+            result = load(fresh, path, consensus)
+            loaded[Path(path).name] = {
+                "iteration": result.iteration,
+                "first_difference": compare_digests(digests, snapshot_digests(snapshot(fresh))),
+                "tensors": len(digests),
+            }
+            teardown(fresh)
+    else:
+        teardown(run)
+    return {"pid": os.getpid(), "outcomes": outcomes, "loaded": loaded}
 
 
 @pytest.mark.multirank
@@ -333,11 +422,11 @@ def test_two_training_runs_saving_at_the_same_moments_one_is_refused_and_the_oth
     generations verify and load bit-exact."""
     import threading
 
-    from jobs_paths import JOBS
+    from jobs_paths import TESTS
 
-    from miles_lora_ckpt.sim import launch
-    from miles_lora_ckpt.sim.model import SimConfig
     from miles_lora_ckpt.tools.cli import main as cli
+    from miles_lora_ckpt_harness.sim import launch
+    from miles_lora_ckpt_harness.sim.model import SimConfig
 
     root, scratch = tmp_path / "root", tmp_path / "barrier"
     root.mkdir()
@@ -352,9 +441,9 @@ def test_two_training_runs_saving_at_the_same_moments_one_is_refused_and_the_oth
     def run_other():
         results["other"] = prewarmed.run_as_spawned(
             2,
-            "lora_jobs:overlapping_writer",
+            "test_lease:overlapping_writer",
             follower,
-            sys_path=[JOBS],
+            sys_path=[TESTS],
             env={"MILES_LORA_CKPT_RUN_ID": "run-other"},
             timeout_s=400,
         )
@@ -365,9 +454,9 @@ def test_two_training_runs_saving_at_the_same_moments_one_is_refused_and_the_oth
         with launch.route_megatron_jobs(None):  # a second, independent process: spawned
             results["leader"] = launch.run_workers(
                 1,
-                "lora_jobs:overlapping_writer",
+                "test_lease:overlapping_writer",
                 leader,
-                sys_path=[JOBS],
+                sys_path=[TESTS],
                 env={"MILES_LORA_CKPT_RUN_ID": "run-leader"},
                 timeout_s=400,
             )

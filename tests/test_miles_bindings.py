@@ -114,7 +114,7 @@ def test_positional_args_shape_without_load_training_state_is_detected():
 
 
 def test_2026_08_tree_without_load_training_state_binds():
-    """PR #1792's branch and current working branches (contract §10.6): every 2026-08 signature, no
+    """PR #1792's branch and current working branches: every 2026-08 signature, no
     `_load_training_state`. The plugin replaces load_lora_adapter whole, so the tree binds."""
     modules = fake_miles("lora-utils-2026-08")
     del modules["miles.backends.megatron_utils.lora_utils"]._load_training_state
@@ -235,7 +235,7 @@ def test_the_post_save_hook_is_routed_through_the_plugin():
     [
         ({"non_persistent_ckpt_type": "local"}, "--non-persistent-ckpt-type local"),
         ({"multi_lora_n_adapters": 2}, "--multi-lora-n-adapters"),
-        ({"megatron_to_hf_mode": "raw"}, "--megatron-to-hf-mode raw with --lora-rank"),  # native LoRA (§10.6)
+        ({"megatron_to_hf_mode": "raw"}, "--megatron-to-hf-mode raw with --lora-rank"),  # native LoRA
         ({"use_precision_aware_optimizer": True}, "--use-precision-aware-optimizer"),
         ({"save": "/ckpt/run", "lora_adapter_path": "/ckpt/run/lora"}, "--lora-adapter-path /ckpt/run/lora"),
     ],
@@ -300,7 +300,7 @@ def test_train_fault_tolerance_is_refused_naming_what_the_user_set(tmp_path):
     """Miles' validation sets non_persistent_ckpt_type = "local" itself under --ft-components train
     (2026-08 and later; the miles-rl 0.0.2 wheel has no fault tolerance): the refusal names the flags the
     user passed, not one they never wrote."""
-    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
+    from miles_lora_ckpt_harness.miles_standin.common import args as standin_args
 
     argv = [
         "--lora-rank",
@@ -336,8 +336,8 @@ def test_the_qwen2_shaped_standin_refuses_megatrons_expert_and_layer_flags(tmp_p
     rather than building another model than the one asked for."""
     import json
 
-    from miles_lora_ckpt.sim.miles_standin.common import args as standin_args
-    from miles_lora_ckpt.sim.miles_standin.common.training import sim_config
+    from miles_lora_ckpt_harness.miles_standin.common import args as standin_args
+    from miles_lora_ckpt_harness.miles_standin.common.training import sim_config
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     argv = ["--lora-rank", "4", "--hf-checkpoint", str(tmp_path), "--num-rollout", "2", *flags]

@@ -1,7 +1,7 @@
 """Multi-LoRA in Miles: bindings of both multi-LoRA shapes, startup checks, and kill + resume of two slots.
 
 The unit part binds synthetic Miles module sets (`test_miles_bindings.fake_miles`). The multi-rank
-part launches the Miles stand-in's multi-LoRA loop (`sim/miles_standin/common/multi_lora.py`: two
+part launches the Miles stand-in's multi-LoRA loop (`miles_standin/common/multi_lora.py`: two
 adapters in three slots of the slot model, Miles' per-slot LayerWise chain of real megatron-core
 Float16 children, per-slot schedulers; adapter b trains every second round, is retired from slot 1
 at its step 2 and registered again into slot 2 once adapter a reached step 4: it resumes into
@@ -139,7 +139,7 @@ def test_slot_filter_matches_exactly_one_slot_index():
 
 # --------------------------------------------------------------------------- kill and resume (multi-rank)
 
-JOB = "miles_lora_ckpt.sim.miles_standin.launch_multi_lora:launch_job"
+JOB = "miles_lora_ckpt_harness.miles_standin.launch_multi_lora:launch_job"
 HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
 ADAPTERS = [
     {"name": "a", "steps": 6, "every": 1},
@@ -153,15 +153,15 @@ SLOTS = 3
 @pytest.fixture(scope="module")
 def slot_hf_base(tmp_path_factory):
     """A tiny HF Qwen2 whose MLPs have the slot model's shapes (what its slots export onto)."""
-    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
-    from miles_lora_ckpt.sim.multi_lora_model import MultiLoraSimConfig
+    from miles_lora_ckpt_harness.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt_harness.sim.multi_lora_model import MultiLoraSimConfig
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("slot_hf") / "base", MultiLoraSimConfig().hf_config_kwargs())
 
 
 class SlotRun:
     def __init__(self, launcher, tmp: Path, shape: str, hf_base: Path | None = None, adapters=ADAPTERS):
-        from miles_lora_ckpt.sim.miles_standin import shape_path
+        from miles_lora_ckpt_harness.miles_standin import shape_path
 
         tmp.mkdir(parents=True, exist_ok=True)
         self.launcher, self.shape_dir, self.save = launcher, shape_path(shape), tmp / "run"
@@ -296,8 +296,8 @@ def test_demo_via_miles_slots_usage_errors_exit_2_before_any_worker(tmp_path, ca
 @pytest.mark.megatron
 @pytest.mark.multirank
 def test_demo_via_miles_slots_resumes_every_slot_bit_exact(prewarmed, tmp_path, capsys):
-    from miles_lora_ckpt.tools import demo_miles
-    from miles_lora_ckpt.tools.cli import build_parser
+    from miles_lora_ckpt_harness.commands import build_parser
+    from miles_lora_ckpt_harness.demo import via_miles as demo_miles
 
     argv = ["demo", "--via", "miles", "--slots", "2", "--miles-shape", V2, "--steps", "6", "--workdir", str(tmp_path)]
     assert demo_miles.run(build_parser().parse_args([*argv, "--export-peft"]), launcher=prewarmed) == 0
@@ -355,14 +355,16 @@ MULTI_DATA_SOURCE = "miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource"
 STOCK_MULTI_DATA_SOURCE = "miles.rollout.multi_lora.data_source.MultiLoRAAsyncDataSource"  # the v2 stand-in's
 # Miles 2026-08 (v1) has the same class at the same path; the v1 stand-in tree has no `rollout/`, so a v1
 # launch names the class both trees share
-STOCK_MULTI_DATA_SOURCE_V1 = "miles_lora_ckpt.sim.miles_standin.common.multi_lora_data_source.MultiLoRAAsyncDataSource"
+STOCK_MULTI_DATA_SOURCE_V1 = (
+    "miles_lora_ckpt_harness.miles_standin.common.multi_lora_data_source.MultiLoRAAsyncDataSource"
+)
 PROMPT_FILES = {"a": 10, "b": 7}  # prompts per adapter; 2 groups a step (4 samples, 2 per prompt): both wrap
 A_STEP_6 = {"adapter": "a", "step": 6, "rank": 1, "phase": "mid-write", "reason": "periodic"}
 
 
 def _prompted_run(launcher, tmp: Path, data_source: str, shape: str = V2) -> tuple[SlotRun, Path]:
     """The two-slot run of `shape`, each adapter drawing from its own prompt file through `data_source`."""
-    from miles_lora_ckpt.sim.miles_standin.common.rollout import write_prompts
+    from miles_lora_ckpt_harness.miles_standin.common.rollout import write_prompts
 
     tmp.mkdir(parents=True, exist_ok=True)
     adapters = [{**a, "data": str(write_prompts(tmp / f"{a['name']}.jsonl", PROMPT_FILES[a["name"]]))} for a in MOVED]

@@ -37,7 +37,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
 from miles_lora_ckpt.core import faults, lease
 from miles_lora_ckpt.core.checked_reads import load_tensors
@@ -58,7 +58,7 @@ from miles_lora_ckpt.savers.peft_export import (
     StaticSource,
     check_peft_dir,
 )
-from miles_lora_ckpt.sim.miles_standin import shape_path
+from miles_lora_ckpt_harness.miles_standin import shape_path
 
 # =========================================================================== units: startup
 
@@ -327,15 +327,15 @@ def test_save_hf_export_root_moves_latest_releases_the_lease_and_publishes_nothi
 
 # =========================================================================== the Miles stand-in, W=2
 
-JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
+JOB = "miles_lora_ckpt_harness.miles_standin.launch:launch_job"
 HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
 ROLLOUTS = 3  # x 2 optimizer steps, a save after every rollout
 
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory) -> Path:
-    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
-    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
+    from miles_lora_ckpt_harness.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt_harness.sim.qwen2_model import Qwen2SimConfig
 
     return build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "hf-base", Qwen2SimConfig().hf_config_kwargs())
 
@@ -375,7 +375,7 @@ class Launch:
             JOB,
             {"argv": argv, "crash": crash, "bridge": self.bridge, "hf_merged_fails": list(hf_merged_fails)},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
-            sys_path=[shape_path(self.shape), JOBS],
+            sys_path=[shape_path(self.shape), TESTS],
             timeout_s=400 if self.bridge == "real" else 240,
             failure_grace_s=5.0,
         )
@@ -501,13 +501,13 @@ def test_export_peft_and_save_hf_through_miles_with_the_real_bridge(prewarmed, t
     relaunch resumes with peft/ in every generation; every export loads in the real PEFT."""
     import os
 
-    from miles_lora_ckpt.sim import bridge_shims
+    from miles_lora_ckpt_harness.sim import bridge_shims
 
     if not bridge_shims.available():
         if os.environ.get("MILES_LORA_CKPT_TIER") == "bridge":
             pytest.fail("the Bridge tier runs without megatron-bridge: run make tier-bridge")
         pytest.skip("megatron.bridge is not installed here (the Bridge tier: make tier-bridge)")
-    from miles_lora_ckpt.sim.bridge_model import BridgeRunConfig, build_hf_base
+    from miles_lora_ckpt_harness.sim.bridge_model import BridgeRunConfig, build_hf_base
 
     hf = build_hf_base(tmp_path / "hf-qwen2", BridgeRunConfig(family="qwen2"))
     on = Launch(prewarmed, tmp_path / "on", hf, "lora-package-2026-09", bridge="real")

@@ -1,6 +1,6 @@
 """Miles launch commands with the plugin's init hook, SIGKILLed and relaunched unchanged (CPU, gloo).
 
-Every launch runs the Miles stand-in's train loop (`sim/miles_standin`: argument validation, train
+Every launch runs the Miles stand-in's train loop (`miles_standin`: argument validation, train
 actor init with the hook, model/optimizer setup, load, rollouts, periodic saves) on the real
 megatron-core DistributedOptimizer, as fresh processes forked from one pre-warmed launcher
 (`sim.prewarmed`). A relaunch is compared with an uninterrupted run without checkpoints, tensor by
@@ -15,14 +15,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 
 from miles_lora_ckpt.core.verify import verify_generation
-from miles_lora_ckpt.sim.miles_standin import shape_path
+from miles_lora_ckpt_harness.miles_standin import shape_path
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
-JOB = "miles_lora_ckpt.sim.miles_standin.launch:launch_job"
+JOB = "miles_lora_ckpt_harness.miles_standin.launch:launch_job"
 HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
 TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_fc2", "mixed": None}
 ROLLOUTS = 4  # x 2 optimizer steps; saves after every rollout; the crash is in the save of rollout 2
@@ -61,7 +61,7 @@ class Run:
             JOB,
             {"argv": argv, "crash": crash, "send_ckpt": send_ckpt, "drop": list(drop)},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config), **(env or {})},
-            sys_path=[shape_path(self.shape), JOBS],
+            sys_path=[shape_path(self.shape), TESTS],
             timeout_s=240,
             failure_grace_s=5.0,
         )
@@ -156,7 +156,7 @@ def _check_post_save_hook(run: Run) -> None:
 
 def test_a_2026_08_tree_without_load_training_state_binds_and_resumes_bit_exact(launcher, tmp_path):
     """PR #1792's branch and current working branches: the 2026-08 tree minus `_load_training_state`
-    (contract §10.6) binds as lora-utils-2026-08 and resumes bit-exact after a kill mid-save."""
+    binds as lora-utils-2026-08 and resumes bit-exact after a kill mid-save."""
     drop = ["miles.backends.megatron_utils.lora_utils._load_training_state"]
     run = Run(launcher, tmp_path, "lora-utils-2026-08", 2, "mixed", "bf16")
     reference = run.reference()
@@ -170,7 +170,7 @@ def test_a_2026_08_tree_without_load_training_state_binds_and_resumes_bit_exact(
 
 
 def test_without_the_plugin_stock_defects_show(launcher, tmp_path):
-    """Negative control: stock Miles on the same stand-in (contract §10.4)."""
+    """Negative control: stock Miles on the same stand-in."""
     run = Run(launcher, tmp_path / "dense", "lora-utils-2026-08", 2, "dense", "bf16")
     reference = run.reference()
     crash = {"rollout": 2, "rank": 1, "phase": "after-write"}  # a complete stock checkpoint of rollout 2

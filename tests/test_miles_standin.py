@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_lora_ckpt.sim.miles_standin import SHAPES, shape_path
+from miles_lora_ckpt_harness.miles_standin import SHAPES, shape_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 PROBE = """
 import importlib.util, json, sys
-import miles_lora_ckpt, miles_lora_ckpt.sim.miles_standin as standin, miles_lora_ckpt.integration.install
+import miles_lora_ckpt, miles_lora_ckpt_harness.miles_standin as standin, miles_lora_ckpt.integration.install
 outside = {
     "find_spec": repr(importlib.util.find_spec("miles")),
     "on_path": [p for p in sys.path if p.startswith(standin.__path__[0])],
@@ -36,7 +36,7 @@ except ModuleNotFoundError:
     outside["import"] = "refused"
 from miles_lora_ckpt.integration.peft import model_context
 from miles_lora_ckpt.integration.shapes import detect_shape
-from miles_lora_ckpt.sim.miles_standin import SHAPES, shape_path
+from miles_lora_ckpt_harness.miles_standin import SHAPES, shape_path
 found = {}
 for name in SHAPES:
     for module in [m for m in sys.modules if m == "miles" or m.startswith("miles.")]:
@@ -126,7 +126,7 @@ def test_real_miles_matches_a_known_shape():
     """Real Miles' LoRA module matches a known shape, and the plugin can bind to it in a fresh process.
 
     Where Megatron-LM is missing (a CPU box), checkpoint.py and model.py cannot import: only the
-    LoRA module's own targets are checked then (contract §10.4), and binding is planned for them
+    LoRA module's own targets are checked then, and binding is planned for them
     (their consumers are rebound where they imported).
     """
     code = (

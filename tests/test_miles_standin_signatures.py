@@ -1,6 +1,6 @@
 """Every function of the Miles stand-ins (all three shapes) has the real 2026-08 Miles signature (issue 19 item 6).
 
-The facts are `sim/miles_standin/source_signatures.py` (read from radixark/miles 31f1ca961a94 with
+The facts are `miles_standin/source_signatures.py` (read from radixark/miles 31f1ca961a94 with
 `scripts/check_standin_signatures.py`, which re-checks them against a mirror of the repository); the
 stand-ins' signatures are read with `inspect.signature`, default values included. The real miles-rl
 wheel is compared in tests/test_real_miles.py (tier `realmiles`).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_lora_ckpt.sim.miles_standin.signature_collect import standin_signatures
-from miles_lora_ckpt.sim.miles_standin.source_signatures import (
+from miles_lora_ckpt_harness.miles_standin.signature_collect import standin_signatures
+from miles_lora_ckpt_harness.miles_standin.source_signatures import (
     NOT_DEFINED_IN_SOURCE,
     SIGNATURES_2026_08,
     SOURCE_MODULES,
@@ -83,7 +83,7 @@ def test_a_drifted_or_unrecorded_signature_is_reported(found):
 
 def test_the_stand_in_runs_one_independent_data_parallel_cell():
     """`indep_dp_info` is a value the stand-in uses: one cell passes, anything else is refused by name."""
-    from miles_lora_ckpt.sim.miles_standin.common.indep_dp import IndepDPInfo, require_one_cell
+    from miles_lora_ckpt_harness.miles_standin.common.indep_dp import IndepDPInfo, require_one_cell
 
     require_one_cell(None, None)
     require_one_cell(None, IndepDPInfo())

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_lora_ckpt.sim.miles_standin import SHAPES, shape_path, trees
-from miles_lora_ckpt.sim.miles_standin.signature_collect import module_names
+from miles_lora_ckpt_harness.miles_standin import SHAPES, shape_path, trees
+from miles_lora_ckpt_harness.miles_standin.signature_collect import module_names
 
 MU = "miles.backends.megatron_utils"
 # every shape: `miles.utils.lora` is a module in 2026-08 and a package later
@@ -107,7 +107,7 @@ def test_an_edited_missing_or_extra_module_in_a_built_tree_is_refused_naming_it(
 RACE = """
 import sys
 from pathlib import Path
-from miles_lora_ckpt.sim.miles_standin import trees
+from miles_lora_ckpt_harness.miles_standin import trees
 print(trees.materialise(sys.argv[1], Path(sys.argv[2])))
 """
 

@@ -22,12 +22,12 @@ from miles_lora_ckpt.integration.multi_lora_data_source import (
     generate_multi_lora_rollout,
 )
 from miles_lora_ckpt.savers.multi_lora import SLOT_SAVER
-from miles_lora_ckpt.sim.miles_standin.common import multi_lora as common
-from miles_lora_ckpt.sim.miles_standin.common.multi_lora_async_rollout import aborted, generate_rollout_multi_lora
-from miles_lora_ckpt.sim.miles_standin.common.multi_lora_data_source import MultiLoRAAsyncDataSource
-from miles_lora_ckpt.sim.miles_standin.common.rollout import Prompt, PromptSource, write_prompts
+from miles_lora_ckpt_harness.miles_standin.common import multi_lora as common
+from miles_lora_ckpt_harness.miles_standin.common.multi_lora_async_rollout import aborted, generate_rollout_multi_lora
+from miles_lora_ckpt_harness.miles_standin.common.multi_lora_data_source import MultiLoRAAsyncDataSource
+from miles_lora_ckpt_harness.miles_standin.common.rollout import Prompt, PromptSource, write_prompts
 
-STOCK_ROLLOUT = "miles_lora_ckpt.sim.miles_standin.common.multi_lora_async_rollout.generate_rollout_multi_lora"
+STOCK_ROLLOUT = "miles_lora_ckpt_harness.miles_standin.common.multi_lora_async_rollout.generate_rollout_multi_lora"
 PROMPTS = {"a": 20, "b": 15}  # one epoch each; 2 groups a step (4 samples, 2 per prompt)
 SAVE_INTERVAL = 3
 

@@ -1,34 +1,36 @@
 """The pure parts of `megatron.optimizer_children`: chain flattening, plans and refusals, no processes.
 
-Descriptions here are the JSON every rank contributes to a save's plan; the children of the chain
+Descriptions here are the records every rank contributes to a save's plan; the children of the chain
 tests are stand-ins named like megatron's classes (the chain recognises classes by name). The real
 children are exercised end to end in test_optimizer_children.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from miles_lora_ckpt.megatron.optimizer_children import chain, layer_wise, replicated
 from miles_lora_ckpt.megatron.optimizer_children.child import leaf_children
+from miles_lora_ckpt.megatron.optimizer_children.family import ChildDescription
+from miles_lora_ckpt.megatron.optimizer_children.replicated import WholeParameterHeld
 from miles_lora_ckpt.megatron.topology import Coordinates
 
 LayerWiseDistributedOptimizer = type("LayerWiseDistributedOptimizer", (SimpleNamespace,), {})
 Float16OptimizerWithFloat16Params = type("Float16OptimizerWithFloat16Params", (SimpleNamespace,), {})
+KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def coords(rank: int, dp: int, ep: int = 0) -> Coordinates:
     return Coordinates(rank=rank, tp=0, pp=0, ep=ep, etp=0, dp=dp, cp=0)
 
 
-def described(entries: dict[str, int], digest: str | None = None) -> dict:
-    return {
-        "entries": {e: {"group": g} for e, g in entries.items()},
-        "groups": 2,
-        "replica_digest": digest,
-    }
+def described(entries: dict[str, int], digest: str | None = None) -> ChildDescription:
+    """A Float16 child holding `entries` (`{entry: param group}`) with replica digest `digest`."""
+    held = WholeParameterHeld(tuple(sorted(e.split(":", 1)[1] for e in entries)), dict(entries), 2, digest)
+    return ChildDescription(0, "replicated", "Float16OptimizerWithFloat16Params", "adam", KEYS, True, False, held)
 
 
 def test_a_layer_wise_chain_is_flattened_in_slot_order_and_stubs_keep_their_index():
@@ -88,18 +90,10 @@ def test_a_load_needs_exactly_the_saved_entries():
         layer_wise.FAMILY.files_to_read(0, view, [described({"s:a": 0}), described({}), described({})], saved)
 
 
-def child(index: int, **fields) -> dict:
-    base = {
-        "index": index,
-        "family": "replicated",
-        "class": "Float16OptimizerWithFloat16Params",
-        "kind": "adam",
-        "keys": ["exp_avg", "exp_avg_sq"],
-        "has_state": True,
-        "params": ["chunk0.a"],
-        **described({"tp000_pp000:chunk0.a": 0}, "d"),
-    }
-    return {**base, **fields}
+def child(index: int, **fields) -> ChildDescription:
+    """Child `index` on one rank, `fields` (the plan's JSON names: `class`, `keys`) replaced."""
+    renamed = {("class_name" if k == "class" else k): tuple(v) if k == "keys" else v for k, v in fields.items()}
+    return replace(described({"tp000_pp000:chunk0.a": 0}, "d"), index=index, **renamed)
 
 
 def test_ranks_that_disagree_about_a_child_are_refused():

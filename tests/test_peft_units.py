@@ -619,7 +619,7 @@ def test_the_config_is_written_in_bridges_own_bytes_whoever_built_it(tmp_path):
     f, indent=2)`, the builder's key order), whether our `build_config` or Bridge's
     `build_adapter_config_dict` built it (here the double's copy of it; the real 0.6.2's bytes are
     compared in tests/test_bridge_real.py); a non-finite number is refused."""
-    from miles_lora_ckpt.sim.bridge_double import peft_bridge as double_helpers
+    from miles_lora_ckpt_harness.bridge_double import peft_bridge as double_helpers
 
     targets = sorted(fmt.infer_target_modules([w.param_name for w in weights()]))
     ours = fmt.build_config(replace(LORA, base_model_name_or_path="/base"), targets)

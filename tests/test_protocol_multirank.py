@@ -5,17 +5,25 @@ Workers are plain gloo processes (no megatron), so each job starts in about two 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
+from protocol_generations import load_ranks, rank_file, rank_tensors, save_ranks
 
-from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core import faults
+from miles_lora_ckpt.core.consensus import SLOT_BYTES, Consensus, Outcome
+from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.faults import SAVE_PHASES
+from miles_lora_ckpt.core.layout import TRACKER, Topology
 from miles_lora_ckpt.core.protocol import open_generation, save_generation
-from miles_lora_ckpt.sim.launch import check_all, run_workers
+from miles_lora_ckpt.core.verify import verify_generation
 from miles_lora_ckpt.tools.cli import main as cli
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
 
 pytestmark = pytest.mark.multirank
 
@@ -23,7 +31,65 @@ COMMIT_PHASES = ("after-consensus", "mid-manifest", "before-publish")
 
 
 def jobs(world, target, payload, **kwargs):
-    return run_workers(world, f"protocol_jobs:{target}", payload, sys_path=[JOBS], megatron=False, **kwargs)
+    return run_workers(world, f"test_protocol_multirank:{target}", payload, sys_path=[TESTS], megatron=False, **kwargs)
+
+
+def _tracker(root: Path) -> str | None:
+    path = root / TRACKER
+    return path.read_text() if path.exists() else None
+
+
+def raise_matrix(payload: dict, ctx) -> dict:
+    """Every save phase on every rank raises once; returns what each attempt looked like here."""
+    consensus = Consensus.for_world(timeout_s=payload.get("timeout_s", 60))
+    root = Path(payload["root"])
+    iteration = 1
+    save_ranks(consensus, root, iteration)
+    cases = []
+    for phase in faults.SAVE_PHASES:
+        for failing in range(ctx.world_size):
+            before = _tracker(root)
+            if ctx.rank == failing:
+                faults.arm(phase, failing, "raise")
+            started = time.monotonic()
+            try:
+                save_ranks(consensus, root, iteration + 1)
+                error = None
+            except CheckpointError as exc:
+                error = {"phase": exc.phase, "ranks": exc.failed_ranks, "text": str(exc)}
+            faults.disarm()
+            elapsed = time.monotonic() - started
+            after = _tracker(root)
+            # the previous (or, after publish, the new) generation must load on every rank
+            loaded_iteration, same = load_ranks(consensus, root)
+            iteration += 1 if phase == "after-publish" else 0
+            cases.append(
+                {
+                    "phase": phase,
+                    "failing": failing,
+                    "error": error,
+                    "tracker_unchanged": before == after,
+                    "loaded_iteration": loaded_iteration,
+                    "expected_iteration": iteration,
+                    "content_ok": same,
+                    "seconds": elapsed,
+                }
+            )
+            # a later save succeeds
+            iteration += 1
+            save_ranks(consensus, root, iteration)
+    # load-side faults: one rank fails before reading
+    load_errors = []
+    for failing in range(ctx.world_size):
+        if ctx.rank == failing:
+            faults.arm("before-read", failing, "raise")
+        try:
+            load_ranks(consensus, root)
+            load_errors.append(None)
+        except CheckpointError as exc:
+            load_errors.append({"phase": exc.phase, "ranks": exc.failed_ranks})
+        faults.disarm()
+    return {"cases": cases, "load_errors": load_errors, "final_iteration": iteration}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -54,6 +120,44 @@ def test_every_phase_on_every_rank_raises_the_same_error_everywhere(world, tmp_p
         assert all(e["phase"] == "read" for e in result["load_errors"])
     # and after all that, the root holds only intact generations
     assert cli(["verify", str(tmp_path / "root"), "--all"]) == 0
+
+
+def kill_once(payload: dict, ctx) -> dict:
+    """Two good saves, then a third during which `payload['rank']` SIGKILLs itself at a phase.
+    Also returns what the consensus logged at debug level, and the transport's own error text."""
+
+    consensus = Consensus.for_world(timeout_s=payload.get("timeout_s", 20))
+    root = Path(payload["root"])
+    save_ranks(consensus, root, 1)
+    save_ranks(consensus, root, 2)
+    if ctx.rank == payload["rank"]:
+        faults.arm(payload["phase"], ctx.rank, "kill")
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(logging.Formatter().format(record))
+    logger = logging.getLogger("miles_lora_ckpt.core.consensus")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    transport = []
+    try:
+        result = _timed_save(consensus, root, 3, errors=transport)
+    finally:
+        logger.removeHandler(handler)
+    return {**result, "debug_log": "\n".join(records), "transport": transport}
+
+
+def _timed_save(consensus: Consensus, root: Path, iteration: int, errors: list | None = None) -> dict:
+    """Save once; report "saved" or the CheckpointError text, and how long it took (`errors` gets
+    the text of the exception the CheckpointError was raised from, if any)."""
+    started = time.monotonic()
+    try:
+        save_ranks(consensus, root, iteration)
+        outcome = "saved"
+    except CheckpointError as exc:
+        outcome = f"CheckpointError: {exc}"
+        if errors is not None and exc.__context__ is not None:
+            errors.append(str(exc.__context__))
+    return {"outcome": outcome, "seconds": time.monotonic() - started}
 
 
 @pytest.mark.parametrize("phase_index", range(len(SAVE_PHASES)))
@@ -98,6 +202,15 @@ def test_sigkill_at_each_phase_leaves_a_loadable_root(phase_index, tmp_path):
     assert cli(["verify", str(root)]) == 0
 
 
+def hang_peer(payload: dict, ctx) -> dict:
+    """Rank 1 stalls past the consensus timeout; everybody must get a CheckpointError, not hang."""
+    consensus = Consensus.for_world(timeout_s=payload["timeout_s"])
+    root = Path(payload["root"])
+    if ctx.rank == 1:
+        time.sleep(payload["stall_s"])
+    return _timed_save(consensus, root, 1)
+
+
 def test_a_hung_peer_becomes_an_error_after_the_timeout(tmp_path):
     results = jobs(2, "hang_peer", {"root": str(tmp_path / "root"), "timeout_s": 3, "stall_s": 8}, timeout_s=60)
     assert all(r.ok for r in results), [r.error for r in results]
@@ -107,10 +220,64 @@ def test_a_hung_peer_becomes_an_error_after_the_timeout(tmp_path):
     assert results[1].result["outcome"].startswith("CheckpointError")
 
 
+def disagreeing_generations(payload: dict, ctx) -> dict:
+    """Each rank is pointed at a different generation: loading must fail on all ranks."""
+    consensus = Consensus.for_world(timeout_s=30)
+    root = Path(payload["root"])
+    save_ranks(consensus, root, 10)
+    save_ranks(consensus, root, 11)
+    gens = sorted(p for p in root.iterdir() if p.name.startswith("gen-"))
+    # rank-local choice, as stock Miles does it: every rank verifies "its" generation
+    mine = gens[ctx.rank % len(gens)]
+    # payloads around the consensus' first slot (SLOT_BYTES), longer on one rank than the other
+    sizes = (0, SLOT_BYTES - 40, SLOT_BYTES - 12, SLOT_BYTES - 11, SLOT_BYTES, 3 * SLOT_BYTES)
+    expected = [[{"r": r, "s": "\u00e9" * (n if r == 1 else n // 3)} for r in range(ctx.world_size)] for n in sizes]
+    agreed = [consensus.agree("sizes", Outcome.success(e[ctx.rank])) for e in expected]
+    try:
+        opened = open_generation(consensus, mine if ctx.rank == 0 else root, lambda m: [rank_file(ctx.rank)])
+        return {"iteration": opened.manifest.iteration, "ok": verify_generation(opened.path).intact}
+    except CheckpointError as exc:
+        return {"error": str(exc), "payloads_ok": agreed == expected}
+
+
 def test_ranks_asking_for_different_generations_fail_together(tmp_path):
     results = check_all(jobs(2, "disagreeing_generations", {"root": str(tmp_path / "root")}))
     assert all("ranks disagree" in r["error"] for r in results), results
     assert all(r["payloads_ok"] for r in results)  # agreements longer than one slot arrive whole
+
+
+def pid(payload: dict, ctx) -> dict:
+    return {"pid": os.getpid()}
+
+
+def chaos_writer(payload: dict, ctx) -> dict:
+    """One of two training runs saving into the same root at the same time.
+
+    Saves `saves` generations (iterations `first`, `first`+1, ...), recording for each whether it
+    committed or was refused; then keeps running (and holding the lease, if it won it) until the
+    other run is done, so the other one meets a live writer every time.
+    """
+    consensus = Consensus.for_world(timeout_s=60)
+    root, scratch = Path(payload["root"]), Path(payload["scratch"])
+    outcomes = []
+    for offset in range(payload["saves"]):
+        iteration = payload["first"] + offset
+
+        def write(writer, iteration=iteration):
+            writer.write_tensors(rank_file(consensus.rank), rank_tensors(consensus.rank, iteration))
+
+        topo = Topology(world=consensus.world_size, dp=consensus.world_size)
+        try:
+            path = save_generation(consensus, root, iteration=iteration, saver="test", topology=topo, write_files=write)
+            outcomes.append({"saved": path.name})
+        except CheckpointError as exc:
+            outcomes.append({"refused": str(exc)})
+        time.sleep(payload.get("pause_s", 0.1))
+    (scratch / f"done-{payload['name']}-{ctx.rank}").touch()
+    deadline = time.monotonic() + 60
+    while len(list(scratch.glob("done-*"))) < 2 * ctx.world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"outcomes": outcomes, "pid": os.getpid()}
 
 
 def test_two_writers_on_one_root_one_is_refused_and_every_save_of_the_other_commits(tmp_path):
@@ -142,6 +309,26 @@ def test_two_writers_on_one_root_one_is_refused_and_every_save_of_the_other_comm
     assert committed == sorted(o["saved"] for o in results[winner][0]["outcomes"])
     assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
     assert cli(["verify", str(root), "--all"]) == 0
+
+
+def fifo_load(payload: dict, ctx) -> dict:
+    """Save, replace one listed file by a FIFO, load on every rank: all must fail within seconds."""
+    consensus = Consensus.for_world(timeout_s=60)
+    root = Path(payload["root"])
+    gen = save_ranks(consensus, root, 1)
+    consensus.agree("sync", Outcome.success())
+    if ctx.rank == 0:
+        target = gen / rank_file(1)
+        target.unlink()
+        os.mkfifo(target)
+    consensus.agree("sync", Outcome.success())
+    started = time.monotonic()
+    try:
+        open_generation(consensus, gen, lambda m: [rank_file(consensus.rank)])
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - started}
 
 
 def test_a_fifo_in_a_generation_fails_every_loading_rank_within_seconds(tmp_path):

@@ -2,8 +2,8 @@
 
 Runs only where MILES_LORA_CKPT_REAL_MILES names the tier folder (the Makefile's `tier-miles` run,
 marker `realmiles`); elsewhere these tests skip. Every `miles.*` module a run used must be the
-wheel's (its file under the tier folder); what is stood in is listed in `sim/realmiles/standins.py`.
-A run goes through `sim/realmiles/launch.py`: the wheel's `initialize_model_and_optimizer`,
+wheel's (its file under the tier folder); what is stood in is listed in `realmiles/standins.py`.
+A run goes through `realmiles/launch.py`: the wheel's `initialize_model_and_optimizer`,
 `checkpoint.load_checkpoint`, `model.save` and `lora_utils` on the harness's model and megatron's
 DistributedOptimizer (gloo, CPU), with the plugin's init hook or without it (stock Miles).
 """
@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-from jobs_paths import JOBS
+from jobs_paths import TESTS
 from test_miles_resume import _first_difference, failed, ok
 
-from miles_lora_ckpt.sim.realmiles import standins
+from miles_lora_ckpt_harness.realmiles import standins
 
 TIER = standins.tier_folder()
 pytestmark = [
@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(TIER is None, reason=f"no real Miles wheel: {standins.ENV} unset (make tier-miles)"),
 ]
 
-JOB = "miles_lora_ckpt.sim.realmiles.launch:launch_job"
+JOB = "miles_lora_ckpt_harness.realmiles.launch:launch_job"
 HOOK = ["--custom-megatron-init-path", "miles_lora_ckpt.hooks.megatron_init"]
 TARGETS = {"dense": "linear_qkv,linear_proj", "expert-only": "linear_fc1,linear_fc2", "mixed": None}
 QWEN2_TARGETS = {"dense": "q_proj,k_proj,v_proj,o_proj", "mixed": "all-linear"}  # Miles' HF spellings
@@ -67,18 +67,18 @@ class Run:
             JOB,
             {"argv": argv, "crash": crash, "tier": str(TIER), "wheel_actor": wheel_actor},
             env={"MILES_LORA_CKPT_CONFIG": str(self.config)},
-            sys_path=[JOBS],
+            sys_path=[TESTS],
             timeout_s=300,
             failure_grace_s=5.0,
         )
 
 
 def validation(launcher, run: Run, cases: dict[str, list[str]]) -> list[dict]:
-    """The wheel's parse_args, then its initialize.init with the hook, for each case (sim/realmiles/wheel_args.py)."""
+    """The wheel's parse_args, then its initialize.init with the hook, for each case (realmiles/wheel_args.py)."""
     return ok(
         launcher.run(
             run.world,
-            "miles_lora_ckpt.sim.realmiles.wheel_args:validation_job",
+            "miles_lora_ckpt_harness.realmiles.wheel_args:validation_job",
             {"cases": cases, "tier": str(TIER)},
             env={"MILES_LORA_CKPT_CONFIG": str(run.config)},
             timeout_s=300,
@@ -103,7 +103,7 @@ def assert_from_the_wheel(report: dict) -> None:
 def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world):
     """The hook binds to the wheel (shape miles-rl-0.0.2); a rank killed mid-save, the same command
     relaunched: every tensor, counter and loss equals an uninterrupted run's (dense, mixed, expert-only)."""
-    from miles_lora_ckpt.sim.realmiles import wheel_args
+    from miles_lora_ckpt_harness.realmiles import wheel_args
 
     qwen2 = wheel_args.write_hf_config(tmp_path / "hf-qwen2")  # what hf_validate_args reads
     for adapters in ("dense", "mixed", "expert-only"):
@@ -145,7 +145,7 @@ def test_real_wheel_killed_mid_save_resumes_bit_exact(prewarmed, tmp_path, world
 @pytest.mark.megatron
 @pytest.mark.multirank
 def test_stock_real_wheel_shows_its_defects(prewarmed, tmp_path):
-    """Negative control, plugin not installed (contract §10.4): the wheel's own LoRA save/load."""
+    """Negative control, plugin not installed: the wheel's own LoRA save/load."""
     run = Run(prewarmed, tmp_path / "dense", 2, "dense")
     reference = ok(run.launch(run.training))
     # killed after rollout 3 trained, before its save: stock Miles' save of rollout 2 is complete
@@ -187,7 +187,7 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
     the user asks for with `--non-persistent-ckpt-type local` (which Megatron-LM's validation accepts with
     `--non-persistent-local-ckpt-dir`) is refused on every rank naming exactly that flag, and no flag the
     user did not pass."""
-    from miles_lora_ckpt.sim.realmiles import wheel_args
+    from miles_lora_ckpt_harness.realmiles import wheel_args
 
     hf = wheel_args.write_hf_config(tmp_path / "hf")
     local = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(tmp_path / "local")]
@@ -243,11 +243,11 @@ def test_the_wheels_own_parse_args_validation_and_init_run_the_hook(prewarmed, t
         assert got["rollout-ft"]["parsed"]["use_fault_tolerance"] is True
 
 
-# Every function and method the 2026-08 stand-in (sim/miles_standin/lora_utils_2026_08) defines or
+# Every function and method the 2026-08 stand-in (miles_standin/lora_utils_2026_08) defines or
 # re-exports in a module the wheel also has is compared with the wheel's, as `render_signature` writes
 # them (names, kinds, defaults). Only these differ, each exactly as recorded: the 2026-08 shape's own
-# signatures where Miles changed after the 0.0.2 wheel (contract §2.2, §2.3, §10.5), as the 2026-08 source
-# has them (sim/miles_standin/source_signatures.py, tests/test_miles_standin_signatures.py).
+# signatures where Miles changed after the 0.0.2 wheel, as the 2026-08 source
+# has them (miles_standin/source_signatures.py, tests/test_miles_standin_signatures.py).
 KNOWN_2026_08_DIFFERENCES = {
     "miles.backends.megatron_utils.model.initialize_model_and_optimizer": (
         "(args, role=..., checkpointing_context=...)",
@@ -276,7 +276,7 @@ for _name, _module in (("initialize_model_and_optimizer", "model"), ("save", "mo
     KNOWN_2026_08_DIFFERENCES[f"miles.backends.megatron_utils.actor.{_name}"] = KNOWN_2026_08_DIFFERENCES[
         f"miles.backends.megatron_utils.{_module}.{_name}"
     ]
-# Megatron-LM functions the stand-in only names (sim/miles_standin/common/megatron_lm.py): any call raises
+# Megatron-LM functions the stand-in only names (miles_standin/common/megatron_lm.py): any call raises
 MEGATRON_LM_PLACEHOLDERS = {
     "miles.backends.megatron_utils.checkpoint.save_checkpoint",
     "miles.backends.megatron_utils.checkpoint._load_checkpoint_megatron",
@@ -285,10 +285,10 @@ MEGATRON_LM_PLACEHOLDERS = {
 _SIGNATURES = """
 import json, pathlib, sys
 from miles_lora_ckpt.integration.shapes import detect_shape, render_signature
-from miles_lora_ckpt.sim.miles_standin.signature_collect import collect
+from miles_lora_ckpt_harness.miles_standin.signature_collect import collect
 kind, path, tree = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 if kind == "wheel":
-    from miles_lora_ckpt.sim.realmiles import standins
+    from miles_lora_ckpt_harness.realmiles import standins
     standins.activate(path)
     standins.install_for_actor()  # the actor module imports SGLang's runtime
 else:
@@ -305,7 +305,7 @@ def _signatures(kind: str, path: str) -> dict:
     import subprocess
     import sys
 
-    from miles_lora_ckpt.sim.miles_standin import shape_path
+    from miles_lora_ckpt_harness.miles_standin import shape_path
 
     tree = shape_path("lora-utils-2026-08")
     proc = subprocess.run(
@@ -339,7 +339,7 @@ def test_the_wheel_is_detected_and_the_2026_08_stand_in_agrees_with_its_signatur
     """inspect.signature of every function/method present in both (issue 19 item 6): save_model(force_sync),
     train(rollout_data_ref), parse_args(add_custom_arguments), ... agree; the harness's own step is not
     named like Miles' train_one_step. Negative control: a drifted or unrecorded signature is reported."""
-    from miles_lora_ckpt.sim.miles_standin import shape_path
+    from miles_lora_ckpt_harness.miles_standin import shape_path
 
     wheel = _signatures("wheel", str(TIER))
     assert wheel["shape"] == "miles-rl-0.0.2"
@@ -394,8 +394,8 @@ def test_the_stand_ins_are_not_importable_outside_the_harness():
 @pytest.mark.megatron
 @pytest.mark.multirank
 def test_demo_runs_the_real_wheel_and_stock_is_the_negative_control(prewarmed, tmp_path, capsys):
-    from miles_lora_ckpt.tools import demo_miles
-    from miles_lora_ckpt.tools.cli import build_parser
+    from miles_lora_ckpt_harness.commands import build_parser
+    from miles_lora_ckpt_harness.demo import via_miles as demo_miles
 
     small = ["--world-size", "2", "--steps", "4", "--save-every", "1", "--miles-shape", "miles-rl-0.0.2"]
 
@@ -422,9 +422,9 @@ def test_save_hf_on_the_wheel_publishes_the_adapter_though_the_merged_export_fai
     """The wheel's save_hf_model runs the adapter export (save_lora_checkpoint, the plugin's --save-hf
     publication) after the merged-model export's try block: Bridge's merged export failing (the double
     has no save_hf_pretrained) does not skip it. Every --save-hf adapter is a loadable HF PEFT adapter."""
-    from miles_lora_ckpt.sim.hf_base import build_tiny_qwen2
-    from miles_lora_ckpt.sim.qwen2_model import Qwen2SimConfig
     from miles_lora_ckpt.tools.peft_tools import load_report
+    from miles_lora_ckpt_harness.sim.hf_base import build_tiny_qwen2
+    from miles_lora_ckpt_harness.sim.qwen2_model import Qwen2SimConfig
 
     hf = build_tiny_qwen2(tmp_path / "hf-base", Qwen2SimConfig().hf_config_kwargs())
     run = Run(prewarmed, tmp_path / "run", 2, "dense", hf=hf)

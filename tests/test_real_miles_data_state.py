@@ -1,6 +1,6 @@
 """The rollout data state on the real `miles-rl` wheel's data source classes (real-Miles tier).
 
-One subprocess (`sim/realmiles/data_source_run.py`) drives the wheel's `RolloutDataSourceWithBuffer`
+One subprocess (`realmiles/data_source_run.py`) drives the wheel's `RolloutDataSourceWithBuffer`
 over 64 prompts (12 a rollout, 8 rollouts, a kill at rollout 3, a relaunch) in four scenarios, each
 with the plugin's data source and, as the negative control, with the stock class; and each next to
 its uninterrupted reference. A rollout's prompt indices are the labels of the groups it trains.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_lora_ckpt.sim.realmiles import standins
+from miles_lora_ckpt_harness.realmiles import standins
 
 TIER = standins.tier_folder()
 pytestmark = [
@@ -33,7 +33,7 @@ def results(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("MILES_LORA_CKPT_CONFIG", None)
     done = subprocess.run(
-        [sys.executable, "-m", "miles_lora_ckpt.sim.realmiles.data_source_run", str(work), str(out)],
+        [sys.executable, "-m", "miles_lora_ckpt_harness.realmiles.data_source_run", str(work), str(out)],
         env=env,
         capture_output=True,
         text=True,

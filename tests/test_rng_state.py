@@ -145,7 +145,7 @@ def test_verify_and_inspect_show_the_rng_states(tmp_path, capsys):
 
 @pytest.mark.megatron
 def test_megatrons_tracker_states_round_trip_and_a_state_of_another_size_is_refused():
-    from miles_lora_ckpt.sim.cpu_intercepts import install_typing_override
+    from miles_lora_ckpt_harness.sim.cpu_intercepts import install_typing_override
 
     install_typing_override()
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker

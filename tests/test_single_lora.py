@@ -2,16 +2,19 @@
 
 Every resume is compared with an uninterrupted run tensor by tensor, bit for bit: adapter weights,
 fp32 masters, every optimizer state tensor (moments and steps) and the scheduler state. These runs
-rely on the CPU harness's megatron fallback-path fixes (see miles_lora_ckpt/sim/cpu_intercepts.py).
+rely on the CPU harness's megatron fallback-path fixes (see harness/miles_lora_ckpt_harness/sim/cpu_intercepts.py).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
+import time
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,12 +33,18 @@ from damage import (
     torch_pickle_bytes,
     transplant_tensors,
 )
-from jobs_paths import JOBS
+from jobs_paths import TESTS
+from single_lora_steps import Args, _failing_install, case_name, load, reference, run_steps, save, save_then_resume
 
-from miles_lora_ckpt.core import checked_reads, json_files, safetensors_write
+from miles_lora_ckpt.core import checked_reads, faults, json_files, safetensors_write
+from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.verify import verify_generation
-from miles_lora_ckpt.sim.launch import check_all, run_workers
-from miles_lora_ckpt.sim.model import SimConfig
+from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
+from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+from miles_lora_ckpt_harness.sim.model import SimConfig
+from miles_lora_ckpt_harness.sim.snapshot import compare_digests, snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import build_run, teardown, train_step
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
@@ -47,7 +56,38 @@ def cfg(world: int, dtype: str = "bf16", adapters: str = "mixed", **extra) -> di
 
 
 def run(world, target, payload):
-    return check_all(run_workers(world, f"lora_jobs:{target}", payload, sys_path=[JOBS], timeout_s=400))
+    return check_all(run_workers(world, f"test_single_lora:{target}", payload, sys_path=[TESTS], timeout_s=400))
+
+
+def resume_matrix(payload: dict, ctx) -> dict:
+    """For each case: uninterrupted reference vs save at k, crash, resume; first mismatch per case.
+
+    A case is `{"config": SimConfig dict, "save_at": k}`, plus `"load_optim": false` or (with LoRA
+    dropout) `"load_rng": false` for a negative control (resume without optimizer state, or without
+    the RNG states, must NOT be bit-exact, or the comparison is blind).
+    """
+    consensus = Consensus.for_world(timeout_s=120)
+    out = {}
+    for index, case in enumerate(payload["cases"]):
+        config = SimConfig.from_dict(case["config"])
+        load_optim, load_rng = case.get("load_optim", True), case.get("load_rng", True)
+        name = case_name(config) + f"/save@{case['save_at']}" + ("" if load_optim else "/no-optim-control")
+        name += "" if load_rng else "/no-rng-control"
+        started = time.monotonic()
+        ref_losses, ref_digests = reference(config, payload["steps"])
+        root = ctx.scratch_dir / f"case{index}"
+        got = save_then_resume(config, payload["steps"], case["save_at"], root, consensus, load_optim, load_rng)
+        out[name] = {
+            "loss_mismatch": None if got["losses"] == ref_losses else [ref_losses, got["losses"]],
+            "first_difference": compare_digests(ref_digests, got["digests"]),
+            "names": sorted(ref_digests),
+            "optimizer": config.optimizer,
+            "children": got["children"],
+            "local_params": got["local_params"],
+            "result": got["result"],
+            "seconds": round(time.monotonic() - started, 2),
+        }
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -118,6 +158,26 @@ def test_resume_matrix_is_bit_exact(world):
                 assert case["result"]["optimizer_restored"] and case["result"]["scheduler_restored"], name
 
 
+def train_and_save(payload: dict, ctx) -> dict:
+    """Train `steps` steps, then save into `root` (`saves` times, default once), and into
+    `no_optim_root` (if given) once more as `--no-save-optim --no-save-rng` would; with `later_root`, train one
+    more step and save there (a generation of another training state, for transplants)."""
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    run_steps(run, 0, payload["steps"])
+    paths = [save(run, payload["root"], payload["steps"], consensus) for _ in range(payload.get("saves", 1))]
+    if payload.get("no_optim_root"):
+        no_optim = Args()
+        no_optim.no_save_optim = no_optim.no_save_rng = True  # as --no-save-optim --no-save-rng would
+        save(run, payload["no_optim_root"], payload["steps"], consensus, no_optim)
+    digests = snapshot_digests(snapshot(run))
+    later = None
+    if payload.get("later_root"):
+        run_steps(run, payload["steps"], payload["steps"] + 1)
+        later = save(run, payload["later_root"], payload["steps"] + 1, consensus)
+    return {"paths": paths, "digests": digests, "later": later}
+
+
 @pytest.fixture(scope="module")
 def saved_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("neg") / "ckpt"
@@ -139,201 +199,430 @@ def _copy_generation(gen: str, dest) -> str:
     return str(target)
 
 
-def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_path):
-    root, (older, newer), later = saved_root
-    optim = "optimizer/child0_tp000_pp000_ep000_etp000_s000of002.safetensors"  # DP rank 0's slice
-    optim1 = "optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors"
-    cases = {}
+def try_loads(payload: dict, ctx) -> dict:
+    """One run (trained `pre_steps`) tries to load each case path; report errors and bit-identity."""
+    consensus = Consensus.for_world(timeout_s=60)
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    outcomes = {}
+    # `fresh_cases` run first, into the fresh optimizer (no step yet); `install_faults`:
+    # {case: rank} fails that rank right after its install wrote masters and moments
+    outcomes.update(_try_cases(run, payload, payload.get("fresh_cases", {}), consensus, ctx))
+    run_steps(run, 0, payload.get("pre_steps", 1))
+    outcomes.update(_try_cases(run, payload, payload["cases"], consensus, ctx))
+    return outcomes
 
-    def case(name, damage):
-        gen = _copy_generation(newer, tmp_path / name)
-        damage(Path(gen))
-        cases[name] = gen
 
-    case("invalid state structure", lambda g: rewrite_tensors(g, optim, lambda t: t.pop("buf0.bucket0.exp_avg_sq")))
-    case(
-        "wrong numel",
-        lambda g: rewrite_tensors(
-            g, optim, lambda t: t.update({"buf0.bucket0.exp_avg": t["buf0.bucket0.exp_avg"][:-1]})
+def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
+    from miles_lora_ckpt.megatron import undo
+    from miles_lora_ckpt.savers.single_lora import load as load_module
+
+    outcomes = {}
+    logged = _capture_warnings()
+    for name, path in cases.items():
+        logged.clear()
+        if isinstance(path, list):
+            path = path[ctx.rank]
+        _move_rng()  # every case starts from generator states no checkpoint holds
+        before, rng_before = snapshot_digests(snapshot(run)), rng_digest()
+        phase, failing = payload.get("faults", {}).get(name, (None, None))
+        if phase is not None and ctx.rank == failing:
+            faults.arm(phase, failing, "raise")
+        real_install, real_capture, records = load_module._install, undo.UndoRecord.__dict__["capture"], []
+        install = _failing_install(real_install, payload.get("install_faults", {}).get(name) == ctx.rank, ctx.rank)
+        capture = _recording_capture(undo.UndoRecord.capture, records)
+        load_module._install, undo.UndoRecord.capture = install, capture
+        real_finish = load_module._finish
+        load_module._finish = _failing_finish(real_finish, payload.get("finish_faults", {}).get(name) == ctx.rank)
+        kwargs = {**payload.get("load_kwargs", {}), **payload.get("case_kwargs", {}).get(name, {})}
+        try:
+            result = load(run, path, consensus, **kwargs)
+            error = None
+        except CheckpointError as exc:
+            result, error = None, str(exc)
+        finally:
+            load_module._install, undo.UndoRecord.capture = real_install, real_capture
+            load_module._finish = real_finish
+        after = snapshot_digests(snapshot(run))
+        masters = [entry for record in records for *_, entries in record.children for entry in entries]
+        outcomes[name] = {
+            "error": error,
+            "changed": compare_digests(before, after),
+            "rng_changed": rng_digest() != rng_before,  # Python, numpy, torch and megatron's tracker
+            "result": result.__dict__ if result else None,
+            "logged": list(logged),
+            "state_digests": after,  # what the run holds after this case (model, optimizer, scheduler)
+            "hyperparameters": live_hyperparameters(run),  # after this case: first child's groups, scheduler
+            # the undo record's masters: how many, how many are remade from the parameters, and how
+            # many are kept as they were (the load gave those masters new data, never writing the old)
+            "undo_masters": [
+                len(masters),
+                sum(
+                    not kept and saved.data_ptr() != live.data_ptr() and saved.dtype != live.dtype
+                    for live, saved, kept in masters
+                ),
+                sum(kept for _, _, kept in masters),
+            ],
+            # bytes the undo record copied (`UndoRecord.copied_bytes`), and the adapter parameters
+            # it swapped with their verified buffers instead of copying them
+            "undo_copied": sum(record.copied_bytes() for record in records),
+            "undo_swapped": sum(len(record.swaps) for record in records),
+        }
+    return outcomes
+
+
+def live_hyperparameters(run) -> dict:
+    """The first non-stub child's param groups (JSON, no parameters) and the scheduler's max_lr."""
+    from miles_lora_ckpt.core.jsoncodec import to_json
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+
+    child = next(c for c in leaf_children(run.optimizer) if not c.is_stub)
+    groups = [to_json({k: v for k, v in g.items() if k != "params"}) for g in child.optimizer.optimizer.param_groups]
+    return {"groups": groups, "scheduler_max_lr": run.scheduler.max_lr}
+
+
+def _failing_finish(real, fail: bool):
+    """The load's finish phase, failing on this rank before it restores anything (the other ranks
+    finish, RNG states included, and must roll back)."""
+
+    def finish(request, *args):
+        if fail:
+            raise RuntimeError(f"injected failure in the finish phase on rank {request.rank}")
+        return real(request, *args)
+
+    return finish
+
+
+def _move_rng() -> None:
+    import random
+
+    import numpy
+    import torch
+
+    random.random(), numpy.random.rand(), torch.rand(1)
+
+
+def rng_digest() -> str:
+    """A digest of every RNG state of this process (Python, numpy, torch, megatron's tracker)."""
+    import hashlib
+
+    from miles_lora_ckpt.core import json_files, rng_state
+    from miles_lora_ckpt.megatron import rng_tracker
+
+    value, tensors = rng_state.encode(rng_state.capture(rng_tracker.capture()), 0)
+    digest = hashlib.sha256(json_files.json_bytes(value))
+    for name in sorted(tensors):
+        digest.update(name.encode() + tensors[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _recording_capture(real, records: list):
+    def capture(*args, **kwargs):
+        records.append(real(*args, **kwargs))
+        return records[-1]
+
+    return capture
+
+
+def _capture_warnings() -> list[str]:
+    """Every WARNING the package logs from now on in this process, as text."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("miles_lora_ckpt")
+    logger.addHandler(Keep(logging.WARNING))
+    return records
+
+
+# ------------------------------------------------------------------------------ refused loads
+#
+# One W=2 job (`try_loads`) loads every damaged copy of the newer generation in turn; each family of
+# damage below is its own test over that job's outcomes. Every refusal must be the same
+# CheckpointError on every rank, hold the family's words, and change no tensor, counter or generator.
+
+OPTIM = "optimizer/child0_tp000_pp000_ep000_etp000_s000of002.safetensors"  # DP rank 0's slice
+OPTIM1 = "optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors"
+ADAPTER = "adapter/dense_tp000_pp000.safetensors"
+RNG0, RNG1 = "rng/rank00000.json", "rng/rank00001.json"
+
+# Each table: case name -> (damage(generation, donors), words the error must hold). `donors.older`
+# is the older generation, `donors.later` one trained a step further; `{older_id}` in the words is
+# the older generation's id.
+DAMAGED_FILES = {
+    "invalid state structure": (
+        lambda g, d: rewrite_tensors(g, OPTIM, lambda t: t.pop("buf0.bucket0.exp_avg_sq")),
+        "exp_avg_sq",
+    ),
+    "wrong numel": (
+        lambda g, d: rewrite_tensors(
+            g, OPTIM, lambda t: t.update({"buf0.bucket0.exp_avg": t["buf0.bucket0.exp_avg"][:-1]})
         ),
-    )
-    case(
-        "NaN in a moment (manifest honest)",
-        lambda g: rewrite_tensors(g, optim, lambda t: t["buf0.bucket0.exp_avg"].__setitem__(0, float("nan"))),
-    )
-    case(
-        "NaN in a moment (finite flag stripped)",
-        lambda g: rewrite_tensors(
-            g, optim, lambda t: t["buf0.bucket0.exp_avg"].__setitem__(0, float("nan")), finite=False
+        "buf0.bucket0.exp_avg",
+    ),
+    "NaN in a moment (manifest honest)": (
+        lambda g, d: rewrite_tensors(g, OPTIM, lambda t: t["buf0.bucket0.exp_avg"].__setitem__(0, float("nan"))),
+        "NaN",
+    ),
+    "NaN in a moment (finite flag stripped)": (
+        lambda g, d: rewrite_tensors(
+            g, OPTIM, lambda t: t["buf0.bucket0.exp_avg"].__setitem__(0, float("nan")), finite=False
         ),
-    )
-    case("torn: adapter shard gone from manifest", lambda g: drop_file(g, "adapter/dense_tp000_pp000.safetensors"))
-    case("torn: optimizer file deleted", lambda g: (g / optim).unlink())
-    case(
-        "layout: checkpoint with stub, run without",
-        lambda g: edit_manifest(g, lambda b: b["metadata"]["active_children"].update(tp000_pp000_ep000_etp000=[1])),
-    )
-    case("pickle payload", lambda g: reseal_file(g, optim, torch_pickle_bytes()))
-    case(
-        "adapter shape changed",
-        lambda g: rewrite_tensors(
-            g,
-            "adapter/dense_tp000_pp000.safetensors",
-            lambda t: t.update({k: v[:1] for k, v in list(t.items())[:1]}),
+        "NaN",
+    ),
+    "torn: adapter shard gone from manifest": (lambda g, d: drop_file(g, ADAPTER), "dense_tp000_pp000"),
+    "torn: optimizer file deleted": (lambda g, d: (g / OPTIM).unlink(), OPTIM),
+    "layout: checkpoint with stub, run without": (
+        lambda g, d: edit_manifest(g, lambda b: b["metadata"]["active_children"].update(tp000_pp000_ep000_etp000=[1])),
+        "child layout differs",
+    ),
+    "pickle payload": (lambda g, d: reseal_file(g, OPTIM, torch_pickle_bytes()), "not safetensors"),
+    "adapter shape changed": (
+        lambda g, d: rewrite_tensors(g, ADAPTER, lambda t: t.update({k: v[:1] for k, v in list(t.items())[:1]})),
+        "adapter",
+    ),
+}
+# semantic binding and training-state invariants: self-consistent (resealed) but wrong; then unkeyed
+# semantic cross-checks: every stamp, binding and digest agrees, only the adapter and the masters
+# tell (the adapter must be the bf16 cast of its fp32 master, as megatron keeps it)
+FORGED = {
+    "optimizer file of another generation": (
+        lambda g, d: reseal_file(g, OPTIM, (d.older / OPTIM).read_bytes()),
+        OPTIM + ": the file says it is [generation {older_id}",
+    ),
+    "optimizer files swapped between children": (
+        lambda g, d: swap_files(g, OPTIM, OPTIM1),
+        OPTIM + ": the file says it is [generation",
+    ),
+    "optimizer file bound to another child": (
+        lambda g, d: rebind(g, OPTIM, child="1"),
+        OPTIM + ": the manifest binds it to {{'child': '1',",
+    ),
+    "adapter of another generation, restamped": (
+        lambda g, d: transplant_tensors(g, ADAPTER, d.later),
+        f"the adapter in {ADAPTER} is not the bfloat16 cast of its fp32 "
+        "master in optimizer/child0_tp000_pp000_ep000_etp000_s00",
+    ),
+    "optimizer slices of another generation, restamped": (
+        lambda g, d: transplant_tensors(g, OPTIM, d.later),
+        f"the adapter in {ADAPTER} is not the bfloat16 cast of its fp32 master in {OPTIM} (optimizer child 0)",
+    ),
+    "optimizer children swapped with their stamps": (
+        lambda g, d: [swap_tensors(g, OPTIM.replace("s000", s), OPTIM1.replace("s000", s)) for s in ("s000", "s001")],
+        "optimizer child",
+    ),
+}
+# training state against the launch: unknown keys never reach the live optimizer; under the
+# "refuse" policy (resume.strict without --use-checkpoint-opt-param-scheduler) any difference is refused
+TRAINING_STATE = {
+    "eps NaN through the JSON codec": (
+        lambda g, d: edit_training_state(g, lambda s: set_param_group(s, eps={"__float__": "nan"})),
+        "param_groups[0].eps is 'nan' (not finite)",
+    ),
+    "param group with an unknown key": (
+        lambda g, d: edit_training_state(g, lambda s: set_param_group(s, surprise=0.5)),
+        "param group 0: the checkpoint holds keys this run's optimizer does not have: ['surprise']",
+    ),
+    "betas differ, policy refuse": (
+        lambda g, d: edit_training_state(g, lambda s: set_param_group(s, betas=BETAS)),
+        "param group 0: betas differs: checkpoint (0.5, 0.999), launch (",
+    ),
+    "scheduler max_lr differs, policy refuse": (
+        lambda g, d: edit_training_state(g, lambda s: s["scheduler"].update(max_lr=s["scheduler"]["max_lr"] * 2)),
+        "scheduler: max_lr differs: checkpoint",
+    ),
+    "negative scheduler num_steps": (
+        lambda g, d: edit_training_state(g, lambda s: s["scheduler"].update(num_steps=-1)),
+        "scheduler.num_steps is -1",
+    ),
+    "optimizer_saved false with optimizer files": (
+        lambda g, d: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
+        "optimizer_saved is false, yet lists optimizer state",
+    ),
+    "missing metadata key": (
+        lambda g, d: edit_manifest(g, lambda b: b["metadata"].pop("optimizer_children")),
+        "manifest metadata has no 'optimizer_children'",
+    ),
+}
+REFUSE_POLICY = {"betas differ, policy refuse", "scheduler max_lr differs, policy refuse"}
+# each rank's RNG files: bounded, checked field by field, its own (verify refuses the same)
+RNG_FILES = {
+    "rng tensor renamed": (
+        lambda g, d: rewrite_tensors(
+            g, RNG0.replace(".json", ".safetensors"), lambda t: t.update(a=t.pop("torch.cpu"))
         ),
-    )
-    # semantic binding and training-state invariants: self-consistent (resealed) but wrong
-    case("optimizer file of another generation", lambda g: reseal_file(g, optim, (Path(older) / optim).read_bytes()))
-    case("optimizer files swapped between children", lambda g: swap_files(g, optim, optim1))
-    case("optimizer file bound to another child", lambda g: rebind(g, optim, child="1"))
-    # unkeyed semantic cross-checks: every stamp, binding and digest agrees, only the adapter and the
-    # masters tell (the adapter must be the bf16 cast of its fp32 master, as megatron keeps it)
-    adapter = "adapter/dense_tp000_pp000.safetensors"
-    case("adapter of another generation, restamped", lambda g: transplant_tensors(g, adapter, Path(later)))
-    case("optimizer slices of another generation, restamped", lambda g: transplant_tensors(g, optim, Path(later)))
-    case(
-        "optimizer children swapped with their stamps",
-        lambda g: [swap_tensors(g, optim.replace("s000", s), optim1.replace("s000", s)) for s in ("s000", "s001")],
-    )
-    case(
-        "eps NaN through the JSON codec",
-        lambda g: edit_training_state(g, lambda s: set_param_group(s, eps={"__float__": "nan"})),
-    )
-    # training state against the launch: unknown keys never reach the live optimizer; under the
-    # "refuse" policy (resume.strict without --use-checkpoint-opt-param-scheduler) any difference is refused
-    case(
-        "param group with an unknown key",
-        lambda g: edit_training_state(g, lambda s: set_param_group(s, surprise=0.5)),
-    )
-    case("betas differ, policy refuse", lambda g: edit_training_state(g, lambda s: set_param_group(s, betas=BETAS)))
-    case(
-        "scheduler max_lr differs, policy refuse",
-        lambda g: edit_training_state(g, lambda s: s["scheduler"].update(max_lr=s["scheduler"]["max_lr"] * 2)),
-    )
-    refuse = {"hyperparameters": "refuse"}
-    case_kwargs = {"betas differ, policy refuse": refuse, "scheduler max_lr differs, policy refuse": refuse}
-    case(
-        "negative scheduler num_steps", lambda g: edit_training_state(g, lambda s: s["scheduler"].update(num_steps=-1))
-    )
-    case(
-        "optimizer_saved false with optimizer files",
-        lambda g: edit_manifest(g, lambda b: b["metadata"].update(optimizer_saved=False)),
-    )
-    case("missing metadata key", lambda g: edit_manifest(g, lambda b: b["metadata"].pop("optimizer_children")))
-    # verify = the loader (issue 23): each of these verify passed while the loader refused it (or,
-    # for the decay style, applied it silently); both now refuse, for the same reason
-    same_reason = {
-        "scalar tensor of an unknown dtype": "is a scalar tensor of dtype 'Tensor'",
-        "unknown scheduler decay style": "scheduler.lr_decay_style is 'warp', not a style megatron knows",
-        "optimizer slice holding int32 (index dropped)": "is I32, but an optimizer file of a DistributedOptimizer",
-        "optimizer slice holding int32 (index agrees)": "is I32, but an optimizer file of a DistributedOptimizer",
-        "tensor name with a path character": "the name holds a path or control character",
-    }
-    case(
-        "scalar tensor of an unknown dtype",
-        lambda g: edit_training_state(
+        "RNG tensor name 'a' is none of",
+    ),
+    "rng JSON oversized": (
+        lambda g, d: reseal_file(g, RNG0, (g / RNG0).read_bytes() + b" " * (1 << 20)),
+        "an RNG file of 1",
+    ),
+    "rng files of two ranks swapped": (
+        lambda g, d: swap_files(g, RNG0, RNG1),
+        "rng.rank is 1, but the file is rank 0's",
+    ),
+    "rng file of a rank gone": (
+        lambda g, d: drop_file(g, RNG1.replace(".json", ".safetensors")),
+        "rng/rank00001.safetensors",
+    ),
+}
+# verify = the loader (issue 23): each of these verify passed while the loader refused it (or, for
+# the decay style, applied it silently); both now refuse, for the same reason
+VERIFY_AGREES = {
+    "scalar tensor of an unknown dtype": (
+        lambda g, d: edit_training_state(
             g, lambda s: set_param_group(s, step={"__scalar_tensor__": 2.0, "dtype": "Tensor"})
         ),
-    )
-    case(
-        "unknown scheduler decay style",
-        lambda g: edit_training_state(g, lambda s: s["scheduler"].update(lr_decay_style="warp")),
-    )
-    case(
-        "optimizer slice holding int32 (index dropped)",
-        lambda g: rewrite_header(g, optim, lambda h: h["buf0.bucket0.exp_avg"].update(dtype="I32")),
-    )
-    case("optimizer slice holding int32 (index agrees)", lambda g: _int32_slice_with_its_block_index(g, optim))
-    case(
-        "tensor name with a path character",
-        lambda g: rewrite_header(
-            g, "adapter/dense_tp000_pp000.safetensors", lambda h: h.__setitem__("../x", h.pop(sorted(h)[-1]))
-        ),
-    )
-    # each rank's RNG files: bounded, checked field by field, its own (verify refuses the same)
-    rng0, rng1 = "rng/rank00000.json", "rng/rank00001.json"
-    case(
-        "rng JSON malformed",
-        lambda g: reseal_file(g, rng0, _rng_json(g, rng0, lambda v: v["python"].update(state=[1, 2]))),
-    )
-    case(
-        "rng tensor renamed",
-        lambda g: rewrite_tensors(g, rng0.replace(".json", ".safetensors"), lambda t: t.update(a=t.pop("torch.cpu"))),
-    )
-    case("rng JSON oversized", lambda g: reseal_file(g, rng0, (g / rng0).read_bytes() + b" " * (1 << 20)))
-    case("rng files of two ranks swapped", lambda g: swap_files(g, rng0, rng1))
-    case("rng file of a rank gone", lambda g: drop_file(g, rng1.replace(".json", ".safetensors")))
-    same_reason["rng JSON malformed"] = "rng.python.state must be a list of 625 integers"
+        "is a scalar tensor of dtype 'Tensor'",
+    ),
+    "unknown scheduler decay style": (
+        lambda g, d: edit_training_state(g, lambda s: s["scheduler"].update(lr_decay_style="warp")),
+        "scheduler.lr_decay_style is 'warp', not a style megatron knows",
+    ),
+    "optimizer slice holding int32 (index dropped)": (
+        lambda g, d: rewrite_header(g, OPTIM, lambda h: h["buf0.bucket0.exp_avg"].update(dtype="I32")),
+        "is I32, but an optimizer file of a DistributedOptimizer",
+    ),
+    "optimizer slice holding int32 (index agrees)": (
+        lambda g, d: _int32_slice_with_its_block_index(g, OPTIM),
+        "is I32, but an optimizer file of a DistributedOptimizer",
+    ),
+    "tensor name with a path character": (
+        lambda g, d: rewrite_header(g, ADAPTER, lambda h: h.__setitem__("../x", h.pop(sorted(h)[-1]))),
+        "the name holds a path or control character",
+    ),
+    "rng JSON malformed": (
+        lambda g, d: reseal_file(g, RNG0, _rng_json(g, RNG0, lambda v: v["python"].update(state=[1, 2]))),
+        "rng.python.state must be a list of 625 integers",
+    ),
+}
+# not a damaged copy: the ranks ask for different generations; a fault after the preflight on rank 1,
+# when rank 0 has already applied (it must roll back)
+COLLECTIVE = {
+    "iterations differ across ranks": "ranks disagree",
+    "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
+}
+
+
+@pytest.fixture(scope="module")
+def refused_loads(saved_root, tmp_path_factory):
+    """The outcomes on every rank of one job loading every damaged case; and the cases' paths."""
+    _, (older, newer), later = saved_root
+    donors = SimpleNamespace(older=Path(older), later=Path(later))
+    base = tmp_path_factory.mktemp("damaged")
+    cases = {}
+    for table in (DAMAGED_FILES, FORGED, TRAINING_STATE, RNG_FILES, VERIFY_AGREES):
+        for name, (damage, _) in table.items():
+            gen = _copy_generation(newer, base / name)
+            damage(Path(gen), donors)
+            cases[name] = gen
     cases["iterations differ across ranks"] = [older, newer]
-    cases["fault after preflight on rank 1"] = newer  # rank 0 has already applied: it must roll back
+    cases["fault after preflight on rank 1"] = newer
     failing = {"fault after preflight on rank 1": ["after-preflight", 1]}
+    case_kwargs = {name: {"hyperparameters": "refuse"} for name in REFUSE_POLICY}
     payload = {"config": cfg(2), "cases": cases, "pre_steps": 1, "faults": failing, "case_kwargs": case_kwargs}
-    outcomes = run(2, "try_loads", payload)
-    expected_words = {
-        "invalid state structure": "exp_avg_sq",
-        "wrong numel": "buf0.bucket0.exp_avg",
-        "NaN in a moment (manifest honest)": "NaN",
-        "NaN in a moment (finite flag stripped)": "NaN",
-        "torn: adapter shard gone from manifest": "dense_tp000_pp000",
-        "torn: optimizer file deleted": optim,
-        "layout: checkpoint with stub, run without": "child layout differs",
-        "pickle payload": "not safetensors",
-        "adapter shape changed": "adapter",
-        "iterations differ across ranks": "ranks disagree",
-        "optimizer file of another generation": f"{optim}: the file says it is [generation {Path(older).name[-16:]}",
-        "optimizer files swapped between children": f"{optim}: the file says it is [generation",
-        "optimizer file bound to another child": f"{optim}: the manifest binds it to {{'child': '1',",
-        "adapter of another generation, restamped": f"the adapter in {adapter} is not the bfloat16 cast of its fp32 "
-        "master in optimizer/child0_tp000_pp000_ep000_etp000_s00",
-        "optimizer slices of another generation, restamped": f"the adapter in {adapter} is not the bfloat16 cast of "
-        f"its fp32 master in {optim} (optimizer child 0)",
-        "optimizer children swapped with their stamps": "optimizer child",
-        "param group with an unknown key": "param group 0: the checkpoint holds keys this run's optimizer does not "
-        "have: ['surprise']",
-        "betas differ, policy refuse": "param group 0: betas differs: checkpoint (0.5, 0.999), launch (",
-        "scheduler max_lr differs, policy refuse": "scheduler: max_lr differs: checkpoint",
-        "eps NaN through the JSON codec": "param_groups[0].eps is 'nan' (not finite)",
-        "negative scheduler num_steps": "scheduler.num_steps is -1",
-        "optimizer_saved false with optimizer files": "optimizer_saved is false, yet lists optimizer state",
-        "missing metadata key": "manifest metadata has no 'optimizer_children'",
-        "rng tensor renamed": "RNG tensor name 'a' is none of",
-        "rng JSON oversized": "an RNG file of 1",
-        "rng files of two ranks swapped": "rng.rank is 1, but the file is rank 0's",
-        "rng file of a rank gone": "rng/rank00001.safetensors",
-        **same_reason,
-        "fault after preflight on rank 1": "injected fault at phase 'after-preflight' on rank 1",
-    }
-    assert set(expected_words) == set(cases)
-    for name, word in expected_words.items():
-        errors = [o[name]["error"] for o in outcomes]
-        assert all(errors), (name, errors)
-        assert errors[0] == errors[1], (name, errors)  # the same CheckpointError on every rank
-        assert word in errors[0], (name, errors[0])
-        assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
-        assert not any(o[name]["rng_changed"] for o in outcomes), name  # no generator touched either
-    for name in same_reason:  # verify refuses for the reason the loader gave, naming the same file
-        checked = verify_generation(Path(cases[name]))
-        said = [f"{checked.path / p.file}: {p.reason}" for p in checked.problems]
-        assert said and any(line in outcomes[0][name]["error"] for line in said), (name, said)
-    # the undamaged generations still load afterwards, in the same processes; a checkpoint saved
-    # without optimizer state loads with a warning that reaches the log; a generation whose
-    # metadata predates the child families (DistributedOptimizer keys only) restores its optimizer
-    # generations written before slices (the DP root wrote each child's world tensors; every rank
-    # now reads its own ranges of that file), with and without the child-family metadata
+    return cases, run(2, "try_loads", payload), Path(older).name[-16:]
+
+
+def _assert_refused_everywhere(refused_loads, name: str, words: str) -> None:
+    _, outcomes, older_id = refused_loads
+    word = words.format(older_id=older_id)
+    errors = [o[name]["error"] for o in outcomes]
+    assert all(errors), (name, errors)
+    assert errors[0] == errors[1], (name, errors)  # the same CheckpointError on every rank
+    assert word in errors[0], (name, errors[0])
+    assert all(o[name]["changed"] is None for o in outcomes), (name, [o[name]["changed"] for o in outcomes])
+    assert not any(o[name]["rng_changed"] for o in outcomes), name  # no generator touched either
+
+
+def test_every_case_ran_once(refused_loads):
+    cases, outcomes, _ = refused_loads
+    tables = (DAMAGED_FILES, FORGED, TRAINING_STATE, RNG_FILES, VERIFY_AGREES, COLLECTIVE)
+    assert sum(len(t) for t in tables) == len(cases) == len(set().union(*tables))
+    assert all(set(o) == set(cases) for o in outcomes)
+
+
+@pytest.mark.parametrize("name", list(DAMAGED_FILES))
+def test_a_damaged_or_torn_file_is_refused_on_every_rank_changing_nothing(refused_loads, name):
+    _assert_refused_everywhere(refused_loads, name, DAMAGED_FILES[name][1])
+
+
+@pytest.mark.parametrize("name", list(FORGED))
+def test_a_file_of_another_generation_or_child_is_refused_even_restamped(refused_loads, name):
+    _assert_refused_everywhere(refused_loads, name, FORGED[name][1])
+
+
+@pytest.mark.parametrize("name", list(TRAINING_STATE))
+def test_an_invalid_training_state_is_refused_on_every_rank_changing_nothing(refused_loads, name):
+    _assert_refused_everywhere(refused_loads, name, TRAINING_STATE[name][1])
+
+
+@pytest.mark.parametrize("name", list(RNG_FILES))
+def test_a_bad_rng_file_is_refused_on_every_rank_changing_nothing(refused_loads, name):
+    _assert_refused_everywhere(refused_loads, name, RNG_FILES[name][1])
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVE))
+def test_disagreeing_ranks_or_a_fault_after_preflight_fail_together_and_roll_back(refused_loads, name):
+    _assert_refused_everywhere(refused_loads, name, COLLECTIVE[name])
+
+
+@pytest.mark.parametrize("name", list(VERIFY_AGREES))
+def test_verify_refuses_what_the_loader_refuses_for_the_same_reason(refused_loads, name):
+    _assert_refused_everywhere(refused_loads, name, VERIFY_AGREES[name][1])
+    cases, outcomes, _ = refused_loads
+    checked = verify_generation(Path(cases[name]))  # the loader's reason, naming the same file
+    said = [f"{checked.path / p.file}: {p.reason}" for p in checked.problems]
+    assert said and any(line in outcomes[0][name]["error"] for line in said), (name, said)
+
+
+# ------------------------------------------------------------------------------ loads that succeed or roll back
+#
+# One W=2 job loads these generations one after another, in the same processes: the newest; a
+# checkpoint saved without optimizer state loads with a warning that reaches the log; a generation
+# whose metadata predates the child families (DistributedOptimizer keys only) restores its optimizer;
+# generations written before slices (the DP root wrote each child's world tensors; every rank now
+# reads its own ranges of that file), with and without the child-family metadata; hyperparameters
+# that differ from the launch's, reported under every policy and settled by it; a generation saved
+# before RNG states were saved; and late failures, which roll back bit for bit.
+
+
+# a late failure (after install replaced masters and moments) of a load into a fresh optimizer
+# rolls back bit for bit, with no copy of its masters; into an optimizer that has stepped, too:
+# the install replaced its moments and gave its masters new data (never writing the old), and
+# the undo record puts the old tensors and data back
+# (a fresh optimizer: its masters written in place and remade from the parameters on undo, its
+# moments never allocated before, the adapter swapped with its verified buffer: no copy at all)
+FRESH_FAILURES = {
+    "install fails on rank 1, fresh optimizer": "injected failure after install on rank 1",
+    "finish fails on rank 1, fresh optimizer": "injected failure in the finish phase on rank 1",
+}
+STEPPED = "install fails on rank 1, stepped optimizer"
+
+
+@pytest.fixture(scope="module")
+def sane_loads(saved_root, tmp_path_factory):
+    """The outcomes on every rank of one job loading the undamaged, older-format and
+    other-hyperparameter generations, and the late failures (each rolled back)."""
+    root, (_, newer), later = saved_root
+    base = tmp_path_factory.mktemp("sane")
     no_optim = root.parent / "no-optim"
-    gathered = _copy_generation(newer, tmp_path / "gathered")
+    gathered = _copy_generation(newer, base / "gathered")
     to_gathered_layout(Path(gathered))
-    pre_family = _copy_generation(gathered, tmp_path / "pre-family")
+    pre_family = _copy_generation(gathered, base / "pre-family")
     edit_manifest(Path(pre_family), _to_pre_family_metadata)
     # hyperparameters that differ from the launch's: reported under every policy, settled by it
-    launch_case = _copy_generation(newer, tmp_path / "launch-policy")
+    launch_case = _copy_generation(newer, base / "launch-policy")
     edit_training_state(Path(launch_case), _change_hyperparameters)
-    default_case = _copy_generation(newer, tmp_path / "default-policy")
+    default_case = _copy_generation(newer, base / "default-policy")
     edit_training_state(Path(default_case), lambda s: set_param_group(s, betas=BETAS))
-    checkpoint_case = _copy_generation(newer, tmp_path / "checkpoint-policy")
+    checkpoint_case = _copy_generation(newer, base / "checkpoint-policy")
     edit_training_state(Path(checkpoint_case), _change_hyperparameters)
     # a generation saved before RNG states were saved: no rng/ files, no rng_saved
-    pre_rng = _copy_generation(newer, tmp_path / "pre-rng")
+    pre_rng = _copy_generation(newer, base / "pre-rng")
     for rel in [f for f in os.listdir(Path(pre_rng) / "rng")]:
         drop_file(Path(pre_rng), f"rng/{rel}")
     edit_manifest(Path(pre_rng), lambda b: b["metadata"].pop("rng_saved"))
@@ -353,35 +642,32 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         "launch policy": {"hyperparameters": "launch"},
         "checkpoint policy": {"hyperparameters": "checkpoint"},
     }
-    # a late failure (after install replaced masters and moments) of a load into a fresh optimizer
-    # rolls back bit for bit, with no copy of its masters; into an optimizer that has stepped, too:
-    # the install replaced its moments and gave its masters new data (never writing the old), and
-    # the undo record puts the old tensors and data back
-    # (a fresh optimizer: its masters written in place and remade from the parameters on undo, its
-    # moments never allocated before, the adapter swapped with its verified buffer: no copy at all)
-    fresh = {"install fails on rank 1, fresh optimizer": newer, "finish fails on rank 1, fresh optimizer": newer}
-    stepped = "install fails on rank 1, stepped optimizer"
+    fresh = dict.fromkeys(FRESH_FAILURES, newer)
     # the last case: every other one loads first; a generation one step further, whose masters and
     # moments differ from the ones this optimizer holds then (the earlier cases loaded `newer`)
-    cases[stepped] = later
-    sane = run(
-        2,
-        "try_loads",
-        {
-            "config": cfg(2),
-            "cases": cases,
-            "fresh_cases": fresh,
-            "install_faults": {next(iter(fresh)): 1, stepped: 1},
-            "finish_faults": {"finish fails on rank 1": 1, "finish fails on rank 1, fresh optimizer": 1},
-            "case_kwargs": case_kwargs,
-        },
-    )
-    _check_hyperparameter_policies(sane)
-    for o in sane:
-        for name, words in (
-            ("install fails on rank 1, fresh optimizer", "injected failure after install on rank 1"),
-            ("finish fails on rank 1, fresh optimizer", "injected failure in the finish phase on rank 1"),
-        ):
+    cases[STEPPED] = later
+    payload = {
+        "config": cfg(2),
+        "cases": cases,
+        "fresh_cases": fresh,
+        "install_faults": {next(iter(fresh)): 1, STEPPED: 1},
+        "finish_faults": {"finish fails on rank 1": 1, "finish fails on rank 1, fresh optimizer": 1},
+        "case_kwargs": case_kwargs,
+    }
+    return run(2, "try_loads", payload)
+
+
+def test_the_newest_generation_loads(sane_loads):
+    assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane_loads)
+
+
+def test_hyperparameters_that_differ_from_the_launch_are_settled_by_the_policy(sane_loads):
+    _check_hyperparameter_policies(sane_loads)
+
+
+def test_a_late_failure_rolls_back_bit_for_bit_without_copying(sane_loads):
+    for o in sane_loads:
+        for name, words in FRESH_FAILURES.items():
             late = o[name]  # every tensor and counter as before the load, with nothing copied to get there
             assert words in late["error"] and late["changed"] is None and not late["rng_changed"], late
             # every master remade from the restored parameters (none kept, none copied), no state
@@ -389,12 +675,14 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             n = late["undo_masters"][0]
             assert n > 0 and late["undo_masters"] == [n, n, 0], late
             assert late["undo_copied"] == 0 and late["undo_swapped"] > 0, late
-        late = o[stepped]  # every tensor (masters and moments included) and counter as before the load
+        late = o[STEPPED]  # every tensor (masters and moments included) and counter as before the load
         assert "injected failure after install on rank 1" in late["error"] and late["changed"] is None, late
         assert late["undo_masters"][0] > 0 and late["undo_masters"][1:] == [0, late["undo_masters"][0]], late
         assert late["undo_swapped"] > 0, late
-    assert all(o["newest"]["error"] is None and o["newest"]["result"]["iteration"] == 2 for o in sane)
-    for o in sane:
+
+
+def test_rng_states_are_restored_set_back_on_failure_and_missing_ones_warn(sane_loads):
+    for o in sane_loads:
         late = o["finish fails on rank 1"]
         assert "injected failure in the finish phase on rank 1" in late["error"], late["error"]
         assert late["changed"] is None and not late["rng_changed"], late
@@ -406,7 +694,10 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
         warning = next(w for w in result["warnings"] if "holds no RNG state" in w)
         assert "(saved before RNG states were saved)" in warning, warning
         assert any(warning in line for line in o["pre-rng"]["logged"]), o["pre-rng"]["logged"]
-    for o in sane:
+
+
+def test_generations_written_before_slices_or_child_families_restore_the_same_state(sane_loads):
+    for o in sane_loads:
         for name in ("gathered", "pre-family"):
             assert o[name]["error"] is None, o[name]["error"]
             assert o[name]["result"]["optimizer_restored"] and o[name]["result"]["scheduler_restored"]
@@ -414,7 +705,10 @@ def test_negative_matrix_fails_everywhere_and_changes_nothing(saved_root, tmp_pa
             # come from the same JSON either way; their digests also depend on earlier loads here)
             tensors = {k: v for k, v in o[name]["state_digests"].items() if "/master/" in k or "/state/" in k}
             assert tensors and all(o["newer"]["state_digests"][k] == v for k, v in tensors.items()), name
-    for o in sane:
+
+
+def test_a_generation_without_optimizer_or_rng_state_loads_with_warnings_in_the_log(sane_loads):
+    for o in sane_loads:
         result = o["no-optim"]["result"]
         assert result and not result["optimizer_restored"] and result["masters_refreshed"], o["no-optim"]
         warning = next(w for w in result["warnings"] if "holds no optimizer state" in w)
@@ -514,6 +808,128 @@ ELASTIC_UP = {  # W=2 save -> W=4 load: name: (saved label, layout)
     "2->4 cp2 (DP x CP 2->4)": ("cp2", {"cp": 2}),
 }
 ELASTIC_DOWN = {"4->2": ("mixed", {}), "4->2 cp2 (DP x CP 4->2)": ("cp2", {"cp": 2})}  # W=4 save -> W=2
+
+
+def layouts_job(payload: dict, ctx) -> dict:
+    """Layout changes between save and resume, many cases in one job, in three parts:
+
+    * `"elastic"`: `[{"name", "config", "root"}]`: load a checkpoint saved at another DP size (by an
+      earlier job) and compare the regathered optimizer state with the saved bits;
+    * `"saves"`: `{label: config}`: train 2 steps and save into `<root>/<label>` (returned in `roots`);
+    * `"tries"`: `[{"name", "from": label, "config"}]`: a run of `config`, trained one step, tries
+      to load the save `label`; reports the error (or None) and the first tensor that changed.
+    """
+    consensus = Consensus.for_world(timeout_s=120)
+    elastic = {case["name"]: _elastic_check(case, consensus) for case in payload.get("elastic", [])}
+    roots = {}
+    for label, config in payload.get("saves", {}).items():
+        run = build_run(SimConfig.from_dict(config))
+        run_steps(run, 0, 2)
+        roots[label] = str(Path(payload["root"]) / label)
+        save(run, roots[label], 2, consensus)
+        teardown(run)
+    tries = {}
+    for case in payload.get("tries", []):
+        run = build_run(SimConfig.from_dict(case["config"]))
+        run_steps(run, 0, 1)
+        before = snapshot_digests(snapshot(run))
+        try:
+            load(run, roots[case["from"]], consensus)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        tries[case["name"]] = {"error": error, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
+        teardown(run)
+    return {"elastic": elastic, "roots": roots, "tries": tries}
+
+
+def _elastic_check(case: dict, consensus: Consensus) -> dict:
+    """Load `case["root"]` into a run of `case["config"]`; on every rank, compare its restored shard
+    of every DistributedOptimizer bucket with the same elements of the world tensor that the saved
+    slice files (of another DP size) hold together."""
+    run = build_run(SimConfig.from_dict(case["config"]))
+    rng_before, logged = rng_digest(), _capture_warnings()
+    result = load(run, case["root"], consensus)
+    # another layout: every generator as megatron seeded it at build, one line logged (rank 0)
+    rng = {"unchanged": rng_digest() == rng_before, "logged": [line for line in logged if "RNG" in line]}
+    logged.clear()
+    differing, names = [], []
+    for name, (live, saved) in restored_against_saved(run, Path(result.path)).items():
+        names.append(name)
+        if not live.equal(saved):
+            differing.append(name)
+    loss = train_step(run, result.iteration)  # and training goes on at the new DP size
+    teardown(run)
+    return {"differing": differing, "names": sorted(names), "loss": loss, "result": result.__dict__, "rng": rng}
+
+
+def restored_against_saved(run, generation: Path) -> dict:
+    """`{"child{i}.buf{g}.bucket{b}.{key}": (this rank's live elements, the saved ones)}`: the
+    saved world tensor of each bucket is the concatenation of every slice file's part, in slice
+    order, read here with the plain safetensors loader."""
+    import torch
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.core.verify import resolve
+    from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children, resolve_state_keys
+
+    coords = consensus_coords()  # collective: once, on every rank
+    manifest = resolve(generation).generation.manifest
+    out = {}
+    for child in leaf_children(run.optimizer):
+        if child.is_stub:
+            continue
+        opt, keys = child.optimizer, resolve_state_keys(child.optimizer)
+        group = dopt.dp_group(opt)
+        rank, size = group.rank(), group.size()
+        root = dist.get_process_group_ranks(group)[0]
+        key = _coords_of(root, coords)
+        slices = manifest.metadata["optimizer_children"][str(child.index)]["layout"]["slices"][key]
+        files = [checked_reads.load_tensors(generation / entry["file"])[0] for entry in slices]
+        for layout in dopt.bucket_layouts(opt):
+            n = layout.local_numel(size)
+            lo, hi = min(rank * n, layout.numel_unpadded), min((rank + 1) * n, layout.numel_unpadded)
+            if hi <= lo:
+                continue
+            for state_key in ("param", *keys):
+                tensor = f"buf{layout.buffer_index}.bucket{layout.bucket_index}.{state_key}"
+                world = torch.cat([f[tensor] for f in files if tensor in f])
+                live = _live_shard(opt, layout, state_key, n)[: hi - lo]
+                out[f"child{child.index}.{tensor}"] = (live, world[lo:hi])
+    return out
+
+
+def consensus_coords() -> list:
+    """Every rank's coordinates (all-gathered)."""
+    import torch.distributed as dist
+
+    from miles_lora_ckpt.megatron.topology import current_coordinates
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, current_coordinates().to_dict())
+    return gathered
+
+
+def _coords_of(rank: int, coords: list) -> str:
+    from miles_lora_ckpt.megatron.topology import Coordinates
+
+    return Coordinates(**coords[rank]).model_parallel_key
+
+
+def _live_shard(opt, layout, key: str, numel: int):
+    """This rank's shard of one bucket for `key`, built from the masters and the optimizer state."""
+    import torch
+
+    from miles_lora_ckpt.megatron.optimizer_children import distributed as dopt
+
+    shard = torch.zeros(numel, dtype=torch.float32)
+    maps = next(iter(opt.gbuf_ranges[layout.buffer_index].values()))[layout.bucket_index]["param_map"]
+    for model_param, ranges in maps.items():
+        main_param, state = dopt.main_and_state(opt, model_param)
+        source = main_param if key == "param" else state[key]
+        shard[ranges["gbuf_local"].start : ranges["gbuf_local"].end] = source.detach().view(-1)
+    return shard
 
 
 @pytest.fixture(scope="module")
@@ -667,6 +1083,294 @@ def test_optimizer_mismatch_is_refused_unless_weights_only(saved_root, tmp_path)
     for o in warm:
         result = o["warm"]["result"]
         assert result["adapter_restored"] and not result["optimizer_restored"] and result["masters_refreshed"]
+
+
+def legacy_warm_start(payload: dict, ctx) -> dict:
+    """Write a stock-Miles adapter directory (torch.save per global rank) and, with `native_dir`, a
+    stock native torch_dist checkpoint (megatron-core dist_checkpointing.save); warm-start from each."""
+    import torch
+
+    from miles_lora_ckpt.megatron.adapter_shards import is_adapter_param_name
+
+    config = SimConfig.from_dict(payload["config"])
+    trained = build_run(config)
+    run_steps(trained, 0, 2)
+    legacy = Path(payload["dir"])
+    legacy.mkdir(parents=True, exist_ok=True)
+    # what stock Miles writes: {wrapped-chunk name: tensor} per global rank, and pickled training state
+    adapter = {n: p.data.cpu() for n, p in trained.model[0].named_parameters() if is_adapter_param_name(n)}
+    torch.save(adapter, legacy / f"adapter_megatron_rank{ctx.rank}.pt")
+    torch.save({"iteration": 2, "optimizer": {"param_groups": []}}, legacy / f"training_state_rank{ctx.rank}.pt")
+    if payload.get("native_dir"):
+        _write_native_torch_dist(trained, Path(payload["native_dir"]))
+    teardown(trained)
+
+    consensus = Consensus.for_world(timeout_s=120)
+    fresh = build_run(config)
+    run_steps(fresh, 0, 1)  # moments and step counters exist: the native warm start must leave them
+    native = _native_warm_starts(fresh, payload, consensus, adapter) if payload.get("native_dir") else {}
+    result = load(fresh, legacy, consensus)
+    loaded = {n: p for n, p in fresh.model[0].named_parameters() if is_adapter_param_name(n)}
+    same_adapter = sorted(adapter) == sorted(loaded) and all(torch.equal(adapter[n], loaded[n]) for n in adapter)
+    out = {
+        "result": result.__dict__,
+        "same_adapter": same_adapter,
+        "masters_match_adapter": _masters_match(fresh),
+        "native": native,
+    }
+    teardown(fresh)
+    if payload.get("native_dir"):
+        out["native_refusals"] = _native_refusals(config, Path(payload["native_dir"]), consensus)
+        out["native_tp2_into_tp1"] = _native_across_tp(config, Path(payload["native_dir"]), consensus)
+        out["native_names"] = _native_names(config, Path(payload["native_dir"]), consensus)
+    return out
+
+
+def _write_native_torch_dist(run, save_dir: Path) -> None:
+    """What stock Miles' native (raw-mode) LoRA save writes: ONE megatron-core
+    dist_checkpointing checkpoint in `<save>/iter_NNNNNNN/adapter/torch_dist` holding the adapter's
+    sharded state dict, the optimizer's fully_reshardable sharded state and the scheduler."""
+    from miles_lora_ckpt_harness.bench.distckpt import _dc_save
+
+    _dc_save(run, save_dir / "iter_0000002" / "adapter" / "torch_dist")
+
+
+class _Warnings:
+    """The WARNING records the plugin logs (logger `miles_lora_ckpt`) while it is installed."""
+
+    def __init__(self):
+        import logging
+
+        self.records: list[str] = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.records.append(record.getMessage())
+        self.logger = logging.getLogger("miles_lora_ckpt")
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+def _native_warm_starts(run, payload: dict, consensus, adapter: dict) -> dict:
+    """Warm-start `run` from the stock native adapter dir, then (its adapter scrambled first) from
+    its torch_dist dir; per path: the result, the warnings logged, whether every adapter tensor is
+    bit-identical to the saved run's and every master the cast of it, and whether the optimizer
+    moments and scheduler were left as they were."""
+    import torch
+
+    from miles_lora_ckpt.megatron.adapter_shards import is_adapter_param_name
+
+    native = Path(payload["native_dir"]) / "iter_0000002" / "adapter"
+    outcomes = {}
+    for name, path in (("adapter dir", native), ("torch_dist dir", native / "torch_dist")):
+        with torch.no_grad():  # every adapter weight different from the saved one before the load
+            for n, p in run.model[0].named_parameters():
+                if is_adapter_param_name(n):
+                    p.add_(1.0)
+        before = snapshot(run)
+        with _Warnings() as logged:
+            result = load(run, path, consensus)
+        after = snapshot(run)
+        loaded = {n: p for n, p in run.model[0].named_parameters() if is_adapter_param_name(n)}
+        kept = [k for k in before if not k.startswith("param/") and "/master/" not in k]
+        outcomes[name] = {
+            "result": result.__dict__,
+            "logged": list(logged),
+            "same_adapter": sorted(adapter) == sorted(loaded)
+            and all(torch.equal(adapter[n], loaded[n]) for n in adapter),
+            "masters_match_adapter": _masters_match(run),
+            "rest_unchanged": [k for k in kept if not torch.equal(before[k], after[k])],
+            "kept_moments": sum(k.endswith(("/exp_avg", "/exp_avg_sq")) for k in kept),
+            "kept_scheduler": "scheduler" in kept,
+        }
+    return outcomes
+
+
+def _native_refusals(config: SimConfig, native_dir: Path, consensus) -> dict:
+    """Refused warm starts, every tensor compared before and after: a native checkpoint missing one
+    adapter parameter (megatron-core dist_checkpointing.save of the adapter's sharded state dict
+    without it), and the full one into a run of another LoRA rank and into one without the expert
+    adapters the checkpoint holds; and a warm start whose install fails on rank 1 after rank 0
+    installed (an injected fault): rank 0 rolls its model and optimizer back."""
+    from megatron.core import dist_checkpointing
+
+    from miles_lora_ckpt_harness.bench.distckpt import model_sharded_state_dict
+
+    outcomes = {}
+    run = build_run(config)
+    partial = native_dir / "partial" / "torch_dist"
+    sharded = model_sharded_state_dict(run)
+    dropped = sorted(sharded)[0]
+    del sharded[dropped]
+    partial.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": sharded}, str(partial))
+    outcomes["missing"] = {**_refused(run, partial.parent, consensus), "dropped": dropped}
+    # the install fails on rank 1 (nothing changed there) after rank 0 installed: rank 0 rolls back
+    run_steps(run, 0, 1)
+    faults.arm("after-preflight", 1, "raise")
+    try:
+        outcomes["install fails on rank 1"] = _refused(run, native_dir / "iter_0000002" / "adapter", consensus)
+    finally:
+        faults.disarm()
+    teardown(run)
+    saved = native_dir / "iter_0000002" / "adapter"
+    for name, change in (("lora rank 8", {"lora_rank": 8}), ("dense only", {"adapters": "dense"})):
+        other = build_run(SimConfig.from_dict({**config.to_dict(), **change}))
+        outcomes[name] = _refused(other, saved, consensus)
+        teardown(other)
+    return outcomes
+
+
+def _refused(run, path: Path, consensus) -> dict:
+    before = snapshot_digests(snapshot(run))
+    try:
+        result, error = load(run, path, consensus).__dict__, None
+    except CheckpointError as exc:
+        result, error = None, str(exc)
+    return {"error": error, "result": result, "changed": compare_digests(before, snapshot_digests(snapshot(run)))}
+
+
+def _native_across_tp(config: SimConfig, native_dir: Path, consensus) -> dict:
+    """A native checkpoint saved at TP 2 (megatron-core dist_checkpointing.save) warm-starts a TP 1
+    run: its adapter equals, bit for bit, what megatron's own dist_checkpointing.load reshards into
+    the same run; masters are the cast of it."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from miles_lora_ckpt.megatron.adapter_shards import adapter_params
+    from miles_lora_ckpt_harness.bench.distckpt import model_sharded_state_dict
+
+    tp2 = build_run(SimConfig.from_dict({**config.to_dict(), "tp": 2}))
+    run_steps(tp2, 0, 1)
+    saved = native_dir / "tp2" / "adapter" / "torch_dist"
+    saved.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": model_sharded_state_dict(tp2)}, str(saved))
+    teardown(tp2)
+    run = build_run(config)
+    with _Warnings() as logged:
+        result = load(run, saved.parent, consensus)
+    ours = {n: p.detach().clone() for n, p in adapter_params(run.model).items()}
+    masters = _masters_match(run)
+    with torch.no_grad():
+        for p in adapter_params(run.model).values():
+            p.zero_()
+    dist_checkpointing.load({"model": model_sharded_state_dict(run)}, str(saved))  # megatron's own reshard
+    theirs = adapter_params(run.model)
+    out = {
+        "result": result.__dict__,
+        "logged": list(logged),
+        "names": len(ours),
+        "differ": [n for n in ours if not torch.equal(ours[n], theirs[n].detach())],
+        "masters_match_adapter": masters,
+    }
+    teardown(run)
+    return out
+
+
+def _write_miles_native(run, path: Path, stacked: bool, extra: dict | None = None) -> list[str]:
+    """A checkpoint laid out exactly as Miles' native LoRA (miles_plugins/lora, docs/incoming/nnames.md)
+    writes the adapter of each layer's row-parallel `linear_proj`: a `lora_o_adapter` module on the
+    block owning the linear, parameters `o_A` [rank, in] (TP-split on axis 1) and `o_B` [out, rank]
+    (replicated), made ShardedTensors by megatron-core's make_sharded_tensors_for_checkpoint under
+    the local layer prefix, that prefix then replaced as megatron's TransformerBlock replaces it
+    (`stacked`: `layers.` with the global layer on a leading axis of num_layers, its default for
+    homogeneous layers; else `layers.<global>.`); merged as Miles merges them (key|offset) and
+    saved with dist_checkpointing.save beside Miles' common state. `extra`: more native parameters
+    of that module kind, `{adapter attr: ({name: tensor}, {name: TP axis})}`. Returns the keys."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    config, chunk = run.config, run.model[0]
+    layers = [m for _, m in chunk.named_modules() if hasattr(m, "linear_proj") and hasattr(m, "global_index")]
+    sharded = {}
+    for local, layer in enumerate(layers):
+        g = layer.global_index
+        modules = {
+            "lora_o_adapter": (
+                {"o_A": layer.linear_proj.lora_A.weight, "o_B": layer.linear_proj.lora_B.weight},
+                {"o_A": 1},
+            )
+        }
+        modules.update(extra or {})
+        for attr, (params, axes) in modules.items():
+            entries = make_sharded_tensors_for_checkpoint(
+                params, f"layers.{local}.{attr}.", axes, [(0, g, config.num_layers)] if stacked else []
+            )
+            replace_prefix_for_sharding(entries, f"layers.{local}.", "layers." if stacked else f"layers.{g}.")
+            sharded.update({f"{e.key}|{tuple(e.global_offset)}": e for e in entries.values()})
+    path.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": sharded, "iteration": 1, "has_optimizer_state": False}, str(path))
+    return sorted({e.key for e in sharded.values()})
+
+
+def _native_names(config: SimConfig, native_dir: Path, consensus) -> dict:
+    """Miles' native LoRA names and layouts (core.native_names) at TP 2: a run whose adapter sits on
+    linear_proj trains a step; its adapter is written as Miles' native LoRA writes it (both key
+    forms); scrambled, the run warm-starts from each and every adapter tensor is compared with the
+    written one. Negative controls: without the mapping (native_sources giving nothing, the old
+    behaviour) the same checkpoint is refused; a checkpoint that also holds a native split q/k/v
+    adapter is refused naming its item. Nothing changes on a refusal."""
+    import torch
+
+    from miles_lora_ckpt.core import native_names
+    from miles_lora_ckpt.core.dcp_metadata import read_metadata
+    from miles_lora_ckpt.megatron.adapter_shards import adapter_params
+
+    run = build_run(SimConfig.from_dict({**config.to_dict(), "tp": 2, "adapters": "proj"}))
+    run_steps(run, 0, 1)
+    expected = {n: p.detach().clone() for n, p in adapter_params(run.model).items()}
+    base = native_dir / "names"
+    out = {"expected": len(expected)}
+    for form, stacked in (("stacked", True), ("per layer", False)):
+        path = base / form.replace(" ", "-") / "torch_dist"
+        keys = _write_miles_native(run, path, stacked)
+        with torch.no_grad():
+            for p in adapter_params(run.model).values():
+                p.add_(1.0)
+        result = load(run, path.parent, consensus)
+        loaded = adapter_params(run.model)
+        out[form] = {
+            "keys": keys,
+            "items": sorted(read_metadata(path / ".metadata").entries),
+            "result": result.__dict__,
+            "differ": [n for n in expected if not torch.equal(expected[n], loaded[n].detach())],
+            "masters_match_adapter": _masters_match(run),
+        }
+    mapped = native_names.native_sources
+    native_names.native_sources = lambda name: []  # the unmapped (old) behaviour
+    try:
+        out["unmapped"] = _refused(run, base / "stacked", consensus)
+    finally:
+        native_names.native_sources = mapped
+    a, b = torch.ones(config.lora_rank, config.hidden), torch.ones(config.hidden // 2, config.lora_rank)
+    split = {
+        "lora_qkv_adapter": ({"q_A": a.to(run.config.torch_dtype), "q_B": b.to(run.config.torch_dtype)}, {"q_B": 0})
+    }
+    _write_miles_native(run, base / "split" / "torch_dist", True, split)
+    out["split"] = _refused(run, base / "split", consensus)
+    teardown(run)
+    return out
+
+
+def _masters_match(run) -> bool:
+    """Every fp32 master shard equals float() of its (loaded) model parameter slice."""
+    from miles_lora_ckpt.megatron.optimizer_children import leaf_children
+    from miles_lora_ckpt.megatron.optimizer_children.distributed import main_and_state
+
+    for leaf in leaf_children(run.optimizer):
+        if leaf.is_stub:
+            continue
+        child = leaf.optimizer
+        for model_param in child.model_param_group_index_map:
+            master, _ = main_and_state(child, model_param)
+            span = child._get_model_param_range_map(model_param)["param"]
+            if not master.detach().view(-1).equal(model_param.detach().view(-1)[span.start : span.end].float()):
+                return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -854,9 +1558,41 @@ def test_dcp_metadata_reader_reads_megatrons_real_metadata_as_torch_does(stock_d
             assert any(len(e.chunks) == 2 for e in ours.entries.values() if not isinstance(e, BytesEntry))
 
 
+def soak(payload: dict, ctx) -> dict:
+    """One run saves and loads `cycles` times into one root (keep=2) through the production defaults
+    (the process-wide consensus); threads, open descriptors and RSS of this process after save 1, and
+    after every `every` cycles (issue 23 item 8: nothing may grow with the number of saves)."""
+    run = build_run(SimConfig.from_dict(payload["config"]))
+    run_steps(run, 0, 1)
+    root = ctx.scratch_dir / "soak"
+    samples = []
+    started = time.monotonic()
+    for cycle in range(1, payload["cycles"] + 1):
+        save_lora_checkpoint(
+            run.model, Args(), root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler, iteration=cycle, keep=2
+        )
+        load_lora_checkpoint(run.model, root, optimizer=run.optimizer, opt_param_scheduler=run.scheduler)
+        if cycle == 1 or cycle % payload["every"] == 0:
+            gc.collect()
+            samples.append({"cycle": cycle, **_process_resources(os.getpid())})
+    teardown(run)
+    return {"samples": samples, "seconds": round(time.monotonic() - started, 1)}
+
+
+def _process_resources(pid: int) -> dict:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return {
+        "objects": len(gc.get_objects()),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "rss_mib": round(rss_kib / 1024, 1),
+    }
+
+
 def _soak(cycles: int, every: int) -> list[dict]:
     payload = {"config": cfg(2), "cycles": cycles, "every": every}
-    results = check_all(run_workers(2, "lora_jobs:soak", payload, sys_path=[JOBS], timeout_s=1800))
+    results = check_all(run_workers(2, "test_single_lora:soak", payload, sys_path=[TESTS], timeout_s=1800))
     return [r["samples"] for r in results]
 
 

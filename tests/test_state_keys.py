@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miles_lora_ckpt.megatron.optimizer_children import optimizer_kind, resolve_state_keys
-from miles_lora_ckpt.sim.lion import Lion
+from miles_lora_ckpt_harness.sim.lion import Lion
 
 ADAM = ("exp_avg", "exp_avg_sq")
 LION = ("exp_avg",)

@@ -22,12 +22,13 @@ __all__ = ["fsync_dir", "write_file_atomic"]
 def write_file_atomic(
     path: Path, chunks: Iterable[bytes | memoryview], *, blocks: BlockDigests | None = None
 ) -> FileRecord:
-    """Write `chunks` to `path` via temp name + fsync + rename; returns size and digest.
+    """Write `chunks` to `path` via a temporary name, fsync and rename.
 
-    The writes run on a thread (`WriteBehind`, at most two chunks queued) while this thread
-    produces, checks and hashes the next chunk: `write` and xxhash release the GIL, so the digest
-    costs (almost) nothing on top of the I/O. `blocks`, when given, is fed the same bytes
-    (per-block digests for partial reads)."""
+    Returns the file's `FileRecord` (size and digest); an OSError of the writes propagates, and the
+    temporary file is removed. The writes run on a `WriteBehind` thread while this thread hashes the
+    next chunk; both release the GIL, so the digest costs almost nothing on top of the I/O.
+    `blocks`, when given, is fed the same bytes (per-block digests for partial reads).
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     digest = StreamingDigest()
@@ -54,7 +55,7 @@ def write_file_atomic(
 
 
 def fsync_dir(path: Path) -> None:
-    """Make renames and creations inside `path` durable."""
+    """Make renames and creations inside the directory `path` durable; OSError propagates."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -1,10 +1,7 @@
 """Bounded parsing of everything read from disk: JSON with size and depth limits, checked values.
 
-Every byte a checkpoint holds may be hostile or damaged. Nothing read from disk reaches the rest of
-the package without passing through here: JSON is size- and depth-limited, refuses `NaN`,
-`Infinity`, out-of-range numbers and duplicate keys, and values are checked for type and range
-(`integer` refuses booleans, floats and anything outside its bounds). Every refusal is a
-`ValueError` whose message names the field.
+Every byte a checkpoint holds may be hostile or damaged, so nothing read from disk reaches the rest
+of the package without passing through here. Every refusal is a `ValueError` naming the field.
 """
 
 from __future__ import annotations
@@ -13,6 +10,20 @@ import json
 import math
 import re
 from typing import Any
+
+__all__ = [
+    "INT64_MAX",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_VALUES",
+    "integer",
+    "mapping",
+    "names",
+    "number",
+    "parse_json",
+    "show",
+    "string",
+    "string_map",
+]
 
 MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_JSON_DEPTH = 64
@@ -34,11 +45,13 @@ def parse_json(
     max_bytes: int = MAX_JSON_BYTES,
     max_depth: int = MAX_JSON_DEPTH,
 ) -> Any:
-    """Strict, bounded JSON: at most `max_bytes` bytes, `MAX_JSON_VALUES` values (counted before
-    parsing: memory) and `max_depth` levels of nesting, UTF-8
-    (and only UTF-8: no byte order mark, no UTF-16 or UTF-32, which `json.loads` would otherwise
-    detect and accept), no `NaN`/`Infinity` constants, no number that overflows a float, no
-    duplicate object keys."""
+    """Parse `raw` as strict, bounded JSON and return the value; `what` names it in refusals.
+
+    Refuses, with ValueError: more than `max_bytes` bytes, `MAX_JSON_VALUES` values or `max_depth`
+    levels of nesting; anything but UTF-8 without a byte order mark; `NaN` and `Infinity`; numbers
+    that overflow a float; duplicate object keys. Values are counted before parsing, to bound
+    memory.
+    """
     _check_value_count(raw, what, max_bytes, MAX_JSON_VALUES)
     if len(raw) > max_bytes:
         raise ValueError(f"{what} is {len(raw)} bytes, more than the {max_bytes} allowed")
@@ -63,9 +76,11 @@ def parse_json(
 
 
 def _check_value_count(raw: bytes | bytearray | memoryview, what: str, max_bytes: int, max_values: int) -> None:
-    """Refuse (ValueError) a document of more than `max_values` values before `json.loads` builds
-    them. Every value but the root follows a `[`, `,` or `:`; counting those bytes is an upper bound
-    (they may lie inside strings), exact once the strings are cut out. Linear time, no backtracking."""
+    """Refuse (ValueError) a document of over `max_values` values before `json.loads` builds them.
+
+    Every value but the root follows a `[`, `,` or `:`. Counting those bytes gives an upper bound,
+    exact once the strings are cut out. Linear time, no backtracking.
+    """
     if len(raw) > max_bytes:
         return  # refused for its size by the caller
     data = raw if isinstance(raw, bytes | bytearray) else bytes(raw)
@@ -86,7 +101,7 @@ def _separators(data: bytes | bytearray) -> int:
 
 
 def utf8_text(raw: bytes | bytearray | memoryview, what: str) -> str:
-    """`raw` decoded as strict UTF-8 without a byte order mark; ValueError naming `what` otherwise."""
+    """`raw` decoded as strict UTF-8 without a byte order mark; ValueError naming `what` if not."""
     data = bytes(raw)
     if data.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
         raise ValueError(f"{what} starts with a byte order mark: it must be UTF-8 without one")
@@ -97,9 +112,11 @@ def utf8_text(raw: bytes | bytearray | memoryview, what: str) -> str:
 
 
 def nesting_depth(value: Any, stop_above: int | None = None) -> int:
-    """Levels of list/object nesting of a parsed JSON value, level by level (iterative: no recursion
-    limit; each level's containers gathered by comprehensions, several times faster than a walk
-    node by node on a document of millions of values). Stops counting past `stop_above`."""
+    """Levels of list and object nesting of a parsed JSON value; stops counting past `stop_above`.
+
+    It walks level by level, without recursion. Gathering each level by comprehension is several
+    times faster than a node-by-node walk on millions of values.
+    """
     level, depth = [value], 0
     while True:
         containers = [item for item in level if isinstance(item, dict | list)]
@@ -137,7 +154,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def integer(value: Any, where: str, *, low: int = 0, high: int = INT64_MAX) -> int:
-    """An int (never a bool or a float) in `[low, high]`."""
+    """`value` if it is an int (never a bool or float) in `[low, high]`; ValueError if not."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{where} is {show(value)}, not an integer")
     if not low <= value <= high:
@@ -146,7 +163,7 @@ def integer(value: Any, where: str, *, low: int = 0, high: int = INT64_MAX) -> i
 
 
 def number(value: Any, where: str, *, low: float = -math.inf, high: float = math.inf) -> float:
-    """A finite int or float (never a bool) in `[low, high]`."""
+    """`value` if it is a finite int or float (never a bool) in `[low, high]`; ValueError if not."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ValueError(f"{where} is {show(value)}, not a number")
     if not math.isfinite(value) or not low <= value <= high:
@@ -155,7 +172,7 @@ def number(value: Any, where: str, *, low: float = -math.inf, high: float = math
 
 
 def string(value: Any, where: str, *, max_len: int = 4096, pattern: re.Pattern | None = None) -> str:
-    """A str of at most `max_len` characters, matching `pattern` when given."""
+    """`value` if a str of at most `max_len` characters matching `pattern`; else ValueError."""
     if not isinstance(value, str):
         raise ValueError(f"{where} is {show(value)}, not a string")
     if len(value) > max_len:
@@ -166,13 +183,17 @@ def string(value: Any, where: str, *, max_len: int = 4096, pattern: re.Pattern |
 
 
 def mapping(value: Any, where: str) -> dict:
+    """`value` if it is a JSON object (a dict); ValueError naming `where` otherwise."""
     if not isinstance(value, dict):
         raise ValueError(f"{where} is {show(value)}, not a JSON object")
     return value
 
 
 def string_map(value: Any, where: str, *, max_len: int = 4096) -> dict[str, str]:
-    """A JSON object of strings to strings (e.g. safetensors `__metadata__`)."""
+    """`value` if it is a JSON object of strings to strings; ValueError if not.
+
+    Safetensors' `__metadata__` is one.
+    """
     for key, item in mapping(value, where).items():
         string(key, f"{where} key", max_len=max_len)
         string(item, f"{where}[{key[:40]!r}]", max_len=max_len)
@@ -180,9 +201,11 @@ def string_map(value: Any, where: str, *, max_len: int = 4096) -> dict[str, str]
 
 
 def show(value: Any) -> str:
-    """At most 60 characters of `value`, as `repr` writes it, built piece by piece and stopped at
-    the limit: a value read from disk may be millions of elements wide (a full `repr` would cost
-    its size in time and memory) or an integer of thousands of digits (`repr` refuses those)."""
+    """At most 60 characters of `value` as `repr` writes it, for a message.
+
+    It is built piece by piece and stops at the limit. A value read from disk may be millions of
+    elements wide, or an integer of thousands of digits that `repr` refuses.
+    """
     out, size = [], 0
     for piece in _pieces(value):
         out.append(piece)
@@ -194,8 +217,10 @@ def show(value: Any) -> str:
 
 
 def names(items, limit: int = 8) -> str:
-    """A list of names (keys read from disk) for a message: the first `limit`, each cut by `show`,
-    and how many there are in all when more; `repr` of the list when it is short."""
+    """A list of names read from disk, for a message: the first `limit`, each cut by `show`.
+
+    When there are more, it says how many there are in all.
+    """
     items = list(items)
     shown = ", ".join(show(item) for item in items[:limit])
     return f"[{shown}]" if len(items) <= limit else f"[{shown}, ... ({len(items)} in all)]"

@@ -1,10 +1,9 @@
 """Whole-file checks: one file read once, front to back, with every check its kind needs.
 
-`check_file` judges a file from `lstat` before opening it (a FIFO, device, socket or link is refused
-unopened), then hashes every byte, parses a safetensors header strictly and checks every floating
-tensor finite slice by slice, or parses JSON with `bounded`'s limits. With `keep=False` only one
-slice is in memory; with `keep=True` the whole file is kept (zero-copy tensors: `load_tensors`),
-and only after a check that it fits in the memory this host has.
+`check_file` refuses anything but a regular file unopened, hashes every byte, and checks a
+safetensors file (strict header, every floating tensor finite) or a JSON file (`bounded`'s limits).
+With `keep=False` one slice is in memory; `keep=True` keeps the whole file for zero-copy tensors,
+once it is known to fit in this host's memory.
 """
 
 from __future__ import annotations
@@ -42,23 +41,24 @@ class CheckedFile:
     """One file read and checked by `check_file`."""
 
     size: int
-    buffer: bytearray | None = None  # the whole file, with keep=True (and always for JSON)
+    buffer: bytearray | None = None  # the whole file, with keep=True and always for JSON
     metadata: dict[str, str] | None = None  # safetensors `__metadata__`
     entries: dict[str, tuple[str, list[int], int, int]] | None = None  # safetensors tensors
     value: Any = None  # parsed JSON
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Zero-copy tensors over the kept buffer."""
+        """Zero-copy tensors over the kept buffer; ValueError if none was kept."""
         if self.buffer is None or self.entries is None:
             raise ValueError("not a safetensors file read with keep=True")
         return tensors_from_buffer(self.buffer, self.entries)
 
 
 def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = True) -> CheckedFile:
-    """Read one file once and check it: size and digest (against `record`), and by its suffix a
-    strict safetensors header with every floating tensor finite, or strict bounded JSON.
+    """Read the file at `path` once and check it; returns the `CheckedFile`.
 
-    Raises ValueError (or OSError) with the reason. `keep=False` keeps memory to one slice.
+    Size and digest are checked against `record` when given. By its suffix, a safetensors file needs
+    a strict header and finite floats; a JSON file must be strict, bounded JSON. `keep=False` holds
+    one slice in memory. Raises GenerationDamaged (a ValueError) or OSError with the reason.
     """
     path = Path(path)
     kind = "safetensors" if path.name.endswith(".safetensors") else "json" if path.name.endswith(".json") else "raw"
@@ -72,7 +72,7 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
         keep = keep or kind == "json"
         if keep:
             if kind == "safetensors" and size >= CHECK_MEMORY_ABOVE:
-                _precheck_header(fd, size)  # damage is named as such, whatever memory this host has
+                _precheck_header(fd, size)  # damage is named as damage, whatever memory this host has
             ensure_allocatable(size)
         block_bytes = record.blocks.block_bytes if record is not None and record.blocks is not None else None
         reader = FileReader(fd, size, keep=keep, block_bytes=block_bytes, anonymous=kind == "safetensors")
@@ -96,9 +96,11 @@ def check_file(path: Path, record: FileRecord | None = None, *, keep: bool = Tru
 
 
 def _precheck_header(fd: int, size: int) -> None:
-    """Parse a safetensors header (read with `pread`, not hashed) before a large file is kept whole,
-    so that a file its header does not describe (a sparse or grown one) is refused for that, the
-    reason `verify` gives when it streams the file, rather than for the memory it would take."""
+    """Parse a safetensors header (read with `pread`, not hashed) before a large file is kept whole.
+
+    A sparse or grown file that its header does not describe is refused for that, as `verify` would.
+    Otherwise it would be refused for the memory it takes.
+    """
     if size < 8:
         return
     head = os.pread(fd, 8, 0)
@@ -112,7 +114,7 @@ def _precheck_header(fd: int, size: int) -> None:
 
 
 def _read_safetensors(reader: FileReader) -> tuple[dict[str, str], dict]:
-    import torch  # imported where it is used: the core imports torch only when a tensor is touched
+    import torch  # the core imports torch only when a tensor is touched
 
     if reader.size < 8:
         raise GenerationDamaged(f"too short for a safetensors file ({reader.size} bytes)")
@@ -133,7 +135,10 @@ def _read_safetensors(reader: FileReader) -> tuple[dict[str, str], dict]:
 
 
 def load_tensors(path: Path, record: FileRecord | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read and check (size, digest, header, finiteness) a safetensors file; zero-copy tensors."""
+    """Read and check a safetensors file (size, digest, header, finite floats); zero-copy tensors.
+
+    Also returns its `__metadata__`. Raises as `check_file` does, and ValueError for another suffix.
+    """
     checked = check_file(Path(path), record, keep=True)
     if checked.entries is None:
         raise ValueError(f"{path} is not a .safetensors file")

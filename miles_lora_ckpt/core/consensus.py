@@ -1,15 +1,10 @@
 """Rank-aligned failure consensus over a gloo group.
 
-Code that can fail runs inside `attempt(...)`, which never raises: it returns an `Outcome`. Every
-rank then calls `consensus.agree(phase, outcome)`, one collective in which each rank contributes
-its outcome; if any rank failed, every rank raises the same `CheckpointError` naming the failing
-ranks and their first errors. So no rank ever skips a collective its peers entered. A peer that
-died or hangs turns into an error after the group's timeout instead of an endless wait: one line
-naming the rank, the phase and "a peer died or timed out" (`peer_lost`); the transport's own
-message goes to the debug log.
-
-Payloads travel as JSON in uint8 tensors (gloo works on CPU and survives a poisoned NCCL
-communicator); nothing is pickled.
+Code that can fail runs inside `attempt(...)`, which returns an `Outcome` and never raises. Then
+`Consensus.agree(phase, outcome)` is one collective: if any rank failed, every rank raises the same
+`CheckpointError`. So no rank skips a collective its peers entered. A dead or hung peer becomes an
+error after the group's timeout. Payloads travel as JSON in uint8 tensors over gloo, which works on
+CPU and survives a poisoned NCCL communicator; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -24,6 +19,8 @@ from typing import Any
 
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import CheckpointError, MilesLoraCkptError, RankFailure
+
+__all__ = ["SLOT_BYTES", "Consensus", "Outcome", "attempt"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +37,7 @@ class Outcome:
 
     @staticmethod
     def success(value: Any = None) -> Outcome:
+        """A successful outcome holding `value`."""
         return Outcome(ok=True, value=value)
 
     def map(self, fn: Callable[[Any], Any]) -> Outcome:
@@ -48,11 +46,11 @@ class Outcome:
 
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
-    """Run `fn` and capture its result or its exception; never raises an Exception.
+    """Run `fn(*args, **kwargs)`; return its result or its exception as an `Outcome`.
 
-    An exception that is not one of the package's own (`MilesLoraCkptError`: a refusal, damage, a
-    failed phase) is unexpected, a bug or the environment failing: its traceback goes to this
-    rank's log here, since the consensus carries only one line of it to the other ranks."""
+    It never raises an Exception. One that is not a `MilesLoraCkptError` is a bug or the environment
+    failing: its traceback goes to this rank's log, since the consensus carries only one line.
+    """
     try:
         return Outcome.success(fn(*args, **kwargs))
     except Exception as exc:  # noqa: BLE001 - every error must reach the consensus
@@ -64,8 +62,10 @@ def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
 
 
 def describe_exception(exc: BaseException) -> str:
-    """`Type: message` plus the innermost frame, short enough to print once per rank; for an
-    exception that is not the package's own, a pointer to the traceback `attempt` logged."""
+    """`Type: message` plus the innermost frame, short enough to print once per rank.
+
+    For an exception that is not the package's own, it points to the traceback `attempt` logged.
+    """
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
     logged = "" if isinstance(exc, MilesLoraCkptError) else "; its traceback is in that rank's log"
@@ -73,7 +73,7 @@ def describe_exception(exc: BaseException) -> str:
 
 
 class Consensus:
-    """Agreement among all ranks of one process group (or a single process when world is 1)."""
+    """Agreement among all ranks of one process group, or a single process when world is 1."""
 
     def __init__(self, group: Any = None, *, rank: int = 0, world_size: int = 1):
         self.group = group
@@ -82,14 +82,15 @@ class Consensus:
 
     @classmethod
     def single_process(cls) -> Consensus:
+        """The consensus of a single process: agreement is the process's own outcome."""
         return cls(None, rank=0, world_size=1)
 
     @classmethod
     def for_world(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> Consensus:
         """A consensus over every rank of the initialised default group, on a fresh gloo group.
 
-        Collective: every rank must call it at the same point (it creates a process group).
-        Without torch.distributed initialised it is the single-process consensus.
+        Collective: every rank must call it at the same point, since it creates a process group.
+        Without torch.distributed initialised it returns the single-process consensus.
         """
         import torch.distributed as dist
 
@@ -102,7 +103,8 @@ class Consensus:
     def default(cls) -> Consensus:
         """The process-wide world consensus, made on first use (so first use is collective).
 
-        Its timeout is the `consensus_timeout_s` setting (`$MILES_LORA_CKPT_TIMEOUT_S`, default 600).
+        Its timeout is the `consensus_timeout_s` setting (`$MILES_LORA_CKPT_TIMEOUT_S`, 600 s by
+        default).
         """
         global _DEFAULT
         if _DEFAULT is None:
@@ -112,9 +114,9 @@ class Consensus:
     # ------------------------------------------------------------------ collectives
 
     def agree(self, phase: str, outcome: Outcome) -> list[Any]:
-        """Collective. Raise `CheckpointError` on every rank if any rank failed `phase`.
+        """Collective: every rank's value of `phase`, indexed by rank, on every rank.
 
-        Returns every rank's value, indexed by rank, on every rank.
+        Raises `CheckpointError` on every rank if any rank failed, or if a peer died or timed out.
         """
         mine = {"ok": outcome.ok, "value": outcome.value, "error": outcome.error}
         everyone = self._all_gather_json(phase, mine)
@@ -124,7 +126,10 @@ class Consensus:
         return [o["value"] for o in everyone]
 
     def agree_same(self, phase: str, outcome: Outcome) -> Any:
-        """Like `agree`, and every rank's value must also be identical; returns that value."""
+        """Like `agree`, but every rank's value must be identical; returns that value.
+
+        Raises `CheckpointError` on every rank when any rank failed or the values differ.
+        """
         values = self.agree(phase, outcome)
         distinct = {json.dumps(v, sort_keys=True) for v in values}
         if len(distinct) > 1:
@@ -133,9 +138,12 @@ class Consensus:
         return values[0]
 
     def _all_gather_json(self, phase: str, obj: Any) -> list[Any]:
-        """Every rank's `obj`, by rank. One all-gather of a fixed `SLOT_BYTES` slot per rank (an
-        8-byte length, then the JSON) carries every payload that fits; only when some rank's does
-        not, a second all-gather carries the rest of every rank's payload, padded to the longest."""
+        """Every rank's `obj`, by rank.
+
+        One all-gather of a `SLOT_BYTES` slot per rank (an 8-byte length, then the JSON) carries
+        every payload that fits. When some rank's does not, a second all-gather carries the rest of
+        every payload, padded to the longest.
+        """
         if self.world_size == 1:
             return [json.loads(json.dumps(obj))]
         import torch
@@ -168,9 +176,11 @@ class Consensus:
 
 
 def peer_lost(phase: str, rank: int, exc: BaseException) -> str:
-    """The one line an operator reads when a collective of `phase` failed on `rank` (a peer died,
-    hung past the timeout, or its connection broke). The transport's own message (gloo's source
-    paths, socket errors) goes to the debug log, with its traceback, not into the error."""
+    """The one line an operator reads when a collective of `phase` failed on `rank`.
+
+    A peer died, hung past the timeout or lost its connection. The transport's own message goes to
+    the debug log with its traceback, not into the error.
+    """
     log.debug("rank %d: the collective of phase %r failed in the transport", rank, phase, exc_info=exc)
     return (
         f"the collective of phase '{phase}' failed on rank {rank}: a peer died or timed out "

@@ -1,39 +1,17 @@
 """The content rules of a generation's files: the one place every reader's checks live.
 
-`verify` and every loader read a listed file through `verify.check_file_content` (whole) or
-`verify.check_file_ranges` (some element ranges), and those apply exactly the rules here, after
-`checked_reads` (or `partial_reads`) has checked the bytes (size, digests, a strict safetensors header with legal tensor
-names, finite floats, bounded UTF-8 JSON). So `verify` refuses what a loader refuses, for the same
-reason, and no loader holds a content check of its own that `verify` lacks:
+`verify` and every loader apply exactly these rules, after `checked_reads` or `partial_reads`
+checked the bytes. So `verify` refuses what a loader refuses, for the same reason. By file:
 
-- a format v2 tensor file carries its stamp: its generation, its own path and its manifest
-  binding (`check_stamps`); a file stamped with its global layout entries matches the manifest's
-  (`layout_rules.check_stamp`);
-- an optimizer file of a `distributed` child (a DistributedOptimizer's masters and moments, sliced
-  over DP) holds float32 tensors only (`check_tensor_dtypes`): its loader installs them into fp32
-  buffers and refuses anything else;
-- a `training-state` file satisfies `training_state.check` (scheduler keys and decay styles,
-  hyperparameter ranges, tagged values, iteration and generation);
-- an `rng-state` file (a rank's RNG states, `rng_state`) is bounded JSON of exactly the fields
-  `rng_state.check` allows, for the rank its binding names, or a file of 1-D uint8 tensors only
-  (`rng_state.check_tensors`);
-- a `rollout-data-state` file satisfies `data_state.check` (its rollout is the generation's, its
-  cursor, dataset and buffer are well formed, its tagged values are well formed).
+- a format v2 tensor file carries its stamp: generation, path and binding (`check_stamps`);
+- a `distributed` child's optimizer file holds float32 tensors only (`check_tensor_dtypes`);
+- `training-state`, `rng-state` and `rollout-data-state` files pass their modules' `check`.
 
-And rules on the manifest itself (applied by `verify.check_structure`, which every loader runs
-first): a format-v3 global layout and its optimizer positions are consistent (`layout_rules.check`:
-blocks tile their global tensors, adapter files' coordinates agree with their bindings, positions
-lie inside their buckets); a manifest whose metadata says `optimizer_saved: false` lists no optimizer file and no
-optimizer child that stepped (`check_optimizer_claim`, in `check_manifest`; the single-LoRA loader
-calls it too); no `rng-state` file is larger than `rng_state.MAX_RNG_FILE_BYTES` (refused before
-it is read: `check_rng_sizes`); and, in a format v2 generation of a saver that writes the single-LoRA files
-(`single-lora`, `multi-lora-slot`), every file named like one of them carries exactly the binding
-its name implies (`binding_problems`): the checks above hinge on a file's role, so a resealed
-manifest that drops or alters it (a `training_state.json` without `role: training-state`) would
-otherwise skip them in `verify`, while the saver's loader refuses the file for its binding.
-
-Imports neither megatron nor Miles: what a saver's loader requires of its files is stated here as
-data the manifest carries (roles, bindings, the optimizer children's families).
+On the manifest (`check_manifest`): a consistent global layout (`layout_rules.check`), an honest
+`optimizer_saved: false` (`check_optimizer_claim`), and bounded RNG files. Rules are chosen by a
+file's role, so a file named like a single-LoRA file must carry the binding its name implies
+(`binding_problems`). Imports neither megatron nor Miles: loaders' requirements are stated as
+data the manifest carries.
 """
 
 from __future__ import annotations
@@ -50,9 +28,20 @@ from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, STAMP_KEYS, Manifes
 ROLE_OPTIMIZER = "optimizer"
 DISTRIBUTED_DTYPE = "F32"
 
-# The savers that write the single-LoRA files (`savers.single_lora.SAVER`, `savers.multi_lora.SLOT_SAVER`),
-# and the binding each of their file names implies (`savers/single_lora/common.py`,
-# `megatron/optimizer_children`: what their loaders require of each file they read).
+__all__ = [
+    "BOUND_SAVERS",
+    "binding_problems",
+    "check_json_file",
+    "check_manifest",
+    "check_optimizer_claim",
+    "check_tensor_file",
+    "named_binding",
+]
+
+# The savers that write the single-LoRA files (`savers.single_lora.SAVER`,
+# `savers.multi_lora.SLOT_SAVER`), and the binding each of their file names implies. Their
+# loaders require these of each file they read (`savers/single_lora/common.py`,
+# `megatron/optimizer_children`).
 BOUND_SAVERS = ("single-lora", "multi-lora-slot")
 _COORDINATE = r"tp[0-9]+_pp[0-9]+_ep[0-9]+_etp[0-9]+"
 _NAMED_BINDINGS: tuple[tuple[re.Pattern, Callable[[re.Match], dict[str, str]]], ...] = (
@@ -88,9 +77,11 @@ def check_tensor_file(
     dtypes: dict[str, str],
     shapes: dict[str, list[int]] | None = None,
 ) -> None:
-    """Every rule for a listed tensor file, given its safetensors metadata and `{tensor: dtype tag}`
-    (from its header, or from the manifest's block index that was checked against it), and
-    `{tensor: shape}` where the header was read."""
+    """Apply every rule for the listed tensor file `relpath`; GenerationDamaged if one fails.
+
+    `metadata` is its safetensors metadata and `dtypes` its `{tensor: dtype tag}`, from its header
+    or the checked block index. `shapes` is `{tensor: shape}` where the header was read.
+    """
     if manifest.format_version >= 2:
         check_stamps(relpath, manifest, metadata)
     layout_rules.check_stamp(relpath, manifest, metadata)
@@ -104,8 +95,10 @@ def check_tensor_file(
 
 
 def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
-    """Every rule for a listed file that is not a tensor file, given its parsed JSON value (None
-    for a file that is not JSON: a training state must be JSON)."""
+    """Apply every rule for the listed non-tensor file `relpath`; GenerationDamaged if one fails.
+
+    `value` is its parsed JSON, or None for a file that is not JSON.
+    """
     if manifest.role_of(relpath) == ROLE_TRAINING_STATE:
         try:
             training_state.check(
@@ -114,7 +107,7 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
                 generation=manifest.generation,
                 format_version=manifest.format_version,
             )
-        except ValueError as exc:  # its rules' refusals (ValueError, as `bounded`'s) are damage
+        except ValueError as exc:  # its rules' refusals are damage
             raise GenerationDamaged(str(exc)) from None
     elif manifest.role_of(relpath) == rng_state.ROLE_RNG:
         try:
@@ -129,15 +122,17 @@ def check_json_file(relpath: str, manifest: Manifest, value: Any) -> None:
 
 
 def check_manifest(manifest: Manifest) -> None:
-    """Every rule on a manifest's own content (beyond its fields' shapes): the optimizer claim, and
-    the structural rules of a format-v3 global layout (`layout_rules.check`, raising GenerationDamaged)."""
+    """Apply every rule on a manifest's own content, beyond its fields' shapes; GenerationDamaged.
+
+    That is the optimizer claim, the RNG file sizes and a format-v3 global layout's structure.
+    """
     check_optimizer_claim(manifest)
     check_rng_sizes(manifest)
     layout_rules.check(manifest)
 
 
 def check_rng_sizes(manifest: Manifest) -> None:
-    """Every listed `rng-state` file is at most `rng_state.MAX_RNG_FILE_BYTES` (as recorded)."""
+    """Refuse (GenerationDamaged) a listed `rng-state` file recorded above `MAX_RNG_FILE_BYTES`."""
     for relpath, record in sorted(manifest.files.items()):
         if manifest.role_of(relpath) == rng_state.ROLE_RNG:
             try:
@@ -154,7 +149,7 @@ def _bound_rank(manifest: Manifest, relpath: str) -> int:
 
 
 def named_binding(saver: str, relpath: str) -> dict[str, str] | None:
-    """The binding a file of `saver` named `relpath` carries (None: no name rule applies)."""
+    """The binding a file of `saver` named `relpath` carries, or None when no name rule applies."""
     if saver not in BOUND_SAVERS:
         return None
     for pattern, binding in _NAMED_BINDINGS:
@@ -164,11 +159,12 @@ def named_binding(saver: str, relpath: str) -> dict[str, str] | None:
 
 
 def binding_problems(manifest: Manifest) -> list[tuple[str, str]]:
-    """`(relpath, reason)` for every listed file of a format v2 (and later) single-LoRA or
-    multi-LoRA slot generation whose manifest binding is not exactly the one its name implies
-    (`named_binding`): its role was dropped or altered in a resealed manifest. The content rules
-    (training-state invariants, DistributedOptimizer dtypes) are chosen by role, and the saver's
-    loader refuses such a file for its binding: so must every reader, before reading it."""
+    """`(relpath, reason)` for every listed file whose binding is not the one its name implies.
+
+    It applies to format v2 and later generations of the `BOUND_SAVERS`. A resealed manifest may
+    drop or alter a role, and the content rules are chosen by role. The saver's loader refuses such
+    a file, so every reader must, before reading it.
+    """
     if manifest.format_version < 2:
         return []
     problems = []
@@ -187,13 +183,12 @@ def binding_problems(manifest: Manifest) -> list[tuple[str, str]]:
 
 
 def check_optimizer_claim(manifest: Manifest) -> None:
-    """`optimizer_saved: false` must mean no optimizer state: no listed optimizer file (role
-    `optimizer`, or under `optimizer/`) and no optimizer child recorded as stepped (in
-    `optimizer_children`, or a pre-family generation's `stepped_children`); else it was edited.
+    """Refuse (GenerationDamaged) a manifest whose `optimizer_saved` claim was edited.
 
-    `optimizer_saved`, when present, is a boolean: loaders restore optimizer state only when it is
-    `true`, so any other value (`null`, `0`, `"false"`) would otherwise drop the saved optimizer
-    state unnoticed, without the refusal that `false` gets."""
+    `false` must mean no listed optimizer file and no optimizer child recorded as stepped. When
+    present, the value must be a boolean: loaders restore optimizer state only for `true`, so a
+    `null` or `0` would drop it unnoticed.
+    """
     metadata = manifest.metadata
     if "optimizer_saved" in metadata and not isinstance(metadata["optimizer_saved"], bool):
         raise GenerationDamaged(
@@ -217,6 +212,7 @@ def check_optimizer_claim(manifest: Manifest) -> None:
 
 
 def check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:
+    """Refuse (GenerationDamaged) a tensor file whose stamp is missing or not its manifest's."""
     record = manifest.files[relpath]
     keys = (*STAMP_KEYS, *sorted(record.binding))
     missing = [k for k in keys if k not in metadata]
@@ -235,7 +231,10 @@ def check_stamps(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> 
 
 
 def check_tensor_dtypes(relpath: str, manifest: Manifest, dtypes: dict[str, str]) -> None:
-    """An optimizer file of a `distributed` child holds float32 tensors only."""
+    """Refuse (GenerationDamaged) a `distributed` child's optimizer file holding other than float32.
+
+    Its loader installs the tensors into fp32 buffers.
+    """
     if distributed_child(relpath, manifest) is None:
         return
     wrong = sorted(name for name, tag in dtypes.items() if tag != DISTRIBUTED_DTYPE)
@@ -247,9 +246,11 @@ def check_tensor_dtypes(relpath: str, manifest: Manifest, dtypes: dict[str, str]
 
 
 def distributed_child(relpath: str, manifest: Manifest) -> str | None:
-    """The child index of an optimizer file whose child the manifest records as a `distributed`
-    one (its `optimizer_children[child].family`, or, for a generation written before every child
-    family was saved, its `state_keys`, which described DistributedOptimizer children only)."""
+    """The child index of optimizer file `relpath` if its child is a `distributed` one, else None.
+
+    The manifest says so in `optimizer_children[child].family`. Older generations have only
+    `state_keys`, which described DistributedOptimizer children alone.
+    """
     record = manifest.files.get(relpath)
     if record is None or manifest.role_of(relpath) != ROLE_OPTIMIZER or "child" not in record.binding:
         return None

@@ -1,13 +1,12 @@
 """The rollout side's data state: its JSON form, its checks, and its sealed hand-over to a save.
 
-Miles' rollout manager owns the data source (prompt cursor, epoch, sample counters, metadata and
-a buffer of sample groups). The plugin's data source (`integration.data_source`) snapshots that
-state when rollout N's draw is complete (after the rollout function returned, so after the
-aborted groups went back to the buffer, and before rollout N+1 draws) and *stages* it here. The
-train side's save of generation N takes the staged state of rollout N and commits it inside the
-generation as `rollout_data_state.json` (role `rollout-data-state`), verified like every file.
+Miles' rollout manager owns the data source: prompt cursor, epoch, counters, metadata and a buffer
+of sample groups. The plugin's data source (`integration.data_source`) snapshots it once rollout N's
+draw is complete and stages it here. The save of generation N commits the staged state of rollout
+N as `rollout_data_state.json`, verified like every file. See docs/file-format.md, "Rollout data
+state".
 
-The document (bounded JSON, no pickle; values that JSON cannot hold are tagged by `jsoncodec`)::
+The document (bounded JSON, no pickle; values JSON cannot hold are tagged by `jsoncodec`)::
 
     {"format": 1, "rollout_id": N, "source": "<the wrapped class, dotted>",
      "state": null                                  (accepted: this source has no data state)
@@ -16,22 +15,14 @@ The document (bounded JSON, no pickle; values that JSON cannot hold are tagged b
                "metadata": {...}, "dataset": {"size", "shuffle", "seed"} | null,
                "buffer": [[<sample>, ...], ...] | null}
             | {"kind": "custom", "value": <the class's own state_dict()>},
-     "adapter": "<name>",                           (multi-LoRA only: the adapter whose data this is)
-     "in_flight": [[<sample>, ...], ...]}           (optional, multi-LoRA: groups drawn and not shipped)
+     "adapter": "<name>",                      (multi-LoRA only: the adapter whose data this is)
+     "in_flight": [[<sample>, ...], ...]}      (optional, multi-LoRA: groups drawn, not shipped)
 
-`in_flight` (multi-LoRA under Miles' async producer): the adapter's groups its source had handed
-out but the rollout function had not shipped for training when the step's last group shipped,
-each sample as Miles' `Sample.to_dict()`. A resume gives them back before it draws new ones. A
-document without the key (written before it existed, or by a sync run) reads as none in flight.
-
-In a multi-LoRA slot generation the file holds one adapter's data state and `rollout_id` is the
-adapter's own step (the slot generation's iteration); it is staged in the slot root's
-`.rollout-data/` under that step (`integration.multi_lora_data_source`).
-
-Staged files live in `<save root>/.rollout-data/data_state_<N>.json` as a sealed envelope
-`{"seal": "<xxh3 of the document's bytes>", "data_state": <document>}`, written to a temporary
-name, fsynced and renamed: a kill inside the write leaves a temporary file nobody reads (removed
-by the next stage or load), and a torn or altered staged file fails its seal, naming the file.
+A resume gives the `in_flight` groups back before it draws new ones; without the key, none are in
+flight. In a multi-LoRA slot generation, `rollout_id` is the adapter's own step. Staged files are
+`<save root>/.rollout-data/data_state_<N>.json`, a sealed envelope written crash-safely:
+`{"seal": "<xxh3 of the document's bytes>", "data_state": <document>}`. A torn or altered one fails
+its seal, naming the file.
 """
 
 from __future__ import annotations
@@ -45,6 +36,21 @@ from miles_lora_ckpt.core import atomic_files, bounded, json_files
 from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.jsoncodec import check_tags
+
+__all__ = [
+    "CURSOR_KEYS",
+    "DATA_STATE",
+    "ROLE_DATA_STATE",
+    "DataStateMissing",
+    "check",
+    "discard_staged",
+    "document",
+    "in_flight",
+    "read_staged",
+    "stage",
+    "staged_rollouts",
+    "summary",
+]
 
 DATA_STATE = "rollout_data_state.json"  # the file inside a generation
 ROLE_DATA_STATE = "rollout-data-state"
@@ -65,9 +71,11 @@ class DataStateMissing(MilesLoraCkptError, ValueError):
 def document(
     rollout_id: int, source: str, state: dict | None, *, adapter: str | None = None, in_flight: list | None = None
 ) -> dict:
-    """The data state of `rollout_id` (checked); `state` None records a source without one.
-    `adapter`: a multi-LoRA adapter's name (then `rollout_id` is that adapter's step); `in_flight`:
-    its groups drawn and not shipped (samples as JSON), recorded only when given."""
+    """The checked data-state document of `rollout_id` from `source`; ValueError if refused.
+
+    `state` None records a source without one. `adapter` names a multi-LoRA adapter, whose step
+    `rollout_id` then is. `in_flight` holds its groups drawn and not shipped, recorded when given.
+    """
     doc = {"format": FORMAT, "rollout_id": int(rollout_id), "source": str(source), "state": state}
     if adapter is not None:
         doc["adapter"] = str(adapter)
@@ -78,7 +86,7 @@ def document(
 
 
 def check(doc: Any, *, iteration: int) -> dict:
-    """Raise ValueError (naming the field) unless `doc` is a data-state document of `iteration`."""
+    """`doc` if it is a data-state document of `iteration`; else ValueError naming the field."""
     bounded.mapping(doc, "data state")
     unknown = sorted(set(doc) - {"format", "rollout_id", "source", "state", "adapter", "in_flight"})
     if unknown:
@@ -168,6 +176,7 @@ def summary(doc: dict) -> str:
 
 
 def staged_dir(root: str | os.PathLike) -> Path:
+    """The directory of staged data states under the save root `root`."""
     return Path(root) / STAGED_DIR
 
 
@@ -177,7 +186,10 @@ def staged_path(root: str | os.PathLike, rollout_id: int) -> Path:
 
 
 def stage(root: str | os.PathLike, doc: dict) -> Path:
-    """Seal and stage `doc` atomically (temporary name, fsync, rename, fsync of the directory)."""
+    """Seal and stage `doc` crash-safely; returns the staged file's path.
+
+    A refused `doc` raises ValueError; an OSError of the write propagates.
+    """
     check(doc, iteration=doc["rollout_id"])
     body = json_files.json_bytes(doc)
     directory = staged_dir(root)
@@ -218,8 +230,11 @@ def staged_rollouts(root: str | os.PathLike) -> list[int]:
 
 
 def discard_staged(root: str | os.PathLike, *, above: int | None = None, upto: int | None = None) -> list[int]:
-    """Remove staged files of rollouts > `above` (a relaunch redraws them) or <= `upto` (their
-    generation is committed), and any temporary left by a killed write; returns the rollouts."""
+    """Remove staged files of rollouts above `above` or up to `upto`; returns those rollouts.
+
+    A relaunch redraws the rollouts above; those up to `upto` are committed. Temporaries of a killed
+    write go too. An OSError propagates.
+    """
     directory = staged_dir(root)
     if not directory.is_dir():
         return []
@@ -235,7 +250,7 @@ def discard_staged(root: str | os.PathLike, *, above: int | None = None, upto: i
 
 
 def _remove_temporaries(directory: Path) -> None:
-    """A temporary of `write_file_atomic` (`.<name>.tmp-<hex>`) is a killed write's: never read."""
+    """Remove `write_file_atomic`'s temporaries (`.<name>.tmp-<hex>`), left by killed writes."""
     for name in os.listdir(directory):
         if name.startswith(".data_state_") and ".tmp-" in name:
             (directory / name).unlink(missing_ok=True)

@@ -1,35 +1,15 @@
 """A data-only reader of torch DCP's `.metadata` (a stock Miles native `torch_dist` checkpoint).
 
-torch.distributed.checkpoint writes `.metadata` with `pickle.dump(Metadata)` (Python's default
-protocol: 4; 5 from Python 3.14, the same opcodes for this data). The
-plugin never unpickles: this module reads that byte stream with its own small interpreter of the
-pickle opcodes DCP's metadata uses on torch 2.13 (checked against megatron-core 0.16.1 and 0.19.2
-`dist_checkpointing.save`), and builds plain records defined here (`Metadata`, `TensorEntry`,
-`Chunk`, `StorageInfo`). It is not unpickling:
+torch.distributed.checkpoint writes `.metadata` with `pickle.dump(Metadata)`, protocol 4 or 5. The
+plugin never unpickles. Its own small interpreter reads the pickle opcodes DCP's metadata uses
+(torch 2.13; megatron-core 0.16.1 and 0.19.2) and builds plain records defined here.
 
-- no module is ever imported and nothing taken from the stream is ever called: a global
-  (`STACK_GLOBAL`) is only a `(module, name)` pair looked up in `ALLOWED_GLOBALS`, a fixed table
-  of torch DCP's dataclasses, `torch.Size`, torch's dtypes, `torch.serialization._get_layout`,
-  `pathlib.PosixPath` and two enums; each maps to a record or a value built here;
-- `NEWOBJ`/`BUILD` fill a record's fields from plain data; `REDUCE` applies only one of five
-  fixed conversions (`torch.Size(tuple)`, `_get_layout(name)`, the two enums' `(int)`, and
-  `pathlib.PosixPath(parts)` to a plain string) to plain arguments it checks;
-- anything else (another global, `REDUCE` of anything not a conversion, an opcode not in
-  `_OPCODES`, a truncated or oversize stream, too deep nesting, a bad memo index) raises
-  `DcpMetadataError` naming the file, the byte offset and the opcode or global.
-
-Dictionaries are kept as lists of pairs while reading (no hashing of stream objects); the
-records are built from them at the end by following DCP's schema field by field (never a generic
-recursion: a memo reference that makes a value contain itself is refused as the wrong type).
-
-Bounded on any input. A stream creates at most `_MAX_VALUES` values and memo entries (memory).
-Memo references let a few hundred bytes describe a value whose walk never ends (an object that
-refers to an earlier one twice, repeated), so every step that walks stream data, in the
-interpreter and in the schema walk, is charged to one work budget proportional to the stream's
-length (`_WORK_PER_BYTE`); an error shows stream data only through `_show` (a few elements, a few
-levels, 80 characters: never a plain `repr`); no walk recurses, so no nesting depth raises
-`RecursionError`. Every refusal names the file and a byte offset: where the opcode is, or where
-the record or dict that holds the wrong value was built.
+Nothing is imported, and nothing from the stream is called. A global is only looked up in
+`ALLOWED_GLOBALS`, a fixed table of DCP's dataclasses, dtypes and a few conversions. `REDUCE`
+applies only one of five fixed conversions to plain arguments it checks. Anything else raises
+`DcpMetadataError` naming the file, the byte offset and the opcode. Records are built by following
+DCP's schema field by field, so a self-containing value is the wrong type. Reads are bounded in
+memory and work on any input, without recursion: see docs/guarantees.md, "What readers refuse".
 """
 
 from __future__ import annotations
@@ -42,12 +22,22 @@ from pathlib import Path
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.file_reader import read_file_verified
 
+__all__ = [
+    "BytesEntry",
+    "Chunk",
+    "DcpMetadataError",
+    "Metadata",
+    "TensorEntry",
+    "parse_metadata",
+    "read_metadata",
+]
+
 MAX_METADATA_BYTES = 64 << 20  # a large model's adapter and optimizer metadata is a few MiB
 _MAX_STACK = 1 << 20  # values on the stack (the file's opcodes bound it too)
-# Values the stream may create (memo references create none), and memo entries it may make. Python spends up to ~160 bytes on
-# one (an empty dict under construction), so 64 MiB of EMPTY_DICT would take 10 GB; with this bound
-# a read holds at most ~650 MB. An honest stream creates about one value per 3 bytes: 4 Mi values
-# is a 12 MiB `.metadata`, several times a large model's adapter and optimizer metadata.
+# Values the stream may create (memo references create none), and memo entries it may make.
+# Python spends up to ~160 bytes on one, so 64 MiB of EMPTY_DICT would take 10 GB; this bound
+# holds a read to ~650 MB. An honest stream creates about one value per 3 bytes: 4 Mi values is a
+# 12 MiB `.metadata`, several times a large model's.
 _MAX_VALUES = 1 << 22
 _MAX_MARKS = 64  # nested MARKs (DCP's metadata nests 8 deep)
 _MAX_DIMS = 32  # dimensions of a tensor
@@ -59,8 +49,8 @@ _WORK_PER_BYTE = 2
 _WORK_FLOOR = 1 << 16
 
 _DCP = "torch.distributed.checkpoint"
-# (module, name) -> the record kind it stands for (its class name): the only classes the stream may
-# instantiate, per module of torch.distributed.checkpoint
+# (module, name) -> the record kind it stands for (its class name): the only classes the stream
+# may instantiate, per module of torch.distributed.checkpoint.
 _CLASS_NAMES = {
     "metadata": "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties "
     "MetadataIndex StorageMeta",
@@ -73,7 +63,7 @@ _DTYPES = (
     "float8_e4m3fn float8_e5m2 uint16 uint32 uint64"
 ).split()
 _LAYOUTS = ("torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc")
-# the conversions REDUCE may apply: (module, name) -> kind
+# The conversions REDUCE may apply: (module, name) -> kind.
 _CONVERSIONS = {
     ("torch", "Size"): "size",
     ("torch.serialization", "_get_layout"): "layout",
@@ -89,7 +79,7 @@ ALLOWED_GLOBALS = frozenset([*_CLASSES, *_CONVERSIONS, *(("torch", d) for d in _
 
 
 class DcpMetadataError(MilesLoraCkptError, ValueError):
-    """A `.metadata` the data-only reader refuses (the message names the file and why)."""
+    """A `.metadata` the data-only reader refuses; the message names the file and why."""
 
 
 # ----------------------------------------------------------------------------- records
@@ -129,8 +119,10 @@ class StorageInfo:
 
 @dataclass
 class Metadata:
-    """What the plugin uses of DCP's `Metadata`: every item by name, and where each chunk lies
-    (`storage[(name, chunk offsets)]`; a BYTE_IO item's offsets are None)."""
+    """What the plugin uses of DCP's `Metadata`: every item by name, and where each chunk lies.
+
+    `storage` is keyed by `(name, chunk offsets)`; a BYTE_IO item's offsets are None.
+    """
 
     entries: dict[str, TensorEntry | BytesEntry]
     storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = field(default_factory=dict)
@@ -156,7 +148,7 @@ class _Record:
 
 @dataclass(eq=False, repr=False, slots=True)
 class _Pairs:
-    """A dict under construction: its (key, value) pairs in order (stream objects are not hashed)."""
+    """A dict under construction: its (key, value) pairs in order; stream objects are not hashed."""
 
     items: list
     at: int  # the byte offset of its EMPTY_DICT
@@ -172,7 +164,10 @@ _MARK = object()
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
-    """Read `path` (DCP's `.metadata`) as data only; DcpMetadataError on anything else."""
+    """Read DCP's `.metadata` at `path` as data only; returns its `Metadata`.
+
+    Raises DcpMetadataError, naming the file, for anything it refuses or cannot read.
+    """
     path = Path(path)
     try:
         data = read_file_verified(path, max_bytes=MAX_METADATA_BYTES)
@@ -182,7 +177,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 def parse_metadata(data: bytes, where: str = "<.metadata>") -> Metadata:
-    """`read_metadata` of bytes already read (`where` names them in errors)."""
+    """`read_metadata` of bytes already read; `where` names them in errors (DcpMetadataError)."""
     if len(data) > MAX_METADATA_BYTES:
         raise DcpMetadataError(
             f"{where}: {len(data)} bytes, more than the {MAX_METADATA_BYTES} allowed; refusing to read it"
@@ -202,7 +197,7 @@ class _Interpreter:
         self.created = 0
 
     def charge(self, steps: int, at: int) -> None:
-        """Spend `steps` of the work budget on walking stream data at byte `at`; refused when spent."""
+        """Spend `steps` of the work budget walking stream data at byte `at`; refuse when spent."""
         self.budget -= steps
         if self.budget < 0:
             raise self.fail(
@@ -336,7 +331,7 @@ def _int(self: _Interpreter, at: int, value: int, op: str) -> None:
 
 
 def _with_argument(name: str, fmt: str, use):
-    """The handler of an opcode with one fixed-size little-endian argument (`fmt`), given to `use`."""
+    """The handler of an opcode with one fixed-size little-endian argument `fmt`, given to `use`."""
 
     def handler(self: _Interpreter, at: int):
         use(self, at, struct.unpack(fmt, self.take(struct.calcsize(fmt), at, name))[0], name)
@@ -520,9 +515,11 @@ def _is_int(value) -> bool:
 
 
 def _show(value) -> str:
-    """At most 80 characters about a stream value, whatever its size, depth or sharing: a few
-    elements of a few levels, never a plain `repr` of a container (it may be a DAG that repeats a
-    value without bound, or nested deeper than the recursion limit)."""
+    """At most 80 characters about a stream value, whatever its size, depth or sharing.
+
+    It shows a few elements of a few levels, never a plain `repr`. A container may be a DAG that
+    repeats a value without bound, or nested deeper than the recursion limit.
+    """
     text = _sketch(value, 2)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -554,9 +551,11 @@ def _sketch(value, levels: int) -> str:
 
 
 def _to_metadata(root, where: str, charge, end: int) -> Metadata:
-    """The records of DCP's schema from the interpreted stream, field by field. Every value walked is
-    charged to the interpreter's work budget (`charge(steps, at)`); every refusal names the byte
-    offset of the record or dict that holds the wrong value (`end`, the STOP's, for the root)."""
+    """The records of DCP's schema from the interpreted stream, field by field.
+
+    Every value walked is charged to the interpreter's work budget (`charge(steps, at)`). A refusal
+    names the byte offset of the record or dict holding the wrong value; `end` is the root's.
+    """
 
     def bad(at: int, why: str) -> DcpMetadataError:
         return DcpMetadataError(f"{where}: at byte {at}: {why}; refusing to read it (data-only reader)")

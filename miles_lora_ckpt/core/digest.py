@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import xxhash
 
+__all__ = ["BlockDigests", "StreamingDigest", "digest_bytes"]
+
 ALGORITHM = "xxh3_128"
 
 
@@ -14,13 +16,16 @@ class StreamingDigest:
         self._hasher = xxhash.xxh3_128()
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed the next bytes."""
         self._hasher.update(data)
 
     def hexdigest(self) -> str:
+        """The digest of every byte fed so far."""
         return f"{ALGORITHM}:{self._hasher.hexdigest()}"
 
 
 def digest_bytes(data: bytes | bytearray | memoryview) -> str:
+    """The digest of `data` in one go, as `"xxh3_128:<hex>"`."""
     hasher = StreamingDigest()
     hasher.update(data)
     return hasher.hexdigest()
@@ -39,6 +44,7 @@ class BlockDigests:
         self._filled = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed the next bytes; a block's digest is taken each time one fills."""
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), self.block_bytes - self._filled)

@@ -1,21 +1,26 @@
 """The errors users see, all derived from one base, `MilesLoraCkptError`.
 
-`CheckpointError` is collective: it is raised with the same text on every rank, after the ranks
-agreed that some phase failed somewhere. `GenerationDamaged` is the one damage exception: what a
-check finds wrong with the bytes of one generation (a list of `(relative file, reason)` problems,
-or one reason). Loaders turn it into a `CheckpointError` through the consensus, so that no rank goes
-on alone; a save root's loader falls back past a damaged generation to an older one.
-`IncompatibleCheckpoint` is what a loader raises for an intact generation it must not restore into
-this run: the load fails, it never falls back.
-
-Any other exception met inside a load's checks is a bug (ours, or an environment failure that is
-not about the generation's bytes): the load fails on every rank, the traceback goes to the log, and
-no older generation is tried.
+`CheckpointError` is collective: every rank raises the same text once the ranks agreed a phase
+failed. `GenerationDamaged` is the one damage exception; a save root's loader falls back past it to
+an older generation. `IncompatibleCheckpoint` refuses an intact generation and never falls back.
+Any other exception in a load's checks is a bug: see docs/guarantees.md, "A bug is not damage".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+__all__ = [
+    "CheckpointError",
+    "CommittedButFailed",
+    "GenerationDamaged",
+    "IncompatibleCheckpoint",
+    "MilesLoraCkptError",
+    "NotACheckpoint",
+    "NothingCommitted",
+    "Problem",
+    "RankFailure",
+]
 
 
 class MilesLoraCkptError(Exception):
@@ -31,7 +36,10 @@ class RankFailure:
 
 
 class CheckpointError(MilesLoraCkptError, RuntimeError):
-    """A checkpoint phase failed on at least one rank; raised identically on every rank."""
+    """A checkpoint phase failed on at least one rank; raised identically on every rank.
+
+    Takes the phase's name and each failed rank's first error; the text names both.
+    """
 
     def __init__(self, phase: str, failures: list[RankFailure]):
         self.phase = phase
@@ -43,6 +51,7 @@ class CheckpointError(MilesLoraCkptError, RuntimeError):
 
     @property
     def failed_ranks(self) -> list[int]:
+        """The ranks that failed, in order."""
         return sorted({f.rank for f in self.failures})
 
 
@@ -61,8 +70,9 @@ class GenerationDamaged(MilesLoraCkptError, ValueError):
     """The one damage exception: what a check found wrong with a generation's bytes.
 
     `GenerationDamaged(path, problems)`: verification's findings in the generation directory `path`.
-    `GenerationDamaged(reason)`: one check's finding, its text exactly `reason` (the caller names
-    the file). A ValueError too, so code that refused a bad file by catching ValueError still does.
+    `GenerationDamaged(reason)`: one check's finding, its text exactly `reason`; the caller names
+    the file. It is a ValueError too, so code that catches ValueError to refuse a bad file still
+    does.
     """
 
     def __init__(self, path: str, problems: list[Problem] | None = None):
@@ -84,14 +94,18 @@ class NotACheckpoint(MilesLoraCkptError):
 
 
 class IncompatibleCheckpoint(MilesLoraCkptError, ValueError):
-    """An intact generation that cannot be restored into this run (another model-parallel layout,
-    another saver): a refusal of the whole load, never a reason to fall back to an older one."""
+    """An intact generation that cannot be restored into this run, such as another saver's.
+
+    It refuses the whole load, and is never a reason to fall back to an older generation.
+    """
 
 
 class CommittedButFailed(CheckpointError):
-    """A save whose generation was published (renamed into place: loaders see it, it is valid), but
-    a step after the rename failed on some rank (the root's fsync, the tracker, a link): raised
-    identically on every rank, its text `generation <dir> committed; the failure after it: ...`."""
+    """A save published its generation, but a step after the rename failed on some rank.
+
+    The generation is valid and loaders see it; the failed step was the root's fsync, the tracker
+    or a link. Raised identically on every rank, its text begins `generation <dir> committed`.
+    """
 
     def __init__(self, generation: str, failures: list[RankFailure]):
         super().__init__("publish", failures)

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+__all__ = ["FamilyKind"]
+
 
 class FamilyKind(StrEnum):
     """One family of optimizer children (its manifest name)."""
 
-    # DistributedOptimizer: element-wise shards of the grad buffers over the child's DP group
+    # DistributedOptimizer: element-wise shards of the grad buffers over the child's DP group.
     DISTRIBUTED = "distributed"
-    # Float16OptimizerWithFloat16Params / FP32Optimizer: whole parameters, the same on every DP rank
+    # Float16OptimizerWithFloat16Params / FP32Optimizer: whole parameters, alike on all DP ranks.
     REPLICATED = "replicated"
-    # the same two classes under a LayerWiseDistributedOptimizer: whole parameters, each on one DP rank
+    # Those two classes under a LayerWiseDistributedOptimizer: each whole parameter on one DP rank.
     LAYER_WISE = "layer-wise"
 
     @property
     def whole_parameter(self) -> bool:
-        """Whether its files hold whole local parameters (`{name}.param` and state keys per entry)."""
+        """Whether its files hold whole local parameters (`{name}.param` and state keys)."""
         return self is not FamilyKind.DISTRIBUTED
 
     @classmethod

@@ -16,6 +16,19 @@ import signal
 
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 
+__all__ = [
+    "LOAD_PHASES",
+    "PEFT_PHASES",
+    "PHASES",
+    "PREPARE_PHASES",
+    "SAVE_PHASES",
+    "InjectedFault",
+    "arm",
+    "arm_from_env",
+    "disarm",
+    "point",
+]
+
 SAVE_PHASES = (
     "before-write",
     "mid-write",
@@ -25,13 +38,12 @@ SAVE_PHASES = (
     "before-publish",
     "after-publish",
 )
-# The prepare phase of a save, on every rank (on the coordinator: its staging directory exists).
+# The prepare phase of a save, on every rank; on the coordinator its staging directory exists.
 # Kept out of SAVE_PHASES, which the protocol's multi-rank matrices and `demo --crash-at` walk.
 PREPARE_PHASES = ("after-prepare",)
 LOAD_PHASES = ("before-read", "after-preflight")
-# PEFT export (savers/peft_export), before and inside its collective produce step: binding the
-# source (Megatron-Bridge) on every rank, and the collective Bridge export. Its staging, write,
-# commit and publish are the protocol's (PREPARE_PHASES, SAVE_PHASES).
+# PEFT export (savers/peft_export): binding the Megatron-Bridge source on every rank, then the
+# collective Bridge export. Its staging, write and publish use the protocol's phases above.
 PEFT_PHASES = ("peft-setup", "peft-export")
 PHASES = SAVE_PHASES + PREPARE_PHASES + LOAD_PHASES + PEFT_PHASES
 ACTIONS = ("raise", "kill")
@@ -46,6 +58,10 @@ _armed: dict[tuple[str, int], str] = {}
 
 
 def arm(phase: str, rank: int, action: str = "raise") -> None:
+    """Arm a fault at `phase` on `rank`: `raise` an InjectedFault or `kill` the process (SIGKILL).
+
+    An unknown phase or action raises ValueError.
+    """
     if phase not in PHASES:
         raise ValueError(f"unknown fault phase {phase!r}; known: {', '.join(PHASES)}")
     if action not in ACTIONS:
@@ -54,11 +70,15 @@ def arm(phase: str, rank: int, action: str = "raise") -> None:
 
 
 def disarm() -> None:
+    """Forget every armed fault."""
     _armed.clear()
 
 
 def arm_from_env(environ: dict[str, str] | None = None) -> None:
-    """Arm every `phase@rank:action` of the comma-separated `MILES_LORA_CKPT_FAULT`."""
+    """Arm every `phase@rank:action` of the comma-separated `MILES_LORA_CKPT_FAULT`.
+
+    `environ` defaults to `os.environ`. A malformed item raises ValueError.
+    """
     spec = (environ if environ is not None else os.environ).get(ENV_VAR, "")
     for item in filter(None, (part.strip() for part in spec.split(","))):
         where, _, action = item.partition(":")
@@ -67,7 +87,10 @@ def arm_from_env(environ: dict[str, str] | None = None) -> None:
 
 
 def point(phase: str, rank: int) -> None:
-    """A named place in the protocol; fires the fault armed for `(phase, rank)`, once."""
+    """A named place in the protocol: fire the fault armed for `(phase, rank)`, once.
+
+    Raises InjectedFault for a `raise` fault; a `kill` fault never returns.
+    """
     if not _armed:
         return
     action = _armed.pop((phase, rank), None)

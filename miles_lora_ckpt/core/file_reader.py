@@ -1,8 +1,7 @@
 """Verified sequential reads of one regular file: every byte hashed once, size and digest checked.
 
-`open_checked` opens a regular file only (a FIFO, link or device is damage, refused unopened);
-`FileReader` hands out its bytes front to back, hashing each (and its blocks' digests), kept whole
-(read ahead by threads) or through one reused slice; `read_file_verified` reads a file whole so.
+`open_checked` opens a regular file only; anything else is damage, refused unopened. `FileReader`
+hands out a file's bytes front to back, hashing each. `read_file_verified` reads a file whole so.
 """
 
 from __future__ import annotations
@@ -21,13 +20,12 @@ __all__ = ["FileReader", "open_checked", "read_file_verified"]
 
 
 class FileReader:
-    """Sequential reads of one open regular file; every byte handed out is hashed exactly once.
+    """Sequential reads of the open regular file `fd` of `size` bytes; each byte is hashed once.
 
-    With `keep` the bytes land in one buffer of the file's size (an anonymous map for a large
-    safetensors file: `large_buffer`), read ahead by background threads (`ReadAhead`: `preadv`
-    releases the GIL, and so do xxhash and torch's finiteness check), so the next chunks are in
-    flight while this one is hashed and checked. Otherwise they land in a
-    reused scratch buffer of at most one slice (or one safetensors header), so memory stays bounded.
+    With `keep` the bytes land in one buffer of the file's size, read ahead by threads
+    (`ReadAhead`), so the next chunks are in flight while this one is checked. `anonymous` makes
+    that buffer a `large_buffer`. Otherwise they land in a reused scratch buffer of one slice, so
+    memory stays bounded. `block_bytes` also hashes blocks of that size.
     """
 
     def __init__(self, fd: int, size: int, *, keep: bool, block_bytes: int | None = None, anonymous: bool = False):
@@ -40,7 +38,7 @@ class FileReader:
         self._ahead = ReadAhead(self.handle, self.buffer) if keep and size > READ_AHEAD_CHUNK else None
 
     def read(self, n: int) -> memoryview:
-        """The next `n` bytes (hashed); damage if the file has fewer left."""
+        """The next `n` bytes, hashed; GenerationDamaged if the file has fewer left."""
         if n > self.size - self.pos:
             raise GenerationDamaged(f"needs {n} bytes at offset {self.pos}, the file has {self.size}")
         if self.buffer is not None:
@@ -69,12 +67,12 @@ class FileReader:
             rest = rest[got:]
 
     def skip_rest(self) -> None:
-        """Read (and hash) what is left, a slice at a time."""
+        """Read and hash what is left, a slice at a time; raises as `read` does."""
         while self.pos < self.size:
             self.read(min(SLICE_BYTES, self.size - self.pos))
 
     def finish(self, record: FileRecord | None) -> None:
-        """Check that the file did not grow, and its digest (and block digests) against `record`."""
+        """Check that the file did not grow and its digests match `record` (GenerationDamaged)."""
         if self._ahead is not None:
             self._ahead.stop()
         if os.pread(self.handle.fileno(), 1, self.size):
@@ -89,15 +87,18 @@ class FileReader:
                 raise GenerationDamaged(f"block {bad[0]} digest mismatch (the manifest's block digests disagree)")
 
     def close(self) -> None:
-        """Stop reading ahead and close the handle (the descriptor stays the caller's)."""
+        """Stop reading ahead and close the handle; the descriptor stays the caller's."""
         if self._ahead is not None:
             self._ahead.stop()
         self.handle.close()
 
 
 def open_checked(path: Path) -> tuple[int, os.stat_result]:
-    """`open_regular` for a check: its refusal of what is not a regular file (a FIFO, a link, a
-    file swapped while being opened) is damage of that file."""
+    """`open_regular` for a check; returns the descriptor and its `fstat`.
+
+    A refusal of what is not a regular file is damage of that file (GenerationDamaged). An OSError
+    propagates.
+    """
     try:
         return open_regular(path)
     except ValueError as exc:
@@ -105,10 +106,11 @@ def open_checked(path: Path) -> tuple[int, os.stat_result]:
 
 
 def read_file_verified(path: Path, record: FileRecord | None = None, *, max_bytes: int | None = None) -> bytearray:
-    """Read a whole regular file in one pass; check size and digest against `record` when given.
+    """Read a whole regular file in one pass and return its bytes.
 
-    `max_bytes` bounds files that are small by nature (manifest, tracker, lease), so a huge or
-    sparse one is refused before anything is allocated.
+    Size and digest are checked against `record` when given. `max_bytes` bounds files that are small
+    by nature (manifest, tracker, lease), refused before anything is allocated. Raises
+    GenerationDamaged for a refused file, ValueError when memory is short, or the read's OSError.
     """
     fd, st = open_checked(Path(path))
     try:

@@ -1,20 +1,16 @@
-"""Where a rank's local tensor lies in its global tensor, and which saved elements a new layout needs.
+"""Where a rank's local tensor lies in its global tensor, and which saved elements a layout needs.
 
 Pure slicing math (torch only, no megatron): the layout-independent description that format v3
 records for every saved tensor, and the planning of a resharding load from it.
 
-A `Block` says that a local tensor (a rank's parameter, C-contiguous) is the sub-block
-`[offset[d], offset[d] + shape[d])` of every dimension `d` of the global tensor `name` of shape
-`global_shape` (megatron's `ShardedTensor`: key, global shape, global offset, local shape). A
-tensor that is not split is the block at offset zero of its own shape. A block may carry one more
-leading axis than the local tensor it describes (a gated `linear_fc1` output: `[2, L, ...]` for
-the gate and up halves a TP rank holds as `[2 * L, ...]`); both read alike in C order (`holds`).
+A `Block` says a rank's C-contiguous local tensor is the sub-block
+`[offset[d], offset[d] + shape[d])` of every dimension `d` of global tensor `name`, like megatron's
+`ShardedTensor`. An unsplit tensor is the block at offset zero of its own shape. A gated
+`linear_fc1` block has one more leading axis than the local tensor: `[2, L, ...]` held as
+`[2 * L, ...]` (`holds`).
 
-`plan_copies` takes the flat element range `[first, stop)` of one wanted block (what a rank of the
-new layout needs: a whole adapter weight, or the part of a parameter its DistributedOptimizer shard
-holds) and the saved blocks of the same global tensor, and says which flat ranges of which saved
-block give those elements, in runs: each wanted element exactly once (replicas of a saved block,
-e.g. a dense adapter held by every EP rank, are given once: callers pass distinct blocks).
+`plan_copies` says which flat ranges of which saved blocks give the elements `[first, stop)` of one
+wanted block, each exactly once. Callers pass distinct saved blocks, so replicas count once.
 """
 
 from __future__ import annotations
@@ -28,6 +24,18 @@ from typing import Any
 import torch
 
 from miles_lora_ckpt.core import bounded
+
+__all__ = [
+    "Block",
+    "Strided",
+    "cut_copies",
+    "distinct",
+    "fill_problem",
+    "global_indices",
+    "plan_copies",
+    "strided_runs",
+    "strided_view",
+]
 
 MAX_DIMS = 8
 MAX_EXTENT = 2**40
@@ -55,12 +63,15 @@ class Block:
 
     @property
     def numel(self) -> int:
+        """The number of elements of the local tensor."""
         return math.prod(self.shape)
 
     def holds(self, shape: Sequence[int]) -> bool:
-        """Whether a local tensor of `shape`, read in C order, is this block: the same shape, or, for a
-        block with a leading gate/up axis (a gated `linear_fc1` output, `param_blocks`), the block's
-        shape with its first two dimensions merged (`[2, L, ...]` held as `[2 * L, ...]`)."""
+        """Whether a local tensor of `shape`, read in C order, is this block.
+
+        It is when the shapes match or, for a block with a leading gate/up axis (a gated
+        `linear_fc1` output), when `shape` merges the block's first two dimensions.
+        """
         shape = tuple(shape)
         if shape == self.shape:
             return True
@@ -106,8 +117,11 @@ class Block:
 
 
 def global_indices(block: Block, first: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Flat indices in the global tensor of the block's local flat elements `[first, stop)`
-    (increasing: a block of a C-contiguous tensor read in C order)."""
+    """Flat indices in the global tensor of the block's local flat elements `[first, stop)`.
+
+    They increase, since a C-contiguous block is read in C order. A range outside the block raises
+    ValueError.
+    """
     stop = block.numel if stop is None else stop
     if not 0 <= first <= stop <= block.numel:
         raise ValueError(f"{block.name}: elements [{first}, {stop}) out of a block of {block.numel}")
@@ -119,8 +133,10 @@ def global_indices(block: Block, first: int = 0, stop: int | None = None) -> tor
 
 @dataclass(frozen=True)
 class Copy:
-    """Saved block `source` (its index in the list given), flat elements `[first, first + count)`,
-    go to wanted elements `[into, into + count)` (relative to the wanted range's `first`)."""
+    """Saved block `source`'s elements `[first, first + count)` go to wanted `[into, into + count)`.
+
+    `source` indexes the list given; `into` is relative to the wanted range's `first`.
+    """
 
     source: int
     first: int
@@ -131,8 +147,10 @@ class Copy:
 def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) -> list[Copy]:
     """Runs of saved elements that give the wanted block's flat elements `[first, stop)`.
 
-    Raises ValueError when a saved block describes another global tensor, or when an element is
-    given by no saved block or by two (overlapping saved blocks must be deduplicated first)."""
+    Returns the `Copy` runs sorted by destination. Raises ValueError when a saved block describes
+    another global tensor, or an element is given by no saved block or by two. So overlapping saved
+    blocks must be deduplicated first.
+    """
     for block in saved:
         if block.name != wanted.name or block.global_shape != wanted.global_shape:
             raise ValueError(
@@ -185,10 +203,11 @@ def plan_copies(wanted: Block, first: int, stop: int, saved: Sequence[Block]) ->
 
 
 def cut_copies(copies: Sequence[Copy], first: int, stop: int) -> list[Copy]:
-    """The copies of wanted elements `[first, stop)` (relative to `first`, as `plan_copies` gives
-    them) cut from `copies`, a plan of the whole wanted block (`plan_copies(block, 0, numel, ...)`,
-    sorted by `into`): one plan of a block serves every range of it (a resharding load plans each
-    adapter weight whole and its DistributedOptimizer shard's part of it from that plan)."""
+    """The copies of wanted elements `[first, stop)`, relative to `first`, cut from `copies`.
+
+    `copies` is a plan of the whole wanted block, sorted by `into`. So one plan serves every range
+    of a block, such as a DistributedOptimizer shard's part of an adapter weight.
+    """
     starts = [c.into for c in copies]
     out = []
     for c in copies[max(0, bisect.bisect_right(starts, first) - 1) :]:
@@ -208,11 +227,11 @@ def _contains(outer: Block, inner: Block) -> bool:
 
 
 def _copies_from_one(source: int, block: Block, need: list, first: int) -> list[Copy]:
-    """`plan_copies` where one saved block holds every wanted element (a TP split of a larger saved
-    block, the common resharding case): each wanted run `(global start, local start, count)` is one
-    run of that block too (a run lies inside one row of the wanted block, so inside a row of any
-    block containing it), found by arithmetic; adjacent runs merged. Every element once by
-    construction: the wanted runs are disjoint and the block holds them all."""
+    """`plan_copies` where one saved block holds every wanted element, the common resharding case.
+
+    Each wanted run lies inside one row, so it is one run of the saved block too, found by
+    arithmetic; adjacent runs are merged. The wanted runs are disjoint, so each element comes once.
+    """
     global_strides = [math.prod(block.global_shape[d + 1 :]) for d in range(len(block.shape))]
     local_strides = [math.prod(block.shape[d + 1 :]) for d in range(len(block.shape))]
     copies: list[Copy] = []
@@ -231,8 +250,10 @@ def _copies_from_one(source: int, block: Block, need: list, first: int) -> list[
 
 
 def runs(block: Block, first: int, stop: int) -> list[tuple[int, int, int]]:
-    """`(global flat start, local flat start, count)` of the block's local flat elements
-    `[first, stop)`, cut into maximal runs contiguous in both (increasing in both)."""
+    """`(global flat start, local flat start, count)` runs of the block's elements `[first, stop)`.
+
+    The runs are maximal, contiguous in both, and increase in both.
+    """
     if stop <= first:
         return []
     shape, offset, global_shape = block.shape, block.offset, block.global_shape
@@ -286,7 +307,7 @@ def _overlaps(a: Block, b: Block) -> bool:
 
 
 def distinct(blocks: Sequence[Block]) -> list[int]:
-    """Indices of the first block of each region (replicas of one block given once)."""
+    """Indices of the first block of each region, so replicas of one block count once."""
     seen, out = set(), []
     for i, block in enumerate(blocks):
         if block.region not in seen:
@@ -297,8 +318,11 @@ def distinct(blocks: Sequence[Block]) -> list[int]:
 
 @dataclass(frozen=True)
 class Strided:
-    """`n` runs of `width` elements: run `i` is source elements `[first + i * step, ... + width)`,
-    going to destination elements `[into + i * into_step, ... + width)` (one strided copy)."""
+    """One strided copy of `n` runs of `width` elements.
+
+    Run `i` takes source elements `[first + i * step, ... + width)` to destination elements
+    `[into + i * into_step, ... + width)`.
+    """
 
     first: int
     step: int
@@ -309,11 +333,11 @@ class Strided:
 
 
 def strided_runs(runs: Sequence[tuple[int, int, int]]) -> list[Strided]:
-    """`(source first, destination first, width)` runs, in order, merged into `Strided` groups:
-    consecutive runs of one width whose starts advance by a constant positive step on both sides.
+    """`(source first, destination first, width)` runs, in order, merged into `Strided` groups.
 
-    A resharding load's runs of one tensor (one per row of a row-parallel split at another TP)
-    become one group, so each is copied with one strided view, not one torch call per row."""
+    A group is consecutive runs of one width whose starts advance by a constant positive step on
+    both sides. So the rows of a row-parallel split take one strided view, not a call per row.
+    """
     out: list[Strided] = []
     for first, into, width in runs:
         if width <= 0:
@@ -332,9 +356,11 @@ def strided_runs(runs: Sequence[tuple[int, int, int]]) -> list[Strided]:
 
 
 def strided_view(flat: torch.Tensor, length: int, start: int, step: int, width: int, n: int) -> torch.Tensor:
-    """The `[n, width]` view of a flat C-contiguous tensor of `length` elements whose row `i` is
-    elements `[start + i * step, ... + width)`; raises ValueError if a row falls outside
-    (`as_strided` itself checks only the storage, not the tensor's own bounds)."""
+    """The `[n, width]` view of a flat tensor of `length` elements, row `i` at `start + i * step`.
+
+    Raises ValueError if a row falls outside; `as_strided` checks only the storage, not the
+    tensor's own bounds.
+    """
     end = start + (n - 1) * step + width
     if start < 0 or step < 0 or width < 0 or n < 1 or end > length:
         raise ValueError(f"rows [{start}, {end}) (step {step}, width {width}) outside a tensor of {length} elements")
@@ -344,11 +370,12 @@ def strided_view(flat: torch.Tensor, length: int, start: int, step: int, width: 
 
 
 def fill_problem(targets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> str | None:
-    """None when `spans` (`(begin, end)` ranges a load writes) fill every element of `targets`
-    (disjoint `(begin, end)` ranges: a shard, or its parameters' elements) exactly once and write
-    nothing outside them; else a sentence saying how many elements are missed, written twice and
-    written outside, and the first such element. The check both the same-layout and the
-    resharding load make of every destination shard before anything is installed."""
+    """Why the ranges a load writes, `spans`, do not fill `targets` exactly once; None when they do.
+
+    `targets` are disjoint `(begin, end)` ranges, such as a shard. The sentence counts elements
+    missed, written twice and written outside, and names the first. Every load checks every
+    destination shard so before anything is installed.
+    """
     points = sorted({p for a, b in (*targets, *spans) if b > a for p in (a, b)})
     at = {p: i for i, p in enumerate(points)}
     written, wanted = [0] * (len(points) + 1), [0] * (len(points) + 1)

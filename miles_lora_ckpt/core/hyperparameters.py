@@ -1,17 +1,15 @@
 """The checkpoint's hyperparameters against the ones the launch built.
 
-A resume restores the optimizer's param groups and the scheduler from the checkpoint. Left alone,
-that silently overrides what the relaunched command says (a new `--lr`, other betas): the saved
-`max_lr` in each param group wins. Here every restored param group and the scheduler's fields are
-compared, before anything changes, with the optimizer and scheduler the launch built:
+A resume restores the optimizer's param groups and scheduler, which would silently override a
+relaunch's new `--lr` or betas. So, before anything changes, they are compared with the ones the
+launch built:
 
-- a saved param group with a key the live group does not have is refused, whatever the policy
-  (it would end up in the live optimizer);
-- a key the live group has and the checkpoint lacks keeps the launch's value (reported);
-- every other difference is reported, naming the parameter group, the key and both values, and
-  settled by the policy:
+- a saved param group with a key the live group does not have is refused, under every policy;
+- a key the checkpoint lacks keeps the launch's value (reported);
+- every other difference is reported, naming group, key and both values, and settled by the policy:
 
-    "checkpoint"  the checkpoint's values are restored (megatron's --use-checkpoint-opt-param-scheduler)
+    "checkpoint"  the checkpoint's values are restored
+                  (megatron's --use-checkpoint-opt-param-scheduler)
     "launch"      the launch's values are kept, in the param groups and the scheduler
                   (--override-opt-param-scheduler)
     "refuse"      any difference refuses the load (IncompatibleCheckpoint), before anything changes
@@ -19,12 +17,8 @@ compared, before anything changes, with the optimizer and scheduler the launch b
                   scheduler's fields checked by its `load_state_dict` (its two flags decide);
                   differences reported
 
-`HyperparameterPolicy` names them; its values are the strings above, so a config value or JSON
-holding one reads back as the same policy.
-
-Not compared: `params`, `param_names`; `lr` and `weight_decay`, which the scheduler sets at every
-step from `max_lr`/`min_lr` and the weight-decay schedule (compared through those); the counter
-`step` that megatron's DistributedOptimizer writes into each saved group.
+`HyperparameterPolicy` names them by the strings above. Not compared: `params`, `param_names`, the
+`step` counter, and `lr` and `weight_decay`, which the scheduler sets at every step.
 """
 
 from __future__ import annotations
@@ -37,9 +31,11 @@ from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.jsoncodec import to_json
 
+__all__ = ["REFUSED", "SCHEDULER_FIELDS", "HyperparameterPolicy", "Reconciler"]
+
 
 class HyperparameterPolicy(StrEnum):
-    """How a load settles a checkpoint hyperparameter that differs from the launch's (module docstring)."""
+    """How a load settles a checkpoint hyperparameter that differs from the launch's."""
 
     CHECKPOINT = "checkpoint"  # the checkpoint's values restored
     LAUNCH = "launch"  # the launch's values kept
@@ -62,7 +58,7 @@ class HyperparameterPolicy(StrEnum):
 POLICIES = tuple(policy.value for policy in HyperparameterPolicy)
 REFUSED = "the checkpoint's hyperparameters differ from the ones this launch built"  # starts the refusal
 NOT_COMPARED = ("params", "param_names", "lr", "weight_decay", "step")
-# megatron's OptimizerParamScheduler fields its `load_state_dict` checks (`_check_and_set`)
+# Megatron's OptimizerParamScheduler fields that its `load_state_dict` checks (`_check_and_set`).
 SCHEDULER_FIELDS = (
     "max_lr",
     "min_lr",
@@ -76,7 +72,7 @@ SCHEDULER_FIELDS = (
 )
 
 
-# what a difference's report says happened to it, per policy
+# What a difference's report says happened to it, per policy.
 _OUTCOMES = {
     HyperparameterPolicy.CHECKPOINT: "the checkpoint's restored",
     HyperparameterPolicy.LAUNCH: "the launch's kept",
@@ -99,7 +95,7 @@ def _show(value: Any) -> str:
 
 @dataclass
 class Reconciler:
-    """One load's policy (see the module docstring) and the differences it found."""
+    """One load's policy and the differences it found; ValueError for an unknown policy."""
 
     policy: HyperparameterPolicy | str | None = None  # parsed into a HyperparameterPolicy (None: MEGATRON)
     differences: list[str] = field(default_factory=list)
@@ -111,7 +107,9 @@ class Reconciler:
     def param_groups(self, where: str, saved: list[dict], live: list[dict]) -> None:
         """Check the saved param groups (decoded, changed in place) against the live ones, in order.
 
-        Raises ValueError for another number of groups or a key the live group does not have."""
+        `where` names the optimizer in messages. Raises ValueError for another number of groups or a
+        key the live group does not have.
+        """
         if len(saved) != len(live):
             raise ValueError(f"{where}: the checkpoint has {len(saved)} param groups, this run's optimizer {len(live)}")
         for index, (ours, theirs) in enumerate(zip(saved, live, strict=True)):
@@ -130,7 +128,7 @@ class Reconciler:
                     self._differ(f"{label}: {key}", ours, key, theirs[key])
 
     def scheduler(self, saved: dict, live: dict) -> None:
-        """Check the saved scheduler state (decoded, changed in place under 'launch') against the live one."""
+        """Check the saved scheduler state against the live one; 'launch' changes it in place."""
         for key in SCHEDULER_FIELDS:
             if key in saved and key in live and not _same(saved[key], live[key]):
                 self._differ(f"scheduler: {key}", saved, key, live[key])

@@ -29,13 +29,17 @@ def write_json(path: Path, obj) -> FileRecord:
 
 
 def parse_json(raw: bytes | bytearray, *, what: str = "JSON"):
-    """Strict, bounded JSON (see `bounded.parse_json`) of a file read: a refusal is GenerationDamaged."""
+    """Parse `raw` as strict, bounded JSON (`bounded.parse_json`); refusal: GenerationDamaged."""
     try:
         return bounded.parse_json(raw, what=what)
-    except ValueError as exc:  # bounded's refusals of the bytes (and only those: it raises nothing else)
+    except ValueError as exc:  # bounded refuses bad bytes with ValueError, and raises nothing else
         raise GenerationDamaged(str(exc)) from None
 
 
 def read_json(path: Path, record: FileRecord | None = None, *, max_bytes: int = bounded.MAX_JSON_BYTES):
-    """Read a JSON file whole (checked against `record` when given, at most `max_bytes`) and parse it."""
+    """Read a JSON file whole and parse it; returns the parsed value.
+
+    The bytes are checked against `record` when given and may be at most `max_bytes`. A refusal of
+    the bytes is GenerationDamaged; an OSError of the read propagates.
+    """
     return parse_json(read_file_verified(path, record, max_bytes=max_bytes), what=Path(path).name)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# The tags of values JSON cannot hold (readers that check values without decoding use them too).
+__all__ = ["FLOAT_TAG", "SCALAR_TAG", "TUPLE_TAG", "check_tags", "from_json", "to_json"]
+
+# The tags of values JSON cannot hold; readers that check values without decoding use them too.
 TUPLE_TAG, SCALAR_TAG, FLOAT_TAG = "__tuple__", "__scalar_tensor__", "__float__"
 _TUPLE, _SCALAR = TUPLE_TAG, SCALAR_TAG
 _TAGS = (TUPLE_TAG, SCALAR_TAG, FLOAT_TAG)
@@ -29,9 +31,9 @@ SCALAR_DTYPES = {
     "bool": "boolean",
 }
 
-# The values each dtype holds exactly: a scalar outside them would decode to inf (a float), wrap
-# around (uint8 -1 -> 255) or raise (torch.tensor), so it is refused instead. Floats: the largest
-# finite magnitude (torch.finfo(dtype).max); float64 holds every finite JSON number.
+# The values each dtype holds exactly. A scalar outside them would decode to inf, wrap around
+# (uint8 -1 -> 255) or raise in torch.tensor, so it is refused. Floats: torch.finfo(dtype).max;
+# float64 holds every finite JSON number.
 SCALAR_RANGES = {
     "float64": (-math.inf, math.inf),
     "float32": (-3.4028234663852886e38, 3.4028234663852886e38),
@@ -47,6 +49,10 @@ SCALAR_RANGES = {
 
 
 def to_json(obj: Any, where: str = "state") -> Any:
+    """`obj` as plain JSON, with tuples, 0-d tensors and non-finite floats tagged.
+
+    A key that is not a string, or a value of any other type, raises TypeError naming `where`.
+    """
     if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
         return obj
     if isinstance(obj, float):
@@ -68,9 +74,11 @@ def to_json(obj: Any, where: str = "state") -> Any:
 
 
 def from_json(obj: Any, where: str = "state") -> Any:
-    """The value `to_json` was given. Every tagged value is checked by `check_tag` first (the same
-    check `check_tags` applies when a file is verified), so nothing is decoded that verify passes
-    over, and nothing verify refuses is decoded."""
+    """The value `to_json` was given; a malformed tagged value raises ValueError naming `where`.
+
+    Every tagged value passes `check_tag` first, the check `verify` applies through `check_tags`.
+    So nothing verify refuses is decoded.
+    """
     if isinstance(obj, list):
         return [from_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, dict):
@@ -88,12 +96,13 @@ def from_json(obj: Any, where: str = "state") -> Any:
 
 
 def check_tag(obj: dict, where: str) -> str | None:
-    """Which tag a JSON object is (None: a plain object); ValueError naming `where` if it holds a
-    tag key but is not exactly that tag's shape: `{"__tuple__": [...]}`, `{"__float__": "nan" |
-    "inf" | "-inf"}`, `{"__scalar_tensor__": value, "dtype": one of SCALAR_DTYPES}` with a value of
-    that dtype's kind (a bool for bool, an integer for integer dtypes, a number for floating ones)
-    that the dtype holds (`SCALAR_RANGES`: no float that would decode to inf, no integer that would
-    wrap around or overflow)."""
+    """Which tag the JSON object `obj` is, or None for a plain object.
+
+    An object holding a tag key but not exactly that tag's shape raises ValueError naming `where`.
+    The shapes: `{"__tuple__": [...]}`, `{"__float__": "nan" | "inf" | "-inf"}`, and
+    `{"__scalar_tensor__": value, "dtype": one of SCALAR_DTYPES}`. A scalar's value must be of its
+    dtype's kind and within `SCALAR_RANGES`.
+    """
     tags = [t for t in _TAGS if t in obj]
     if not tags:
         return None
@@ -120,7 +129,7 @@ def check_tag(obj: dict, where: str) -> str | None:
 
 
 def check_tags(value: Any, where: str = "state") -> None:
-    """`check_tag` on every JSON object anywhere in `value` (iterative: no recursion limit)."""
+    """`check_tag` on every JSON object anywhere in `value`, without recursion; ValueError."""
     stack = [(value, where)]
     while stack:
         item, path = stack.pop()

@@ -1,31 +1,24 @@
 """On-disk layout of a save root, and the manifest that makes a generation committed.
 
-A save root holds::
+A save root holds (docs/file-format.md has the whole layout)::
 
     <root>/
-      latest_generation.json             tracker: names the newest committed generation (atomic replace)
-      .writer-lease.json                 the writer lease: which process may write here (see `lease`)
-      gen-000000010-3f2a9c1e0b7d4e55/    a committed generation (published by one atomic rename)
-        manifest.json                    written last; lists every other file with size and digest
-        ...                              the saver's files (safetensors tensors, JSON metadata)
-      .staging-7c0d1e2f3a4b5c6d/         an attempt in progress, or abandoned by a crash (removed by
-                                         the next save, see `retention.reclaim_staging`)
+      latest_generation.json             tracker: the newest committed generation
+      .writer-lease.json                 the writer lease (`lease`)
+      gen-000000010-3f2a9c1e0b7d4e55/    a committed generation, published by one rename
+        manifest.json                    written last; every other file's size and digest
+      .staging-7c0d1e2f3a4b5c6d/         an attempt in progress, or a crashed one's leftover
       .deleting-gen-.../                 a generation being removed by retention
-      latest -> gen-000000010-3f2a...    optional relative symlink to the newest published generation
-                                         (`save_generation(link_latest=True)`, e.g. a PEFT export root)
-      step_10 -> gen-000000010-3f2a...   optional generation links swapped by the publish
-                                         (`save_generation(links=...)`, e.g. a multi-LoRA slot root's
-                                         reader names for Miles)
+      latest, step_10 -> gen-...         optional generation links, swapped by the publish
 
-A staging name starts with a dot and never matches `gen-*` nor Miles' `iter_NNNNNNN`, so no reader
-(ours or Miles') can take it for a checkpoint. A generation directory is committed when it is named
-`gen-*` and holds a manifest whose self-digest checks; it is intact when every file it lists is
-present with its size and digest and nothing else is there.
+A staging name starts with a dot and matches neither `gen-*` nor Miles' `iter_NNNNNNN`, so no reader
+takes it for a checkpoint. A generation is committed when named `gen-*` with a manifest whose
+self-digest checks. It is intact when every listed file is present with its size and digest, and
+nothing else is there.
 
-The manifest is read through a table of fields (`FIELDS`), each with its reader (a bounded check
-that raises ValueError naming the field), its writer and the first format version that has it.
-To add a field: give `Manifest` an attribute with a default, and add one `ManifestField` line
-(`optional=True` if generations without it must still be read).
+The manifest is read through a table of fields (`FIELDS`), each with its bounded reader, its writer
+and the first format version that has it. To add a field, give `Manifest` an attribute with a
+default and add one `ManifestField` line (`optional=True` if older generations lack it).
 """
 
 from __future__ import annotations
@@ -42,9 +35,36 @@ from miles_lora_ckpt.core import bounded, signing
 from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.errors import GenerationDamaged
 
+__all__ = [
+    "DELETING_PREFIX",
+    "GENERATION_PREFIX",
+    "LATEST",
+    "LEASE",
+    "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "MAX_SEQUENCE",
+    "MAX_TRACKER_BYTES",
+    "ROLE_TRAINING_STATE",
+    "STAGING_PREFIX",
+    "STAMP_KEYS",
+    "TRACKER",
+    "BlockIndex",
+    "FileRecord",
+    "Manifest",
+    "Topology",
+    "Tracker",
+    "canonical_json",
+    "generation_dir_name",
+    "is_staging_dir_name",
+    "new_attempt_id",
+    "parse_generation_dir_name",
+    "seal_manifest",
+    "staging_dir_name",
+]
+
 FORMAT_NAME = "miles-lora-ckpt"
-# v3: the single-LoRA saver records where every saved tensor lies in the global model
-# (metadata `global_layout`, optimizer `layout.positions`): such a generation may be resharded.
+# v3: the single-LoRA saver records where every saved tensor lies in the global model (metadata
+# `global_layout`, optimizer `layout.positions`), so such a generation may be resharded.
 FORMAT_VERSION = 3
 READABLE_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
@@ -62,15 +82,15 @@ MAX_SEQUENCE = 2**62
 MAX_FILE_BYTES = 2**62
 MAX_TOPOLOGY_SIZE = 2**24
 
-# Names and numbers on disk are ASCII only: `[0-9]`, never `\d` (which takes any Unicode digit, and
-# int() reads them), matched whole with `\Z` (`$` also matches before a trailing newline).
+# Names and numbers on disk are ASCII only: `[0-9]`, never `\d`, which takes any Unicode digit that
+# int() reads. Matched whole with `\Z`, since `$` also matches before a trailing newline.
 ATTEMPT_ID = re.compile(r"[0-9a-f]{16}", re.ASCII)  # matched whole (fullmatch)
 DIGEST = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
 _GENERATION_RE = re.compile(r"gen-([0-9]{9,18})-([0-9a-f]{16})\Z", re.ASCII)
 _STAGING_RE = re.compile(r"\.staging-([0-9a-f]{16})\Z", re.ASCII)
 
-# What a tensor file's own safetensors metadata says about itself (stamped by the protocol's
-# writer, format v2): the generation it was written for, and its path inside that generation.
+# What a tensor file's own safetensors metadata says about itself (format v2): the generation it
+# was written for, and its path inside that generation.
 STAMP_KEYS = ("generation", "file")
 ROLE_TRAINING_STATE = "training-state"
 # Format v1 records no roles; these files of known savers are given theirs when read.
@@ -83,10 +103,12 @@ def new_attempt_id() -> str:
 
 
 def generation_dir_name(iteration: int, attempt_id: str) -> str:
+    """The directory name of the generation of `iteration` written by attempt `attempt_id`."""
     return f"{GENERATION_PREFIX}{iteration:09d}-{attempt_id}"
 
 
 def staging_dir_name(attempt_id: str) -> str:
+    """The staging directory name of attempt `attempt_id`."""
     return f"{STAGING_PREFIX}{attempt_id}"
 
 
@@ -97,6 +119,7 @@ def parse_generation_dir_name(name: str) -> tuple[int, str] | None:
 
 
 def is_staging_dir_name(name: str) -> bool:
+    """Whether `name` is a staging directory's name."""
     return _STAGING_RE.match(name) is not None
 
 
@@ -114,10 +137,12 @@ class Topology:
     vpp: int = 1
 
     def to_dict(self) -> dict[str, int]:
+        """The topology as the manifest's `topology` object."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "topology") -> Topology:
+        """The topology of a manifest's `topology` object; ValueError naming `where` if bad."""
         names = {f.name for f in fields(cls)}
         bounded.mapping(data, where)
         unknown = set(data) - names
@@ -128,10 +153,10 @@ class Topology:
         return cls(**data)
 
     def model_parallel_differences(self, other: Topology) -> list[str]:
-        """Axes other than DP (and world) whose sizes differ, e.g. ``"cp: 2 -> 1 (context parallel)"``.
+        """Axes besides DP and world whose sizes differ, e.g. ``"cp: 2 -> 1 (context parallel)"``.
 
-        Each forbids an exact restore: they change which adapter shards and optimizer buckets a
-        rank holds (``cp`` and ``vpp`` included: a DP-size change alone is allowed).
+        Each forbids an exact restore, since it changes which adapter shards and optimizer buckets
+        a rank holds. ``cp`` and ``vpp`` count; a DP-size change alone is allowed.
         """
         return [
             f"{axis}: {getattr(self, axis)} -> {getattr(other, axis)} ({meaning})"
@@ -159,10 +184,10 @@ _DTYPE_TAGS = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BO
 class BlockIndex:
     """Per-block digests of a tensor file, so that a reader may verify exactly the bytes it reads.
 
-    The file is cut into blocks of `block_bytes` from offset 0 (the last one shorter); `digests[i]`
-    is the digest of block i. `tensors` maps each tensor to `(dtype tag, begin, end)`, its absolute
-    byte range in the file (the safetensors header says the same; readers check both agree), so a
-    reader can name the blocks that hold any element range from the manifest alone.
+    The file is cut into blocks of `block_bytes` from offset 0, the last one shorter; `digests[i]`
+    is block i's digest. `tensors` maps each tensor to `(dtype tag, begin, end)`, its absolute byte
+    range, which readers check against the header. So the manifest alone names the blocks of any
+    element range.
     """
 
     block_bytes: int
@@ -170,17 +195,18 @@ class BlockIndex:
     tensors: dict[str, tuple[str, int, int]]
 
     def blocks_for(self, begin: int, end: int) -> range:
-        """The indices of the blocks that hold bytes `[begin, end)` (empty for an empty range)."""
+        """The indices of the blocks that hold bytes `[begin, end)`; empty for an empty range."""
         if end <= begin:
             return range(0)
         return range(begin // self.block_bytes, (end - 1) // self.block_bytes + 1)
 
     @property
     def data_start(self) -> int:
-        """Where the first tensor's bytes begin (the header lies before it)."""
+        """Where the first tensor's bytes begin; the header lies before it."""
         return min((begin for _, begin, _ in self.tensors.values()), default=0)
 
     def to_dict(self) -> dict:
+        """The index as a file record's `blocks` object."""
         return {
             "bytes": self.block_bytes,
             "digests": list(self.digests),
@@ -189,6 +215,7 @@ class BlockIndex:
 
     @classmethod
     def from_dict(cls, data: Any, where: str, size: int) -> BlockIndex:
+        """The index of a `blocks` object for a file of `size` bytes; ValueError naming `where`."""
         bounded.mapping(data, where)
         if set(data) != {"bytes", "digests", "tensors"}:
             raise ValueError(f"{where} has keys {bounded.names(sorted(data))}, expected bytes, digests, tensors")
@@ -215,11 +242,10 @@ class BlockIndex:
 class FileRecord:
     """Size and digest of one written file, as the manifest lists it.
 
-    `binding` (format v2, tensor and role-bearing JSON files) says what the file is, e.g.
-    `{"role": "optimizer", "coordinate": "tp000_pp000_ep000_etp000", "child": "1"}`; a tensor file
-    carries the same keys in its own safetensors metadata, and readers check that both agree.
-    `blocks` (format v2, optional: files written for partial reads, e.g. optimizer slices) holds
-    per-block digests and each tensor's byte range (`BlockIndex`).
+    `binding` (format v2) says what the file is, such as
+    `{"role": "optimizer", "coordinate": "tp000_pp000_ep000_etp000", "child": "1"}`. A tensor file
+    carries the same keys in its own metadata, and readers check both agree. `blocks` (format v2,
+    optional) holds the `BlockIndex` of a file written for partial reads.
     """
 
     bytes: int
@@ -229,6 +255,7 @@ class FileRecord:
     blocks: BlockIndex | None = None
 
     def to_dict(self) -> dict:
+        """The record as the manifest's `files` entry."""
         record: dict = {"bytes": self.bytes, "digest": self.digest}
         if self.finite:
             record["finite"] = True
@@ -240,6 +267,7 @@ class FileRecord:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "file record") -> FileRecord:
+        """The record of a manifest's `files` entry; ValueError naming `where` if malformed."""
         bounded.mapping(data, where)
         unknown = set(data) - {"bytes", "digest", "finite", "binding", "blocks"}
         if unknown or not {"bytes", "digest"} <= set(data):
@@ -273,10 +301,10 @@ def _write_files(files: dict[str, FileRecord]) -> dict:
 
 @dataclass(frozen=True)
 class ManifestField:
-    """One top-level field of the manifest: how it is read (and checked), written, and since when.
+    """One top-level field of the manifest: how it is read and checked, written, and since when.
 
-    An `optional` field may be absent (the `Manifest` attribute's default is used, and a None
-    value is not written); any other field of the manifest's version must be present.
+    An `optional` field may be absent: the `Manifest` attribute's default is used, and None is not
+    written. Every other field of the manifest's version must be present.
     """
 
     name: str
@@ -302,9 +330,9 @@ FIELDS: tuple[ManifestField, ...] = (
 class Manifest:
     """Everything a reader needs to trust a generation; `manifest.json` is written last.
 
-    `sequence` (format v2) is the generation's place in its root's commit order, assigned by the
-    coordinator at prepare time; format v1 has none (None). `signature` is the optional keyed
-    seal (see `signing`); `sealed_body` the canonical bytes that the digest and signature cover.
+    `sequence` (format v2) is the generation's place in its root's commit order, set at prepare;
+    format v1 has None. `signature` is the optional keyed seal (`signing`). `sealed_body` holds
+    the canonical bytes that the digest and signature cover.
     """
 
     generation: str
@@ -332,7 +360,10 @@ class Manifest:
         return body
 
     def role_of(self, relpath: str) -> str | None:
-        """The role a listed file plays (`binding["role"]`; for format v1, known savers' files)."""
+        """The role listed file `relpath` plays (`binding["role"]`), or None.
+
+        Format v1 records no roles; known savers' files are given theirs.
+        """
         record = self.files.get(relpath)
         if record is not None and "role" in record.binding:
             return record.binding["role"]
@@ -340,11 +371,14 @@ class Manifest:
 
     @classmethod
     def from_json_bytes(cls, raw: bytes | bytearray) -> Manifest:
-        """Parse (bounded) and check the self-digest and every field; raises GenerationDamaged
-        naming what is wrong. The signature, if any, is kept for `signing.check`."""
+        """The manifest of the bytes `raw`: parsed bounded, its self-digest and every field checked.
+
+        Raises GenerationDamaged naming what is wrong. The signature, if any, is kept for
+        `signing.problem`.
+        """
         try:
             return cls._parse(raw)
-        except ValueError as exc:  # a parser of the manifest's bytes: every refusal (ValueError) is damage
+        except ValueError as exc:  # every refusal of the manifest's bytes is damage
             raise GenerationDamaged(str(exc)) from None
 
     @classmethod
@@ -383,7 +417,7 @@ def canonical_json(body: dict) -> bytes:
 
 
 def seal_manifest(body: dict, key: signing.SigningKey | None = None) -> bytes:
-    """The bytes of `manifest.json` for `body`: the body plus its self-digest (and signature)."""
+    """The bytes of `manifest.json` for `body`: the body, its self-digest and, with `key`, a MAC."""
     canonical = canonical_json(body)
     sealed = dict(body, manifest_digest=digest_bytes(canonical))
     if key is not None:
@@ -404,6 +438,7 @@ class Tracker:
     sequence: int | None = None  # format v2
 
     def to_dict(self) -> dict:
+        """The tracker as `latest_generation.json` holds it."""
         data = {"generation_dir": self.generation_dir, "generation": self.generation, "iteration": self.iteration}
         if self.sequence is not None:
             data["sequence"] = self.sequence
@@ -414,7 +449,7 @@ class Tracker:
         """The tracker a root holds; GenerationDamaged naming what is wrong."""
         try:
             return cls._parse(data)
-        except ValueError as exc:  # the tracker file's content: every refusal (ValueError) is damage
+        except ValueError as exc:  # every refusal of the tracker file's content is damage
             raise GenerationDamaged(str(exc)) from None
 
     @classmethod

@@ -1,35 +1,19 @@
 """The structural rules of a format-v3 global layout, and each file's binding to its layout entries.
 
 A format-v3 manifest records where every saved element lies in the global model: metadata
-`global_layout` (per model-parallel coordinate each trainable parameter's `Block`; per adapter
-file the coordinate of its writer and the names it holds) and, per DistributedOptimizer child,
-`layout.positions` (where each parameter lies in its bucket's world tensor). A resharding load
-places adapter weights, masters and moments by them alone, so `verify` and every loader check
-them first (`check`, from `content_rules.check_manifest`), and the resharding loader takes its
-blocks from the same checked parse (`saved_blocks`):
+`global_layout` (each parameter's `Block` per coordinate, each adapter file's writer and names)
+and each DistributedOptimizer child's `layout.positions`. A resharding load places weights,
+masters and moments by them alone, so `verify` and every loader check them first (`check`):
 
-- every block parses and lies inside its global shape; the blocks of one global tensor agree on
-  its global shape and dtype, and their distinct regions tile it (each element in exactly one);
-- every adapter file entry names a listed file whose manifest binding (role, coordinate) is the
-  one its entry's coordinate implies, and parameters that coordinate describes, each a tensor of
-  the file's block index with the block's dtype and element count;
-- every position `[buffer, bucket, start, numel]` lies inside that bucket's unpadded size, names a
-  parameter its coordinate describes with that element count, and no two positions of one bucket
-  overlap;
-- (any format) every DistributedOptimizer child's slices tile each bucket (`check_slices`).
+- blocks lie inside their global shape, agree on it and its dtype, and tile it exactly;
+- each adapter file entry names a listed file bound to its coordinate, holding its tensors;
+- positions lie inside their bucket, name a described parameter, and never overlap;
+- in any format, every DistributedOptimizer child's slices tile each bucket (`check_slices`).
 
-And on each file's content (`check_file_tensors`, a content rule): an adapter file holds its
-entry's tensors of their blocks' dtypes and shapes; a whole-parameter child's file (Float16 / FP32,
-layer-wise) holds a master and tensors of the shapes its writer coordinate's blocks hold.
-
-A layout edit that keeps all of this (two TP ranks' offsets swapped) is caught by each file's own
-stamp (`stamp`, `check_stamp`): the single-LoRA writer stamps every adapter and optimizer file
-with the digest of the layout entries a resharding load reads it by (`file_entries`), so a
-manifest whose layout was edited and resealed no longer matches its files. Files written before
-this stamp carry none and are not checked (docs/guarantees.md says what only the key catches).
-
-Every failure is `GenerationDamaged` naming the file (the manifest, or the file the entry is
-about) and the reason. Imports neither megatron nor Miles.
+`check_file_tensors` holds each file's content to its entry. A resealed layout edit that keeps all
+this, such as two TP ranks' offsets swapped, fails each file's own stamp (`stamp`, `check_stamp`).
+Files written before the stamp carry none (docs/guarantees.md, "What only the signing key
+catches"). Every failure is `GenerationDamaged` naming the file. Imports neither megatron nor Miles.
 """
 
 from __future__ import annotations
@@ -45,6 +29,18 @@ from miles_lora_ckpt.core.errors import GenerationDamaged, Problem
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import Block
 from miles_lora_ckpt.core.layout import MANIFEST, Manifest
+
+__all__ = [
+    "STAMP_KEY",
+    "check",
+    "check_file_tensors",
+    "check_stamp",
+    "damaged",
+    "file_entries",
+    "saved_blocks",
+    "slice_problem",
+    "stamp",
+]
 
 STAMP_KEY = "global_layout"  # a tensor file's safetensors metadata: `sha256:<hex>` of its layout entries
 _COORDINATE = re.compile(r"(tp[0-9]+)_(pp[0-9]+)_(ep[0-9]+)_(etp[0-9]+)")
@@ -63,19 +59,23 @@ def has_layout(manifest: Manifest) -> bool:
 
 
 def check(manifest: Manifest) -> None:
-    """Every structural rule of the manifest's DistributedOptimizer slices (`check_slices`, any
-    format) and of its global layout and optimizer positions (format v3); raises GenerationDamaged
-    naming the file and the first problem."""
+    """Check every structural rule of the manifest's optimizer slices, global layout and positions.
+
+    Slices are checked in any format, the layout in format v3. Raises GenerationDamaged naming the
+    file and the first problem.
+    """
     check_slices(manifest)
     if has_layout(manifest):
         saved_blocks(manifest)
 
 
 def check_slices(manifest: Manifest) -> None:
-    """Every DistributedOptimizer child's `slices` (format v2 and later): per coordinate the files
-    `optimizer/child{i}_{coordinate}_s{r:03d}of{n:03d}.safetensors` of ranks 0..n-1, each listed
-    where it holds elements, whose bounds lie inside each bucket of `numel_unpadded` and tile it
-    (no overlap, no gap): what every load's `saved_pieces` requires, checked by `verify` too."""
+    """Check every DistributedOptimizer child's `slices` (format v2 and later); GenerationDamaged.
+
+    Per coordinate, the files `optimizer/child{i}_{coordinate}_s{r:03d}of{n:03d}.safetensors` of
+    ranks 0..n-1 are listed where they hold elements. Their bounds lie inside each bucket's
+    `numel_unpadded` and tile it. Every load's `saved_pieces` requires this, so `verify` does too.
+    """
     children = manifest.metadata.get("optimizer_children")
     if not isinstance(children, dict):
         return
@@ -95,11 +95,12 @@ def check_slices(manifest: Manifest) -> None:
 
 
 def slice_problem(index, key, entries, current, listed=None) -> tuple[str, str] | None:
-    """`(file, reason)` of the first problem of one coordinate's DistributedOptimizer slices, or
-    None: each slice named by its place, its bounds inside `current` (this coordinate's unpadded
-    bucket sizes), the slices tiling every bucket exactly. With `listed` (the manifest's files),
-    a slice that holds elements must be listed. The resharding and same-layout loaders plan their
-    reads by the same rule (`distributed.saved_pieces`)."""
+    """`(file, reason)` of the first problem of one coordinate's optimizer slices, or None.
+
+    Each slice is named by its place, with bounds inside `current`, the unpadded bucket sizes; the
+    slices tile every bucket exactly. With `listed`, the manifest's files, a slice holding elements
+    must be listed. Loaders plan their reads by the same rule (`distributed.saved_pieces`).
+    """
     where = f"optimizer child {index} at {str(key)[:80]}"
     sizes_ok = isinstance(current, dict) and all(
         isinstance(n, list) and all(type(v) is int and v >= 0 for v in n) for n in current.values()
@@ -151,8 +152,11 @@ def slice_problem(index, key, entries, current, listed=None) -> tuple[str, str] 
 
 
 def saved_blocks(manifest: Manifest) -> dict[str, dict[str, Block | None]]:
-    """`{coordinate: {parameter: Block or None}}` of the manifest's global layout, every rule of
-    the module docstring checked (the resharding loader plans from this); raises GenerationDamaged."""
+    """`{coordinate: {parameter: Block or None}}` of the manifest's global layout.
+
+    Every rule of the module docstring is checked, and the resharding loader plans from this.
+    Raises GenerationDamaged.
+    """
     layout = manifest.metadata.get("global_layout")
     if not isinstance(layout, dict) or not isinstance(layout.get("params"), dict):
         raise damaged(manifest, MANIFEST, "metadata global_layout has no params")
@@ -174,9 +178,11 @@ def saved_blocks(manifest: Manifest) -> dict[str, dict[str, Block | None]]:
 
 
 def _check_tiling(manifest: Manifest, blocks: dict) -> None:
-    """The blocks of one global tensor agree on its shape and dtype, and their distinct regions
-    tile it. Skipped where any block is unknown (None: such a generation is never resharded, and
-    the global tensor of an unknown block cannot be named)."""
+    """Check that one global tensor's blocks agree on its shape and dtype, and tile it.
+
+    Skipped where any block is unknown (None): such a generation is never resharded, and an unknown
+    block's global tensor cannot be named.
+    """
     if any(block is None for described in blocks.values() for block in described.values()):
         return
     regions: dict[str, dict] = {}
@@ -220,9 +226,11 @@ def _overlap(a_offset, a_shape, b_offset, b_shape) -> bool:
 
 
 def coordinate_binding(kind: str, coordinate: str) -> dict[str, str] | None:
-    """The manifest binding of the `kind` ("dense" | "expert") adapter file written at model-parallel
-    `coordinate` (`tp000_pp000_ep000_etp000`): dense files are keyed by TP and PP, expert files by
-    PP, EP and expert TP. None for no coordinate."""
+    """The manifest binding of the `kind` ("dense" | "expert") adapter file written at `coordinate`.
+
+    `coordinate` is like `tp000_pp000_ep000_etp000`. Dense files are keyed by TP and PP, expert
+    files by PP, EP and expert TP. None for no coordinate.
+    """
     match = _COORDINATE.fullmatch(coordinate) if isinstance(coordinate, str) else None
     if match is None:
         return None
@@ -331,10 +339,11 @@ def _position(manifest: Manifest, index, key: str, name: str, where: Any, bucket
 
 
 def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str], shapes: dict | None = None) -> None:
-    """An adapter file the global layout lists holds every name of its entry, each of its block's
-    dtype and, where its header's shapes are given (a file read whole), of a shape its block holds:
-    what the resharding loader requires of it, so `verify` requires it too (a file with a block
-    index had its names, dtypes and sizes checked against the layout with the manifest)."""
+    """Check a listed tensor file's tensors against its layout entry; GenerationDamaged if not.
+
+    An adapter file holds every name of its entry, of its block's dtype and, where `shapes` are
+    given, a shape its block holds. The resharding loader requires this, so `verify` does too.
+    """
     layout = manifest.metadata.get("global_layout") if has_layout(manifest) else None
     files = layout.get("adapter_files") if isinstance(layout, dict) else None
     entry = files.get(relpath) if isinstance(files, dict) else None
@@ -365,10 +374,11 @@ def check_file_tensors(relpath: str, manifest: Manifest, dtypes: dict[str, str],
 
 
 def _check_whole_child_file(relpath: str, manifest: Manifest, params: dict, shapes: dict) -> None:
-    """A Float16 / FP32 or layer-wise child's file (tensors `{parameter}.{key}`: the whole local
-    parameter's master `param` and state) holds, for each parameter its writer's coordinate
-    describes, a master and tensors of a shape that block holds (a 0-d state aside): what a
-    resharding load of such a child requires of it (`optimizer_children.replicated.WholeParameterFamily.plan_reshard`)."""
+    """Check a whole-parameter child's file: each parameter's master and state fit its block.
+
+    The file holds tensors `{parameter}.{key}`: the master `param` and the state. Each has a shape
+    the block holds, 0-d state aside. Resharding requires it (`WholeParameterFamily.plan_reshard`).
+    """
     binding = manifest.files[relpath].binding
     children = manifest.metadata.get("optimizer_children")
     child = children.get(binding.get("child")) if isinstance(children, dict) else None
@@ -400,10 +410,11 @@ def _check_whole_child_file(relpath: str, manifest: Manifest, params: dict, shap
 
 
 def file_entries(metadata: dict, relpath: str, binding: dict) -> dict | None:
-    """The layout entries a resharding load reads file `relpath` by (None: it has none): an adapter
-    file's entry (writer coordinate, names) and those names' blocks; an optimizer file's coordinate's
-    blocks and its child's positions there. `metadata` is the manifest's metadata (as the writer
-    records it, or as read), `binding` the file's manifest binding."""
+    """The layout entries a resharding load reads file `relpath` by, or None when it has none.
+
+    For an adapter file: its entry and its names' blocks. For an optimizer file: its coordinate's
+    blocks and its child's positions. `metadata` is the manifest's; `binding` is the file's.
+    """
     layout = metadata.get("global_layout")
     if not isinstance(layout, dict):
         return None
@@ -436,15 +447,19 @@ def file_entries(metadata: dict, relpath: str, binding: dict) -> dict | None:
 
 
 def stamp(metadata: dict, relpath: str, binding: dict) -> dict[str, str]:
-    """The safetensors metadata the writer adds to file `relpath`: `{STAMP_KEY: digest}` of its
-    layout entries (`file_entries`), or nothing where it has none."""
+    """The safetensors metadata the writer adds to file `relpath`: `{STAMP_KEY: digest}` or `{}`.
+
+    The digest covers its layout entries (`file_entries`).
+    """
     entries = file_entries(metadata, relpath, binding)
     return {} if entries is None else {STAMP_KEY: _digest(entries)}
 
 
 def check_stamp(relpath: str, manifest: Manifest, metadata: dict[str, str]) -> None:
-    """A tensor file stamped with its layout entries' digest must match the manifest's entries now
-    (a file without the stamp, written before it, is not checked); raises GenerationDamaged."""
+    """Check a tensor file's layout stamp against the manifest's entries now; GenerationDamaged.
+
+    A file without the stamp, written before it existed, is not checked.
+    """
     stamped = metadata.get(STAMP_KEY)
     if stamped is None or not has_layout(manifest):
         return

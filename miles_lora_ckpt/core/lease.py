@@ -6,35 +6,15 @@
      "holder": {"host": ..., "pid": ..., "run": ..., "token": ..., "boot_id": ...},
      "acquired_unix_s": ..., "timeout_s": 60.0}
 
-The coordinator of a save takes the lease at prepare (before anything is written) and checks it
-again just before publishing; a heartbeat thread renews every lease this process holds every
-quarter of its timeout, and the leases are released when the process exits (`release_all`). A second writer is
-refused with `LeaseHeld`, which names the holder, so the save fails on every rank before it
-writes anything.
+A save's coordinator takes the lease at prepare and checks it again just before publishing. A
+heartbeat thread renews it every quarter of its timeout; it is released at exit (`release_all`). A
+second writer is refused with `LeaseHeld`, naming the holder, before anything is written.
 
-It works on a shared file system because it relies only on operations that are atomic there:
-create-exclusive (`link`, or `O_CREAT|O_EXCL` where there are no hard links), rename, `utime` and
-reads; never on `flock`.
-
-- **Creation** writes the whole lease (fsynced) into a file of its own, then links it into place:
-  a lease appears whole or not at all, and a create that fails at any step (a full disk) leaves
-  nothing behind, so a retry, by this process or another, is not refused by an empty lease.
-  Only a process killed between the two steps leaves its side file (`.writer-lease.json.new-*`,
-  or `.aside-*` from a takeover); the next holder removes those older than the lease timeout.
-
-- **Renewal** sets the file's mtime to the file system's "now" (`utime` with no time: on NFS the
-  server's clock) and reads the file back to check it still names this process.
-- **Staleness** is judged from that mtime against the file system's own clock (the mtime of a
-  probe file just created in the root), so no writer's clock matters: a lease not renewed for
-  the holder's `timeout_s` (setting `lease_timeout_s`, `$MILES_LORA_CKPT_LEASE_TIMEOUT_S`,
-  default 60 s) is stale. On the holder's own host (same boot), a lease whose process is gone is
-  stale at once, so a run restarted on the same node does not wait.
-- **Takeover** of a stale lease: one `rename` moves it aside (only one contender can), the moved
-  file is checked to be the very lease that was judged stale (same inode and mtime; otherwise
-  its holder renewed it in between, it is put back, and the contender is refused), then removed,
-  and the create is retried (a racing contender may win; the loser is refused).
-- A holder that lost its lease (it stalled past the timeout and was taken over) finds out at the
-  next renewal or check, and its save fails before it publishes.
+Only operations atomic on a shared file system are used: create-exclusive (`link`, or `O_EXCL`),
+rename, `utime` and reads, never `flock`. A lease appears whole or not at all. Staleness is judged
+by the file system's own clock, or at once for a dead holder on this host. A stale lease is taken
+over with one rename, checked to be the very lease judged stale. See docs/guarantees.md, "Writer
+lease".
 """
 
 from __future__ import annotations
@@ -58,6 +38,8 @@ from miles_lora_ckpt.core import atomic_files, bounded, regular_files, settings
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.layout import LEASE
 
+__all__ = ["LeaseHeld", "acquire", "confirm", "holds", "me", "read_state", "release", "release_all"]
+
 log = logging.getLogger(__name__)
 
 LEASE_FORMAT = "miles-lora-ckpt-lease"
@@ -67,7 +49,7 @@ _ATTEMPTS = 4
 
 
 class LeaseHeld(MilesLoraCkptError, RuntimeError):
-    """Another writer holds the save root's lease (or took it over from us)."""
+    """Another writer holds the save root's lease, or took it over from this process."""
 
 
 @dataclass(frozen=True)
@@ -81,13 +63,16 @@ class Holder:
     boot_id: str = ""
 
     def describe(self) -> str:
+        """The holder for a message: host, pid and run."""
         return f"host {self.host} pid {self.pid}" + (f" run {self.run}" if self.run else "")
 
     def to_dict(self) -> dict:
+        """The holder as the lease file's `holder` object."""
         return {"host": self.host, "pid": self.pid, "run": self.run, "token": self.token, "boot_id": self.boot_id}
 
     @classmethod
     def from_dict(cls, data: Any) -> Holder:
+        """The holder of a lease file's `holder` object; ValueError naming a malformed field."""
         bounded.mapping(data, "lease holder")
         return cls(
             host=bounded.string(data.get("host"), "lease holder host", max_len=256),
@@ -113,9 +98,11 @@ class LeaseState:
 
     @property
     def live(self) -> bool:
+        """Whether the lease is live: renewed within its timeout by a holder that may still run."""
         return self.stale_reason is None
 
     def describe(self) -> str:
+        """The lease for a message: who holds it, when it was renewed, whether it is stale."""
         who = self.holder.describe() if self.holder else f"an unreadable lease ({self.problem})"
         when = f"renewed {self.age_s:.0f} s ago"
         if self.live:
@@ -133,7 +120,7 @@ _wake = threading.Event()  # set when a lease is registered: the heartbeat recom
 
 
 def me() -> Holder:
-    """This process as a lease holder (a new token after a fork; the run id as currently set)."""
+    """This process as a lease holder: a new token after a fork, and the run id as now set."""
     pid = os.getpid()
     if pid not in _identity:
         _identity.clear()
@@ -143,8 +130,10 @@ def me() -> Holder:
 
 
 def acquire(root: Path) -> None:
-    """Take (or renew) the lease of `root` for this process; raise LeaseHeld if another writer
-    holds a live one. Idempotent; starts the heartbeat that keeps it renewed."""
+    """Take or renew the lease of `root` for this process, and keep it renewed by the heartbeat.
+
+    Idempotent. Raises LeaseHeld if another writer holds a live one; an OSError propagates.
+    """
     root, holder = Path(root), me()
     timeout_s = settings.current().lease_timeout_s
     for _ in range(_ATTEMPTS):
@@ -167,7 +156,7 @@ def acquire(root: Path) -> None:
 
 
 def confirm(root: Path) -> None:
-    """Renew this process's lease of `root` and check it is still ours; raise LeaseHeld if not."""
+    """Renew this process's lease of `root` and check it is still its own; LeaseHeld if not."""
     root = Path(root)
     try:
         _renew(root, me())
@@ -177,7 +166,7 @@ def confirm(root: Path) -> None:
 
 
 def release(root: Path) -> None:
-    """Give the lease of `root` up (only if it is still ours)."""
+    """Give up the lease of `root` if it is still this process's; an OSError propagates."""
     root = Path(root)
     _unregister(root)
     state = read_state(root, judge=False)
@@ -194,15 +183,18 @@ def release(root: Path) -> None:
 
 
 def holds(root: Path) -> bool:
-    """Whether this process holds (and has not lost) the lease of `root`."""
+    """Whether this process holds the lease of `root` and has not lost it."""
     with _lock:
         entry = _held.get(str(Path(root)))
     return entry is not None and entry[0] == os.getpid()
 
 
 def read_state(root: Path, *, judge: bool = True) -> LeaseState | None:
-    """The lease of `root` as it is now (None: there is none). `judge=False` skips the staleness
-    judgement (and its probe of the file system's clock): only the holder is wanted."""
+    """The lease of `root` as it is now, or None when there is none.
+
+    `judge=False` skips the staleness judgement and its probe of the file system's clock, when only
+    the holder is wanted.
+    """
     return _state_of(Path(root) / LEASE, Path(root), judge=judge)
 
 
@@ -212,10 +204,10 @@ def read_state(root: Path, *, judge: bool = True) -> LeaseState | None:
 def _create(root: Path, holder: Holder, timeout_s: float) -> bool:
     """Create the lease, whole or not at all; False when one exists already.
 
-    The body is written and fsynced into a file of its own first, then linked into place (`link`
-    is create-exclusive, like `O_EXCL`, on every POSIX and NFS file system): no reader ever sees a
-    partial lease, and a failure at any step (a full disk) removes what this call made. An empty
-    lease left behind would refuse every later writer until it turned stale."""
+    The body is written and fsynced into a file of its own, then linked into place; `link` is
+    create-exclusive on every POSIX and NFS file system. So no reader sees a partial lease. A
+    failure at any step removes what this call made: an empty lease would refuse every later writer.
+    """
     body = {
         "format": LEASE_FORMAT,
         "holder": holder.to_dict(),
@@ -247,7 +239,7 @@ def _create(root: Path, holder: Holder, timeout_s: float) -> bool:
     return True
 
 
-# errnos of a file system that has no hard links: the lease is then created in place (`O_EXCL`)
+# Errnos of a file system without hard links: the lease is then created in place (`O_EXCL`).
 _NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS}
 
 
@@ -362,8 +354,10 @@ def _move_aside(root: Path) -> tuple[Path, LeaseState] | None:
 
 
 def _put_back(root: Path, tomb: Path) -> None:
-    """Restore a lease moved aside by mistake, unless a new one exists already: linked back whole
-    (same inode and mtime, so its holder's next renewal finds it), never a partial copy."""
+    """Restore a lease moved aside by mistake, unless a new one exists already.
+
+    It is linked back whole, same inode and mtime, so its holder's next renewal finds it.
+    """
     try:
         os.link(tomb, root / LEASE, follow_symlinks=False)
     except FileExistsError:
@@ -377,15 +371,16 @@ def _put_back(root: Path, tomb: Path) -> None:
         tomb.unlink(missing_ok=True)
 
 
-# what a killed creator (`.new-`) or taker-over (`.aside-`) can leave: the name, then 12 hex digits
+# What a killed creator (`.new-`) or taker-over (`.aside-`) leaves: the name, then 12 hex digits.
 _LEFTOVER = re.compile(re.escape(LEASE) + r"\.(new|aside)-[0-9a-f]{12}")
 
 
 def _sweep_leftovers(root: Path, timeout_s: float) -> None:
-    """Remove the side files of lease creations and takeovers killed midway, once they are older
-    than the lease timeout by the file system's clock. Only the new holder sweeps, so no live
-    creation or takeover can be racing it: each lasts milliseconds, far below any timeout.
-    Nothing reads these files; this only keeps the root tidy, so a failure is logged, not raised."""
+    """Remove side files of lease creations and takeovers killed midway, once past the timeout.
+
+    Only the new holder sweeps, so no live creation or takeover races it; each lasts milliseconds.
+    Nothing reads these files, so a failure is logged, not raised.
+    """
     try:
         names = [name for name in os.listdir(root) if _LEFTOVER.fullmatch(name)]
         if not names:
@@ -424,9 +419,11 @@ def _fs_now_ns(root: Path) -> int:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs (a zombie is gone). A pid no process can have (0,
-    which `kill` takes for our own process group, or one past `pid_t`, which it cannot take) is
-    gone: a lease file naming it is judged, never a crash of its reader."""
+    """Whether process `pid` of this host runs; a zombie is gone.
+
+    A pid no process can have is gone too: 0, which `kill` takes for our own process group, or one
+    past `pid_t`. So a lease file naming one is judged, never a crash of its reader.
+    """
     if not 0 < pid <= _MAX_PID:
         return False
     try:
@@ -492,8 +489,10 @@ def _renew_forever() -> None:
 
 
 def release_all() -> None:
-    """Give up every lease this process holds (not a forked parent's). Runs at interpreter exit
-    (atexit); a process that leaves through `os._exit` (the harness's workers) calls it first."""
+    """Give up every lease this process holds, not a forked parent's; OSErrors are ignored.
+
+    It runs at interpreter exit. A process that leaves through `os._exit` calls it first.
+    """
     with _lock:
         roots = [root for root, (owner, _) in _held.items() if owner == os.getpid()]  # not a fork's parent's
     for root in roots:

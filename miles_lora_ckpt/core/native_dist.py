@@ -1,21 +1,13 @@
 """Recognise and read a stock Miles native (raw-mode) LoRA checkpoint, data only.
 
-Miles' native LoRA (`miles_plugins/lora`, PR #1792; contract §10.6) writes its adapters, and with
-an optimizer its optimizer state, as ONE megatron-core `dist_checkpointing` checkpoint in
-`<adapter dir>/torch_dist`. Its `.metadata` is a pickle of torch's DCP dataclasses, read here by
-the plugin's own data-only reader (`core.dcp_metadata`: no code runs, an allowlist of types); its
-tensors are `torch.save`d chunks inside the `*.distcp` files, read by byte range with
-`torch.load(weights_only=True)` (`read_chunk`). Its common state (megatron-core 0.16: a
-`torch.save`d `common.pt`; 0.19: BYTE_IO items inside the DCP files) is a pickle and never read.
+Miles' native LoRA (`miles_plugins/lora`, PR #1792) writes its adapters, and any optimizer state,
+as one megatron-core `dist_checkpointing` checkpoint in `<adapter dir>/torch_dist`. Its pickled
+`.metadata` is read by `core.dcp_metadata`, which runs no code. Tensors are read by byte range with
+`torch.load(weights_only=True)`. Its common state is a pickle and never read.
 
-Pointed at one through a load path (`--lora-adapter-path`), the single-LoRA load warm-starts the
-adapter weights from it (`savers.single_lora.native_warm`); a `--load`/`--save` directory that
-holds one and no plugin generation is still refused (`refusal`): resuming a run needs the
-optimizer state the plugin does not restore from it.
-
-Recognition inspects only file names and megatron's own `metadata.json` (plain JSON, read through
-`regular_files`: a FIFO, device, socket or link where it or `.metadata` is expected is refused at once,
-naming it, never opened); nothing is imported from megatron.
+The single-LoRA load warm-starts adapter weights from one (`--lora-adapter-path`). A `--load` or
+`--save` directory holding one is refused (`refusal`): a resume needs optimizer state the plugin
+does not restore from it. Recognition reads only file names and megatron's `metadata.json`.
 """
 
 from __future__ import annotations
@@ -30,6 +22,8 @@ from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.dcp_metadata import Chunk, Metadata, TensorEntry
 from miles_lora_ckpt.core.regular_files import file_kind, open_regular, read_regular
 
+__all__ = ["NATIVE_SUBDIR", "find_native_checkpoint", "native_checkpoints_in", "read_chunk", "refusal"]
+
 NATIVE_SUBDIR = "torch_dist"  # where Miles' native LoRA puts its checkpoint inside the adapter dir
 _MEGATRON_METADATA = "metadata.json"  # megatron-core dist_checkpointing: {"sharded_backend": ...}
 _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint: the pickled global metadata
@@ -37,11 +31,12 @@ _METADATA_LIMIT = 1 << 16  # megatron's metadata.json is a few hundred bytes
 
 
 def is_dist_checkpoint_dir(path: str | os.PathLike) -> bool:
-    """Whether `path` is a megatron-core `dist_checkpointing` checkpoint directory: its
-    `metadata.json` names a `sharded_backend`, or it holds torch DCP's `.metadata` and
-    `*.distcp` files. An unreadable or unparsable entry counts as not one; a special file (FIFO,
-    device, socket, directory, link) named `metadata.json` or `.metadata` raises ValueError naming
-    it, at once and without opening it (opening a FIFO would block)."""
+    """Whether `path` is a megatron-core `dist_checkpointing` checkpoint directory.
+
+    It is when its `metadata.json` names a `sharded_backend`, or it holds torch DCP's `.metadata`
+    and `*.distcp` files. An unreadable entry counts as not one. A special file named
+    `metadata.json` or `.metadata` raises ValueError naming it, unopened, since a FIFO would block.
+    """
     path = Path(path)
     try:
         if path.is_symlink() or not path.is_dir():
@@ -61,8 +56,10 @@ def is_dist_checkpoint_dir(path: str | os.PathLike) -> bool:
 
 
 def _require_regular(path: Path) -> None:
-    """Raise ValueError naming `path` unless it is a regular file (judged from `lstat`, not opened);
-    a path that vanished passes (the read that follows says so)."""
+    """Raise ValueError naming `path` unless it is a regular file, judged from `lstat`.
+
+    A path that vanished passes: the read that follows says so.
+    """
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -75,8 +72,10 @@ def _require_regular(path: Path) -> None:
 
 
 def _megatron_metadata(directory: Path):
-    """Megatron's `metadata.json` in `directory` parsed (bounded, never blocking), or None when it is
-    missing, unreadable or not JSON; ValueError naming it when it is a special file."""
+    """Megatron's `metadata.json` in `directory`, parsed without blocking, or None.
+
+    None when it is missing, unreadable or not JSON; ValueError naming it when it is a special file.
+    """
     file = Path(directory) / _MEGATRON_METADATA
     _require_regular(file)
     try:
@@ -86,11 +85,12 @@ def _megatron_metadata(directory: Path):
 
 
 def find_native_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The stock native adapter checkpoint `path` stands for: `path` itself when it is a
-    `dist_checkpointing` directory named `torch_dist`, or `path/torch_dist` (Miles' adapter dir).
-    None otherwise: a Megatron base-model checkpoint (`iter_NNNNNNN/`, also dist_checkpointing,
-    e.g. raw mode's `--ref-load`) is not an adapter checkpoint and is never matched. ValueError
-    naming a special file where a metadata file is expected (`is_dist_checkpoint_dir`)."""
+    """The stock native adapter checkpoint `path` stands for, or None.
+
+    That is `path` itself when it is a `dist_checkpointing` directory named `torch_dist`, or
+    `path/torch_dist`. A Megatron base-model checkpoint (`iter_NNNNNNN/`) is never matched. Raises
+    ValueError as `is_dist_checkpoint_dir` does.
+    """
     path = Path(path)
     for candidate in (path, path / NATIVE_SUBDIR):
         if candidate.name == NATIVE_SUBDIR and is_dist_checkpoint_dir(candidate):
@@ -99,17 +99,21 @@ def find_native_checkpoint(path: str | os.PathLike) -> Path | None:
 
 
 def backend_of(directory: Path) -> str:
-    """The `sharded_backend` megatron recorded in `directory/metadata.json`, or 'torch_dist'
-    (ValueError naming the file when it is a special file)."""
+    """The `sharded_backend` megatron recorded in `directory/metadata.json`, or 'torch_dist'.
+
+    A special file there raises ValueError naming it.
+    """
     metadata = _megatron_metadata(Path(directory))
     backend = metadata.get("sharded_backend") if isinstance(metadata, dict) else None
     return backend[:64] if isinstance(backend, str) else NATIVE_SUBDIR
 
 
 def refusal(path: str | os.PathLike, found: Path) -> str:
-    """The error text for a `--load`/`--save` directory holding a stock native checkpoint and no
-    plugin generation: which directory, what it is, why the plugin does not resume from it, and
-    what to do instead."""
+    """The error text for a `--load`/`--save` directory `path` holding the stock checkpoint `found`.
+
+    It says what the directory holds, why the plugin does not resume from it, and what to do
+    instead. Raises ValueError as `backend_of` does.
+    """
     return (
         f"{path} holds a stock Miles native LoRA checkpoint (megatron-core dist_checkpointing, backend "
         f"{backend_of(found)!r}, in {found}), not a miles-lora-ckpt generation: refusing to resume from it and "
@@ -122,10 +126,12 @@ def refusal(path: str | os.PathLike, found: Path) -> str:
 
 
 def read_chunk(directory: Path, metadata: Metadata, name: str, chunk: Chunk) -> torch.Tensor:
-    """One saved chunk of tensor item `name`: its byte range of its `*.distcp` file (from
-    `metadata.storage`), loaded with `torch.load(weights_only=True)` (never a fallback), checked to
-    be a tensor of the chunk's sizes and the item's dtype. Raises ValueError or OSError naming the
-    file."""
+    """One saved chunk of tensor item `name`, read from its `*.distcp` file in `directory`.
+
+    Its byte range comes from `metadata.storage`; it is loaded with `torch.load(weights_only=True)`,
+    never a fallback. It must be a tensor of the chunk's sizes and the item's dtype. Raises
+    ValueError or OSError naming the file.
+    """
     entry = metadata.entries.get(name)
     if not isinstance(entry, TensorEntry):
         raise ValueError(f"{directory}: {name!r} is not a tensor item of the checkpoint")
@@ -179,11 +185,11 @@ _CHUNK_OVERHEAD = 1 << 16  # torch.save's zip container around one tensor's byte
 
 
 def native_checkpoints_in(directory: str | os.PathLike) -> list[Path]:
-    """Stock native adapter checkpoints a Miles `--save`/`--load` directory holds (each a
-    `torch_dist` directory, see `find_native_checkpoint`): in the directory itself, and in each
-    `iter_NNNNNNN` directory or its `adapter` subdirectory (where Miles' LoRA save puts the
-    adapter). Sorted. Raises only ValueError naming a special file where a metadata file is
-    expected (`is_dist_checkpoint_dir`)."""
+    """The stock native adapter checkpoints a Miles `--save`/`--load` directory holds, sorted.
+
+    It looks in the directory itself, and in each `iter_NNNNNNN` directory or its `adapter`
+    subdirectory. Raises only ValueError, naming a special file where a metadata file belongs.
+    """
     directory = Path(directory)
     found = [f for f in (find_native_checkpoint(directory),) if f is not None]
     try:

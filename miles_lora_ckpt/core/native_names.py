@@ -1,27 +1,13 @@
 """Which item of a stock Miles native LoRA checkpoint holds one of this run's adapter factors.
 
-Miles' native LoRA (`miles_plugins/lora/`, PR #1792; facts and source anchors in
-docs/incoming/nnames.md) hangs each adapter module on the block that owns the adapted linear,
-under a fixed attribute, and names its factors `<projection>_A` / `<projection>_B` (no `.weight`).
-Its checkpoint items are the global keys megatron's `sharded_state_dict` walk gives those
-parameters, in one of two forms:
+Miles' native LoRA (`miles_plugins/lora/`, PR #1792; facts in docs/incoming/nnames.md) names its
+factors `<adapter>.<projection>_A` / `_B`. An item is per layer
+(`decoder.layers.<n>.self_attention.lora_o_adapter.o_A`) or stacked: the layer number dropped from
+the key and a leading axis of `num_layers` added to the shape.
 
-- per layer: `decoder.layers.<global layer>.self_attention.lora_o_adapter.o_A`, the factor's
-  global shape (megatron's non-homogeneous form: MoE layer frequency, hybrid attention, ...);
-- layers stacked (megatron's default for homogeneous layers): the layer number dropped from the
-  key, `decoder.layers.self_attention.lora_o_adapter.o_A`, and a leading axis of `num_layers` in
-  front of the factor's global shape, each layer at its global index on it.
-
-This run's adapter factors are named Bridge-style (`<host>.adapter.linear_in.weight` /
-`linear_out`) or Megatron-side (`<host>.lora_A.weight` / `lora_B`), `<host>` the adapted linear.
-A native single-projection adapter maps onto them bit for bit: its A is `linear_in` / `lora_A` and
-its B is `linear_out` / `lora_B`, with the same global shape and the same tensor-parallel split (a
-row-parallel host splits A on its axis 1 and replicates B; a column-parallel one replicates A and
-splits B on its axis 0; a replicated one splits neither) (`SINGLE`). Everything else native is
-refused naming the item (`refusal`): the split q/k/v and gate/up adapters (separate rank-r factors
-per projection, packed into the fused output: no single rank-r factor pair holds them), and
-Inkling's fused fc1, grouped-expert, shared-expert and lm_head adapters.
-
+A single-projection adapter (`SINGLE`) maps bit for bit onto this run's factors, Bridge-style
+(`<host>.adapter.linear_in.weight`) or Megatron-side (`<host>.lora_A.weight`): same global shape,
+same tensor-parallel split. Every other native adapter is refused naming the item (`refusal`).
 Pure string and shape logic: no megatron, no Miles.
 """
 
@@ -33,6 +19,8 @@ from dataclasses import dataclass
 
 from miles_lora_ckpt.core.global_layout import Block
 
+__all__ = ["Source", "native_sources", "refusal", "resolve"]
+
 # adapted linear -> (the native adapter's attribute on its block, the projection names it may carry)
 SINGLE: dict[str, tuple[str, tuple[str, ...]]] = {
     "linear_proj": ("lora_o_adapter", ("o",)),  # attention output (GQA, MLA, Inkling): row-parallel
@@ -43,7 +31,7 @@ SINGLE: dict[str, tuple[str, tuple[str, ...]]] = {
     "linear_kv_up_proj": ("lora_mla_kv_b_adapter", ("b",)),  # MLA: column-parallel
 }
 
-# why each native adapter that no single-factor adapter holds is refused
+# Why each native adapter that no single-factor adapter holds is refused.
 _SPLIT = (
     "a native split adapter (one rank-r A and B per projection, their outputs packed into the fused "
     "{host} output): a single rank-r factor pair cannot hold it bit for bit"
@@ -58,15 +46,21 @@ _NATIVE = re.compile(r"(^|\.)(?P<adapter>lora_\w+_adapter|lora_adapter)\.(?P<att
 
 @dataclass(frozen=True)
 class Source:
-    """The checkpoint item holding a factor: `key`, and the factor's global layer index on the item's
-    leading layer axis (`layer`), or None when the item is the factor itself."""
+    """The checkpoint item `key` holding a factor.
+
+    `layer` is the factor's global layer index on the item's leading axis, or None when the item is
+    the factor itself.
+    """
 
     key: str
     layer: int | None = None
 
     def block(self, wanted: Block, item_size: tuple[int, ...]) -> Block:
-        """The part of item `key` (of global shape `item_size`) holding `wanted`'s elements; a
-        ValueError naming the item when its shape does not fit (another rank, model size, layer count)."""
+        """The part of item `key`, of global shape `item_size`, holding `wanted`'s elements.
+
+        A shape that does not fit (another rank, model size or layer count) raises ValueError naming
+        the item.
+        """
         if self.layer is None:
             expected = tuple(wanted.global_shape)
         else:
@@ -88,8 +82,10 @@ class Source:
 
 
 def native_sources(name: str) -> list[Source]:
-    """The native items that may hold this run's factor `name` (a global name as megatron gives it):
-    per layer and, for a factor inside `layers.<n>.`, stacked; [] when no native adapter maps onto it."""
+    """The native items that may hold this run's factor `name`, a global name as megatron gives it.
+
+    Per layer, and stacked for a factor inside `layers.<n>.`; [] when no native adapter maps on it.
+    """
     match = _OURS.match(name)
     if match is None or match["host"] not in SINGLE:
         return []
@@ -108,9 +104,11 @@ def native_sources(name: str) -> list[Source]:
 
 
 def resolve(name: str, present: Container[str]) -> Source | None:
-    """Where the checkpoint holds this run's factor `name`: under `name` itself (a checkpoint
-    named as this run names it), else under exactly one of its native names; None if nowhere.
-    A ValueError when two items could hold it (ambiguous: never guessed)."""
+    """Where the checkpoint's items `present` hold this run's factor `name`, or None if nowhere.
+
+    That is `name` itself, or exactly one of its native names. When two items could hold it, the
+    ambiguity raises ValueError; it is never guessed.
+    """
     found = [Source(name)] if name in present else []
     found += [s for s in native_sources(name) if s.key in present]
     if len(found) > 1:
@@ -119,8 +117,12 @@ def resolve(name: str, present: Container[str]) -> Source | None:
 
 
 def refusal(key: str) -> str | None:
-    """Why native item `key` cannot warm-start an adapter of a single-factor run, or None when it is
-    not a native adapter item refused as such (`SINGLE` ones map; any other name is the caller's)."""
+    """Why native item `key` cannot warm-start an adapter of a single-factor run, or None.
+
+    None for a `SINGLE` adapter's item, which maps, and for any other name, which is the caller's.
+    Refused: split q/k/v and gate/up adapters (no single rank-r factor pair holds them), and
+    Inkling's fused fc1, grouped-expert, shared-expert and lm_head adapters.
+    """
     match = _NATIVE.search(key)
     if match is None:
         return None

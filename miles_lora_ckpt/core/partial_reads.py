@@ -1,10 +1,9 @@
 """Verified partial reads: only the blocks of a file that hold the element ranges asked for.
 
-A file written with per-block digests (`save_tensors(blocks=True)`) is read in part: `read_ranges`
-reads the blocks under the ranges asked (each block's digest checked against the manifest's block
-index, the header parsed strictly and checked against it, every floating value read checked finite);
-`check_blocks` verifies blocks no reader reads. An element range is `(name, first, stop)` of a
-flattened tensor or, strided, `(name, first, stop, step, width)`: rows returned compact.
+A file written with block digests (`save_tensors(blocks=True)`) can be read in part. `read_ranges`
+reads and verifies only the blocks under the ranges asked; `check_blocks` verifies blocks no reader
+reads. An element range is `(name, first, stop)` of a flattened tensor or, strided,
+`(name, first, stop, step, width)`, whose rows are returned compact.
 """
 
 from __future__ import annotations
@@ -41,16 +40,17 @@ __all__ = [
 ]
 
 # (tensor name, first element, end element) of a flattened tensor; or, strided,
-# (name, first, end, step, width): the rows `first + i * step + [0, width)` (`strided_rows`)
+# (name, first, end, step, width): the rows `first + i * step + [0, width)` (`strided_rows`).
 ElementRange = tuple
 
 
 def strided_rows(wanted: ElementRange) -> tuple[int, int, int] | None:
-    """`(step, width, n)` of a strided element range `(name, first, stop, step, width)`: its `n`
-    rows, row `i` the elements `[first + i * step, first + i * step + width)`, the last ending at
-    `stop`; None for a plain range `(name, first, stop)`. A read of a strided range verifies every
-    block under `[first, stop)`, as a plain one does, and returns its rows only, one after the
-    other (`n * width` elements: `range_numel`). Raises ValueError for any other shape."""
+    """`(step, width, n)` of a strided element range `(name, first, stop, step, width)`.
+
+    Row `i` of its `n` rows is `[first + i * step, first + i * step + width)`; the last ends at
+    `stop`. None for a plain range `(name, first, stop)`; ValueError for any other shape. A read
+    verifies every block under `[first, stop)` but returns only the rows, one after the other.
+    """
     if len(wanted) == 3:
         return None
     if len(wanted) != 5 or not all(type(v) is int for v in wanted[1:]):
@@ -62,14 +62,19 @@ def strided_rows(wanted: ElementRange) -> tuple[int, int, int] | None:
 
 
 def range_numel(wanted: ElementRange) -> int:
-    """How many elements a read of `wanted` returns: `stop - first`, or a strided range's rows'."""
+    """How many elements a read of `wanted` returns: `stop - first`, or a strided range's rows'.
+
+    Raises ValueError as `strided_rows` does.
+    """
     rows = strided_rows(wanted)
     return wanted[2] - wanted[1] if rows is None else rows[1] * rows[2]
 
 
 def cut_range(flat, wanted: ElementRange):
-    """Elements `wanted` of a flat tensor that holds elements `[first, stop)` of `wanted`'s tensor:
-    `flat` itself for a plain range, a new compact tensor of the rows for a strided one."""
+    """Elements `wanted` of `flat`, which holds elements `[first, stop)` of `wanted`'s tensor.
+
+    That is `flat` itself for a plain range, or a new compact tensor of the rows for a strided one.
+    """
     from miles_lora_ckpt.core.global_layout import strided_view  # torch: imported where it is used
 
     rows = strided_rows(wanted)
@@ -80,7 +85,10 @@ def cut_range(flat, wanted: ElementRange):
 
 
 def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
-    """The absolute bytes `[begin, end)` of an element range, from the manifest's block index."""
+    """The absolute bytes `[begin, end)` of element range `wanted`, from the manifest's block index.
+
+    A range the file does not hold raises GenerationDamaged; a malformed one, ValueError.
+    """
     name, first, stop = wanted[:3]
     strided_rows(wanted)  # a strided range's rows must end at its stop
     if name not in index.tensors:
@@ -93,8 +101,10 @@ def byte_range(index: BlockIndex, wanted: ElementRange) -> tuple[int, int]:
 
 
 def indexed_tensor(index: BlockIndex, name: str) -> tuple[str, int] | None:
-    """`(torch dtype name, element count)` of tensor `name` as the manifest's block index records
-    it (its dtype tag and byte range; the header must agree, `read_ranges` checks), None if absent."""
+    """`(torch dtype name, element count)` of tensor `name` in the manifest's block index, or None.
+
+    The header must agree with the index; `read_ranges` checks that.
+    """
     if name not in index.tensors:
         return None
     tag, begin, end = index.tensors[name]
@@ -103,7 +113,10 @@ def indexed_tensor(index: BlockIndex, name: str) -> tuple[str, int] | None:
 
 
 def blocks_needed(index: BlockIndex, wanted: Iterable[ElementRange]) -> set[int]:
-    """The blocks a partial read of `wanted` reads and verifies: the header's and every range's."""
+    """The blocks a partial read of `wanted` reads and verifies: the header's and every range's.
+
+    Raises as `byte_range` does.
+    """
     needed = set(index.blocks_for(0, index.data_start))
     for item in wanted:
         needed.update(index.blocks_for(*byte_range(index, item)))
@@ -111,10 +124,12 @@ def blocks_needed(index: BlockIndex, wanted: Iterable[ElementRange]) -> set[int]
 
 
 def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: bytearray) -> None:
-    """Set `touched[i]` for every block `i` an element range of `wanted` touches (the blocks
-    `blocks_needed` names, less the header's), range by range without sorting or merging them
-    first: one pass over many short ranges (a resharding load's rows). Raises ValueError for a
-    range the file does not hold, as `byte_range` does."""
+    """Set `touched[i]` for every block `i` an element range of `wanted` touches.
+
+    Those are the blocks `blocks_needed` names, less the header's. It makes one pass without sorting
+    or merging, for the many short ranges of a resharding load. A range the file does not hold
+    raises GenerationDamaged, as `byte_range` does.
+    """
     block_bytes, tensors = index.block_bytes, index.tensors
     for name, first, stop, *_ in wanted:  # a strided range: every block under [first, stop)
         if name not in tensors:
@@ -134,22 +149,24 @@ def mark_blocks(index: BlockIndex, wanted: Iterable[ElementRange], touched: byte
 
 
 class _BlockFile:
-    """Verified random access to one open file, block by block (only the last block is kept).
+    """Verified random access to one open file, block by block; only the last block is kept.
 
-    Blocks read in file order from block 0 on, with none skipped, are also hashed into the whole
-    file's digest: when a reader ends up reading every block so (`whole_digest`), it checks the
-    manifest's file digest too, as a whole read does, without reading anything more."""
+    Blocks read in file order from block 0, none skipped, also feed the whole file's digest. A
+    reader that reads every block so checks the file digest too (`whole_digest`), at no extra cost.
+    """
 
     def __init__(self, fd: int, record: FileRecord):
         self.fd, self.record, self.index = fd, record, record.blocks
         self._last: tuple[int, memoryview] | None = None
         self._whole, self._next = StreamingDigest(), 0
-        self._buffer = large_buffer(min(self.index.block_bytes, record.bytes))  # reused block after block
+        self._buffer = large_buffer(min(self.index.block_bytes, record.bytes))  # reused for every block
 
     def block(self, i: int, into: memoryview | None = None) -> memoryview:
-        """Block `i`, read and its digest checked: into `into` when given (exactly the block's
-        length: the caller's destination, so its bytes are copied nowhere else), otherwise into
-        the reused buffer, kept as the last block."""
+        """Block `i`, read and its digest checked; GenerationDamaged on a mismatch.
+
+        It lands in `into` when given, exactly the block's length, so the bytes are copied nowhere
+        else. Otherwise it lands in the reused buffer and is kept as the last block.
+        """
         if self._last is not None and self._last[0] == i:
             if into is not None:
                 into[:] = self._last[1]
@@ -186,13 +203,15 @@ class _BlockFile:
         return self._whole.hexdigest() if self._next == len(self.index.digests) else None
 
     def will_need(self, spans: Iterable[tuple[int, int]]) -> None:
-        """`will_need` on this file: its blocks under the byte spans `[begin, end)` are read next."""
+        """`will_need` on this file: its blocks under the byte spans `[begin, end)` come next."""
         will_need(self.fd, self.record, spans)
 
     def read(self, begin: int, end: int, out: memoryview) -> None:
-        """Copy bytes `[begin, end)` into `out`, every block they touch verified: a block wholly
-        inside them is read straight into its place in `out` and verified there (one copy of each
-        byte, the kernel's); only the first and last, cut, pass through the reused buffer."""
+        """Copy bytes `[begin, end)` into `out`, verifying every block they touch.
+
+        A block wholly inside is read straight into its place in `out`, so the kernel's copy is the
+        only one. Only the cut first and last blocks pass through the reused buffer.
+        """
         block_bytes = self.index.block_bytes
         pos = begin
         while pos < end:
@@ -215,21 +234,16 @@ def read_ranges(
     check_only: Iterable[ElementRange] = (),
     allocate=large_buffer,
 ) -> tuple[dict[ElementRange, torch.Tensor], dict[str, str]]:
-    """Read only the blocks that hold `wanted` and `check_only` (element ranges of flattened
-    tensors), each block's digest checked against the manifest's block index, the header parsed
-    strictly and checked against that index, and every floating value read checked finite. When
-    the ranges cover every block of the file (a same-layout DistributedOptimizer load reads its
-    slice file so), its whole-file digest is checked as well, as a whole read checks it.
+    """Read only the blocks of the file at `path` that hold `wanted` and `check_only`.
 
-    Returns `({range of wanted: a fresh 1-D tensor}, the file's safetensors metadata)`; the ranges
-    of `check_only` are verified the same way and not returned: they share one buffer, reused from
-    range to range. A strided range of `wanted` (`strided_rows`) is read whole into that buffer,
-    its blocks verified, and its rows copied out into a fresh tensor of their own (only the rows
-    are checked finite). Memory: the returned tensors, the largest range of `check_only` or
-    strided range, and one block.
-    `allocate(nbytes)` gives each returned range its buffer (default: a fresh `large_buffer`).
-    All ranges are read in file order. A record without a block index cannot be read partially
-    (ValueError).
+    Each block's digest is checked against `record`'s block index, the header against that index,
+    and every floating value read is checked finite. When every block is read, the file digest is
+    checked too. Returns `({range of wanted: a fresh 1-D tensor}, the file's metadata)`.
+
+    `check_only` ranges are verified the same way through one reused buffer, and not returned. A
+    strided range is read whole into that buffer and its rows copied out. `allocate(nbytes)` gives
+    each returned range its buffer. Raises GenerationDamaged for any refusal, including a record
+    without a block index.
     """
     if record.blocks is None:
         raise GenerationDamaged("the manifest records no block digests for it: it can only be read whole")
@@ -255,9 +269,8 @@ def read_ranges(
         items = [(tuple(item), True) for item in wanted] + [(tuple(item), False) for item in check_only]
         spans = {item: byte_range(index, item) for item, _ in items}
         source.will_need(spans.values())
-        # one reused buffer for the spans of the strided ranges kept (their rows are then copied
-        # out, compact: the elements between rows are verified with their blocks, never kept), and
-        # for the ranges verified and not kept, which pass through it a block at a time
+        # One reused buffer for the strided ranges kept, whose rows are then copied out compact,
+        # and for the ranges verified and not kept, which pass through it a block at a time.
         strided = [e - b for item, kept in items if kept and strided_rows(item) is not None for b, e in [spans[item]]]
         checked = [min(e - b, index.block_bytes) for item, kept in items if not kept for b, e in [spans[item]]]
         scratch = large_buffer(max(strided + checked, default=0))
@@ -291,10 +304,12 @@ def read_ranges(
 
 
 def _check_by_blocks(source: _BlockFile, begin: int, end: int, dtype, itemsize: int, floating: bool, name, scratch):
-    """Verify bytes `[begin, end)` of one tensor (whole elements), not kept: a block at a time through
-    `scratch` (each piece ends at a block's end, so whole blocks are read straight into it), every
-    floating element checked finite. Memory: one block, however long the range."""
-    import torch  # imported where it is used: the core imports torch only when a tensor is touched
+    """Verify bytes `[begin, end)` of one tensor without keeping them, a block at a time.
+
+    Each piece ends at a block's end, so whole blocks are read straight into `scratch`. Floating
+    elements are checked finite. Memory: one block, however long the range.
+    """
+    import torch  # the core imports torch only when a tensor is touched
 
     block, pos = source.index.block_bytes, begin
     while pos < end:
@@ -308,11 +323,14 @@ def _check_by_blocks(source: _BlockFile, begin: int, end: int, dtype, itemsize: 
 
 
 def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
-    """Verify the digests of some blocks of a file (the share of a partially read file that no
-    reader reads), and that the floating elements lying wholly inside them are finite."""
+    """Verify the digests of `blocks` of the file at `path`, and their floating elements finite.
+
+    These are the blocks of a partially read file that no reader reads. Raises GenerationDamaged
+    for any refusal.
+    """
     if record.blocks is None:
         raise GenerationDamaged("the manifest records no block digests for it")
-    import torch  # imported where it is used: the core imports torch only when a tensor is touched
+    import torch  # the core imports torch only when a tensor is touched
 
     fd, st = open_checked(Path(path))
     try:

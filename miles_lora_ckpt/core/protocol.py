@@ -4,37 +4,32 @@ Save, read top to bottom as phases::
 
     prepare   coordinator takes the root's writer lease (a second writer is
               refused here, before anything is written), removes the staging
-              directories crashed attempts left, numbers the
-              generation (sequence = 1 + the highest in the root), picks a
-              fresh attempt id and makes `.staging-<id>`                       -> agree
-    produce   (optional) the caller's collective step, on every rank, e.g. a
-              collective export whose result the coordinator writes next;
-              it agrees each of its own steps                                  -> agree(s)
+              directories crashed attempts left, numbers the generation
+              (sequence = 1 + the highest in the root), picks a fresh attempt
+              id and makes `.staging-<id>`                                  -> agree
+    produce   (optional) the caller's collective step on every rank, such as
+              a collective export whose result the coordinator writes next;
+              it agrees each of its own steps                               -> agree(s)
     write     every rank writes its own files into the staging directory,
-              each tensor file stamped with generation, path and binding     -> agree (gathers file records)
-              (with `write_produced`, produce runs after this write instead, then
-              `write-produced` writes its result                              -> agree)
+              each tensor file stamped with generation, path and binding    -> agree (records)
+              (with `write_produced`, produce runs after this write instead,
+              then `write-produced` writes its result                       -> agree)
     commit    coordinator writes manifest.json last, inside the staging dir
-              (signed when a key is configured)                              -> agree
+              (signed when a key is configured)                             -> agree
     publish   coordinator checks it still holds the lease, renames staging
               to gen-<iter>-<id> (one atomic rename: committed), replaces the
-              tracker (and, on request, the `latest` symlink); a failure after
-              the rename is reported as such (`CommittedButFailed`)             -> agree
-    retain    coordinator prunes old generations (never raises: it runs after the last collective)
+              tracker and any links; a later failure is `CommittedButFailed` -> agree
+    retain    coordinator prunes old generations; after the last collective,
+              so it never raises
 
-A failed attempt raises the same CheckpointError on every rank, and the coordinator removes its
-own staging directory. One left by a killed process is never read, and the next save removes it
-at prepare, once it holds the lease (`retention.reclaim_staging`: a staging directory is only
-made under the lease, so one that no attempt of the lease holder owns is a dead attempt's).
+A failed attempt raises the same CheckpointError on every rank, and its staging directory is
+removed. One left by a killed process is never read; the next save removes it at prepare.
 
-Load: the coordinator lists candidate generations in commit order (tracker disagreements become
-warnings); for each, every rank checks its structure, reads (and checks, see
-`verify.check_file_content`) the files it needs, or only some element ranges of a file written
-with a block index (`PartialRead`, see `verify.check_file_ranges`: exactly the blocks holding them
-are read and verified); the files nobody needs, and the blocks of partially read files that nobody
-reads, are checked round-robin, so every listed byte is verified by some rank; all ranks agree on the verdict; a damaged generation of a root is skipped with a
-warning. Nothing is mutated here: callers get verified bytes and do their own preflight before
-touching model or optimizer.
+Load: every rank checks each candidate generation's structure, newest first, and reads the files
+or element ranges (`PartialRead`) it needs, verified. Files and blocks nobody reads are checked
+round-robin, so some rank verifies every listed byte. All ranks agree on the verdict; a root skips
+a damaged generation with a warning. Nothing is mutated here: callers preflight before touching
+model or optimizer.
 """
 
 from __future__ import annotations
@@ -93,17 +88,27 @@ from miles_lora_ckpt.core.verify import (
     find_candidates,
 )
 
+__all__ = [
+    "DeferredRanges",
+    "OpenedGeneration",
+    "PartialRead",
+    "StagingWriter",
+    "WholeFileRanges",
+    "next_sequence",
+    "open_generation",
+    "save_generation",
+]
+
 log = logging.getLogger(__name__)
 
 
 class StagingWriter:
     """What one rank may do during the write phase: put files into the attempt's staging directory.
 
-    Every tensor file is stamped, in its own safetensors metadata, with the generation it belongs
-    to (the attempt id) and its path in it, plus the `binding` the saver gives it (e.g. role,
-    coordinate, optimizer child); the manifest records the binding too, and every reader checks
-    that file and manifest agree, so a file copied from another generation or swapped with
-    another file is refused. JSON files record their binding in the manifest only.
+    Every tensor file is stamped in its own metadata with its generation, its path and the saver's
+    `binding` (role, coordinate, optimizer child). The manifest records the binding too, and every
+    reader checks both agree. So a file copied from another generation, or swapped, is refused.
+    JSON files record their binding in the manifest only.
     """
 
     def __init__(self, staging: Path, rank: int, generation: str):
@@ -122,8 +127,11 @@ class StagingWriter:
         finite: bool = True,
         blocks: bool = False,
     ) -> None:
-        """Write one safetensors file (values may be `safetensors_write.LazyTensor`s, produced one at a time);
-        `blocks=True` records per-block digests so that loaders may read and verify parts of it."""
+        """Write one safetensors file at `relpath`; values may be `safetensors_write.LazyTensor`s.
+
+        `blocks=True` records block digests, so loaders may read and verify parts of it. Raises as
+        `safetensors_write.save_tensors` does.
+        """
         binding = _checked_binding(binding)
         stamp = {"generation": self.generation, "file": relpath, **binding}
         clash = sorted(set(metadata or {}) & set(stamp))
@@ -135,13 +143,15 @@ class StagingWriter:
         self._record(relpath, replace(record, binding=binding))
 
     def write_json(self, relpath: str, obj, *, binding: dict[str, str] | None = None) -> None:
-        """Write one JSON file in the plugin's own form (`json_files.json_bytes`: sorted keys, indent 1)."""
+        """Write one JSON file at `relpath` in the plugin's own form (`json_files.json_bytes`)."""
         record = json_files.write_json(self._target(relpath), obj)
         self._record(relpath, replace(record, binding=_checked_binding(binding)))
 
     def write_bytes(self, relpath: str, data: bytes, *, binding: dict[str, str] | None = None) -> None:
-        """Write one file of already-encoded bytes (a format whose bytes another tool defines, e.g. the
-        PEFT `adapter_config.json` in Megatron-Bridge's form); recorded and bound like any file."""
+        """Write one file of already-encoded bytes, recorded and bound like any file.
+
+        It is for a format whose bytes another tool defines, such as PEFT's `adapter_config.json`.
+        """
         record = atomic_files.write_file_atomic(self._target(relpath), [bytes(data)])
         self._record(relpath, replace(record, binding=_checked_binding(binding)))
 
@@ -158,6 +168,7 @@ class StagingWriter:
             faults.point("mid-write", self.rank)
 
     def sync_dirs(self) -> None:
+        """Fsync every directory this rank wrote into, deepest first; OSError propagates."""
         for directory in sorted({(self.staging / rel).parent for rel in self.records}, reverse=True):
             atomic_files.fsync_dir(directory)
 
@@ -191,55 +202,44 @@ def save_generation(
 ) -> Path:
     """Collective. Write one generation of `root` through all phases; returns its directory.
 
-    `write_files(writer)` runs on every rank and writes that rank's files (possibly none).
+    `write_files(writer)` runs on every rank and writes that rank's files, possibly none.
     `metadata` (JSON) goes into the manifest; `keep` prunes to the newest N generations afterwards.
 
-    `produce(consensus)`, when given, is the caller's own collective step: it runs on every rank
-    after prepare was agreed (the lease is held, the staging directory exists) and before the
-    write phase, e.g. a collective export that `write_files` then writes. It must pass every
-    failure through `consensus.agree` (so that it raises the same CheckpointError on every rank)
-    and may return manifest metadata to add to `metadata` (the coordinator's is recorded; a key in
-    both is an error).
-    `write_produced(writer)`, when given with `produce`, changes the order: the write phase first
-    (every rank's `write_files` in the staging directory, agreed), then `produce`, then a second
-    write phase, `write-produced` (agreed), where every rank writes what `produce` made (e.g. the
-    coordinator's PEFT files after a collective export that runs once the adapter shards are
-    staged, as Miles v1 orders its slot saves). A file written in both phases is an error.
-    `link_latest`: the publish also points the relative symlink `<root>/latest` at the new
-    generation (replaced atomically, durable with the rename and the tracker), for readers that
-    want a fixed path (e.g. a PEFT export root that serves adapters); a `latest` that is not a
-    symlink is refused at prepare.
-    `links`: more such relative symlinks in `root`, one path component each (e.g. the `step_N`
-    names Miles' multi-LoRA readers look for, `savers.multi_lora`): the publish points every one
-    at the new generation, each replaced atomically (a reader sees the old generation or the new
-    one, never nothing), made durable with the rename. A name that is one of the protocol's own
-    (`gen-*`, `.staging-*`, the tracker, ...) is a ValueError; an existing entry of that name that
-    is not a symlink is refused at prepare.
+    `produce(consensus)`, when given, is the caller's own collective step, such as a collective
+    export. It runs on every rank after prepare and before the write phase. It must pass every
+    failure through `consensus.agree`, and may return manifest metadata to add; a key in both is an
+    error. With `write_produced(writer)` too, the write phase runs first, then `produce`, then a
+    second write phase, `write-produced`, where every rank writes what `produce` made. A file
+    written in both phases is an error.
 
-    Raises the same CheckpointError on every rank if any rank fails any phase (another writer
-    holding the root's lease included); the previous generation, the tracker and `latest` are then
-    untouched, and the attempt's staging directory is removed. A failure after the publishing
-    rename (the tracker, a link, the root's fsync, on any rank) raises `CommittedButFailed` on every
-    rank instead, naming the generation, which is committed and loads.
+    `link_latest` also points the relative symlink `<root>/latest` at the new generation. `links`
+    names more such symlinks, one path component each, such as Miles' `step_N` reader names. Each
+    is replaced atomically and made durable with the rename. A protocol name (`gen-*`, the
+    tracker, ...) raises ValueError; an existing entry that is not a symlink is refused at prepare.
+
+    Raises the same CheckpointError on every rank if any rank fails any phase, another writer's
+    lease included. The previous generation, tracker and links are then untouched, and the staging
+    directory is removed. A failure after the publishing rename raises `CommittedButFailed` on
+    every rank instead, naming the generation, which is committed and loads.
     """
     root, rank = Path(root), consensus.rank
     coordinator = rank == 0
     links = ((LATEST,) if link_latest else ()) + tuple(check_link_name(name) for name in links)
 
-    # prepare: the coordinator takes the lease, numbers the generation, makes its staging directory
+    # Prepare: the coordinator takes the lease, numbers the generation, makes its staging directory.
     prepared = attempt(_prepare if coordinator else _prepare_bystander, root, links, rank)
     try:
         attempt_id, sequence = consensus.agree("prepare", prepared.map(lambda p: [p.attempt_id, p.sequence]))[0]
         staging, key = root / staging_dir_name(attempt_id), prepared.value.key  # the key: coordinator only
 
-        # produce (optional): the caller's collective step, each of its steps agreed by itself
+        # Produce (optional): the caller's collective step, each of its steps agreed by itself.
         produce_first = produce is not None and write_produced is None
         produced = produce(consensus) if produce_first else None
 
-        # write: each rank its own files
+        # Write: each rank its own files.
         records_by_rank = consensus.agree("write", attempt(_write_rank_files, staging, attempt_id, rank, write_files))
 
-        # produce after the write (with write_produced), then write what it produced
+        # Produce after the write (with write_produced), then write what it produced.
         if produce is not None and not produce_first:
             produced = produce(consensus)
             written = records_by_rank[rank]
@@ -248,7 +248,7 @@ def save_generation(
                 {**a, **b} for a, b in zip(records_by_rank, consensus.agree("write-produced", more), strict=True)
             ]
 
-        # commit: the coordinator writes the manifest last, still inside the staging directory
+        # Commit: the coordinator writes the manifest last, still inside the staging directory.
         manifest = Manifest(
             generation=attempt_id,
             iteration=iteration,
@@ -261,12 +261,12 @@ def save_generation(
         commit = _write_manifest if coordinator else _bystander(COMMIT_FAULTS)
         consensus.agree("commit", attempt(commit, staging, manifest, records_by_rank, produced, key, rank))
 
-        # publish: still the lease holder? then one atomic rename makes the generation visible, and
-        # the tracker (and `latest`) name it
+        # Publish: if still the lease holder, one atomic rename makes the generation visible, and
+        # the tracker and links name it.
         final = root / generation_dir_name(iteration, attempt_id)
         publish = _publish if coordinator else _bystander_publish
         published = consensus.agree("publish", attempt(publish, staging, final, manifest, links, rank))
-        # past the rename the generation is committed: a later failure names it, on every rank
+        # Past the rename the generation is committed: a later failure names it, on every rank.
         after = [RankFailure(r, p["after"]) for r, p in enumerate(published) if p["after"] is not None]
         if after:
             raise CommittedButFailed(final.name, after)
@@ -278,7 +278,7 @@ def save_generation(
         if coordinator and prepared.ok:
             attempts.end(root, staging_dir_name(prepared.value.attempt_id))
 
-    # retain: after the last collective, so it must not raise
+    # Retain: after the last collective, so it must not raise.
     if coordinator and keep is not None:
         retention.prune_quietly(root, keep=keep, trusted=(final.name,))
     return final
@@ -327,12 +327,10 @@ def _discard(staging: Path) -> None:
 def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
     """1 + the highest sequence among the root's committed manifests.
 
-    Damaged generations keep their numbers (a sequence is never reused while its generation is
-    there); with a key configured, only properly signed manifests count (a forged one cannot
-    exhaust the numbers). The tracker is an unsigned hint: its `sequence` counts only when it
-    names a generation of the root whose counted manifest agrees with it (generation, iteration,
-    sequence), which that manifest's number already covers; any other tracker sequence above the
-    highest is a warning, never a number (a forged 2^62 would otherwise stop every later save).
+    Damaged generations keep their numbers, so a sequence is never reused while its generation is
+    there. With a key configured, only properly signed manifests count, so a forged one cannot
+    exhaust the numbers. The tracker is an unsigned hint: a higher sequence there is a warning,
+    never a number, since a forged 2^62 would stop every later save.
     """
     highest, holder = 0, None
     for name in os.listdir(root):
@@ -352,8 +350,8 @@ def next_sequence(root: Path, key: signing.SigningKey | None) -> int:
         tracked = Tracker.from_dict(json_files.read_json(root / TRACKER))
     except DAMAGE:  # a missing or unusable tracker adds nothing
         tracked = None
-    # a tracker that agrees with a counted manifest claims that manifest's number, already counted:
-    # a higher claim agrees with no generation here (forged, or its generation was removed)
+    # A tracker that agrees with a counted manifest claims that manifest's number, already counted.
+    # A higher claim agrees with no generation here: forged, or its generation was removed.
     if tracked is not None and tracked.sequence is not None and tracked.sequence > highest:
         log.warning(
             "%s: the tracker claims sequence %d for %s, which no generation of this root with that "
@@ -394,7 +392,7 @@ PUBLISH_FAULTS = ("after-publish",)
 
 
 def _bystander(phases: tuple[str, ...]):
-    """Non-coordinators do no commit or publish work, but every fault phase can fire on every rank."""
+    """Non-coordinators do no commit or publish work, but every fault phase can fire on any rank."""
 
     def run(*args) -> None:
         for phase in phases:
@@ -428,8 +426,11 @@ def _write_manifest(
 
 
 def _publish(staging: Path, final: Path, manifest: Manifest, links: tuple[str, ...], rank: int) -> dict:
-    """The rename that commits, then what follows it; a failure before the rename raises (nothing
-    was committed), one after it is returned as `after` (the generation is committed regardless)."""
+    """The rename that commits, then what follows it.
+
+    A failure before the rename raises, since nothing was committed. One after it is returned as
+    `after`: the generation is committed regardless.
+    """
     lease.confirm(final.parent)  # lost it (stalled past the timeout)? then the root is another writer's
     if final.exists():
         raise FileExistsError(f"{final} already exists")
@@ -462,8 +463,10 @@ def point_link(root: Path, link: str, name: str) -> None:
 
 
 def check_link_name(name: str) -> str:
-    """`name` if the publish may point a symlink of that name at a generation; ValueError if it is
-    not one plain path component, or is one of the protocol's own names."""
+    """`name` if the publish may point a symlink of that name at a generation.
+
+    Raises ValueError if it is not one plain path component, or is one of the protocol's own names.
+    """
     if (
         not isinstance(name, str)
         or not name
@@ -517,9 +520,11 @@ class OpenedGeneration:
         return self.files[relpath].tensors()
 
     def tensor_ranges(self, relpath: str):
-        """`{(name, first, stop): 1-D tensor}`: the element ranges this rank asked of `relpath` with a
-        `PartialRead` (already checked); for a file this rank read whole, a view that cuts any range
-        from it (`.get` raises ValueError for a tensor the file lacks or a range it does not hold)."""
+        """`{(name, first, stop): 1-D tensor}`: the checked ranges this rank asked of `relpath`.
+
+        For a file this rank read whole, it cuts any range from it. `.get` raises GenerationDamaged,
+        a ValueError, for a tensor or range the file does not hold.
+        """
         if relpath in self.ranges:
             return self.ranges[relpath]
         return WholeFileRanges(self.tensors(relpath))
@@ -534,16 +539,17 @@ class OpenedGeneration:
 
     @property
     def buffers(self) -> dict[str, bytearray]:
+        """`{relpath: bytes}` of this rank's files read whole, already checked."""
         return {rel: checked.buffer for rel, checked in self.files.items()}
 
 
 class DeferredRanges:
-    """The element ranges of one file, some verified at open and kept (`kept`: those of a
-    `PartialRead(keep=True)`), the others verified at open but not kept (`PartialRead(keep=False)`):
-    `.get` returns a kept one as it is, and reads any other again, every block it touches checked
-    against its digest once more, when the caller is ready for it (e.g. one bucket's key at a
-    time), so the caller's memory holds one such range at a time. `.drop` forgets a kept range
-    once the caller has used it for the last time (its memory goes back)."""
+    """The element ranges of one file, all verified at open; `PartialRead(keep=True)` ones kept.
+
+    `.get` returns a kept range as it is, and reads any other again, verified again, when the caller
+    is ready for it. So memory holds one such range at a time. `.drop` forgets a kept range after
+    its last use, so its memory goes back.
+    """
 
     def __init__(self, gen_dir: Path, relpath: str, manifest: Manifest, kept: dict | None = None):
         self.gen_dir, self.relpath, self.manifest = gen_dir, relpath, manifest
@@ -551,9 +557,11 @@ class DeferredRanges:
         self._scratch = None  # the buffer `get(transient=True)` reads into, reused
 
     def get(self, wanted, default=None, *, transient: bool = False):
-        """A kept range, or one read again (verified again). With `transient=True` a range read
-        again lands in a buffer this object reuses for its next transient read (no fresh memory
-        to fault in, read after read): the caller must be done with the tensor before then."""
+        """A kept range, or one read and verified again; raises `DAMAGE` for what it finds.
+
+        With `transient=True` a range read again lands in a buffer reused for the next transient
+        read, so no fresh memory faults in. The caller must be done with the tensor before then.
+        """
         item = tuple(wanted)
         if item in self.kept:
             return self.kept[item]
@@ -571,61 +579,61 @@ class DeferredRanges:
         self._scratch = None
 
     def drop(self, wanted) -> None:
+        """Forget kept range `wanted` after its last use, so its memory goes back."""
         self.kept.pop(tuple(wanted), None)
 
 
 class WholeFileRanges:
-    """Element ranges cut from the tensors of a file read whole (see `OpenedGeneration.tensor_ranges`)."""
+    """Element ranges cut from the tensors of a file read whole (`OpenedGeneration.tensor_ranges`).
+
+    `.get` raises GenerationDamaged, a ValueError, for a tensor or range the file does not hold.
+    """
 
     def __init__(self, tensors: dict):
         self.tensors = tensors
 
     def get(self, wanted, default=None):
+        """Element range `wanted`, cut from the file's tensors; GenerationDamaged if it lacks it."""
         return _cut_one(self.tensors, tuple(wanted))
 
 
 @dataclass(frozen=True)
 class PartialRead:
-    """A loader's request for some element ranges of one tensor file: `(tensor name, first, stop)`
-    of the flattened tensor, or a strided range `(name, first, stop, step, width)` whose rows come
-    back compact (`partial_reads.strided_rows`: a row-parallel factor's half rows). Only the blocks
-    holding them are read (and verified) when the manifest records a block index for the file;
-    otherwise the whole file is read and checked. A rank's
-    requests of one file are merged and read in one pass (`verify.check_file_ranges`): every block
-    is read and verified once per load, and the ranges are kept as views of the verified spans.
-    With `keep=False` the ranges are verified at open, in that same pass, one at a time in one
-    reused buffer, and not kept; the loader reads each again, verified again, when it installs it
-    (`DeferredRanges`): one range in memory at a time instead of all of them, for one more read of
-    each. One file may have requests of both kinds (a range asked both ways is kept)."""
+    """A loader's request for some element ranges of one tensor file.
+
+    A range is `(tensor name, first, stop)` of the flattened tensor, or a strided range whose rows
+    come back compact (`partial_reads.strided_rows`). Only the blocks holding them are read when
+    the file has a block index; otherwise the whole file is. A rank's requests of one file are
+    read in one verified pass (`verify.check_file_ranges`). With `keep=False` they are verified
+    then, not kept, and read again at install (`DeferredRanges`), so one is in memory at a time.
+    """
 
     relpath: str
     ranges: tuple[partial_reads.ElementRange, ...]
     keep: bool = True  # False: verify now, one range at a time; read again later (`DeferredRanges`)
 
 
-# returns relpaths (whole files) and PartialReads; raises GenerationDamaged for damage, IncompatibleCheckpoint
-# to refuse the load; anything else is a bug and fails the load too (never a fall back)
+# Returns relpaths (whole files) and PartialReads. Raises GenerationDamaged for damage, and
+# IncompatibleCheckpoint to refuse the load; anything else is a bug and fails the load too.
 FilesFn = Callable[[Manifest], list]
 
 
 def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_rank: FilesFn) -> OpenedGeneration:
-    """Collective. Resolve `path` (a save root or one generation) and read this rank's files.
+    """Collective. Resolve `path`, a save root or one generation, and read this rank's files.
 
-    Every rank reads `files_for_rank(manifest)` with every content check (whole files, and the
-    element ranges of each `PartialRead`: all of one file's in one verified pass, kept); the files
-    no rank asked for, and the blocks of partially
-    read files no rank read, are verified round-robin, so every listed byte is checked. All ranks agree on
-    one generation; a root falls back past damaged generations with a warning (damage is what the
-    checks raise as `GenerationDamaged`, or `OSError` reading a listed file; `files_for_rank` raises
-    `GenerationDamaged` for damage too); an explicit generation that is damaged fails. Any other
-    exception, `IncompatibleCheckpoint` or a bug (e.g. a TypeError in a check), fails the load on
-    every rank at once, its traceback in the log of the rank that met it: it never falls back to
-    older state. Mutates nothing.
+    Every rank reads `files_for_rank(manifest)`, whole files and `PartialRead` ranges, with every
+    content check. Files and blocks no rank reads are verified round-robin. Returns the
+    `OpenedGeneration` all ranks agreed on; it mutates nothing.
+
+    A root falls back past damaged generations with a warning; damage is `GenerationDamaged`, or
+    an `OSError` reading a listed file. An explicit damaged generation fails the load with the same
+    CheckpointError on every rank. So does any other exception, such as `IncompatibleCheckpoint` or
+    a bug: it never falls back to older state.
     """
     rank, world = consensus.rank, consensus.world_size
-    # resolve: every rank loads its signing key; the coordinator lists the candidates in commit
-    # order, with every disagreement of the tracker as a warning; one round checks that every rank
-    # asks for the same thing (first) and that nobody failed, and hands out the listing
+    # Resolve: every rank loads its signing key, and the coordinator lists the candidates in commit
+    # order, tracker disagreements as warnings. One round checks every rank asks for the same thing
+    # (`first`) and nobody failed, and hands out the listing.
     local = attempt(_resolve_locally, Path(path), rank == 0)
     mine = {"path": str(path), "listing": local.value[1] if local.ok else None, "error": local.error}
     everyone = consensus.agree("resolve", Outcome.success(mine))
@@ -641,13 +649,13 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
         log.warning("%s: %s", path, warning)
     damage: list[RankFailure] = []
     for candidate in map(Path, candidates):
-        # plan: every rank checks the structure (once) and names the files it needs
+        # Plan: every rank checks the structure once and names the files it needs.
         planned = attempt(_plan_reads, candidate, files_for_rank, key)
         plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
         if not problems:
-            # read: own files plus a share of the unclaimed ones; agree on what was found
-            # (damage found in a file is a verdict; any other error fails the load on every rank)
+            # Read: own files plus a share of the unclaimed ones, then agree on what was found.
+            # Damage found in a file is a verdict; any other error fails the load on every rank.
             manifest = planned.value[0].manifest
             local_read = attempt(_read_share, rank, world, candidate, manifest, plans)
             verdicts = consensus.agree("read", local_read.map(lambda read: read[2]))
@@ -674,8 +682,10 @@ def _resolve_locally(path: Path, coordinator: bool):
 
 
 def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generation, dict]:
-    """The checked structure (kept on this rank) and the JSON plan every rank agrees on:
-    `files` read whole, `ranges` ({relpath: [[name, first, stop], ...]}) read in part."""
+    """The checked structure, kept on this rank, and the JSON plan every rank agrees on.
+
+    The plan holds `files` read whole and `ranges` read in part: `{relpath: [[name, first, stop]]}`.
+    """
     gen = check_structure(candidate, key=key)
     if not gen.intact:
         return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
@@ -704,7 +714,8 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         for rel in sorted({*whole, *ranges})
         if rel not in gen.manifest.files
     ]
-    # the ranges verified at open and read again later: those no request asked kept, of files not read whole
+    # Ranges verified at open and read again later: those no request asked kept, of files not
+    # read whole.
     deferred = {
         rel: [item for item in items if (rel, *item) not in kept]
         for rel, items in ranges.items()
@@ -714,8 +725,10 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
 
 
 def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plans: list[dict]):
-    """Read this rank's files (kept) and ranges, and check its round-robin share of what nobody
-    reads: whole files nobody asked for (streamed), and unread blocks of partially read files."""
+    """Read this rank's files and ranges, and check its round-robin share of what nobody reads.
+
+    That share is whole files nobody asked for, streamed, and unread blocks of partially read files.
+    """
     faults.point("before-read", rank)
     whole = {rel for plan in plans for rel in plan["files"]}
     partial = sorted({rel for plan in plans for rel in plan["ranges"]} - whole)
@@ -742,7 +755,7 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
                 later = {tuple(item) for item in mine.get("deferred", {}).get(rel, ())}
                 kept = [item for item in wanted if item not in later]
                 read = check_file_ranges(candidate, rel, manifest, kept, check_only=sorted(later))
-                # the deferred ones were verified and dropped: read again, verified again, later
+                # The deferred ones were verified and dropped: read and verified again later.
                 ranges[rel] = DeferredRanges(candidate, rel, manifest, read) if later else read
         except DAMAGE as exc:
             problems += _damage_lines(candidate, exc, rel)
@@ -755,15 +768,16 @@ def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plan
 
 
 def _damage_lines(candidate: Path, exc: BaseException, rel: str) -> list[str]:
-    """What a `DAMAGE` exception met about `rel` says, one line per problem, each naming its file."""
+    """What a `DAMAGE` exception about `rel` says, one line per problem, each naming its file."""
     return [f"{candidate / p.file}: {p.reason}" for p in damage_problems(exc, rel)]
 
 
 def _prefetch(candidate: Path, manifest: Manifest, whole: list[str], ranges: dict, share: dict) -> None:
-    """Hint the kernel at every byte `_read_share` reads on this rank, in the order it reads them
-    (`read_ahead.prefetch`): whole files, the blocks of its ranges, its share of unread blocks. The
-    disk then reads ahead while earlier bytes are hashed and checked; nothing is read or trusted here,
-    and nothing fails: whatever would, the reads after it meet and report as damage."""
+    """Hint the kernel at every byte `_read_share` reads on this rank, in its order.
+
+    The disk then reads ahead while earlier bytes are checked. Nothing is read or trusted here, and
+    nothing fails: the reads after it meet and report whatever would.
+    """
     try:
         _hint_reads(candidate, manifest.files, whole, ranges, share)
     except DAMAGE:  # a hint: the verified reads that follow report every problem
@@ -785,8 +799,7 @@ def _hint_reads(candidate: Path, listed: dict, whole: list[str], ranges: dict, s
 
 
 def _unread_blocks(index, rel: str, plans: list[dict]) -> list[int]:
-    """The blocks of a partially read file that no rank's ranges touch, nor its header's (every
-    reader reads the header)."""
+    """The blocks of a partially read file that no rank's ranges touch, the header's aside."""
     read = bytearray(len(index.digests))
     for plan in plans:
         if rel in plan["ranges"]:
@@ -802,7 +815,7 @@ def _cut(checked: checked_reads.CheckedFile, wanted: list) -> dict:
 
 
 def _cut_one(tensors: dict, wanted: partial_reads.ElementRange):
-    """Element range `wanted` of a file read whole (`tensors`): a view, or a strided range's rows (compact)."""
+    """Element range `wanted` of a file read whole: a view, or a strided range's rows, compact."""
     name, first, stop = wanted[:3]
     tensor = tensors.get(name)
     if tensor is None:

@@ -1,8 +1,8 @@
-"""Reading ahead: threads that fill a buffer while the reader checks what is there, and page-cache hints.
+"""Reading ahead: threads that fill a buffer while the reader checks it, and page-cache hints.
 
-`ReadAhead` reads a whole file into a buffer with several `preadv` requests in flight, so the next
-chunks arrive while the reader hashes and checks this one. `will_need` and `prefetch` tell the kernel
-which bytes are read soon (`POSIX_FADV_WILLNEED`): hints only, what is read is verified as ever.
+`ReadAhead` keeps several `preadv` requests in flight, so the next chunks arrive while the reader
+hashes this one. `will_need` and `prefetch` tell the kernel which bytes are read soon; they are
+hints only, and what is read is verified as ever.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ READ_AHEAD_THREADS = 2
 
 
 class ReadAhead:
-    """Threads that read a file into `buffer`, chunk `i` by thread `i % READ_AHEAD_THREADS` (`preadv`
-    at its offset, several requests in flight at once; the file is marked `POSIX_FADV_SEQUENTIAL`
-    first, so the kernel's own read-ahead window grows), and tell how far the buffer is filled
-    without a gap; the reader waits only for bytes not yet there. Stops at the end, on `stop()`, or
-    on an error (re-raised by `wait_for`)."""
+    """Threads that read the file object `handle` into `buffer`, several chunks in flight at once.
+
+    `filled` says how far the buffer is filled without a gap, so the reader waits only for bytes not
+    yet there. The file is marked `POSIX_FADV_SEQUENTIAL`, so the kernel's read-ahead window grows.
+    The threads stop at the end, on `stop()`, or on an error, which `wait_for` raises.
+    """
 
     def __init__(self, handle, buffer: bytearray):
         self.handle, self.buffer = handle, buffer
@@ -45,7 +46,7 @@ class ReadAhead:
     def _run(self, first: int) -> None:
         view, size, fd = memoryview(self.buffer), len(self.buffer), self.handle.fileno()
         if first == 0 and hasattr(os, "posix_fadvise"):
-            # a hint: the whole file is read in order, so the kernel may read ahead further
+            # A hint: the whole file is read in order, so the kernel may read ahead further.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         try:
             for start in range(first * READ_AHEAD_CHUNK, size, READ_AHEAD_THREADS * READ_AHEAD_CHUNK):
@@ -64,7 +65,7 @@ class ReadAhead:
                         self._ready.discard(self.filled)
                         self.filled = min(size, self.filled + READ_AHEAD_CHUNK)
                     self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+        except BaseException as exc:  # noqa: BLE001 - the reader raises it
             self.error = exc
         finally:
             with self._cond:
@@ -73,7 +74,10 @@ class ReadAhead:
                 self._cond.notify_all()
 
     def wait_for(self, end: int) -> None:
-        """Wait until the buffer is filled up to byte `end`; raise the error that stopped the threads."""
+        """Wait until the buffer is filled up to byte `end`; raise the error that stopped the reads.
+
+        That is GenerationDamaged for a file that shrank, or the read's OSError.
+        """
         with self._cond:
             while self.filled < end and not self.done:
                 self._cond.wait()
@@ -88,16 +92,17 @@ class ReadAhead:
 
 
 def will_need(fd: int, record: FileRecord, spans: Iterable[tuple[int, int]] | None = None) -> None:
-    """Tell the kernel that the bytes of an open file under `spans` (`[begin, end)` byte ranges,
-    widened to the blocks of `record`'s block index, if any; None: the whole file) are read soon
-    (`POSIX_FADV_WILLNEED`): the disk reads them into the page cache while the reader hashes and
-    checks what it read before. A hint about the page cache only: what is read is verified as
-    ever, and nothing fails if the hint cannot be given."""
+    """Tell the kernel that the bytes of `fd` under `spans` are read soon (`POSIX_FADV_WILLNEED`).
+
+    `spans` are `[begin, end)` byte ranges, widened to the blocks of `record`; None means the whole
+    file. The disk fills the page cache while the reader checks earlier bytes. It is a hint only:
+    it raises nothing, and what is read is verified as ever.
+    """
     if not hasattr(os, "posix_fadvise"):
         return
     size = record.bytes
     block_bytes = record.blocks.block_bytes if record.blocks is not None else 1
-    widened = []  # block-aligned, clipped to the file, then merged: one call per run of blocks
+    widened = []  # block-aligned, clipped to the file, then merged: one call per run of blocks.
     for begin, end in [(0, size)] if spans is None else spans:
         start, stop = max(0, begin) // block_bytes * block_bytes, min(size, -(-end // block_bytes) * block_bytes)
         if end > begin and stop > start:
@@ -116,8 +121,10 @@ def will_need(fd: int, record: FileRecord, spans: Iterable[tuple[int, int]] | No
 
 
 def prefetch(path: Path, record: FileRecord, spans: Iterable[tuple[int, int]] | None = None) -> None:
-    """`will_need` for the file at `path` (opened as a regular file and closed again: the page cache
-    is the file's, not the descriptor's). Anything that prevents it, the reader meets and reports."""
+    """`will_need` for the file at `path`, opened and closed again; the page cache is the file's.
+
+    It raises nothing: whatever prevents it, the reader meets and reports.
+    """
     try:
         fd, _ = open_regular(Path(path))
     except (OSError, ValueError):

@@ -1,11 +1,9 @@
-"""Opening regular files, and nothing else, without blocking: the one piece the file readers
-(`file_reader`, `read_ahead`: tensor and JSON files of generations), `lease` and `signing` (the key
-file) share. Imports nothing of the package, so `layout -> signing` never leads back to `layout`
-through the readers.
+"""Opening regular files, and nothing else, without blocking.
 
-A path is judged from `lstat` before it is opened: a FIFO, device, socket, directory or link is
-refused without being opened (so nothing blocks); a regular file is opened `O_NOFOLLOW|O_NONBLOCK`
-and checked again on the descriptor.
+Shared by the file readers (`file_reader`, `read_ahead`), `lease` and `signing`. It imports nothing
+of the package, so `layout -> signing` never leads back to `layout` through the readers. A path is
+judged from `lstat` first: a FIFO, device, socket, directory or link is refused unopened, so
+nothing blocks. A regular file is opened `O_NOFOLLOW|O_NONBLOCK` and checked again once open.
 """
 
 from __future__ import annotations
@@ -14,9 +12,11 @@ import os
 import stat
 from pathlib import Path
 
+__all__ = ["file_kind", "open_regular", "read_regular"]
+
 
 def file_kind(mode: int) -> str:
-    """`regular file`, `directory`, `symlink`, `fifo`, `socket`, `character device` or `block device`."""
+    """The kind of file `mode` (an `st_mode`) names, such as `regular file` or `fifo`."""
     for test, name in (
         (stat.S_ISREG, "regular file"),
         (stat.S_ISDIR, "directory"),
@@ -38,10 +38,11 @@ def require_regular(st: os.stat_result) -> None:
 
 
 def open_regular(path: Path) -> tuple[int, os.stat_result]:
-    """Open a regular file for reading; anything else is refused from `lstat`, without opening it.
+    """Open the regular file `path` for reading; returns its descriptor and `fstat`.
 
-    The descriptor is opened with `O_NOFOLLOW|O_NONBLOCK` and checked again (same inode, still a
-    regular file), so a file swapped for a FIFO or a link in between cannot block or redirect us.
+    Anything else is refused from `lstat` without being opened: ValueError with the reason, or
+    OSError. The descriptor is checked again (same inode, still regular), so a file swapped for a
+    FIFO or a link in between cannot block or redirect the read.
     """
     before = os.lstat(path)
     require_regular(before)
@@ -57,8 +58,10 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
 
 
 def read_regular(path: Path, *, max_bytes: int) -> bytes:
-    """The whole content of a small regular file (at most `max_bytes`, refused before reading
-    otherwise); ValueError or OSError with the reason."""
+    """The whole content of a small regular file of at most `max_bytes`.
+
+    A larger file is refused before it is read. Raises ValueError or OSError with the reason.
+    """
     fd, st = open_regular(Path(path))
     try:
         if st.st_size > max_bytes:

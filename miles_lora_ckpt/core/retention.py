@@ -2,35 +2,23 @@
 
 `plan_prune` decides, in this order:
 
-1. Generations are walked newest first (commit order, see `verify`), and each is content-verified
-   (every byte read and checked, exactly as a loader would) until `keep` intact ones are found:
-   those are kept. A damaged generation never counts among the N kept.
-2. If no generation passes, no generation is removed: the root keeps whatever it has.
-3. The tracker's generation is kept, and so is every damaged generation newer than the oldest one
-   kept (left for an operator to look at); every other generation older than the oldest kept
-   generation is removed (those are not read). A generation directory whose manifest cannot be
-   read is never removed: its place in the commit order is unknown (it may be the newest). It is
-   reported instead (`PrunePlan.unordered`, and a note naming it and why).
-4. Staging directories are never touched while another process holds a live writer lease of the
-   root (its attempt may be live). The lease holder itself (retention at the end of its save)
-   removes every staging directory but those of its own attempts still in flight (`staging.live`).
-   Without a live lease, staging directories older than `staging_min_age_s` go.
+1. Generations are walked newest first and content-verified, as a loader would, until `keep`
+   intact ones are found: those are kept. A damaged generation never counts among them.
+2. If no generation passes, none is removed.
+3. The tracker's generation is kept, and so are damaged generations newer than the oldest kept.
+   Older generations are removed unread. One whose manifest cannot be read has no known place in
+   the order, so it is reported (`PrunePlan.unordered`) and never removed.
+4. Staging directories are left alone while another process holds a live writer lease. The holder
+   removes all but its own attempts in flight; without a lease, those older than
+   `staging_min_age_s` go.
 5. `.deleting-*` leftovers of an interrupted removal are finished.
-6. Generation links (relative symlinks naming a `gen-*` directory of the root, such as `latest`
-   or a multi-LoRA slot root's `step_N` reader names) that name a generation being removed, or
-   none that exists, are removed first, so no reader follows a link into a half-removed directory.
+6. Generation links (such as `latest`) to a generation being removed, or to none, go first, so no
+   reader follows a link into a half-removed directory.
 
-Removal renames an entry to `.deleting-<name>` first (one atomic step that takes it out of every
-reader's view), then removes it: a link or file is unlinked (never followed), a directory removed
-without following any link inside. A failure on one entry is reported and the others go on.
-
-Every save also reclaims at prepare, as the lease holder, what crashed attempts left behind
-(`reclaim_staging`): staging directories of no attempt in flight, and `.deleting-` leftovers of
-such directories; a root that saw many crashes never fills its disk with them, `gc` or not.
-
-Retention at the end of a save (`prune_quietly`) trusts the generation it just wrote (its digests
-were computed over the bytes as they were written) and does not re-read a generation this process
-already verified while none of its files changed (inode, size, mtime and ctime of every file).
+Removal first renames an entry to `.deleting-<name>`, taking it out of every reader's view, and
+never follows a link. A failure on one entry is reported and the others go on. Each save reclaims
+crashed attempts' staging directories (`reclaim_staging`). See docs/cli.md, "What `gc` and
+retention never remove".
 """
 
 from __future__ import annotations
@@ -56,6 +44,16 @@ from miles_lora_ckpt.core.layout import (
 )
 from miles_lora_ckpt.core.verify import RootEntry, is_unordered, reason, verify_generation, view_root
 
+__all__ = [
+    "PrunePlan",
+    "PruneReport",
+    "generation_links",
+    "plan_prune",
+    "prune",
+    "prune_quietly",
+    "reclaim_staging",
+]
+
 log = logging.getLogger(__name__)
 
 
@@ -66,12 +64,14 @@ class PrunePlan:
     remove: list[Path]
     kept: list[str]  # the content-verified generations counted among the N kept, newest first
     notes: list[str] = field(default_factory=list)
-    # generation directories whose manifest cannot be read: order unknown, never removed (see notes)
+    # Generation directories whose manifest cannot be read: order unknown, never removed.
     unordered: list[str] = field(default_factory=list)
 
 
 @dataclass
 class PruneReport(PrunePlan):
+    """A plan as carried out: what was removed, and what failed to be, with the reason."""
+
     removed: list[Path] = field(default_factory=list)
     failed: list[tuple[Path, str]] = field(default_factory=list)
 
@@ -85,10 +85,11 @@ def plan_prune(
     trusted: tuple[str, ...] = (),
     as_holder: bool = False,
 ) -> PrunePlan:
-    """The plan of a prune (see the module docstring); removes nothing.
+    """The plan of a prune of `root` keeping `keep` generations (the module docstring's rules).
 
-    `as_holder`: called by this process's save, which holds the root's writer lease (checked).
-    `trusted`: generation names to count as content-verified without reading them.
+    It removes nothing. `as_holder` means this process's save calls it, holding the root's writer
+    lease (checked). `trusted` names generations counted as verified without reading them; `key` is
+    the signing key. Raises ValueError when `keep` is below 1.
     """
     if keep < 1:
         raise ValueError("keep must be at least 1")
@@ -130,7 +131,10 @@ def prune(
     trusted: tuple[str, ...] = (),
     as_holder: bool = False,
 ) -> PruneReport:
-    """Remove what `plan_prune` names (nothing with `dry_run`)."""
+    """Remove what `plan_prune` names (nothing with `dry_run`); returns the `PruneReport`.
+
+    Raises as `plan_prune` does; a failure to remove one entry is reported, not raised.
+    """
     plan = plan_prune(
         root, keep=keep, staging_min_age_s=staging_min_age_s, key=key, trusted=trusted, as_holder=as_holder
     )
@@ -147,7 +151,11 @@ def prune(
 
 
 def prune_quietly(root: Path, *, keep: int, trusted: tuple[str, ...] = ()) -> None:
-    """`prune` for the end of a save: runs after the last collective, so it logs instead of raising."""
+    """`prune` for the end of a save, trusting the generations in `trusted`.
+
+    It runs after the last collective, so it logs instead of raising. A generation this process
+    verified is not read again while its files' inode, size and times are unchanged.
+    """
     try:
         report = prune(root, keep=keep, trusted=trusted, as_holder=True)
     except Exception as exc:  # noqa: BLE001 - the save is already committed; never fail it here
@@ -166,7 +174,7 @@ def prune_quietly(root: Path, *, keep: int, trusted: tuple[str, ...] = ()) -> No
 
 
 def generation_links(root: Path) -> dict[str, str]:
-    """`{link name: generation name}` of every symlink in `root` whose target is one `gen-*` name."""
+    """`{link name: generation name}` of every symlink in `root` whose target is a `gen-*` name."""
     links = {}
     try:
         names = os.listdir(root)
@@ -207,13 +215,13 @@ def _doomed_staging(
 
 
 def reclaim_staging(root: Path) -> list[str]:
-    """Remove what crashed save attempts left in `root`: every staging directory that none of this
-    process's attempts in flight owns, and the `.deleting-` leftovers of such directories (an
-    interrupted removal). Only while this process holds the root's writer lease (checked first;
-    `lease.LeaseHeld` if it lost it): then no other writer's attempt can be live, since a staging
-    directory is made only under the lease, so these belong to attempts whose lease is gone.
-    Without the lease it removes nothing. Returns the names removed; a failure to remove one is
-    logged (the save goes on), never raised."""
+    """Remove what crashed save attempts left in `root`; returns the names removed.
+
+    That is every staging directory no attempt of this process owns, and their `.deleting-`
+    leftovers. It acts only while this process holds the writer lease, so no other writer's attempt
+    can be live. Without the lease it removes nothing; a lost lease raises `lease.LeaseHeld`. A
+    failure to remove one entry is logged, never raised.
+    """
     root = Path(root)
     if not lease.holds(root):
         return []

@@ -2,21 +2,13 @@
 
 A single-LoRA generation holds, for every rank ``r`` (zero-padded to five digits)::
 
-    rng/rank00000.json          Python `random`'s state (a tuple of ints) and numpy's legacy global
-                                state (MT19937: key, position, cached Gaussian), and which tensors
-                                the tensor file holds
-    rng/rank00000.safetensors   uint8 byte tensors: torch's CPU generator (`torch.cpu`), the current
-                                CUDA device's (`torch.cuda`, where CUDA is initialised) and each
-                                state of megatron's tensor-parallel RNG tracker (`tracker.<name>`)
+    rng/rank00000.json          Python's and numpy's states, and the tensor file's names
+    rng/rank00000.safetensors   uint8 tensors: torch's CPU and CUDA generators (`torch.cpu`,
+                                `torch.cuda`) and megatron's RNG tracker states (`tracker.<name>`)
 
-Both are bound to ``{"role": "rng-state", "rank": "<r>"}``. The JSON is bounded and checked field
-by field (`check`); every tensor is a 1-D uint8 tensor of bounded size (`check_tensors`); a file
-larger than `MAX_RNG_FILE_BYTES` is refused from the manifest, before it is read. Restoring
-happens at one point only, after every rank agreed on the load (the loader's finish phase), so a
-failed load leaves every generator untouched.
-
-The tracker's states come from the megatron adapter (`megatron.rng_tracker`): this module imports
-no megatron; it takes and returns them as `{name: uint8 tensor}`.
+Both are bound to ``{"role": "rng-state", "rank": "<r>"}`` and checked strictly before use. States
+are restored only after every rank agreed on the load, so a failed load leaves every generator
+untouched. The tracker's states come from `megatron.rng_tracker`; this module imports no megatron.
 """
 
 from __future__ import annotations
@@ -28,6 +20,24 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_lora_ckpt.core import bounded
+
+__all__ = [
+    "CPU",
+    "MAX_RNG_FILE_BYTES",
+    "ROLE_RNG",
+    "RngState",
+    "binding",
+    "capture",
+    "check",
+    "check_size",
+    "check_tensors",
+    "decode",
+    "encode",
+    "json_file",
+    "named_binding",
+    "restore",
+    "tensor_file",
+]
 
 ROLE_RNG = "rng-state"
 RNG_FORMAT = 1
@@ -65,8 +75,11 @@ def named_binding(relpath: str) -> dict[str, str] | None:
 
 @dataclass
 class RngState:
-    """Every generator state of one process. `tracker` is None where megatron's tracker was not
-    initialised (or not asked for); `cuda` None where CUDA is not in use."""
+    """Every generator state of one process.
+
+    `tracker` is None where megatron's tracker was not initialised or not asked for; `cuda` is None
+    where CUDA is not in use.
+    """
 
     python: tuple
     numpy: tuple | None
@@ -83,7 +96,7 @@ class RngState:
 
 
 def capture(tracker: dict[str, torch.Tensor] | None = None) -> RngState:
-    """This process's generator states now (copies), with megatron's tracker states `tracker`."""
+    """Copies of this process's generator states now, with megatron's tracker states `tracker`."""
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state().clone()
@@ -92,8 +105,11 @@ def capture(tracker: dict[str, torch.Tensor] | None = None) -> RngState:
 
 
 def restore(state: RngState) -> None:
-    """Set this process's Python, numpy, torch and CUDA generators to `state` (not the tracker:
-    `megatron.rng_tracker.restore`). Checked first by `decode`/`check_restorable`: cannot fail."""
+    """Set this process's Python, numpy, torch and CUDA generators to `state`.
+
+    The tracker is `megatron.rng_tracker.restore`'s. `decode` checked `state` first, so this cannot
+    fail.
+    """
     random.setstate(state.python)
     if state.numpy is not None:
         import numpy
@@ -105,7 +121,7 @@ def restore(state: RngState) -> None:
 
 
 def encode(state: RngState, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """`(JSON value, {name: uint8 tensor})` of rank `rank`'s two files."""
+    """The content of rank `rank`'s two files: `(JSON value, {name: uint8 tensor})`."""
     version, words, gauss = state.python
     tensors = {CPU: state.cpu}
     if state.cuda is not None:
@@ -134,9 +150,12 @@ def encode(state: RngState, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def decode(value, tensors: dict[str, torch.Tensor], rank: int) -> RngState:
-    """The `RngState` of rank `rank`'s two files (`check`ed again, the tensors against the JSON, the
-    torch and CUDA states against this process's own sizes: their restore then cannot fail; the
-    tracker's are checked by `megatron.rng_tracker.check_restorable`). Raises ValueError."""
+    """The `RngState` of rank `rank`'s two files, the JSON `value` and `tensors`.
+
+    The JSON is checked again, the tensors against it, and the torch and CUDA states against this
+    process's sizes, so their restore cannot fail. Raises ValueError. The tracker's states are
+    checked by `megatron.rng_tracker.check_restorable`.
+    """
     check(value, rank)
     check_tensors({n: (str(t.dtype), list(t.shape)) for n, t in tensors.items()})
     if sorted(tensors) != value["tensors"]:
@@ -176,8 +195,10 @@ def decode(value, tensors: dict[str, torch.Tensor], rank: int) -> RngState:
 
 
 def check(value, rank: int | None = None) -> None:
-    """Every rule of an RNG JSON file (loader and `verify` alike); `rank`: the one its binding names.
-    Raises ValueError naming the field."""
+    """Check every rule of an RNG JSON file, for the loader and `verify` alike.
+
+    `rank` is the one its binding names. Raises ValueError naming the field.
+    """
     bounded.mapping(value, "rng")
     expected = {"format", "rank", "python", "numpy", "tensors", "tracker"}
     if set(value) != expected:
@@ -218,8 +239,11 @@ def check(value, rank: int | None = None) -> None:
 
 
 def check_tensors(entries: dict[str, tuple[str, list]]) -> None:
-    """Every rule of an RNG tensor file, given `{name: (dtype, shape)}` (a header's tags or torch
-    dtypes): at most `MAX_RNG_TENSORS` 1-D uint8 tensors of at most `MAX_RNG_TENSOR_BYTES`."""
+    """Check every rule of an RNG tensor file, given `{name: (dtype, shape)}`; ValueError if broken.
+
+    The dtypes are a header's tags or torch's names. The file holds at most `MAX_RNG_TENSORS` 1-D
+    uint8 tensors of at most `MAX_RNG_TENSOR_BYTES` each.
+    """
     if not 1 <= len(entries) <= MAX_RNG_TENSORS:
         raise ValueError(f"an RNG tensor file holds 1 to {MAX_RNG_TENSORS} tensors, this one {len(entries)}")
     for name, (dtype, shape) in entries.items():
@@ -231,7 +255,7 @@ def check_tensors(entries: dict[str, tuple[str, list]]) -> None:
 
 
 def check_size(relpath: str, size: int) -> None:
-    """An RNG file of `size` bytes (as the manifest records it) is refused above `MAX_RNG_FILE_BYTES`."""
+    """Refuse (ValueError) an RNG file whose manifest size is above `MAX_RNG_FILE_BYTES`."""
     if size > MAX_RNG_FILE_BYTES:
         raise ValueError(f"{relpath}: an RNG file of {size} bytes, more than the {MAX_RNG_FILE_BYTES} allowed")
 

@@ -1,9 +1,8 @@
-"""The safetensors format as this package writes and reads it: dtype tags, limits, a strict header parser.
+"""The safetensors format as this package writes and reads it: dtype tags, limits, a strict parser.
 
-The dtype table (`DTYPES`), the bounds on a header (`MAX_HEADER_BYTES`, the safetensors library's own,
-depth, rank, dimensions), the rule for tensor names (`check_tensor_name`), the strict bounded parse of
-a header (`parse_header`: every refusal is damage), its agreement with a manifest's block index
-(`check_block_spans`) and zero-copy tensors over a file's bytes (`tensors_from_buffer`).
+`parse_header` parses a header strictly within the bounds below, and every refusal is damage.
+`check_block_spans` holds it against a manifest's block index; `tensors_from_buffer` gives zero-copy
+tensors over a file's bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ __all__ = [
     "tensors_from_buffer",
 ]
 
-# safetensors dtype tag -> (torch dtype name, item size)
+# Safetensors dtype tag -> (torch dtype name, item size).
 DTYPES = {
     "F64": ("float64", 8),
     "F32": ("float32", 4),
@@ -52,9 +51,8 @@ DTYPES = {
 }
 TAG_OF = {torch_name: tag for tag, (torch_name, _) in DTYPES.items()}
 FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
-# The one limit on a safetensors header (its JSON, in bytes): the safetensors library's own
-# (100,000,000 bytes), so that every file we write the library can read, and we read no header it
-# would refuse. The reader checks the header length against it; the writer refuses to go past it.
+# The one limit on a safetensors header's JSON, in bytes: the safetensors library's own. So the
+# library reads every file we write, and we read no header it would refuse.
 MAX_HEADER_BYTES = 100_000_000
 MAX_HEADER_DEPTH = 4  # {name: {"shape": [...]}} and {"__metadata__": {...}}
 MAX_TENSOR_RANK = 32
@@ -70,9 +68,9 @@ def parse_safetensors_header(
     """Strictly parse the header of a whole safetensors file held in `buf`.
 
     Returns `(metadata, {name: (dtype_tag, shape, begin, end)})` with offsets absolute in `buf`.
-    Raises ValueError for anything the format forbids: a header past the end or nested too deep,
-    unknown dtypes, boolean or oversized dimensions, sizes that do not match shapes, gaps,
-    overlaps or bytes not covered by any tensor.
+    Raises GenerationDamaged (a ValueError) for anything the format forbids. That includes a header
+    past the end or nested too deep, unknown dtypes, bad dimensions, and sizes that do not match
+    shapes. Gaps, overlaps and bytes no tensor covers are refused too.
     """
     if len(buf) < 8:
         raise GenerationDamaged(f"too short for a safetensors file ({len(buf)} bytes)")
@@ -82,7 +80,7 @@ def parse_safetensors_header(
 
 
 def check_header_length(header_len: int, size: int) -> None:
-    """A safetensors header length must fit `MAX_HEADER_BYTES` and the file (`size` bytes)."""
+    """Refuse (GenerationDamaged) a header length past `MAX_HEADER_BYTES` or the file's `size`."""
     if header_len > size - 8:
         raise GenerationDamaged(f"safetensors header length {header_len} exceeds the file (not safetensors?)")
     if header_len > MAX_HEADER_BYTES:
@@ -92,9 +90,11 @@ def check_header_length(header_len: int, size: int) -> None:
 
 
 def parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, str], dict]:
-    """The header (JSON bytes `raw`) of a file of `total` bytes whose tensor data starts at
-    `data_start`: `(metadata, {name: (dtype_tag, shape, begin, end)})`, offsets absolute. Every
-    refusal (its own, `bounded`'s, a tensor name's) is damage."""
+    """Parse the header JSON `raw` of a file of `total` bytes whose data starts at `data_start`.
+
+    Returns `(metadata, {name: (dtype_tag, shape, begin, end)})` with offsets absolute. Every
+    refusal, its own or `bounded`'s, is GenerationDamaged.
+    """
     try:
         header = bounded.parse_json(
             raw, what="safetensors header", max_bytes=MAX_HEADER_BYTES, max_depth=MAX_HEADER_DEPTH
@@ -107,15 +107,17 @@ def parse_header(raw: bytes, data_start: int, total: int) -> tuple[dict[str, str
             raise ValueError(f"{exc} (it must map strings to strings)") from None
         entries = {name: _parse_entry(name, spec, data_start) for name, spec in header.items()}
         _check_coverage(entries, data_start, total)
-    except ValueError as exc:  # a parser of the file's bytes: its refusals (ValueError) are damage
+    except ValueError as exc:  # a refusal of the file's bytes is damage
         raise GenerationDamaged(str(exc)) from None
     return metadata, entries
 
 
 def check_tensor_name(name: str) -> None:
-    """A tensor name in a file we write or read: 1 to `MAX_TENSOR_NAME` printable characters, no
-    path character (`/`, `\\`), not `.` or `..`: tensor names become keys, file names and path
-    components in exports and tools, so one that could address a path is refused (ValueError)."""
+    """Check a tensor name in a file we write or read; ValueError if it is refused.
+
+    It has 1 to `MAX_TENSOR_NAME` printable characters, no `/` or `\\`, and is not `.` or `..`.
+    Tensor names become file names and path components in exports and tools.
+    """
     where = f"tensor {name[:80]!r}"
     if not name or len(name) > MAX_TENSOR_NAME:
         raise ValueError(f"{where}: a tensor name has 1 to {MAX_TENSOR_NAME} characters, this one {len(name)}")
@@ -156,16 +158,18 @@ def _check_coverage(entries: dict, data_start: int, total: int) -> None:
 
 
 def check_block_spans(index: BlockIndex, entries: dict) -> None:
-    """The manifest's tensor byte ranges must be the header's, exactly."""
+    """Refuse (GenerationDamaged) a block index whose tensor byte ranges are not the header's."""
     found = {name: (tag, begin, end) for name, (tag, _, begin, end) in entries.items()}
     if found != dict(index.tensors):
         raise GenerationDamaged("the safetensors header and the manifest's block index disagree about the tensors")
 
 
 def tensors_from_buffer(buf: bytearray, entries: dict[str, tuple[str, list[int], int, int]]) -> dict[str, torch.Tensor]:
-    """Zero-copy tensors over `buf` (they keep it alive), for the header `entries` of a file checked
-    already (`check_file` checks floats finite as it reads them)."""
-    import torch  # imported where it is used: the core imports torch only when a tensor is touched
+    """Zero-copy tensors over `buf`, which they keep alive, for the `entries` of a checked file.
+
+    `check_file` checked the floats finite as it read them.
+    """
+    import torch  # the core imports torch only when a tensor is touched
 
     tensors = {}
     for name, (tag, shape, begin, end) in entries.items():

@@ -1,9 +1,8 @@
 """The streaming safetensors writer: a file written slice by slice, never built in memory first.
 
-`save_tensors` writes tensors (or `LazyTensor`s, produced one at a time when their bytes are due)
-crash-safely through `write_file_atomic`, checks floating values finite on the way when asked, and
-records per-block digests and each tensor's byte range (`BlockIndex`) for verified partial reads.
-The files are plain safetensors, readable by the `safetensors` library as they are.
+`save_tensors` writes crash-safely, checks floating values finite when asked, and records block
+digests for verified partial reads. The files are plain safetensors that the `safetensors` library
+reads as they are.
 """
 
 from __future__ import annotations
@@ -34,17 +33,21 @@ BLOCK_BYTES = 4 * 1024 * 1024  # block size of files written for partial reads (
 
 @dataclass(frozen=True)
 class LazyTensor:
-    """A tensor the writer asks for only when its bytes are due: `produce()` must return a tensor of
-    `dtype` and `shape`. The writer drops it once written, so a file of many lazy tensors never has
-    more than one of them in memory (bounded memory for large optimizer state)."""
+    """A tensor the writer asks for only when its bytes are due.
+
+    `produce()` must return a tensor of `dtype` and `shape`. The writer drops it once written, so a
+    file of many lazy tensors holds one of them in memory at a time.
+    """
 
     dtype: Any  # a torch.dtype
     shape: tuple[int, ...]
     produce: Callable[[], torch.Tensor]
 
     def produced(self, name: str) -> torch.Tensor:
-        """`produce()`'s tensor, checked against the announced dtype and shape (ValueError naming
-        tensor `name` otherwise)."""
+        """`produce()`'s tensor, checked against the announced dtype and shape.
+
+        A mismatch raises ValueError naming tensor `name`.
+        """
         tensor = self.produce()
         if tensor.dtype != self.dtype or tuple(tensor.shape) != tuple(self.shape):
             raise ValueError(
@@ -63,12 +66,13 @@ def save_tensors(
     blocks: bool = False,
     block_bytes: int | None = None,
 ) -> FileRecord:
-    """Stream `tensors` into a safetensors file without building it in memory first.
+    """Stream `tensors` into a safetensors file at `path`; returns its `FileRecord`.
 
-    Values may be `LazyTensor`s, produced one at a time as the writer reaches them.
-    With `finite=True` every floating tensor must be finite (raises ValueError naming it).
-    With `blocks=True` the record also holds per-block digests and each tensor's byte range
-    (`BlockIndex`, blocks of `block_bytes`, default `BLOCK_BYTES`), for verified partial reads.
+    Values may be `LazyTensor`s, produced one at a time as the writer reaches them. With
+    `finite=True` every floating tensor must be finite. With `blocks=True` the record also holds a
+    `BlockIndex` (blocks of `block_bytes`, default `BLOCK_BYTES`) for verified partial reads.
+    Raises ValueError naming the tensor (bad name or dtype, NaN or Inf) or for an oversized header;
+    an OSError of the write propagates.
     """
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     bodies = []
@@ -106,9 +110,11 @@ def save_tensors(
 
 
 def _slices(name: str, spec, *, check_finite: bool):
-    """The tensor's bytes in cache-sized slices, each checked for finiteness just before it is
-    hashed and written, so the data crosses memory once instead of once per pass. A `LazyTensor`
-    is produced here, when its turn comes, and released when its last slice is written."""
+    """The tensor's bytes in cache-sized slices, each checked finite just before it is hashed.
+
+    So the data crosses memory once instead of once per pass. A `LazyTensor` is produced here, when
+    its turn comes, and released after its last slice.
+    """
     tensor = spec.produced(name) if isinstance(spec, LazyTensor) else spec
     tensor = tensor.detach().cpu().contiguous()
     flat = tensor.reshape(-1)
@@ -123,6 +129,6 @@ def _slices(name: str, spec, *, check_finite: bool):
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
-    import torch  # imported where it is used: the core imports torch only when a tensor is touched
+    import torch  # the core imports torch only when a tensor is touched
 
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())

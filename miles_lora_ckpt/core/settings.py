@@ -1,8 +1,8 @@
 """Process-wide settings of the protocol core: environment variables, or values set in code.
 
-Every setting has a default, an environment variable that overrides it, and may be overridden
-again in code with `configure(...)` (the Miles integration applies its config file this way).
-`current()` is read where a setting is used, so a change takes effect at the next use.
+Every setting has a default and an environment variable that overrides it. `configure(...)`
+overrides both in code; the Miles integration applies its config file this way. `current()` is read
+where a setting is used, so a change takes effect at the next use.
 
 | setting               | environment variable               | default | meaning |
 |-----------------------|------------------------------------|---------|---------|
@@ -22,6 +22,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
+
+__all__ = ["ENV_VARS", "Settings", "configure", "current", "overridden", "reset"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,10 @@ _overrides: dict[str, object] = {}
 
 
 def current() -> Settings:
-    """Defaults, then environment variables, then `configure` overrides."""
+    """The effective `Settings`: defaults, then environment variables, then `configure` overrides.
+
+    A malformed environment variable raises ValueError naming it (never showing the key).
+    """
     values: dict[str, object] = {}
     for spec in fields(Settings):
         raw = os.environ.get(ENV_VARS[spec.name])
@@ -57,8 +62,10 @@ def current() -> Settings:
 
 
 def configure(**values: object) -> None:
-    """Override settings in this process (e.g. from the plugin config file); unknown names or
-    values of the wrong type raise ValueError."""
+    """Override settings in this process, such as from the plugin's config file.
+
+    Unknown names and values of the wrong type raise ValueError.
+    """
     known = {spec.name: type(spec.default) for spec in fields(Settings)}
     unknown = sorted(set(values) - set(known))
     if unknown:
@@ -75,7 +82,10 @@ def reset() -> None:
 
 @contextmanager
 def overridden(**values: object) -> Iterator[None]:
-    """`configure(**values)` for the duration of a `with` block (the CLI's options, tests)."""
+    """`configure(**values)` for the duration of a `with` block (the CLI's options, tests).
+
+    Raises ValueError as `configure` does; the earlier overrides come back on exit.
+    """
     saved = dict(_overrides)
     configure(**values)
     try:

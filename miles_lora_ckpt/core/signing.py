@@ -1,15 +1,10 @@
 """Tamper evidence, opt-in: an HMAC-SHA256 over the manifest's canonical body.
 
-The manifest's xxh3 self-digest and file digests catch damage, not forgery: anyone can recompute
-them. With a secret key configured (`settings.hmac_key_file` or `settings.hmac_key`, see
-`core.settings`), the coordinator adds `"signature": {"algorithm": "hmac-sha256", "key_id": ...,
-"mac": ...}` to every manifest it writes, and every reader (the loader, `verify`, `ls`, `gc`)
-refuses a generation whose manifest is unsigned or whose MAC does not match. Since the manifest
-holds every file's digest, the signature covers every byte of the generation.
-
-`key_id` is the first 16 hex digits of SHA-256 over a fixed label and the key: it names a key
-(so a refusal can say "signed with another key") without revealing it. The key itself is never
-written, logged or shown.
+The manifest's digests catch damage, not forgery: anyone can recompute them. With a secret key
+configured (`core.settings`), every manifest written is signed, and every reader refuses one that is
+unsigned or mis-signed. The manifest holds every file's digest, so this covers every byte. `key_id`
+names a key without revealing it; the key is never written, logged or shown. See docs/guarantees.md,
+"What only the signing key catches".
 """
 
 from __future__ import annotations
@@ -24,6 +19,18 @@ from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.regular_files import read_regular
 
+__all__ = [
+    "FROM_SETTINGS",
+    "SigningKey",
+    "SigningKeyError",
+    "check_shape",
+    "configured_key",
+    "describe",
+    "problem",
+    "resolve",
+    "sign",
+]
+
 ALGORITHM = "hmac-sha256"
 MIN_KEY_BYTES = 16
 MAX_KEY_FILE_BYTES = 4096
@@ -35,11 +42,14 @@ class SigningKeyError(MilesLoraCkptError, ValueError):
 
 @dataclass(frozen=True)
 class SigningKey:
+    """A secret key and its `key_id`: 16 hex digits of SHA-256 over a fixed label and the key."""
+
     secret: bytes = field(repr=False)
     key_id: str = ""
 
     @classmethod
     def from_secret(cls, secret: bytes) -> SigningKey:
+        """The key of `secret`; SigningKeyError when it has fewer than `MIN_KEY_BYTES` bytes."""
         if len(secret) < MIN_KEY_BYTES:
             raise SigningKeyError(f"the signing key has {len(secret)} bytes, at least {MIN_KEY_BYTES} are needed")
         key_id = hashlib.sha256(b"miles-lora-ckpt key id\0" + secret).hexdigest()[:16]
@@ -76,7 +86,7 @@ def sign(canonical_body: bytes, key: SigningKey) -> dict:
 
 
 def check_shape(signature: Any) -> None:
-    """A signature object must be exactly {algorithm, key_id, mac} of short strings."""
+    """Check that `signature` is exactly {algorithm, key_id, mac} of short strings (ValueError)."""
     if (
         not isinstance(signature, dict)
         or set(signature) != {"algorithm", "key_id", "mac"}
@@ -86,10 +96,10 @@ def check_shape(signature: Any) -> None:
 
 
 def problem(signature: dict | None, canonical_body: bytes, key: SigningKey | None) -> str | None:
-    """Why a manifest with this signature fails under `key` (None: acceptable). `signature` has
-    passed `check_shape`; any string it holds (non-ASCII included) is compared, never raised on.
+    """Why a manifest with this signature fails under `key`, or None when it is acceptable.
 
-    Without a key nothing is checked (a signature is then only informational).
+    `signature` has passed `check_shape`; any string it holds is compared, never raised on. Without
+    a key nothing is checked, and a signature is only informational.
     """
     if key is None:
         return None
@@ -98,8 +108,8 @@ def problem(signature: dict | None, canonical_body: bytes, key: SigningKey | Non
     if signature["algorithm"] != ALGORITHM:
         return f"signature algorithm {signature['algorithm']!r} is not {ALGORITHM}"
     expected = hmac.new(key.secret, canonical_body, hashlib.sha256).hexdigest()
-    # compared as bytes: `compare_digest` raises TypeError on a str with non-ASCII characters, and a
-    # forged `mac` may hold any (a refusal, never a crash)
+    # Compared as bytes: `compare_digest` raises TypeError on a non-ASCII str, and a forged `mac`
+    # may hold any. That must be a refusal, never a crash.
     if hmac.compare_digest(expected.encode(), signature["mac"].encode("utf-8", "surrogatepass")):
         return None
     if signature["key_id"] != key.key_id:
@@ -117,7 +127,7 @@ FROM_SETTINGS: Any = _FromSettings()
 
 
 def resolve(key: SigningKey | None | Any) -> SigningKey | None:
-    """`key` itself, or the configured key for `FROM_SETTINGS`."""
+    """`key` itself, or the configured key for `FROM_SETTINGS`; raises SigningKeyError."""
     return configured_key() if key is FROM_SETTINGS else key
 
 

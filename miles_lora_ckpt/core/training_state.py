@@ -1,29 +1,21 @@
 """Invariants of a training-state file: a self-consistent but wrong one must not load.
 
-A file whose manifest role is `training-state` (the single-LoRA saver's `training_state.json`)
+A file of manifest role `training-state`, such as the single-LoRA saver's `training_state.json`,
 is JSON written through `jsoncodec`::
 
     {"iteration": 12, "generation": "<attempt id>",          generation: format v2 only
      "scheduler": {... megatron OptimizerParamScheduler state ...} | null,
      "optimizer_children": {"<child>:<coordinate>": {... a child's state_dict(), param groups ...}}}
 
-Checked on every read (by the loader and by `verify` alike, see `verify.check_file_content`):
-- `iteration` is the manifest's; `generation` (v2) is the manifest's (a state copied from
-  another generation is refused);
-- every number anywhere is finite (`jsoncodec` would otherwise carry NaN/Inf as tagged floats);
-- every tagged value (tuple, scalar tensor) has exactly its tag's shape, and a scalar tensor one
-  of `jsoncodec.SCALAR_DTYPES` with a value of that kind (`jsoncodec.check_tags`: the very check
-  the loader's `jsoncodec.from_json` applies as it decodes);
-- the scheduler holds every key megatron's `OptimizerParamScheduler.load_state_dict` reads
-  (`SCHEDULER_KEYS`, each under its name or one of megatron's older aliases; `end_wd`,
-  `wd_incr_steps` and `wd_incr_style` with `start_wd`), its decay styles are ones megatron knows
-  (`LR_DECAY_STYLES`, `WD_INCR_STYLES`: an unknown one would be applied and fail the first step
-  after warm-up), its counters and rates are non-negative, and its position agrees with the
-  iteration: a scheduler that never stepped (`num_steps` 0) belongs to iteration 0 (an iteration
-  0 may have stepped: Miles numbers its saves by rollout id, and rollout 0 trains before its save);
-- every optimizer param group's hyperparameters are in the range torch's own optimizers accept:
-  `lr`, `eps`, `weight_decay`, `momentum`, `max_lr`, `min_lr`, `lr_mult`, `wd_mult` >= 0,
-  each of `betas` in [0, 1).
+Checked on every read, by the loader and `verify` alike:
+- `iteration` and, in v2, `generation` are the manifest's, so a copied state is refused;
+- every number is finite, and every tagged value passes `jsoncodec.check_tags`;
+- the scheduler holds every key megatron's scheduler reads (`SCHEDULER_KEYS`), in styles megatron
+  knows (`LR_DECAY_STYLES`, `WD_INCR_STYLES`), with non-negative counters and rates;
+- a scheduler that never stepped belongs to iteration 0 (rollout 0 trains before its save, so
+  iteration 0 may have stepped);
+- param group hyperparameters are in the range torch's optimizers accept (`NON_NEGATIVE`; betas in
+  [0, 1)).
 
 Every refusal is a ValueError naming the field by its path in the file.
 """
@@ -34,6 +26,8 @@ from typing import Any
 
 from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.jsoncodec import FLOAT_TAG, SCALAR_TAG, TUPLE_TAG, check_tags
+
+__all__ = ["check"]
 
 NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "max_lr", "min_lr", "lr_mult", "wd_mult", "dampening")
 SCHEDULER_COUNTERS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
@@ -54,7 +48,10 @@ _STYLES = {"lr_decay_style": LR_DECAY_STYLES, "decay_style": LR_DECAY_STYLES, "w
 
 
 def check(state: Any, *, iteration: int, generation: str, format_version: int) -> None:
-    """Raise ValueError unless `state` (parsed JSON) satisfies every invariant above."""
+    """Raise ValueError unless `state`, parsed JSON, satisfies the module docstring's invariants.
+
+    `iteration`, `generation` and `format_version` are the manifest's.
+    """
     bounded.mapping(state, "training state")
     _all_numbers_finite(state)
     check_tags(state, "training state")
@@ -134,7 +131,7 @@ def _param_groups(state: Any, where: str):
 
 
 def _all_numbers_finite(state: Any) -> None:
-    """JSON itself holds only finite numbers; `jsoncodec` tags NaN/Inf: refuse those anywhere."""
+    """Refuse the NaN and Inf that `jsoncodec` tags, anywhere in `state`."""
     stack = [(state, "")]
     while stack:
         item, path = stack.pop()

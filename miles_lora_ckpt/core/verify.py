@@ -1,28 +1,15 @@
-"""Strict verification of generations and resolution of save roots. Imports neither megatron nor Miles.
+"""Strict verification of generations, and resolution of save roots; no megatron, no Miles.
 
-- `check_structure` reads only the manifest (bounded) and `lstat`s the rest: self-digest, fields,
-  signature (when a key is configured), name consistency, every listed file present as a regular
-  file of its size, nothing unlisted, no link, FIFO or device, no path escaping the generation.
-- `check_file_content` reads one listed file (see `checked_reads.check_file`: digest, strict header
-  with legal tensor names, every floating tensor finite, bounded UTF-8 JSON) and applies the
-  generation's own rules (`content_rules`: stamps and bindings, the dtypes a loader requires, the
-  training-state invariants). These are exactly the content rules of every loader, which reads
-  each file through this function (`protocol.open_generation`): verify and loaders cannot drift.
-- `check_file_ranges` reads some element ranges of a tensor file written with a block index
-  (`partial_reads.read_ranges`: only the blocks holding them, each block's digest checked, the header
-  checked against the index, every returned value finite) and applies the same rules; the ranges
-  are coalesced first, so one call reads and verifies each block it needs once.
-- `verify_generation` does both for every file.
+`check_structure` reads only the manifest and `lstat`s the rest. `check_file_content` and
+`check_file_ranges` read one listed file, whole or in part, and apply `content_rules`. Every loader
+reads its files through them (`protocol.open_generation`), so verify and loaders cannot drift.
+`verify_generation` does both for every file.
 
-Verification is total over damage: what a check finds wrong with a generation's bytes
-(`GenerationDamaged`, raised by the check that found it) and the file system's refusal to deliver
-a listed file (`OSError`: missing, unreadable, an I/O error) are problems of that generation, never
-a crash, and a root's resolution moves on to the next candidate (`DAMAGE`). Any other exception is a
-bug and propagates: it is never taken for damage, so no loader falls back to older state because of it.
-
-Save roots are ordered by commit order: format v2 generations by their `sequence`, after every
-format v1 generation (ordered by the wall-clock time it recorded). The tracker is only a hint; every
-disagreement with it becomes a warning that names both sides.
+Damage (`GenerationDamaged`) and the file system's refusal to deliver a listed file (`OSError`) are
+problems of the generation, never a crash: resolution moves on to the next candidate (`DAMAGE`).
+Any other exception is a bug and propagates, so no loader falls back to older state for it. Roots
+are ordered by commit order: format v1 generations by recorded time, then v2 ones by `sequence`.
+The tracker is only a hint; each disagreement with it becomes a warning naming both sides.
 """
 
 from __future__ import annotations
@@ -67,6 +54,30 @@ LEGACY_MARKERS = ("adapter_megatron_rank", "training_state_rank", "adapter_megat
 STRAY_MANIFEST = (
     "a stray manifest.json in a save root, ignored (a generation's manifest belongs inside its gen-* directory)"
 )
+__all__ = [
+    "DAMAGE",
+    "Generation",
+    "RootEntry",
+    "check_file_content",
+    "check_file_ranges",
+    "check_structure",
+    "coalesce_ranges",
+    "committed_candidates",
+    "damage_problems",
+    "find_candidates",
+    "find_save_roots",
+    "follow_generation_link",
+    "is_generation_dir",
+    "is_legacy_miles_dir",
+    "is_save_root",
+    "is_unordered",
+    "reason",
+    "resolve",
+    "scan_root",
+    "verify_generation",
+    "view_root",
+]
+
 V1_WITH_KEY = (
     "format v1 generations are unsigned, but a signing key is configured: to convert it, load it with no key "
     "configured and save it again with the key (the save writes a signed format v2 generation)"
@@ -84,10 +95,12 @@ class Generation:
 
     @property
     def intact(self) -> bool:
+        """Whether the manifest parsed and no problem was found."""
         return self.manifest is not None and not self.problems
 
     @property
     def order(self) -> tuple:
+        """Its sort key in the root's commit order (`commit_order`)."""
         return commit_order(self.manifest, self.path.name)
 
 
@@ -110,9 +123,12 @@ def commit_order(manifest: Manifest | None, name: str) -> tuple:
 
 
 def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:
-    """Manifest (bounded, self-digest, fields, signature), names and listing; reads only the
-    manifest. Never raises for anything found on disk (`DAMAGE`); a bad key configuration, or a
-    bug, does raise."""
+    """The `Generation` at `gen_dir` with its structure's problems; reads only the manifest.
+
+    It checks the manifest (self-digest, fields, signature under `key`), names and listing: every
+    listed file a regular file of its size, nothing unlisted. It never raises for anything found on
+    disk; a bad key configuration (SigningKeyError), or a bug, does raise.
+    """
     gen_dir, key = Path(gen_dir), signing.resolve(key)
     try:
         mode = os.lstat(gen_dir).st_mode
@@ -126,7 +142,7 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
     except DAMAGE as exc:
         return Generation(gen_dir, None, [Problem(MANIFEST, reason(exc))])
     problems = []
-    # signing.problem returns what is wrong with a signature (it never raises on what it holds)
+    # signing.problem never raises on what a signature holds: it says what is wrong.
     if key is not None and manifest.format_version < 2:
         problems.append(Problem(MANIFEST, V1_WITH_KEY))
     elif unsigned := signing.problem(manifest.signature, manifest.sealed_body, key):
@@ -150,8 +166,11 @@ def check_structure(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Gener
 def check_file_content(
     gen_dir: Path, relpath: str, manifest: Manifest, *, keep: bool = True
 ) -> checked_reads.CheckedFile:
-    """Read one listed file and apply every content rule (`content_rules`). Returns the checked
-    file (its bytes with `keep=True`); raises `DAMAGE` (GenerationDamaged, OSError) with the reason."""
+    """Read listed file `relpath` and apply every content rule (`content_rules`).
+
+    Returns the `CheckedFile`, holding its bytes with `keep=True`. Raises `DAMAGE`
+    (GenerationDamaged, OSError) with the reason.
+    """
     record = manifest.files[relpath]
     checked = checked_reads.check_file(Path(gen_dir) / relpath, record, keep=keep)
     if checked.entries is not None:
@@ -166,29 +185,27 @@ def check_file_content(
 def check_file_ranges(
     gen_dir: Path, relpath: str, manifest: Manifest, ranges, *, check_only=(), allocate=host_memory.large_buffer
 ) -> dict:
-    """Read some element ranges of one listed tensor file (see `partial_reads.read_ranges`), with the
-    rules `check_file_content` applies (`content_rules`); returns `{(name, first, stop): tensor}`
-    for `ranges`. The ranges of `check_only` are read and verified in the same pass, one at a time
-    in one reused buffer, and not returned. `allocate`: see `partial_reads.read_ranges`.
+    """Read some element ranges of listed tensor file `relpath`, with `check_file_content`'s rules.
 
-    One pass over the file: the ranges asked are sorted in file order and overlapping plain ranges
-    of one tensor merged (`coalesce_ranges`; a strided range, `partial_reads.strided_rows`, is read on its
-    own and returned as its rows, compact), so the header and every block they touch are read and
-    verified once, whatever the number of ranges (a block shared by two consecutive ranges is kept
-    between them, `partial_reads._BlockFile`); each range asked is a view of its merged span. Ranges that
-    merely touch, or lie in the same blocks, stay apart: each is its own buffer, so a resharding
-    load's moment range can become the state as it is (`distributed.replace_state`) and a master's
-    buffer goes once it is copied, never kept alive by a neighbour's."""
+    Returns `{range: tensor}` for `ranges`; a strided range comes back as its rows, compact. The
+    `check_only` ranges are verified in the same pass and not returned. `allocate` is
+    `partial_reads.read_ranges`'. Raises `DAMAGE` (GenerationDamaged, OSError) with the reason.
+
+    Overlapping plain ranges of one tensor are merged (`coalesce_ranges`), so each block is read
+    and verified once; each range asked is a view of its merged span. Ranges that merely touch
+    stay apart, each its own buffer. So a resharding load's moment range can become the state as
+    it is, and a master's buffer goes once it is copied.
+    """
     record = manifest.files[relpath]
     asked = [(str(item[0]), *(int(v) for v in item[1:])) for item in ranges]
     strided = sorted({item for item in asked if partial_reads.strided_rows(item) is not None})
     plain = [item for item in asked if len(item) == 3]
-    # a strided range is read on its own (its rows come back compact, `partial_reads.read_ranges`)
+    # A strided range is read on its own: its rows come back compact (`partial_reads.read_ranges`).
     spans, checked = coalesce_ranges(plain) + strided, coalesce_ranges(item[:3] for item in check_only)
     tensors, metadata = partial_reads.read_ranges(
         Path(gen_dir) / relpath, record, spans, check_only=checked, allocate=allocate
     )
-    # read_ranges checked the header against the block index: its dtypes are the file's
+    # read_ranges checked the header against the block index, so its dtypes are the file's.
     dtypes = {name: span[0] for name, span in record.blocks.tensors.items()}
     content_rules.check_tensor_file(relpath, manifest, metadata or {}, dtypes)
     by_name: dict[str, list] = {}
@@ -205,8 +222,10 @@ def check_file_ranges(
 
 
 def coalesce_ranges(ranges) -> list[tuple[str, int, int]]:
-    """`(name, first, stop)` element ranges merged where they overlap (per tensor), sorted; ranges
-    that only touch stay apart (`check_file_ranges`)."""
+    """`(name, first, stop)` element ranges merged where they overlap, per tensor, and sorted.
+
+    Ranges that only touch stay apart (`check_file_ranges` says why).
+    """
     merged: list[list] = []
     for name, first, stop in sorted(set(ranges)):
         if merged and merged[-1][0] == name and first < merged[-1][2]:
@@ -217,7 +236,10 @@ def coalesce_ranges(ranges) -> list[tuple[str, int, int]]:
 
 
 def verify_generation(gen_dir: Path, *, key: Any = signing.FROM_SETTINGS) -> Generation:
-    """Structure and the content of every file (one slice of memory at a time)."""
+    """The `Generation` at `gen_dir` with every problem of its structure and files' content.
+
+    It holds one slice of memory at a time and raises as `check_structure` does.
+    """
     generation = check_structure(gen_dir, key=key)
     if generation.manifest is None:
         return generation
@@ -299,16 +321,18 @@ def _unsafe_relpath(rel: str) -> str | None:
 
 
 def damage_problems(exc: BaseException, file: str) -> list[Problem]:
-    """The problems one `DAMAGE` exception stands for: a verdict's own (`GenerationDamaged(path,
-    problems)`, each naming its file), or one check's reason (an OSError, `GenerationDamaged(reason)`)
-    about `file`, relative to the generation."""
+    """The problems one `DAMAGE` exception stands for.
+
+    A verdict, `GenerationDamaged(path, problems)`, has its own, each naming its file. One check's
+    reason, an OSError or `GenerationDamaged(reason)`, is about `file`, relative to the generation.
+    """
     if isinstance(exc, GenerationDamaged) and exc.path:
         return list(exc.problems)
     return [Problem(file, reason(exc))]
 
 
 def reason(exc: BaseException) -> str:
-    """One line for an exception met while examining a generation."""
+    """One line for the exception `exc` met while examining a generation."""
     if isinstance(exc, FileNotFoundError):
         return "missing"
     if isinstance(exc, OSError):
@@ -338,15 +362,20 @@ class RootEntry:
 
     @property
     def order(self) -> tuple:
+        """Its sort key in the root's commit order (`commit_order`)."""
         return commit_order(self.generation.manifest if self.generation else None, self.name)
 
     @property
     def order_known(self) -> bool:
-        """False for a generation whose manifest cannot be read: its place in the commit order is
-        unknown (it sorts last, but may be the newest), so nothing may remove it."""
+        """False for a generation whose manifest cannot be read.
+
+        Its place in the commit order is unknown: it sorts last, but may be the newest. So nothing
+        may remove it.
+        """
         return self.generation is not None and self.generation.manifest is not None
 
     def describe(self) -> str:
+        """The entry's name with its place in the commit order, for `ls`."""
         if self.sequence is not None:
             return f"{self.name} (sequence {self.sequence})"
         if self.generation is not None and self.generation.manifest is not None:
@@ -356,8 +385,10 @@ class RootEntry:
 
 @dataclass
 class RootView:
-    """A save root: its entries (generations newest first, then staging and deleting), its
-    tracker, and every disagreement between the tracker and the generations."""
+    """A save root: its entries, its tracker, and each disagreement between them.
+
+    Entries are generations newest first, then staging and deleting ones.
+    """
 
     root: Path
     entries: list[RootEntry]
@@ -365,12 +396,16 @@ class RootView:
     warnings: list[str]
 
     def generations(self) -> list[RootEntry]:
+        """The entries that are generations, intact, committed or damaged, newest first."""
         return [e for e in self.entries if e.state in ("intact", "committed", "damaged")]
 
 
 def view_root(root: Path, *, content: bool = False, key: Any = signing.FROM_SETTINGS) -> RootView:
-    """Every generation (checked: structure, and content with `content=True`), staging and
-    deleting entry of `root`, in commit order, with the tracker cross-checked."""
+    """The `RootView` of `root`: every generation, staging and deleting entry, in commit order.
+
+    Generations are checked for structure, and content with `content=True`. The tracker is
+    cross-checked. Raises OSError when `root` cannot be listed.
+    """
     root, key = Path(root), signing.resolve(key)
     generations, others = [], []
     names = sorted(os.listdir(root))
@@ -391,9 +426,11 @@ def view_root(root: Path, *, content: bool = False, key: Any = signing.FROM_SETT
 
 
 def is_unordered(root: Path, entry: RootEntry) -> bool:
-    """A generation directory (a real one, not a link or file named like one) whose manifest
-    cannot be read: its place in the commit order is unknown, so no loader uses it and neither
-    gc nor retention may remove it (it may be the newest); it is reported instead."""
+    """Whether `entry` of `root` is a real generation directory whose manifest cannot be read.
+
+    Its place in the commit order is unknown, and it may be the newest. So no loader uses it, and
+    neither gc nor retention may remove it; it is reported instead.
+    """
     if entry.order_known:
         return False
     try:
@@ -488,13 +525,12 @@ class Candidates:
 
 
 def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidates:
-    """Generation directories to try for `path`, newest first (a save root), or `path` itself.
+    """The generation directories to try for `path`: a save root's, newest first, or `path` itself.
 
-    A generation link of a save root (`latest`, a reader name such as `step_6`: a relative symlink
-    naming one sibling `gen-*` directory, see `follow_generation_link`) stands for that generation,
-    for every reader alike (`verify` and the loaders). Raises NotACheckpoint when `path` holds no
-    generation at all (a legacy Miles directory included: it has no manifest), GenerationDamaged
-    for a staging directory, NothingCommitted for a save root with nothing committed yet.
+    A save root's generation link, such as `latest` or `step_6`, stands for its generation for every
+    reader (`follow_generation_link`). Raises NotACheckpoint when `path` holds no generation, a
+    legacy Miles directory included. Raises GenerationDamaged for a staging directory, and
+    NothingCommitted for a save root with nothing committed yet.
     """
     path = follow_generation_link(Path(path))
     try:
@@ -524,10 +560,11 @@ def find_candidates(path: Path, *, key: Any = signing.FROM_SETTINGS) -> Candidat
 
 
 def follow_generation_link(path: Path) -> Path:
-    """The sibling generation a save root's link names (`root/latest -> gen-...` gives
-    `root/gen-...`), or `path` itself when it is not such a link. Only a relative target of one
-    `gen-*` name is followed: a link to anything else stays as it is (a symlink in place of a
-    generation is damage, judged from `lstat`)."""
+    """The sibling generation a save root's link names, or `path` itself when it is not one.
+
+    `root/latest -> gen-...` gives `root/gen-...`. Only a relative target of one `gen-*` name is
+    followed. A link to anything else stays as it is: a symlink in place of a generation is damage.
+    """
     path = Path(path)
     try:
         target = os.readlink(path)
@@ -539,7 +576,7 @@ def follow_generation_link(path: Path) -> Path:
 
 
 def committed_candidates(path: Path) -> tuple[list[Path], bool]:
-    """`find_candidates` as `(paths, is_root)`."""
+    """`find_candidates` as `(paths, is_root)`; raises as it does."""
     candidates = find_candidates(path)
     return candidates.paths, candidates.is_root
 
@@ -551,21 +588,24 @@ def _has_root_markers(names: list[str]) -> bool:
 
 
 def is_generation_dir(path: Path) -> bool:
+    """Whether `path` is named like a generation, or holds a manifest and is no save root."""
     path = Path(path)
     return parse_generation_dir_name(path.name) is not None or ((path / MANIFEST).is_file() and not is_save_root(path))
 
 
 def is_save_root(path: Path) -> bool:
+    """Whether `path` is a directory holding a generation, staging directory, tracker or lease."""
     path = Path(path)
     return path.is_dir() and _has_root_markers(os.listdir(path))
 
 
 def find_save_roots(path: Path) -> list[Path]:
-    """The save roots directly below `path`, or one level further in `<name>/checkpoints` (a
-    multi-LoRA save directory: one slot root per adapter, Miles v1's `{save}/adapters/<name>/
-    checkpoints`), sorted; empty when `path` is itself a root or a generation, or holds none, or
-    is a symlink (a link such as a root's `latest` is never followed out of its root; the caller
-    resolves it or refuses it). Unreadable entries are skipped (never raised)."""
+    """The save roots directly below `path`, or in its `<name>/checkpoints`, sorted.
+
+    The second form is a multi-LoRA save directory: one slot root per adapter. Empty when `path` is
+    a root, a generation or a symlink, or holds none; a link is never followed out of its root.
+    Unreadable entries are skipped, never raised.
+    """
     path = Path(path)
     try:
         if path.is_symlink() or not path.is_dir() or is_save_root(path) or is_generation_dir(path):
@@ -586,7 +626,7 @@ def find_save_roots(path: Path) -> list[Path]:
 
 
 def is_legacy_miles_dir(path: Path) -> bool:
-    """A stock Miles adapter directory (`adapter_megatron_rank*.pt`, ...), which has no manifest."""
+    """Whether `path` is a stock Miles adapter directory (`adapter_megatron_rank*.pt`, ...)."""
     path = Path(path)
     return path.is_dir() and any(n.startswith(LEGACY_MARKERS) and n.endswith(".pt") for n in os.listdir(path))
 

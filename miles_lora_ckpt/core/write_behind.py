@@ -1,8 +1,7 @@
 """Write-behind: a file's chunks written on a thread while the caller produces and hashes the next.
 
-`WriteBehind` writes queued views in order (at most two queued) and, every `WRITEBACK_BYTES`,
-asks the kernel to start writing that range to the device (`start_writeback`, Linux's
-`sync_file_range`: a hint, no durability), so the final `fsync` has little left to wait for.
+Every `WRITEBACK_BYTES`, the kernel is asked to start writing the range to the device
+(`start_writeback`), so the final `fsync` has little left to wait for.
 """
 
 from __future__ import annotations
@@ -17,13 +16,12 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 class WriteBehind:
-    """Writes queued views to `handle` in order on a thread; `put` raises a write error promptly,
-    `close` waits for every queued byte (or, when leaving on an error, stops after the current one).
+    """Writes queued views to the file object `handle` in order, on a thread.
 
-    Every `WRITEBACK_BYTES` written, it asks the kernel to start writing that range to the device
-    (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, Linux; a hint that waits for nothing and makes
-    nothing durable by itself), so the disk works while the rest is produced, hashed and written,
-    and the final `fsync` (which still makes every byte durable) has little left to wait for."""
+    `put` raises a write error promptly; `close` waits for every queued byte and raises it too.
+    Every `WRITEBACK_BYTES` it starts the kernel's writeback of that range, a hint that makes
+    nothing durable. So the disk works while the rest is produced, and `fsync` has less to wait for.
+    """
 
     def __init__(self, handle):
         self.handle, self.error = handle, None
@@ -47,17 +45,17 @@ class WriteBehind:
                 if self._written - self._kicked >= WRITEBACK_BYTES:
                     start_writeback(self.handle.fileno(), self._kicked, self._written - self._kicked)
                     self._kicked = self._written
-            except BaseException as exc:  # noqa: BLE001 - handed to the producer
+            except BaseException as exc:  # noqa: BLE001 - the producer raises it
                 self.error = exc
 
     def put(self, view: memoryview) -> None:
-        """Queue `view` for writing (blocks while two are queued); raises a write error already met."""
+        """Queue `view`; blocks while two are queued. Raises a write error met before."""
         if self.error is not None:
             raise self.error
         self._queue.put(view)
 
     def close(self) -> None:
-        """Wait for the thread to write (or, after an error, drain) what is queued; raise its error."""
+        """Wait until the thread wrote (after an error: drained) what is queued; raise its error."""
         self._queue.put(None)
         self._thread.join()
         if self.error is not None:
@@ -82,7 +80,10 @@ _sync_file_range = _load_sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing `[offset, offset + nbytes)` of `fd` to the device now (no
-    wait, no durability: only `fsync` gives that). A no-op where the call does not exist or fails."""
+    """Ask the kernel to start writing `[offset, offset + nbytes)` of `fd` to the device now.
+
+    Linux's `sync_file_range`: it does not wait and makes nothing durable, only `fsync` does. A
+    no-op where the call does not exist or fails; raises nothing.
+    """
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)

@@ -1,14 +1,10 @@
 """Rebind Miles' functions to the plugin's: plan everything first, then patch all of it, idempotently.
 
-`plan(shape)` resolves every target of the detected shape: the function object Miles defines, the
-replacement (from `HANDLERS`), and every module that holds the name: the defining module, the
-shape's consumers (imported now), late consumers already imported, and any other loaded `miles.*`
-module that bound the same function object under the same name. A module that holds something
-else under that name (another plugin's wrapper, say) makes the plan fail: nothing is patched.
-`apply(plan)` then sets every attribute, logging each one; if one fails, all are put back.
-
-A second registration finds the plugin's replacements in place and patches nothing. Handlers
-are registered by key (`register_handlers`), so other savers (multi-LoRA) add theirs alongside.
+`plan(shape)` finds every module that holds each target: the defining module, the shape's
+consumers, and any loaded `miles.*` module that bound the same function under the same name. A
+module that holds something else under that name (another plugin's wrapper) fails the plan, and
+nothing is patched. `apply(plan)` sets every attribute and logs it; if one fails, all are put back.
+A second registration finds the replacements in place and patches nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +19,18 @@ from types import ModuleType
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.integration import multi_lora, single_lora
 from miles_lora_ckpt.integration.shapes import Shape, Target
+
+__all__ = [
+    "BindingRefused",
+    "Binding",
+    "Plan",
+    "HANDLERS",
+    "register_handlers",
+    "plan",
+    "apply",
+    "is_replacement",
+    "original_of",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -62,6 +70,8 @@ class Binding:
 
 @dataclass
 class Plan:
+    """What `apply` will set for one shape: every binding, and notes for the log."""
+
     shape: Shape
     bindings: list[Binding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -72,6 +82,7 @@ class Plan:
 
 
 def is_replacement(obj: object) -> bool:
+    """Whether `obj` is one of the plugin's replacements (it carries its original)."""
     return callable(obj) and getattr(obj, _HANDLER, None) is not None
 
 

@@ -1,35 +1,14 @@
 """The plugin's configuration: one table of keys, a TOML or YAML file, per-key environment overrides.
 
-Miles' parser rejects unknown flags, so the plugin cannot add any. Its settings come from a file
-named by one environment variable, and the few settings operators flip have their own variable,
-which wins over the file::
+Miles' parser rejects unknown flags, so the plugin cannot add any. `MILES_LORA_CKPT_CONFIG` names
+the file (optional); the few settings operators flip also have their own variable. Per key, the
+variable wins over the file, and the file over the default. Every value is checked at startup, and
+an error names the key and where its value came from.
 
-    MILES_LORA_CKPT_CONFIG=/path/miles-lora-ckpt.toml    (or .yaml / .yml; optional)
-
-Precedence, per key: environment variable, then the file, then the default. Every value is checked
-at startup; an error names the key and where its value came from. `KEYS` is the whole schema: a
-new setting is one `Key(...)` line (and a line in the table of docs/use-with-miles.md). Keys marked `core=` configure
-`miles_lora_ckpt.core.settings` (process-wide protocol settings) through `apply_core_settings`;
-every core setting has such a key, or is listed in `ENV_ONLY_CORE_SETTINGS` (secrets: no file).
-
-File shape (TOML; YAML nests the same tables)::
-
-    [save]
-    layout = "subdir"      # or "flat"
-    subdir = "lora"
-    keep = 3
-    async = false
-    [consensus]
-    timeout_s = 600
-    [resume]
-    strict = true
-    hyperparameters = "auto"   # or "checkpoint", "launch", "refuse"
-    [export]
-    peft = false
-    [data_state]
-    source = "miles.rollout.data_source.RolloutDataSourceWithBuffer"
-    missing = "refuse"         # or "warn"
-    accept_none = false
+`KEYS` is the whole schema: a new setting is one `Key(...)` line and a row in
+docs/use-with-miles.md, "Config keys". Keys marked `core=` set `core.settings` through
+`apply_core_settings`; every core setting has such a key or is in `ENV_ONLY_CORE_SETTINGS` (secrets,
+never in a file).
 """
 
 from __future__ import annotations
@@ -43,6 +22,22 @@ from pathlib import Path
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.core.hyperparameters import HyperparameterPolicy
+
+__all__ = [
+    "ConfigError",
+    "Key",
+    "KEYS",
+    "CONFIG_ENV",
+    "ENV_ONLY_CORE_SETTINGS",
+    "AUTO_HYPERPARAMETERS",
+    "HYPERPARAMETER_SETTINGS",
+    "RootLayout",
+    "MissingDataState",
+    "PluginConfig",
+    "defaults",
+    "load_config",
+    "apply_core_settings",
+]
 
 CONFIG_ENV = "MILES_LORA_CKPT_CONFIG"
 _TRUE = {"1", "true", "yes", "on"}

@@ -1,27 +1,18 @@
 """The rollout side: the plugin's data source, Miles' `--data-source-path` in the rollout manager.
 
-The init hook runs in the train actors only; Miles' rollout manager builds its data source from
-`--data-source-path` in its own process. `CheckpointedDataSource` is that entry point
-(`miles_lora_ckpt.hooks.CheckpointedDataSource`). It builds the class the user had configured
-(`data_state.source`, Miles' `RolloutDataSourceWithBuffer` by default) and passes every call on,
-except the checkpoint ones:
+The init hook runs only in the train actors; the rollout manager builds its data source in its own
+process, from `--data-source-path`. `CheckpointedDataSource` is that entry point. It wraps the
+class `data_state.source` names and passes every call on, except the checkpoint ones.
 
-- at construction it refuses, naming the class, a source whose state it does not understand
-  (`codec_for`), unless `data_state.accept_none`; and it puts `generate_rollout` below in front of
-  `--rollout-function-path` (the manager loads that path right after building its data source),
-  so it sees where each rollout ends;
-- when a training rollout's function returns (its draw complete, its aborted groups back in the
-  buffer, rollout N+1 not yet drawn: the manager runs one call at a time), it stages the data state
-  of that rollout, sealed (`core.data_state.stage`); the train side's save of generation N commits
-  it inside generation N (`integration.data_state`);
-- `save(N)` (after the actor's save) writes no pickle: it removes staged states up to N, which
-  generation N and older hold;
-- `load(N)` (a relaunch: N is the rollout the train side resumed from) takes the state from the
-  committed generation of rollout N in the plugin's save root, never from a loose file; a
-  generation saved before this change resumes with a warning naming what it lacks (and, if Miles
-  left `global_dataset_state_dict_N.pt` next to it, reads its cursor with
-  `torch.load(weights_only=True)`, or refuses naming the file). Staged states of later rollouts
-  (drawn before the kill, never committed) are removed: the relaunch draws them again.
+Construction refuses a class whose state it cannot read (`codec_for`). It also puts
+`generate_rollout` in front of `--rollout-function-path`, to see where each rollout ends. Each
+finished rollout's state is staged, sealed (`core.data_state.stage`). The train side's save of
+generation N commits rollout N's (`integration.data_state`). `save(N)` writes no pickle: it removes
+the staged states that generation N and older hold. `load(N)` reads the state from the committed
+generation N, never from a loose file. It removes later staged states, which the relaunch draws
+again.
+
+docs/use-with-miles.md, "The rollout data state", says what each case does.
 """
 
 from __future__ import annotations
@@ -38,6 +29,18 @@ from miles_lora_ckpt.core.verify import check_file_content, check_structure, com
 from miles_lora_ckpt.integration import resume
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.data_state import HOOK, ROLLOUT_HOOK, DataStateRefused
+
+__all__ = [
+    "CheckpointedDataSource",
+    "generate_rollout",
+    "DataStateRefused",
+    "Codec",
+    "codec_for",
+    "generation_at",
+    "load_object",
+    "read_stock_state",
+    "sample_json",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 

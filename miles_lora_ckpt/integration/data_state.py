@@ -1,15 +1,12 @@
 """The train side of the rollout data state: which staged state a save of rollout N commits.
 
-The rollout manager's process stages the data state of rollout N when rollout N's draw is
-complete (`integration.data_source`); that happens before rollout N is trained, with the sync
-driver and the async one alike (the async driver starts rollout N+1's draw before training N,
-but N's draw finished first, and N+1's state is staged under its own number). A save of
-generation N, on rank 0, takes exactly the staged state of rollout N (`staged_for_save`) and the
-saver commits it inside generation N. Missing or torn: `data_state.missing` decides (refuse, the
-default: nothing is committed; warn: committed without it).
+The rollout manager stages rollout N's state once its draw is complete, before N is trained, with
+the sync and the async driver alike (`integration.data_source`). A save of generation N, on rank 0,
+takes exactly that state (`staged_for_save`), and the saver commits it inside generation N. When it
+is missing or torn, `data_state.missing` decides: refuse (the default) or warn.
 
-Multi-LoRA: the same per slot (`staged_for_slot`): the slot save of an adapter's step k takes the
-state its data source staged as step k in the slot root (`integration.multi_lora_data_source`).
+Multi-LoRA does the same per slot (`staged_for_slot`): the slot save of an adapter's step k takes
+the state its data source staged as step k (`integration.multi_lora_data_source`).
 """
 
 from __future__ import annotations
@@ -20,6 +17,17 @@ from pathlib import Path
 from miles_lora_ckpt.core import data_state
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.integration.config import MissingDataState, PluginConfig
+
+__all__ = [
+    "DataStateRefused",
+    "HOOK",
+    "ROLLOUT_HOOK",
+    "MULTI_HOOK",
+    "MULTI_ROLLOUT_HOOK",
+    "staged_for_save",
+    "staged_for_slot",
+    "startup_note",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -60,8 +68,9 @@ def staged_for_save(config: PluginConfig, args, root: str | Path, iteration: int
 
 def staged_for_slot(config: PluginConfig, args, root: str | Path, step: int, slot: int) -> dict | None:
     """Rank 0, at a multi-LoRA slot save of step `step` into the slot root `root`: the adapter's
-    staged data state to commit with it (None when the plugin's multi-LoRA data source is not
-    configured, at step 0, or missing under 'warn'). Raises DataStateRefused as `staged_for_save`."""
+    staged data state to commit with it. None when the plugin's multi-LoRA data source is not
+    configured, at step 0, or when the state is missing under 'warn'. Raises DataStateRefused as
+    `staged_for_save` does."""
     if getattr(args, "data_source_path", None) != MULTI_HOOK or int(step) == 0:
         return None
     return _read(config, root, int(step), MULTI_HOOK, f"The slot {slot} generation of step {step}")

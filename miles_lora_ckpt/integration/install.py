@@ -1,17 +1,16 @@
 """What `--custom-megatron-init-path miles_lora_ckpt.hooks.megatron_init` does, on every rank.
 
 Miles calls the hook once per training process, after torch.distributed and megatron's parallel
-state are up and before the model, optimizer and any checkpoint load (contract §0). It reads as
-phases; nothing in Miles changes before the last one::
+state are up, before the model, the optimizer and any checkpoint load: the last moment to rebind
+Miles' functions before they run. It reads as phases, and nothing in Miles changes before the last.
+Prepare reads the config, detects the Miles shape, plans the bindings, runs the startup checks and
+builds Bridge when the run exports. Then every rank agrees. Rank 0 prepares the save directory:
+it refuses a relaunch Miles would restart at rollout 0 and writes Megatron's tracker. Every rank
+agrees again. Bind applies every planned replacement, logged, and routes the user's post-save hook
+through the plugin.
 
-    prepare  (config file and overrides, Miles shape detection, binding plan, startup checks;
-              with export.peft or --save-hf: Bridge and Miles' patch_megatron_model, Bridge built)
-    -> agree
-    -> save directory (rank 0: refuse a relaunch Miles would restart at rollout 0; Megatron's tracker)
-    -> agree
-    -> bind (every planned replacement, logged) and route the user's post-save hook through the plugin
-
-A problem in any phase raises the same error on every rank. Calling the hook twice binds nothing twice.
+A problem in any phase raises the same error on every rank. A second call binds nothing.
+docs/use-with-miles.md, "What the hook does", has the details.
 """
 
 from __future__ import annotations
@@ -28,6 +27,11 @@ from miles_lora_ckpt.integration.shapes import Shape, detect_shape
 from miles_lora_ckpt.integration.startup import validate_miles_launch
 from miles_lora_ckpt.savers.peft_export import PeftExport
 
+__all__ = [
+    "install",
+    "run_user_post_save_hook",
+]
+
 log = logging.getLogger("miles_lora_ckpt.integration")
 
 POST_SAVE_HOOK = "miles_lora_ckpt.hooks.post_save"
@@ -35,6 +39,8 @@ POST_SAVE_HOOK = "miles_lora_ckpt.hooks.post_save"
 
 @dataclass
 class Prepared:
+    """What the prepare phase decided on this rank, before anything in Miles changes."""
+
     config: PluginConfig
     shape: Shape
     plan: bindings.Plan

@@ -1,51 +1,27 @@
-"""What the plugin puts in place of Miles' multi-LoRA checkpoint functions (v1 §3.3 and v2 §10.2).
+"""What the plugin puts in place of Miles' multi-LoRA checkpoint functions (v1 and v2).
 
-Each entry of `HANDLERS` is a factory `(original, target) -> replacement`, installed by `bindings`
-wherever Miles binds the original by name; replacements read the process's `runtime` at call time.
-Every replacement is collective, as the function it replaces, and saves or loads one slot root per
-adapter through `savers.multi_lora` (full per-slot state, generations agreed by every rank, unique
-broadcast attempt directories, reader names swapped atomically).
+Each entry of `HANDLERS` is a factory `(original, target) -> replacement`, which `bindings` installs
+wherever Miles binds the original by name. Replacements read the process's `runtime` at call time.
+Each is collective, as the function it replaces, and saves or loads one slot root per adapter
+through `savers.multi_lora`.
 
-Miles v1 (`multi_lora_utils`; a slot root is `{adapter.config.save}/checkpoints`, reader names `step_N`):
+Miles v1 (`multi_lora_utils`; slot root `{adapter.config.save}/checkpoints`, reader names `step_N`):
 
-    save_multi_lora_checkpoints   each adapter's slot saved at its step: adapter, its children's fp32
-                                  masters, moments, steps, param groups, its scheduler; `step_N` a link;
-                                  with the plugin's multi-LoRA data source, the adapter's data state
-                                  staged for that step (in the adapter's save directory) committed in it
-    find_latest_checkpoint        the newest intact generation's step, agreed: `(root/step_N, N)`
-    _register_adapter             Miles' own slot init, then the slot resumed (with its optimizer
-                                  state while `load_adapters` runs; weights only otherwise); the
-                                  slot's saved scheduler state is kept for `load_adapters`
-    load_adapters                 Miles' own loop, with the optimizer recorded for the slot loads and
-                                  its whole-chain `reload_model_params` skipped (each slot's masters
-                                  are restored exactly, or a fresh slot's refreshed from its own params);
-                                  then each resumed slot's scheduler, which Miles' `install_slot_scheduler`
-                                  repositioned from the resumed step, gets its saved state (as v2 does)
-    _deregister_adapter           retire: the final save (the same step again replaces it atomically;
-                                  the adapter's staged data state committed as above),
-                                  then the slot cleared, its children reset, its grads and scheduler dropped;
-                                  co-tenant masters never refreshed from bf16
+`save_multi_lora_checkpoints`: each adapter's slot saved at its step, with its staged data state.
+`find_latest_checkpoint`: the newest intact generation's step, agreed by every rank.
+`_register_adapter`: Miles' own slot init, then the slot resumed.
+`load_adapters`: Miles' loop without its whole-chain `reload_model_params`; then each slot's saved
+scheduler state.
+`_deregister_adapter`: the final save, then the slot cleared and its children reset.
 
-Miles v2 (`lora/checkpoint.py`; a slot root is the directory of the named path, the reader name its basename):
+Miles v2 (`lora/checkpoint.py`; slot root the named path's directory, reader name its basename):
 
-    save_slot                     the slot saved (step: its children's Adam step, agreed), the name a link;
-                                  with the plugin's multi-LoRA data source, the adapter's data state
-                                  staged for that step committed in it (`integration.data_state`)
-    load_slot                     the named generation restored; only the slot's children touched
+`save_slot`: the slot saved at its children's agreed Adam step, the name a link.
+`load_slot`: the named generation restored; only the slot's children touched.
 
-PEFT export per slot (`runtime.slot_peft`, decided at startup by `integration.peft`): every slot
-save above (periodic, retire, v2) also exports the slot as an HF PEFT adapter, in the save's own
-phases, after the slot's shards are staged, at the top of the generation: Miles v1's stock names
-(`step_N/adapter_model.safetensors`, `step_N/adapter_config.json`; v2: `<name>/...`), so
-`PeftModel.from_pretrained(<slot root>/step_N)` loads it as is. `slot_export` builds it: Bridge (built
-at startup) under Miles' `patch_megatron_model` and Bridge's `expose_adapter_slot(model, slot)`,
-each factor cut to the adapter's rank (`format.slice_to_rank`), `r`/`lora_alpha` the adapter's
-(v1: `adapter.config.rank` / `alpha`; v2's save_slot has no adapter: `--lora-rank` / `--lora-alpha`).
-A failed export fails that save on every rank (the previous generation stays the newest).
-
-The optimizer a v1 save needs is recorded by `load_adapters` (Miles calls it before any save);
-the step of a retired adapter is `adapter.step`; a slot's scheduler is
-`optimizer.miles_slot_schedulers[slot]` and its children `optimizer.miles_slot_child_indices[slot]`.
+Every slot save also exports the slot as an HF PEFT adapter when `runtime.slot_peft` says so
+(`slot_export`), under stock v1's names at the top of the generation. A failed export fails that
+save on every rank. docs/multi-lora.md, "Multi-LoRA in Miles", has the details.
 """
 
 from __future__ import annotations
@@ -70,6 +46,13 @@ from miles_lora_ckpt.megatron import bridge_export
 from miles_lora_ckpt.savers import multi_lora as saver
 from miles_lora_ckpt.savers.peft_export import BridgeSource, ExportedWeight, PeftExport
 from miles_lora_ckpt.savers.peft_export import format as peft_format
+
+__all__ = [
+    "HANDLERS",
+    "slot_export",
+    "slot_filter",
+    "supported_kind",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -204,6 +187,9 @@ def _v1_root(adapter) -> Path | None:
 
 
 def multi_lora_save(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It saves each due adapter's slot at its step (module docstring, v1)."""
+
     @functools.wraps(original)
     def save_multi_lora_checkpoints(args, model, adapter_steps, adapters):
         optimizer = _optimizer_of(model)
@@ -235,6 +221,9 @@ def multi_lora_save(original: Callable, target) -> Callable:
 
 
 def multi_lora_find_latest(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It returns the newest intact generation's step, agreed by every rank."""
+
     @functools.wraps(original)
     def find_latest_checkpoint(ckpt_dir):
         step = saver.latest_slot_step(ckpt_dir)
@@ -307,6 +296,9 @@ def _without_save(adapter):
 
 
 def multi_lora_register(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It runs Miles' slot init, then resumes the slot from its slot root."""
+
     @functools.wraps(original)
     def _register_adapter(adapter, model):
         original(_without_save(adapter), model)  # Miles' slot init (rank, alpha; fresh weights)
@@ -336,6 +328,9 @@ class _NoChainRefresh:
 
 
 def multi_lora_load_adapters(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It runs Miles' loop without the whole-chain refresh, then restores each slot's scheduler."""
+
     @functools.wraps(original)
     def load_adapters(args, model, optimizer, adapters):
         rt = runtime.current()
@@ -376,6 +371,9 @@ def _restore_slot_schedulers(optimizer, saved: dict[int, dict]) -> dict[int, int
 
 
 def multi_lora_deregister(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It makes the retiring adapter's final save, then clears the slot."""
+
     @functools.wraps(original)
     def _deregister_adapter(adapter, args, model, optimizer):
         module = _module(target)
@@ -443,6 +441,9 @@ def _local_slot_step(optimizer, children) -> int:
 
 
 def slot_save(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It saves one slot as a generation of the named path's root (v2)."""
+
     @functools.wraps(original)
     def save_slot(model, optimizer, slot, path):
         rt = runtime.current()
@@ -477,9 +478,10 @@ def slot_save(original: Callable, target) -> Callable:
 
 
 def _staged_slot_data_state(rt, root: Path, step: int, slot: int) -> dict | None:
-    """Collective: rank 0 takes the adapter's data state staged for this step under `root` (the
-    adapter's save directory: v2's slot root, the parent of v1's `checkpoints`; `integration.data_state`);
-    a refusal raises on every rank before anything is written. Only rank 0 keeps the state."""
+    """Collective: rank 0 takes the adapter's data state staged for this step under `root`.
+
+    `root` is the adapter's save directory: v2's slot root, the parent of v1's `checkpoints`. A
+    refusal raises on every rank before anything is written. Only rank 0 keeps the state."""
     consensus = Consensus.default()
     outcome = Outcome.success()
     if consensus.rank == 0:
@@ -489,6 +491,9 @@ def _staged_slot_data_state(rt, root: Path, step: int, slot: int) -> dict | None
 
 
 def slot_load(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It restores the named generation into one slot; only the slot's children change (v2)."""
+
     @functools.wraps(original)
     def load_slot(model, optimizer, slot, path, load_optimizer):
         runtime.current().multi_lora_optimizers[id(model)] = optimizer

@@ -1,40 +1,22 @@
 """The rollout side of multi-LoRA: each adapter's data state committed in its slot's generations.
 
-Miles' multi-LoRA data source (`miles.rollout.multi_lora.data_source.MultiLoRAAsyncDataSource`,
-multi-LoRA v2) keeps one data source per adapter, built lazily when a draw first sees the adapter in
-the controller's snapshot and deleted when the adapter leaves; its `load` reaches only the sources
-that exist, none at a relaunch. So every adapter, and every adapter retired and registered again,
-starts over at offset 0.
+Miles' multi-LoRA data source builds one source per adapter lazily and drops it when the adapter
+leaves. Its `load` reaches none at a relaunch, so every adapter starts over at offset 0.
+`CheckpointedMultiLoRADataSource` wraps the class `data_state.multi_lora_source` names and passes
+every call on, except the checkpoint ones.
 
-`CheckpointedMultiLoRADataSource` (Miles' `--data-source-path
-miles_lora_ckpt.hooks.CheckpointedMultiLoRADataSource`) builds the class `data_state.multi_lora_source`
-names and passes every call on, except:
+`create_source(adapter)` restores a resumed adapter's source from its slot's committed generation
+of the step it resumed at. Staged states of later steps are removed. Every draw is counted per
+adapter. When the draw of its step k is complete, the source's state is staged as step k in the
+slot root, and the slot save of step k commits it.
 
-- `create_source(adapter)` (the wrapped class's `reconcile` builds every source through it): the
-  stock source, then, when the adapter resumed at step S > 0 (the controller's step after its slot
-  was loaded), its state from the slot's committed generation of step S (the slot root: Miles v1's
-  `<adapter save>/checkpoints`, or v2's `<adapter save>`), never from another step's; a generation without a data state warns and
-  the source starts over. Staged states of steps > S (drawn before a kill, never committed) are
-  removed. A source class whose state the plugin does not understand is refused, as single-LoRA.
-- every draw: the adapter's groups are counted; when its count reaches k * (its
-  `adapter_global_batch_size / n_samples_per_prompt`), the draw of its step k is complete, and the
-  state of its source is staged, sealed, as step k in the adapter's save directory
-  (`core.data_state.stage`). The slot save of step k (v1 periodic or retire, v2 `save_slot`) commits
-  it inside the slot generation (`integration.multi_lora`). Groups handed
-  back (`add_samples`) are counted off: they are drawn again. This holds while the steps train
-  their groups in draw order.
-- Miles' async producer does not: it trains groups in the order they finish and discards aborted,
-  filtered and stale ones without telling the data source. So the constructor puts
-  `generate_multi_lora_rollout` in front of `--rollout-function-path`, as single-LoRA's data
-  source does; once it runs, every drawn group is recorded (a stamp in its metadata) until the
-  rollout function ships it, and an adapter's state is staged when its shipped count reaches k *
-  its groups a step instead: its source's state then, plus `in_flight`, the adapter's groups drawn
-  and not shipped (samples as `to_dict()`). A resume gives those back first, before new draws
-  (rebuilt with the drawn samples' class's `from_dict`, the slot of the adapter now), so every
-  drawn group is trained once across a kill or drawn again. A group Miles discarded is among them
-  (the plugin cannot tell it from one still generating): a resume gives it another try.
-- `save(rollout_id)`: no pickle is written; staged states below each slot's newest committed step
-  are removed (that step's own stays: a retire saves the same step again). `load(rollout_id)`: nothing (each source restores when it is built).
+Miles' async producer trains groups out of draw order and drops some silently. So the constructor
+puts `generate_multi_lora_rollout` in front of `--rollout-function-path`. It records the groups
+drawn and not yet shipped (`in_flight`), and a resume gives them back first.
+
+`save(rollout_id)` writes no pickle; it removes staged states below each slot's newest committed
+step. `load(rollout_id)` does nothing, because each source restores when it is built.
+docs/multi-lora.md, "The data state per adapter", has the details.
 """
 
 from __future__ import annotations
@@ -53,6 +35,12 @@ from miles_lora_ckpt.core.verify import check_file_content, check_structure, com
 from miles_lora_ckpt.integration.config import PluginConfig, apply_core_settings, load_config
 from miles_lora_ckpt.integration.data_source import Codec, codec_for, generation_at, load_object, sample_json
 from miles_lora_ckpt.integration.data_state import MULTI_HOOK, MULTI_ROLLOUT_HOOK, DataStateRefused
+
+__all__ = [
+    "CheckpointedMultiLoRADataSource",
+    "generate_multi_lora_rollout",
+    "newest_committed_step",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 

@@ -1,37 +1,14 @@
 """PEFT export in a Miles run: `export.peft` (in every checkpoint) and Miles' `--save-hf` (HF PEFT adapter).
 
-Two ways a Miles run exports its LoRA adapter as an HF PEFT directory, both through
-`savers.peft_export` (Megatron-Bridge converts; the plugin owns every phase and barrier):
+Both go through `savers.peft_export`: Megatron-Bridge converts, and the plugin owns every phase and
+barrier. With `export.peft = true`, every generation committed for Miles' `save` also holds `peft/`.
+Under `--save-hf DIR`, `DIR/adapter` becomes an export root whose `latest` names the newest export.
+A multi-LoRA run exports per slot instead (`integration.multi_lora`); a v1 run does so by default
+when it can.
 
-- `export.peft = true` (`MILES_LORA_CKPT_PEFT_EXPORT=1`): every generation the plugin commits for
-  Miles' `save` also holds `peft/`, exported in the save's own phases and committed with it. A
-  failed export fails that save on every rank, with the same error (stock Miles logs it rank-locally
-  and goes on, or hangs).
-- `--save-hf DIR`: Miles' HF export calls `save_lora_checkpoint(model, args, "<DIR>/adapter")`
-  (no optimizer). Under the plugin `<DIR>/adapter` becomes an *export root*: each call publishes
-  one export, `<DIR>/adapter/gen-<rollout>-<id>/`, and points `<DIR>/adapter/latest` at it, which
-  `PeftModel.from_pretrained(base, "<DIR>/adapter/latest")` loads as is. Miles' own HF export
-  around it (the base model, `.complete`) and the post-save hook's `hf_checkpoint_dir` are unchanged.
-
-Multi-LoRA (`--multi-lora-n-adapters`): each slot save exports that slot (`integration.multi_lora`:
-Bridge's `expose_adapter_slot` selects the slot inside `patch_megatron_model`, each factor is cut
-to the adapter's rank, `adapter_config.json` gets the adapter's rank and alpha) at the top of the
-slot generation: Miles v1's stock names, `step_N/adapter_model.safetensors` and
-`step_N/adapter_config.json`, which `PeftModel.from_pretrained(<slot root>/step_N)` loads. The
-default for a Miles v1 multi-LoRA run is to export whenever it can (stock v1 writes these files in
-every `step_N`): with `export.peft` left at its default, a v1 run exports per slot when Bridge,
-`expose_adapter_slot`, `patch_megatron_model`, `--hf-checkpoint` and `--lora-rank` are all there,
-and otherwise logs why its `step_N` hold no PEFT files; `export.peft = false` set explicitly turns
-it off; `export.peft = true` requires it (refused at startup as below). Multi-LoRA v2 saves export
-only with `export.peft = true` (stock v2 writes none).
-
-Both need, on every rank, an importable `megatron.bridge`, the context manager the Miles shape
-runs Bridge under (`patch_megatron_model`, `Shape.bridge_model_context`), `--hf-checkpoint` (the HF
-base Bridge maps names onto) and `--lora-rank`. `prepare` checks all of it in the init hook and
-builds Bridge from `--hf-checkpoint` there, so a run that could not export is refused at startup,
-on every rank and before anything is patched, naming the key or flag and the remedy, instead of
-at its first save. `export.peft = true` in a run without `--lora-rank` is refused too (there is
-no adapter to export); `--save-hf` in a full-model run is Miles' own HF export, left alone.
+`prepare` checks, in the init hook, everything an export needs and builds Bridge there. A run that
+could not export is then refused at startup, on every rank and before anything is patched.
+docs/peft-export.md, "PEFT export in a Miles run", and docs/multi-lora.md have the details.
 """
 
 from __future__ import annotations
@@ -48,6 +25,14 @@ from miles_lora_ckpt.integration.shapes import Shape
 from miles_lora_ckpt.integration.startup import UnsupportedConfiguration
 from miles_lora_ckpt.megatron import bridge_export
 from miles_lora_ckpt.savers.peft_export import PeftExport
+
+__all__ = [
+    "prepare",
+    "reasons",
+    "exports_slots",
+    "model_context",
+    "publish_save_hf_adapter",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 

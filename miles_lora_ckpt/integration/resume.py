@@ -1,25 +1,17 @@
 """Resume with the same launch command: where generations live, Miles' tracker, the base-model load.
 
-Stock Miles cannot resume a LoRA run with an unchanged command (contract §2.5, §10.1): LoRA saves
-write no `latest_checkpointed_iteration.txt`, so Miles' argument validation (bridge mode) replaces
-`--load` by the base model and forces `start_rollout_id = 0`; the rollout counter starts over.
-The plugin's answer, in order:
+Stock Miles restarts a LoRA run at rollout 0. LoRA saves write no Megatron tracker, so Miles'
+validation replaces `--load` by the base model and forces `start_rollout_id = 0`.
 
-1. The init hook makes sure `--save` holds Megatron's tracker file and the plugin's save root
-   (`save_root`). On a relaunch Miles' validation finds the tracker in `--load` (= `--save`),
-   keeps `--load`, and takes the start rollout from the actors (`loaded iteration + 1`).
-2. Miles' `load_checkpoint` would now read `--load` as a Megatron checkpoint. The plugin's
-   `load_checkpoint` instead runs Miles' own base load with `--load` set to what validation would
-   have chosen (`base_load_overrides`), then restores the newest committed generation and returns
-   its iteration. With nothing committed yet it reports iteration -1, so the run starts at rollout 0.
-3. Miles then steps the scheduler by `iteration * global_batch_size` on top of the restored state
-   (§2.2 step 6). The plugin re-applies the scheduler state its load decided once
-   `initialize_model_and_optimizer` returns: the scheduler is stepped exactly once.
-4. A launch whose `--load` is not the plugin's (no `--load`, or its tracker was deleted) while
-   `--save` holds committed generations is refused at startup (`check_relaunch`): Miles would
-   restart at rollout 0 on top of a resumed adapter. So is a resume whose `start_rollout_id` is
-   already set (Miles before #2682, e.g. the miles-rl 0.0.2 wheel, forces 0 in bridge mode even
-   with the tracker; or a user's `--start-rollout-id`): the driver would not continue after it.
+The plugin makes `--save` hold Megatron's tracker and the plugin's save root (`save_root`). A
+relaunch then keeps `--load` and starts at the loaded iteration + 1. Its `load_checkpoint` runs
+Miles' own base load with the `--load` validation would have chosen (`base_load_overrides`). It
+then restores the newest committed generation; with none yet, the run starts at rollout 0. Miles
+steps the scheduler again after the load, so the plugin re-applies the scheduler state its load
+decided once `initialize_model_and_optimizer` returns. A launch that would restart at rollout 0
+over committed generations is refused at startup (`check_relaunch`).
+
+docs/use-with-miles.md, "What the hook does", has the details.
 """
 
 from __future__ import annotations
@@ -38,6 +30,23 @@ from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, is_save_root
 from miles_lora_ckpt.integration.config import AUTO_HYPERPARAMETERS, PluginConfig, RootLayout
 from miles_lora_ckpt.savers.options import LoadOptions
+
+__all__ = [
+    "ResumeRefused",
+    "LoadFlags",
+    "save_root",
+    "plugin_root",
+    "prepare_save_dir",
+    "write_megatron_tracker",
+    "check_relaunch",
+    "newest_committed",
+    "choose_generation",
+    "base_load_overrides",
+    "overridden",
+    "hyperparameter_policy",
+    "load_options",
+    "scheduler_position",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -152,10 +161,11 @@ def check_relaunch(config: PluginConfig, args) -> list[str]:
 
 def _refuse_native_checkpoints(config: PluginConfig, args) -> None:
     """Raise ResumeRefused when `--load`/`--save` hold a stock Miles native (raw-mode, `torch_dist`)
-    LoRA checkpoint and no plugin generation: resuming from it needs optimizer state the plugin does
-    not restore (`core.native_dist.refusal`), and a fresh adapter would silently replace it.
-    `--lora-adapter-path` naming one is the deliberate warm start of its adapter weights
-    (`savers.single_lora.native_warm`), not refused."""
+    LoRA checkpoint and no plugin generation.
+
+    Resuming from it needs optimizer state the plugin does not restore (`core.native_dist.refusal`),
+    and a fresh adapter would silently replace it. `--lora-adapter-path` naming one is a deliberate
+    warm start of its adapter weights (`savers.single_lora.native_warm`), not refused."""
     for flag in ("load", "save"):
         directory = getattr(args, flag, None)
         if not directory or newest_committed(save_root(config, directory)) is not None:
@@ -194,7 +204,7 @@ class LoadFlags:
 
 
 def base_load_overrides(args) -> dict[str, object]:
-    """The args Miles' validation sets when `--load` has no tracker: the base model load (§2.5).
+    """The args Miles' validation sets when `--load` has no tracker: the base model load.
 
     Bridge mode: `--load` becomes `--ref-load` or `--hf-checkpoint`. Raw mode also sets
     `no_load_optim`, `no_load_rng`, `finetune` and `ckpt_step = ref_ckpt_step`. `lora_adapter_path`
@@ -270,9 +280,10 @@ def hyperparameter_policy(config: PluginConfig, args) -> HyperparameterPolicy:
 
 
 def load_options(config: PluginConfig, args, flags: LoadFlags, *, with_optimizer: bool) -> LoadOptions:
-    """The options of a resume's load, from Miles' flags and the plugin config: the adapter only
-    with --finetune or without an optimizer (ref/teacher); no optimizer state with --no-load-optim;
-    no RNG state with --no-load-rng or --finetune (as megatron); `hyperparameter_policy`."""
+    """The options of a resume's load, from Miles' flags and the plugin config.
+
+    The adapter only with --finetune or without an optimizer (ref and teacher loads). No optimizer
+    state with --no-load-optim. No RNG state with --no-load-rng or --finetune, as megatron does."""
     return LoadOptions(
         load_optim=not flags.no_load_optim,
         weights_only=flags.finetune or not with_optimizer,
@@ -282,7 +293,7 @@ def load_options(config: PluginConfig, args, flags: LoadFlags, *, with_optimizer
 
 
 def samples_per_rollout(args) -> int:
-    """Samples one rollout trains on: what Miles' scheduler advances per rollout (§2.2)."""
+    """Samples one rollout trains on: what Miles' scheduler advances per rollout."""
     try:
         return int(args.rollout_batch_size) * int(args.n_samples_per_prompt)
     except (AttributeError, TypeError) as exc:

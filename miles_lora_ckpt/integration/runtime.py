@@ -1,7 +1,7 @@
-"""What the init hook leaves behind in each training process, for the replaced functions to read.
+"""What the init hook leaves in each training process, for the replaced functions to read.
 
-One `Runtime` per process, set by `install.install` once the bindings are in place. Replacement
-functions read it at call time (`current()`), never at import.
+`install.install` sets one `Runtime` per process once the bindings are in place. Replacements read
+it at call time (`current()`), never at import.
 """
 
 from __future__ import annotations
@@ -11,6 +11,13 @@ from typing import Any
 
 from miles_lora_ckpt.integration.config import PluginConfig
 from miles_lora_ckpt.integration.shapes import Shape
+
+__all__ = [
+    "Runtime",
+    "current",
+    "set_current",
+    "installed",
+]
 
 
 @dataclass
@@ -56,9 +63,11 @@ def current() -> Runtime:
 
 
 def installed() -> Runtime | None:
+    """The installed runtime, or None when the init hook has not run in this process."""
     return _current
 
 
 def set_current(runtime: Runtime | None) -> None:
+    """Install `runtime` as this process's runtime; None removes it."""
     global _current
     _current = runtime

@@ -1,20 +1,18 @@
 """The Miles shapes this plugin knows, and how a running Miles is matched against them.
 
-Miles keeps moving: modules were renamed and signatures changed (contract §10). A *shape* lists,
-for one version of Miles, every function the plugin takes over (`Target`): where it is defined,
-its exact signature, and the modules that bind it by name at import (`from X import f`), which
-must be rebound too. `detect_shape` imports the modules, renders each function's signature and
-returns the first shape that matches in every target. When none does, it raises
-`UnknownMilesShape` naming each module, function and signature found: nothing is patched.
+Miles keeps moving: modules were renamed and signatures changed between versions. A *shape* lists,
+for one version of Miles, every function the plugin takes over (`Target`). Each target names where
+it is defined, its exact signature, and the modules that bind it by name at import.
+`detect_shape` returns the first shape that matches in every target. When none does, it raises
+`UnknownMilesShape`, naming each difference found, and nothing is patched.
 
-A shape also names what the plugin *calls* in Miles without replacing it: the context manager
-Miles wraps every Megatron-Bridge call in (`bridge_model_context`, for the PEFT export). It is not
-part of detection; it is resolved at startup only when the run exports (`integration.peft`).
+A shape also names the context manager Miles runs Megatron-Bridge under (`bridge_model_context`),
+which the PEFT export calls; it is resolved at startup only when the run exports.
 
-Multi-LoRA: the 2026-08 shape has v1's `multi_lora_utils` targets (§3.3), the 2026-09 shape v2's
-`lora/checkpoint.py` targets (§10.2); both optional (absent: multi-LoRA runs are refused at startup),
-checked like every other target when present. A new Miles version is one more `Shape` in `SHAPES`,
-newest first.
+Multi-LoRA targets are optional: v1's `multi_lora_utils` in `lora-utils-2026-08`, v2's
+`lora/checkpoint.py` in `lora-package-2026-09`. Absent, multi-LoRA runs are refused at startup;
+present, they are checked like every other target. A new Miles version is one more `Shape` in
+`SHAPES`, newest first. docs/use-with-miles.md, "Miles versions (shapes)", lists them.
 """
 
 from __future__ import annotations
@@ -26,6 +24,22 @@ from dataclasses import dataclass
 
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 
+__all__ = [
+    "Target",
+    "Shape",
+    "SHAPES",
+    "SHAPES_BY_NAME",
+    "Difference",
+    "UnknownMilesShape",
+    "render_signature",
+    "detect_shape",
+    "shape_differences",
+    "HF_EXPORT",
+    "MULTI_LORA_UTILS",
+    "LORA_CHECKPOINT",
+    "LORA_ACTOR",
+]
+
 MEGATRON_UTILS = "miles.backends.megatron_utils"
 LORA_UTILS_2026_08 = f"{MEGATRON_UTILS}.lora_utils"
 LORA_UTILS_PACKAGE = f"{MEGATRON_UTILS}.lora.utils"
@@ -34,11 +48,11 @@ MODEL = f"{MEGATRON_UTILS}.model"
 ACTOR = f"{MEGATRON_UTILS}.actor"
 HF_EXPORT = f"{MEGATRON_UTILS}.hf_export"
 FT_IN_MEMORY = f"{MEGATRON_UTILS}.ft.in_memory_checkpoint"
-DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # contract §10.1: a debug tool
-# contract §1.2 step 5, §2.1: Miles runs Bridge's export (and its HF base load) under this context manager
+DEBUG_WORKER = "miles.utils.debug_utils.run_megatron.worker.main"  # Miles' debug tool, a late consumer
+# Miles runs Bridge's export (and its HF base load) under this context manager
 PATCH_MEGATRON_MODEL = "miles.utils.megatron_bridge_utils.patch_megatron_model"
-MULTI_LORA_UTILS = f"{MEGATRON_UTILS}.multi_lora_utils"  # multi-LoRA v1 (§3.3)
-LORA_CHECKPOINT = f"{MEGATRON_UTILS}.lora.checkpoint"  # multi-LoRA v2 (§10.2)
+MULTI_LORA_UTILS = f"{MEGATRON_UTILS}.multi_lora_utils"  # multi-LoRA v1
+LORA_CHECKPOINT = f"{MEGATRON_UTILS}.lora.checkpoint"  # multi-LoRA v2
 LORA_ACTOR = f"{MEGATRON_UTILS}.lora.actor"
 
 
@@ -82,7 +96,7 @@ def render_signature(function: Callable, *, defaults: bool = False) -> str:
 
     `defaults=True` writes each default's `repr` instead of `...` (`(a, b=None, *, c=False)`), as
     `ast.unparse` writes a literal default in source: the stand-ins' signature table
-    (`sim/miles_standin/source_signatures.py`) compares defaults too.
+    (the harness's `miles_standin/source_signatures.py`) compares defaults too.
     `inspect.signature` follows `__wrapped__`, so a function the plugin already wrapped still
     renders as Miles' own (that is what makes a second registration a no-op).
     """
@@ -116,7 +130,7 @@ _SAVE_LORA = "(model, args, save_dir, *, optimizer=..., opt_param_scheduler=...,
 
 
 def _model_targets() -> tuple[Target, ...]:
-    """checkpoint.py / model.py targets: unchanged in every shape known so far (§2.7, §10.1)."""
+    """checkpoint.py / model.py targets: unchanged in every shape known so far."""
     return (
         Target(
             "save_checkpoint_with_lora",
@@ -152,7 +166,7 @@ def _model_targets() -> tuple[Target, ...]:
 
 
 def _wheel_model_targets() -> tuple[Target, ...]:
-    """checkpoint.py / model.py targets of the miles-rl 0.0.2 wheel (contract §10.5): model.py has
+    """checkpoint.py / model.py targets of the miles-rl 0.0.2 wheel: model.py has
     `initialize_model_and_optimizer(args, role=...)` and `save(iteration, model, optimizer,
     opt_param_scheduler)`; the actor (which imports Ray and SGLang's runtime) is a late consumer."""
     return (
@@ -220,7 +234,7 @@ def _lora_targets(
 
 
 def _multi_lora_v1_targets() -> tuple[Target, ...]:
-    """Multi-LoRA v1 (§3.3). Optional: a Miles without `multi_lora_utils` runs single-LoRA only
+    """Multi-LoRA v1. Optional: a Miles without `multi_lora_utils` runs single-LoRA only
     (the init hook refuses --multi-lora-n-adapters then); present, every signature must match."""
     return tuple(
         Target(handler, MULTI_LORA_UTILS, name, signature, optional=True)
@@ -235,7 +249,7 @@ def _multi_lora_v1_targets() -> tuple[Target, ...]:
 
 
 def _multi_lora_v2_targets() -> tuple[Target, ...]:
-    """Multi-LoRA v2 (§10.2): `lora/checkpoint.py`, bound by name in `lora/actor.py`. Optional, as v1's."""
+    """Multi-LoRA v2: `lora/checkpoint.py`, bound by name in `lora/actor.py`. Optional, as v1's."""
     return (
         Target(
             "slot_save", LORA_CHECKPOINT, "save_slot", "(model, optimizer, slot, path)", (LORA_ACTOR,), optional=True
@@ -286,8 +300,8 @@ SHAPES: tuple[Shape, ...] = (
     ),
     Shape(
         "lora-utils-2026-08",
-        "the 2026-08 snapshot (31f1ca961a94): backends/megatron_utils/lora_utils.py; also the trees of PR #1792 "
-        "and of working branches, which lack _load_training_state (§10.6)",
+        "Miles at radixark/miles 31f1ca961a94: backends/megatron_utils/lora_utils.py; also the trees of PR #1792 "
+        "and of working branches, which lack _load_training_state",
         LORA_UTILS_2026_08,
         "enable_gloo_process_groups",
         _lora_targets(
@@ -302,9 +316,9 @@ SHAPES: tuple[Shape, ...] = (
     ),
     Shape(
         "miles-rl-0.0.2",
-        "the miles-rl 0.0.2 wheel on PyPI (2026-05): lora_utils.py as 2026-08; model.py has "
+        "the miles-rl 0.0.2 wheel on PyPI: lora_utils.py as at 31f1ca961a94; model.py has "
         "initialize_model_and_optimizer(args, role=...) and save(iteration, model, optimizer, opt_param_scheduler) "
-        "and binds save_lora_checkpoint by name; no multi-LoRA, hf_export or ft/ (§10.5)",
+        "and binds save_lora_checkpoint by name; no multi-LoRA, hf_export or ft/",
         LORA_UTILS_2026_08,
         "enable_gloo_process_groups",
         _lora_targets(

@@ -1,25 +1,17 @@
 """What the plugin puts in place of Miles' single-LoRA checkpoint functions.
 
-Each entry of `HANDLERS` is a factory `(original, target) -> replacement`; `bindings` installs the
-replacement wherever Miles binds the original by name. Replacements bind their arguments to the
-original's signature, so one factory serves every shape (a keyword `load_optimizer`, a positional
-`args`, ...). They read the process's `runtime` at call time.
+Each entry of `HANDLERS` is a factory `(original, target) -> replacement`, which `bindings` installs
+wherever Miles binds the original by name. Replacements bind their arguments to the original's
+signature, so one factory serves every shape. They read the process's `runtime` at call time.
 
-    save_checkpoint_with_lora   a committed generation under the save root + Megatron's tracker
-                                (with the rollout data state of the rollout, integration.data_state;
-                                with export.peft: holding peft/, committed with it; see integration.peft;
-                                with save.async: returns once the state is copied, commits in the
-                                background, see `_save_async`)
-    save_lora_checkpoint        Miles' HF export (`--save-hf`, no optimizer): an HF PEFT adapter published
-                                into the export root `<save-hf dir>/adapter` (`latest`); with an
-                                optimizer: a committed generation, as above
-    load_checkpoint             resume: Miles' base load, then the newest generation (see resume.py);
-                                ref/teacher loads start from the adapter the first launch had, not the
-                                resumed one, so a resumed run sees the reference an uninterrupted run saw
-    load_lora_adapter           `--lora-adapter-path` (initial adapter; ref/teacher loads): weights only
-    load_training_state         refuses: Miles' version unpickles, and nothing of ours calls it
-    initialize_model_and_optimizer  scheduler stepped once; start rollout from the loaded generation
-    save                        refuses Miles' in-memory FT checkpoint for LoRA models (it would be lost)
+`save_checkpoint_with_lora`: a committed generation under the save root, and Megatron's tracker.
+`save_lora_checkpoint`: without an optimizer (`--save-hf`), a PEFT adapter in the export root.
+`load_checkpoint`: resume, Miles' base load then the newest generation (`integration.resume`); ref
+and teacher loads get the adapter the first launch had, as an uninterrupted run does.
+`load_lora_adapter`: `--lora-adapter-path`, and ref or teacher loads: weights only.
+`load_training_state`: refused, because Miles' version unpickles and nothing of ours calls it.
+`initialize_model_and_optimizer`: the scheduler stepped once; the start rollout from the load.
+`save`: refuses Miles' in-memory FT checkpoint for LoRA models, which would be lost.
 """
 
 from __future__ import annotations
@@ -40,6 +32,12 @@ from miles_lora_ckpt.megatron.scheduler import reposition_scheduler, restore_sch
 from miles_lora_ckpt.savers.options import LoadOptions, SaveOptions
 from miles_lora_ckpt.savers.single_lora.load import load_adapter_generation
 from miles_lora_ckpt.savers.single_lora.save import save_adapter_generation
+
+__all__ = [
+    "HANDLERS",
+    "save_options",
+    "save_lora_checkpoint",
+]
 
 log = logging.getLogger("miles_lora_ckpt.integration")
 
@@ -73,6 +71,8 @@ def _agree_on_rank0(phase: str, fn: Callable, *args, consensus: Consensus | None
 
 
 def save_checkpoint_with_lora(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It commits a generation under the save root and writes Megatron's tracker."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -102,9 +102,9 @@ def save_checkpoint_with_lora(original: Callable, target) -> Callable:
 
 
 def save_options(rt, iteration: int | None, rollout_data: dict | None = None) -> SaveOptions:
-    """The options of this run's LoRA saves, from the plugin config: `save.keep`, and with
-    `export.peft` the PEFT export (a failed export fails the save; not with `save.async`, whose
-    snapshot cannot run it over the live model), `rollout_data` as the data state."""
+    """The options of this run's LoRA saves, from the plugin config, with `rollout_data` as the data
+    state. With `export.peft`, the PEFT export, whose failure fails the save. Not with `save.async`,
+    whose snapshot cannot run the export over the live model."""
     export = rt.peft if rt.config["export.peft"] and not rt.config["save.async"] else None
     return SaveOptions(iteration=iteration, keep=rt.config["save.keep"] or None, peft=export, data_state=rollout_data)
 
@@ -155,6 +155,8 @@ def wait_for_async_save(rt) -> None:
 
 
 def save_lora_checkpoint(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    Without an optimizer (`--save-hf`) it publishes a PEFT adapter into the export root."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -188,12 +190,14 @@ def save_lora_checkpoint(original: Callable, target) -> Callable:
 
 
 def save(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It refuses Miles' in-memory FT checkpoint for LoRA models."""
     bind = _binder(original)
 
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         call = bind(args, kwargs)
-        # the miles-rl 0.0.2 wheel's save has neither parameter (contract §10.5)
+        # the miles-rl 0.0.2 wheel's save has neither parameter
         in_memory = call.get("non_persistent_ckpt") or _in_memory(call.get("checkpointing_context"))
         if in_memory and _is_lora_model(call["model"]):
             raise UnsupportedConfiguration(_IN_MEMORY_REFUSAL)
@@ -217,6 +221,8 @@ def _in_memory(context) -> bool:
 
 
 def load_checkpoint(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It runs Miles' base load, then restores the newest generation (`integration.resume`)."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -307,6 +313,8 @@ def _put_initial_adapter(rt, model) -> None:
 
 
 def load_lora_adapter(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It loads the adapter weights only (`--lora-adapter-path`, ref and teacher loads)."""
     bind = _binder(original)
 
     @functools.wraps(original)
@@ -327,6 +335,9 @@ def load_lora_adapter(original: Callable, target) -> Callable:
 
 
 def load_training_state(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It refuses: Miles' version unpickles, and nothing of the plugin calls it."""
+
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         raise UnsupportedConfiguration(
@@ -338,6 +349,9 @@ def load_training_state(original: Callable, target) -> Callable:
 
 
 def initialize_model_and_optimizer(original: Callable, target) -> Callable:
+    """Factory for `HANDLERS`: Miles' original and its `Target` in, the replacement out.
+    It re-applies the scheduler state the load decided, so the scheduler is stepped once."""
+
     @functools.wraps(original)
     def replacement(*args, **kwargs):
         rt = runtime.current()

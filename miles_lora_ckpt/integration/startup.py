@@ -1,12 +1,8 @@
-"""Reject, before training starts, configurations whose LoRA checkpoints could not be saved.
+"""Refuse, before training starts, configurations whose LoRA checkpoints could not be saved.
 
 Better to fail at step 0 with the flag to change than at the first save, hours in.
-`validate_startup` checks what any caller of the savers needs (args and, once built, the
-optimizer and the model chunks); `validate_miles_launch` adds what a Miles launch with the init
-hook needs. Supported optimizer children (`megatron.optimizer_children`): DistributedOptimizer,
-Float16OptimizerWithFloat16Params and FP32Optimizer, alone or under a
-LayerWiseDistributedOptimizer, with whatever inner optimizer megatron builds (Adam, Lion, Muon and
-its scalar optimizer, ...).
+`validate_startup` checks what any caller of the savers needs; `validate_miles_launch` adds what a
+Miles launch with the init hook needs. The supported optimizer children are in docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -16,6 +12,12 @@ from pathlib import Path
 from miles_lora_ckpt.core.errors import MilesLoraCkptError
 from miles_lora_ckpt.megatron.optimizer_children import DISTRIBUTED, SUPPORTED_CLASSES, leaf_children
 from miles_lora_ckpt.megatron.optimizer_children.distributed import dp_group
+
+__all__ = [
+    "UnsupportedConfiguration",
+    "validate_startup",
+    "validate_miles_launch",
+]
 
 
 class UnsupportedConfiguration(MilesLoraCkptError, ValueError):
@@ -76,9 +78,10 @@ def _optimizer_problems(optimizer) -> list[str]:
 def _replica_problems(model, optimizer) -> list[str]:
     """Non-distributed children while DDP reduce-scatters: every DP rank steps different gradients.
 
-    megatron 0.19 builds Lion and Muon as Float16/FP32 children even with --use-distributed-optimizer,
-    while DDP built for the distributed optimizer reduces each gradient only on its own shard: the DP
-    replicas of masters and moments drift apart (and the saver refuses to pick one of them).
+    megatron 0.19 builds Lion and Muon as Float16/FP32 children even with
+    --use-distributed-optimizer. DDP built for the distributed optimizer reduces each gradient only
+    on its own shard, so the DP replicas of masters and moments drift apart, and the saver refuses
+    to pick one of them.
     """
     chunks = model if isinstance(model, list | tuple) else [model]
     if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
@@ -143,8 +146,8 @@ def _async_save_problems(args, config) -> list[str]:
 
 
 def _train_ft(args) -> bool:
-    """`--use-fault-tolerance --ft-components train`: Miles' validation (2026-08 and later) then sets
-    `non_persistent_ckpt_type = "local"` by itself (the user never passed that flag)."""
+    """`--use-fault-tolerance --ft-components train`: Miles' validation (radixark/miles 31f1ca961a94
+    and later) then sets `non_persistent_ckpt_type = "local"` itself, without the user's flag."""
     components = getattr(args, "ft_components", None) or ()
     if isinstance(components, str):
         components = components.replace(",", " ").split()

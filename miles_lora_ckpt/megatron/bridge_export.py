@@ -1,25 +1,21 @@
-"""Thin adapter to Megatron-Bridge's adapter export. Imports `megatron.bridge` lazily, never at import.
+"""Thin adapter to Megatron-Bridge's adapter export; imports `megatron.bridge` lazily.
 
-Bridge converts Megatron-side LoRA weights to HF names; the plugin owns every barrier around it (see
-`savers/peft_export`). What this module knows about Bridge (contract §10.3, bridge-and-peft.md):
+Bridge converts Megatron-side LoRA weights to HF names; the plugin owns every barrier around it
+(`savers/peft_export`). What this module relies on in Bridge is listed in docs/peft-export.md,
+"Bridge's export: keywords and item shapes". In short:
 
-- `AutoBridge.export_adapter_weights(model, cpu=True, show_progress=True, ...)` is a lazy, collective
-  generator: every rank must iterate it fully and in the same order. What it yields, all accepted
-  (`normalize_item`):
-  - NVIDIA builds (0.6.2, `main`): two-item named tuples `HFWeightTuple(param_name, weight)`;
-  - the fork Miles installs: plain three-item tuples `(hf_name, weight, megatron_name)`;
-  - an indexed fork version: `HFSourcedWeightTuple(param_name, weight, megatron_param_names)`, whose
-    third field is a TUPLE of Megatron names (one HF tensor can come from several Megatron params).
-  Keyword arguments, bound against the installed signature (`bind_options`): `cpu=True` and
-  `show_progress=False` are passed when the signature has them, and dropped otherwise.
-  `exclude_adapter_base_prefixes` (0.6.2 and `main`) and `expand_shared_outer` (`main` only) are
-  passed only when the caller asks for them (`BridgeSource(exclude_adapter_base_prefixes=...,
-  expand_shared_outer=...)`, or any keyword in `export_options`); an installed Bridge whose
-  signature lacks one that was asked for is refused with a TypeError naming it, never ignored.
-- `megatron.bridge.models.conversion.peft_bridge` has four pure helpers in recent builds
-  (`convert_adapter_weights_to_peft_state`, `infer_target_modules_from_adapter_weights`,
-  `infer_rank_pattern_from_adapter_weights`, `build_adapter_config_dict`); `peft_helpers()` returns
-  those whose signatures it recognises, and the exporter uses its own for the rest.
+- `AutoBridge.export_adapter_weights(model, ...)` is a lazy, collective generator. Every rank must
+  iterate it fully and in the same order.
+- Its items differ by build, and `normalize_item` accepts them all. NVIDIA builds (0.6.2, `main`)
+  yield `HFWeightTuple(param_name, weight)`. The fork Miles installs yields plain tuples
+  `(hf_name, weight, megatron_name)`. An indexed fork version yields `HFSourcedWeightTuple`, whose
+  third field is a tuple of Megatron names.
+- Keywords are bound against the installed signature (`bind_options`). `cpu=True` and
+  `show_progress=False` are passed where the signature has them. `exclude_adapter_base_prefixes`
+  (0.6.2, `main`) and `expand_shared_outer` (`main` only) are passed only when asked for. A
+  Bridge whose signature lacks an asked-for keyword is refused with a TypeError, never ignored.
+- Recent builds have four pure helpers in `peft_bridge`. `peft_helpers()` returns those whose
+  signatures it recognises, and the exporter uses its own for the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +32,21 @@ HELPERS_MODULE = "megatron.bridge.models.conversion.peft_bridge"
 MULTI_LORA_MODULE = "megatron.bridge.peft.multi_lora_layers"  # Bridge's multi-LoRA slot helpers
 OPTIONAL_EXPORT_KWARGS = {"cpu": True, "show_progress": False}  # passed only where the signature has them
 
+__all__ = [
+    "BridgeSource",
+    "ExportedWeight",
+    "PeftHelpers",
+    "bind_options",
+    "bridge_version",
+    "expose_adapter_slot",
+    "import_error",
+    "normalize_item",
+    "peft_helpers",
+    "slot_export_error",
+    "slot_export_problem",
+    "slot_problem_message",
+]
+
 
 @dataclass(frozen=True)
 class ExportedWeight:
@@ -48,10 +59,12 @@ class ExportedWeight:
 
 
 def normalize_item(item: Any) -> ExportedWeight:
-    """One exported item as an `ExportedWeight`: a named tuple with `param_name`/`weight` (and
-    optionally `megatron_name: str` or `megatron_param_names: tuple[str, ...]`), or a plain
-    2- or 3-item tuple whose third item is a Megatron name or a tuple/list of them.
-    Raises TypeError on any other shape or type."""
+    """One item of Bridge's export as an `ExportedWeight`.
+
+    `item` is a named tuple with `param_name` and `weight`, optionally with `megatron_name` or
+    `megatron_param_names`. Or it is a plain 2- or 3-item tuple whose third item is a Megatron name
+    or a list of them. Raises TypeError on any other shape or type.
+    """
     import torch
 
     if hasattr(item, "param_name") and hasattr(item, "weight"):
@@ -86,8 +99,10 @@ def _megatron_names(name: str, third: Any) -> tuple[str, ...]:
 
 
 def bind_options(fn: Callable, *, required: dict[str, Any], optional: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for `fn`: every `required` one (TypeError naming it when the installed
-    signature lacks it) and the `optional` ones its signature has."""
+    """Keyword arguments for `fn`: every `required` one, and the `optional` ones its signature has.
+
+    Raises TypeError naming a `required` keyword the installed signature lacks.
+    """
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     missing = [name for name in required if name not in params and not takes_any]
@@ -109,9 +124,12 @@ def import_error() -> str | None:
 
 
 def expose_adapter_slot() -> Callable:
-    """Bridge's `expose_adapter_slot(model, idx)`: a context manager under which every multi-LoRA
-    linear shows slot `idx` as its single-LoRA `.adapter` (what `export_adapter_weights` walks).
-    Raises ImportError / AttributeError when the installed Bridge has none."""
+    """Bridge's `expose_adapter_slot(model, idx)` function.
+
+    It is a context manager under which every multi-LoRA linear shows slot `idx` as its single-LoRA
+    `.adapter`, which `export_adapter_weights` walks. Raises ImportError or AttributeError when
+    the installed Bridge has none.
+    """
     function = importlib.import_module(MULTI_LORA_MODULE).expose_adapter_slot
     if not callable(function):
         raise AttributeError(f"{MULTI_LORA_MODULE}.expose_adapter_slot is not callable")
@@ -119,8 +137,10 @@ def expose_adapter_slot() -> Callable:
 
 
 def bridge_version() -> str:
-    """The installed Megatron-Bridge's version (from its package metadata; Bridge is not imported),
-    or "not installed"."""
+    """The installed Megatron-Bridge's version, or "not installed".
+
+    It is read from the package metadata; Bridge is not imported.
+    """
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -130,8 +150,11 @@ def bridge_version() -> str:
 
 
 def slot_export_problem() -> str | None:
-    """None when per-slot exports can select a slot here (Bridge's `expose_adapter_slot` imports),
-    else one sentence naming the installed Bridge version, why, and the remedy."""
+    """None when per-slot exports can select a slot here, else the reason as one sentence.
+
+    A slot can be selected where Bridge's `expose_adapter_slot` imports. The sentence names the
+    installed Bridge version, why it cannot, and the remedy.
+    """
     why = slot_export_error()
     return None if why is None else slot_problem_message(why)
 
@@ -174,7 +197,10 @@ _HELPER_SIGNATURES = {
 
 
 def peft_helpers() -> PeftHelpers:
-    """The installed Bridge's helpers whose signatures match the documented ones; none if no Bridge."""
+    """The installed Bridge's PEFT helpers whose signatures match the documented ones.
+
+    Returns an empty `PeftHelpers` when Bridge does not import; raises nothing.
+    """
     try:
         module = importlib.import_module(HELPERS_MODULE)
     except Exception:  # noqa: BLE001 - no Bridge, or an old one: our own helpers are used
@@ -194,13 +220,17 @@ def peft_helpers() -> PeftHelpers:
 class BridgeSource:
     """Adapter weights from Megatron-Bridge's collective `export_adapter_weights`.
 
-    `prepare()` is rank-local (builds `AutoBridge.from_hf_pretrained(hf_checkpoint)` unless a bridge
-    was given, binds the export's options by signature) and may fail: callers agree on it before any
-    rank enters the collective `export()`. `model_context(model)` wraps the export (Miles passes
-    its `patch_megatron_model`; multi-LoRA also selects the slot there). `transform(weight)` maps
-    each exported weight (multi-LoRA slices it to the slot's rank); its errors, like any per-item
-    error, are raised only after the iteration completed. `export_options` are required keywords
-    (e.g. `exclude_adapter_base_prefixes`): an installed Bridge without one is refused, not ignored.
+    Give it a `bridge`, or an `hf_checkpoint` to build one from; ValueError otherwise.
+
+    - `prepare()` is rank-local and may fail, so callers agree on it before any rank enters the
+      collective `export()`. It builds `AutoBridge.from_hf_pretrained(hf_checkpoint)` unless a
+      bridge was given, and binds the export's options by signature.
+    - `model_context(model)` wraps the export. Miles passes its `patch_megatron_model`; multi-LoRA
+      also selects the slot there.
+    - `transform(weight)` maps each exported weight; multi-LoRA slices it to the slot's rank. Its
+      errors, like any per-item error, are raised only after the iteration completed.
+    - `export_options` are required keywords (e.g. `exclude_adapter_base_prefixes`). An installed
+      Bridge without one is refused, not ignored.
     """
 
     kind = "megatron-bridge"
@@ -232,7 +262,10 @@ class BridgeSource:
         self._kwargs: dict[str, Any] | None = None
 
     def prepare(self) -> None:
-        """Rank-local set-up; no collectives. Raises when Bridge is missing or does not fit."""
+        """Rank-local set-up; no collectives.
+
+        Raises ImportError when Bridge is missing, TypeError when its export does not fit.
+        """
         if self.bridge is None:
             auto_bridge = importlib.import_module(BRIDGE_MODULE).AutoBridge
             self.bridge = auto_bridge.from_hf_pretrained(self.hf_checkpoint, trust_remote_code=self.trust_remote_code)
@@ -244,9 +277,10 @@ class BridgeSource:
     def export(self, model, on_item: Callable[[int, ExportedWeight], None] | None = None) -> list[ExportedWeight]:
         """Collective. Iterate Bridge's export fully on this rank; return every weight.
 
-        An error in handling one item (normalising it, `on_item`) does not stop the iteration, so this
-        rank keeps taking part in Bridge's gathers; the first such error is raised at the end. An
-        error raised by Bridge itself ends its generator and is raised as is.
+        `on_item(index, weight)` is called for each weight. An error in handling one item does not
+        stop the iteration, so this rank keeps taking part in Bridge's gathers. The first such
+        error is raised at the end. An error raised by Bridge itself ends its generator and is
+        raised as is. Raises RuntimeError before `prepare()`.
         """
         if self._kwargs is None:
             raise RuntimeError("BridgeSource.export() before prepare()")
@@ -271,4 +305,5 @@ class BridgeSource:
         return weights
 
     def conversion_helpers(self) -> PeftHelpers:
+        """The installed Bridge's PEFT conversion helpers (`peft_helpers()`)."""
         return peft_helpers()

@@ -1,12 +1,11 @@
 """This rank's adapter weights from a stock Miles native `torch_dist` checkpoint, at any TP.
 
-For every adapter parameter of the current model, its place in the global model comes from
-megatron's own layout knowledge (`megatron.param_blocks`: the global name megatron's
-`sharded_state_dict` gives it, its global shape and this rank's offsets). The checkpoint's item of
-that name (`core.dcp_metadata`) must exist with the same global shape and dtype; its saved chunks
+Each adapter parameter's place in the global model comes from megatron itself
+(`megatron.param_blocks`): its global name, global shape and this rank's offsets. The
+checkpoint's item of that name must exist with the same global shape and dtype. Its saved chunks
 are blocks of the same global tensor, so `core.global_layout.plan_copies` says which elements of
-which chunk this rank needs, whatever TP the checkpoint was saved at. Only the chunks needed are
-read (`core.native_dist.read_chunk`). Nothing here is collective and nothing is changed.
+which chunk this rank needs, whatever TP the checkpoint was saved at. Only those chunks are read.
+Nothing here is collective and nothing is changed.
 """
 
 from __future__ import annotations
@@ -21,10 +20,14 @@ from miles_lora_ckpt.core.finite import all_finite
 from miles_lora_ckpt.core.global_layout import Block, distinct, plan_copies
 from miles_lora_ckpt.megatron import adapter_shards, param_blocks
 
+__all__ = ["adapter_blocks", "check_names", "read_adapter", "sources"]
+
 
 def adapter_blocks(model) -> dict[str, Block]:
-    """`{chunk-qualified name: Block}` of every adapter parameter; ValueError naming a parameter
-    whose place in the global model megatron does not describe."""
+    """`{chunk-qualified name: Block}` of every adapter parameter of `model`.
+
+    Raises ValueError naming a parameter whose place in the global model megatron does not describe.
+    """
     described = param_blocks.describe(model)
     blocks = {}
     for name in adapter_shards.adapter_params(model):
@@ -36,9 +39,12 @@ def adapter_blocks(model) -> dict[str, Block]:
 
 
 def sources(directory: Path, metadata: Metadata, blocks: dict[str, Block]) -> dict[str, native_names.Source]:
-    """`{chunk-qualified name: the checkpoint item holding it}` (`core.native_names.resolve`) for
-    every adapter parameter the checkpoint holds; ValueError naming the parameter when two items
-    could hold it. A parameter it does not hold is left out (`read_adapter` refuses it)."""
+    """`{chunk-qualified name: the checkpoint item holding it}` for each of `blocks` found there.
+
+    `core.native_names.resolve` finds the item in `metadata`. A parameter the checkpoint does not
+    hold is left out, and `read_adapter` refuses it. Raises ValueError naming `directory` when two
+    items could hold one parameter.
+    """
     out = {}
     for name, block in blocks.items():
         try:
@@ -51,10 +57,13 @@ def sources(directory: Path, metadata: Metadata, blocks: dict[str, Block]) -> di
 
 
 def check_names(directory: Path, metadata: Metadata, wanted: set[str]) -> None:
-    """Every adapter item of the checkpoint (not an optimizer item) must be one some rank of this
-    model reads (`wanted`: the items all ranks read): else the checkpoint holds adapter weights this
-    model lacks (another set of target modules), refused naming them; a native adapter no
-    single-factor adapter can hold (`core.native_names.refusal`) is refused naming it and why."""
+    """Check that some rank of this model reads every adapter item of the checkpoint.
+
+    `wanted` holds the items all ranks read; optimizer items are not checked. Returns None. Raises
+    ValueError naming `directory` and the items when the checkpoint holds adapter weights this
+    model lacks (another set of target modules). It also raises, naming the reason, for a native
+    adapter that no single-factor adapter can hold (`core.native_names.refusal`).
+    """
     unmapped = sorted(
         (n, reason)
         for n, e in metadata.entries.items()
@@ -86,9 +95,12 @@ def check_names(directory: Path, metadata: Metadata, wanted: set[str]) -> None:
 def read_adapter(
     model, directory: Path, metadata: Metadata, blocks: dict[str, Block], found: dict[str, native_names.Source]
 ) -> dict[str, torch.Tensor]:
-    """`{chunk-qualified name: tensor}` of this rank's adapter parameters, assembled from the chunks
-    of the checkpoint items `found` (`sources`) names; ValueError naming the parameter on a missing
-    item, a global-shape or dtype mismatch, missing elements, or a non-finite value."""
+    """`{chunk-qualified name: tensor}` of this rank's adapter parameters, read from `directory`.
+
+    Each tensor is assembled from the chunks of the item `found` (from `sources`) names. Raises
+    ValueError naming the parameter for a missing item, a global-shape or dtype mismatch, missing
+    elements or a non-finite value.
+    """
     out = {}
     for name, param in adapter_shards.adapter_params(model).items():
         wanted = blocks[name]

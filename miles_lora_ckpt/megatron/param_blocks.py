@@ -1,31 +1,27 @@
 """Each trainable parameter's place in the global model, from megatron's own layout knowledge.
 
-For every trainable parameter of every model chunk (chunk-qualified name, as `adapter_shards`
-names it) a `core.global_layout.Block`:
+`describe` gives a `core.global_layout.Block` for every trainable parameter of every model chunk,
+keyed by its chunk-qualified name (as `adapter_shards` names it). Its parts:
 
-- the global name: the chunk prefix dropped and the chunk-local layer index replaced by the
-  layer's global one, read from the layer module's `layer_number` (megatron's `TransformerLayer`
-  numbers its layers globally from 1, across pipeline stages and virtual-pipeline chunks, from
-  `get_transformer_layer_offset`), so `chunk1.decoder.layers.0.x` of stage 1 becomes
-  `decoder.layers.6.x`; and a local expert index (`...experts.local_experts.{i}`, megatron's
-  `SequentialMLP`) replaced by its global one from the MoE layer's `local_expert_indices`
-  (`ep_rank * num_local_experts + i`); an expert parameter without such a number (one expert per
-  EP rank, or grouped experts' `weight{i}`) is named with its EP rank and size (`...@ep1/2`): it
-  cannot move across EP ranks, so an EP change is refused for it;
-- the global shape and this rank's offsets in it: from the owning module's `sharded_state_dict`
-  (megatron's `ShardedTensor`: global shape, global offset; a column-parallel linear splits
-  axis 0, a row-parallel one axis 1), or, for a module without one, the whole parameter (a
-  replicated LoRA factor);
-- under a gated (swiglu) `linear_fc1`, the adapter's output factor (`linear_out` / `lora_B`, whose
-  axis 0 is the fused `[gate; up]` output: each TP rank holds its own gate and up halves) is
-  described from megatron's swiglu `ShardedTensorFactory` as one block of the global `[gate; up]`
-  tensor viewed with a leading gate/up axis of 2 (`_swiglu_block`), at every TP size.
+- The global name. The chunk prefix is dropped and the chunk-local layer index becomes the
+  layer's global one, from the layer module's `layer_number`. Megatron's `TransformerLayer`
+  numbers layers globally from 1, across pipeline stages and virtual-pipeline chunks. So
+  `chunk1.decoder.layers.0.x` of stage 1 becomes `decoder.layers.6.x`.
+- A local expert index (`...experts.local_experts.{i}`, megatron's `SequentialMLP`) becomes its
+  global one, from the MoE layer's `local_expert_indices`. An expert parameter without such a
+  number (one expert per EP rank, or grouped experts' `weight{i}`) is named with its EP rank and
+  size (`...@ep1/2`). It cannot move across EP ranks, so an EP change is refused for it.
+- The global shape and this rank's offsets in it come from the owning module's
+  `sharded_state_dict` (megatron's `ShardedTensor`). A module without one gives the whole
+  parameter (a replicated LoRA factor).
+- Under a gated (swiglu) `linear_fc1`, the adapter's output factor has the fused `[gate; up]`
+  output on axis 0. It is described from megatron's swiglu factory (`_swiglu_block`).
 
-What cannot be described is None (and a model view without modules, e.g. a slot remap's, is
-described as None throughout) (the parameter is then refused by a resharding load, never
-guessed): a parameter megatron marks tensor-parallel whose module gives no `ShardedTensor` for it,
-a gated fc1 output whose swiglu factory pieces are not two halves of one block, a layer index without a `layer_number`, or a local expert without `local_expert_indices` (grouped
-experts' `weight{i}` are not renumbered yet).
+What cannot be described is None, and a resharding load then refuses the parameter rather than
+guess. That is a tensor-parallel parameter whose module gives no `ShardedTensor`, or a gated fc1
+output whose factory pieces are not two halves of one block. So is a layer without a
+`layer_number`, a local expert without `local_expert_indices`, and every parameter of a model
+view without modules (a slot remap's).
 """
 
 from __future__ import annotations
@@ -41,9 +37,15 @@ _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 _EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)$")
 UNNUMBERED_EXPERT = "@ep"  # global-name suffix of an expert parameter without a global expert number
 
+__all__ = ["UNNUMBERED_EXPERT", "describe"]
+
 
 def describe(model) -> dict[str, dict | None]:
-    """`{chunk-qualified name: Block.to_dict() or None}` of every trainable parameter (JSON)."""
+    """`{chunk-qualified name: Block.to_dict() or None}` of every trainable parameter of `model`.
+
+    `model` is one module or Miles' list of chunks. The result is JSON-ready. Nothing is raised:
+    what cannot be described is None (see above).
+    """
     chunks = model if isinstance(model, list | tuple) else [model]
     out: dict[str, dict | None] = {}
     for index, chunk in enumerate(chunks):
@@ -64,9 +66,11 @@ def describe(model) -> dict[str, dict | None]:
 
 
 def _global_layer_prefixes(modules: dict) -> dict[str, str | None]:
-    """`{module path: its global index}` for every numbered layer and expert (None where unknown):
-    `decoder.layers.0` -> its `layer_number - 1`; `...experts.local_experts.1` -> entry 1 of the
-    nearest enclosing module's `local_expert_indices` (megatron's MoE layer)."""
+    """`{module path: its global index}` for every numbered layer and expert, None where unknown.
+
+    `decoder.layers.0` maps to its `layer_number - 1`. `...experts.local_experts.1` maps to entry 1
+    of the nearest enclosing module's `local_expert_indices` (megatron's MoE layer).
+    """
     renames: dict[str, str | None] = {}
     for name, module in modules.items():
         layer, expert = _LAYER.search(name), _EXPERT.search(name)
@@ -102,8 +106,10 @@ def global_name(local: str, renames: dict[str, str | None]) -> str | None:
 
 
 def _expert_rank(param, local: str, renames: dict) -> str:
-    """`"@ep{rank}/{size}"` for an expert parameter without a global expert number (its identity is
-    its EP rank's: such parameters cannot move across EP ranks), else ""."""
+    """`"@ep{rank}/{size}"` for an expert parameter without a global expert number, else "".
+
+    Such a parameter's identity is its EP rank's, so it cannot move across EP ranks.
+    """
     if not is_expert(param):
         return ""
     numbered = any(_EXPERT.search(path) for path in renames if local.startswith(path + "."))
@@ -137,17 +143,18 @@ def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict, s
     return Block(name, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(param.shape), dtype)
 
 
-# The adapter factor whose axis 0 is a gated `linear_fc1`'s fused [gate; up] output: Bridge's LoRA
-# (`linear_out`, to which its `ParallelLinearAdapter.sharded_state_dict` applies megatron's swiglu
-# factory; its `linear_in` keeps the plain ShardedTensor) and the harness's (`lora_B`); and the
-# `linear_fc1` linear's own weight and bias (megatron's MLP applies the factory to them; trainable
-# only in a full fine-tune).
+# The adapter factors whose axis 0 is a gated `linear_fc1`'s fused [gate; up] output: Bridge's
+# `linear_out` (its `ParallelLinearAdapter.sharded_state_dict` applies megatron's swiglu factory to
+# it, not to `linear_in`) and the harness's `lora_B`. The `linear_fc1` linear's own weight and bias
+# are described the same way; they are trainable only in a full fine-tune.
 SWIGLU_OUTPUTS = ("linear_out", "lora_B")
 
 
 def _under_gated_fc1(local: str, modules: dict) -> bool:
-    """Whether `local` lies under a `linear_fc1` whose MLP uses a gated linear unit (swiglu): megatron
-    describes its output's TP split with a `ShardedTensorFactory` at the MLP (`_swiglu_block`)."""
+    """Whether `local` lies under a `linear_fc1` whose MLP uses a gated linear unit (swiglu).
+
+    Megatron describes such an output's TP split with a `ShardedTensorFactory` at the MLP.
+    """
     parts = local.split(".")
     for depth, part in enumerate(parts[:-1]):
         if part == "linear_fc1":
@@ -160,13 +167,15 @@ def _under_gated_fc1(local: str, modules: dict) -> bool:
 def _swiglu_block(name: str, sharded, param, dtype: str) -> Block | None:
     """The block of a gated fc1 output parameter, from megatron's swiglu factory.
 
-    Each TP rank holds `[gate_r; up_r]` on axis 0; megatron's `apply_swiglu_sharded_factory` splits
-    that into two `ShardedTensor`s of the one global tensor `[gate; up]` (2 * TP fragments on axis
-    0: the gate half at fragment `r`, the up half at `r + TP`). Read in C order, that global tensor
-    is `[2, G/2, ...]` and rank `r`'s local tensor is its block at `(0, o, 0...)` of shape
-    `[2, L/2, ...]`: one plain `Block` with a leading gate/up axis (the same at every TP size, also
-    TP 1, so a gated fc1 reshards and never meets a non-gated one of equal shape). None where the
-    factory's pieces do not have that form (refused, never guessed)."""
+    Each TP rank holds `[gate_r; up_r]` on axis 0. Megatron's `apply_swiglu_sharded_factory` splits
+    that into two `ShardedTensor`s of the one global tensor `[gate; up]`. On axis 0 there are
+    2 * TP fragments: the gate half at fragment `r`, the up half at `r + TP`.
+
+    Read in C order, that global tensor is `[2, G/2, ...]`. Rank `r`'s local tensor is its block at
+    `(0, o, 0...)` of shape `[2, L/2, ...]`: one plain `Block` with a leading gate/up axis. It is
+    the same at every TP size, so a gated fc1 reshards and never meets a non-gated one of equal
+    shape. Returns None where the factory's pieces do not have that form: refused, not guessed.
+    """
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
     if param.dim() < 1 or param.shape[0] % 2:
@@ -202,8 +211,11 @@ def _swiglu_block(name: str, sharded, param, dtype: str) -> Block | None:
 
 
 def _sharded_tensor(owner, leaf: str, param):
-    """megatron's ShardedTensor for `param` from its module; None where the module has no
-    `sharded_state_dict`, False where it has one that does not describe `param` as a plain block."""
+    """Megatron's ShardedTensor for `param`, from its module `owner`.
+
+    None where the module has no `sharded_state_dict`. False where it has one that does not
+    describe `param` as a plain block.
+    """
     method = getattr(owner, "sharded_state_dict", None)
     if method is None or not _is_megatron_module(owner):
         return None

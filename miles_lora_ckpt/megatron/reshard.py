@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,15 +65,27 @@ class _Source:
     block: Block
 
 
+class AdapterCopy(NamedTuple):
+    """One run of a saved adapter tensor's elements into a wanted adapter weight."""
+
+    source: _Source  # the saved copy it is read from
+    copy: Any  # `core.global_layout.plan_copies`' run: `first`, `into`, `count`
+
+
+class AdapterPlan(NamedTuple):
+    """How one adapter weight of this rank is assembled from saved tensors."""
+
+    block: Block  # its block on this rank
+    copies: list[AdapterCopy]  # every run that fills it, each element exactly once
+
+
 @dataclass
 class ReshardPlan:
     """What this rank reads and where it goes (see the module docstring)."""
 
-    # parameter name -> (its block, [(source, copy)])
-    adapter: dict[str, tuple[Block, list]] = field(default_factory=dict)
-    # (file, saved tensor) -> the elements [first, stop) read of it
-    adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
-    children: dict = field(default_factory=dict)  # index -> its family's plan (`plan_reshard`)
+    adapter: dict[str, AdapterPlan] = field(default_factory=dict)  # this run's name -> its plan
+    adapter_spans: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (file, tensor) -> read
+    children: dict = field(default_factory=dict)  # index -> its family's plan (`ChildFamily.plan_reshard`)
     files: list = field(default_factory=list)
     # (wanted block, saved blocks) -> plan_copies of the whole block: an adapter weight and its
     # optimizer shard's part of it are planned once (`cut_copies`)
@@ -94,7 +107,7 @@ class ReshardPlan:
                 f"and generation {manifest.generation} (format v{manifest.format_version}) records no global layout "
                 "to reshard from (only the data-parallel size may change)"
             )
-        running = [_parsed(plan["global"]) for plan in request.plans]  # every rank's blocks, parsed once
+        running = [_parsed(plan.global_blocks) for plan in request.plans]  # every rank's blocks, parsed once
         # the layout's structural rules, as `verify` checks them (`layout_rules`: blocks tiling their
         # global tensors, adapter files' coordinates their bindings', positions inside their buckets)
         saved = _gate_up_axis(layout_rules.saved_blocks(manifest), running)
@@ -140,7 +153,7 @@ class ReshardPlan:
                 copies = self._whole_plan(block, [s.block for s in found])
             except ValueError as exc:
                 raise IncompatibleCheckpoint(f"adapter parameter {name}: {exc}") from None
-            self.adapter[name] = (block, [(found[c.source], c) for c in copies])
+            self.adapter[name] = AdapterPlan(block, [AdapterCopy(found[c.source], c) for c in copies])
             for c in copies:
                 source = found[c.source]
                 span = spans.setdefault(source.where, {}).setdefault(source.name, [c.first, c.first + c.count])
@@ -164,13 +177,13 @@ class ReshardPlan:
         dtype or size is not the manifest's."""
         read: dict[str, tuple] = {}  # file -> (its verified ranges, its tensors' dtypes and sizes)
         out = {}
-        for name, (block, copies) in self.adapter.items():
-            param = params[name]
+        for name, planned in self.adapter.items():
+            block, param, copies = planned.block, params[name], planned.copies
             by_source: dict[_Source, list] = {}
-            for source, copy in copies:
-                by_source.setdefault(source, []).append((copy.first, copy.into, copy.count))
-            whole = len(copies) == 1 and (copies[0][1].first, copies[0][1].into) == (0, 0)
-            whole = whole and copies[0][1].count == block.numel == copies[0][0].block.numel
+            for run in copies:
+                by_source.setdefault(run.source, []).append((run.copy.first, run.copy.into, run.copy.count))
+            whole = len(copies) == 1 and (copies[0].copy.first, copies[0].copy.into) == (0, 0)
+            whole = whole and copies[0].copy.count == block.numel == copies[0].source.block.numel
             local = None if whole else torch.empty(block.numel, dtype=param.dtype)
             for source, runs in by_source.items():
                 span, lo, hi = self._saved_span(opened, source, param, check_binding, read)
@@ -214,7 +227,7 @@ class ReshardPlan:
         out = {}
         for params, tensors in assembled:
             for name, tensor in tensors.items():
-                files = sorted({source.where for source, _ in self.adapter[name][1]})
+                files = sorted({run.source.where for run in self.adapter[name].copies})
                 out[id(params[name])] = AdapterSource(name, tensor, " + ".join(files))
         return out
 
@@ -239,7 +252,7 @@ class ReshardPlan:
         )
         partial: list[PartialRead] = []
         for desc in descriptions[request.rank]:
-            index, entry = desc["index"], chain.saved_record(saved_children, desc["index"])
+            index, entry = desc.index, chain.saved_record(saved_children, desc.index)
             if not entry.stepped:
                 continue
             child = chain.select(request.optimizer, [index])[0]
@@ -282,9 +295,7 @@ def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype,
 
 
 def _topology(request):
-    from miles_lora_ckpt.core.layout import Topology
-
-    return Topology.from_dict(request.plans[request.rank]["topology"])
+    return request.plans[request.rank].topology
 
 
 def _gate_up_axis(saved: dict, running: list[dict]) -> dict:

@@ -1,15 +1,17 @@
 """Megatron's tensor-parallel RNG tracker (`get_cuda_rng_tracker()`): its states out and back in.
 
-Dropout inside tensor-parallel regions draws from the tracker's forked states (one per name:
-`model-parallel-rng`, `expert-parallel-rng`, ...), not from torch's default generator, so a
-bit-exact resume restores them too. Megatron's own checkpoint saves `get_states()` and restores
-it with `set_states()`; so do we, as `{name: uint8 tensor}` (`core.rng_state` stores them).
-A graph-safe tracker holds `torch.Generator`s: their states are read and set in place.
+Dropout inside tensor-parallel regions draws from the tracker's forked states, not from torch's
+default generator. There is one per name (`model-parallel-rng`, `expert-parallel-rng`, ...), so a
+bit-exact resume restores them too. Megatron's own checkpoint saves `get_states()` and restores it
+with `set_states()`. So do we, as `{name: uint8 tensor}`; `core.rng_state` stores them. A
+graph-safe tracker holds `torch.Generator`s, whose states are read and set in place.
 """
 
 from __future__ import annotations
 
 import torch
+
+__all__ = ["capture", "check_restorable", "restore"]
 
 
 def _tracker():
@@ -29,9 +31,12 @@ def capture() -> dict[str, torch.Tensor] | None:
 
 
 def check_restorable(saved: dict[str, torch.Tensor] | None) -> None:
-    """Raise ValueError when `saved` cannot be set into this process's tracker: a state of another
-    size than the live one of its name (another device's generator), or a graph-safe tracker's
-    generator the checkpoint lacks."""
+    """Check that the states `saved` by `capture` can be set into this process's tracker.
+
+    Returns None, also for `saved=None`. Raises ValueError for a state whose size differs from the
+    live one of its name (another device's generator). It also raises when this tracker is
+    graph-safe and holds a generator the checkpoint lacks.
+    """
     if saved is None:
         return
     live = _tracker().get_states()

@@ -1,8 +1,8 @@
 """This rank's place in megatron's parallel layout.
 
-Files are keyed by model-parallel coordinates (TP, PP, EP, expert TP), never by DP or CP rank: DP
-and CP ranks hold replicas of the adapter, and the DistributedOptimizer shards over the
-data-and-context group, whose root's coordinate names the optimizer file.
+Files are keyed by model-parallel coordinates (TP, PP, EP, expert TP), never by DP or CP rank.
+DP and CP ranks hold replicas of the adapter. The DistributedOptimizer shards over the
+data-and-context group, and that group's root names the optimizer file.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from miles_lora_ckpt.core.layout import Topology
+
+__all__ = ["Coordinates", "current_coordinates", "current_topology"]
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,16 @@ class Coordinates:
         return f"tp{self.tp:03d}_pp{self.pp:03d}_ep{self.ep:03d}_etp{self.etp:03d}"
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict."""
         return asdict(self)
 
 
 def current_coordinates() -> Coordinates:
-    """This rank's coordinates from megatron's parallel state (`dp` without CP, `cp` separately)."""
+    """This rank's `Coordinates`, read from megatron's parallel state.
+
+    `dp` is the data-parallel rank without CP; `cp` is the context-parallel rank. Megatron's
+    parallel state must be initialised: megatron raises otherwise.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -60,7 +67,10 @@ def current_coordinates() -> Coordinates:
 
 
 def current_topology(num_model_chunks: int = 1) -> Topology:
-    """The whole layout; `vpp` is the number of model chunks this rank holds (Miles' model list)."""
+    """The run's whole layout as a `Topology`, read from megatron's parallel state.
+
+    `num_model_chunks` is the length of Miles' model list; it becomes `vpp`.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 

@@ -1,32 +1,26 @@
 """A byte-exact record of everything a load may change, to roll back when a late phase fails.
 
-Preflight catches what is wrong with a checkpoint before anything changes; what is left (a peer
-dying mid-install, an injected fault) fails after some ranks already wrote. For LoRA the state a
-load touches is small, so every rank keeps a record of it and puts it back: adapter parameters,
-each restored child's inner-optimizer state, param groups and fp32 masters, and the scheduler.
+Preflight catches what is wrong with a checkpoint before anything changes. What is left (a peer
+dying mid-install, an injected fault) fails after some ranks already wrote. For LoRA that state is
+small, so every rank records it and puts it back: adapter parameters, the scheduler, and each
+restored child's inner-optimizer state, param groups and fp32 masters.
 
-Memory: the record holds what the load may overwrite on this rank, never another rank's or the
-world's state. The adapter parameters are copied (the load overwrites them with the saved
-ones). An fp32 master is copied only when it cannot be remade: a master whose bits equal, right
-now, those of the model-parameter elements it is made from (a fresh optimizer's masters, the
-common resume at startup; megatron's own `reload_model_params` pairs, compared chunk by chunk,
-never a full temporary) is recorded as "refresh from that parameter": `restore` puts the
-parameters back first, then copies them into the master (bf16 -> fp32 is exact), which gives
-back the very same bits. The inner state of a fresh optimizer is empty, so nothing is copied for
-it. A load into an optimizer that has already stepped copies its masters and moments (the same
-size as what it holds): the price of rolling back a late failure bit for bit there, except for
-the state a load replaces instead of writing (`replaced`: a DistributedOptimizer's moments, and
-its masters on the CPU that are not views of fp32 parameters, see `ChildFamily.replaces` and
-`child.master_replaceable`): those old tensors are kept as they are, for nothing writes them.
-
-A master that can be remade is remade, even where the load replaces it: its old data then goes
-back as soon as the install replaces it. So a load into an optimizer that never stepped (every
-relaunch) keeps no copy of optimizer state at all: no state to copy, every master remade.
-
-The adapter parameters are not copied either where the load applies a verified buffer of their
-own dtype and shape (`capture(..., incoming=...)`, then `write_params`): each parameter and its
-buffer swap contents, a chunk at a time, so that buffer holds the old bytes and `restore` copies
-them back. The load's read of the adapter becomes its undo record: one adapter's bytes, not two.
+Memory: the record holds what the load may overwrite on this rank, never another rank's state.
+- The adapter parameters are copied, since the load overwrites them. They are not copied where
+  the load applies a verified buffer of their dtype and shape (`capture(..., incoming=...)`, then
+  `write_params`). Each parameter and its buffer then swap contents a chunk at a time, so the
+  buffer holds the old bytes. The load's read of the adapter becomes its undo record.
+- An fp32 master is copied only when it cannot be remade. A master whose bits equal those of the
+  parameter elements it is made from is recorded as "refresh from that parameter". `restore` puts
+  the parameters back first, then copies them into the master; bf16 -> fp32 is exact. The pairs
+  are megatron's own `reload_model_params` ones, compared chunk by chunk.
+- A fresh optimizer's inner state is empty, so nothing is copied for it. A load into an optimizer
+  that never stepped (every relaunch) thus keeps no copy of optimizer state at all.
+- A load into an optimizer that has stepped copies its masters and moments. That is the price of
+  a bit-exact rollback there. The state a load replaces instead of writing is kept as it is, for
+  nothing writes it (`replaced`; see `ChildFamily.replaces` and `child.master_replaceable`).
+- A master that can be remade is remade even where the load replaces it, so its old data goes
+  back as soon as the install replaces it.
 """
 
 from __future__ import annotations
@@ -39,33 +33,41 @@ import torch
 
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, master_replaceable
 
+__all__ = ["UndoRecord"]
+
 _COMPARE_ELEMENTS = 1 << 16  # a master is compared with its parameter this many elements at a time
 _PREFIX_ELEMENTS = 1 << 12  # ... after its first elements (a master that has stepped differs there)
-_SWAP_ELEMENTS = 1 << 16  # a parameter and its incoming buffer swap contents this many elements at a time
+_SWAP_ELEMENTS = 1 << 16  # a parameter and its incoming buffer swap this many elements at a time
 
 
 @dataclass
 class UndoRecord:
+    """What a load may change on this rank, recorded by `capture` and put back by `restore`."""
+
     params: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, copy)
-    # id(live parameter) -> [live, the buffer `write_params` swaps into it, elements swapped so far]:
-    # the swapped elements' old bytes are in the buffer (see the module docstring)
+    # id(live parameter) -> [live, the buffer `write_params` swaps into it, elements swapped so
+    # far]: the swapped elements' old bytes are in the buffer (see the module docstring)
     swaps: dict[int, list] = field(default_factory=dict)
     # (inner optimizer, state, groups, masters: [(live master, its copy, the parameter elements it
     # is remade from, or its old data, kept: bool)])
     children: list[tuple] = field(default_factory=list)
     scheduler: tuple | None = None  # (scheduler, attributes)
-    rng_before: object = None  # the loader's RNG states before the load (`core.rng_state.RngState`), if restored
+    # the loader's RNG states before the load (`core.rng_state.RngState`), when it restores them
+    rng_before: object = None
 
     @classmethod
     def capture(
         cls, adapter_params, children, scheduler, replaced: dict | None = None, incoming: dict | None = None
     ) -> UndoRecord:
-        """Record what a load may change. `replaced`: `{id(child): state keys}` the load puts new
-        tensors under without writing the old ones (`chain.replaced_keys`): those are kept, not
-        copied; `MASTER_KEY` among them: so are the masters it gives new data
-        (`child.master_replaceable`) and cannot remake. `incoming`: `{id(parameter): the tensor
-        the load writes into it}`, through `write_params`: a parameter whose tensor can swap with
-        it (`_swappable`) is not copied."""
+        """Record what a load may change: `adapter_params`, `children` and `scheduler` (or None).
+
+        `replaced` is `{id(child): state keys}` the load puts new tensors under without writing
+        the old ones (`chain.replaced_keys`). Those are kept, not copied. With `MASTER_KEY` among
+        them, so are the masters the load gives new data and this cannot remake.
+        `incoming` is `{id(parameter): the tensor the load writes into it}` through `write_params`.
+        A parameter that can swap with its tensor (`_swappable`) is not copied.
+        Returns the record; raises nothing of its own.
+        """
         record = cls()
         for p in adapter_params:
             buffer = (incoming or {}).get(id(p))
@@ -93,8 +95,11 @@ class UndoRecord:
         return record
 
     def write_params(self, params: dict, saved: dict) -> None:
-        """Write `saved[name]` into each parameter `params[name]`: a swap where `capture` recorded
-        one (the parameter's old bytes go to the saved tensor's place), else a copy."""
+        """Write `saved[name]` into each parameter `params[name]`, in place.
+
+        Where `capture` recorded a swap, the parameter's old bytes go to the saved tensor's place;
+        elsewhere it is a copy.
+        """
         with torch.no_grad():
             for name, param in params.items():
                 swap = self.swaps.get(id(param))
@@ -110,8 +115,10 @@ class UndoRecord:
                     swap[2] = start + mine.numel()  # these elements' old bytes are in the buffer now
 
     def copied_bytes(self) -> int:
-        """Bytes this record copied to be able to restore (the swapped buffers, the kept and the
-        remade masters are not copies)."""
+        """Bytes this record copied to be able to restore.
+
+        Swapped buffers, kept masters and remade masters are not copies, so they do not count.
+        """
         tensors = [saved for _, saved in self.params]
         for _, state, _, masters in self.children:
             tensors += [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -119,6 +126,7 @@ class UndoRecord:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def restore(self) -> None:
+        """Put back every recorded tensor, param group and scheduler attribute, in place."""
         with torch.no_grad():
             for live, saved in self.params:  # first: masters may be remade from these
                 live.copy_(saved)
@@ -156,7 +164,7 @@ def _swappable(param: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 
 def _shares(saved: torch.Tensor, live: torch.Tensor) -> bool:
-    """Whether a master's undo `saved` is no copy: a model parameter's elements it is remade from."""
+    """Whether a master's undo `saved` is no copy: the parameter elements it is remade from."""
     return saved._base is not None or saved.data_ptr() == live.data_ptr()
 
 
@@ -165,10 +173,12 @@ def _copy(value):
 
 
 def refresh_sources(child) -> dict[int, torch.Tensor]:
-    """`{id(fp32 master): the model-parameter elements megatron's reload_model_params copies into
-    it}` for a megatron optimizer child: the DistributedOptimizer's shard of each parameter
-    (`param_range_map["param"]`), Float16OptimizerWithFloat16Params' whole parameters; empty for
-    any other (its masters are then copied)."""
+    """`{id(fp32 master): the parameter elements megatron's reload_model_params copies into it}`.
+
+    For a DistributedOptimizer child these are its shard of each parameter
+    (`param_range_map["param"]`). For Float16OptimizerWithFloat16Params they are whole parameters.
+    Any other child gets an empty dict, and its masters are copied.
+    """
     sources: dict[int, torch.Tensor] = {}
     if hasattr(child, "gbuf_ranges") and hasattr(child, "model_param_group_index_map"):
         from miles_lora_ckpt.megatron.optimizer_children import distributed
@@ -188,11 +198,14 @@ def refresh_sources(child) -> dict[int, torch.Tensor]:
 
 
 def _undo_of_master(master: torch.Tensor, source: torch.Tensor | None, swapped: bool) -> tuple[torch.Tensor, bool]:
-    """`(what restores master, kept)`: `source` (the parameter elements the master is made from) if
-    copying it into `master` gives back `master`'s current bits exactly, compared a chunk at a time
-    (no full temporary: a fresh optimizer's masters); else, with `swapped` (the load gives
-    replaceable masters new data, `child.master_replaceable`) and a master it replaces, the
-    master's current data itself (kept: nothing writes it); otherwise a copy of the master."""
+    """`(what restores master, kept)`, in order of preference.
+
+    - `source`, the parameter elements the master is made from, if copying it into `master` gives
+      back its current bits (a fresh optimizer's masters).
+    - With `swapped` (the load gives replaceable masters new data) and a master it replaces: the
+      master's current data itself, kept, for nothing writes it.
+    - Otherwise a copy of the master.
+    """
     if remade_exactly(master, source):  # first: a remade master's old data goes back once replaced
         return source, False
     if swapped and source is not None and master_replaceable(master, source):

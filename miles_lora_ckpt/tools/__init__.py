@@ -1,1 +1,1 @@
-"""Operator tools: the `miles-lora-ckpt` command, its benchmark and its demo."""
+"""Operator tools: the `miles-lora-ckpt` command line and its commands."""

@@ -1,9 +1,10 @@
 """`miles-lora-ckpt`: operator tools. Runs on a login node: no megatron, Miles or GPU needed.
 
 The command never prints a traceback: every failure is one `ERROR ...` line and an exit code
-(`--debug` adds the traceback of an internal error). See `EXIT_CODES`. The login-node commands
-(`verify`, `inspect`, `ls`, `gc`) live in `root_commands`, which the demos also call. `verify-peft` and `export-peft`
-live in `peft_tools` (torch, transformers and peft are imported only when they run).
+(`EXIT_CODES`); `--debug` adds the traceback of an internal error. The login-node commands live in
+`root_commands`, `verify-peft` and `export-peft` in `peft_tools`. `demo` and `bench` belong to the
+harness, a separate distribution: the CLI hands their arguments to it, imported only when one of
+them runs. Without the harness they print one line saying what to install.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from miles_lora_ckpt.tools.root_commands import (
     cmd_verify,
 )
 
+__all__ = [
+    "main",
+    "build_parser",
+]
+
 EXIT_CODES = """\
 exit codes:
   0    OK (verify: intact; ls and inspect: listed; gc: done)
@@ -43,6 +49,9 @@ documentation: docs/cli.md (every command and flag), docs/use-with-miles.md, doc
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `miles-lora-ckpt` on `argv` (default `sys.argv[1:]`); return the exit code, never raise.
+
+    An internal error prints one line (the traceback with `--debug`) and returns `EXIT_INTERNAL`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(argv)
@@ -97,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole `miles-lora-ckpt` parser, every command included (the docs check its flags)."""
     parser = argparse.ArgumentParser(
         prog="miles-lora-ckpt",
         description="Crash-safe LoRA checkpoints for Miles (Megatron backend): verify, inspect, list, "
@@ -181,9 +191,38 @@ def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
 
 
 def _add_lazy_subcommands(sub) -> None:
-    """Subcommands whose modules import torch/megatron only when they run."""
-    from miles_lora_ckpt.tools import bench, demo, peft_tools
+    """Subcommands whose modules import torch/megatron (or the harness) only when they run."""
+    from miles_lora_ckpt.tools import peft_tools
 
-    bench.add_parser(sub)
-    demo.add_parser(sub)
+    _add_harness_command(sub, "bench", "time protocol save/load against raw I/O, torch.save and DCP")
+    _add_harness_command(
+        sub, "demo", "crash a real megatron LoRA run mid-save on CPU, resume it, check it is bit-exact"
+    )
     peft_tools.add_parsers(sub)
+
+
+# What to install where the harness is missing: from an index, or in a clone of the source tree.
+HARNESS_MISSING = (
+    "ERROR `miles-lora-ckpt {command}` needs the harness distribution miles-lora-ckpt-harness, which is not "
+    "installed: pip install 'miles-lora-ckpt[demo]' (in a clone of the source tree: make install, or "
+    "pip install ./harness)"
+)
+
+
+def _add_harness_command(sub, name: str, help_text: str) -> None:
+    # Every argument after the name goes to the harness unparsed (its parser has the flags and the full
+    # --help); prefix_chars "\0" keeps argparse from reading any of them as an option of this parser.
+    cmd = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
+    cmd.add_argument("harness_args", nargs=argparse.REMAINDER)
+    cmd.set_defaults(handler=lambda args: _hand_off(name, args.harness_args))
+
+
+def _hand_off(command: str, argv: list[str]) -> int:
+    try:
+        from miles_lora_ckpt_harness import commands
+    except ImportError as exc:
+        if exc.name is None or not exc.name.startswith("miles_lora_ckpt_harness"):
+            raise  # the harness is there, something it imports is not: an internal error, not a missing harness
+        print(HARNESS_MISSING.format(command=command), file=sys.stderr)
+        return EXIT_USAGE
+    return commands.run(command, argv)

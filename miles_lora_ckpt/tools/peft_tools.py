@@ -9,7 +9,7 @@ adapter directory, an export root (its newest export), or a checkpoint generatio
 holding `peft/`. torch, transformers and peft are imported only when the command runs.
 
 `export-peft GENERATION --out DIR` publishes a committed generation's adapter as a new export in
-the export root DIR (see `savers/peft_export/offline.py` for what it can convert without a model).
+the export root DIR (`savers/peft_export/offline.py` says what it converts without a model).
 """
 
 from __future__ import annotations
@@ -21,10 +21,19 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+__all__ = [
+    "add_parsers",
+    "LoadReport",
+    "resolve_adapter_dir",
+    "load_report",
+]
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def add_parsers(subparsers) -> None:
+    # verify-peft --help shows the module docstring's second paragraph: edit it as help text.
+    """Add the `verify-peft` and `export-peft` commands to the CLI's `subparsers`."""
     verify = subparsers.add_parser(
         "verify-peft",
         help="load a PEFT adapter onto an HF base with the real PEFT (offline); report missing/unexpected keys",
@@ -156,6 +165,7 @@ def _dtype(dtype) -> dict:
 
 
 def cmd_verify_peft(args) -> int:
+    """`verify-peft`: take the parsed args; return 0 (PEFT loads it right), 1 (it would not), 2."""
     from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint
     from miles_lora_ckpt.savers.peft_export import check_peft_dir
 
@@ -187,6 +197,7 @@ def cmd_verify_peft(args) -> int:
 
 
 def cmd_export_peft(args) -> int:
+    """`export-peft`: take the parsed args, publish the export, return the exit code."""
     from miles_lora_ckpt.core.errors import CheckpointError, GenerationDamaged, NotACheckpoint
     from miles_lora_ckpt.savers.peft_export import LATEST
     from miles_lora_ckpt.savers.peft_export.offline import OfflineExportError, export_generation

@@ -1,9 +1,8 @@
-"""The login-node commands of `miles-lora-ckpt`: `verify`, `inspect`, `ls` and `gc` (no megatron,
-Miles or GPU needed), and their exit codes.
+"""`miles-lora-ckpt verify`, `inspect`, `ls` and `gc`: the login-node commands, and their exit codes.
 
-`tools.cli` parses the command line and calls these handlers; the demos call `verify_report`
-directly, so nothing here imports the CLI (which imports the demos). `verify` also fails a
-generation holding a PEFT adapter that PEFT would load wrongly.
+No megatron, Miles or GPU is needed. `tools.cli` parses the command line and calls these handlers.
+The harness's demos call `verify_report` directly, so nothing here imports the CLI. `verify` also
+fails a generation holding a PEFT adapter that PEFT would load wrongly.
 """
 
 from __future__ import annotations
@@ -15,6 +14,19 @@ from pathlib import Path
 
 from miles_lora_ckpt.core.errors import GenerationDamaged, NotACheckpoint
 
+__all__ = [
+    "EXIT_OK",
+    "EXIT_DAMAGED",
+    "EXIT_USAGE",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "verify_report",
+    "cmd_verify",
+    "cmd_inspect",
+    "cmd_ls",
+    "cmd_gc",
+]
+
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
@@ -24,6 +36,9 @@ def verify_report(path: str | Path) -> int:
 
 
 def cmd_verify(args) -> int:
+    """`verify`: take the parsed args, return `EXIT_OK` or `EXIT_DAMAGED`.
+
+    Raises NotACheckpoint for a path that holds no generation; the CLI exits `EXIT_USAGE` then."""
     several = _each_root(args, "path", cmd_verify)
     if several is not None:
         return several
@@ -131,6 +146,7 @@ def _print_problems(gen_path: Path, given: Path, problems, stream=None) -> None:
 
 
 def cmd_inspect(args) -> int:
+    """`inspect`: take the parsed args, print what a generation holds, return the exit code."""
     several = _each_root(args, "path", cmd_inspect)
     if several is not None:
         return several
@@ -185,6 +201,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ls(args) -> int:
+    """`ls`: take the parsed args, list a save root's generations, return the exit code."""
     several = _each_root(args, "root", cmd_ls)
     if several is not None:
         return several
@@ -296,6 +313,9 @@ def _slot_index(entry):
 
 
 def cmd_gc(args) -> int:
+    """`gc`: take the parsed args, prune the save root, return the exit code.
+
+    Raises NotACheckpoint when the path is not a save root."""
     several = _each_root(args, "root", cmd_gc)
     if several is not None:
         return several

@@ -20,9 +20,9 @@ from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import LEASE
 from miles_lora_ckpt.savers.peft_export import FAULT_PHASES, BridgeSource, LoraSpec, PeftExport, export_peft
 from miles_lora_ckpt.savers.single_lora import load_lora_checkpoint, save_lora_checkpoint
-from miles_lora_ckpt.sim import bridge_model as bm
-from miles_lora_ckpt.sim.snapshot import snapshot, snapshot_digests
-from miles_lora_ckpt.sim.train import teardown
+from miles_lora_ckpt_harness.sim import bridge_model as bm
+from miles_lora_ckpt_harness.sim.snapshot import snapshot, snapshot_digests
+from miles_lora_ckpt_harness.sim.train import teardown
 
 INPUT_IDS = [[3, 17, 42, 99, 5, 64, 1, 127], [8, 8, 120, 33, 71, 2, 0, 55]]
 
@@ -64,7 +64,7 @@ def export_story(payload: dict, ctx) -> dict:
     """Per case (family x layout): build, train, logits, export by the plugin (standalone and inside
     a checkpoint generation), Bridge's own `save_hf_adapter`, and the double's export next to the
     real one on the same model."""
-    from miles_lora_ckpt.sim.bridge_double.export import AutoBridgeDouble
+    from miles_lora_ckpt_harness.bridge_double.export import AutoBridgeDouble
 
     consensus = Consensus.for_world(timeout_s=120)
     scratch = Path(payload["scratch"])
@@ -133,7 +133,7 @@ def shim_facts() -> dict:
     from megatron.bridge import AutoBridge
 
     from miles_lora_ckpt.megatron import bridge_export as bx
-    from miles_lora_ckpt.sim import bridge_shims
+    from miles_lora_ckpt_harness.sim import bridge_shims
 
     try:
         importlib.import_module("transformer_engine")
@@ -203,7 +203,7 @@ def startup_with_the_real_bridge(hf: str) -> dict:
 def _sabotaged_double_exports(double, model, where: Path, rank: int) -> dict:
     """Negative controls: the double with its k/v names swapped, then yielding each module's tensors
     in reversed order (lora_B before lora_A, v before k before q)."""
-    from miles_lora_ckpt.sim.bridge_double import export as double_export
+    from miles_lora_ckpt_harness.bridge_double import export as double_export
 
     split, to_hf = double_export._split_qkv, double_export._to_hf
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ from miles_lora_ckpt.core.protocol import PartialRead
 from miles_lora_ckpt.core.safetensors_write import LazyTensor
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child, has_state, master_replaceable
 from miles_lora_ckpt.megatron.optimizer_children.family import (
+    ChildDescription,
     Collected,
     OptimizerFile,
     RankView,
@@ -178,45 +180,86 @@ def slice_bounds(padded: dict, unpadded: dict, dp_rank: int, dp_size: int) -> di
     return bounds
 
 
-def plan_slices(index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+@dataclass(frozen=True)
+class DistributedHeld:
+    """What one rank holds of a DistributedOptimizer child (`DistributedFamily.describe`).
+
+    The numel and position maps stay JSON: `plan_slices` records them in the manifest as they are.
+    """
+
+    params: tuple[str, ...]  # the names of the parameters it steps, sorted
+    dp_rank: int | None  # its rank in the child's DP group (None: no group)
+    dp_size: int | None  # that group's size
+    dp_root: int | None  # the global rank of that group's first member
+    numel_unpadded: dict[str, list[int]]  # `{"buf{g}": [unpadded numel per bucket]}`
+    numel_padded: dict[str, list[int]]  # `{"buf{g}": [padded numel per bucket]}`
+    positions: dict[str, list[int]]  # `param_positions`: where each parameter lies in its bucket
+
+    def to_json(self) -> dict:
+        """Its fields as JSON, under the keys the plan always had."""
+        return {
+            "params": list(self.params),
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "dp_root": self.dp_root,
+            "numel_unpadded": self.numel_unpadded,
+            "numel_padded": self.numel_padded,
+            "positions": self.positions,
+        }
+
+    @classmethod
+    def parse(cls, data: dict) -> DistributedHeld:
+        """From `to_json`'s keys (in a `ChildDescription`'s payload)."""
+        return cls(
+            params=tuple(data["params"]),
+            dp_rank=data["dp_rank"],
+            dp_size=data["dp_size"],
+            dp_root=data["dp_root"],
+            numel_unpadded=data["numel_unpadded"],
+            numel_padded=data["numel_padded"],
+            positions=data.get("positions", {}),
+        )
+
+
+def plan_slices(index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
     """Pure: per DP group (keyed by its root's coordinate) the bucket layout and every rank's slice."""
-    groups: dict[int, list[dict]] = {}
+    groups: dict[int, list[DistributedHeld]] = {}
     for desc in described:
         if desc is not None:
-            if desc["dp_rank"] is None:
+            if desc.held.dp_rank is None:
                 raise ValueError(f"optimizer child {index} (DistributedOptimizer) has no data-parallel group")
-            groups.setdefault(desc["dp_root"], []).append(desc)
+            groups.setdefault(desc.held.dp_root, []).append(desc.held)
     numels, slices, positions = {}, {}, {}
     for root, members in sorted(groups.items()):
         key, first = ranks[root].model_parallel_key, members[0]
-        size = first["dp_size"]
-        for desc in members:
-            if (desc["dp_size"], desc["numel_unpadded"], desc["numel_padded"]) != (
+        size = first.dp_size
+        for held in members:
+            if (held.dp_size, held.numel_unpadded, held.numel_padded) != (
                 size,
-                first["numel_unpadded"],
-                first["numel_padded"],
+                first.numel_unpadded,
+                first.numel_padded,
             ):
                 raise ValueError(f"optimizer child {index}: the DP group at {key} disagrees about its buckets")
-        if sorted(d["dp_rank"] for d in members) != list(range(size)):
+        if sorted(held.dp_rank for held in members) != list(range(size)):
             raise ValueError(f"optimizer child {index}: the DP group at {key} does not have ranks 0..{size - 1}")
-        numels[key] = first["numel_unpadded"]
+        numels[key] = first.numel_unpadded
         positions[key] = _merged_positions(index, key, members)
         slices[key] = [
             {
                 "file": slice_file_name(index, key, r, size),
                 "slice": f"{r}/{size}",
-                "bounds": slice_bounds(first["numel_padded"], first["numel_unpadded"], r, size),
+                "bounds": slice_bounds(first.numel_padded, first.numel_unpadded, r, size),
             }
             for r in range(size)
         ]
     return {"numel_unpadded": numels, "slices": slices, "positions": positions}
 
 
-def _merged_positions(index: int, key: str, members: list[dict]) -> dict[str, list[int]]:
+def _merged_positions(index: int, key: str, members: list[DistributedHeld]) -> dict[str, list[int]]:
     """Every DP rank's `positions` of one group, which must agree where they overlap (format v3)."""
     merged: dict[str, list[int]] = {}
-    for desc in members:
-        for name, where in desc.get("positions", {}).items():
+    for held in members:
+        for name, where in held.positions.items():
             if merged.setdefault(name, where) != where:
                 raise ValueError(f"optimizer child {index}: the DP group at {key} disagrees where {name} lies")
     return dict(sorted(merged.items()))
@@ -277,6 +320,29 @@ class Piece:
     end: int
 
 
+class BucketPart(NamedTuple):
+    """One saved range that fills part of this rank's shard of a bucket (`_row_parts`)."""
+
+    piece: Piece  # the saved piece it is read from
+    first: int  # its first element in the piece
+    stop: int  # one past its last element in the piece
+    offset: int  # where it goes in this rank's shard of the bucket
+    # None: `[first, stop)` goes to `[offset, ...)`; else a strided group of rows inside one
+    # parameter, `(step, width, n, offset step)`
+    rows: tuple[int, int, int, int] | None
+
+
+class RestorePart(NamedTuple):
+    """A `BucketPart` with the verified ranges it is read from (`_Restore.buckets`)."""
+
+    piece: Piece
+    source: Any  # the piece's file's verified ranges (`ReadContext.ranges`)
+    first: int
+    stop: int
+    offset: int
+    rows: tuple[int, int, int, int] | None
+
+
 def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]:
     """Every saved piece of child `index` at `key`, checked: the bucket layout is this run's, and
     the slices tile each bucket exactly (no overlap, no gap). Legacy (gathered) layouts: one piece
@@ -314,26 +380,26 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
     return pieces
 
 
-def shard_ranges(desc: dict) -> list[tuple[str, int, int, int]]:
+def shard_ranges(held: DistributedHeld) -> list[tuple[str, int, int, int]]:
     """(buffer, bucket, begin, end): a rank's shard of each bucket's world tensor in buffer
-    coordinates, from its description (`dp_rank`, `dp_size`, padded and unpadded numels)."""
+    coordinates, from what it holds (`dp_rank`, `dp_size`, padded and unpadded numels)."""
     out = []
-    for buf in sorted(desc["numel_unpadded"], key=lambda name: int(name.removeprefix("buf"))):
+    for buf in sorted(held.numel_unpadded, key=lambda name: int(name.removeprefix("buf"))):
         start = 0
-        pairs = zip(desc["numel_padded"][buf], desc["numel_unpadded"][buf], strict=True)
+        pairs = zip(held.numel_padded[buf], held.numel_unpadded[buf], strict=True)
         for b, (padded, unpadded) in enumerate(pairs):
-            n = padded // desc["dp_size"]
-            lo, hi = min(desc["dp_rank"] * n, unpadded), min((desc["dp_rank"] + 1) * n, unpadded)
+            n = padded // held.dp_size
+            lo, hi = min(held.dp_rank * n, unpadded), min((held.dp_rank + 1) * n, unpadded)
             out.append((buf, b, start + lo, start + hi))
             start += unpadded
     return out
 
 
-def reads_for(pieces: list[Piece], desc: dict) -> list[tuple[int, Piece, int, int, int]]:
+def reads_for(pieces: list[Piece], held: DistributedHeld) -> list[tuple[int, Piece, int, int, int]]:
     """(bucket position, piece, first, stop, offset in the bucket's shard) for every overlap of
     this rank's shard with a saved piece."""
     out = []
-    for position, (buf, _, begin, end) in enumerate(shard_ranges(desc)):
+    for position, (buf, _, begin, end) in enumerate(shard_ranges(held)):
         for piece in pieces:
             lo, hi = max(begin, piece.begin), min(end, piece.end)
             if piece.buf == buf and hi > lo:
@@ -583,7 +649,7 @@ class Resharded:
 
     keys: tuple[str, ...]
     coordinates: tuple[str, ...]  # the saved coordinates it draws from (their JSON states must agree)
-    buckets: tuple  # per bucket of this rank: ((piece, first, stop, offset in the shard, rows), ...) (`_row_parts`)
+    buckets: tuple[tuple[BucketPart, ...], ...]  # per bucket of this rank, its parts (`_row_parts`)
     files: tuple[PartialRead, ...]  # the element ranges of the saved slice files it reads
     never_stepped: bool = False  # the child never stepped on any rank (`_Restore.never_stepped`)
 
@@ -606,9 +672,9 @@ def _optimizer_sources(index: int, layout: dict, saved: dict, manifest) -> dict[
     return sources
 
 
-def _row_parts(piece: Piece, runs: list, manifest) -> list[tuple]:
-    """One parameter's `(first, offset in the shard, count)` runs of one saved piece, as bucket parts
-    `(piece, first, stop, offset, rows)`: a strided group of rows (`strided_runs`, e.g. the half rows
+def _row_parts(piece: Piece, runs: list, manifest) -> list[BucketPart]:
+    """One parameter's `(first, offset in the shard, count)` runs of one saved piece, as
+    `BucketPart`s: a strided group of rows (`strided_runs`, e.g. the half rows
     of a row-parallel split at another TP) is one part whose range `[first, stop)` covers them all
     and `rows` is `(step, width, n, offset step)`; a lone run is `rows` None. A group is covered
     only where the elements between its rows lie in blocks read and verified anyway (a gap shorter
@@ -620,42 +686,45 @@ def _row_parts(piece: Piece, runs: list, manifest) -> list[tuple]:
     out = []
     for g in strided_runs(runs):
         if g.n == 1:
-            out.append((piece, g.first, g.first + g.width, g.into, None))
+            out.append(BucketPart(piece, g.first, g.first + g.width, g.into, None))
         elif gap_limit is None or g.step - g.width <= gap_limit:
             stop = g.first + (g.n - 1) * g.step + g.width
-            out.append((piece, g.first, stop, g.into, (g.step, g.width, g.n, g.into_step)))
+            out.append(BucketPart(piece, g.first, stop, g.into, (g.step, g.width, g.n, g.into_step)))
         else:
             out += [
-                (piece, g.first + i * g.step, g.first + i * g.step + g.width, g.into + i * g.into_step, None)
+                BucketPart(piece, g.first + i * g.step, g.first + i * g.step + g.width, g.into + i * g.into_step, None)
                 for i in range(g.n)
             ]
     return out
 
 
-def _coalesced(parts: list[tuple]) -> list[tuple]:
+def _coalesced(parts: list[BucketPart]) -> list[BucketPart]:
     """One bucket's parts (`_row_parts`) with every run of lone parts that follow each other in one
     piece and in the shard merged into one part. At the saved layout a bucket's parameters lie
     back to back in its slices, so the read is one range per slice, as a same-layout load's."""
-    lone = sorted((p for p in parts if p[4] is None), key=lambda p: (p[0].file, p[0].prefix, p[1]))
-    out = [p for p in parts if p[4] is not None]
-    merged: list[tuple] = []
-    for piece, first, stop, into, _ in lone:
+    lone = sorted((p for p in parts if p.rows is None), key=lambda p: (p.piece.file, p.piece.prefix, p.first))
+    out = [p for p in parts if p.rows is not None]
+    merged: list[BucketPart] = []
+    for part in lone:
         if merged:
-            last_piece, last_first, last_stop, last_into, _ = merged[-1]
-            if last_piece is piece and last_stop == first and last_into + (last_stop - last_first) == into:
-                merged[-1] = (piece, last_first, stop, last_into, None)
+            last = merged[-1]
+            if (
+                last.piece is part.piece
+                and last.stop == part.first
+                and last.offset + (last.stop - last.first) == part.offset
+            ):
+                merged[-1] = last._replace(stop=part.stop)
                 continue
-        merged.append((piece, first, stop, into, None))
+        merged.append(part)
     return merged + out
 
 
-def _part_spans(part: tuple) -> list[tuple[int, int]]:
+def _part_spans(part: BucketPart) -> list[tuple[int, int]]:
     """The shard elements `(begin, end)` a bucket part (`_row_parts`) fills: one range, or its rows."""
-    _, first, stop, into, rows = part
-    if rows is None:
-        return [(into, into + stop - first)]
-    _, width, n, into_step = rows
-    return [(into + i * into_step, into + i * into_step + width) for i in range(n)]
+    if part.rows is None:
+        return [(part.offset, part.offset + part.stop - part.first)]
+    _, width, n, into_step = part.rows
+    return [(part.offset + i * into_step, part.offset + i * into_step + width) for i in range(n)]
 
 
 # --------------------------------------------------------------------------- the family
@@ -665,9 +734,7 @@ def _part_spans(part: tuple) -> list[tuple[int, int]]:
 class _Restore:
     keys: tuple[str, ...]
     state: dict  # the DP root's `state_dict()` (decoded, groups settled): param groups and step
-    buckets: list  # per bucket of this rank: [(piece, its range source, first, stop, offset in the shard, rows)]
-    # rows: None (`[first, stop)` goes to `[offset, ...)`), or a resharding load's strided group of
-    # rows inside one parameter, `(step, width, n, offset step)` (`_row_parts`)
+    buckets: list[list[RestorePart]]  # per bucket of this rank, its parts with their verified ranges
     groups: list = field(default_factory=list)  # the saved param groups, settled, in the live groups' order
     # `(id(master), key)` of the state tensors `allocate` made (the optimizer held none before)
     allocated: frozenset = frozenset()
@@ -682,21 +749,24 @@ class DistributedFamily:
     kind = FamilyKind.DISTRIBUTED
     dp_elastic = True  # world tensors are laid out independently of the DP size
 
-    def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> dict:
+    def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> DistributedHeld:
         opt = child.optimizer
         group = dp_group(opt)
         root = (dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0) if group is not None else None
-        return {
-            "params": sorted(names[id(p)] for p in opt.model_param_group_index_map),
-            "dp_rank": group.rank() if group is not None else None,
-            "dp_size": group.size() if group is not None else None,
-            "dp_root": root,
-            "numel_unpadded": unpadded_numels(opt),
-            "numel_padded": padded_numels(opt),
-            "positions": param_positions(opt, names),
-        }
+        return DistributedHeld(
+            params=tuple(sorted(names[id(p)] for p in opt.model_param_group_index_map)),
+            dp_rank=group.rank() if group is not None else None,
+            dp_size=group.size() if group is not None else None,
+            dp_root=root,
+            numel_unpadded=unpadded_numels(opt),
+            numel_padded=padded_numels(opt),
+            positions=param_positions(opt, names),
+        )
 
-    def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+    def parse_held(self, data: dict) -> DistributedHeld:
+        return DistributedHeld.parse(data)
+
+    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
         return plan_slices(index, described, ranks)
 
     def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
@@ -723,11 +793,11 @@ class DistributedFamily:
         return collected.local
 
     def _pieces(self, index: int, view: RankView, described: list, plan: dict) -> list[Piece]:
-        mine = described[view.rank]
-        if mine["dp_rank"] is None:
+        mine = described[view.rank].held
+        if mine.dp_rank is None:
             raise IncompatibleCheckpoint(f"optimizer child {index} has no data-parallel group")
-        root_key = view.ranks[mine["dp_root"]].model_parallel_key
-        return saved_pieces(index, plan, root_key, mine["numel_unpadded"])
+        root_key = view.ranks[mine.dp_root].model_parallel_key
+        return saved_pieces(index, plan, root_key, mine.numel_unpadded)
 
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
         """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
@@ -744,18 +814,18 @@ class DistributedFamily:
         the whole shard beyond what the optimizer holds."""
         mine = described[view.rank]
         pieces = self._pieces(index, view, described, plan)
-        defer = all(d is None or d.get("never_stepped") for d in described)
-        keys = (MASTER_KEY, *mine["keys"])
+        defer = all(d is None or d.never_stepped for d in described)
+        keys = (MASTER_KEY, *mine.keys)
         requests: dict[tuple[str, bool], set] = {}
-        for _, piece, first, stop, _ in reads_for(pieces, mine):
+        for _, piece, first, stop, _ in reads_for(pieces, mine.held):
             for k in keys:
                 keep = k == MASTER_KEY or not defer
                 requests.setdefault((piece.file, keep), set()).add((f"{piece.prefix}.{k}", first, stop))
         return [PartialRead(file, tuple(sorted(ranges)), keep) for (file, keep), ranges in sorted(requests.items())]
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
-        mine = described[view.rank]
-        root_key = view.ranks[mine["dp_root"]].model_parallel_key
+        mine = described[view.rank].held
+        root_key = view.ranks[mine.dp_root].model_parallel_key
         state = read.states.get(f"{child.index}:{root_key}")
         if state is None:
             raise ValueError(f"the training state holds no optimizer state for child {child.index} at {root_key}")
@@ -766,12 +836,12 @@ class DistributedFamily:
         # unknown keys refused, differences from the launch reported and settled (core.hyperparameters)
         where = f"optimizer child {child.index} at {root_key}"
         read.hyperparameters.param_groups(where, groups, child.optimizer.optimizer.param_groups)
-        if mine["numel_unpadded"] != unpadded_numels(child.optimizer):
+        if mine.numel_unpadded != unpadded_numels(child.optimizer):
             raise ValueError(f"optimizer child {child.index} changed its buckets since it was described")
         buckets: list[list] = [[] for _ in shard_ranges(mine)]
         for position, piece, first, stop, offset in reads_for(self._pieces(child.index, view, described, plan), mine):
             source = read.ranges(piece.file, piece.binding)  # binding checked; ranges verified at open
-            buckets[position].append((piece, source, first, stop, offset, None))
+            buckets[position].append(RestorePart(piece, source, first, stop, offset, None))
         for position, (buf, b, begin, end) in enumerate(shard_ranges(mine)):
             # every element of this rank's shard filled exactly once (the check a resharding load makes too)
             spans = [(offset, offset + stop - first) for _, _, first, stop, offset, _ in buckets[position]]
@@ -793,7 +863,7 @@ class DistributedFamily:
                 ]  # one bucket's master shard at a time (views of the ranges verified at open)
                 check_master_shard(child, layout, parts, read.adapter)
                 del parts
-        never_stepped = all(d is None or d.get("never_stepped") for d in described)
+        never_stepped = all(d is None or d.never_stepped for d in described)
         return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
     def plannable(self, saved: SavedChild) -> bool:
@@ -854,10 +924,12 @@ class DistributedFamily:
                     parts += _row_parts(piece, found_runs, layout.manifest)
                 targets.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end))
             parts = _coalesced(parts)
-            for piece, first, stop, _, rows in parts:
+            for part in parts:
                 for k in (MASTER_KEY, *keys):
                     keep = k == MASTER_KEY or not defer
-                    requests.setdefault((piece.file, keep), set()).add(range_key(piece, k, first, stop, rows))
+                    requests.setdefault((part.piece.file, keep), set()).add(
+                        range_key(part.piece, k, part.first, part.stop, part.rows)
+                    )
             # every element of this rank's shard of the bucket filled exactly once, as a same-layout
             # load checks its shard (`preflight`): no master or moment left as it was allocated
             problem = fill_problem(targets, [span for part in parts for span in _part_spans(part)])
@@ -888,8 +960,8 @@ class DistributedFamily:
             )
         buckets = [
             [
-                (piece, read.ranges(piece.file, piece.binding), first, stop, offset, rows)
-                for piece, first, stop, offset, rows in parts
+                RestorePart(p.piece, read.ranges(p.piece.file, p.piece.binding), p.first, p.stop, p.offset, p.rows)
+                for p in parts
             ]
             for parts in plan.buckets
         ]

@@ -1,10 +1,12 @@
-"""The interface every child family implements (`ChildFamily`), and what its phases pass around.
+"""The interface every child family implements (`ChildFamily`), and the records its phases pass.
 
-Every optimizer file is bound (format v2) to what it is: `file_binding` (role `optimizer`, the
-child's leaf index, the coordinate of the rank that wrote it). The saver gives the binding to the
-protocol, which stamps it into the file and records it in the manifest; every family's preflight
-reads its files through `ReadContext.tensors(relpath, binding)`, which refuses a file the manifest
-binds to anything else (a file of another child or coordinate).
+Each rank describes its children as `ChildDescription`s, each with its family's `Held` record.
+The manifest's record of a child is a `SavedChild`. Both are JSON only at their boundary.
+
+Every optimizer file is bound (format v2) to what it is: `file_binding` names role `optimizer`,
+the child's leaf index and the writer's coordinate. The protocol stamps the binding into the file
+and the manifest records it. Every preflight reads through `ReadContext.tensors(relpath, binding)`,
+which refuses a file bound to anything else (a file of another child or coordinate).
 """
 
 from __future__ import annotations
@@ -20,19 +22,36 @@ from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.megatron.optimizer_children.child import Child
 from miles_lora_ckpt.megatron.topology import Coordinates
 
+__all__ = [
+    "ROLE_OPTIMIZER",
+    "ChildDescription",
+    "ChildFamily",
+    "Collected",
+    "Held",
+    "OptimizerFile",
+    "RankView",
+    "ReadContext",
+    "ReshardContext",
+    "SavedChild",
+    "file_binding",
+    "saved_state_at",
+]
+
 ROLE_OPTIMIZER = "optimizer"
 
 
 def file_binding(index: int, coordinate: str) -> dict[str, str]:
-    """What an optimizer file is: child `index`'s state written by the rank at `coordinate`."""
+    """The binding of an optimizer file: child `index`'s state written by the rank at `coordinate`."""
     return {"role": ROLE_OPTIMIZER, "coordinate": coordinate, "child": str(index)}
 
 
 @dataclass(frozen=True)
 class OptimizerFile:
-    """One file a rank writes for a child: its binding (`file_binding`) and its tensors (values may
-    be `safetensors_write.LazyTensor`s, produced as they are written); `partial_reads` records per-block
-    digests so that loaders at another DP size read and verify only the ranges they need."""
+    """One file a rank writes for a child: its binding (`file_binding`) and its tensors.
+
+    Tensors may be `safetensors_write.LazyTensor`s, produced as they are written. `partial_reads`
+    records per-block digests, so loaders at another DP size read and verify only what they need.
+    """
 
     binding: dict[str, str]
     tensors: dict[str, Any]
@@ -41,8 +60,10 @@ class OptimizerFile:
 
 @dataclass(frozen=True)
 class SavedChild:
-    """The checkpoint's record of one optimizer child (manifest `optimizer_children["<i>"]`, made by
-    `chain.plan`), typed; JSON only at the manifest boundary (`parse`, `to_json`)."""
+    """The checkpoint's record of one optimizer child (manifest `optimizer_children["<i>"]`).
+
+    `chain.plan` makes it. It is JSON only at the manifest boundary (`parse`, `to_json`).
+    """
 
     family: str  # a `FamilyKind` (a str); the manifest's string as is where it names none (refused)
     class_name: str  # the megatron class (`class`)
@@ -59,6 +80,7 @@ class SavedChild:
         return cls(family, data["class"], data["kind"], tuple(data.get("keys", ())), data["stepped"], layout)
 
     def to_json(self) -> dict:
+        """The manifest's JSON of this child."""
         return {
             "family": self.family,
             "class": self.class_name,
@@ -67,6 +89,68 @@ class SavedChild:
             "stepped": self.stepped,
             "layout": self.layout,
         }
+
+
+class Held(Protocol):
+    """A family's record of what one rank holds of a child (`ChildFamily.describe`)."""
+
+    params: tuple[str, ...]  # the chunk-qualified names of the parameters it holds state for
+
+    def to_json(self) -> dict:
+        """Its fields as JSON, beside `ChildDescription`'s own (the plan's consensus payload)."""
+
+
+@dataclass(frozen=True)
+class ChildDescription:
+    """One rank's description of one selected optimizer child (`chain.describe`).
+
+    Every rank contributes one per child to the save's or load's plan (`common.RankPlan`); it
+    crosses the consensus as JSON (`to_json`, `chain.parse_description`). `held` is the family's own record.
+    """
+
+    index: int  # the child's leaf index in the chain
+    family: str  # a `FamilyKind` (a str: its JSON form)
+    class_name: str  # the megatron class (`class`)
+    kind: str  # the optimizer (`optimizer_kind`: adam, lion, muon, ...)
+    keys: tuple[str, ...]  # the per-element state keys this rank's optimizer keeps
+    has_state: bool  # it holds optimizer state here (it stepped)
+    never_stepped: bool  # it never stepped (`child.never_stepped`)
+    held: Held  # what this rank holds of it, in its family's terms
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The names of the parameters this rank holds state for."""
+        return self.held.params
+
+    def to_json(self) -> dict:
+        """The consensus payload: the common fields and the family's, flat, as before records."""
+        return {
+            "index": self.index,
+            "family": str(self.family),
+            "class": self.class_name,
+            "kind": self.kind,
+            "keys": list(self.keys),
+            "has_state": self.has_state,
+            "never_stepped": self.never_stepped,
+            **self.held.to_json(),
+        }
+
+    @classmethod
+    def parse(cls, data: dict, parse_held: Callable[[dict], Held]) -> ChildDescription:
+        """From `to_json`'s payload; `parse_held` (the family's `parse_held`) reads its own fields.
+
+        `chain.parse_description` picks the family named in the payload.
+        """
+        return cls(
+            index=data["index"],
+            family=data["family"],
+            class_name=data["class"],
+            kind=data["kind"],
+            keys=tuple(data["keys"]),
+            has_state=data["has_state"],
+            never_stepped=data["never_stepped"],
+            held=parse_held(data),
+        )
 
 
 @dataclass(frozen=True)
@@ -113,9 +197,11 @@ class ReadContext:
 
 @dataclass(frozen=True)
 class ReshardContext:
-    """What a resharding load (`megatron.reshard`) knows of the saved and the running global
-    layout, for a family's `plan_reshard`: every saved parameter's block per coordinate, this
-    rank's blocks, and the copies that give a wanted block from saved ones."""
+    """What a resharding load (`megatron.reshard`) knows of the saved and the running layout.
+
+    A family's `plan_reshard` gets every saved parameter's block per coordinate, this rank's
+    blocks, and the copies that give a wanted block from saved ones.
+    """
 
     manifest: Any  # the generation's `core.layout.Manifest` (damage is reported against it)
     saved: dict  # saved coordinate -> {chunk-qualified name: `core.global_layout.Block`}
@@ -138,8 +224,11 @@ class ReshardContext:
 
 
 def saved_state_at(index: int, coordinates, states: dict):
-    """The saved JSON state (param groups, steps, grad scaler) of child `index` at the saved
-    coordinates a resharding rank draws from: they must all be there and agree."""
+    """The saved JSON state (param groups, steps, grad scaler) of child `index` at `coordinates`.
+
+    A resharding rank draws from those saved coordinates: their states must all be there (else
+    ValueError) and agree (else IncompatibleCheckpoint).
+    """
     found = {key: states.get(f"{index}:{key}") for key in coordinates}
     missing = sorted(k for k, v in found.items() if v is None)
     if missing:
@@ -160,17 +249,20 @@ class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
     Every method is local and may raise (the caller agrees on the outcome). `plan` is pure and
-    JSON (it goes into the manifest): every rank derives the same plan from the same descriptions, and raises the same
-    error where the descriptions are inconsistent.
+    JSON (it goes into the manifest). Every rank derives the same plan from the same descriptions,
+    and raises the same error where they are inconsistent.
     """
 
     kind: FamilyKind  # its name in the manifest
     dp_elastic: bool  # its saved state restores exactly at another data-parallel size
 
-    def describe(self, child: Child, coords: Coordinates, names: dict[int, str], saving: bool) -> dict:
-        """This rank's part of the plan (JSON): at least `params`, the names it holds state for."""
+    def describe(self, child: Child, coords: Coordinates, names: dict[int, str], saving: bool) -> Held:
+        """What this rank holds of `child` (its `Held` record): at least `params`."""
 
-    def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+    def parse_held(self, data: dict) -> Held:
+        """`describe`'s record back from its JSON (`Held.to_json`, in a `ChildDescription`'s)."""
+
+    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
         """From every rank's description (None where the child is a stub): files, and what they hold."""
 
     def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
@@ -181,7 +273,7 @@ class ChildFamily(Protocol):
     ) -> dict[str, OptimizerFile]:
         """`{relpath: OptimizerFile}` this rank writes (from `collected`; no collectives)."""
 
-    def files_to_read(self, index: int, view: RankView, described: list[dict | None], plan: dict) -> list:
+    def files_to_read(self, index: int, view: RankView, described: list[ChildDescription | None], plan: dict) -> list:
         """The files this rank needs to restore the child (`plan` is the saved one): relpaths read
         whole, or `protocol.PartialRead`s of some element ranges. Raises
         `IncompatibleCheckpoint` where the checkpoint cannot be restored into this run."""

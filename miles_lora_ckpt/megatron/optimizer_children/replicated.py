@@ -42,6 +42,7 @@ from miles_lora_ckpt.core.jsoncodec import from_json, to_json
 from miles_lora_ckpt.megatron.adapter_shards import is_expert
 from miles_lora_ckpt.megatron.optimizer_children.child import MASTER_KEY, Child
 from miles_lora_ckpt.megatron.optimizer_children.family import (
+    ChildDescription,
     Collected,
     OptimizerFile,
     RankView,
@@ -53,6 +54,31 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
 )
 from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
 from miles_lora_ckpt.megatron.topology import Coordinates
+
+
+@dataclass(frozen=True)
+class WholeParameterHeld:
+    """What one rank holds of a whole-parameter child (`WholeParameterFamily.describe`)."""
+
+    params: tuple[str, ...]  # the names of the parameters it steps, sorted
+    entries: dict[str, int]  # `{entry name: its param group}` of every parameter shard it steps
+    groups: int  # how many param groups the child has
+    replica_digest: str | None  # the digest of its masters and moments (a replicated save only)
+
+    def to_json(self) -> dict:
+        """Its fields as JSON, under the keys the plan always had."""
+        return {
+            "params": list(self.params),
+            "entries": {entry: {"group": group} for entry, group in self.entries.items()},
+            "groups": self.groups,
+            "replica_digest": self.replica_digest,
+        }
+
+    @classmethod
+    def parse(cls, data: dict) -> WholeParameterHeld:
+        """From `to_json`'s keys (in a `ChildDescription`'s payload)."""
+        entries = {entry: held["group"] for entry, held in data["entries"].items()}
+        return cls(tuple(data["params"]), entries, data["groups"], data.get("replica_digest"))
 
 
 def file_coordinate(coords: Coordinates) -> str:
@@ -148,27 +174,30 @@ class WholeParameterFamily:
 
     # ------------------------------------------------------------------- save
 
-    def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> dict:
+    def describe(self, child: Child, coords: Coordinates, names: dict, saving: bool) -> WholeParameterHeld:
         entries, digest = {}, hashlib.blake2b(digest_size=16)
         for group, model_param, main, state in param_states(child.optimizer):
             if id(model_param) not in names:
                 raise ValueError(f"optimizer child {child.index} steps a tensor that is not a model parameter")
             entry = entry_name(coords, model_param, names[id(model_param)])
-            entries[entry] = {"group": group}
+            entries[entry] = group
             if saving and self.replicated:
                 for tensor in [main, *(state[k] for k in _tensor_keys(state))]:
                     digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return {
-            "params": sorted(e.split(":", 1)[1] for e in entries),
-            "entries": entries,
-            "groups": len(child.optimizer.param_groups),
-            "replica_digest": digest.hexdigest() if saving and self.replicated else None,
-        }
+        return WholeParameterHeld(
+            params=tuple(sorted(e.split(":", 1)[1] for e in entries)),
+            entries=entries,
+            groups=len(child.optimizer.param_groups),
+            replica_digest=digest.hexdigest() if saving and self.replicated else None,
+        )
 
-    def plan(self, index: int, described: list[dict | None], ranks: list[Coordinates]) -> dict:
+    def parse_held(self, data: dict) -> WholeParameterHeld:
+        return WholeParameterHeld.parse(data)
+
+    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
         holders: dict[str, list[int]] = {}
         for rank, desc in enumerate(described):
-            for entry in (desc or {}).get("entries", {}):
+            for entry in desc.held.entries if desc is not None else {}:
                 holders.setdefault(entry, []).append(rank)
         if not self.replicated:
             shared = {e: r for e, r in holders.items() if len(r) > 1}
@@ -183,7 +212,7 @@ class WholeParameterFamily:
             writer = owners[0]
             entries[entry] = {
                 "file": file_name(index, ranks[writer]),
-                "group": described[writer]["entries"][entry]["group"],
+                "group": described[writer].held.entries[entry],
             }
             files[entries[entry]["file"]] = file_coordinate(ranks[writer])
         self.check_replicas(index, described)
@@ -223,17 +252,17 @@ class WholeParameterFamily:
             }
         return collected
 
-    def check_replicas(self, index: int, described: list[dict | None]) -> None:
+    def check_replicas(self, index: int, described: list[ChildDescription | None]) -> None:
         """Ranks that hold the same entries must hold the same bytes (replicated placement only)."""
         if not self.replicated:
             return
         first: dict[tuple, tuple[int, str]] = {}
         for rank, desc in enumerate(described):
-            if desc is None or desc.get("replica_digest") is None:
+            if desc is None or desc.held.replica_digest is None:
                 continue
-            held = tuple(sorted(desc["entries"]))
-            seen = first.setdefault(held, (rank, desc["replica_digest"]))
-            if seen[1] != desc["replica_digest"]:
+            held = tuple(sorted(desc.held.entries))
+            seen = first.setdefault(held, (rank, desc.held.replica_digest))
+            if seen[1] != desc.held.replica_digest:
                 raise ValueError(
                     f"optimizer child {index}: the replicas on ranks {seen[0]} and {rank} hold different masters or "
                     "moments; a non-distributed optimizer needs DDP to all-reduce gradients (is DDP built with "
@@ -253,7 +282,7 @@ class WholeParameterFamily:
     def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list[str]:
         self._check_coverage(index, described, plan)
         files = set()
-        for entry in described[view.rank]["entries"]:
+        for entry in described[view.rank].held.entries:
             if entry not in plan["entries"]:
                 raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint holds no state for {entry}")
             files.add(plan["entries"][entry]["file"])
@@ -263,7 +292,7 @@ class WholeParameterFamily:
         return sorted(files)
 
     def _check_coverage(self, index: int, described: list, plan: dict) -> None:
-        held = {e for desc in described if desc is not None for e in desc["entries"]}
+        held = {e for desc in described if desc is not None for e in desc.held.entries}
         saved = set(plan["entries"])
         if held != saved:
             extra, missing = sorted(saved - held), sorted(held - saved)

@@ -1,9 +1,12 @@
-"""Per-slot resume: which generation of a slot root (agreed by every rank), and restoring exactly that slot.
+"""Per-slot resume: the generation every rank agrees on, and restoring exactly that slot.
 
-Collective; the single-LoRA loader's phases (`savers.single_lora.load.load_adapter_generation`)
-with the slot's adapter filter and children: classify -> agree -> plan -> agree -> open_generation
-(resolve, verify, agree) -> preflight (slot checks, coverage) -> agree -> apply -> scatter ->
-install -> finish, each agreed; a failure after preflight rolls every rank back.
+Collective. It runs the single-LoRA loader's phases (`load_adapter_generation`) with the slot's
+adapter filter and children::
+
+    classify -> agree -> plan -> agree -> open_generation (resolve, verify, agree) -> preflight
+    (slot checks, coverage) -> agree -> apply -> scatter -> install -> finish, each agreed
+
+A failure after preflight rolls every rank back.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from miles_lora_ckpt.savers.options import LoadOptions
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, SaverSpec, saved_metadata
 from miles_lora_ckpt.savers.single_lora.load import load_adapter_generation
 
+__all__ = ["latest_slot_step", "load_slot", "load_slot_checkpoint"]
+
 
 def load_slot_checkpoint(
     model,
@@ -42,33 +47,30 @@ def load_slot_checkpoint(
 ) -> LoadResult:
     """Collective. Restore slot `slot` from `slot_root`: its newest intact generation, or `name`.
 
-    - The generation is agreed by every rank (stray, malformed, half-written or damaged entries
-      are skipped with a warning, never chosen, never crash the scan). `name` picks a reader link
-      of the root (e.g. `step_6`, a Miles v2 checkpoint name) or a `gen-*` directory instead; it
-      never falls back.
-    - Restores the slot's adapter weights (`adapter_filter`), its children's (`optimizer_children`)
-      fp32 masters, every moment, steps and param groups, and `opt_param_scheduler` exactly; no
-      other child's masters or moments change, nothing is refreshed from bf16 beyond the slot's
-      own children (and those only where no optimizer state was saved, or `load_optim=False`).
-    - Refused on every rank before anything changes (IncompatibleCheckpoint inside the
-      CheckpointError): a generation of another saver, of another slot index, another
-      model-parallel layout that cannot reshard (v1/v2 generations; with `rename_slot`; see
-      `megatron.reshard`; DP may change), or one that does not cover every
-      parameter of the slot on this rank (the empty-shard guard), or a filter that matches nothing.
-    - Another slot index: with `rename_slot` (a `remap.SlotRenamer`, e.g. the Miles bindings'
-      `.adapter.adapters.{slot}.` renamer), a generation saved from slot `i` loads into slot `slot`:
-      its adapter weights by their names with `i` -> `slot`, its optimizer children (the
-      generation's `optimizer_selection`, ascending) into `optimizer_children` (ascending), the
-      scheduler as usual (see `remap`). Refused like any other load (changing nothing) unless
-      shapes, parameter sets, child count, classes, families and state keys correspond one-to-one;
-      every other slot (one now at index `i` included) stays bit-identical. Without `rename_slot`
-      another slot index is refused. The index is read from the newest structurally intact
-      generation (or `name`); if the loader then falls back past a damaged one to a generation of
-      yet another slot index, the load is refused (load that one by `name`).
+    Returns the `LoadResult`, whose `iteration` is the slot's step. Raises the same CheckpointError
+    on every rank. The keywords `slot_root`, `slot`, `adapter_filter` and `optimizer_children`
+    make a `SlotSpec` (see `load_slot`).
+
+    - Which generation: every rank agrees on it. Stray, malformed, half-written or damaged entries
+      are skipped with a warning, never chosen. `name` picks a reader link of the root (e.g.
+      `step_6`) or a `gen-*` directory instead, and never falls back.
+    - What is restored, exactly: the adapter weights `adapter_filter` picks, and the fp32
+      masters, every moment, steps and param groups of `optimizer_children`, and
+      `opt_param_scheduler`. No other child changes. Only the slot's own children are refreshed
+      from bf16, where no optimizer state was saved or with `load_optim=False`.
+    - What is refused, on every rank before anything changes (IncompatibleCheckpoint inside the
+      CheckpointError): a generation of another saver or slot index, or one saved at a
+      model-parallel layout that cannot reshard (see `megatron.reshard`; DP may change). So is a
+      generation that does not cover every parameter of the slot on this rank, and a filter that
+      matches nothing (the empty-shard guard).
+    - Another slot index: with `rename_slot` (a `remap.SlotRenamer`), a generation saved from slot
+      `i` loads into slot `slot`, as `remap` describes. Shapes, parameter sets, child count,
+      classes, families and state keys must correspond one-to-one, or the load is refused. Every
+      other slot stays bit-identical. Without `rename_slot`, another slot index is refused.
+    - The saved index is read from the newest structurally intact generation (or `name`). If the
+      loader then falls back past a damaged one to yet another slot index, the load is refused;
+      load that generation by `name`.
     - A missing root, or one with nothing committed yet, loads nothing (`result.loaded` False).
-    `result.iteration` is the slot's step. The keywords `slot_root`, `slot`, `adapter_filter` and
-    `optimizer_children` are a `SlotSpec` (see `load_slot`). Returns the `LoadResult`; raises the
-    same CheckpointError on every rank.
     """
     slot_spec = SlotSpec.of(slot_root, slot, adapter_filter, optimizer_children)
     return load_slot(
@@ -94,10 +96,13 @@ def load_slot(
     load_optim: bool = True,
     rename_slot: SlotRenamer | None = None,
 ) -> LoadResult:
-    """Collective. `load_slot_checkpoint` with its slot as one value: restores `slot` from its root's
-    newest intact generation, or the one `name` picks; `load_optim`, `rename_slot` as there.
-    Returns the `LoadResult` (`iteration`: the slot's step); raises the same CheckpointError on
-    every rank (a bad `slot`, `SlotSpec.checked`, before anything is read)."""
+    """Collective. `load_slot_checkpoint` with its slot as one value.
+
+    Restores `slot` from its root's newest intact generation, or the one `name` picks;
+    `load_optim` and `rename_slot` are as there. Returns the `LoadResult`, whose `iteration` is the
+    slot's step. Raises the same CheckpointError on every rank; a bad `slot` (`SlotSpec.checked`)
+    raises it before anything is read.
+    """
     consensus = consensus or Consensus.default()
     # arguments: checked on every rank, and every rank must load the same slot
     index = consensus.agree_same("arguments", attempt(slot.checked))
@@ -147,9 +152,11 @@ def load_slot(
 
 
 def _saved_slot(path: Path) -> list | None:
-    """`[slot index, optimizer selection]` of the generation a load of `path` tries first (the newest
-    structurally intact one; its files are verified by the load), or None when there is none (the
-    load then says why)."""
+    """`[slot index, optimizer selection]` of the generation a load of `path` tries first, or None.
+
+    That is the newest structurally intact one; the load verifies its files. None when there is
+    none, and the load then says why.
+    """
     key = signing.configured_key()
     try:
         candidates = find_candidates(path, key=key).paths
@@ -176,7 +183,7 @@ def _views(remap: SlotRemap, model, optimizer, saved_children, optimizer_childre
 
 
 def _named(root: Path, name: str) -> str:
-    """The generation directory name `name` stands for: itself (`gen-*`) or a reader link's target."""
+    """The generation directory `name` stands for: itself (`gen-*`) or a reader link's target."""
     if parse_generation_dir_name(name) is not None:
         return name
     check_reader_name(name)
@@ -187,9 +194,12 @@ def _named(root: Path, name: str) -> str:
 
 
 def latest_slot_step(slot_root: str | os.PathLike, *, consensus: Consensus | None = None) -> int | None:
-    """Collective. The step of the generation `load_slot_checkpoint` would choose (newest intact,
-    agreed by every rank, fully verified), or None when the root is missing or holds none. Raises the
-    same CheckpointError on every rank (e.g. a generation of another saver)."""
+    """Collective. The step of the generation `load_slot_checkpoint` would choose, or None.
+
+    That generation is the newest intact one, agreed by every rank and fully verified. None when
+    the root is missing or holds none. Raises the same CheckpointError on every rank, e.g. for a
+    generation of another saver.
+    """
     consensus = consensus or Consensus.default()
     consensus.agree_same("classify", Outcome.success(str(slot_root)))
     local = attempt(_has_generations, Path(slot_root)) if consensus.rank == 0 else Outcome.success()

@@ -1,23 +1,21 @@
 """Resuming a slot generation into another slot index: what the loader sees instead of the run.
 
-Miles hands slots out dynamically (v1's `_register_adapter` takes a free slot, v2's controller calls
-`load_slot` with whichever is free), so an adapter saved from slot `i` may resume into slot `j`.
-The generation's files name slot `i`'s adapter weights (`...adapter.adapters.{i}...`) and slot
-`i`'s optimizer children (`optimizer/child{k}_...`, bindings, the training state's per-child
-entries). Rather than rewrite names inside every file and family, the single-LoRA loader is given a
-*view* of the run in which the two slots trade places:
+Miles hands slots out dynamically, so an adapter saved from slot `i` may resume into slot `j`.
+(v1's `_register_adapter` takes a free slot; v2's controller calls `load_slot` with whichever is
+free.) The generation's files name slot `i`'s adapter weights and optimizer children. Rather than
+rewrite names inside every file, the single-LoRA loader is given a *view* of the run in which the
+two slots trade places:
 
-- `model_view`: every parameter named as in the real model, except that slot `j`'s names read as
-  slot `i`'s and slot `i`'s (a co-tenant there, if any) as slot `j`'s (`SlotRemap.view_name`,
-  an involution; the parameters are the real ones);
-- `optimizer_view`: the chain's leaves renumbered (`PermutedLeaves`) so that the saved children
-  of slot `i` (the generation's `optimizer_selection`, in ascending order) are the loading slot's
-  children (ascending), the displaced leaves filling the freed indices in order.
+- `model_view`: the real parameters, with slot `j`'s names read as slot `i`'s and slot `i`'s as
+  slot `j`'s (`SlotRemap.view_name`).
+- `optimizer_view`: the chain's leaves renumbered (`PermutedLeaves`) so that slot `i`'s saved
+  children are the loading slot's children, both in ascending order. The displaced leaves fill
+  the freed indices in order.
 
-Every check of the loader then runs unchanged against the saved slot: shapes, parameter sets,
-child classes, families, kinds and state keys must correspond one-to-one, or the load is refused on
-every rank before anything changes. Children and parameters outside the two slots keep their names
-and indices; nothing outside the loading slot is written (the co-tenant at index `i` included).
+Every check of the loader then runs unchanged against the saved slot. Shapes, parameter sets,
+child classes, families, kinds and state keys must correspond one-to-one, or the load is refused
+on every rank before anything changes. Nothing outside the loading slot is written, the co-tenant
+at index `i` included.
 """
 
 from __future__ import annotations
@@ -32,6 +30,8 @@ from miles_lora_ckpt.megatron.optimizer_children.child import PermutedLeaves, le
 # one of slot `from`'s parameters (e.g. the Miles bindings' `rename_miles_slot`)
 SlotRenamer = Callable[[str, int, int], str]
 
+__all__ = ["SlotRemap", "SlotRenamer", "model_view", "optimizer_view", "rename_by_pattern"]
+
 
 @dataclass(frozen=True)
 class SlotRemap:
@@ -42,7 +42,7 @@ class SlotRemap:
     rename: SlotRenamer
 
     def view_name(self, name: str) -> str:
-        """Slot `slot`'s names as slot `saved`'s, slot `saved`'s as slot `slot`'s, others unchanged."""
+        """`name` with slots `slot` and `saved` swapped; other names unchanged."""
         moved = self.rename(name, self.slot, self.saved)
         return moved if moved != name else self.rename(name, self.saved, self.slot)
 
@@ -56,7 +56,7 @@ class SlotRemap:
 
 
 class _ChunkView:
-    """One model chunk whose `named_parameters` carry view names (the parameters are the real ones)."""
+    """One model chunk whose `named_parameters` carry view names over the real parameters."""
 
     def __init__(self, chunk, remap: SlotRemap):
         self._chunk, self._remap = chunk, remap
@@ -67,7 +67,10 @@ class _ChunkView:
 
 
 def model_view(model, remap: SlotRemap) -> list[_ChunkView]:
-    """The model as the loader sees it (one view per chunk); ValueError if two names would collide."""
+    """The model as the loader sees it under `remap`: one view per chunk of `model`.
+
+    Raises ValueError when renaming makes two names of a chunk collide.
+    """
     chunks = model if isinstance(model, list | tuple) else [model]
     views = [_ChunkView(chunk, remap) for chunk in chunks]
     for index, (chunk, view) in enumerate(zip(chunks, views, strict=True)):
@@ -84,8 +87,11 @@ def model_view(model, remap: SlotRemap) -> list[_ChunkView]:
 def optimizer_view(
     optimizer, saved_children: list[int] | None, children: list[int]
 ) -> tuple[PermutedLeaves, list[int]]:
-    """`(view, the view's indices of the loading slot's children)`: the saved children (ascending)
-    stand for `children` (ascending); raises IncompatibleCheckpoint when their counts differ."""
+    """`(view, the view's indices of the loading slot's children)` of `optimizer`.
+
+    In the view, `saved_children` stand for `children`, both in ascending order. Raises
+    IncompatibleCheckpoint when their counts differ or a saved child is not in this chain.
+    """
     count = len(leaf_children(optimizer))
     target = sorted(set(children))
     if saved_children is None:  # saved without an optimizer selection: only the names move
@@ -110,8 +116,10 @@ def optimizer_view(
 
 
 def rename_by_pattern(slot_pattern) -> SlotRenamer:
-    """A `SlotRenamer` for names holding the slot index as group 1 of the compiled regex
-    `slot_pattern` (e.g. `\\.adapter\\.adapters\\.(\\d+)\\.`): that index is replaced."""
+    """A `SlotRenamer` that replaces the slot index in group 1 of the compiled regex `slot_pattern`.
+
+    An example pattern is `\\.adapter\\.adapters\\.(\\d+)\\.`.
+    """
 
     def rename(name: str, source: int, target: int) -> str:
         match = slot_pattern.search(name)

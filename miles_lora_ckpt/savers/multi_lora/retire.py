@@ -1,10 +1,9 @@
 """Retire a slot: its final save, then its optimizer state reset; co-tenant slots untouched.
 
-Miles' deregistration saves the leaving adapter (even when that step was already saved), clears
-its slot, zeroes its optimizer state and refreshes the masters of the whole chain from bf16 (which
-changes every co-tenant's masters). `retire_slot` does the save through `save_slot_checkpoint`
-(the same step again replaces it atomically), and `reset_slot_optimizer` touches only the slot's
-own children.
+Miles' deregistration saves the leaving adapter, even when that step was already saved. It then
+clears the slot, zeroes its optimizer state and refreshes the whole chain's masters from bf16,
+which changes every co-tenant's masters. Here `retire_slot` saves through `save_slot`, where the
+same step again replaces it atomically. `reset_slot_optimizer` touches only the slot's own children.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from miles_lora_ckpt.core.consensus import Consensus, attempt
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.savers.multi_lora.save import save_slot
 from miles_lora_ckpt.savers.multi_lora.slot import SlotSave, SlotSpec
+
+__all__ = ["reset_slot_optimizer", "retire_slot"]
 
 
 def retire_slot(
@@ -32,13 +33,13 @@ def retire_slot(
 ) -> str:
     """Collective. The final save of a leaving slot, then its state cleared; returns the generation.
 
-    Saves exactly as `save_slot` (the same `slot` and `save`, the adapter's data state at the step
-    included; a step already saved gets a new
-    generation and its reader links are swapped atomically). Only after that save is published on
-    every rank: `clear_slot()` (the caller's, e.g. Miles' `clear_adapter_slot`; on every rank) and
-    `reset_slot_optimizer(optimizer, slot.optimizer_children, model)`. A failed save raises the same
-    CheckpointError on every rank before anything is cleared; a failed clear raises it after the
-    save. The scheduler is the caller's to drop.
+    Saves exactly as `save_slot` with the same `slot` and `save`. A step already saved gets a new
+    generation, and its reader links are swapped atomically. Only after that save is published on
+    every rank come `clear_slot()` (the caller's, e.g. Miles' `clear_adapter_slot`) and
+    `reset_slot_optimizer(optimizer, slot.optimizer_children, model)`.
+
+    A failed save raises the same CheckpointError on every rank before anything is cleared. A
+    failed clear raises it after the save. The scheduler is the caller's to drop.
     """
     consensus = consensus or Consensus.default()
     generation = save_slot(
@@ -58,9 +59,12 @@ def _clear(clear_slot, optimizer, optimizer_children, model) -> None:
 
 
 def reset_slot_optimizer(optimizer, optimizer_children: Iterable[int], model=None) -> None:
-    """Local. Zero every moment and step of the slot's children (`optimizer_children`) and copy
-    their fp32 masters from their model parameters (after the slot was cleared); every other
-    child's masters, moments, steps and param groups stay bit-identical."""
+    """Local. Zero every moment and step of the slot's `optimizer_children`; refresh their masters.
+
+    The fp32 masters are copied from their model parameters, so call it after the slot was
+    cleared. Every other child stays bit-identical. Returns None; raises ValueError for a child
+    index the chain does not have. `model` is not used.
+    """
     children = chain.select(optimizer, optimizer_children)
     with torch.no_grad():
         for child in children:

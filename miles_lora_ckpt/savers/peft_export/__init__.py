@@ -1,9 +1,11 @@
-"""PEFT export: HF PEFT adapter directories published through the protocol, converted by Megatron-Bridge.
+"""PEFT export: HF PEFT adapter directories converted by Megatron-Bridge, published by the protocol.
 
-- `export`: the phases. `export_peft` (standalone export root for serving), `plan_export` and
-  `ExportStep` (the export as steps of any generation's save: `produce` between the protocol's
-  prepare and write phases, then `write`), `PeftExport` (what `save_lora_checkpoint(..., peft=...)`
-  takes). Both placements go through `core.protocol.save_generation`.
+Both placements, a standalone export root and `peft/` inside a generation, go through
+`core.protocol.save_generation`. The guide is docs/peft-export.md.
+
+- `export`: the phases. `export_peft` writes a standalone export root for serving. `plan_export`
+  and `ExportStep` make the export steps of any generation's save. `PeftExport` is what
+  `save_lora_checkpoint(..., peft=...)` takes.
 - `convert`: sources (`AdapterSource`, `StaticSource` for weights already in HF names), conversion
   to PEFT keys and config, coverage (partial adapters), `PeftFiles`.
 - `format`: the PEFT file format, our conversion helpers, PEFT's matching rules and the self-check.

@@ -1,11 +1,11 @@
 """From exported weights to a checked PEFT adapter: sources, conversion, coverage, the self-check.
 
-`AdapterSource` is where HF-named adapter weights come from (`BridgeSource`, the live one, in
-`megatron/bridge_export.py`; `StaticSource` for weights already in hand). `convert_and_check`
-turns them into PEFT keys and an `adapter_config.json` (with Bridge's `peft_bridge` helpers where
-the installed Bridge has them, ours otherwise), refuses empty, partial and fused-expert adapters,
-and proves with PEFT's own matching rules that PEFT loads exactly what will be written.
-`PeftFiles` is the result, identical on every rank; only the coordinator writes it.
+`AdapterSource` is where HF-named adapter weights come from: `BridgeSource` is the live one
+(`megatron/bridge_export.py`), `StaticSource` holds weights already in hand. `convert_and_check`
+turns them into PEFT keys and an `adapter_config.json`, with Bridge's helpers where it has them.
+It refuses empty, partial and fused-expert adapters. It proves with PEFT's own matching rules
+that PEFT loads exactly what will be written. `PeftFiles` is the result, identical on every rank;
+only the coordinator writes it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from miles_lora_ckpt.core.protocol import StagingWriter
 from miles_lora_ckpt.megatron.bridge_export import ExportedWeight, PeftHelpers
 from miles_lora_ckpt.savers.peft_export import format as fmt
 
+__all__ = ["AdapterSource", "Coverage", "PeftFiles", "StaticSource", "convert_and_check"]
+
 
 class AdapterSource(Protocol):
-    """Where adapter weights come from. `BridgeSource` is the live one; `StaticSource` holds tensors.
+    """Where adapter weights come from: `BridgeSource` (live) or `StaticSource` (tensors in hand).
 
     Multi-LoRA exports one slot with `BridgeSource(bridge, model_context=<select the slot>,
     transform=<format.slice_to_rank to the slot's rank>)` and `LoraSpec(r=<slot rank>, ...)`.
@@ -30,10 +32,13 @@ class AdapterSource(Protocol):
     kind: str
 
     def prepare(self) -> None:
-        """Rank-local set-up, no collectives; may raise (agreed before any rank exports)."""
+        """Rank-local set-up, no collectives. It may raise: callers agree on it before exporting."""
 
     def export(self, model, on_item: Callable[[int, ExportedWeight], None] | None = None) -> list[ExportedWeight]:
-        """Collective: every rank calls it and iterates fully, in the same order."""
+        """Collective: every rank calls it and iterates fully, in the same order.
+
+        Returns every weight; `on_item(index, weight)` is called for each.
+        """
 
     def conversion_helpers(self) -> PeftHelpers:
         """Bridge's PEFT conversion helpers where the installed Bridge has them."""
@@ -47,32 +52,37 @@ class StaticSource:
     kind: str = "offline"
 
     def prepare(self) -> None:
+        """Nothing to set up."""
         return None
 
     def export(self, model, on_item=None) -> list[ExportedWeight]:
+        """The weights held, each passed to `on_item(index, weight)`; `model` is not used."""
         for index, weight in enumerate(self.weights):
             if on_item is not None:
                 on_item(index, weight)
         return list(self.weights)
 
     def conversion_helpers(self) -> PeftHelpers:
+        """No Bridge helpers: the exporter's own are used."""
         return PeftHelpers()
 
 
 @dataclass
 class PeftFiles:
-    """A converted, self-checked adapter, identical on every rank; only the coordinator writes it."""
+    """A converted, self-checked adapter, the same on every rank; only the coordinator writes it."""
 
     state: dict[str, Any]
     config: dict[str, Any]
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def write(self, writer: StagingWriter, prefix: str = "") -> None:
-        """Write both files into a staging directory (weights first: a config never goes alone), each
-        bound to its role (`fmt.WEIGHTS_BINDING`, `fmt.CONFIG_BINDING`); the weights also carry the
-        protocol's stamp next to `format: pt`. The config's bytes are Megatron-Bridge's own
-        (`fmt.config_bytes`). Their mode follows the umask like any file's (0644
-        under 022), not safetensors' fixed 0600."""
+        """Write both files into the staging directory of `writer`, under `prefix`.
+
+        The weights go first, so a config never goes alone. Each file is bound to its role
+        (`fmt.WEIGHTS_BINDING`, `fmt.CONFIG_BINDING`). The weights also carry the protocol's stamp
+        next to `format: pt`. The config's bytes are Megatron-Bridge's own (`fmt.config_bytes`).
+        Their mode follows the umask like any file's, not safetensors' fixed 0600.
+        """
         writer.write_tensors(
             prefix + fmt.WEIGHTS_NAME,
             self.state,
@@ -105,6 +115,7 @@ class Coverage:
 
     @classmethod
     def from_plans(cls, plans: list[dict]) -> Coverage:
+        """The coverage of every rank's export plan (`pp`, `modules`, `num_layers` of each)."""
         modules: set[tuple] = set()
         for plan in plans:
             modules |= {(plan["pp"], name) for name in plan["modules"]}
@@ -131,9 +142,13 @@ def convert_and_check(
     source: AdapterSource,
     config: dict | None = None,
 ) -> PeftFiles:
-    """HF-named weights -> PEFT state dict and config (`config` when given), with Bridge's helpers
-    where it has them; then the self-check. Raises ValueError for empty, partial or fused-expert
-    adapters."""
+    """HF-named `weights` as a self-checked `PeftFiles`: a PEFT state dict and its config.
+
+    The config is `config` when given, else built from `lora`. Bridge's helpers are used where
+    `source` has them. `coverage` is what a complete export must account for (None: not checked).
+    Raises ValueError for empty, partial, DoRA or fused-expert adapters, and when the self-check
+    fails.
+    """
     if lora.use_dora:
         raise ValueError("DoRA adapters cannot be exported: Bridge does not export DoRA magnitudes")
     weights = [

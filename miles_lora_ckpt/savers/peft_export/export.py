@@ -1,6 +1,6 @@
-"""PEFT export: an HF PEFT adapter published through the protocol. Bridge converts; we own every barrier.
+"""The phases of a PEFT export: Bridge converts, this module owns every barrier.
 
-Standalone export root (`export_peft`, for serving), one collective call, read top to bottom::
+A standalone export root (`export_peft`, for serving) is one collective call, read top to bottom::
 
     plan     every rank describes its Megatron-side adapters; an empty adapter is
              refused here, before anything exists on disk                           -> agree
@@ -10,7 +10,7 @@ Standalone export root (`export_peft`, for serving), one collective call, read t
     prepare  the coordinator takes the root's writer lease, numbers the export and
              makes a fresh `.staging-<id>` (never reused)                           -> agree
     produce  export: every rank iterates the collective Bridge export fully, in the
-             same order                                      -> agree (content must match on every rank)
+             same order; the content must match on every rank                       -> agree
              check: every rank converts to PEFT keys and config and self-checks it;
              partial adapters are refused                                           -> agree
     write    the coordinator writes adapter_model.safetensors, then
@@ -20,16 +20,14 @@ Standalone export root (`export_peft`, for serving), one collective call, read t
              then points the tracker and the `latest` symlink at it                 -> agree
     retain   with `keep`, the root is pruned to its newest N content-verified exports
 
-Inside a checkpoint generation (`save_lora_checkpoint(..., peft=PeftExport(...))`): the same
-`plan_export` (plan, bind) and the same `ExportStep` as the save's produce step; the coordinator
-writes `peft/` in the generation's write phase, listed in its manifest, committed and published
-with it.
+Inside a checkpoint generation (`save_lora_checkpoint(..., peft=PeftExport(...))`), the save runs
+the same `plan_export` (plan, bind) and the same `ExportStep` as its produce step. The coordinator
+writes `peft/` in the generation's write phase; it is listed in the manifest and commits with it.
 
-What is converted and checked, and how, lives in `convert`; this module holds only the phases.
-A failed attempt raises the same `CheckpointError` on every rank and removes its staging directory
-(a killed one is never read nor published, attempt ids being unique, and the next export into the
-root removes it), and
-leaves the previous export, the tracker and `latest` untouched.
+What is converted and checked lives in `convert`. A failed attempt raises the same
+`CheckpointError` on every rank and removes its staging directory. The previous export, the
+tracker and `latest` stay untouched. A killed attempt is never read nor published, and the next
+export into the root removes it.
 """
 
 from __future__ import annotations
@@ -54,6 +52,16 @@ GENERATION_SUBDIR = "peft/"  # where a checkpoint generation holds its export
 # The fault phases an export passes, in order (`MILES_LORA_CKPT_FAULT`, see core.faults)
 FAULT_PHASES = ("peft-setup", *faults.PREPARE_PHASES, "peft-export", *faults.SAVE_PHASES)
 
+__all__ = [
+    "EXPORT_SAVER",
+    "FAULT_PHASES",
+    "GENERATION_SUBDIR",
+    "ExportStep",
+    "PeftExport",
+    "export_peft",
+    "plan_export",
+]
+
 
 @dataclass(frozen=True)
 class PeftExport:
@@ -64,18 +72,25 @@ class PeftExport:
 
     @classmethod
     def from_miles_args(cls, args, *, model_context=None) -> PeftExport:
-        """Bridge built from `args.hf_checkpoint` on every rank; ranks and alpha from Miles' LoRA flags."""
+        """The export Miles' arguments `args` describe.
+
+        Bridge is built from `args.hf_checkpoint` on every rank; ranks and alpha come from Miles'
+        LoRA flags. `model_context` is passed to `BridgeSource`.
+        """
         source = BridgeSource(hf_checkpoint=args.hf_checkpoint, model_context=model_context)
         return cls(source=source, lora=fmt.LoraSpec.from_miles_args(args))
 
     def publish(self, model, out_root, *, iteration: int, consensus: Consensus | None = None, keep=None) -> Path:
-        """Collective. `export_peft` of this source and spec into the export root `out_root`."""
+        """Collective. `export_peft` of this source and spec into the export root `out_root`.
+
+        Returns the published adapter directory; raises the same CheckpointError on every rank.
+        """
         return export_peft(
             model, out_root, source=self.source, lora=self.lora, iteration=iteration, consensus=consensus, keep=keep
         )
 
 
-# =========================================================================== standalone export root
+# ========================================================================= standalone export root
 
 
 def export_peft(
@@ -92,14 +107,17 @@ def export_peft(
 ) -> Path:
     """Collective. Export the adapter of `model` as a new generation of the export root `out_root`.
 
-    Returns the published adapter directory (`out_root/gen-<iter>-<id>`, also `out_root/latest`),
-    loadable as is by `PeftModel.from_pretrained(base, path)`. `model` is Miles' list of chunks
-    (None for a `StaticSource`). `keep` prunes the root to its newest N exports afterwards.
-    `config` republishes a committed export's own `adapter_config.json` (still self-checked)
-    instead of building one. The export root is a save root like any other: one writer at a time
-    (its lease), exports ordered by sequence, signed when a key is configured.
-    Raises the same CheckpointError on every rank if anything fails anywhere; the previous export
-    is then untouched.
+    Returns the published adapter directory, `out_root/gen-<iter>-<id>` (also `out_root/latest`).
+    `PeftModel.from_pretrained(base, path)` loads it as is. Raises the same CheckpointError on
+    every rank if anything fails anywhere; the previous export is then untouched.
+
+    - `model` is Miles' list of chunks, or None for a `StaticSource`.
+    - `keep` prunes the root to its newest `keep` exports afterwards.
+    - `config` republishes a committed export's own `adapter_config.json` instead of building one;
+      it is still self-checked.
+
+    The export root is a save root like any other: one writer at a time (its lease), exports
+    ordered by sequence, signed when a key is configured.
     """
     consensus = consensus or Consensus.default()
 
@@ -120,7 +138,7 @@ def export_peft(
     )
 
 
-# =========================================================================== the export as steps of a save
+# ================================================================== the export as steps of a save
 
 
 def plan_export(
@@ -132,15 +150,17 @@ def plan_export(
     prefix: str = "",
     config: dict | None = None,
 ) -> ExportStep:
-    """Collective. Plan (an empty adapter is refused on every rank) and bind the source, each agreed.
+    """Collective. Plan the export of `model` and bind `source`, each agreed.
 
-    Returns the step a save runs: `save_generation(..., produce=step.produce, write_files=step.write)`
-    (a saver writing its own files too calls `step.write(writer)` from its `write_files`). `prefix`
-    is where the two files go inside the generation (`GENERATION_SUBDIR` in a checkpoint).
+    Returns the `ExportStep` a save runs as
+    `save_generation(..., produce=step.produce, write_files=step.write)`. A saver that writes its
+    own files too calls `step.write(writer)` from its `write_files`. `prefix` is where the two
+    files go inside the generation (`GENERATION_SUBDIR` in a checkpoint). Raises the same
+    CheckpointError on every rank for an empty adapter or a source that cannot be bound.
     """
     rank = consensus.rank
 
-    # plan: every rank says what adapter it holds; an empty adapter is refused before anything exists
+    # plan: every rank says what adapter it holds; an empty one is refused before anything exists
     plans = consensus.agree("peft-plan", attempt(_describe_adapters, model))
     coverage = _refuse_empty(plans, consensus.world_size) if model is not None else None
 
@@ -151,8 +171,11 @@ def plan_export(
 
 @dataclass
 class ExportStep:
-    """The PEFT export inside one generation's save: `produce` (collective, between the save's
-    prepare and write phases) and `write` (the coordinator's two files)."""
+    """The PEFT export inside one generation's save.
+
+    `produce` is collective and runs between the save's prepare and write phases. `write` writes
+    the coordinator's two files.
+    """
 
     model: Any
     source: AdapterSource
@@ -164,10 +187,14 @@ class ExportStep:
     files: PeftFiles | None = None  # after `produce`: identical on every rank
 
     def produce(self, consensus: Consensus) -> dict:
-        """Collective. Export and check, each agreed; returns the manifest's `peft` metadata."""
+        """Collective. Export and check, each agreed; returns the manifest's `peft` metadata.
+
+        Raises the same CheckpointError on every rank when ranks export different adapters or the
+        check fails.
+        """
         rank = consensus.rank
 
-        # export: every rank iterates Bridge's collective export fully; all must hold the same adapter
+        # export: every rank iterates Bridge's collective export fully; all must hold one adapter
         exported = attempt(_export, self.source, self.model, rank)
         _refuse_inconsistent(consensus.agree("peft-export", exported.map(lambda e: e[1])))
 
@@ -183,7 +210,7 @@ class ExportStep:
             self.files.write(writer, self.prefix)
 
 
-# =========================================================================== steps every rank runs
+# ========================================================================== steps every rank runs
 
 
 def _describe_adapters(model) -> dict:
@@ -213,7 +240,10 @@ def _module_of(param_name: str) -> str:
 
 
 def _refuse_empty(plans: list[dict], world: int) -> Coverage:
-    """Every rank has every plan, so every rank raises the same error here (no collective needed)."""
+    """The agreed `Coverage`; raises CheckpointError for an adapter no rank holds.
+
+    Every rank has every plan, so every rank raises the same error here without a collective.
+    """
     coverage = Coverage.from_plans(plans)
     if coverage.modules == 0:
         reason = "the model holds no adapter parameters on any rank; refusing to export an empty adapter"
@@ -235,7 +265,7 @@ def _export(source: AdapterSource, model, rank: int) -> tuple[list[ExportedWeigh
 
 
 def _content_summary(weights: list[ExportedWeight]) -> dict:
-    """Count and one digest over every name, dtype, shape and byte: equal on every rank or refused."""
+    """Count and a digest over every name, dtype, shape and byte: equal on every rank or refused."""
     digest = StreamingDigest()
     for weight in weights:
         tensor = weight.weight.detach().cpu().contiguous()

@@ -1,23 +1,20 @@
-"""The HF PEFT LoRA adapter format as this package writes it, and the checks that prove PEFT loads it.
+"""The HF PEFT LoRA adapter format as this package writes it, and the checks that PEFT loads it.
 
-An adapter directory holds two files (what `PeftModel.from_pretrained(base, path)` reads)::
+An adapter directory holds the two files `PeftModel.from_pretrained(base, path)` reads::
 
-    adapter_model.safetensors   tensors `base_model.model.<HF module path>.lora_A.weight` [r, in] and
-                                `.lora_B.weight` [out, r]; no adapter name in the key; header
+    adapter_model.safetensors   `base_model.model.<HF module path>.lora_A.weight` [r, in] and
+                                `.lora_B.weight` [out, r], no adapter name in the key; header
                                 metadata `{"format": "pt", ...}`; mode 0644 (readable by a server)
-    adapter_config.json         `peft_type` "LORA", `r`, `lora_alpha`, `target_modules`, `rank_pattern`, ...;
-                                bytes as Megatron-Bridge's `save_hf_adapter` writes them (`config_bytes`)
+    adapter_config.json         `peft_type` "LORA", `r`, `lora_alpha`, `target_modules`,
+                                `rank_pattern`, ...; bytes as Bridge's `save_hf_adapter` writes them
 
-PEFT is lenient when it loads: a key it does not expect is dropped silently, a module it adapts but
-finds no key for keeps its init (B = 0, no effect) with only a warning. So the exporter proves the
-files itself (`check_state`, `structure_problems`), with PEFT's own matching rules mirrored here
-(`is_targeted`, `rank_for`): every tensor maps to a module `target_modules` adapts, A/B come in
-pairs whose shapes agree with `r` and `rank_pattern`, nothing is non-finite. Fused 3-D expert
-stacks are refused: PEFT's packed parameter layout reads them in another column order in known
-versions (0.21), and a refusal is better than an adapter that loads with wrong values.
+PEFT is lenient when it loads. It drops a key it does not expect, and a module it adapts but finds
+no key for keeps its init (B = 0) with only a warning. So the exporter proves the files itself
+(`check_state`, `structure_problems`), mirroring PEFT's matching rules (`is_targeted`, `rank_for`).
+Fused 3-D expert stacks are refused: PEFT 0.21's packed layout reads them in another column order.
 
-This module imports no torch at import time (`verify` uses the header checks on a login node) and
-holds our own conversion helpers, used where the installed Megatron-Bridge lacks its `peft_bridge` ones.
+This module imports no torch at import time, so `verify` can run its header checks on a login
+node. Its conversion helpers are used where the installed Bridge lacks its `peft_bridge` ones.
 """
 
 from __future__ import annotations
@@ -42,16 +39,48 @@ CONFIG_NAME = "adapter_config.json"
 KEY_PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 SAFETENSORS_METADATA = {"format": "pt"}  # what transformers/PEFT write; readers may check it
-# What each file is in a generation's manifest (format v2; the weights carry it in their metadata too)
+# What each file is in a generation's manifest (format v2); the weights' metadata carries it too
 WEIGHTS_BINDING = {"role": "peft-adapter-weights"}
 CONFIG_BINDING = {"role": "peft-adapter-config"}
 _LAYER_RE = re.compile(r"(^|\.)layers\.(\d+)\.")
 _FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}
 
+__all__ = [
+    "CONFIG_BINDING",
+    "CONFIG_NAME",
+    "LORA_A",
+    "LORA_B",
+    "SAFETENSORS_METADATA",
+    "WEIGHTS_BINDING",
+    "WEIGHTS_NAME",
+    "LoraSpec",
+    "build_config",
+    "check_peft_dir",
+    "check_state",
+    "config_bytes",
+    "exact_target_modules_needed",
+    "generation_problems",
+    "infer_rank_pattern",
+    "infer_target_modules",
+    "is_targeted",
+    "layer_index",
+    "module_kind",
+    "rank_for",
+    "slice_to_rank",
+    "split_lora_name",
+    "structure_problems",
+    "to_peft_state",
+    "unprefixed",
+]
+
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """The LoRA hyperparameters an export records (`r` is the default rank; others go to `rank_pattern`)."""
+    """The LoRA hyperparameters an export records.
+
+    `r` is the default rank; other ranks go to `rank_pattern`. Raises ValueError for an `r` that is
+    not a positive int.
+    """
 
     r: int
     alpha: float
@@ -75,6 +104,7 @@ class LoraSpec:
         )
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict."""
         return {
             "r": self.r,
             "alpha": self.alpha,
@@ -86,7 +116,7 @@ class LoraSpec:
 
     @property
     def bridge_peft_config(self):
-        """The duck-typed object Bridge's `build_adapter_config_dict` reads (`dim`, `alpha`, `dropout`)."""
+        """The object Bridge's `build_adapter_config_dict` reads: `dim`, `alpha`, `dropout`."""
         from types import SimpleNamespace
 
         return SimpleNamespace(dim=self.r, alpha=self.alpha, dropout=self.dropout)
@@ -96,7 +126,10 @@ class LoraSpec:
 
 
 def split_lora_name(name: str) -> tuple[str, str]:
-    """`("model.layers.0.self_attn.q_proj", "A")` for `model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    """`(module, "A" or "B")` of a LoRA weight name; ValueError for any other name.
+
+    `model.layers.0.mlp.up_proj.lora_A.weight` gives `("model.layers.0.mlp.up_proj", "A")`.
+    """
     for suffix, which in ((LORA_A, "A"), (LORA_B, "B")):
         if name.endswith(suffix) and len(name) > len(suffix):
             return name[: -len(suffix)], which
@@ -104,11 +137,12 @@ def split_lora_name(name: str) -> tuple[str, str]:
 
 
 def unprefixed(name: str) -> str:
-    """The HF name without PEFT's `base_model.model.` (the fork's save adds it; the export does not)."""
+    """The HF name without PEFT's `base_model.model.`, which the fork's save adds."""
     return name[len(KEY_PREFIX) :] if name.startswith(KEY_PREFIX) else name
 
 
 def layer_index(module: str) -> int | None:
+    """The `layers.<i>` index in a module path, or None when it has none."""
     match = _LAYER_RE.search(module)
     return int(match.group(2)) if match else None
 
@@ -122,14 +156,20 @@ def module_kind(module: str) -> str:
 
 
 def is_targeted(module: str, target_modules) -> bool:
-    """Whether PEFT (0.17-0.21, `check_target_module_exists`) adapts `module` for this `target_modules`."""
+    """Whether PEFT adapts `module` under `target_modules`, as PEFT 0.17-0.21 decides it.
+
+    It mirrors PEFT's `check_target_module_exists`.
+    """
     if isinstance(target_modules, str):
         return re.fullmatch(target_modules, module) is not None
     return module in target_modules or any(module.endswith(f".{t}") for t in target_modules)
 
 
 def rank_for(module: str, r: int, rank_pattern: Mapping[str, int]) -> int:
-    """The rank PEFT gives `module`: the first `rank_pattern` key matching it (`get_pattern_key`), else r."""
+    """The rank PEFT gives `module`: the first `rank_pattern` key matching it, else `r`.
+
+    It mirrors PEFT's `get_pattern_key`.
+    """
     for key in rank_pattern:
         if re.match(rf"(.*\.)?({key})$", module):
             return int(rank_pattern[key])
@@ -137,9 +177,12 @@ def rank_for(module: str, r: int, rank_pattern: Mapping[str, int]) -> int:
 
 
 def slice_to_rank(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-    """A LoRA factor padded to a larger rank, cut to `rank` (multi-LoRA slots share padded buffers):
-    `lora_A` [.., R, in] keeps its first `rank` rows, `lora_B` [.., out, R] its first `rank` columns.
-    Raises ValueError when the cut-off part is not zero (the slot's rank would be wrong)."""
+    """The LoRA factor `tensor` named `name`, padded to a larger rank, cut to `rank`.
+
+    Multi-LoRA slots share padded buffers. `lora_A` [.., R, in] keeps its first `rank` rows and
+    `lora_B` [.., out, R] its first `rank` columns. Raises ValueError when the cut-off part is not
+    zero, for the slot's rank would then be wrong, or when `tensor` is smaller than `rank`.
+    """
     _, which = split_lora_name(unprefixed(name))
     dim = tensor.ndim - 2 if which == "A" else tensor.ndim - 1
     if tensor.shape[dim] < rank:
@@ -153,8 +196,11 @@ def slice_to_rank(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def to_peft_state(weights: Iterable) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
-    """`(state_dict, module weight names, target_parameters)` with PEFT keys, like Bridge's
-    `convert_adapter_weights_to_peft_state`; `weights` have `.param_name` and `.weight`. 2-D only."""
+    """`(state_dict, module weight names, target_parameters)` with PEFT keys.
+
+    It does what Bridge's `convert_adapter_weights_to_peft_state` does. `weights` have
+    `.param_name` and `.weight`. Raises ValueError for a tensor that is not 2-D.
+    """
     state, names = {}, []
     for item in weights:
         if item.weight.ndim != 2:
@@ -165,12 +211,18 @@ def to_peft_state(weights: Iterable) -> tuple[dict[str, torch.Tensor], list[str]
 
 
 def infer_target_modules(names: Iterable[str]) -> list[str]:
-    """Short module names (`q_proj`, ...), like Bridge's `infer_target_modules_from_adapter_weights`."""
+    """Short module names (`q_proj`, ...) of the weights `names`.
+
+    It does what Bridge's `infer_target_modules_from_adapter_weights` does.
+    """
     return sorted({split_lora_name(n)[0].rsplit(".", 1)[-1] for n in names})
 
 
 def infer_rank_pattern(weights: Iterable, *, default_rank: int) -> dict[str, int]:
-    """`{module path: rank}` for modules whose rank is not `default_rank`; raises when a module has two."""
+    """`{module path: rank}` for modules whose rank is not `default_rank`.
+
+    Raises ValueError when a module's two factors give two ranks.
+    """
     ranks: dict[str, int] = {}
     for item in weights:
         module, which = split_lora_name(item.param_name)
@@ -181,12 +233,13 @@ def infer_rank_pattern(weights: Iterable, *, default_rank: int) -> dict[str, int
 
 
 def config_bytes(config: Mapping[str, Any]) -> bytes:
-    """The bytes of `adapter_config.json`: what Megatron-Bridge's `save_hf_adapter` writes
-    (`json.dump(config, f, indent=2)`: keys in the order the config was built, two-space indent, no
-    trailing newline), except that a non-finite number is refused. The key order is a fixed function
-    of the code that built the dict (`build_config` and Bridge's `build_adapter_config_dict` list the
-    same keys in the same order) and a republished config keeps its file's order, so the same adapter
-    always gives the same bytes and digest."""
+    """The bytes of `adapter_config.json`, as Megatron-Bridge's `save_hf_adapter` writes them.
+
+    That is `json.dump(config, f, indent=2)`: keys in the order the config was built, no trailing
+    newline. A non-finite number raises ValueError. `build_config` and Bridge's
+    `build_adapter_config_dict` list the same keys in the same order. A republished config keeps its
+    file's order. So the same adapter always gives the same bytes and digest.
+    """
     return json.dumps(dict(config), indent=2, allow_nan=False).encode()
 
 
@@ -196,7 +249,10 @@ def build_config(
     *,
     rank_pattern: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """`adapter_config.json` for a LoRA adapter (the keys Bridge's `build_adapter_config_dict` writes)."""
+    """`adapter_config.json` for a LoRA adapter.
+
+    It has the keys Bridge's `build_adapter_config_dict` writes.
+    """
     return {
         "peft_type": "LORA",
         "auto_mapping": None,
@@ -246,8 +302,11 @@ def exact_target_modules_needed(modules: Iterable[str], model_layers: int | None
 
 
 def structure_problems(shapes: Mapping[str, tuple[str, list[int]]], config: Mapping[str, Any]) -> list[str]:
-    """Everything that would make PEFT load `shapes` (`{key: (dtype tag, shape)}`) wrongly or partially
-    under `config`; an empty list means: every key loads into a module PEFT creates, with its shape."""
+    """Everything that would make PEFT load `shapes` wrongly or partially under `config`.
+
+    `shapes` is `{key: (dtype tag, shape)}`. An empty list means every key loads into a module PEFT
+    creates, with its shape.
+    """
     problems = _config_problems(config)
     if problems:
         return problems
@@ -316,9 +375,11 @@ def _config_problems(config: Mapping[str, Any]) -> list[str]:
 
 
 def _regex_problem(pattern: str) -> str | None:
-    """Why `pattern` does not compile as the regular expression PEFT makes of it (None: it does).
-    A config's patterns are checked before they are matched, so a hostile one is a refusal naming
-    the file, never an exception out of `verify`."""
+    """Why `pattern` does not compile as the regular expression PEFT makes of it; None if it does.
+
+    A config's patterns are checked before they are matched. So a hostile one is a refusal naming
+    the file, never an exception out of `verify`.
+    """
     try:
         re.compile(pattern)
     except (re.error, RecursionError, OverflowError, ValueError) as exc:
@@ -344,8 +405,10 @@ def _pair_problems(module, pair, r, rank_pattern, targets) -> list[str]:
 
 
 def check_state(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> None:
-    """The exporter's self-check on the tensors it is about to write; raises ValueError naming each problem."""
+    """The exporter's self-check on the tensors it is about to write.
 
+    Returns None; raises ValueError naming the problems (`structure_problems`, non-finite values).
+    """
     shapes = {key: (_tag(t), list(t.shape)) for key, t in state.items()}
     problems = structure_problems(shapes, config)
     for key, tensor in sorted(state.items()):
@@ -356,8 +419,11 @@ def check_state(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) ->
 
 
 def check_peft_dir(path: Path) -> list[Problem]:
-    """Header-level check of an adapter directory (no torch): config, keys, pairs, shapes vs ranks,
-    the `format: pt` metadata. Finiteness and digests are the manifest's (core verify's) job."""
+    """The problems of the adapter directory `path`, from headers only (no torch); raises nothing.
+
+    It checks the config, keys, pairs, shapes against ranks, and the `format: pt` metadata.
+    Finiteness and digests are core verify's job, through the manifest.
+    """
     path = Path(path)
     try:
         config = json_files.read_json(path / CONFIG_NAME)
@@ -382,8 +448,11 @@ def check_peft_dir(path: Path) -> list[Problem]:
 
 
 def generation_problems(gen_dir: Path, files: Iterable[str]) -> list[Problem]:
-    """PEFT checks of a generation's adapter: at its top (an export root's generation) or in `peft/`
-    (a checkpoint generation). Both files or neither; problems name files relative to `gen_dir`."""
+    """The PEFT problems of the adapter among a generation's `files`.
+
+    It sits at the top of an export root's generation, or in `peft/` of a checkpoint generation.
+    Both files or neither must be there. Problems name files relative to `gen_dir`.
+    """
     files = set(files)
     problems = []
     for prefix in ("", "peft/"):

@@ -1,18 +1,18 @@
-"""Offline PEFT export of a committed generation (`miles-lora-ckpt export-peft`): no live model, one process.
+"""Offline PEFT export of a committed generation (`miles-lora-ckpt export-peft`): no live model.
 
-Two cases, both published through `export.export_peft` into an export root:
+It runs in one process. Both cases publish through `export.export_peft` into an export root.
 
-1. The generation holds `peft/` (it was saved with `peft=`), or the two PEFT files at its top (a
-   multi-LoRA slot generation saved with `peft_prefix=""`): those files are read and verified
-   against the manifest, self-checked, and republished as they are (same tensors, same config).
-2. Otherwise its Megatron adapter shards are converted here, where the mapping needs no live model:
-   a dense Qwen2/Llama-style decoder (`decoder.layers.N.{self_attention.linear_qkv, linear_proj,
-   mlp.linear_fc1, linear_fc2}` with Bridge-style `adapter.linear_in/linear_out`), tensor-parallel
-   shards merged along the dimension their shapes show, pipeline stages numbered by an even split of
-   the HF config's layers, fused QKV split per query group and fused fc1 per TP shard into
-   gate/up, as Bridge does. Expert adapters, virtual pipeline chunks, uneven pipeline splits and
-   unknown module names are refused: they need the live model (export with Bridge instead).
-   The HF base's `config.json` (`--base`) gives heads, query groups and head size.
+1. The generation holds `peft/` (saved with `peft=`), or the two PEFT files at its top (a
+   multi-LoRA slot saved with `peft_prefix=""`). Those files are verified against the manifest,
+   self-checked, and republished as they are.
+2. Otherwise its Megatron adapter shards are converted here, for a dense Qwen2/Llama-style
+   decoder with Bridge-style `adapter.linear_in/linear_out`. TP shards are merged along the
+   dimension their shapes show. Pipeline stages are numbered by an even split of the HF config's
+   layers. Fused QKV is split per query group, and fused fc1 per TP shard into gate/up, as
+   Bridge does. The HF base's `config.json` (`--base`) gives heads, query groups and head size.
+
+Expert adapters, virtual pipeline chunks, uneven pipeline splits and unknown module names are
+refused: they need the live model, so export with Bridge instead.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ _NAME_RE = re.compile(
     re.ASCII,
 )
 
+__all__ = ["OfflineExportError", "convert_shards", "export_generation"]
+
 
 class OfflineExportError(MilesLoraCkptError, ValueError):
     """The generation cannot be exported without a live model (the message says why)."""
@@ -54,8 +56,14 @@ def export_generation(
     lora_alpha: float | None = None,
     keep: int | None = None,
 ) -> Path:
-    """Export the generation `path` stands for (a save root's newest intact one, or one generation)
-    into the export root `out_root`; returns the published adapter directory."""
+    """Export the generation `path` stands for into the export root `out_root`.
+
+    `path` is a save root (its newest intact generation) or one generation. `base` is the HF base
+    model directory, needed to convert shards; `lora_alpha` overrides the saved alpha there. `keep`
+    prunes the export root afterwards. Returns the published adapter directory. Raises
+    OfflineExportError when the generation needs a live model, and the verifier's errors for a
+    damaged one.
+    """
     gen = resolve(Path(path)).generation  # verified: every byte, under the loader's rules
     manifest = gen.manifest
     weights_rel, config_rel = GENERATION_SUBDIR + fmt.WEIGHTS_NAME, GENERATION_SUBDIR + fmt.CONFIG_NAME
@@ -102,11 +110,14 @@ def _committed_export(gen_dir: Path, manifest, weights_rel: str, config_rel: str
     return weights, config
 
 
-# --------------------------------------------------------------------------- Megatron shards -> HF names
+# ---------------------------------------------------------------------- Megatron shards -> HF names
 
 
 def convert_shards(gen_dir: Path, manifest, base: Path, lora_alpha: float | None):
-    """HF-named adapter weights and the LoRA spec from a single-LoRA generation's dense shards."""
+    """`(HF-named adapter weights, LoraSpec)` from a single-LoRA generation's dense shards.
+
+    Raises OfflineExportError for what only a live model can convert (see above).
+    """
     topology = manifest.topology
     if topology.vpp != 1:
         raise OfflineExportError(f"virtual pipeline chunks (vpp={topology.vpp}) need the live model's layer map")
@@ -182,8 +193,11 @@ def _rank(lora_meta: dict, modules: dict, tp: int) -> int:
 
 
 def _merge(kind: str, which: str, shards: list, tp: int, r: int, dims: dict):
-    """The full tensor from its TP shards: replicated when a shard has the full shape, else
-    concatenated along the one dimension that is 1/tp of the full size."""
+    """The full tensor from its TP shards.
+
+    Replicated when a shard has the full shape, else concatenated along the one dimension that is
+    1/tp of the full size.
+    """
     name = f"layer {kind}.adapter.{which}"
     full = _full_shape(kind, which, r, dims)
     if len(shards) != tp:

@@ -8,33 +8,15 @@ Collective, like the synchronous save; reads as phases::
         snapshot:  copy every tensor this rank writes into host memory (from a GPU: into pinned
                    memory on a side stream, `HostCopier`) -> agree
     background thread (training goes on):
-        write_planned_save: protocol.save_generation (prepare -> write -> commit -> publish, each agreed)
+        write_planned_save: protocol.save_generation (prepare -> write -> commit -> publish)
         then (optional): the caller's collective step after the commit (e.g. Miles' tracker)
 
-The snapshot holds exactly what the save writes: the adapter shards this rank writes, every saved
-optimizer child's per-DP-rank slice of fp32 masters and moments (the lazily produced slices are
-produced now), every rank's RNG states (`plan_save` captures them: training is still blocked), and,
-as JSON, steps, param groups, scheduler and training state. After it returns,
-training may change model and optimizer freely: the generation holds the state at the snapshot,
-bit for bit. The price is host memory: a rank holds its whole share of the save until it is written
-(the synchronous save streams it one tensor at a time).
-
-Every collective of an `AsyncSaver` (the planning ones on the main thread too) runs on its own gloo
-group, made when the saver is built (`Consensus.for_world`, collective): background consensus never
-shares a group with training collectives or with other checkpoint calls (`Consensus.default()`) on
-the main thread. The main thread never runs this group's collectives while the background thread
-does (a save first waits for the previous one).
-
-Every guarantee of the synchronous save holds: the protocol is the same (a crash at any point
-leaves the previous generation loadable; nothing is published without every rank's agreement); a
-failure on any rank raises the same `CheckpointError`, naming rank, phase and reason, on every rank,
-at the next `PendingSave.wait()`, `AsyncSaver.wait()`, or save of the same saver; a dead or stalled
-peer becomes that error after the saver's consensus timeout (never a hang). Process exit waits for
-the background write to finish (its thread is not a daemon) and logs a failure nobody waited for.
-
-Not supported asynchronously: the PEFT export (`peft=...`, it runs a collective Bridge export over
-the live model), which the synchronous `save_lora_checkpoint` does. Loading from a root while a save
-into it is pending: call `wait()` first (the Miles integration does).
+The snapshot holds exactly what the save writes, so training may then change model and optimizer
+freely. The price is host memory: a rank holds its whole share of the save until it is written.
+Every collective runs on the saver's own gloo group, never shared with training or with other
+checkpoint calls. Every guarantee of the synchronous save holds, and a failure is raised on every
+rank at the next wait or save. The PEFT export is not asynchronous: it runs over the live model.
+The guide is docs/python-api.md, "Asynchronous save".
 """
 
 from __future__ import annotations
@@ -56,30 +38,41 @@ log = logging.getLogger(__name__)
 
 ThenFn = Callable[[str, Consensus], None]
 
+__all__ = ["AsyncSaver", "HostCopier", "PendingSave", "save_lora_checkpoint_async", "snapshot"]
+
 
 class PendingSave:
-    """One asynchronous save: `wait()` returns the committed generation directory or raises the
-    save's collective `CheckpointError` (every call the same); `done()` does not block."""
+    """One asynchronous save, as `AsyncSaver.save` returns it.
+
+    `wait()` returns the committed generation directory or raises the save's collective
+    `CheckpointError`, the same on every call. `done()` does not block.
+    """
 
     def __init__(self, iteration: int):
         self.iteration = iteration
-        self.blocked_s = 0.0  # seconds `AsyncSaver.save` blocked its caller (previous save, plan, snapshot)
+        self.blocked_s = 0.0  # seconds `AsyncSaver.save` blocked its caller: previous save, plan, snapshot
         self._finished = threading.Event()
         self._generation: str | None = None
         self._error: BaseException | None = None
         self._reported = False  # the error reached a caller (wait() raised it)
 
     def done(self) -> bool:
+        """Whether the save finished, committed or failed."""
         return self._finished.is_set()
 
     def join(self) -> str | None:
-        """Block until the save finished; its generation, or None if it failed. The error is left
-        for `wait()` or the saver to raise (e.g. for a wait on one rank only)."""
+        """Block until the save finished; return its generation, or None if it failed.
+
+        The error is left for `wait()` or the saver to raise, e.g. for a wait on one rank only.
+        """
         self._finished.wait()
         return self._generation
 
     def wait(self) -> str:
-        """Block until the save committed (or failed); local: peers' background threads go on by themselves."""
+        """Block until the save committed; return its generation directory or raise its error.
+
+        Local: peers' background threads go on by themselves.
+        """
         self._finished.wait()
         if self._error is not None:
             self._reported = True
@@ -102,9 +95,9 @@ class PendingSave:
 class AsyncSaver:
     """Asynchronous single-LoRA saves, one at a time, on the saver's own consensus group.
 
-    Constructing one is collective (every rank, at the same point: it makes a gloo group with
-    `consensus_timeout_s`, or `timeout_s`), unless a `consensus` is given, which must be used by
-    nothing else while a save is pending. Use one saver per process for a save root.
+    Constructing one is collective: every rank makes, at the same point, a gloo group with
+    `consensus_timeout_s` (or `timeout_s`). A given `consensus` is used instead; nothing else may
+    use it while a save is pending. Use one saver per process for a save root.
     """
 
     def __init__(self, consensus: Consensus | None = None, *, timeout_s: float | None = None):
@@ -127,13 +120,14 @@ class AsyncSaver:
         then: ThenFn | None = None,
         data_state: dict | None = None,
     ) -> PendingSave:
-        """Collective. `save_lora_checkpoint`'s arguments (no `peft`); returns the `PendingSave` once
-        the state is copied (`submit`, with these keywords as one `SaveOptions`).
+        """Collective. Save with `save_lora_checkpoint`'s arguments, less `peft`.
 
-        First waits for this saver's previous save to commit and raises its error if nobody saw it
-        yet (on every rank alike: the error is collective). `then(generation, consensus)` runs on
-        every rank in the background after the commit, with the saver's consensus (its failures
-        must go through `consensus.agree`); its error is the pending save's error.
+        Returns the `PendingSave` once the state is copied. It is `submit` with these keywords as
+        one `SaveOptions`, and raises as `submit` does.
+
+        `then(generation, consensus)` runs on every rank in the background after the commit, with
+        the saver's consensus; its failures must go through `consensus.agree`. Its error is the
+        pending save's error.
         """
         options = SaveOptions(
             iteration=iteration, keep=keep, optimizer_children=optimizer_children, data_state=data_state
@@ -153,10 +147,13 @@ class AsyncSaver:
         opt_param_scheduler=None,
         then: ThenFn | None = None,
     ) -> PendingSave:
-        """Collective. `save` with its options as one value (`options.peft` must be None): waits for
-        the previous save, plans and snapshots (training blocked), then writes in the background;
-        returns the `PendingSave`. Raises the previous save's unseen error, or the same
-        CheckpointError on every rank when planning or the snapshot fails."""
+        """Collective. `save` with its options as one value; `options.peft` must be None.
+
+        Waits for the previous save, plans and snapshots while training is blocked, then writes in
+        the background. Returns the `PendingSave`. Raises the previous save's unseen error, alike
+        on every rank. Raises the same CheckpointError on every rank when planning or the snapshot
+        fails.
+        """
         started = time.perf_counter()
         self.wait()
         consensus = self.consensus
@@ -183,8 +180,10 @@ class AsyncSaver:
         return self._pending
 
     def wait(self) -> str | None:
-        """Wait for the previous save; return its generation (None if there was none), or raise its
-        error unless `PendingSave.wait()` already raised it. Local (no collective)."""
+        """Local. Wait for the previous save and return its generation, or None if there was none.
+
+        Raises its error unless `PendingSave.wait()` already raised it.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -209,12 +208,12 @@ class AsyncSaver:
 
 
 def snapshot(planned: PlannedSave) -> PlannedSave:
-    """Local: `planned` with every tensor it writes copied into host memory (lazily produced
-    optimizer slices produced now: fresh tensors; parameters and anything else copied), so that
-    training may change model and optimizer while it is written. JSON parts are already copies.
+    """Local. `planned` with every tensor it writes copied into host memory, so training may go on.
 
-    Tensors on a GPU are copied into pinned host memory on a side stream (`HostCopier`); it
-    returns once every copy has landed."""
+    Lazily produced optimizer slices are produced now, as fresh tensors. JSON parts are already
+    copies. Tensors on a GPU go into pinned host memory on a side stream (`HostCopier`). Returns
+    once every copy has landed. Raises ValueError for a save with a PEFT export.
+    """
     if planned.peft_step is not None:
         raise ValueError("the asynchronous save cannot export PEFT (it runs over the live model): save synchronously")
     copier = HostCopier()
@@ -231,13 +230,12 @@ def snapshot(planned: PlannedSave) -> PlannedSave:
 class HostCopier:
     """Copies tensors into host memory for a snapshot; `finish()` returns once every copy landed.
 
-    A CPU tensor is copied as before (a lazily produced one is produced: already a fresh tensor).
-    A CUDA tensor goes into a pinned host buffer, copied without blocking on a side stream of its
-    device. That stream first waits for the work already queued on the current stream (training's
-    last writes), so the copy sees them. The source is recorded on the side stream, so that a
-    lazily produced temporary's memory is not reused before its copy ran. Copies thus overlap the
-    production of the next slices on the current stream. Pinned buffers come from torch's caching
-    host allocator, reused from one save to the next.
+    A CPU tensor is copied; a lazily produced one is produced, already a fresh tensor. A CUDA
+    tensor goes into a pinned host buffer, copied without blocking on a side stream of its device.
+    That stream first waits for the work queued on the current stream, so the copy sees training's
+    last writes. The source is recorded on the side stream, so a lazily produced temporary's memory
+    is not reused before its copy ran. Copies thus overlap the production of the next slices.
+    Pinned buffers come from torch's caching host allocator, reused from one save to the next.
     """
 
     def __init__(self):
@@ -245,7 +243,10 @@ class HostCopier:
         self.device_bytes = 0  # bytes copied from a GPU
 
     def copy(self, name: str, tensor):
-        """A host copy of `tensor` (a `LazyTensor` is produced first, and checked against its announced shape)."""
+        """A host copy of `tensor`, named `name`.
+
+        A `LazyTensor` is produced first and checked against its announced shape.
+        """
         if isinstance(tensor, LazyTensor):
             produced = tensor.produced(name)
             if not produced.is_cuda:
@@ -290,11 +291,13 @@ def default_saver() -> AsyncSaver:
 
 
 def save_lora_checkpoint_async(model, args, save_dir: str | os.PathLike, **kwargs) -> PendingSave:
-    """Collective. `save_lora_checkpoint` that returns once the state is copied (`AsyncSaver.save`,
-    on the process-wide saver, whose keywords it takes: `optimizer`, `opt_param_scheduler`,
-    `iteration`, `keep`, `optimizer_children`, `then`, `data_state`); returns the `PendingSave`, whose
-    `.wait()` returns the committed generation directory or raises the save's CheckpointError.
-    Raises as `AsyncSaver.save`."""
+    """Collective. `save_lora_checkpoint` that returns once the state is copied.
+
+    It is `AsyncSaver.save` on the process-wide saver, and takes its keywords: `optimizer`,
+    `opt_param_scheduler`, `iteration`, `keep`, `optimizer_children`, `then`, `data_state`.
+    Returns the `PendingSave`; its `.wait()` returns the committed generation directory or raises
+    the save's CheckpointError. Raises as `AsyncSaver.save`.
+    """
     return default_saver().save(model, args, save_dir, **kwargs)
 
 

@@ -1,27 +1,11 @@
-"""What the single-LoRA saver and loader share: file names, each rank's plan, what another saver
-adds to their phases (`SaverSpec`), the load result.
+"""What the single-LoRA saver and loader share: file names, bindings, each rank's plan.
 
-A generation written by the single-LoRA saver holds (paths relative to it)::
+Each rank's plan is a `RankPlan`, agreed as JSON (`agree_plans`). `SaverSpec` says what another
+saver (multi-LoRA slots) adds to the phases; `LoadResult` is what a load restored.
 
-    training_state.json                                   iteration, scheduler, per-child optimizer
-                                                          param groups and steps (JSON), by rank 0
-    adapter/dense_tp000_pp000.safetensors                 dense adapter shard per (TP, PP), all chunks
-    adapter/expert_pp000_ep000_etp000.safetensors         expert adapter shard per (PP, EP, ETP)
-    optimizer/child1_tp000_pp000_ep000_etp000_s000of002.safetensors
-                                                          DP rank 0 of 2's slice of the fp32 masters and
-                                                          every moment of one DistributedOptimizer
-                                                          child, keyed by the model-parallel coordinate
-                                                          of its DP group's root (DP x CP for dense
-                                                          children); no gather, partial reads at load
-    optimizer/child0_tp000_pp000_ep000_etp000_dp000_cp000.safetensors
-                                                          masters + state of the whole parameters a
-                                                          Float16/FP32 (or layer-wise) child's rank writes
-
-(`megatron.optimizer_children` says which family writes which files.) Format v2 binds every file
-to what it is: the training state (role `training-state`), each adapter shard (role
-`dense-adapter` / `expert-adapter` and its coordinate), each optimizer file (role `optimizer`, the
-child and the writer's coordinate: `optimizer_children.file_binding`); the protocol stamps the
-binding into tensor files and the manifest records it, and the loader checks it for every file.
+docs/file-format.md lists a generation's files. Format v2 binds every file to what it is (role,
+coordinate, child): the protocol stamps the binding into tensor files and the manifest records
+it. The loader checks it for every file (`check_binding`).
 """
 
 from __future__ import annotations
@@ -30,21 +14,44 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_lora_ckpt.core.consensus import Outcome
 from miles_lora_ckpt.core.errors import GenerationDamaged
-from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE
+from miles_lora_ckpt.core.layout import ROLE_TRAINING_STATE, Topology
 from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import param_blocks
 from miles_lora_ckpt.megatron.optimizer_children import chain
-from miles_lora_ckpt.megatron.optimizer_children.family import RankView
+from miles_lora_ckpt.megatron.optimizer_children.family import ChildDescription, RankView
 from miles_lora_ckpt.megatron.topology import Coordinates, current_coordinates, current_topology
 from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.peft_export import GENERATION_SUBDIR
+
+__all__ = [
+    "SAVER",
+    "SINGLE_LORA",
+    "TRAINING_STATE",
+    "TRAINING_STATE_BINDING",
+    "LoadResult",
+    "RankPlan",
+    "SaverSpec",
+    "adapter_binding",
+    "agree_plans",
+    "bound_ranges",
+    "bound_tensors",
+    "check_binding",
+    "chunk_count",
+    "describe_rank",
+    "filtered_adapter_names",
+    "rank_view",
+    "saved_children",
+    "saved_metadata",
+]
 
 SAVER = "single-lora"
 TRAINING_STATE = "training_state.json"
 
 
-# What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on load.
+# What each file is (format v2): stamped into tensor files, recorded in the manifest, checked on
+# load.
 # (Optimizer files: `optimizer_children.file_binding`.)
 TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
 
@@ -53,15 +60,17 @@ TRAINING_STATE_BINDING = {"role": ROLE_TRAINING_STATE}
 class SaverSpec:
     """What another saver (multi-LoRA slots) adds to the single-LoRA save and load phases.
 
-    Both: `saver`, the manifest's saver name written and accepted; `adapter_filter(name)`, the
-    adapter weights saved or restored (chunk-qualified names; None: all), with the empty-shard guard
-    (`filtered_adapter_names`; a load must find every one of them on this rank in its file).
-    Save: `links`, reader names the publish points at the generation (`save_generation`'s links);
-    `extra_metadata(layout)`, more manifest metadata from the agreed layout; `export_after_write`,
-    with a PEFT export, run it after every rank's files are staged (Miles v1's order);
-    `peft_prefix`, where the PEFT files go (`peft/`, or "" for the generation's top).
-    Load: `check_manifest(manifest)`, more refusals (raise IncompatibleCheckpoint) before anything
-    is read; `legacy`, whether a stock Miles adapter directory may be warm-started.
+    Both phases: `saver` is the manifest's saver name, written and accepted. `adapter_filter(name)`
+    picks the adapter weights saved or restored (chunk-qualified names; None: all). The empty-shard
+    guard applies to it (`filtered_adapter_names`): a load must find each of them in its file.
+
+    Save: `links` are the reader names the publish points at the generation.
+    `extra_metadata(layout)` adds manifest metadata from the agreed layout. `export_after_write` runs a PEFT export after
+    every rank's files are staged (Miles v1's order). `peft_prefix` is where the PEFT files go
+    (`peft/`, or "" for the generation's top).
+
+    Load: `check_manifest(manifest)` adds refusals (it raises IncompatibleCheckpoint) before
+    anything is read. `legacy` says whether a stock Miles adapter directory may be warm-started.
     """
 
     saver: str = SAVER
@@ -81,13 +90,16 @@ SINGLE_LORA = SaverSpec()  # the single-LoRA saver itself
 
 
 def adapter_binding(kind: str, coordinate_key: str) -> dict[str, str]:
-    """`kind` is "dense" (coordinate: TP, PP) or "expert" (coordinate: PP, EP, expert TP)."""
+    """The binding of an adapter shard: `kind` "dense" (coordinate: TP, PP) or "expert" (PP, EP,
+    expert TP), at `coordinate_key`."""
     return {"role": f"{kind}-adapter", "coordinate": coordinate_key}
 
 
 def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
-    """The manifest must bind `relpath` to what this rank expects there (format v2; v1 has no
-    bindings: a v1 file swapped or copied is caught only by the manifest's digests)."""
+    """Raise ValueError unless the manifest of `opened` binds `relpath` to `expected`.
+
+    Format v1 has no bindings: there a swapped or copied file is caught by the digests only.
+    """
     if opened.manifest.format_version < 2:
         return
     found = opened.binding(relpath)
@@ -96,7 +108,8 @@ def check_binding(opened, relpath: str, expected: dict[str, str]) -> None:
 
 
 def bound_tensors(opened):
-    """`(relpath, expected binding) -> tensors` of one of this rank's files, binding checked first."""
+    """`(relpath, expected binding) -> tensors` of one of this rank's files, binding checked
+    first."""
 
     def read(relpath: str, expected: dict[str, str]):
         check_binding(opened, relpath, expected)
@@ -117,7 +130,7 @@ def bound_ranges(opened):
 
 
 def saved_metadata(manifest, *keys):
-    """`manifest.metadata[k1][k2]...`, or a ValueError naming the missing key."""
+    """`manifest.metadata[k1][k2]...`; raises GenerationDamaged naming the missing key."""
     value = manifest.metadata
     for depth, key in enumerate(keys):
         if not isinstance(value, dict) or key not in value:
@@ -135,11 +148,11 @@ _PRE_FAMILY_KEYS = ("stepped_children", "state_keys", "numel_unpadded")
 
 
 def saved_children(manifest) -> dict[str, dict]:
-    """The manifest's `optimizer_children` (per child: family, class, kind, keys, stepped, layout).
+    """The manifest's `optimizer_children`, JSON: per child family, class, kind, keys, stepped, layout.
 
-    A generation written before every child family was saved records `stepped_children`,
-    `state_keys` and `numel_unpadded` instead (DistributedOptimizer children only, the same files
-    and bindings): those read as the equivalent `optimizer_children`. A ValueError names a missing key.
+    Older generations record DistributedOptimizer children only, in `stepped_children`,
+    `state_keys` and `numel_unpadded`. Those read as the equivalent `optimizer_children`.
+    Raises GenerationDamaged naming a missing key.
     """
     metadata = manifest.metadata
     if "optimizer_children" in metadata or not all(k in metadata for k in _PRE_FAMILY_KEYS):
@@ -162,56 +175,109 @@ def saved_children(manifest) -> dict[str, dict]:
 
 
 def chunk_count(model) -> int:
+    """How many model chunks `model` is (Miles passes a list of chunks, or one module)."""
     return len(model) if isinstance(model, list | tuple) else 1
 
 
-def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = False) -> dict:
-    """What this rank holds: coordinates, adapter shards it would write, optimizer children (JSON).
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank holds, as every rank sees it after the plan agreement.
 
-    `children` describes the selected children only (all non-stub ones when `optimizer_children`
-    is None); `active` lists every non-stub child, the chain's layout; `global` each trainable
-    parameter's place in the global model (`megatron.param_blocks`).
+    `describe_rank` makes it; it crosses the consensus as JSON (`to_json`, `from_json`), and every
+    use reads its attributes. `global_blocks` goes into the manifest as is (format v3).
+    """
+
+    coords: Coordinates  # this rank's place on every parallel axis
+    topology: Topology  # the whole run's layout, as this rank sees it
+    dense: tuple[str, ...]  # the dense adapter weights it holds, sorted
+    expert: tuple[str, ...]  # the expert adapter weights it holds, sorted
+    # each trainable parameter's global block (`param_blocks.describe`, JSON; None where unknown)
+    global_blocks: dict[str, dict | None]
+    active: tuple[int, ...]  # every non-stub optimizer child's index (the chain's layout)
+    children: tuple[ChildDescription, ...]  # the selected children (`chain.describe`)
+
+    def to_json(self) -> dict:
+        """The consensus payload: plain JSON under the keys the plan always had."""
+        return {
+            "coords": self.coords.to_dict(),
+            "topology": self.topology.to_dict(),
+            "dense": list(self.dense),
+            "expert": list(self.expert),
+            "global": self.global_blocks,
+            "active": list(self.active),
+            "children": [child.to_json() for child in self.children],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> RankPlan:
+        """The record back from `to_json`'s payload, as a peer sent it."""
+        return cls(
+            coords=Coordinates(**data["coords"]),
+            topology=Topology(**data["topology"]),
+            dense=tuple(data["dense"]),
+            expert=tuple(data["expert"]),
+            global_blocks=data["global"],
+            active=tuple(data["active"]),
+            children=tuple(chain.parse_description(child) for child in data["children"]),
+        )
+
+
+def describe_rank(model, optimizer, optimizer_children=None, *, saving: bool = False) -> RankPlan:
+    """This rank's `RankPlan`: coordinates, layout, adapter shards, parameter blocks, children.
+
+    `optimizer_children` selects the children described (None: every non-stub one); `active`
+    lists every non-stub child whatever is selected. `saving` tells the families a save asks.
+    Raises what megatron's parallel state or a family's description raises.
     """
     coords = current_coordinates()
     dense, expert = shards.split_by_kind(shards.adapter_params(model))
     has_optimizer = optimizer is not None
-    return {
-        "coords": coords.to_dict(),
-        "topology": current_topology(chunk_count(model)).to_dict(),
-        "dense": sorted(dense),
-        "expert": sorted(expert),
-        "global": param_blocks.describe(model),  # each trainable parameter's global block (format v3)
-        "active": chain.active_indices(optimizer) if has_optimizer else [],
-        "children": chain.describe(optimizer, model, coords, optimizer_children, saving=saving)
+    return RankPlan(
+        coords=coords,
+        topology=current_topology(chunk_count(model)),
+        dense=tuple(sorted(dense)),
+        expert=tuple(sorted(expert)),
+        global_blocks=param_blocks.describe(model),
+        active=tuple(chain.active_indices(optimizer)) if has_optimizer else (),
+        children=tuple(chain.describe(optimizer, model, coords, optimizer_children, saving=saving))
         if has_optimizer
-        else [],
-    }
+        else (),
+    )
 
 
-def rank_view(model, plans: list[dict], rank: int) -> RankView:
-    return RankView(rank, [Coordinates(**p["coords"]) for p in plans], chain.param_names(model))
+def agree_plans(consensus, planned: Outcome) -> list[RankPlan]:
+    """Collective: every rank's `RankPlan`, by rank, from this rank's `attempt(describe_rank, ...)`.
+
+    The plans cross as JSON. Raises CheckpointError (phase `plan`) on every rank where any failed.
+    """
+    return [RankPlan.from_json(p) for p in consensus.agree("plan", planned.map(RankPlan.to_json))]
 
 
-def selected_adapter_names(plans: list[dict], optimizer_children) -> set[str] | None:
-    """With a child selection, the adapter parameters those children step (on any rank); else None (all)."""
+def rank_view(model, plans: list[RankPlan], rank: int) -> RankView:
+    """What a family needs of the run: `rank`, every rank's coordinates, the parameter names."""
+    return RankView(rank, [p.coords for p in plans], chain.param_names(model))
+
+
+def selected_adapter_names(plans: list[RankPlan], optimizer_children) -> set[str] | None:
+    """With a child selection, the adapter parameters those children step on any rank; else None."""
     if optimizer_children is None:
         return None
-    return chain.covered_params([p["children"] for p in plans])
+    return chain.covered_params([p.children for p in plans])
 
 
-def filtered_adapter_names(plans: list[dict], optimizer_children, adapter_filter) -> set[str] | None:
-    """The adapter names a save or load covers: all (None), those the chosen children step, or
-    those `adapter_filter` accepts among every rank's adapters.
+def filtered_adapter_names(plans: list[RankPlan], optimizer_children, adapter_filter) -> set[str] | None:
+    """The adapter names a save or load covers, from every rank's plan.
 
-    With a filter (a multi-LoRA slot), the empty-shard guard: it must accept at least one adapter
-    parameter on some rank and, with chosen children, exactly the parameters they step (a filter
-    that misses slot-indexed names would otherwise write valid but empty or partial shards).
-    Raises ValueError, the same on every rank (they all see the same plans).
+    Returns None (all), the names the chosen children step, or those `adapter_filter` accepts.
+    A filter (a multi-LoRA slot) gets the empty-shard guard: it must accept some adapter
+    parameter, and with chosen children exactly those they step. Otherwise a filter that misses
+    slot-indexed names would write valid but empty or partial shards. Raises ValueError, the same
+    on every rank (they all see the same plans).
     """
     stepped = selected_adapter_names(plans, optimizer_children)
     if adapter_filter is None:
         return stepped
-    held = sorted({n for p in plans for n in (*p["dense"], *p["expert"])})
+    held = sorted({n for p in plans for n in (*p.dense, *p.expert)})
     chosen = {n for n in held if adapter_filter(n)}
     if not chosen:
         raise ValueError(

@@ -1,7 +1,7 @@
 """Warm start from a stock Miles adapter directory (`adapter_megatron_rank*.pt`): weights only.
 
-Those files are pickles; they are read with `torch.load(weights_only=True)` and never with a
-fallback. Masters are refreshed from the loaded adapter; moments and scheduler are not restored,
+Those files are pickles, so they are read with `torch.load(weights_only=True)` and never with a
+fallback. Masters are refreshed from the loaded adapter. Moments and scheduler are not restored,
 and the warning says so.
 """
 
@@ -23,9 +23,17 @@ from miles_lora_ckpt.megatron.undo import UndoRecord
 from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.single_lora.common import LoadResult, chunk_count
 
+__all__ = ["warm_start_legacy"]
+
 
 def warm_start_legacy(consensus: Consensus, model, path: Path, optimizer, scheduler) -> LoadResult:
-    """Collective. Stock Miles `adapter_megatron_rank*.pt`: adapter weights only (weights_only=True)."""
+    """Collective. Load the adapter weights of the stock Miles adapter directory `path`.
+
+    Each rank reads its `adapter_megatron_rank*.pt`. The masters of `optimizer`'s children are
+    refreshed from the adapter. `scheduler` is repositioned to the saved iteration, where the
+    directory records one. Returns the `LoadResult`, with a warning naming what was not restored.
+    Raises the same CheckpointError on every rank, after undoing any change.
+    """
     children = [c.optimizer for c in chain.select(optimizer)] if optimizer else []
     # read and preflight: every rank its own shard (and a copy of what it holds now, to undo);
     # all ranks must agree on the iteration
@@ -88,8 +96,10 @@ def _legacy_iteration(path: Path, rank: int) -> int | None:
 
 
 def _torch_load_weights_only(file: Path):
-    """`torch.load(weights_only=True)` of a regular file read with bounds (a FIFO or link is
-    refused without being opened, so nothing blocks); never a pickle fallback."""
+    """`torch.load(weights_only=True)` of a regular file read with bounds; never a pickle fallback.
+
+    A FIFO or link is refused without being opened, so nothing blocks.
+    """
     try:
         data = file_reader.read_file_verified(file)
     except ValueError as exc:  # a FIFO, device or link: refused without opening it, named

@@ -64,8 +64,10 @@ from miles_lora_ckpt.savers.single_lora.common import (
     TRAINING_STATE,
     TRAINING_STATE_BINDING,
     LoadResult,
+    RankPlan,
     SaverSpec,
     adapter_binding,
+    agree_plans,
     bound_ranges,
     bound_tensors,
     check_binding,
@@ -217,7 +219,7 @@ def _load(consensus, model, path, optimizer, opt_param_scheduler, options: LoadO
         return warm_start_native(consensus, model, Path(path), found, optimizer, opt_param_scheduler)
 
     # plan: who holds what, so every rank can find its children's files and DP roots
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, options.selection))
+    plans = agree_plans(consensus, attempt(describe_rank, model, optimizer, options.selection))
     request = attempt(LoadRequest, model, optimizer, opt_param_scheduler, plans, consensus.rank, options, spec)
     consensus.agree("plan", attempt(request.value.check_selection) if request.ok else request)
     request = request.value
@@ -310,7 +312,7 @@ class LoadRequest:
     model: Any
     optimizer: Any
     scheduler: Any
-    plans: list[dict]
+    plans: list[RankPlan]
     rank: int
     options: LoadOptions
     spec: SaverSpec = SINGLE_LORA
@@ -344,17 +346,17 @@ class LoadRequest:
 
     @property
     def coords(self) -> Coordinates:
-        return Coordinates(**self.plans[self.rank]["coords"])
+        return self.plans[self.rank].coords
 
     @cached_property
     def view(self) -> RankView:
         return rank_view(self.model, self.plans, self.rank)
 
     def selected(self) -> list[int]:
-        return [c["index"] for c in self.plans[self.rank]["children"]]
+        return [c.index for c in self.plans[self.rank].children]
 
     def descriptions(self) -> list[list[dict]]:
-        return [p["children"] for p in self.plans]
+        return [list(p.children) for p in self.plans]
 
     def adapter_params(self) -> dict:
         """The adapter parameters this load restores: all, or those the chosen children step."""
@@ -375,7 +377,7 @@ class LoadRequest:
         if self.spec.check_manifest is not None:
             self.spec.check_manifest(manifest)
         rng = self._rng_files(manifest)
-        if not manifest.topology.model_parallel_differences(Topology.from_dict(self.plans[self.rank]["topology"])):
+        if not manifest.topology.model_parallel_differences(self.plans[self.rank].topology):
             files = self._saved_layout_files(manifest)
             if not self._planned(manifest):
                 return files + rng
@@ -400,7 +402,7 @@ class LoadRequest:
             # refused here, before anything is read (IncompatibleCheckpoint: the load fails, it never
             # falls back to an older generation): another child class or optimizer, another layout
             saved = saved_children(manifest)
-            dp_changed = manifest.topology.dp != self.plans[self.rank]["topology"]["dp"]
+            dp_changed = manifest.topology.dp != self.plans[self.rank].topology.dp
             chain.check_against(
                 saved, self.descriptions(), self.rank, dp_changed, manifest.metadata.get("optimizer_selection")
             )
@@ -418,7 +420,7 @@ class LoadRequest:
         saved = layout.get("params")
         saved = saved.values() if isinstance(saved, dict) else []
         placed = all(not isinstance(blocks, dict) or None not in blocks.values() for blocks in saved)
-        placed = placed and all(None not in plan["global"].values() for plan in self.plans)
+        placed = placed and all(None not in plan.global_blocks.values() for plan in self.plans)
         children = self._saved_children_or_none(manifest)
         return placed and chain.plannable(children, self.descriptions(), self.rank)
 
@@ -437,7 +439,7 @@ class LoadRequest:
                 "layers does not continue bit-exact"
             )
             return []
-        here = Topology.from_dict(self.plans[self.rank]["topology"])
+        here = self.plans[self.rank].topology
         if manifest.topology != here:
             self.rng_note = (
                 f"RNG state not restored: saved at {_layout(manifest.topology)}, this run is {_layout(here)}; "
@@ -589,7 +591,7 @@ class LoadRequest:
 
     def _check_child_layout(self, manifest: Manifest) -> None:
         recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
-        mine = self.plans[self.rank]["active"]
+        mine = list(self.plans[self.rank].active)
         if recorded is None:
             raise ValueError(f"checkpoint records no optimizer children for {self.coords.model_parallel_key}")
         if sorted(recorded) != sorted(mine):

@@ -2,14 +2,14 @@
 
 Collective; reads as phases::
 
-    prepare (every rank: the metadata, data only, its adapter blocks and the items holding them) -> agree
+    prepare (every rank: the metadata, data only, its adapter blocks and their items) -> agree
     -> read (every rank its own slices, checked; a copy of what it holds now) -> agree
     -> install (adapter, masters refreshed from it) -> agree, undone on every rank if any failed
 
-The metadata is read by the plugin's data-only reader (`core.dcp_metadata`), the adapter chunks
-with `torch.load(weights_only=True)` (`core.native_dist.read_chunk`); the optimizer items and the
-pickled common state are never read, so moments, step counters and scheduler are not restored,
-and the warning says so.
+The metadata is read by the plugin's data-only reader (`core.dcp_metadata`). The adapter chunks
+are read with `torch.load(weights_only=True)` (`core.native_dist.read_chunk`). The optimizer
+items and the pickled common state are never read. So moments, step counters and scheduler are
+not restored, and the warning says so.
 """
 
 from __future__ import annotations
@@ -27,10 +27,17 @@ from miles_lora_ckpt.megatron.undo import UndoRecord
 from miles_lora_ckpt.savers.options import LoadSource
 from miles_lora_ckpt.savers.single_lora.common import LoadResult
 
+__all__ = ["warm_start_native"]
+
 
 def warm_start_native(consensus: Consensus, model, path: Path, found: Path, optimizer, scheduler) -> LoadResult:
-    """Collective. The adapter weights of the stock native checkpoint `found` (named by `path`),
-    resharded to this run's layout; the fp32 masters refreshed from them; nothing else restored."""
+    """Collective. Load the adapter weights of the stock native checkpoint `found`, named by `path`.
+
+    The weights are resharded to this run's layout, and the fp32 masters of `optimizer`'s children
+    are refreshed from them. Nothing else is restored, `scheduler` included.
+    Returns the `LoadResult`, with a warning naming what was not restored. Raises the same
+    CheckpointError on every rank, after undoing any change.
+    """
     children = [c.optimizer for c in chain.select(optimizer)] if optimizer else []
 
     # prepare: every rank reads the metadata (data only) and describes its adapter parameters

@@ -9,7 +9,7 @@ Collective; reads as phases::
                         agreed] -> write -> commit -> publish, each agreed)
 
 The two halves are separate functions so that `async_save` can copy what `plan_save` returns into
-host memory (the only time training is blocked) and run `write_planned_save` in the background.
+host memory, the only time training is blocked, and run `write_planned_save` in the background.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron import rng_tracker
 from miles_lora_ckpt.megatron.optimizer_children import chain
 from miles_lora_ckpt.megatron.scheduler import scheduler_state
-from miles_lora_ckpt.megatron.topology import Coordinates
 from miles_lora_ckpt.savers.options import SaveOptions
 from miles_lora_ckpt.savers.peft_export import PeftExport, plan_export
 from miles_lora_ckpt.savers.single_lora.common import (
@@ -35,14 +34,26 @@ from miles_lora_ckpt.savers.single_lora.common import (
     SINGLE_LORA,
     TRAINING_STATE,
     TRAINING_STATE_BINDING,
+    RankPlan,
     SaverSpec,
     adapter_binding,
+    agree_plans,
     describe_rank,
     filtered_adapter_names,
     rank_view,
 )
 
 DATA_STATE_BINDING = {"role": ROLE_DATA_STATE}
+
+__all__ = [
+    "DATA_STATE_BINDING",
+    "PlannedSave",
+    "RankFile",
+    "plan_save",
+    "save_adapter_generation",
+    "save_lora_checkpoint",
+    "write_planned_save",
+]
 
 
 def save_lora_checkpoint(
@@ -61,23 +72,23 @@ def save_lora_checkpoint(
 ) -> str:
     """Collective. Save adapter, optimizer state and scheduler as one new generation.
 
-    Takes the model (chunks), Miles' `args`, the save root `save_dir` (see `layout`), and as
-    keywords the live `optimizer` and `opt_param_scheduler`, the `consensus` group (default: the
-    world's) and the options (`savers.options.SaveOptions`: `iteration`, `keep`,
-    `optimizer_children`, `peft`, `data_state`). Returns the committed generation directory.
-    With `args.no_save_optim` (or no optimizer) only the adapter and the iteration are saved.
-    Every optimizer child megatron builds for LoRA is saved (DistributedOptimizer, Float16 / FP32,
-    LayerWise per-slot children; see `megatron.optimizer_children`). `optimizer_children` saves only
-    those children (leaf indices, e.g. Miles' `optimizer.miles_slot_child_indices[slot]`) and the
-    adapter weights they step; `opt_param_scheduler` should then drive those children only.
-    With `peft`, the generation also holds `peft/` (an HF PEFT adapter directory exported through
-    Megatron-Bridge, loadable as is), committed with the rest; if the export fails, the save fails.
-    Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are saved as they are
-    when the save is called (`core.rng_state`), unless `args.no_save_rng`.
-    `data_state` (rank 0's; `core.data_state.document`): the rollout side's data state of this
-    rollout, committed as `rollout_data_state.json` in the same generation.
-    `keep`: afterwards keep the newest `keep` intact generations.
-    Raises the same CheckpointError on every rank if anything fails anywhere.
+    Takes the model (chunks), Miles' `args` and the save root `save_dir`. The keywords are the live
+    `optimizer` and `opt_param_scheduler`, the `consensus` group (default: the world's), and the
+    options of `savers.options.SaveOptions`. Returns the committed generation directory. Raises
+    the same CheckpointError on every rank if anything fails anywhere.
+
+    - Every optimizer child megatron builds for LoRA is saved (see `megatron.optimizer_children`).
+      With `args.no_save_optim`, or no optimizer, only the adapter and the iteration are saved.
+    - `optimizer_children` saves only those children (leaf indices, e.g. Miles'
+      `optimizer.miles_slot_child_indices[slot]`) and the adapter weights they step.
+      `opt_param_scheduler` should then drive those children only.
+    - With `peft`, the generation also holds `peft/`, an HF PEFT adapter directory exported
+      through Megatron-Bridge and committed with the rest. If the export fails, the save fails.
+    - Every rank's RNG states (`core.rng_state`) are saved as they are at the call, unless
+      `args.no_save_rng`.
+    - `data_state` is rank 0's rollout data state (`core.data_state.document`). It is committed
+      as `rollout_data_state.json` in the same generation.
+    - `keep`: afterwards keep the newest `keep` intact generations.
     """
     options = SaveOptions(
         iteration=iteration, keep=keep, optimizer_children=optimizer_children, peft=peft, data_state=data_state
@@ -104,13 +115,13 @@ def save_adapter_generation(
     consensus: Consensus | None = None,
     spec: SaverSpec = SINGLE_LORA,
 ) -> str:
-    """Collective. `save_lora_checkpoint` with its options as one value, for the Miles integration
-    and other savers (multi-LoRA slots: `spec`, see `SaverSpec`): the same phases and files.
+    """Collective. `save_lora_checkpoint` with its options as one value: the same phases and files.
 
-    With `spec.adapter_filter`, only the adapter weights it accepts are saved; it must accept at
-    least one on some rank and, with `options.optimizer_children`, exactly those the children step
-    (else every rank raises before anything is written: the empty-shard guard). Returns the
-    committed generation directory; raises the same CheckpointError on every rank.
+    It serves the Miles integration and other savers, such as multi-LoRA slots (`spec`, see
+    `SaverSpec`). With `spec.adapter_filter`, only the adapter weights it accepts are saved. The
+    empty-shard guard: it must accept at least one on some rank, and exactly those the children
+    step with `options.optimizer_children`. Returns the committed generation directory. Raises the
+    same CheckpointError on every rank, before anything is written when the guard fails.
     """
     consensus = consensus or Consensus.default()
     planned = plan_save(
@@ -121,8 +132,11 @@ def save_adapter_generation(
 
 @dataclass
 class RankFile:
-    """One tensor file this rank writes: its binding, its tensors (values may be `safetensors_write.LazyTensor`s
-    or live parameters until `async_save.snapshot` copies them) and whether it gets a block index."""
+    """One tensor file this rank writes: its binding, its tensors and whether it gets a block index.
+
+    Tensors may be `safetensors_write.LazyTensor`s or live parameters until `async_save.snapshot`
+    copies them.
+    """
 
     binding: dict[str, str]
     tensors: dict
@@ -131,9 +145,11 @@ class RankFile:
 
 @dataclass
 class PlannedSave:
-    """Everything the write phase needs, agreed by every rank (`plan_save`); `write_planned_save`
-    writes it. Until it is written, `files` may still refer to the live model and optimizer (lazy
-    tensors, parameters): a caller that trains in between snapshots it first (`async_save.snapshot`)."""
+    """What the write phase needs, agreed by every rank; `write_planned_save` writes it.
+
+    Until it is written, `files` may still refer to the live model and optimizer. So a caller that
+    trains in between snapshots it first (`async_save.snapshot`).
+    """
 
     iteration: int
     saver: str
@@ -158,11 +174,12 @@ def plan_save(
     opt_param_scheduler=None,
     spec: SaverSpec = SINGLE_LORA,
 ) -> PlannedSave:
-    """Collective, the save's first half: plan -> agree -> layout -> agree -> [PEFT plan] ->
-    this rank's files (adapter shards, optimizer slices, scheduler and child states) -> agree.
+    """Collective. The save's first half: plan -> agree -> layout -> agree -> [PEFT plan] -> files.
 
-    Nothing is written; the result says what to write (`write_planned_save`). Raises the same
-    CheckpointError on every rank."""
+    The files are this rank's adapter shards, optimizer slices, scheduler and child states, then
+    agreed. Nothing is written: returns the `PlannedSave` for `write_planned_save`. Raises the same
+    CheckpointError on every rank.
+    """
     iteration = options.iteration
     iteration = int(iteration if iteration is not None else getattr(args, "iteration", 0) or 0)
     save_optim = optimizer is not None and not getattr(args, "no_save_optim", False)
@@ -171,7 +188,7 @@ def plan_save(
     selection = options.selection
 
     # plan: every rank says what it holds; everybody sees every rank's answer
-    plans = consensus.agree("plan", attempt(describe_rank, model, optimizer, selection, saving=save_optim))
+    plans = agree_plans(consensus, attempt(describe_rank, model, optimizer, selection, saving=save_optim))
 
     # layout: every rank derives the same decisions from the same answers (and refuses the same way)
     layout = attempt(SaveLayout.from_plans, plans, save_optim, selection, spec.adapter_filter)
@@ -179,15 +196,15 @@ def plan_save(
     layout = layout.value
     view = rank_view(model, plans, consensus.rank)
 
-    # PEFT export (optional): plan and bind now; the collective export runs as the save's produce step
+    # PEFT export (optional): plan and bind now; the collective export runs as the produce step
     peft_step = None
     if options.peft is not None:
         peft_step = plan_export(model, options.peft.source, options.peft.lora, consensus, prefix=spec.peft_prefix)
 
-    # this rank's files: its adapter shards, and for every saved child what it writes (a
+    # this rank's files: its adapter shards, and what each saved child writes and records. A
     # DistributedOptimizer's DP ranks each write their own slice, produced lazily during the write:
-    # no gather, no root), and the JSON state it records; rank 0 also takes the scheduler's state;
-    # every rank its RNG states as they are now (an asynchronous save's snapshot time)
+    # no gather, no root. Rank 0 also takes the scheduler's state. Every rank takes its RNG states
+    # as they are now, an asynchronous save's snapshot time.
     prepared = attempt(
         _rank_files,
         model,
@@ -213,7 +230,7 @@ def plan_save(
     return PlannedSave(
         iteration=iteration,
         saver=spec.saver,
-        topology=Topology.from_dict(plans[0]["topology"]),
+        topology=plans[0].topology,
         metadata={
             **layout.metadata(save_optim, opt_param_scheduler, args),
             **({"rng_saved": save_rng} if spec.saver == SAVER else {}),
@@ -236,10 +253,13 @@ def write_planned_save(
     *,
     keep: int | None = None,
 ) -> str:
-    """Collective, the save's second half: `protocol.save_generation` (prepare -> [produce: PEFT
-    export] -> write -> commit -> publish, each agreed); returns the committed generation directory.
-    `consensus` may be another group than `plan_save`'s (the asynchronous save's own); `keep`:
-    `SaveOptions.keep`. Raises the same CheckpointError on every rank."""
+    """Collective. The save's second half: `protocol.save_generation` of `planned` into `save_dir`.
+
+    Its phases are prepare -> [produce: PEFT export] -> write -> commit -> publish, each agreed.
+    `consensus` may be another group than `plan_save`'s, such as the asynchronous save's own.
+    `keep` is `SaveOptions.keep`. Returns the committed generation directory. Raises the same
+    CheckpointError on every rank.
+    """
     peft_step = planned.peft_step
 
     # write, commit, publish: through the protocol; every rank writes its own files
@@ -278,9 +298,12 @@ def write_planned_save(
 def _rank_files(
     model, optimizer, view, layout: SaveLayout, save_optim: bool, scheduler, takes_scheduler: bool, rng_rank
 ) -> tuple[dict, dict[str, RankFile], dict | None, dict]:
-    """Local: (collected per child, `{relpath: RankFile}` in write order: adapter shards first, then
-    optimizer files by name, then the RNG tensors; the scheduler's state (JSON; `takes_scheduler`
-    only, else None); `{relpath: (JSON value, binding)}`: the RNG JSON, with `rng_rank` (not None))."""
+    """Local. `(collected per child, files, scheduler state, rank JSON)` of this rank.
+
+    `files` is `{relpath: RankFile}` in write order: adapter shards, optimizer files by name, then
+    the RNG tensors. The scheduler's state is JSON with `takes_scheduler`, else None. Rank JSON is
+    `{relpath: (JSON value, binding)}`: the RNG JSON, where `rng_rank` is not None.
+    """
     # copies of every generator's state first, before anything here could draw from one (an
     # asynchronous save captures them at its snapshot: training is blocked until then)
     rng = rng_state.encode(rng_state.capture(rng_tracker.capture()), rng_rank) if rng_rank is not None else None
@@ -310,7 +333,7 @@ def _no_files() -> tuple[dict, dict]:
 class SaveLayout:
     """Decisions every rank derives identically from all ranks' plans."""
 
-    plans: list[dict]
+    plans: list[RankPlan]
     selection: list[int] | None
     adapter_names: set[str] | None  # with a selection or a filter: the adapter weights saved
     children: dict[str, dict] = field(default_factory=dict)  # the optimizer children's plan (manifest)
@@ -319,16 +342,17 @@ class SaveLayout:
 
     @classmethod
     def from_plans(
-        cls, plans: list[dict], save_optim: bool, selection: list[int] | None, adapter_filter=None
+        cls, plans: list[RankPlan], save_optim: bool, selection: list[int] | None, adapter_filter=None
     ) -> SaveLayout:
+        """The layout every rank derives from `plans`: the children's plan and each shard's writer."""
         layout = cls(plans, selection, filtered_adapter_names(plans, selection, adapter_filter))
-        ranks = [Coordinates(**p["coords"]) for p in plans]
-        layout.children = chain.plan([p["children"] for p in plans], ranks, save_optim)
+        ranks = [p.coords for p in plans]
+        layout.children = chain.plan([p.children for p in plans], ranks, save_optim)
         for rank, plan in enumerate(plans):
             coords = ranks[rank]
-            if layout.adapter_subset(plan["dense"]):
+            if layout.adapter_subset(plan.dense):
                 layout.dense_writers.setdefault(coords.dense_key, rank)
-            if layout.adapter_subset(plan["expert"]):
+            if layout.adapter_subset(plan.expert):
                 layout.expert_writers.setdefault(coords.expert_key, rank)
         return layout
 
@@ -341,7 +365,8 @@ class SaveLayout:
         return [n for n in names if n in self.adapter_names]
 
     def metadata(self, save_optim: bool, scheduler, args) -> dict:
-        active = {Coordinates(**p["coords"]).model_parallel_key: p["active"] for p in self.plans}
+        """The manifest's metadata: what was saved, the children's plan and the global layout."""
+        active = {p.coords.model_parallel_key: list(p.active) for p in self.plans}
         return {
             "optimizer_saved": save_optim,
             "scheduler_saved": save_optim and scheduler is not None,
@@ -359,20 +384,21 @@ class SaveLayout:
     def global_layout(self) -> dict:
         """Format v3: where every saved tensor lies in the global model (`reshard` reads it).
 
-        `params`: per model-parallel coordinate, each trainable parameter's `Block` (JSON; None
-        where megatron's layout cannot describe it); `adapter_files`: per adapter file, the
-        coordinate of the rank that wrote it and the names it holds. The optimizer's files are
-        placed by each child's `layout.positions` (`optimizer_children.distributed`)."""
+        `params` holds, per model-parallel coordinate, each trainable parameter's `Block` as JSON;
+        None where megatron's layout cannot describe it. `adapter_files` holds, per adapter file,
+        the coordinate of the rank that wrote it and the names it holds. The optimizer's files are
+        placed by each child's `layout.positions` (`optimizer_children.distributed`).
+        """
         params, files = {}, {}
         for plan in self.plans:
-            params.setdefault(Coordinates(**plan["coords"]).model_parallel_key, plan["global"])
+            params.setdefault(plan.coords.model_parallel_key, plan.global_blocks)
         for kind, writers, file_of in (
             ("dense", self.dense_writers, shards.dense_file),
             ("expert", self.expert_writers, shards.expert_file),
         ):
             for rank in writers.values():
-                coords = Coordinates(**self.plans[rank]["coords"])
-                names = sorted(self.adapter_subset(self.plans[rank][kind]))
+                coords = self.plans[rank].coords
+                names = sorted(self.adapter_subset(getattr(self.plans[rank], kind)))
                 files[file_of(coords)] = {"coordinate": coords.model_parallel_key, "names": names}
         return {"params": dict(sorted(params.items())), "adapter_files": dict(sorted(files.items()))}
 
@@ -383,9 +409,12 @@ def _lora_args(args) -> dict:
 
 
 def _adapter_files(model, layout: SaveLayout, rank: int) -> dict[str, RankFile]:
-    """The adapter shards this rank writes (the lowest rank holding each coordinate's shard), with a
-    block index: a resharding load reads only the blocks holding the elements it needs."""
-    coords = Coordinates(**layout.plans[rank]["coords"])
+    """The adapter shards this rank writes, each with a block index.
+
+    The lowest rank holding a coordinate's shard writes it. A resharding load then reads only the
+    blocks holding the elements it needs.
+    """
+    coords = layout.plans[rank].coords
     dense, expert = (layout.adapter_subset(p) for p in shards.split_by_kind(shards.adapter_params(model)))
     files = {}
     if dense and layout.dense_writers.get(coords.dense_key) == rank:

@@ -1,0 +1,1 @@
+"""Stand-in of the miles/backends/megatron_utils/lora package."""

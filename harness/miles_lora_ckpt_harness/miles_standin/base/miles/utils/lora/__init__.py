@@ -1,0 +1,1 @@
+"""Stand-in of the miles/utils/lora package."""

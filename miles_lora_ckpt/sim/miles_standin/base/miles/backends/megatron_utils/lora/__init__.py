@@ -1,1 +1,0 @@
-"""Stand-in of the miles/backends/megatron_utils/lora package (§10.1)."""

@@ -1,4 +1,0 @@
-"""Stand-in of Miles, shape lora-package-2026-09 (lora/utils.py, load_optimizer keyword): NOT Miles.
-
-Written from miles-lora-ckpt's contract (§10.1) for its test harness; see miles_lora_ckpt/sim/miles_standin.
-"""

@@ -1,6 +1,0 @@
-"""Stand-in of miles/backends/megatron_utils/multi_lora_scheduler.py (§3.6): per-slot schedulers."""
-
-from miles_lora_ckpt.sim.miles_standin.common.multi_lora import (  # noqa: F401 - the shape's names
-    drop_slot_scheduler,
-    install_slot_scheduler,
-)

@@ -1,5 +1,0 @@
-"""Stand-in of Miles, shape positional-args-pr (load_lora_adapter(model, args, adapter_path, ...)): NOT Miles.
-
-Written from miles-lora-ckpt's contract (§10.1: open PRs #2516/#2661 insert a positional `args`,
-#1792 deletes `_load_training_state`) for its test harness; see miles_lora_ckpt/sim/miles_standin.
-"""
