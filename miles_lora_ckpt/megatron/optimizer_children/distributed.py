@@ -880,11 +880,11 @@ class DistributedFamily:
         described = layout.described.get(index, [])
         mine = described[layout.view.rank] if layout.view is not None and described else None
         # the copies this rank's own DP group wrote first: at the saved layout it reads its own slices
-        own = None if mine is None or mine.get("dp_root") is None else layout.view.ranks[mine["dp_root"]]
+        own = None if mine is None or mine.held.dp_root is None else layout.view.ranks[mine.held.dp_root]
         own = None if own is None else own.model_parallel_key
         # into a child that never stepped on any rank the moments may be verified at open but not
         # kept, and read again at install (`files_to_read`'s reason)
-        never = bool(described) and all(d is None or d.get("never_stepped") for d in described)
+        never = bool(described) and all(d is None or d.never_stepped for d in described)
         defer = layout.defer_moments and never
         pieces = {
             key: saved_pieces(index, saved.layout, key, saved.layout["numel_unpadded"][key])
