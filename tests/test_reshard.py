@@ -99,7 +99,18 @@ CASES = {  # name: (saved layout, loaded layout)
     "qwen2 swiglu tp1 -> tp2 (bf16, fc1 recorded whole)": (qwen2(), qwen2(tp=2)),
     # a generation whose adapter files have no block index (written before 2026-12-02): read whole
     "tp1 -> tp2 (bf16, adapter files without a block index)": (cfg(), cfg(tp=2)),
+    # the saved layout through the global-layout plan (`THROUGH_PLAN`): DP 2 (slices), TP 2
+    # (lora_A's replicas in both TP ranks' files), Float16 children (whole parameters)
+    "dp2 -> dp2 (bf16, through the plan)": (cfg(), cfg()),
+    "tp2 -> tp2 (fp32, through the plan)": (cfg("fp32", tp=2), cfg("fp32", tp=2)),
+    "tp2 -> tp2 (bf16, Float16 children, through the plan)": (
+        cfg(tp=2, distributed=False),
+        cfg(tp=2, distributed=False),
+    ),
 }
+# a load at the saved layout, planned from the global layout as every format-v3 load is: bit-exact,
+# and reading exactly the files and ranges the reader of v1 and v2 generations reads there
+THROUGH_PLAN = {name for name in CASES if name.endswith("through the plan)")}
 # megatron 0.19's own layer-wise Muon (emerging-optimizers): the 0.19 tier only (0.16 cannot build it)
 TIER2_CASES = {
     "etp2 -> etp1 (bf16, layer-wise Muon)": (
@@ -240,6 +251,7 @@ def _cases(base: Path, cases: dict) -> list[dict]:
             "root": str(base / f"case{i}"),
             "steps": 2,
             "whole_gated_blocks": name in WHOLE_GATED,
+            "through_plan": name in THROUGH_PLAN,
             "unindexed_adapters": name in UNINDEXED_ADAPTERS,
         }
         for i, (name, (saved, loaded)) in enumerate(cases.items())
@@ -514,6 +526,29 @@ def counting_reads():
         partial_reads.read_ranges, partial_reads._BlockFile.block = real_read, real_block
 
 
+@contextmanager
+def through_the_plan():
+    """Record, for a load at the saved layout, whether the global-layout plan (`ReshardPlan`, which
+    plans it) reads exactly the files and ranges the reader of v1 and v2 generations would read
+    there (its own files). Yields `{"same_files": bool, "files": [that reader's, the plan's]}`."""
+    found: dict = {}
+    real = load_module.LoadRequest.files_for_rank
+
+    def files_for_rank(self, manifest):
+        new = real(self, manifest)
+        assert self.reshard is not None, "not planned from the global layout"
+        old = [*self._saved_layout_files(manifest), *(self.rng_files or [])]
+        listed = [sorted(map(repr, files)) for files in (old, new)]
+        found.update(same_files=listed[0] == listed[1], files=listed)
+        return new
+
+    load_module.LoadRequest.files_for_rank = files_for_rank
+    try:
+        yield found
+    finally:
+        load_module.LoadRequest.files_for_rank = real
+
+
 def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` whose dense adapter file has one element of its
     first tensor changed, resealed with its own stamp (every digest, stamp and binding agrees): only
@@ -625,7 +660,7 @@ def reshard_job(payload: dict, ctx) -> dict:
         if case.get("unindexed_adapters"):
             source = _unindexed_adapters(source, case["name"], consensus)
         after = build_run(config_from_dict(case["load"]))
-        with counting_reads() as counts:
+        with counting_reads() as counts, through_the_plan() if case.get("through_plan") else nullcontext({}) as plan:
             result = load(after, source, consensus)
         loaded_view = global_view(after, consensus)
         loaded_halves = gated_fc1_halves(after)
@@ -649,6 +684,7 @@ def reshard_job(payload: dict, ctx) -> dict:
             # the resharding load's reads on this rank: each file read (and each block verified) once
             "range_reads": dict(counts["range_reads"]),
             "max_block_checks": max(counts["block_checks"].values(), default=0),
+            "through_plan": plan,  # at the saved layout, through the plan: its files against the old path's
         }
         if payload.get("debug"):
             out[case["name"]]["debug"] = {
@@ -766,19 +802,50 @@ def test_reshard_is_bit_exact_at_the_load(request, name):
 def test_a_resharding_load_reads_each_file_once(resharded, resharded_w4):
     """Structural pin of the read-once load: on every rank, each optimizer slice file a resharding
     load reads in part is opened and verified in one pass (one `partial_reads.read_ranges` call: one
-    header parse), and no block is hashed twice; adapter files are read in part too, or whole where
-    they have no block index (the earlier code read and verified every planned
-    piece separately, at open and again at install: 1,572 range reads in the bench's W=2 load)."""
-    partial = 0
+    header parse), and no block is hashed twice. Adapter files are read in part too, or whole where
+    they have no block index or every tensor in them is wanted whole. (The earlier code read and
+    verified every planned piece separately, at open and again at install: 1,572 range reads in
+    the bench's W=2 load.)"""
+    partial = adapter_partial = 0
     for r, name in [(r, n) for r in resharded for n in CASES] + [(r, n) for r in resharded_w4 for n in CASES_W4]:
         case = r["cases"][name]
+        if name in THROUGH_PLAN:  # the same-layout path's reads (`test_the_saved_layout_through_the_plan`)
+            continue
         assert all(n == 1 for n in case["range_reads"].values()), (name, case["range_reads"])
         assert case["max_block_checks"] <= 1, (name, case["max_block_checks"])
         partial += len(case["range_reads"])
-        # adapter files: read in part (their block index), or whole where they have none
+        # adapter files: read in part (their block index), or whole where they have none or where
+        # this rank wants every tensor in them whole (always so with the same TP and expert-TP
+        # splits: each tensor then goes into its parameter as read, as at the saved layout)
         in_part = sorted(f for f in case["range_reads"] if f.startswith("adapter/"))
-        assert (in_part == []) == (name in UNINDEXED_ADAPTERS), (name, in_part)
+        if name in UNINDEXED_ADAPTERS or _same_splits(*ALL_CASES[name]):
+            assert in_part == [], (name, in_part)
+        adapter_partial += len(in_part)
     assert partial > 0  # the DistributedOptimizer cases did read in part
+    assert adapter_partial > 0  # and a TP or expert-TP change reads adapter files in part
+
+
+def _same_splits(saved: dict, loaded: dict) -> bool:
+    """Whether both layouts split every adapter weight alike: the same TP and expert-TP sizes
+    (expert TP unset: TP's, as `SimConfig.expert_tp`)."""
+
+    def splits(config: dict) -> tuple:
+        tp = config.get("tp", 1)
+        return tp, config.get("etp") or tp
+
+    return splits(saved) == splits(loaded)
+
+
+@pytest.mark.parametrize("name", sorted(THROUGH_PLAN))
+def test_the_saved_layout_through_the_plan_reads_what_the_same_layout_path_reads(resharded, name):
+    """A load at the saved layout, planned from the global layout (`ReshardPlan`), asks for exactly
+    the files and element ranges the reader of v1 and v2 generations asks for there, on every rank:
+    its own adapter files whole, its own slices (one range per slice, a never-stepped child's
+    moments deferred), its own copies of TP replicas. Bit-exactness is
+    `test_reshard_is_bit_exact_at_the_load`."""
+    for r in resharded:
+        plan = r["cases"][name]["through_plan"]
+        assert plan["same_files"], plan["files"]
 
 
 ETP = {  # name: ((saved TP, expert-TP), (loaded TP, expert-TP))

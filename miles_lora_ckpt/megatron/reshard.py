@@ -1,32 +1,29 @@
-"""A resharding load: a format-v3 generation restored at another TP, expert-TP, EP, PP, VPP or CP layout.
+"""A format-v3 load planned from the generation's global layout, at its layout or another.
 
-An EP change needs experts numbered globally (`param_blocks`: megatron's `local_expert_indices`).
+Another layout may differ in TP, expert TP, EP, PP, VPP or CP.
 
-`ReshardPlan.build` runs inside `files_for_rank` (no file read yet, nothing changed): from the
-manifest's `global_layout` (every saved parameter's `Block` per coordinate, the adapter files and
-who wrote them) and each DistributedOptimizer child's `layout.positions` (where each parameter
-lies in its bucket's world tensor), it works out, for this rank of the new layout,
+`ReshardPlan.build` runs before any file is read. From the manifest's `global_layout` (every saved
+parameter's `Block` per coordinate, the adapter files and who wrote them) it plans, for this rank:
 
-- every adapter weight: which saved files and which flat runs of which saved tensors make it
-  (`core.global_layout.plan_copies`); of each saved adapter tensor it needs, the rank reads one
-  range (from its first element needed to its last: `protocol.PartialRead`, only those blocks
-  read and verified), or the whole file where it has no block index (written before 2026-12-02);
-- every optimizer child's part on this rank, by its own family (`ChildFamily.plan_reshard`, given
-  a `family.ReshardContext`): a DistributedOptimizer child's shard elements from element ranges of
-  the saved slice files (`protocol.PartialRead`, `distributed.DistributedFamily.plan_reshard`), a
-  Float16 / FP32 or layer-wise child's parameters assembled whole from the saved blocks
-  (`replicated.WholeParameterFamily.plan_reshard`); the install is the same-layout one;
+- Every adapter weight: which runs of which saved tensors make it (`global_layout.plan_copies`).
+  A file whose every tensor is wanted whole is read whole. A weight that is one whole saved
+  tensor goes into its parameter as read, with no copy. Any other file is read in part: one
+  range per saved tensor (`protocol.PartialRead`), or the whole file without a block index.
+- Every optimizer child, by its own family (`ChildFamily.plan_reshard`). A DistributedOptimizer
+  shard comes from element ranges of the saved slice files. A Float16, FP32 or layer-wise child's
+  parameters are assembled whole from the saved blocks.
 
-and refuses (`IncompatibleCheckpoint`, naming the parameter and both values) what cannot map:
-another set of adapter parameters (target modules), another global shape (LoRA rank, model
-shape), another dtype, a parameter whose place in the global model megatron cannot describe,
-another optimizer or child family (the chain's own checks). A chosen-children or multi-LoRA slot
-load reshards its own adapter weights and children only (the whole model must still match); a
-slot load through `rename_slot` (a model view) is refused (its parameters have no global block).
+Saved copies in the files this rank's own coordinate wrote come first. A load at the saved layout
+then reads its own files only, as the same-layout path does.
 
-`preflight` then reads (this rank's files were verified by the protocol), assembles each adapter
-weight and each child's restore (`ChildFamily.restore_resharded`), and checks that the saved param groups and steps of every
-coordinate this rank draws from agree. Nothing is changed before the load's preflight agreement.
+What cannot map is refused with `IncompatibleCheckpoint`, naming the parameter and both values.
+That is other target modules, another global shape or dtype, or another optimizer or child family.
+So is a parameter megatron cannot place (an EP change needs globally numbered experts). A slot
+load through `rename_slot` (a model view) has no global blocks: it loads at the saved layout only,
+by the reader of each rank's own files (`savers.single_lora.load`).
+
+`preflight` then assembles each adapter weight and each child's restore
+(`ChildFamily.restore_resharded`). Nothing changes before the load's preflight agreement.
 """
 
 from __future__ import annotations
@@ -48,19 +45,22 @@ from miles_lora_ckpt.core.global_layout import (
     strided_view,
 )
 from miles_lora_ckpt.core.protocol import PartialRead
+from miles_lora_ckpt.megatron import adapter_shards as shards
 from miles_lora_ckpt.megatron.optimizer_children import chain, family_of
 from miles_lora_ckpt.megatron.optimizer_children.family import ReadContext, ReshardContext
 from miles_lora_ckpt.megatron.optimizer_children.masters import AdapterSource
 from miles_lora_ckpt.megatron.param_blocks import UNNUMBERED_EXPERT
+
+__all__ = ["ReshardPlan"]
 
 _ADAPTER_FILE = re.compile(r"^adapter/(dense|expert)_([a-z0-9_]+)\.safetensors$")
 
 
 @dataclass(frozen=True)
 class _Source:
-    """One saved copy of a global tensor: where it is (adapter file / optimizer coordinate) and its block."""
+    """One saved copy of a global tensor: where it is (an adapter file) and its block."""
 
-    where: str  # adapter file relpath, or the optimizer coordinate key
+    where: str  # the adapter file's relpath
     name: str  # its chunk-qualified name there
     block: Block
 
@@ -93,7 +93,11 @@ class ReshardPlan:
 
     @classmethod
     def build(cls, manifest, request, saved_children: dict, restore_optimizer: bool) -> ReshardPlan:
-        """Plan this rank's reads, or raise IncompatibleCheckpoint naming what cannot map."""
+        """This rank's plan for `manifest` (a format-v3 generation). `request` is the load's
+        `LoadRequest` (every rank's plans, the model, the selection); `saved_children` the
+        manifest's child records ({} when no optimizer state is restored). Returns the plan; nothing
+        is read. Raises IncompatibleCheckpoint naming what cannot map (a v1 or v2 generation
+        too), GenerationDamaged where the saved layout breaks its rules (`layout_rules`)."""
         current = _topology(request)
         changes = ", ".join(manifest.topology.model_parallel_differences(current))
         layout = manifest.metadata.get("global_layout")
@@ -107,12 +111,14 @@ class ReshardPlan:
         # the layout's structural rules, as `verify` checks them (`layout_rules`: blocks tiling their
         # global tensors, adapter files' coordinates their bindings', positions inside their buckets)
         saved = _gate_up_axis(layout_rules.saved_blocks(manifest), running)
-        _check_same_model(saved, running, changes)
+        _check_same_model(
+            saved, running, f"cannot reshard ({changes})" if changes else "cannot load at the saved layout"
+        )
         plan = cls()
         mine = running[request.rank]
         plan._plan_adapter(layout, saved, request, mine, manifest)
         if restore_optimizer:
-            plan._plan_optimizer(saved, request, saved_children, manifest, mine)
+            plan._plan_optimizer(saved, request, saved_children, manifest, mine, same_layout=not changes)
         return plan
 
     def _whole_plan(self, block: Block, saved: list[Block]) -> list:
@@ -125,14 +131,23 @@ class ReshardPlan:
 
     def _plan_adapter(self, layout: dict, saved: dict, request, mine: dict, manifest) -> None:
         sources: dict[str, list[_Source]] = {}
+        numels: dict[str, dict[str, int]] = {}  # file -> saved tensor -> its element count
         for file, entry in sorted(layout.get("adapter_files", {}).items()):
             for name in entry["names"]:
                 block = saved[entry["coordinate"]][name]
                 sources.setdefault(block.name, []).append(_Source(file, name, block))
+                numels.setdefault(file, {})[name] = block.numel
+        # this rank's own files first (those a same-layout load reads): a replica is then read from
+        # there, so a load at the saved layout reads its own files only
+        own = {shards.dense_file(request.coords), shards.expert_file(request.coords)}
         spans: dict[str, dict[str, list[int]]] = {}  # file -> saved tensor -> [first, stop) this rank reads
         for name in sorted(request.adapter_params()):
             block = _block_of(mine, name)
-            found = sources.get(block.name, [])
+            found = sorted(sources.get(block.name, []), key=lambda s: s.where not in own)
+            if not found:  # the model has it, no saved adapter file does (a slot saved with a narrower filter)
+                raise IncompatibleCheckpoint(
+                    f"adapter names differ: missing {name}: no saved adapter file holds {block.name}"
+                )
             found = [found[i] for i in distinct([s.block for s in found])]
             try:
                 copies = self._whole_plan(block, [s.block for s in found])
@@ -146,47 +161,35 @@ class ReshardPlan:
         for file, named in sorted(spans.items()):
             self.adapter_spans.update({(file, name): tuple(span) for name, span in named.items()})
             record = manifest.files.get(file)
-            if getattr(record, "blocks", None) is None:  # written before adapter files had a block index
+            whole = all(named.get(n) == [0, numel] for n, numel in numels[file].items())
+            if whole:  # every tensor of the file wanted whole: one read, as at the saved layout
+                self.files.append(file)
+            elif getattr(record, "blocks", None) is None:  # written before adapter files had a block index
                 self.files.append(file)
             else:  # one range per saved tensor: its elements this rank needs, and those between
                 self.files.append(PartialRead(file, tuple((n, *span) for n, span in sorted(named.items()))))
 
     def adapter_tensors(self, opened, params: dict, check_binding) -> list[tuple[dict, dict]]:
-        """`[(params, {name: assembled local tensor})]` for `copy_into`: each adapter weight assembled
-        from the ranges of the saved tensors that hold its elements (verified at open: the blocks
-        holding them, or the whole file where it has no block index)."""
+        """`[(params, {name: local tensor})]` for `UndoRecord.write_params`. A weight that is one
+        whole saved tensor is that tensor as read, with no copy. Any other is assembled from the
+        ranges of the saved tensors that hold its elements. Everything was verified at open (the
+        blocks read, or the whole file). Raises ValueError naming the file where a saved tensor's
+        dtype or size is not the manifest's."""
         read: dict[str, tuple] = {}  # file -> (its verified ranges, its tensors' dtypes and sizes)
         out = {}
         for name, planned in self.adapter.items():
-            block, param = planned.block, params[name]
-            local = torch.empty(block.numel, dtype=param.dtype)
+            block, param, copies = planned.block, params[name], planned.copies
             by_source: dict[_Source, list] = {}
-            for run in planned.copies:
+            for run in copies:
                 by_source.setdefault(run.source, []).append((run.copy.first, run.copy.into, run.copy.count))
+            whole = len(copies) == 1 and (copies[0].copy.first, copies[0].copy.into) == (0, 0)
+            whole = whole and copies[0].copy.count == block.numel == copies[0].source.block.numel
+            local = None if whole else torch.empty(block.numel, dtype=param.dtype)
             for source, runs in by_source.items():
-                if source.where not in read:
-                    kind, key = _ADAPTER_FILE.match(source.where).groups()
-                    check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
-                    read[source.where] = (
-                        opened.tensor_ranges(source.where),
-                        _saved_adapter_tensors(opened, source.where),
-                    )
-                ranges, described = read[source.where]
-                lo, hi = self.adapter_spans[(source.where, source.name)]
-                try:
-                    span = ranges.get((source.name, lo, hi))
-                except ValueError as exc:
-                    raise ValueError(f"{source.where}: {exc}") from None
-                dtype, numel, shape = described.get(source.name, (None, None, None))
-                saved = (
-                    None if dtype is None or (shape is not None and not source.block.holds(shape)) else (dtype, numel)
-                )
-                if saved != (param.dtype, source.block.numel) or span is None or span.numel() != hi - lo:
-                    got = "nothing of that shape" if saved is None else f"{saved[0]}[{saved[1]} elements]"
-                    raise ValueError(
-                        f"{source.where}: {source.name} is {got}, the manifest says "
-                        f"{param.dtype}{list(source.block.shape)}"
-                    )
+                span, lo, hi = self._saved_span(opened, source, param, check_binding, read)
+                if local is None:  # the saved tensor itself goes into the parameter
+                    local = span
+                    break
                 # one strided copy per group of like runs (a row-parallel split: one per tensor), not per row
                 for g in strided_runs([(first - lo, into, count) for first, into, count in runs]):
                     into = strided_view(local, block.numel, g.into, g.into_step, g.width, g.n)
@@ -195,10 +198,32 @@ class ReshardPlan:
             out[name] = local.view(param.shape)
         return [(params, out)] if out else []
 
+    def _saved_span(self, opened, source: _Source, param, check_binding, read: dict) -> tuple:
+        """`(tensor, first, stop)`: the verified range of saved tensor `source` this rank reads
+        (binding checked once per file). Raises ValueError where the tensor is not the manifest's."""
+        if source.where not in read:
+            kind, key = _ADAPTER_FILE.match(source.where).groups()
+            check_binding(opened, source.where, {"role": f"{kind}-adapter", "coordinate": key})
+            read[source.where] = (opened.tensor_ranges(source.where), _saved_adapter_tensors(opened, source.where))
+        ranges, described = read[source.where]
+        lo, hi = self.adapter_spans[(source.where, source.name)]
+        try:
+            span = ranges.get((source.name, lo, hi))
+        except ValueError as exc:
+            raise ValueError(f"{source.where}: {exc}") from None
+        dtype, numel, shape = described.get(source.name, (None, None, None))
+        saved = None if dtype is None or (shape is not None and not source.block.holds(shape)) else (dtype, numel)
+        if saved != (param.dtype, source.block.numel) or span is None or span.numel() != hi - lo:
+            got = "nothing of that shape" if saved is None else f"{saved[0]}[{saved[1]} elements]"
+            raise ValueError(
+                f"{source.where}: {source.name} is {got}, the manifest says {param.dtype}{list(source.block.shape)}"
+            )
+        return span, lo, hi
+
     def adapter_sources(self, assembled: list[tuple[dict, dict]]) -> dict[int, AdapterSource]:
-        """`{id(model parameter): AdapterSource}` of every assembled adapter weight (`adapter_tensors`'
-        result), naming the saved adapter files it was assembled from: every master this load
-        restores must be its cast (`masters.check_master`), as on a same-layout load."""
+        """`{id(model parameter): AdapterSource}` of every adapter weight in `assembled`
+        (`adapter_tensors`' result), naming the saved files it came from. Every master this load
+        restores must be its cast (`masters.check_master`)."""
         out = {}
         for params, tensors in assembled:
             for name, tensor in tensors.items():
@@ -208,12 +233,23 @@ class ReshardPlan:
 
     # ----------------------------------------------------------------------- optimizer
 
-    def _plan_optimizer(self, saved: dict, request, saved_children: dict, manifest, mine: dict) -> None:
+    def _plan_optimizer(
+        self, saved: dict, request, saved_children: dict, manifest, mine: dict, same_layout: bool
+    ) -> None:
         """Each stepped child's plan, by its own family (`ChildFamily.plan_reshard`); the chain's
         checks first (another class, optimizer or family refused)."""
         descriptions = request.descriptions()
         chain.check_against(saved_children, descriptions, request.rank, False)
-        layout = ReshardContext(manifest, saved, request.view.names, self._whole_plan, lambda n: _block_of(mine, n))
+        layout = ReshardContext(
+            manifest,
+            saved,
+            request.view.names,
+            self._whole_plan,
+            lambda n: _block_of(mine, n),
+            request.view,
+            chain.by_index(descriptions),
+            defer_moments=same_layout,
+        )
         partial: list[PartialRead] = []
         for desc in descriptions[request.rank]:
             index, entry = desc.index, chain.saved_record(saved_children, desc.index)
@@ -229,15 +265,13 @@ class ReshardPlan:
     def restores(
         self, optimizer, bound_ranges, bound_tensors, states: dict, hyperparameters=None, adapter=None
     ) -> dict:
-        """`{index: the family's restore}` for `chain.allocate` / `chain.install`, each child's by its
-        family (`ChildFamily.restore_resharded`): a DistributedOptimizer child's ranges were verified
-        at open (kept; installed from there); a whole-parameter child's files are read here.
-        `hyperparameters` (a `core.hyperparameters.Reconciler`) checks every child's saved param
-        groups against the live ones, as a same-layout load does: unknown keys refused, differences
-        reported and settled by its policy. `adapter(model parameter)` is the assembled adapter
-        weight restored into it (`adapter_sources`): every master restored must be its cast
-        (`masters.check_master`, naming the parameter, the adapter files and the optimizer file), as
-        on a same-layout load; None: not checked."""
+        """`{index: the family's restore}` for `chain.allocate` and `chain.install`, each child's
+        by its family (`ChildFamily.restore_resharded`). `bound_ranges` and `bound_tensors` read
+        this rank's verified files, binding checked; `states` is the training state's per-child JSON.
+        `hyperparameters` (a `core.hyperparameters.Reconciler`) settles the saved param groups
+        against the live ones. `adapter(model parameter)` gives the adapter weight restored into it
+        (`adapter_sources`); every master must be its cast (None: not checked). Raises
+        IncompatibleCheckpoint or ValueError as the families do; mutates nothing."""
         out = {}
         for index, plan in self.children.items():
             child = chain.select(optimizer, [index])[0]
@@ -247,9 +281,9 @@ class ReshardPlan:
 
 
 def _saved_adapter_tensors(opened, relpath: str) -> dict[str, tuple[torch.dtype, int, tuple | None]]:
-    """`{name: (dtype, element count, shape or None)}` of the tensors of one saved adapter file, once
-    per file: from its block index where it has one (a file read in part: the header agreed with
-    the index when read; no shape), otherwise from the tensors of the file read whole."""
+    """`{name: (dtype, element count, shape or None)}` of the tensors of one saved adapter file.
+    They come from its block index where it has one (no shape; the header agreed with the index
+    when read), otherwise from the tensors of the file read whole."""
     record = opened.manifest.files[relpath]
     if record.blocks is not None:
         out = {}
@@ -305,7 +339,7 @@ def _block_of(described: dict, name: str) -> Block:
     return block
 
 
-def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
+def _check_same_model(saved: dict, running: list[dict], refused: str) -> None:
     """Every trainable parameter of this run and of the checkpoint, by global name: the same set,
     global shapes and dtypes. Raises IncompatibleCheckpoint naming the first difference."""
     theirs: dict[str, Block] = {}
@@ -313,7 +347,7 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
         for name, block in blocks.items():
             if block is None:
                 raise IncompatibleCheckpoint(
-                    f"cannot reshard ({changes}): the checkpoint does not say where {name} (at {key}) lies in the global model"
+                    f"{refused}: the checkpoint does not say where {name} (at {key}) lies in the global model"
                 )
             theirs.setdefault(block.name, block)
     ours: dict[str, Block] = {}
@@ -327,7 +361,7 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
     unnumbered = sorted(n for n in (*extra, *missing) if UNNUMBERED_EXPERT in n and base(n) in moved)
     if unnumbered:
         raise IncompatibleCheckpoint(
-            f"cannot reshard ({changes}): expert parameter {unnumbered[0]} has no global expert number "
+            f"{refused}: expert parameter {unnumbered[0]} has no global expert number "
             "(one expert per EP rank, no local_expert_indices): experts cannot move across EP ranks"
         )
     if extra or missing:
@@ -335,7 +369,7 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
         where = "this run has" if extra else "the checkpoint has"
         other = "the checkpoint does not" if extra else "this run does not"
         raise IncompatibleCheckpoint(
-            f"cannot reshard ({changes}): {where} trainable parameter {first}, {other} "
+            f"{refused}: {where} trainable parameter {first}, {other} "
             f"({len(extra)} only in this run, {len(missing)} only in the checkpoint: other target modules?)"
         )
     for name in sorted(ours):
@@ -350,10 +384,8 @@ def _check_same_model(saved: dict, running: list[dict], changes: str) -> None:
                 else "another LoRA rank or model shape?"
             )
             raise IncompatibleCheckpoint(
-                f"cannot reshard ({changes}): {name} has global shape {list(a.global_shape)} in the checkpoint, "
+                f"{refused}: {name} has global shape {list(a.global_shape)} in the checkpoint, "
                 f"{list(b.global_shape)} in this run ({why})"
             )
         if a.dtype != b.dtype:
-            raise IncompatibleCheckpoint(
-                f"cannot reshard ({changes}): {name} is {a.dtype} in the checkpoint, {b.dtype} in this run"
-            )
+            raise IncompatibleCheckpoint(f"{refused}: {name} is {a.dtype} in the checkpoint, {b.dtype} in this run")

@@ -651,6 +651,7 @@ class Resharded:
     coordinates: tuple[str, ...]  # the saved coordinates it draws from (their JSON states must agree)
     buckets: tuple[tuple[BucketPart, ...], ...]  # per bucket of this rank, its parts (`_row_parts`)
     files: tuple[PartialRead, ...]  # the element ranges of the saved slice files it reads
+    never_stepped: bool = False  # the child never stepped on any rank (`_Restore.never_stepped`)
 
 
 def _optimizer_sources(index: int, layout: dict, saved: dict, manifest) -> dict[str, list[_SavedPosition]]:
@@ -695,6 +696,27 @@ def _row_parts(piece: Piece, runs: list, manifest) -> list[BucketPart]:
                 for i in range(g.n)
             ]
     return out
+
+
+def _coalesced(parts: list[BucketPart]) -> list[BucketPart]:
+    """One bucket's parts (`_row_parts`) with every run of lone parts that follow each other in one
+    piece and in the shard merged into one part. At the saved layout a bucket's parameters lie
+    back to back in its slices, so the read is one range per slice, as a same-layout load's."""
+    lone = sorted((p for p in parts if p.rows is None), key=lambda p: (p.piece.file, p.piece.prefix, p.first))
+    out = [p for p in parts if p.rows is not None]
+    merged: list[BucketPart] = []
+    for part in lone:
+        if merged:
+            last = merged[-1]
+            if (
+                last.piece is part.piece
+                and last.stop == part.first
+                and last.offset + (last.stop - last.first) == part.offset
+            ):
+                merged[-1] = last._replace(stop=part.stop)
+                continue
+        merged.append(part)
+    return merged + out
 
 
 def _part_spans(part: BucketPart) -> list[tuple[int, int]]:
@@ -844,6 +866,10 @@ class DistributedFamily:
         never_stepped = all(d is None or d.never_stepped for d in described)
         return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
+    def plannable(self, saved: SavedChild) -> bool:
+        """Every parameter's place in its bucket (`positions`, format v3) is what a plan reads by."""
+        return isinstance(saved.layout.get("positions"), dict)
+
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Resharded:
         """Every parameter element of this rank's shards at another layout: which element ranges of
         which saved slice files hold its master and moments (`protocol.PartialRead`: only those
@@ -851,6 +877,15 @@ class DistributedFamily:
         index, opt = child.index, child.optimizer
         sources = _optimizer_sources(index, saved.layout, layout.saved, layout.manifest)
         keys = saved.keys
+        described = layout.described.get(index, [])
+        mine = described[layout.view.rank] if layout.view is not None and described else None
+        # the copies this rank's own DP group wrote first: at the saved layout it reads its own slices
+        own = None if mine is None or mine.held.dp_root is None else layout.view.ranks[mine.held.dp_root]
+        own = None if own is None else own.model_parallel_key
+        # into a child that never stepped on any rank the moments may be verified at open but not
+        # kept, and read again at install (`files_to_read`'s reason)
+        never = bool(described) and all(d is None or d.never_stepped for d in described)
+        defer = layout.defer_moments and never
         pieces = {
             key: saved_pieces(index, saved.layout, key, saved.layout["numel_unpadded"][key])
             for key in sorted({s.where for found in sources.values() for s in found})
@@ -866,7 +901,7 @@ class DistributedFamily:
             for model_param, ranges in _param_maps(opt, bucket).items():
                 name = layout.names[id(model_param)]
                 block = layout.block_of(name)
-                found = sources.get(block.name, [])
+                found = sorted(sources.get(block.name, []), key=lambda s: s.where != own)
                 found = [found[i] for i in distinct([s.block for s in found])]
                 first, stop = ranges["param"].start, ranges["param"].end
                 try:
@@ -886,12 +921,15 @@ class DistributedFamily:
                         if piece.buf == f"buf{buf}" and b > a:
                             runs.setdefault(id(piece), (piece, []))[1].append((a - piece.begin, into + (a - lo), b - a))
                 for piece, found_runs in runs.values():
-                    for part in _row_parts(piece, found_runs, layout.manifest):
-                        parts.append(part)
-                        requests.setdefault(piece.file, set()).update(
-                            range_key(piece, k, part.first, part.stop, part.rows) for k in (MASTER_KEY, *keys)
-                        )
+                    parts += _row_parts(piece, found_runs, layout.manifest)
                 targets.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end))
+            parts = _coalesced(parts)
+            for part in parts:
+                for k in (MASTER_KEY, *keys):
+                    keep = k == MASTER_KEY or not defer
+                    requests.setdefault((part.piece.file, keep), set()).add(
+                        range_key(part.piece, k, part.first, part.stop, part.rows)
+                    )
             # every element of this rank's shard of the bucket filled exactly once, as a same-layout
             # load checks its shard (`preflight`): no master or moment left as it was allocated
             problem = fill_problem(targets, [span for part in parts for span in _part_spans(part)])
@@ -903,8 +941,10 @@ class DistributedFamily:
                     f"rank's shard: {problem}: the saved positions and blocks do not give it",
                 )
             buckets.append(tuple(parts))
-        files = tuple(PartialRead(f, tuple(sorted(r))) for f, r in sorted(requests.items()))
-        return Resharded(keys, tuple(sorted(used)), tuple(buckets), files)
+        files = tuple(PartialRead(f, tuple(sorted(r)), keep) for (f, keep), r in sorted(requests.items()))
+        if not used and own is not None:  # no parameter in this rank's shard: its own group's state
+            used.add(own)
+        return Resharded(keys, tuple(sorted(used)), tuple(buckets), files, never)
 
     def restore_resharded(self, child: Child, plan: Resharded, read: ReadContext) -> _Restore:
         """The verified ranges of the plan (kept at open; `install` installs from them), the masters
@@ -936,7 +976,7 @@ class DistributedFamily:
         groups = state.get("optimizer", {}).get("param_groups", [])
         if read.hyperparameters is not None:
             read.hyperparameters.param_groups(f"optimizer child {index}", groups, opt.optimizer.param_groups)
-        return _Restore(plan.keys, state, buckets, groups)
+        return _Restore(plan.keys, state, buckets, groups, never_stepped=plan.never_stepped)
 
     def allocate(self, child: Child, restore: _Restore) -> None:
         opt = child.optimizer

@@ -12,7 +12,7 @@ which refuses a file bound to anything else (a file of another child or coordina
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -212,6 +212,15 @@ class ReshardContext:
     # this run's parameter name -> its block on this rank; raises IncompatibleCheckpoint where
     # megatron's layout does not say where it lies in the global model
     block_of: Callable[[str], Any]
+    # this rank and every rank's coordinates, this run (a family prefers the saved copies its own
+    # coordinate wrote: at the saved layout it then reads its own files only); None: no preference
+    view: RankView | None = None
+    # child index -> every rank's description of it (`chain.by_index`: None where a stub)
+    described: dict = field(default_factory=dict)
+    # at the saved layout: a child that never stepped on any rank has its moments verified at open
+    # but not kept, and read again at install (the same-layout load's memory bound); elsewhere
+    # every range is read once and kept
+    defer_moments: bool = False
 
 
 def saved_state_at(index: int, coordinates, states: dict):
@@ -271,6 +280,11 @@ class ChildFamily(Protocol):
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
+
+    def plannable(self, saved: SavedChild) -> bool:
+        """Whether `plan_reshard` can plan `saved` (the checkpoint's record of a child of this
+        family, saved with state). A record written before the family recorded what that needs
+        loads at its saved layout only."""
 
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Any:
         """A resharding load's plan for this rank's part of `child` (`saved`: the checkpoint's record

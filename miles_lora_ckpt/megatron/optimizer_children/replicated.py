@@ -338,6 +338,10 @@ class WholeParameterFamily:
 
     # ------------------------------------------------------------------- resharding load
 
+    def plannable(self, saved: SavedChild) -> bool:
+        """Always: every entry names its file and group, which is what a plan reads by."""
+        return True
+
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> WholeReshard:
         """This rank's parameters at another layout, each assembled like an adapter weight from the
         saved blocks of its global tensor (`core.global_layout.plan_copies`); the files drawn from
@@ -360,10 +364,12 @@ class WholeParameterFamily:
             )
         writers: dict[str, str] = {}
         params, used = [], set()
+        # the copies this rank's own coordinate wrote first: at the saved layout it reads its own files
+        mine = None if layout.view is None else layout.view.coords.model_parallel_key
         for group, model_param, main, _ in param_states(child.optimizer):
             name = layout.names[id(model_param)]
             block = layout.block_of(name)
-            found = sources.get(block.name, [])
+            found = sorted(sources.get(block.name, []), key=lambda s: s.coordinate != mine)
             found = [found[i] for i in distinct([s.block for s in found])]
             try:
                 copies = plan_copies(block, 0, block.numel, [s.block for s in found])
@@ -381,6 +387,8 @@ class WholeParameterFamily:
                 writers[source.file] = entries["files"][source.file]
                 used.add(source.coordinate)
             params.append((group, name, main, tuple(pieces), model_param))
+        if not used and mine is not None:  # no parameter here (a layer-wise child): its own coordinate's state
+            used.add(mine)
         return WholeReshard(saved.keys, writers, tuple(params), tuple(sorted(used)))
 
     def restore_resharded(self, child: Child, plan: WholeReshard, read: ReadContext) -> _Restore:
@@ -405,6 +413,10 @@ class WholeParameterFamily:
         for group, name, main, pieces, model_param in plan.params:
             keys = None
             assembled: dict[str, torch.Tensor] = {}
+            # one saved block that is the whole parameter (the saved layout): its tensors as read,
+            # no copy, as the same-layout preflight takes them
+            whole = len(pieces) == 1 and (pieces[0][1].first, pieces[0][1].into) == (0, 0)
+            whole = whole and pieces[0][1].count == main.numel()
             for source, copy in pieces:
                 found = files[source.file].get(source.name, {})
                 if keys is None:
@@ -422,6 +434,9 @@ class WholeParameterFamily:
                         raise ValueError(
                             f"{source.file}: {source.name}.{key} is {list(tensor.shape)}, not {list(source.block.shape)}"
                         )
+                    if whole and tensor.numel() == main.numel():
+                        assembled[key] = tensor.reshape(-1)
+                        continue
                     target = assembled.setdefault(key, torch.empty(main.numel(), dtype=tensor.dtype))
                     target[copy.into : copy.into + copy.count] = tensor.reshape(-1)[
                         copy.first : copy.first + copy.count

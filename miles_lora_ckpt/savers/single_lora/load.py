@@ -1,14 +1,19 @@
 """Single-LoRA resume: verify, preflight, then restore adapter, masters, moments and scheduler.
 
-Collective; reads as phases::
+Collective. It reads as phases:
 
     classify path -> agree -> plan -> agree -> protocol.open_generation (verify, agree)
     -> preflight -> agree -> apply adapter, allocate optimizer state -> agree
     -> install and check (each rank its own ranges, bucket by bucket) -> agree
     -> scheduler, master refresh, RNG states -> agree
 
-Nothing changes before the preflight agreement; if any later phase fails on any rank, every rank
-rolls its model, optimizer and scheduler back to the bytes they held before the load (megatron.undo),
+A format-v3 generation is read by its global layout (`megatron.reshard.ReshardPlan`), at the saved
+layout or another. At the saved layout every saved block is wanted whole, so the reads are this
+rank's own files, as before. A v1 or v2 generation is read at its saved layout only, from this
+rank's own files (`LoadRequest._saved_layout_files`, `_preflight_adapter`).
+
+Nothing changes before the preflight agreement. If a later phase fails on any rank, every rank
+rolls its model, optimizer and scheduler back to their bytes before the load (`megatron.undo`),
 and its RNG states to those it held (they change in the last phase only).
 """
 
@@ -75,13 +80,17 @@ from miles_lora_ckpt.savers.single_lora.common import (
 from miles_lora_ckpt.savers.single_lora.legacy_miles import warm_start_legacy
 from miles_lora_ckpt.savers.single_lora.native_warm import warm_start_native
 
+__all__ = ["PathKind", "load_adapter_generation", "load_lora_adapter", "load_lora_checkpoint"]
+
 log = logging.getLogger(__name__)
+
+_ADAPTER_DIR = "adapter/"  # where a generation's adapter files lie (`adapter_shards.dense_file`)
 
 
 def load_lora_adapter(model, adapter_path, *, optimizer=None, opt_param_scheduler=None) -> tuple[bool, int | None]:
     """Miles' signature. Collective. Restores `adapter_path` into `model` (and, given, `optimizer`
-    and `opt_param_scheduler`) as `load_lora_checkpoint` with its defaults; returns `(loaded,
-    iteration)` (`(False, None)` when nothing was there). Raises as `load_lora_checkpoint`."""
+    and `opt_param_scheduler`) as `load_lora_checkpoint` does with its defaults. Returns `(loaded,
+    iteration)`: `(False, None)` when nothing was there. Raises as `load_lora_checkpoint`."""
     result = load_lora_checkpoint(model, adapter_path, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler)
     return result.loaded, result.iteration
 
@@ -101,39 +110,46 @@ def load_lora_checkpoint(
     load_rng: bool = True,
 ) -> LoadResult:
     """Collective. Restore the newest intact generation under `path` (or `path` itself) into
-    `model`, `optimizer` and `opt_param_scheduler`; returns a `LoadResult` (what was restored, from
-    what: `LoadResult.source`). The keywords after `consensus` are the options
-    (`savers.options.LoadOptions`); an unknown `hyperparameters` policy raises ValueError before
+    `model`, `optimizer` and `opt_param_scheduler`. Returns a `LoadResult`: what was restored, and
+    from what (`LoadResult.source`). The keywords after `consensus` are the options
+    (`savers.options.LoadOptions`). An unknown `hyperparameters` policy raises ValueError before
     anything collective.
 
-    - A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly; the
-      DP size may differ from the save; a format-v3 generation also reshards to another TP,
-      expert TP, PP, VPP or (experts numbered globally) EP (`megatron.reshard`); CP, the optimizer
-      child layout, each child's class and its optimizer may not change.
-    - `optimizer_children` restores only those children (leaf indices, e.g. one slot's
-      `miles_slot_child_indices`) and the adapter weights they step; every other child's masters,
-      moments and param groups stay bit-identical and nothing is refreshed from bf16. Pass the
-      scheduler that drives only those children, or None.
-    - `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter
-      only, refresh the masters from it and reposition the scheduler from the iteration.
-    - A stock Miles adapter directory warm-starts the adapter weights only, with a warning: one of
-      per-rank `.pt` files (`legacy_miles`), or a native `torch_dist` checkpoint, resharded to this
-      run's TP/PP/EP (`native_warm`; its metadata read by the plugin's data-only reader).
-    - A missing path, or a save root with no committed generation yet, loads nothing.
-    - Every restored param group and the scheduler's fields are compared with the optimizer and
-      scheduler this launch built (`core.hyperparameters`): a saved key the live optimizer lacks is
-      refused; each difference is reported (`LoadResult.hyperparameter_differences`, a warning on
-      rank 0) and settled by `hyperparameters` (`HyperparameterPolicy` or its string): "checkpoint"
-      restores the checkpoint's values, "launch" keeps the launch's, "refuse" refuses the load;
-      "megatron" or None (default) does what megatron does (param groups from the checkpoint, the
-      scheduler's own flags for its fields).
-    - Every restored fp32 master must be the one the saved adapter was cast from
-      (`optimizer_children.masters`): a generation assembled from two training states is refused.
-    - Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are restored from its
-      own files when the layout (world, TP, PP, EP, expert TP, DP, CP, VPP) is the saved one, as the
-      load's last step. At another layout they stay as megatron seeded them (rank 0 logs one line
-      saying so); a generation without RNG state loads with a warning naming it. Not with
-      `load_rng=False` (Miles' `--no-load-rng`) or `weights_only=True`.
+    A generation restores adapter, fp32 masters, every moment, steps and scheduler exactly. The DP
+    size may differ from the save. A format-v3 generation also reshards to another TP, expert TP,
+    PP, VPP, CP or (experts numbered globally) EP (`megatron.reshard`). The optimizer child layout,
+    each child's class and its optimizer may not change.
+
+    `optimizer_children` restores only those children (leaf indices, e.g. one slot's
+    `miles_slot_child_indices`) and the adapter weights they step. Every other child's masters,
+    moments and param groups stay bit-identical, and nothing is refreshed from bf16. Pass the
+    scheduler that drives only those children, or None.
+
+    `load_optim=False` (Miles' `--no-load-optim`) or `weights_only=True` restore the adapter only.
+    The masters are then refreshed from it and the scheduler repositioned from the iteration.
+
+    A stock Miles adapter directory warm-starts the adapter weights only, with a warning. It holds
+    per-rank `.pt` files (`legacy_miles`) or a native `torch_dist` checkpoint. The latter is
+    resharded to this run's TP/PP/EP (`native_warm`), its metadata read by the plugin's own reader.
+    A missing path, or a save root with no committed generation yet, loads nothing.
+
+    Every restored param group and the scheduler's fields are compared with the ones this launch
+    built (`core.hyperparameters`). A saved key the live optimizer lacks is refused. Each difference
+    is reported (`LoadResult.hyperparameter_differences`, a warning on rank 0) and settled by
+    `hyperparameters` (`HyperparameterPolicy` or its string). With "checkpoint" the checkpoint's
+    values are restored, with "launch" the launch's kept, and "refuse" refuses the load. With
+    "megatron" or None (the default) it does what megatron does: param groups from the checkpoint,
+    the scheduler's own flags for its fields.
+
+    Every restored fp32 master must be the one the saved adapter was cast from
+    (`optimizer_children.masters`): a generation assembled from two training states is refused.
+
+    Every rank's RNG states (Python, numpy, torch, CUDA, megatron's tracker) are restored from its
+    own files as the load's last step, when the layout (world, TP, PP, EP, expert TP, DP, CP, VPP)
+    is the saved one. At another layout they stay as megatron seeded them (rank 0 logs one line
+    saying so). A generation without RNG state loads with a warning naming it. Not with
+    `load_rng=False` (Miles' `--no-load-rng`) or `weights_only=True`.
+
     Any problem raises the same CheckpointError on every rank before model or optimizer change.
     """
     options = LoadOptions(
@@ -160,10 +176,10 @@ def load_adapter_generation(
     spec: SaverSpec = SINGLE_LORA,
 ) -> LoadResult:
     """Collective. `load_lora_checkpoint` with its options as one value, for the Miles integration
-    and other savers' generations (`spec`: the saver name accepted, the adapter filter, more
-    manifest checks, whether a stock Miles directory may be warm-started; see `SaverSpec`).
-    Only a single-LoRA generation holds RNG states (they are the process's, not a slot's).
-    Returns the `LoadResult`; raises the same CheckpointError on every rank."""
+    and other savers' generations. `spec` (`SaverSpec`) names the saver accepted, the adapter
+    filter, more manifest checks, and whether a stock Miles directory may be warm-started. Only a
+    single-LoRA generation holds RNG states: they are the process's, not a slot's. Returns the
+    `LoadResult`. Raises the same CheckpointError on every rank."""
     consensus = consensus or Consensus.default()
     result = _load(consensus, model, path, optimizer, opt_param_scheduler, options, spec)
     for warning in result.warnings:  # every load warning reaches the log (the result has them too)
@@ -290,6 +306,9 @@ class LoadPlan:
 
 @dataclass
 class LoadRequest:
+    """One rank's load: what it restores into, every rank's plan (`describe_rank`), the options;
+    `files_for_rank` and `preflight` run the phases that read."""
+
     model: Any
     optimizer: Any
     scheduler: Any
@@ -346,6 +365,11 @@ class LoadRequest:
         return params if names is None else {n: p for n, p in params.items() if n in names}
 
     def files_for_rank(self, manifest: Manifest) -> list[str]:
+        """The files this rank reads of `manifest`'s generation, after every check that needs no
+        read; `reshard` is set where the global layout plans the load. A format-v3 generation is
+        planned from its global layout, at the saved layout too (each saved block then wanted
+        whole). A v1 or v2 generation, or one with a parameter megatron cannot place, loads at
+        its saved layout only (`_saved_layout_files`). Raises IncompatibleCheckpoint."""
         if manifest.saver != self.spec.saver:
             raise IncompatibleCheckpoint(
                 f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.spec.saver!r}"
@@ -353,12 +377,21 @@ class LoadRequest:
         if self.spec.check_manifest is not None:
             self.spec.check_manifest(manifest)
         rng = self._rng_files(manifest)
-        if manifest.topology.model_parallel_differences(self.plans[self.rank].topology):
-            # another TP / PP / VPP: read by global layout (format v3), or refused naming what cannot map
-            self.reshard = ReshardPlan.build(
-                manifest, self, self._saved_children_or_none(manifest), self._optimizer_in(manifest)
-            )
-            return [TRAINING_STATE, *self.reshard.files, *rng]
+        if not manifest.topology.model_parallel_differences(self.plans[self.rank].topology):
+            files = self._saved_layout_files(manifest)
+            if not self._planned(manifest):
+                return files + rng
+        # format v3: read by the global layout (at another TP / PP / VPP: resharded), or refused
+        # naming what cannot map (a v1 or v2 generation at another layout too)
+        self.reshard = ReshardPlan.build(
+            manifest, self, self._saved_children_or_none(manifest), self._optimizer_in(manifest)
+        )
+        return [TRAINING_STATE, *self.reshard.files, *rng]
+
+    def _saved_layout_files(self, manifest: Manifest) -> list:
+        """The checks of a load at the saved model-parallel layout: the slot's adapter coverage,
+        the optimizer children and their layout, a DP change. Returns the files the reader of v1
+        and v2 generations reads there: this rank's own adapter and optimizer files."""
         dense, expert = shards.split_by_kind(self.adapter_params())
         if self.spec.adapter_filter is not None:
             self._check_coverage(manifest, dense, expert)
@@ -375,7 +408,21 @@ class LoadRequest:
             )
             self._check_child_layout(manifest)
             files += chain.files_to_read(self.view, self.descriptions(), saved)
-        return files + rng
+        return files
+
+    def _planned(self, manifest: Manifest) -> bool:
+        """Whether a load at the saved layout is planned from the global layout: a format-v3
+        generation that records one, every parameter placed on both sides, every restored child's
+        record plannable (`chain.plannable`). A malformed layout is planned: the plan reports it."""
+        layout = manifest.metadata.get("global_layout")
+        if manifest.format_version < 3 or not isinstance(layout, dict):
+            return False
+        saved = layout.get("params")
+        saved = saved.values() if isinstance(saved, dict) else []
+        placed = all(not isinstance(blocks, dict) or None not in blocks.values() for blocks in saved)
+        placed = placed and all(None not in plan.global_blocks.values() for plan in self.plans)
+        children = self._saved_children_or_none(manifest)
+        return placed and chain.plannable(children, self.descriptions(), self.rank)
 
     def _rng_files(self, manifest: Manifest) -> list[str]:
         """This rank's RNG files where they are restored; else the reason, as a warning (the
@@ -431,8 +478,9 @@ class LoadRequest:
         warnings = self._check_optimizer_claim(manifest)
         reconciler = Reconciler(self.options.hyperparameters)
         if self.reshard is not None:
-            # a resharding load assembles the adapter from the files' global blocks; every restored
-            # master is checked against it below (masters.py), as on a same-layout load
+            # the adapter from the files' global blocks (a whole saved tensor as read); every
+            # restored master is checked against it below (masters.py)
+            self._check_adapter_params()
             adapter = self.reshard.adapter_tensors(opened, self.adapter_params(), check_binding)
             sources = self.reshard.adapter_sources(adapter)
         else:
@@ -509,15 +557,9 @@ class LoadRequest:
         ]
 
     def _preflight_adapter(self, opened) -> tuple[list[tuple[dict, dict]], dict[int, AdapterSource]]:
-        """`(params, saved tensors)` per adapter file, checked, and `{id(param): AdapterSource}`."""
-        params = self.adapter_params()
-        if not params:
-            what = (
-                "the slot's adapter filter accepts none of this rank's"
-                if self.spec.adapter_filter
-                else "the model has no"
-            )
-            raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
+        """The v1 and v2 reader: `(params, saved tensors)` per adapter file of this rank, checked,
+        and `{id(param): AdapterSource}`."""
+        params = self._check_adapter_params()
         dense, expert = shards.split_by_kind(params)
         checked, sources = [], {}
         for kind, group, file, key in (
@@ -534,6 +576,18 @@ class LoadRequest:
                 checked.append((group, saved))
                 sources.update({id(p): AdapterSource(n, saved[n], file) for n, p in group.items()})
         return checked, sources
+
+    def _check_adapter_params(self) -> dict:
+        """This load's adapter parameters; a ValueError where there are none."""
+        params = self.adapter_params()
+        if not params:
+            what = (
+                "the slot's adapter filter accepts none of this rank's"
+                if self.spec.adapter_filter
+                else "the model has no"
+            )
+            raise ValueError(f"{what} adapter parameters (names with 'lora_' or '.adapter.')")
+        return params
 
     def _check_child_layout(self, manifest: Manifest) -> None:
         recorded = saved_metadata(manifest, "active_children").get(self.coords.model_parallel_key)
@@ -571,7 +625,7 @@ def _apply_adapter_and_allocate(request: LoadRequest, plan: LoadPlan, opened, un
     # into the read buffer, which the record now holds, or copied): the load's own references go
     # before the optimizer allocates (bounded memory)
     plan.adapter.clear()
-    for file in (shards.dense_file(request.coords), shards.expert_file(request.coords)):
+    for file in [f for f in opened.files if f.startswith(_ADAPTER_DIR)]:  # every adapter file read whole
         checked = opened.files.pop(file, None)
         if checked is not None:  # what it holds now that is zero (a relaunch's LoRA B) takes no memory
             host_memory.release_zero_pages(checked.buffer)
