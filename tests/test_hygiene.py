@@ -382,3 +382,34 @@ def test_rank_jobs_named_by_tests_exist_in_modules_that_import_outside_pytest():
             if isinstance(node, ast.FunctionDef) and [a.arg for a in node.args.args] == ["payload", "ctx"]
         }
         assert names <= jobs, (module, sorted(names - jobs))
+
+
+def test_every_public_module_declares_what_it_exports():
+    """Every plugin module but the package `__init__`s and `__main__` lists its public names in
+    `__all__`, and every listed name exists there (the names other modules and users import)."""
+    missing, unknown = [], {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py") or path.name.startswith("_"):
+            continue
+        tree = ast.parse(path.read_text())
+        exported = None
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                exported = [elt.value for elt in node.value.elts]
+        rel = path.relative_to(PACKAGE).as_posix()
+        if exported is None:
+            missing.append(rel)
+            continue
+        defined = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+        if set(exported) - defined:
+            unknown[rel] = sorted(set(exported) - defined)
+    assert missing == [], f"modules without __all__: {missing}"
+    assert unknown == {}, f"__all__ names a module does not define: {unknown}"

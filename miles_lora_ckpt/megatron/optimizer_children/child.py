@@ -10,6 +10,24 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "Child",
+    "DISTRIBUTED",
+    "FLOAT16",
+    "FP32",
+    "MASTER_KEY",
+    "PermutedLeaves",
+    "SUPPORTED_CLASSES",
+    "class_name",
+    "has_state",
+    "is_stub",
+    "leaf_children",
+    "master_replaceable",
+    "never_stepped",
+    "optimizer_kind",
+    "resolve_state_keys",
+]
+
 MASTER_KEY = "param"  # the fp32 master weight, saved next to the state keys
 
 

@@ -67,6 +67,27 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
 from miles_lora_ckpt.megatron.optimizer_children.masters import check_master, check_master_elements, check_master_rows
 from miles_lora_ckpt.megatron.topology import Coordinates
 
+__all__ = [
+    "BucketLayout",
+    "BucketPart",
+    "DistributedHeld",
+    "FAMILY",
+    "Piece",
+    "RestorePart",
+    "bucket_layouts",
+    "dp_group",
+    "main_and_state",
+    "overlaps",
+    "param_states",
+    "range_key",
+    "read_part",
+    "reads_for",
+    "replace_state",
+    "saved_pieces",
+    "slice_bounds",
+    "slice_file_name",
+]
+
 
 def file_name(index: int, coordinate_key: str) -> str:
     """The gathered layout's file (written by the DP root before slices; still read)."""

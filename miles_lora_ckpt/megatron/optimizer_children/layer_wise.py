@@ -22,4 +22,8 @@ from __future__ import annotations
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.megatron.optimizer_children.replicated import WholeParameterFamily
 
+__all__ = [
+    "FAMILY",
+]
+
 FAMILY = WholeParameterFamily(FamilyKind.LAYER_WISE)

@@ -26,6 +26,13 @@ import torch
 
 from miles_lora_ckpt.core.global_layout import strided_view
 
+__all__ = [
+    "AdapterSource",
+    "check_master",
+    "check_master_elements",
+    "check_master_rows",
+]
+
 
 @dataclass(frozen=True)
 class AdapterSource:

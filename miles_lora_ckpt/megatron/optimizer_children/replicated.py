@@ -55,6 +55,14 @@ from miles_lora_ckpt.megatron.optimizer_children.family import (
 from miles_lora_ckpt.megatron.optimizer_children.masters import check_master
 from miles_lora_ckpt.megatron.topology import Coordinates
 
+__all__ = [
+    "FAMILY",
+    "WholeParameterFamily",
+    "WholeParameterHeld",
+    "entry_name",
+    "param_states",
+]
+
 
 @dataclass(frozen=True)
 class WholeParameterHeld:
