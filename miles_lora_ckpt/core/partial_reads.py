@@ -226,6 +226,23 @@ class _BlockFile:
             pos += take
 
 
+def _open_indexed(path: Path, record: FileRecord, why_whole: str | None = None) -> tuple[int, _BlockFile]:
+    """Open the file at `path` for block reads by `record`'s block index: its descriptor (the
+    caller closes it) and its `_BlockFile`. Raises GenerationDamaged where the record has no block
+    index (`why_whole` says what that means to the caller) or the file's size is not the record's."""
+    if record.blocks is None:
+        suffix = f": {why_whole}" if why_whole else ""
+        raise GenerationDamaged(f"the manifest records no block digests for it{suffix}")
+    fd, st = open_checked(Path(path))
+    try:
+        if st.st_size != record.bytes:
+            raise GenerationDamaged(f"size is {st.st_size} bytes, manifest says {record.bytes}")
+        return fd, _BlockFile(fd, record)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_ranges(
     path: Path,
     record: FileRecord,
@@ -245,18 +262,13 @@ def read_ranges(
     each returned range its buffer. Raises GenerationDamaged for any refusal, including a record
     without a block index.
     """
-    if record.blocks is None:
-        raise GenerationDamaged("the manifest records no block digests for it: it can only be read whole")
     import torch
 
     from miles_lora_ckpt.core.global_layout import strided_view  # with torch: imported where it is used
 
-    fd, st = open_checked(Path(path))
+    fd, source = _open_indexed(path, record, "it can only be read whole")
     try:
-        if st.st_size != record.bytes:
-            raise GenerationDamaged(f"size is {st.st_size} bytes, manifest says {record.bytes}")
         index = record.blocks
-        source = _BlockFile(fd, record)
         if index.data_start < 8:
             raise GenerationDamaged("the manifest's block index puts tensor bytes inside the header length")
         head = bytearray(index.data_start)
@@ -283,7 +295,7 @@ def read_ranges(
                 _check_by_blocks(source, begin, end, dtype, itemsize, tag in FLOAT_TAGS, item[0], scratch)
                 continue
             rows = strided_rows(item)
-            buf = allocate(end - begin) if kept and rows is None else memoryview(scratch)[: end - begin]
+            buf = allocate(end - begin) if rows is None else memoryview(scratch)[: end - begin]
             source.read(begin, end, memoryview(buf))
             tensor = torch.frombuffer(buf, dtype=dtype) if end > begin else torch.empty(0, dtype=dtype)
             if rows is not None:  # the rows, one after the other, into a buffer of their own
@@ -293,8 +305,7 @@ def read_ranges(
                 tensor = compact
             if tag in FLOAT_TAGS and not all_finite(tensor):
                 raise GenerationDamaged(f"tensor {item[0]!r} holds NaN or Inf")
-            if kept:
-                out[item] = tensor
+            out[item] = tensor
         whole = source.whole_digest()
         if whole is not None and whole != record.digest:  # every byte read: the file digest is checked too
             raise GenerationDamaged("digest mismatch (content changed or corrupted)")
@@ -328,16 +339,11 @@ def check_blocks(path: Path, record: FileRecord, blocks: Iterable[int]) -> None:
     These are the blocks of a partially read file that no reader reads. Raises GenerationDamaged
     for any refusal.
     """
-    if record.blocks is None:
-        raise GenerationDamaged("the manifest records no block digests for it")
     import torch  # the core imports torch only when a tensor is touched
 
-    fd, st = open_checked(Path(path))
+    fd, source = _open_indexed(path, record)
     try:
-        if st.st_size != record.bytes:
-            raise GenerationDamaged(f"size is {st.st_size} bytes, manifest says {record.bytes}")
         index = record.blocks
-        source = _BlockFile(fd, record)
         chosen = sorted(set(blocks))
         source.will_need((i * index.block_bytes, (i + 1) * index.block_bytes) for i in chosen)
         for i in chosen:
