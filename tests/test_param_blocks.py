@@ -98,6 +98,36 @@ def test_what_megatron_cannot_describe_as_one_block_is_unknown():
     assert all(b is None for b in _blocks(model).values())
 
 
+def test_a_slot_remaps_model_view_is_described_through_its_chunk():
+    """A model view (`savers.multi_lora.remap`) shows the chunk's parameters under other names:
+    each is described by its own module's split, under the global name of the name shown. Before,
+    every parameter of a view was unknown, and a slot load through `rename_slot` was not planned."""
+    import re
+
+    from miles_lora_ckpt.savers.multi_lora.remap import SlotRemap, model_view, rename_by_pattern
+
+    model = _model()
+    model.layers[0].mlp.experts.local_experts[1].linear_fc1.weight = torch.nn.Parameter(torch.zeros(2, 4).bfloat16())
+    swap = SlotRemap(saved=0, slot=1, rename=rename_by_pattern(re.compile(r"local_experts\.(\d+)\.")))
+    real, viewed = _blocks(model), _blocks(model_view(model, swap))
+    one = "chunk0.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
+    assert sorted(viewed) == sorted(real)
+    # local expert 1's parameter (bf16) shown as local expert 0: its split, the global number of 0
+    assert viewed[one.format(0)] == Block(
+        "layers.6.mlp.experts.local_experts.2.linear_fc1.weight", (4, 4), (2, 0), (2, 4), "torch.bfloat16"
+    )
+    assert real[one.format(0)].dtype == "torch.float32"  # negative control: unmapped, expert 0's own
+    assert viewed["chunk0.layers.0.proj.weight"] == real["chunk0.layers.0.proj.weight"]  # not renamed
+
+    class Reordered:  # a view that does not show its chunk's parameters in order: unknown, not guessed
+        viewed_chunk = model
+
+        def named_parameters(self):
+            return reversed(list(model.named_parameters()))
+
+    assert set(_blocks(Reordered()).values()) == {None}
+
+
 class RealColumn(torch.nn.Module):
     """A column-parallel linear on TP rank `rank` of `tp` whose `sharded_state_dict` is megatron's
     own `ShardedTensor` (global [8, 3], split on axis 0)."""

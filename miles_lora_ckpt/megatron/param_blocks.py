@@ -17,11 +17,16 @@ keyed by its chunk-qualified name (as `adapter_shards` names it). Its parts:
 - Under a gated (swiglu) `linear_fc1`, the adapter's output factor has the fused `[gate; up]`
   output on axis 0. It is described from megatron's swiglu factory (`_swiglu_block`).
 
+A model view (a multi-LoRA slot remap's: `savers.multi_lora.remap`) shows the chunk's own
+parameters, in order, under other names. It is described through the chunk it shows
+(`viewed_chunk`): each parameter's split from its own module, its global name from the name the
+view shows.
+
 What cannot be described is None, and a resharding load then refuses the parameter rather than
 guess. That is a tensor-parallel parameter whose module gives no `ShardedTensor`, or a gated fc1
 output whose factory pieces are not two halves of one block. So is a layer without a
-`layer_number`, a local expert without `local_expert_indices`, and every parameter of a model
-view without modules (a slot remap's).
+`layer_number`, a local expert without `local_expert_indices`, and every parameter of a chunk
+without modules (or a view that does not show its chunk's parameters in order).
 """
 
 from __future__ import annotations
@@ -43,25 +48,28 @@ __all__ = ["UNNUMBERED_EXPERT", "describe"]
 def describe(model) -> dict[str, dict | None]:
     """`{chunk-qualified name: Block.to_dict() or None}` of every trainable parameter of `model`.
 
-    `model` is one module or Miles' list of chunks. The result is JSON-ready. Nothing is raised:
-    what cannot be described is None (see above).
+    `model` is one module or Miles' list of chunks, either of them a model view (see above). The
+    result is JSON-ready. Nothing is raised: what cannot be described is None (see above).
     """
     chunks = model if isinstance(model, list | tuple) else [model]
     out: dict[str, dict | None] = {}
     for index, chunk in enumerate(chunks):
-        if not hasattr(chunk, "named_modules"):  # a view of renamed parameters (slot remap): unknown
-            out.update(
-                {f"chunk{index}.{strip_wrappers(n)}": None for n, p in chunk.named_parameters() if p.requires_grad}
-            )
+        real = getattr(chunk, "viewed_chunk", chunk)  # a model view (a slot remap's): its chunk
+        shown = list(chunk.named_parameters())
+        held = list(real.named_parameters()) if hasattr(real, "named_modules") else []
+        if len(held) != len(shown) or any(p is not q for (_, p), (_, q) in zip(held, shown, strict=False)):
+            # no modules to ask, or a view that is not its chunk's parameters in order: unknown
+            out.update({f"chunk{index}.{strip_wrappers(n)}": None for n, p in shown if p.requires_grad})
             continue
-        modules = {strip_wrappers(name): module for name, module in chunk.named_modules()}
+        modules = {strip_wrappers(name): module for name, module in real.named_modules()}
         layers = _global_layer_prefixes(modules)
-        for name, param in chunk.named_parameters():
+        for (name, param), (view_name, _) in zip(held, shown, strict=True):
             if not param.requires_grad:
                 continue
-            local = strip_wrappers(name)
-            block = _block(local, param, modules, layers, _expert_rank(param, local, layers))
-            out[f"chunk{index}.{local}"] = None if block is None else block.to_dict()
+            # the owning module by the parameter's own name; the global name by the name shown
+            local, named = strip_wrappers(name), strip_wrappers(view_name)
+            block = _block(local, param, modules, layers, _expert_rank(param, named, layers), named)
+            out[f"chunk{index}.{named}"] = None if block is None else block.to_dict()
     return out
 
 
@@ -124,8 +132,15 @@ def _expert_rank(param, local: str, renames: dict) -> str:
     return f"{UNNUMBERED_EXPERT}{rank}/{size}"
 
 
-def _block(local: str, param: torch.nn.Parameter, modules: dict, layers: dict, suffix: str = "") -> Block | None:
-    name = global_name(local, layers)
+def _block(
+    local: str, param: torch.nn.Parameter, modules: dict, layers: dict, suffix: str = "", named: str | None = None
+) -> Block | None:
+    """The block of parameter `local` (its chunk-local name), or None where it is unknown.
+
+    `named` is the name a model view shows it under (None: `local`): the global name is made from
+    it, while the split comes from the module that owns the parameter.
+    """
+    name = global_name(local if named is None else named, layers)
     if name is None:
         return None
     name += suffix

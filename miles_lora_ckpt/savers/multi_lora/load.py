@@ -21,11 +21,12 @@ from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoin
 from miles_lora_ckpt.core.layout import parse_generation_dir_name
 from miles_lora_ckpt.core.protocol import open_generation
 from miles_lora_ckpt.core.verify import check_structure, committed_candidates, find_candidates
+from miles_lora_ckpt.megatron.topology import current_topology
 from miles_lora_ckpt.savers.multi_lora.naming import SLOT_SAVER, AdapterFilter, check_reader_name, reader_links
 from miles_lora_ckpt.savers.multi_lora.remap import SlotRemap, SlotRenamer, model_view, optimizer_view
 from miles_lora_ckpt.savers.multi_lora.slot import SlotSpec
 from miles_lora_ckpt.savers.options import LoadOptions
-from miles_lora_ckpt.savers.single_lora.common import LoadResult, SaverSpec, saved_metadata
+from miles_lora_ckpt.savers.single_lora.common import LoadResult, SaverSpec, chunk_count, saved_metadata
 from miles_lora_ckpt.savers.single_lora.load import load_adapter_generation
 
 __all__ = ["latest_slot_step", "load_slot", "load_slot_checkpoint"]
@@ -64,9 +65,10 @@ def load_slot_checkpoint(
       generation that does not cover every parameter of the slot on this rank, and a filter that
       matches nothing (the empty-shard guard).
     - Another slot index: with `rename_slot` (a `remap.SlotRenamer`), a generation saved from slot
-      `i` loads into slot `slot`, as `remap` describes. Shapes, parameter sets, child count,
-      classes, families and state keys must correspond one-to-one, or the load is refused. Every
-      other slot stays bit-identical. Without `rename_slot`, another slot index is refused.
+      `i` loads into slot `slot`, as `remap` describes, at its saved model-parallel layout only
+      (DP may change). Shapes, parameter sets, child count, classes, families and state keys must
+      correspond one-to-one, or the load is refused. Every other slot stays bit-identical.
+      Without `rename_slot`, another slot index is refused.
     - The saved index is read from the newest structurally intact generation (or `name`). If the
       loader then falls back past a damaged one to yet another slot index, the load is refused;
       load that generation by `name`.
@@ -137,6 +139,14 @@ def load_slot(
             raise IncompatibleCheckpoint(
                 f"generation {manifest.generation} holds slot {saved}, not slot {index} ({hint})"
             )
+        if remap is not None:  # a renamer names this layout's parameters: no resharding through it
+            changes = manifest.topology.model_parallel_differences(current_topology(chunk_count(model)))
+            if changes:
+                raise IncompatibleCheckpoint(
+                    f"generation {manifest.generation} holds slot {saved}, saved at another model-parallel layout "
+                    f"(this run differs in {', '.join(changes)}): a slot resumes into another slot index "
+                    "(rename_slot) at its saved layout only"
+                )
 
     spec = SaverSpec(saver=SLOT_SAVER, adapter_filter=adapter_filter, check_manifest=same_slot, legacy=False)
     options = LoadOptions(load_optim=load_optim, optimizer_children=optimizer_children)

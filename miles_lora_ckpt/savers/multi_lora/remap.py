@@ -56,10 +56,19 @@ class SlotRemap:
 
 
 class _ChunkView:
-    """One model chunk whose `named_parameters` carry view names over the real parameters."""
+    """One model chunk whose `named_parameters` carry view names over the real parameters.
+
+    They come in the chunk's own order, so `megatron.param_blocks.describe` places each parameter
+    by its module in `viewed_chunk` and names it by its view name.
+    """
 
     def __init__(self, chunk, remap: SlotRemap):
         self._chunk, self._remap = chunk, remap
+
+    @property
+    def viewed_chunk(self):
+        """The real chunk behind the view."""
+        return self._chunk
 
     def named_parameters(self):
         for name, param in self._chunk.named_parameters():
