@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from jobs_paths import TESTS
+from plan_reads import through_the_plan
 from slot_kwargs import slot_kwargs as _kw
 
 from miles_lora_ckpt.core import faults, protocol
@@ -195,7 +196,8 @@ CONFIG = {"world_size": 2, "slots": 2, "adapters": "mixed", "distributed": False
 # - `guards` (W=2): the empty-shard guard (save: a filter matching nothing, a filter missing some of
 #   the slot's parameters; load: a slot checkpoint that does not cover every parameter of the slot,
 #   one of another slot index), each refused on every rank with nothing changed; then a slot-1
-#   generation resumed into slot 0 (`rename_slot`), bit for bit, its co-tenant at index 1 untouched.
+#   generation resumed into slot 0 (`rename_slot`), bit for bit, its co-tenant at index 1 untouched
+#   (planned from the global layout through the model view), and refused into a TP 2 run.
 # - `peft` (W=2): a slot saved with `peft=` holds an HF PEFT adapter directory.
 
 
@@ -505,6 +507,7 @@ def guards(case: dict, ctx, consensus) -> dict:
     out["missing"] = [missing.loaded, ml.latest_slot_step(root / "missing", consensus=consensus)]
     out["remap"] = _remap(run, trainer, root / "one", consensus)
     teardown(run)
+    out["remap_tp2"] = _remap_at_tp2(case["config"], root / "one", consensus)
     return out
 
 
@@ -518,7 +521,8 @@ def _remap(run, trainer, one: Path, consensus) -> dict:
     with slot 1 (the co-tenant at the saved index) untouched: this rank's digests, keyed as slot 0's."""
     _train(trainer, [0], 2, 3)
     before = _state(run, trainer)
-    result = ml.load_slot_checkpoint(run.model, one, rename_slot=_swap_layers, **_kw(run, trainer, 0, consensus))
+    with through_the_plan() as plan:
+        result = ml.load_slot_checkpoint(run.model, one, rename_slot=_swap_layers, **_kw(run, trainer, 0, consensus))
     after = _state(run, trainer)
     children = dict(zip(trainer.children[1], trainer.children[0], strict=True))
 
@@ -529,12 +533,28 @@ def _remap(run, trainer, one: Path, consensus) -> dict:
     slots = dict(zip(sorted(before), _slot_names(run, trainer, sorted(before)), strict=True))
     return {
         "loaded": [result.loaded, result.iteration, result.optimizer_restored, result.scheduler_restored],
+        "through_plan": plan,  # planned from the global layout through the model view, and what it read
         "saved": {as_slot0(k): v for k, v in before.items() if slots[k] == 1},  # slot 1 as saved
         "restored": {k: after[k] for k in after if slots.get(k) == 0},
         "before": {k: before[k] for k in before if slots[k] == 0},  # negative control: slot 0 at step 3
         "cotenant_changed": sorted(k for k in before if slots[k] == 1 and before[k] != after.get(k)),
         "others_changed": sorted(k for k in before if slots[k] not in (0, 1) and before[k] != after.get(k)),
     }
+
+
+def _remap_at_tp2(config: dict, one: Path, consensus) -> dict:
+    """Slot 1's generation `one` (saved at TP 1) into slot 0 of a TP 2 run through `rename_slot`:
+    the error, and whether anything changed (a renamer names this layout's parameters)."""
+    run, trainer = _build({**config, "tp": 2})
+    before = _state(run, trainer)
+    try:
+        ml.load_slot_checkpoint(run.model, one, rename_slot=_swap_layers, **_kw(run, trainer, 0, consensus))
+        error = None
+    except CheckpointError as exc:
+        error = _error(exc)
+    changed = compare_digests(before, _state(run, trainer))
+    teardown(run)
+    return {"error": error, "changed": changed}
 
 
 # --------------------------------------------------------------------------- retire
@@ -748,7 +768,15 @@ def test_a_slot_generation_resumes_bit_exact_into_another_slot_index_its_co_tena
     for result in w2:
         r = result["guards"]["remap"]
         assert r["loaded"] == [True, 2, True, True]
+        # planned from the global layout through the view (`param_blocks.describe`), reading exactly
+        # the files the reader of each rank's own files reads at the saved layout
+        assert r["through_plan"]["planned"] and r["through_plan"]["same_files"], r["through_plan"]
         assert r["cotenant_changed"] == [] and r["others_changed"] == []  # slot 1, now at the saved index
+        # through rename_slot at another layout: refused on every rank, saying why, nothing changed
+        other = result["guards"]["remap_tp2"]
+        assert other["changed"] is None, other
+        assert "tp: 1 -> 2 (tensor parallel)" in other["error"], other["error"]
+        assert "a slot resumes into another slot index (rename_slot) at its saved layout only" in other["error"]
 
 
 @pytest.mark.megatron

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from jobs_paths import TESTS
+from plan_reads import through_the_plan
 from single_lora_steps import Args, _failing_install, load, run_steps, save
 
 from miles_lora_ckpt.core import partial_reads
@@ -100,8 +101,10 @@ CASES = {  # name: (saved layout, loaded layout)
     # a generation whose adapter files have no block index (written before 2026-12-02): read whole
     "tp1 -> tp2 (bf16, adapter files without a block index)": (cfg(), cfg(tp=2)),
     # the saved layout through the global-layout plan (`THROUGH_PLAN`): DP 2 (slices), TP 2
-    # (lora_A's replicas in both TP ranks' files), Float16 children (whole parameters)
+    # (lora_A's replicas in both TP ranks' files), Float16 children (whole parameters), one expert
+    # per EP rank (no global expert number: named by its EP rank)
     "dp2 -> dp2 (bf16, through the plan)": (cfg(), cfg()),
+    "ep2 -> ep2 (bf16, unnumbered experts, through the plan)": (cfg(ep=2), cfg(ep=2)),
     "tp2 -> tp2 (fp32, through the plan)": (cfg("fp32", tp=2), cfg("fp32", tp=2)),
     "tp2 -> tp2 (bf16, Float16 children, through the plan)": (
         cfg(tp=2, distributed=False),
@@ -526,29 +529,6 @@ def counting_reads():
         partial_reads.read_ranges, partial_reads._BlockFile.block = real_read, real_block
 
 
-@contextmanager
-def through_the_plan():
-    """Record, for a load at the saved layout, whether the global-layout plan (`ReshardPlan`, which
-    plans it) reads exactly the files and ranges the reader of v1 and v2 generations would read
-    there (its own files). Yields `{"same_files": bool, "files": [that reader's, the plan's]}`."""
-    found: dict = {}
-    real = load_module.LoadRequest.files_for_rank
-
-    def files_for_rank(self, manifest):
-        new = real(self, manifest)
-        assert self.reshard is not None, "not planned from the global layout"
-        old = [*self._saved_layout_files(manifest), *(self.rng_files or [])]
-        listed = [sorted(map(repr, files)) for files in (old, new)]
-        found.update(same_files=listed[0] == listed[1], files=listed)
-        return new
-
-    load_module.LoadRequest.files_for_rank = files_for_rank
-    try:
-        yield found
-    finally:
-        load_module.LoadRequest.files_for_rank = real
-
-
 def _forged_adapter(root: str, name: str, consensus: Consensus) -> str:
     """A copy of the newest generation under `root` whose dense adapter file has one element of its
     first tensor changed, resealed with its own stamp (every digest, stamp and binding agrees): only
@@ -845,6 +825,7 @@ def test_the_saved_layout_through_the_plan_reads_what_the_same_layout_path_reads
     `test_reshard_is_bit_exact_at_the_load`."""
     for r in resharded:
         plan = r["cases"][name]["through_plan"]
+        assert plan["planned"], "not planned from the global layout"
         assert plan["same_files"], plan["files"]
 
 

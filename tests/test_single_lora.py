@@ -34,6 +34,7 @@ from damage import (
     transplant_tensors,
 )
 from jobs_paths import TESTS
+from plan_reads import through_the_plan
 from single_lora_steps import Args, _failing_install, case_name, load, reference, run_steps, save, save_then_resume
 
 from miles_lora_ckpt.core import checked_reads, faults, json_files, safetensors_write
@@ -235,7 +236,8 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
         load_module._finish = _failing_finish(real_finish, payload.get("finish_faults", {}).get(name) == ctx.rank)
         kwargs = {**payload.get("load_kwargs", {}), **payload.get("case_kwargs", {}).get(name, {})}
         try:
-            result = load(run, path, consensus, **kwargs)
+            with through_the_plan() as plan:
+                result = load(run, path, consensus, **kwargs)
             error = None
         except CheckpointError as exc:
             result, error = None, str(exc)
@@ -246,6 +248,7 @@ def _try_cases(run, payload: dict, cases: dict, consensus, ctx) -> dict:
         masters = [entry for record in records for *_, entries in record.children for entry in entries]
         outcomes[name] = {
             "error": error,
+            "through_plan": plan,  # planned from the global layout? its files against the own-file reader's
             "changed": compare_digests(before, after),
             "rng_changed": rng_digest() != rng_before,  # Python, numpy, torch and megatron's tracker
             "result": result.__dict__ if result else None,
@@ -700,6 +703,10 @@ def test_generations_written_before_slices_or_child_families_restore_the_same_st
     for o in sane_loads:
         for name in ("gathered", "pre-family"):
             assert o[name]["error"] is None, o[name]["error"]
+            # format v3 (edited to the older layouts): planned from the global layout, the record
+            # without positions too, reading what the reader of each rank's own files reads
+            plan = o[name]["through_plan"]
+            assert plan["planned"] and plan["same_files"], (name, plan)
             assert o[name]["result"]["optimizer_restored"] and o[name]["result"]["scheduler_restored"]
             # the same adapter, masters and moments as the sliced original (param groups and scheduler
             # come from the same JSON either way; their digests also depend on earlier loads here)

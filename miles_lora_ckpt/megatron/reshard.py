@@ -14,13 +14,16 @@ parameter's `Block` per coordinate, the adapter files and who wrote them) it pla
   parameters are assembled whole from the saved blocks.
 
 Saved copies in the files this rank's own coordinate wrote come first. A load at the saved layout
-then reads its own files only, as the same-layout path does.
+then reads its own files only, as the reader of v1 and v2 generations does. There a
+DistributedOptimizer record without `positions` is placed as this run describes it, its buckets
+checked to be the saved ones. A slot load through `rename_slot` is planned through its model view
+(`param_blocks.describe`), at the saved layout only (`savers.multi_lora.load`).
 
 What cannot map is refused with `IncompatibleCheckpoint`, naming the parameter and both values.
 That is other target modules, another global shape or dtype, or another optimizer or child family.
-So is a parameter megatron cannot place (an EP change needs globally numbered experts). A slot
-load through `rename_slot` (a model view) has no global blocks: it loads at the saved layout only,
-by the reader of each rank's own files (`savers.single_lora.load`).
+So is a parameter megatron cannot place (an EP change needs globally numbered experts). A
+generation with a parameter it cannot place at all (`null` in the manifest) loads at its saved
+layout only, by the reader of each rank's own files (`savers.single_lora.load`).
 
 `preflight` then assembles each adapter weight and each child's restore
 (`ChildFamily.restore_resharded`). Nothing changes before the load's preflight agreement.
@@ -249,6 +252,7 @@ class ReshardPlan:
             request.view,
             chain.by_index(descriptions),
             defer_moments=same_layout,
+            saved_layout=same_layout,
         )
         partial: list[PartialRead] = []
         for desc in descriptions[request.rank]:

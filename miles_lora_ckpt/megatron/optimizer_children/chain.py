@@ -275,16 +275,6 @@ def check_against(
             )
 
 
-def plannable(saved: dict[str, dict], descriptions: Sequence[Sequence[ChildDescription]], rank: int) -> bool:
-    """Whether every child `rank` restores that was saved with state can be planned from the
-    global layout (its family's `plannable`); run after `check_against`."""
-    for desc in descriptions[rank]:
-        entry = saved_record(saved, desc.index)
-        if entry is not None and entry.stepped and not FAMILIES[entry.family].plannable(entry):
-            return False
-    return True
-
-
 def files_to_read(view: RankView, descriptions: Sequence[Sequence[ChildDescription]], saved: dict[str, dict]) -> list:
     """The optimizer files (relpaths, or `PartialRead`s) this rank reads to restore every described
     child saved with state. Raises IncompatibleCheckpoint where a family cannot restore one."""

@@ -675,10 +675,24 @@ class Resharded:
     never_stepped: bool = False  # the child never stepped on any rank (`_Restore.never_stepped`)
 
 
-def _optimizer_sources(index: int, layout: dict, saved: dict, manifest) -> dict[str, list[_SavedPosition]]:
-    """`{global name: [_SavedPosition]}` of one child's saved positions (checked by
+def _described_positions(index: int, plan: dict, described: list, mine: ChildDescription, view: RankView) -> dict:
+    """The `positions` a child record lacks (one written before format v3 recorded them), for a
+    load at the saved layout: each DP group's as this run describes them, as a save records them
+    (`plan_slices`). Its own group's bucket layout must be the saved one, as the reader of each
+    rank's own files checks it (`saved_pieces`: the same refusal); then so is every position in
+    it. Raises IncompatibleCheckpoint where it is not, or where the child has no DP group."""
+    if mine.held.dp_rank is None:
+        raise IncompatibleCheckpoint(f"optimizer child {index} has no data-parallel group")
+    saved_pieces(index, plan, view.ranks[mine.held.dp_root].model_parallel_key, mine.held.numel_unpadded)
+    try:
+        return plan_slices(index, described, view.ranks)["positions"]
+    except ValueError as exc:
+        raise IncompatibleCheckpoint(str(exc)) from None
+
+
+def _optimizer_sources(index: int, positions, saved: dict, manifest) -> dict[str, list[_SavedPosition]]:
+    """`{global name: [_SavedPosition]}` of one child's saved `positions` (checked by
     `layout_rules.saved_blocks`: inside their buckets, one parameter each, of their blocks' sizes)."""
-    positions = layout.get("positions")
     if not isinstance(positions, dict):
         raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint records no parameter positions")
     sources: dict[str, list[_SavedPosition]] = {}
@@ -887,19 +901,18 @@ class DistributedFamily:
         never_stepped = all(d is None or d.never_stepped for d in described)
         return _Restore(read.keys, state, buckets, groups, never_stepped=never_stepped)
 
-    def plannable(self, saved: SavedChild) -> bool:
-        """Every parameter's place in its bucket (`positions`, format v3) is what a plan reads by."""
-        return isinstance(saved.layout.get("positions"), dict)
-
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Resharded:
         """Every parameter element of this rank's shards at another layout: which element ranges of
         which saved slice files hold its master and moments (`protocol.PartialRead`: only those
         blocks are read and verified), and where they go in the shard."""
         index, opt = child.index, child.optimizer
-        sources = _optimizer_sources(index, saved.layout, layout.saved, layout.manifest)
         keys = saved.keys
         described = layout.described.get(index, [])
         mine = described[layout.view.rank] if layout.view is not None and described else None
+        positions = saved.layout.get("positions")
+        if positions is None and layout.saved_layout and mine is not None:
+            positions = _described_positions(index, saved.layout, described, mine, layout.view)
+        sources = _optimizer_sources(index, positions, layout.saved, layout.manifest)
         # the copies this rank's own DP group wrote first: at the saved layout it reads its own slices
         own = None if mine is None or mine.held.dp_root is None else layout.view.ranks[mine.held.dp_root]
         own = None if own is None else own.model_parallel_key

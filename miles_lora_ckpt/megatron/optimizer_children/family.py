@@ -221,6 +221,9 @@ class ReshardContext:
     # but not kept, and read again at install (the same-layout load's memory bound); elsewhere
     # every range is read once and kept
     defer_moments: bool = False
+    # the load is at the saved model-parallel layout: a family may place what the saved record
+    # lacks as this run describes it, where it checks that this is the saved layout's
+    saved_layout: bool = False
 
 
 def saved_state_at(index: int, coordinates, states: dict):
@@ -280,11 +283,6 @@ class ChildFamily(Protocol):
 
     def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
-
-    def plannable(self, saved: SavedChild) -> bool:
-        """Whether `plan_reshard` can plan `saved` (the checkpoint's record of a child of this
-        family, saved with state). A record written before the family recorded what that needs
-        loads at its saved layout only."""
 
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Any:
         """A resharding load's plan for this rank's part of `child` (`saved`: the checkpoint's record

@@ -346,10 +346,6 @@ class WholeParameterFamily:
 
     # ------------------------------------------------------------------- resharding load
 
-    def plannable(self, saved: SavedChild) -> bool:
-        """Always: every entry names its file and group, which is what a plan reads by."""
-        return True
-
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> WholeReshard:
         """This rank's parameters at another layout, each assembled like an adapter weight from the
         saved blocks of its global tensor (`core.global_layout.plan_copies`); the files drawn from

@@ -10,7 +10,8 @@ Collective. It reads as phases:
 A format-v3 generation is read by its global layout (`megatron.reshard.ReshardPlan`), at the saved
 layout or another. At the saved layout every saved block is wanted whole, so the reads are this
 rank's own files, as before. A v1 or v2 generation is read at its saved layout only, from this
-rank's own files (`LoadRequest._saved_layout_files`, `_preflight_adapter`).
+rank's own files (`LoadRequest._own_files`, `_preflight_adapter`). So is a v3 one with a parameter
+megatron cannot place at all: nothing records where it lies (`LoadRequest._planned`).
 
 Nothing changes before the preflight agreement. If a later phase fails on any rank, every rank
 rolls its model, optimizer and scheduler back to their bytes before the load (`megatron.undo`),
@@ -368,8 +369,9 @@ class LoadRequest:
         """The files this rank reads of `manifest`'s generation, after every check that needs no
         read; `reshard` is set where the global layout plans the load. A format-v3 generation is
         planned from its global layout, at the saved layout too (each saved block then wanted
-        whole). A v1 or v2 generation, or one with a parameter megatron cannot place, loads at
-        its saved layout only (`_saved_layout_files`). Raises IncompatibleCheckpoint."""
+        whole), after the checks of a load there (`_check_saved_layout`). A v1 or v2 generation,
+        or one with a parameter megatron cannot place (`_planned`), loads at its saved layout only,
+        from this rank's own files (`_own_files`). Raises IncompatibleCheckpoint."""
         if manifest.saver != self.spec.saver:
             raise IncompatibleCheckpoint(
                 f"generation {manifest.generation} was written by saver {manifest.saver!r}, not {self.spec.saver!r}"
@@ -378,9 +380,9 @@ class LoadRequest:
             self.spec.check_manifest(manifest)
         rng = self._rng_files(manifest)
         if not manifest.topology.model_parallel_differences(self.plans[self.rank].topology):
-            files = self._saved_layout_files(manifest)
+            self._check_saved_layout(manifest)
             if not self._planned(manifest):
-                return files + rng
+                return self._own_files(manifest) + rng
         # format v3: read by the global layout (at another TP / PP / VPP: resharded), or refused
         # naming what cannot map (a v1 or v2 generation at another layout too)
         self.reshard = ReshardPlan.build(
@@ -388,41 +390,60 @@ class LoadRequest:
         )
         return [TRAINING_STATE, *self.reshard.files, *rng]
 
-    def _saved_layout_files(self, manifest: Manifest) -> list:
-        """The checks of a load at the saved model-parallel layout: the slot's adapter coverage,
-        the optimizer children and their layout, a DP change. Returns the files the reader of v1
-        and v2 generations reads there: this rank's own adapter and optimizer files."""
-        dense, expert = shards.split_by_kind(self.adapter_params())
+    def _check_saved_layout(self, manifest: Manifest) -> None:
+        """The checks of a load at the saved model-parallel layout, whichever path reads it: the
+        slot's adapter coverage, the optimizer children and their layout, a DP change. Raises
+        IncompatibleCheckpoint (or ValueError where the manifest lacks a record) before anything
+        is read: the load fails, it never falls back to an older generation."""
         if self.spec.adapter_filter is not None:
-            self._check_coverage(manifest, dense, expert)
+            self._check_coverage(manifest, *shards.split_by_kind(self.adapter_params()))
+        if self._optimizer_in(manifest):
+            # another child class or optimizer, another child layout
+            dp_changed = manifest.topology.dp != self.plans[self.rank].topology.dp
+            chain.check_against(
+                saved_children(manifest),
+                self.descriptions(),
+                self.rank,
+                dp_changed,
+                manifest.metadata.get("optimizer_selection"),
+            )
+            self._check_child_layout(manifest)
+
+    def _own_files(self, manifest: Manifest) -> list:
+        """The reader of v1 and v2 generations (and of a v3 one `_planned` refuses): the files it
+        reads at the saved layout, this rank's own adapter and optimizer files. Run after
+        `_check_saved_layout`."""
+        dense, expert = shards.split_by_kind(self.adapter_params())
         files = [TRAINING_STATE]
         files += [shards.dense_file(self.coords)] if dense else []
         files += [shards.expert_file(self.coords)] if expert else []
         if self._optimizer_in(manifest):
-            # refused here, before anything is read (IncompatibleCheckpoint: the load fails, it never
-            # falls back to an older generation): another child class or optimizer, another layout
-            saved = saved_children(manifest)
-            dp_changed = manifest.topology.dp != self.plans[self.rank].topology.dp
-            chain.check_against(
-                saved, self.descriptions(), self.rank, dp_changed, manifest.metadata.get("optimizer_selection")
-            )
-            self._check_child_layout(manifest)
-            files += chain.files_to_read(self.view, self.descriptions(), saved)
+            files += chain.files_to_read(self.view, self.descriptions(), saved_children(manifest))
         return files
 
     def _planned(self, manifest: Manifest) -> bool:
         """Whether a load at the saved layout is planned from the global layout: a format-v3
-        generation that records one, every parameter placed on both sides, every restored child's
-        record plannable (`chain.plannable`). A malformed layout is planned: the plan reports it."""
+        generation that records one, with every parameter placed on both sides. A malformed
+        layout is planned: the plan reports it.
+
+        A parameter megatron cannot place is `null` in the manifest and None in this run
+        (`megatron.param_blocks`: a tensor-parallel parameter whose module gives no
+        `ShardedTensor`, a layer without `layer_number`, a local expert without
+        `local_expert_indices`). Nothing records where it lies, nor its shape, so a plan can
+        neither name it nor check what it reads. Such a generation is read at its saved layout by
+        the reader of each rank's own files (`_own_files`), as v1 and v2 generations are.
+
+        Everything else is planned: a slot remap's model view (described through its chunk), an
+        expert without a global number (named by its EP rank, `...@ep1/2`), a DistributedOptimizer
+        child recorded without `positions` (placed as this run describes them, its buckets checked
+        to be the saved ones: `DistributedFamily.plan_reshard`)."""
         layout = manifest.metadata.get("global_layout")
         if manifest.format_version < 3 or not isinstance(layout, dict):
             return False
         saved = layout.get("params")
         saved = saved.values() if isinstance(saved, dict) else []
         placed = all(not isinstance(blocks, dict) or None not in blocks.values() for blocks in saved)
-        placed = placed and all(None not in plan.global_blocks.values() for plan in self.plans)
-        children = self._saved_children_or_none(manifest)
-        return placed and chain.plannable(children, self.descriptions(), self.rank)
+        return placed and all(None not in plan.global_blocks.values() for plan in self.plans)
 
     def _rng_files(self, manifest: Manifest) -> list[str]:
         """This rank's RNG files where they are restored; else the reason, as a warning (the
@@ -557,8 +578,8 @@ class LoadRequest:
         ]
 
     def _preflight_adapter(self, opened) -> tuple[list[tuple[dict, dict]], dict[int, AdapterSource]]:
-        """The v1 and v2 reader: `(params, saved tensors)` per adapter file of this rank, checked,
-        and `{id(param): AdapterSource}`."""
+        """The reader of v1 and v2 generations (and of a v3 one `_planned` refuses): `(params,
+        saved tensors)` per adapter file of this rank, checked, and `{id(param): AdapterSource}`."""
         params = self._check_adapter_params()
         dense, expert = shards.split_by_kind(params)
         checked, sources = [], {}
