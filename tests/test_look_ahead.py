@@ -1,7 +1,8 @@
 """The load's look-ahead (`protocol._look_ahead`): each rank plans the generation its root's tracker
 names and hints the kernel at its bytes before the first agreement round, so the disk reads while
-the rounds run. The plan is used only for that generation; a tracker that names another one, or
-none, changes nothing a load opens or reports."""
+the rounds run, and the resolve round carries those plans, so a load whose ranks all guessed the
+newest generation holds no plan round of its own. A plan is used only for the generation it was
+made for; a tracker that names another one, or none, changes nothing a load opens or reports."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_the_tracked_generation_is_hinted_before_any_round_and_planned_once(tmp_
     assert asked.asked == [2]  # the look-ahead's plan is the one used: files_for_rank ran once
     before_rounds = sorted(name for name, rounds in hints if rounds == 0)
     assert before_rounds == sorted(Path(f).name for f in (ADAPTER, OPTIM, STATE))
+    assert hints.rounds == 2  # resolve, carrying the plans, and read: no plan round of its own
 
 
 def test_a_stale_tracker_only_costs_a_plan(tmp_path, hints):
@@ -79,6 +81,7 @@ def test_a_stale_tracker_only_costs_a_plan(tmp_path, hints):
     opened = open_generation(Consensus.single_process(), tmp_path, asked)
     assert opened.path == newest  # the agreed listing decides, never the tracker
     assert asked.asked == [1, 2]  # the guess was planned, then the newest was planned again
+    assert hints.rounds == 3  # resolve, plan, read
     assert any(older.name in w for w in opened.warnings)  # the tracker's disagreement is reported as ever
 
 
@@ -147,3 +150,68 @@ def test_the_look_ahead_trusts_nothing_it_read(tmp_path, monkeypatch):
     monkeypatch.setattr(protocol, "_plan_reads", then_damaged)
     opened = open_generation(Consensus.single_process(), tmp_path, Recorder())
     assert opened.path == older and any(newest.name in w for w in opened.warnings)
+
+
+# --------------------------------------------------------------------------- across ranks
+
+
+def guesses(payload: dict, ctx) -> dict:
+    """Rank job: three loads of one root, each with another rank-local look-ahead (see the test)."""
+    from protocol_generations import load_ranks, rank_file, save_ranks
+
+    from miles_lora_ckpt.core import verify
+    from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+
+    consensus = Consensus.for_world(timeout_s=60)
+    root = Path(payload["root"])
+    save_ranks(consensus, root, 1)
+    save_ranks(consensus, root, 2)
+    rounds = [0]
+    agree = Consensus.agree
+
+    def counting(self, phase, outcome):
+        rounds[0] += 1
+        return agree(self, phase, outcome)
+
+    Consensus.agree = counting
+    out = {}
+    # every rank guesses the newest generation: two rounds
+    out["all"] = (*load_ranks(consensus, root), rounds[0])
+    # rank 1 finds no tracker: the plan round is held as before, and every rank loads the newest
+    rounds[0] = 0
+    tracked = protocol.tracked_generation
+    if ctx.rank == 1:
+        protocol.tracked_generation = lambda path: None
+    out["one_blind"] = (*load_ranks(consensus, root), rounds[0])
+    protocol.tracked_generation = tracked
+
+    # rank 1 refuses the guessed generation in its look-ahead: every rank fails with its reason
+    def refusing(manifest):
+        if ctx.rank == 1:
+            raise IncompatibleCheckpoint("exact restore needs the same model-parallel layout (tp: 1 -> 2)")
+        return [rank_file(ctx.rank)]
+
+    try:
+        protocol.open_generation(consensus, root, refusing)
+        out["refused"] = None
+    except CheckpointError as exc:
+        out["refused"] = {"phase": exc.phase, "ranks": exc.failed_ranks, "text": str(exc)}
+    Consensus.agree = agree
+    assert verify.tracked_generation(root) is not None
+    return out
+
+
+@pytest.mark.multirank
+def test_ranks_that_guess_differently_or_refuse_agree(tmp_path):
+    from jobs_paths import TESTS
+
+    from miles_lora_ckpt_harness.sim.launch import check_all, run_workers
+
+    results = check_all(
+        run_workers(3, "test_look_ahead:guesses", {"root": str(tmp_path)}, sys_path=[TESTS], megatron=False)
+    )
+    for out in results:
+        assert out["all"] == [2, True, 2]  # iteration 2, bit-exact, resolve + read
+        assert out["one_blind"] == [2, True, 3]  # resolve, plan, read
+        refused = out["refused"]
+        assert refused["phase"] == "resolve" and refused["ranks"] == [1] and "tp: 1 -> 2" in refused["text"]
