@@ -1,18 +1,15 @@
 """Shared test set-up. Multi-rank tests launch real processes through miles_lora_ckpt_harness.sim.launch;
 each test module holds its own rank jobs, which the ranks import from the tests directory
-(`jobs_paths.TESTS`); the Bridge tier's jobs are still in tests/jobs/ (`jobs_paths.JOBS`)."""
+(`jobs_paths.TESTS`)."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-from jobs_paths import JOBS
 
 from miles_lora_ckpt_harness.sim.cpu_intercepts import install_typing_override
 
-sys.path.insert(0, JOBS)
 # Tests that import megatron in this process (tier 2: megatron-core 0.19 with emerging-optimizers,
 # which needs Python 3.12's typing.override) get the harness's 3.11 shim first.
 install_typing_override()

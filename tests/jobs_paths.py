@@ -5,4 +5,3 @@ the small shared modules beside it (``single_lora_steps``, ``protocol_generation
 from pathlib import Path
 
 TESTS = str(Path(__file__).parent)
-JOBS = str(Path(__file__).parent / "jobs")  # bridge_jobs: the Bridge tier's jobs, not yet beside their test

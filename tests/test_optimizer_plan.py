@@ -7,11 +7,15 @@ children are exercised end to end in test_optimizer_children.py.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
+from miles_lora_ckpt.core.child_layouts import WholeParamLayout
+from miles_lora_ckpt.core.errors import GenerationDamaged
+from miles_lora_ckpt.core.layout import MANIFEST
 from miles_lora_ckpt.megatron.optimizer_children import chain, layer_wise, replicated
 from miles_lora_ckpt.megatron.optimizer_children.child import leaf_children
 from miles_lora_ckpt.megatron.optimizer_children.family import ChildDescription
@@ -53,11 +57,11 @@ def test_replicated_entries_are_written_once_by_the_lowest_rank_holding_them():
     ranks = [coords(0, 0), coords(1, 1)]
     same = [described({"tp000_pp000:chunk0.a": 0, "tp000_pp000:chunk0.b": 1}, "d1")] * 2
     plan = replicated.FAMILY.plan(3, same, ranks)
-    assert {e["file"] for e in plan["entries"].values()} == {
+    assert {e.file for e in plan.entries.values()} == {
         "optimizer/child3_tp000_pp000_ep000_etp000_dp000_cp000.safetensors"
     }
-    assert plan["entries"]["tp000_pp000:chunk0.b"]["group"] == 1
-    assert plan["state_reporters"] == {"tp000_pp000_ep000_etp000": 0}
+    assert plan.entries["tp000_pp000:chunk0.b"].group == 1
+    assert plan.state_reporters == {"tp000_pp000_ep000_etp000": 0}
 
 
 def test_replicas_that_differ_are_refused():
@@ -73,8 +77,8 @@ def test_layer_wise_entries_are_written_by_their_owner_and_never_twice():
     ranks = [coords(0, 0), coords(1, 1), coords(2, 2)]
     owners = [described({"tp000_pp000:chunk0.a": 0}), described({"tp000_pp000:chunk0.b": 0}), described({})]
     plan = layer_wise.FAMILY.plan(1, owners, ranks)
-    assert plan["entries"]["tp000_pp000:chunk0.b"]["file"].endswith("_dp001_cp000.safetensors")
-    assert plan["state_reporters"] == {"tp000_pp000_ep000_etp000": 0}  # rank 2 holds nothing: not a stub
+    assert plan.entries["tp000_pp000:chunk0.b"].file.endswith("_dp001_cp000.safetensors")
+    assert plan.state_reporters == {"tp000_pp000_ep000_etp000": 0}  # rank 2 holds nothing: not a stub
     shared = [described({"tp000_pp000:chunk0.a": 0})] * 2 + [described({})]
     with pytest.raises(ValueError, match=r"held by ranks \[0, 1\] under a LayerWiseDistributedOptimizer"):
         layer_wise.FAMILY.plan(1, shared, ranks)
@@ -85,9 +89,34 @@ def test_a_load_needs_exactly_the_saved_entries():
     saved = layer_wise.FAMILY.plan(0, [described({"s:a": 0}), described({"s:b": 0})], ranks[:2])
     view = SimpleNamespace(rank=2)
     now = [described({"s:a": 0}), described({}), described({"s:b": 0})]  # another DP size, other owners
-    assert layer_wise.FAMILY.files_to_read(0, view, now, saved) == [saved["entries"]["s:b"]["file"]]
+    assert layer_wise.FAMILY.files_to_read(0, view, now, saved) == [saved.entries["s:b"].file]
     with pytest.raises(ValueError, match="does not step"):
         layer_wise.FAMILY.files_to_read(0, view, [described({"s:a": 0}), described({}), described({})], saved)
+
+
+def test_a_saved_layout_is_its_familys_record_and_one_of_another_shape_is_damage():
+    """`chain.saved_record` reads each child's layout into its family's record (`core.child_layouts`)
+    once: its JSON is what the plan wrote, and a layout of another shape (or none, for a child
+    saved with state) is GenerationDamaged naming the manifest, before any file is read."""
+    ranks = [coords(0, 0), coords(1, 1)]
+    plans = chain.plan([[child(0)], [child(0)]], ranks, save_optim=True)
+    record = chain.saved_record(plans, 0)
+    assert isinstance(record.layout, WholeParamLayout) and record.to_json() == plans["0"]
+    assert record.layout.entries["tp000_pp000:chunk0.a"].group == 0
+    edits = {
+        "an entry without its group": lambda layout: layout["entries"]["tp000_pp000:chunk0.a"].pop("group"),
+        "files not a mapping": lambda layout: layout.update(files=["optimizer/x.safetensors"]),
+        "a file of no coordinate": lambda layout: layout["files"].update({"optimizer/x.safetensors": 3}),
+        "no layout at all": lambda layout: layout.clear(),
+    }
+    for name, edit in edits.items():
+        edited = copy.deepcopy(plans)
+        edit(edited["0"]["layout"])
+        with pytest.raises(GenerationDamaged) as refused:
+            chain.saved_record(edited, 0)
+        assert [p.file for p in refused.value.problems] == [MANIFEST], name
+        assert "optimizer child 0" in refused.value.problems[0].reason, name
+    assert chain.saved_record(chain.plan([[child(0)]] * 2, ranks, save_optim=False), 0).layout is None
 
 
 def child(index: int, **fields) -> ChildDescription:

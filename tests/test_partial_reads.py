@@ -11,6 +11,7 @@ import torch
 from jobs_paths import TESTS
 
 from miles_lora_ckpt.core import checked_reads, host_memory, partial_reads, read_ahead, safetensors_write
+from miles_lora_ckpt.core.child_layouts import DistributedLayout
 from miles_lora_ckpt.core.consensus import Consensus
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import FileRecord, Topology
@@ -153,7 +154,8 @@ def test_the_writer_pulls_lazy_tensors_one_at_a_time(tmp_path):
 CURRENT = {"buf0": [10, 6]}
 
 
-def _plan(bounds_per_rank):
+def _plan_json(bounds_per_rank) -> dict:
+    """The manifest's JSON of a child's layout at coordinate "k", one slice per rank's bounds."""
     n = len(bounds_per_rank)
     return {
         "numel_unpadded": {"k": CURRENT},
@@ -164,6 +166,10 @@ def _plan(bounds_per_rank):
             ]
         },
     }
+
+
+def _plan(bounds_per_rank) -> DistributedLayout:
+    return DistributedLayout.parse(_plan_json(bounds_per_rank), 3)
 
 
 def test_slice_bounds_of_the_plan_tile_every_bucket():
@@ -238,27 +244,50 @@ def test_overlapping_or_gapped_slice_bounds_are_refused(bounds, words):
 def test_a_slice_listed_under_another_name_or_a_changed_bucket_layout_is_refused():
     from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 
-    plan = _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
+    plan = _plan_json([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
     plan["slices"]["k"][1]["file"] = "training_state.json"
     with pytest.raises(ValueError, match="slice 1 of 2"):
-        dopt.saved_pieces(3, plan, "k", CURRENT)
+        dopt.saved_pieces(3, DistributedLayout.parse(plan, 3), "k", CURRENT)
     with pytest.raises(IncompatibleCheckpoint, match="bucket layout differs"):
         dopt.saved_pieces(3, _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]]), "k", {"buf0": [10, 7]})
 
 
 def test_a_bucket_layout_missing_from_the_plan_names_the_missing_key():
-    from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
+    from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint
 
-    plan = _plan([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
+    plan = _plan_json([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
     plan["numel_unpadded"] = {"other": CURRENT}  # this run's coordinate "k" is not in the checkpoint
     with pytest.raises(IncompatibleCheckpoint) as refused:
-        dopt.saved_pieces(3, plan, "k", CURRENT)
+        dopt.saved_pieces(3, DistributedLayout.parse(plan, 3), "k", CURRENT)
     assert "missing key 'k' in 'numel_unpadded'" in str(refused.value) and "['other']" in str(refused.value)
     assert "None" not in str(refused.value)
-    del plan["numel_unpadded"]
-    with pytest.raises(ValueError, match=r"has no bucket layout \('numel_unpadded'\)") as damaged:
-        dopt.saved_pieces(3, plan, "k", CURRENT)
-    assert "None" not in str(damaged.value)
+    del plan["numel_unpadded"]  # the layout's record refuses it as it is read: damage naming the manifest
+    with pytest.raises(GenerationDamaged, match=r"has no bucket layout \('numel_unpadded'\)") as damaged:
+        DistributedLayout.parse(plan, 3)
+    assert [p.file for p in damaged.value.problems] == ["manifest.json"] and "None" not in str(damaged.value)
+
+
+def test_a_layout_of_another_shape_is_damage_naming_the_manifest():
+    """`DistributedLayout.parse`: every value of the kind its field holds, else GenerationDamaged
+    naming the manifest; what it makes gives back the JSON it was made of (`to_json`)."""
+    from miles_lora_ckpt.core.errors import GenerationDamaged
+
+    good = _plan_json([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
+    assert DistributedLayout.parse(good, 3).to_json() == good
+    edits = {
+        "slices not a list": lambda p: p["slices"].update(k={"file": "x"}),
+        "a slice without its file": lambda p: p["slices"]["k"][0].pop("file"),
+        "bounds of three numbers": lambda p: p["slices"]["k"][0]["bounds"].update(buf0=[[0, 5, 1], [0, 3]]),
+        "a negative bucket size": lambda p: p["numel_unpadded"].update(k={"buf0": [-1, 6]}),
+        "a position of three numbers": lambda p: p.update(positions={"k": {"chunk0.a": [0, 0, 4]}}),
+    }
+    for name, edit in edits.items():
+        plan = _plan_json([[[0, 5], [0, 3]], [[5, 10], [3, 6]]])
+        edit(plan)
+        with pytest.raises(GenerationDamaged) as refused:
+            DistributedLayout.parse(plan, 3)
+        assert [p.file for p in refused.value.problems] == ["manifest.json"], name
+        assert "optimizer child 3" in refused.value.problems[0].reason, name
 
 
 # --------------------------------------------------------------------------- partial reads

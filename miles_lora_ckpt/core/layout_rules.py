@@ -8,7 +8,8 @@ masters and moments by them alone, so `verify` and every loader check them first
 - blocks lie inside their global shape, agree on it and its dtype, and tile it exactly;
 - each adapter file entry names a listed file bound to its coordinate, holding its tensors;
 - positions lie inside their bucket, name a described parameter, and never overlap;
-- in any format, every DistributedOptimizer child's slices tile each bucket (`check_slices`).
+- in any format, every optimizer child's layout is its family's shape (`core.child_layouts`), and
+  every DistributedOptimizer child's slices tile each bucket (`check_slices`).
 
 `check_file_tensors` holds each file's content to its entry. A resealed layout edit that keeps all
 this, such as two TP ranks' offsets swapped, fails each file's own stamp (`stamp`, `check_stamp`).
@@ -25,6 +26,7 @@ import re
 from typing import Any
 
 from miles_lora_ckpt.core import partial_reads, safetensors_format
+from miles_lora_ckpt.core.child_layouts import ChildLayout, DistributedLayout, SliceEntry, parse_layout
 from miles_lora_ckpt.core.errors import GenerationDamaged, Problem
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import Block
@@ -38,6 +40,7 @@ __all__ = [
     "damaged",
     "file_entries",
     "saved_blocks",
+    "saved_child_layouts",
     "slice_problem",
     "stamp",
 ]
@@ -59,42 +62,55 @@ def has_layout(manifest: Manifest) -> bool:
 
 
 def check(manifest: Manifest) -> None:
-    """Check every structural rule of the manifest's optimizer slices, global layout and positions.
+    """Check every structural rule of the manifest's optimizer layouts, global layout and positions.
 
-    Slices are checked in any format, the layout in format v3. Raises GenerationDamaged naming the
-    file and the first problem.
+    Every child's layout is its family's shape (`saved_child_layouts`), its slices tile their buckets
+    in any format, the global layout in format v3. Raises GenerationDamaged naming the file and the
+    first problem.
     """
     check_slices(manifest)
     if has_layout(manifest):
         saved_blocks(manifest)
 
 
+def saved_child_layouts(manifest: Manifest) -> dict[str, ChildLayout]:
+    """`{child index: its layout}` of every optimizer child the manifest records with a layout, as its
+    family's record (`core.child_layouts`); GenerationDamaged naming the manifest where one is not
+    its family's shape."""
+    children = manifest.metadata.get("optimizer_children")
+    if not isinstance(children, dict):
+        return {}
+    layouts = {}
+    for index, child in sorted(children.items()):
+        if not isinstance(child, dict):
+            continue
+        try:
+            layout = parse_layout(child.get("family"), child.get("layout"), index)
+        except GenerationDamaged as exc:  # named again, by its generation
+            raise damaged(manifest, MANIFEST, exc.problems[0].reason) from None
+        if layout is not None:
+            layouts[index] = layout
+    return layouts
+
+
 def check_slices(manifest: Manifest) -> None:
-    """Check every DistributedOptimizer child's `slices` (format v2 and later); GenerationDamaged.
+    """Check every child's layout (`saved_child_layouts`) and every DistributedOptimizer child's `slices`
+    (format v2 and later); GenerationDamaged.
 
     Per coordinate, the files `optimizer/child{i}_{coordinate}_s{r:03d}of{n:03d}.safetensors` of
     ranks 0..n-1 are listed where they hold elements. Their bounds lie inside each bucket's
     `numel_unpadded` and tile it. Every load's `saved_pieces` requires this, so `verify` does too.
     """
-    children = manifest.metadata.get("optimizer_children")
-    if not isinstance(children, dict):
-        return
-    for index, child in sorted(children.items()):
-        if not isinstance(child, dict) or child.get("family") != FamilyKind.DISTRIBUTED:
+    for index, layout in saved_child_layouts(manifest).items():
+        if not isinstance(layout, DistributedLayout) or layout.slices is None:
             continue
-        layout = child.get("layout")
-        if not isinstance(layout, dict) or "slices" not in layout:
-            continue
-        numels, slices = layout.get("numel_unpadded"), layout["slices"]
-        if not isinstance(numels, dict) or not isinstance(slices, dict):
-            raise damaged(manifest, MANIFEST, f"optimizer child {index}: slices without a bucket layout")
-        for key, entries in sorted(slices.items()):
-            problem = slice_problem(index, key, entries, numels.get(key), manifest.files)
+        for key, entries in sorted(layout.slices.items()):
+            problem = slice_problem(index, key, entries, layout.numel_unpadded.get(key), manifest.files)
             if problem is not None:
                 raise damaged(manifest, *problem)
 
 
-def slice_problem(index, key, entries, current, listed=None) -> tuple[str, str] | None:
+def slice_problem(index, key, entries: tuple[SliceEntry, ...] | None, current, listed=None) -> tuple[str, str] | None:
     """`(file, reason)` of the first problem of one coordinate's optimizer slices, or None.
 
     Each slice is named by its place, with bounds inside `current`, the unpadded bucket sizes; the
@@ -107,23 +123,22 @@ def slice_problem(index, key, entries, current, listed=None) -> tuple[str, str] 
     )
     if not sizes_ok:
         return MANIFEST, f"{where}: the slices have no bucket layout ('numel_unpadded')"
-    if not isinstance(entries, list) or not entries:
+    if not entries:
         return MANIFEST, f"{where}: the manifest lists no slices"
     covered = {buf: [[] for _ in numels] for buf, numels in current.items()}
     size = len(entries)
     for rank, entry in enumerate(entries):
         expected = f"optimizer/child{index}_{key}_s{rank:03d}of{size:03d}.safetensors"
-        if not isinstance(entry, dict) or entry.get("file") != expected or entry.get("slice") != f"{rank}/{size}":
-            return MANIFEST, f"{where}: slice {rank} of {size} is listed as {str(entry)[:200]}"
-        bounds = entry.get("bounds")
-        if not isinstance(bounds, dict) or set(bounds) != set(current):
+        if entry.file != expected or entry.slice != f"{rank}/{size}":
+            return MANIFEST, f"{where}: slice {rank} of {size} is listed as {str(entry.to_json())[:200]}"
+        bounds = entry.bounds
+        if set(bounds) != set(current):
             return expected, f"slice bounds {str(bounds)[:200]} do not name the buffers {sorted(current)}"
         for buf, per_bucket in bounds.items():
-            if not isinstance(per_bucket, list) or len(per_bucket) != len(current[buf]):
+            if len(per_bucket) != len(current[buf]):
                 return expected, f"slice bounds of {buf} are {str(per_bucket)[:200]}, one [lo, hi] per bucket expected"
-            for b, pair in enumerate(per_bucket):
-                ok = isinstance(pair, list) and len(pair) == 2 and all(type(v) is int for v in pair)
-                if not ok or not 0 <= pair[0] <= pair[1] <= current[buf][b]:
+            for b, pair in enumerate(per_bucket):  # `[lo, hi]`, two ints (`SliceEntry.parse`)
+                if not 0 <= pair[0] <= pair[1] <= current[buf][b]:
                     return (
                         expected,
                         f"slice bounds {str(pair)[:80]} of {buf} bucket {b} are out of [0, {current[buf][b]}]",
@@ -283,19 +298,12 @@ def _check_adapter_files(manifest: Manifest, files: Any, blocks: dict) -> None:
 
 def _check_positions(manifest: Manifest, blocks: dict) -> None:
     """Every DistributedOptimizer child's positions: inside their buckets, one parameter each."""
-    children = manifest.metadata.get("optimizer_children")
-    if not isinstance(children, dict):
-        return
-    for index, child in sorted(children.items()):
-        layout = child.get("layout") if isinstance(child, dict) else None
-        if not isinstance(layout, dict) or "positions" not in layout:
+    for index, layout in saved_child_layouts(manifest).items():
+        if not isinstance(layout, DistributedLayout) or layout.positions is None:
             continue
-        positions, numels = layout["positions"], layout.get("numel_unpadded")
-        if not isinstance(positions, dict) or not isinstance(numels, dict):
-            raise damaged(manifest, MANIFEST, f"optimizer child {index}: positions without a bucket layout")
-        for key, named in sorted(positions.items()):
-            buckets = numels.get(key)
-            if not isinstance(buckets, dict) or not isinstance(named, dict):
+        for key, named in sorted(layout.positions.items()):
+            buckets = layout.numel_unpadded.get(key)
+            if buckets is None:
                 raise damaged(manifest, MANIFEST, f"optimizer child {index}: positions at {key} of no bucket layout")
             spans: dict[tuple, list] = {}
             for name, where in sorted(named.items()):
@@ -314,14 +322,13 @@ def _check_positions(manifest: Manifest, blocks: dict) -> None:
                         )
 
 
-def _position(manifest: Manifest, index, key: str, name: str, where: Any, buckets: dict, blocks: dict) -> tuple:
-    """Check one position `[buffer, bucket, start, numel]`; returns `(buffer, bucket)`."""
+def _position(manifest: Manifest, index, key: str, name: str, where: list[int], buckets: dict, blocks: dict) -> tuple:
+    """Check one position `[buffer, bucket, start, numel]` (four counts: `DistributedLayout.parse`
+    checked its shape); returns `(buffer, bucket)`."""
     what = f"optimizer child {index} at {key}: the position of {str(name)[:120]}"
-    if not (isinstance(where, list) and len(where) == 4 and all(type(v) is int and v >= 0 for v in where)):
-        raise damaged(manifest, MANIFEST, f"{what} is {str(where)[:80]}, not [buffer, bucket, start, numel]")
     buf, bucket, start, numel = where
     sizes = buckets.get(f"buf{buf}")
-    if not isinstance(sizes, list) or bucket >= len(sizes) or type(sizes[bucket]) is not int:
+    if sizes is None or bucket >= len(sizes):
         raise damaged(manifest, MANIFEST, f"{what} names buf{buf} bucket {bucket}, which the bucket layout lacks")
     if start + numel > sizes[bucket]:
         raise damaged(
@@ -413,7 +420,9 @@ def file_entries(metadata: dict, relpath: str, binding: dict) -> dict | None:
     """The layout entries a resharding load reads file `relpath` by, or None when it has none.
 
     For an adapter file: its entry and its names' blocks. For an optimizer file: its coordinate's
-    blocks and its child's positions. `metadata` is the manifest's; `binding` is the file's.
+    blocks and its child's positions. `metadata` is the manifest's; `binding` is the file's. The
+    stamp digests the manifest's JSON as it is, checked or not (`check` refuses a malformed one),
+    so this reads the JSON, not the records of `saved_child_layouts`: one lookup per file, never raising.
     """
     layout = metadata.get("global_layout")
     if not isinstance(layout, dict):

@@ -25,8 +25,11 @@ Save, read top to bottom as phases::
 A failed attempt raises the same CheckpointError on every rank, and its staging directory is
 removed. One left by a killed process is never read; the next save removes it at prepare.
 
-Load: every rank checks each candidate generation's structure, newest first, and reads the files
-or element ranges (`PartialRead`) it needs, verified. Files and blocks nobody reads are checked
+Load: every rank first plans the generation the tracker names and hints the kernel at its bytes
+(a look-ahead: the disk reads during the rounds; nothing it read is trusted). The resolve round
+hands out the listing with those plans; where every rank guessed the newest candidate it needs no
+plan round of its own. Every rank checks each candidate generation's structure, newest first, and
+reads the files or element ranges (`PartialRead`) it needs, verified. Files and blocks nobody reads are checked
 round-robin, so some rank verifies every listed byte. All ranks agree on the verdict; a root skips
 a damaged generation with a warning. Nothing is mutated here: callers preflight before touching
 model or optimizer.
@@ -86,6 +89,8 @@ from miles_lora_ckpt.core.verify import (
     check_structure,
     damage_problems,
     find_candidates,
+    follow_generation_link,
+    tracked_generation,
 )
 
 __all__ = [
@@ -631,12 +636,16 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     a bug: it never falls back to older state.
     """
     rank, world = consensus.rank, consensus.world_size
+    # Look ahead: each rank plans the generation the root's tracker names and hints the kernel at
+    # its bytes, so the disk reads while the rounds below run. Nothing is trusted: the plan is used
+    # only where the agreed listing starts with that generation.
+    local = attempt(_resolve_locally, Path(path), rank == 0)
+    ahead = _look_ahead(Path(path), files_for_rank, local.value[0]) if local.ok else None
     # Resolve: every rank loads its signing key, and the coordinator lists the candidates in commit
     # order, tracker disagreements as warnings. One round checks every rank asks for the same thing
-    # (`first`) and nobody failed, and hands out the listing.
-    local = attempt(_resolve_locally, Path(path), rank == 0)
+    # (`first`) and nobody failed, hands out the listing, and carries each rank's look-ahead plan.
     mine = {"path": str(path), "listing": local.value[1] if local.ok else None, "error": local.error}
-    everyone = consensus.agree("resolve", Outcome.success(mine))
+    everyone = consensus.agree("resolve", Outcome.success({**mine, "ahead": _ahead_json(ahead)}))
     if len({entry["path"] for entry in everyone}) > 1:
         detail = [RankFailure(r, f"has {json.dumps(e['path'], sort_keys=True)}") for r, e in enumerate(everyone)]
         raise CheckpointError("resolve (ranks disagree)", detail)
@@ -647,11 +656,20 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     key = local.value[0]
     for warning in warnings:
         log.warning("%s: %s", path, warning)
+    # Where every rank guessed the newest candidate, the plans came with the listing: its plan
+    # round is the one just held.
+    guessed = bool(candidates) and all(e["ahead"] and e["ahead"]["guess"] == candidates[0] for e in everyone)
     damage: list[RankFailure] = []
     for candidate in map(Path, candidates):
         # Plan: every rank checks the structure once and names the files it needs.
-        planned = attempt(_plan_reads, candidate, files_for_rank, key)
-        plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
+        if ahead is not None and ahead[0] == candidate:
+            planned = ahead[1]
+        else:
+            planned = attempt(_plan_reads, candidate, files_for_rank, key)
+        if guessed and str(candidate) == candidates[0]:
+            plans = _agreed_plans("resolve", [e["ahead"] for e in everyone])
+        else:
+            plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
         if not problems:
             # Read: own files plus a share of the unclaimed ones, then agree on what was found.
@@ -670,6 +688,41 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
         log.warning("%s", skipped)
         warnings = [*warnings, skipped]
     raise CheckpointError("verify", damage or [RankFailure(0, f"no intact generation under {path}")])
+
+
+def _ahead_json(ahead: tuple[Path, Outcome] | None) -> dict | None:
+    """A look-ahead (`_look_ahead`) as the resolve round carries it: the generation guessed, and its
+    plan or the error planning it."""
+    if ahead is None:
+        return None
+    guess, planned = ahead
+    return {"guess": str(guess), "plan": planned.value[1] if planned.ok else None, "error": planned.error}
+
+
+def _agreed_plans(phase: str, aheads: list[dict]) -> list[dict]:
+    """Every rank's plan from the look-aheads the resolve round carried, by rank, as a plan round
+    would return them; raises that round's CheckpointError if any rank failed to plan."""
+    failures = [RankFailure(r, a["error"]) for r, a in enumerate(aheads) if a["error"] is not None]
+    if failures:
+        raise CheckpointError(phase, failures)
+    return [a["plan"] for a in aheads]
+
+
+def _look_ahead(path: Path, files_for_rank: FilesFn, key) -> tuple[Path, Outcome] | None:
+    """`(generation, its plan as an Outcome)` for the generation `path` is, or its save root's
+    tracker names, after hinting the kernel at this rank's bytes of it; None when it names none.
+
+    The plan is `_plan_reads`' own, made early: `open_generation` uses it only for that generation.
+    """
+    path = follow_generation_link(path)
+    guess = path if parse_generation_dir_name(path.name) is not None else tracked_generation(path)
+    if guess is None:
+        return None
+    planned = attempt(_plan_reads, guess, files_for_rank, key)
+    if planned.ok and not planned.value[1]["problems"]:
+        gen, plan = planned.value
+        _prefetch(guess, gen.manifest, plan["files"], plan["ranges"], {})
+    return guess, planned
 
 
 def _resolve_locally(path: Path, coordinator: bool):

@@ -74,6 +74,7 @@ __all__ = [
     "reason",
     "resolve",
     "scan_root",
+    "tracked_generation",
     "verify_generation",
     "view_root",
 ]
@@ -468,6 +469,14 @@ def _entry(name: str, iteration: int, gen: Generation, content: bool) -> RootEnt
 def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
     """The entries of `view_root` (newest generation first)."""
     return view_root(root, content=content).entries
+
+
+def tracked_generation(root: Path) -> Path | None:
+    """The generation directory `root`'s tracker names, or None (no usable tracker). A hint only:
+    what a tracker says is never trusted, a loader reads the listing (`find_candidates`)."""
+    tracker, _ = _read_tracker(Path(root))
+    name = None if tracker is None else tracker.generation_dir
+    return Path(root) / name if isinstance(name, str) and parse_generation_dir_name(name) is not None else None
 
 
 def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:

@@ -130,10 +130,10 @@ def protocol_load(consensus, work: Path, rank: int) -> None:
     from miles_lora_ckpt.core.protocol import open_generation
 
     root = work / "protocol"
-    for gen in root.glob("gen-*"):
-        for file in gen.glob("*.safetensors"):
-            if file.name == f"rank{rank:05d}.safetensors":
-                drop_cache(file)
+    for entry in os.scandir(root):  # this rank's file in each generation (one here), found by name
+        file = Path(entry.path) / f"rank{rank:05d}.safetensors"
+        if entry.name.startswith("gen-") and file.exists():
+            drop_cache(file)
     opened = open_generation(consensus, root, lambda manifest: [f"rank{rank:05d}.safetensors"])
     opened.tensors(f"rank{rank:05d}.safetensors")
 

@@ -177,7 +177,7 @@ def plan(
                 )
         stepped = save_optim and bool(stateful)
         family = FAMILIES[first.family]
-        layout = family.plan(index, described, ranks) if stepped else {}
+        layout = family.plan(index, described, ranks) if stepped else None
         record = SavedChild(first.family, first.class_name, first.kind, tuple(keys), stepped, layout)
         plans[str(index)] = record.to_json()
     return plans
@@ -186,10 +186,11 @@ def plan(
 def saved_record(saved: dict[str, dict], index: int) -> SavedChild | None:
     """Child `index` of the manifest's (or `plan`'s) JSON `{index: child}` as a `SavedChild`.
 
-    Returns None where it has none. This is the JSON boundary: each entry is parsed where used.
+    Returns None where it has none. This is the JSON boundary: each entry is parsed where used, its
+    layout into its family's record (GenerationDamaged where the JSON is not that record's shape).
     """
     entry = saved.get(str(index))
-    return None if entry is None else SavedChild.parse(entry)
+    return None if entry is None else SavedChild.parse(entry, index)
 
 
 def covered_params(descriptions: Sequence[Sequence[ChildDescription]]) -> set[str]:

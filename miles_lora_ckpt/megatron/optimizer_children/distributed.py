@@ -15,8 +15,9 @@ Files (no gather): DP rank `r` of `n` writes
 child `i`, that coordinate and `slice` `"r/n"`, holding for every bucket where its slice is not
 empty the tensors `buf{g}.bucket{b}.{k}` (its slice, fp32), written lazily one tensor at a time
 (`safetensors_write.LazyTensor`: one bucket slice of one key in memory) with per-block digests. The plan
-(manifest metadata `optimizer_children[i].layout`) records per coordinate `numel_unpadded` and
-`slices`: each file with its slice and per bucket its bounds `[lo, hi)` in the world tensor.
+(`core.child_layouts.DistributedLayout`, manifest metadata `optimizer_children[i].layout`) records
+per coordinate `numel_unpadded`, `positions` (format v3) and `slices`: each file with its slice
+(`SliceEntry`) and per bucket its bounds `[lo, hi)` in the world tensor.
 
 Load (no scatter): a rank at any DP size reads exactly the element ranges of the saved slices
 that overlap its own shard (`protocol.PartialRead`: only those blocks are read and verified; the
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lora_ckpt.core import layout_rules, partial_reads
+from miles_lora_ckpt.core.child_layouts import DistributedLayout, SliceEntry
 from miles_lora_ckpt.core.errors import GenerationDamaged, IncompatibleCheckpoint, Problem
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.global_layout import Block, cut_copies, distinct, fill_problem, strided_runs, strided_view
@@ -242,7 +244,7 @@ class DistributedHeld:
         )
 
 
-def plan_slices(index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
+def plan_slices(index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> DistributedLayout:
     """Pure: per DP group (keyed by its root's coordinate) the bucket layout and every rank's slice."""
     groups: dict[int, list[DistributedHeld]] = {}
     for desc in described:
@@ -265,15 +267,15 @@ def plan_slices(index: int, described: list[ChildDescription | None], ranks: lis
             raise ValueError(f"optimizer child {index}: the DP group at {key} does not have ranks 0..{size - 1}")
         numels[key] = first.numel_unpadded
         positions[key] = _merged_positions(index, key, members)
-        slices[key] = [
-            {
-                "file": slice_file_name(index, key, r, size),
-                "slice": f"{r}/{size}",
-                "bounds": slice_bounds(first.numel_padded, first.numel_unpadded, r, size),
-            }
+        slices[key] = tuple(
+            SliceEntry(
+                slice_file_name(index, key, r, size),
+                f"{r}/{size}",
+                slice_bounds(first.numel_padded, first.numel_unpadded, r, size),
+            )
             for r in range(size)
-        ]
-    return {"numel_unpadded": numels, "slices": slices, "positions": positions}
+        )
+    return DistributedLayout(numels, slices, positions)
 
 
 def _merged_positions(index: int, key: str, members: list[DistributedHeld]) -> dict[str, list[int]]:
@@ -364,13 +366,11 @@ class RestorePart(NamedTuple):
     rows: tuple[int, int, int, int] | None
 
 
-def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]:
+def saved_pieces(index: int, plan: DistributedLayout, key: str, current: dict) -> list[Piece]:
     """Every saved piece of child `index` at `key`, checked: the bucket layout is this run's, and
     the slices tile each bucket exactly (no overlap, no gap). Legacy (gathered) layouts: one piece
     per buffer in the DP root's file."""
-    layouts = plan.get("numel_unpadded")
-    if not isinstance(layouts, dict):
-        raise GenerationDamaged(f"optimizer child {index}: the manifest's plan has no bucket layout ('numel_unpadded')")
+    layouts = plan.numel_unpadded
     if key not in layouts:
         raise IncompatibleCheckpoint(
             f"optimizer child {index}: the checkpoint has no bucket layout for model-parallel coordinate {key} "
@@ -382,10 +382,10 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
             f"optimizer child {index} at {key}: bucket layout differs: checkpoint {saved}, this run {current}"
         )
     offsets = {buf: [sum(numels[:b]) for b in range(len(numels))] for buf, numels in current.items()}
-    if "slices" not in plan:  # gathered layout: the DP root wrote the world tensors
+    if plan.slices is None:  # gathered layout: the DP root wrote the world tensors
         binding = file_binding(index, key)
         return [Piece(file_name(index, key), binding, buf, buf, 0, sum(n)) for buf, n in sorted(current.items())]
-    entries = plan["slices"].get(key)
+    entries = plan.slices.get(key)
     problem = layout_rules.slice_problem(index, key, entries, current)
     if problem is not None:  # verify's rule: each slice named by its place, the slices tiling every bucket
         file, why = problem
@@ -393,7 +393,7 @@ def saved_pieces(index: int, plan: dict, key: str, current: dict) -> list[Piece]
     pieces, size = [], len(entries)
     for rank, entry in enumerate(entries):
         expected, binding = slice_file_name(index, key, rank, size), slice_binding(index, key, rank, size)
-        for buf, per_bucket in entry["bounds"].items():
+        for buf, per_bucket in entry.bounds.items():
             for b, (lo, hi) in enumerate(per_bucket):
                 if hi > lo:  # an empty slice holds no piece
                     begin = offsets[buf][b]
@@ -675,7 +675,9 @@ class Resharded:
     never_stepped: bool = False  # the child never stepped on any rank (`_Restore.never_stepped`)
 
 
-def _described_positions(index: int, plan: dict, described: list, mine: ChildDescription, view: RankView) -> dict:
+def _described_positions(
+    index: int, plan: DistributedLayout, described: list, mine: ChildDescription, view: RankView
+) -> dict:
     """The `positions` a child record lacks (one written before format v3 recorded them), for a
     load at the saved layout: each DP group's as this run describes them, as a save records them
     (`plan_slices`). Its own group's bucket layout must be the saved one, as the reader of each
@@ -685,7 +687,7 @@ def _described_positions(index: int, plan: dict, described: list, mine: ChildDes
         raise IncompatibleCheckpoint(f"optimizer child {index} has no data-parallel group")
     saved_pieces(index, plan, view.ranks[mine.held.dp_root].model_parallel_key, mine.held.numel_unpadded)
     try:
-        return plan_slices(index, described, view.ranks)["positions"]
+        return plan_slices(index, described, view.ranks).positions
     except ValueError as exc:
         raise IncompatibleCheckpoint(str(exc)) from None
 
@@ -693,7 +695,7 @@ def _described_positions(index: int, plan: dict, described: list, mine: ChildDes
 def _optimizer_sources(index: int, positions, saved: dict, manifest) -> dict[str, list[_SavedPosition]]:
     """`{global name: [_SavedPosition]}` of one child's saved `positions` (checked by
     `layout_rules.saved_blocks`: inside their buckets, one parameter each, of their blocks' sizes)."""
-    if not isinstance(positions, dict):
+    if positions is None:
         raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint records no parameter positions")
     sources: dict[str, list[_SavedPosition]] = {}
     for key, named in sorted(positions.items()):
@@ -801,10 +803,10 @@ class DistributedFamily:
     def parse_held(self, data: dict) -> DistributedHeld:
         return DistributedHeld.parse(data)
 
-    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
+    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> DistributedLayout:
         return plan_slices(index, described, ranks)
 
-    def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
+    def collect(self, child: Child, view: RankView, plan: DistributedLayout, keys: tuple[str, ...]) -> Collected:
         opt = child.optimizer
         if local_param_count(opt) > 0 and not has_state(opt):
             raise ValueError(f"optimizer child {child.index} has stepped on other ranks but has no state here")
@@ -812,29 +814,29 @@ class DistributedFamily:
         group = dp_group(opt)
         key = view.ranks[dist.get_process_group_ranks(group)[0] if dist.is_initialized() else 0].model_parallel_key
         rank, size = group.rank(), group.size()
-        entry = plan["slices"][key][rank]
-        tensors = lazy_slices(opt, keys, entry["bounds"])
+        entry = plan.slices[key][rank]
+        tensors = lazy_slices(opt, keys, entry.bounds)
         file = OptimizerFile(slice_binding(child.index, key, rank, size), tensors, partial_reads=True)
-        collected = Collected({entry["file"]: file})
+        collected = Collected({entry.file: file})
         if rank == 0:
             collected.state_key = f"{child.index}:{key}"
             collected.state = to_json(opt.state_dict(), f"optimizer child {child.index}")
         return collected
 
     def exchange_for_save(
-        self, child: Child, view: RankView, plan: dict, collected: Collected
+        self, child: Child, view: RankView, plan: DistributedLayout, collected: Collected
     ) -> dict[str, OptimizerFile]:
         """No collectives: every DP rank writes its own slice (lazily, see `lazy_slices`)."""
         return collected.local
 
-    def _pieces(self, index: int, view: RankView, described: list, plan: dict) -> list[Piece]:
+    def _pieces(self, index: int, view: RankView, described: list, plan: DistributedLayout) -> list[Piece]:
         mine = described[view.rank].held
         if mine.dp_rank is None:
             raise IncompatibleCheckpoint(f"optimizer child {index} has no data-parallel group")
         root_key = view.ranks[mine.dp_root].model_parallel_key
         return saved_pieces(index, plan, root_key, mine.numel_unpadded)
 
-    def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list:
+    def files_to_read(self, index: int, view: RankView, described: list, plan: DistributedLayout) -> list:
         """`PartialRead`s of exactly the element ranges of the saved slices that overlap this rank's
         shard (at equal DP sizes: all of its own slice), every key's, kept: each block is read and
         verified once per load, at open, and the masters' cross-check (preflight) and `install` use
@@ -858,7 +860,9 @@ class DistributedFamily:
                 requests.setdefault((piece.file, keep), set()).add((f"{piece.prefix}.{k}", first, stop))
         return [PartialRead(file, tuple(sorted(ranges)), keep) for (file, keep), ranges in sorted(requests.items())]
 
-    def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
+    def preflight(
+        self, child: Child, view: RankView, described: list, plan: DistributedLayout, read: ReadContext
+    ) -> _Restore:
         mine = described[view.rank].held
         root_key = view.ranks[mine.dp_root].model_parallel_key
         state = read.states.get(f"{child.index}:{root_key}")
@@ -909,7 +913,7 @@ class DistributedFamily:
         keys = saved.keys
         described = layout.described.get(index, [])
         mine = described[layout.view.rank] if layout.view is not None and described else None
-        positions = saved.layout.get("positions")
+        positions = saved.layout.positions
         if positions is None and layout.saved_layout and mine is not None:
             positions = _described_positions(index, saved.layout, described, mine, layout.view)
         sources = _optimizer_sources(index, positions, layout.saved, layout.manifest)
@@ -921,12 +925,12 @@ class DistributedFamily:
         never = bool(described) and all(d is None or d.never_stepped for d in described)
         defer = layout.defer_moments and never
         pieces = {
-            key: saved_pieces(index, saved.layout, key, saved.layout["numel_unpadded"][key])
+            key: saved_pieces(index, saved.layout, key, saved.layout.numel_unpadded[key])
             for key in sorted({s.where for found in sources.values() for s in found})
         }
         offsets = {
             key: {buf: [sum(n[:b]) for b in range(len(n))] for buf, n in numels.items()}
-            for key, numels in saved.layout["numel_unpadded"].items()
+            for key, numels in saved.layout.numel_unpadded.items()
         }
         requests: dict[str, set] = {}
         used, buckets = set(), []

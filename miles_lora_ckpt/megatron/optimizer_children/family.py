@@ -1,7 +1,8 @@
 """The interface every child family implements (`ChildFamily`), and the records its phases pass.
 
 Each rank describes its children as `ChildDescription`s, each with its family's `Held` record.
-The manifest's record of a child is a `SavedChild`. Both are JSON only at their boundary.
+The manifest's record of a child is a `SavedChild`, its family's plan of the saved files a
+`core.child_layouts` record. All are JSON only at their boundary.
 
 Every optimizer file is bound (format v2) to what it is: `file_binding` names role `optimizer`,
 the child's leaf index and the writer's coordinate. The protocol stamps the binding into the file
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_lora_ckpt.core.child_layouts import ChildLayout, layout_damaged, parse_layout
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.megatron.optimizer_children.child import Child
@@ -62,7 +64,8 @@ class OptimizerFile:
 class SavedChild:
     """The checkpoint's record of one optimizer child (manifest `optimizer_children["<i>"]`).
 
-    `chain.plan` makes it. It is JSON only at the manifest boundary (`parse`, `to_json`).
+    `chain.plan` makes it. It is JSON only at the manifest boundary (`parse`, `to_json`); its
+    `layout` is its family's record (`core.child_layouts`), parsed once, here.
     """
 
     family: str  # a `FamilyKind` (a str); the manifest's string as is where it names none (refused)
@@ -70,24 +73,30 @@ class SavedChild:
     kind: str  # the optimizer (`optimizer_kind`: adam, lion, muon, ...)
     keys: tuple[str, ...]  # the per-element state keys, in their saved order
     stepped: bool  # saved with its state (masters and moments)
-    layout: dict  # the family's plan (`ChildFamily.plan`, JSON: files and what they hold); {} unless stepped
+    # the family's plan (`ChildFamily.plan`: files and what they hold); None unless stepped, and
+    # for a family this package does not know
+    layout: ChildLayout | None
 
     @classmethod
-    def parse(cls, data: dict) -> SavedChild:
-        """From the manifest's JSON (or `to_json`'s)."""
+    def parse(cls, data: dict, index) -> SavedChild:
+        """Child `index` from the manifest's JSON (or `to_json`'s). GenerationDamaged naming the
+        manifest where its layout is not its family's shape, or a child saved with state has none."""
         family = FamilyKind.parse(data["family"]) or data["family"]
-        layout = data.get("layout", {})
-        return cls(family, data["class"], data["kind"], tuple(data.get("keys", ())), data["stepped"], layout)
+        stepped = data["stepped"]
+        layout = parse_layout(family, data.get("layout"), index) if stepped else None
+        if stepped and layout is None and isinstance(family, FamilyKind):
+            raise layout_damaged(f"optimizer child {index} was saved with state, but the manifest records no layout")
+        return cls(family, data["class"], data["kind"], tuple(data.get("keys", ())), stepped, layout)
 
     def to_json(self) -> dict:
-        """The manifest's JSON of this child."""
+        """The manifest's JSON of this child (its layout `{}` where it has none)."""
         return {
             "family": self.family,
             "class": self.class_name,
             "kind": self.kind,
             "keys": list(self.keys),
             "stepped": self.stepped,
-            "layout": self.layout,
+            "layout": {} if self.layout is None else self.layout.to_json(),
         }
 
 
@@ -251,9 +260,10 @@ def saved_state_at(index: int, coordinates, states: dict):
 class ChildFamily(Protocol):
     """One family of optimizer children. Each method runs on every rank that holds the child.
 
-    Every method is local and may raise (the caller agrees on the outcome). `plan` is pure and
-    JSON (it goes into the manifest). Every rank derives the same plan from the same descriptions,
-    and raises the same error where they are inconsistent.
+    Every method is local and may raise (the caller agrees on the outcome). `plan` is pure: a
+    `core.child_layouts` record, whose JSON goes into the manifest (`SavedChild.layout`). Every
+    rank derives the same plan from the same descriptions, and raises the same error where they
+    are inconsistent.
     """
 
     kind: FamilyKind  # its name in the manifest
@@ -265,23 +275,26 @@ class ChildFamily(Protocol):
     def parse_held(self, data: dict) -> Held:
         """`describe`'s record back from its JSON (`Held.to_json`, in a `ChildDescription`'s)."""
 
-    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
-        """From every rank's description (None where the child is a stub): files, and what they hold."""
+    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> ChildLayout:
+        """From every rank's description (None where the child is a stub): files, and what they hold
+        (the family's `core.child_layouts` record)."""
 
-    def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
+    def collect(self, child: Child, view: RankView, plan: ChildLayout, keys: tuple[str, ...]) -> Collected:
         """Local copies of what this rank contributes, and the JSON state it records (if any)."""
 
     def exchange_for_save(
-        self, child: Child, view: RankView, plan: dict, collected: Collected
+        self, child: Child, view: RankView, plan: ChildLayout, collected: Collected
     ) -> dict[str, OptimizerFile]:
         """`{relpath: OptimizerFile}` this rank writes (from `collected`; no collectives)."""
 
-    def files_to_read(self, index: int, view: RankView, described: list[ChildDescription | None], plan: dict) -> list:
+    def files_to_read(
+        self, index: int, view: RankView, described: list[ChildDescription | None], plan: ChildLayout
+    ) -> list:
         """The files this rank needs to restore the child (`plan` is the saved one): relpaths read
         whole, or `protocol.PartialRead`s of some element ranges. Raises
         `IncompatibleCheckpoint` where the checkpoint cannot be restored into this run."""
 
-    def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> Any:
+    def preflight(self, child: Child, view: RankView, described: list, plan: ChildLayout, read: ReadContext) -> Any:
         """Read (binding checked) and check everything against this rank's child; mutates nothing."""
 
     def plan_reshard(self, child: Child, saved: SavedChild, layout: ReshardContext) -> Any:

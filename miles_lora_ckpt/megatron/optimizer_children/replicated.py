@@ -17,9 +17,10 @@ name (`chunk0.layers.0.linear_qkv.lora_A.weight`). An entry holds
 The lowest rank holding an entry writes it, into
 `optimizer/child{i}_tp000_pp000_ep000_etp000_dp000_cp000.safetensors`, named by the writer's
 parallel coordinate (model-parallel key, DP and CP rank), never by its global rank, and bound to
-child i and that coordinate. The plan in the manifest maps every entry to its file and param group
-(and every file to its coordinate), so a loader at any DP size reads exactly the entries it holds. Param groups (hyperparameters, never parameter lists) and the grad
-scaler are JSON, one record per model-parallel coordinate.
+child i and that coordinate. The plan in the manifest (`core.child_layouts.WholeParamLayout`) maps
+every entry to its file and param group (and every file to its coordinate), so a loader at any DP
+size reads exactly the entries it holds. Param groups (hyperparameters, never parameter lists) and
+the grad scaler are JSON, one record per model-parallel coordinate.
 
 Before saving, every rank digests its replica: replicas that differ (a DDP that reduce-scatters
 for a distributed optimizer while megatron built non-distributed children, say) are refused rather
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_lora_ckpt.core.child_layouts import WholeParamEntry, WholeParamLayout
 from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.finite import all_finite
@@ -202,7 +204,7 @@ class WholeParameterFamily:
     def parse_held(self, data: dict) -> WholeParameterHeld:
         return WholeParameterHeld.parse(data)
 
-    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> dict:
+    def plan(self, index: int, described: list[ChildDescription | None], ranks: list[Coordinates]) -> WholeParamLayout:
         holders: dict[str, list[int]] = {}
         for rank, desc in enumerate(described):
             for entry in desc.held.entries if desc is not None else {}:
@@ -218,19 +220,16 @@ class WholeParameterFamily:
         entries, files = {}, {}
         for entry, owners in sorted(holders.items()):
             writer = owners[0]
-            entries[entry] = {
-                "file": file_name(index, ranks[writer]),
-                "group": described[writer].held.entries[entry],
-            }
-            files[entries[entry]["file"]] = file_coordinate(ranks[writer])
+            entries[entry] = WholeParamEntry(file_name(index, ranks[writer]), described[writer].held.entries[entry])
+            files[entries[entry].file] = file_coordinate(ranks[writer])
         self.check_replicas(index, described)
         reporters: dict[str, int] = {}
         for rank, desc in enumerate(described):
             if desc is not None:
                 reporters.setdefault(ranks[rank].model_parallel_key, rank)
-        return {"entries": entries, "files": files, "state_reporters": reporters}
+        return WholeParamLayout(entries, files, reporters)
 
-    def collect(self, child: Child, view: RankView, plan: dict, keys: tuple[str, ...]) -> Collected:
+    def collect(self, child: Child, view: RankView, plan: WholeParamLayout, keys: tuple[str, ...]) -> Collected:
         opt, coords = child.optimizer, view.coords
         mine = file_name(child.index, coords)
         tensors: dict[str, torch.Tensor] = {}
@@ -243,13 +242,13 @@ class WholeParameterFamily:
                     f"optimizer child {child.index}: {entry} has no {missing} (has {_tensor_keys(state)}); "
                     "the child stepped elsewhere, this parameter never did"
                 )
-            if plan["entries"][entry]["file"] != mine:
+            if plan.entries[entry].file != mine:
                 continue
             tensors[f"{name}.{MASTER_KEY}"] = main.detach().to("cpu", copy=True)
             for key in _tensor_keys(state):
                 tensors[f"{name}.{key}"] = state[key].detach().to("cpu", copy=True)
         collected = Collected(tensors)
-        if plan["state_reporters"].get(coords.model_parallel_key) == view.rank:
+        if (plan.state_reporters or {}).get(coords.model_parallel_key) == view.rank:
             collected.state_key = f"{child.index}:{coords.model_parallel_key}"
             collected.state = {
                 "param_groups": [
@@ -278,7 +277,7 @@ class WholeParameterFamily:
                 )
 
     def exchange_for_save(
-        self, child: Child, view: RankView, plan: dict, collected: Collected
+        self, child: Child, view: RankView, plan: WholeParamLayout, collected: Collected
     ) -> dict[str, OptimizerFile]:
         if not collected.local:
             return {}
@@ -287,21 +286,21 @@ class WholeParameterFamily:
 
     # ------------------------------------------------------------------- load
 
-    def files_to_read(self, index: int, view: RankView, described: list, plan: dict) -> list[str]:
+    def files_to_read(self, index: int, view: RankView, described: list, plan: WholeParamLayout) -> list[str]:
         self._check_coverage(index, described, plan)
         files = set()
         for entry in described[view.rank].held.entries:
-            if entry not in plan["entries"]:
+            if entry not in plan.entries:
                 raise IncompatibleCheckpoint(f"optimizer child {index}: the checkpoint holds no state for {entry}")
-            files.add(plan["entries"][entry]["file"])
-        unbound = sorted(f for f in files if f not in plan["files"])
+            files.add(plan.entries[entry].file)
+        unbound = sorted(f for f in files if f not in plan.files)
         if unbound:
             raise ValueError(f"optimizer child {index}: the plan names no coordinate for {unbound[0]}")
         return sorted(files)
 
-    def _check_coverage(self, index: int, described: list, plan: dict) -> None:
+    def _check_coverage(self, index: int, described: list, plan: WholeParamLayout) -> None:
         held = {e for desc in described if desc is not None for e in desc.held.entries}
-        saved = set(plan["entries"])
+        saved = set(plan.entries)
         if held != saved:
             extra, missing = sorted(saved - held), sorted(held - saved)
             raise IncompatibleCheckpoint(
@@ -309,7 +308,9 @@ class WholeParameterFamily:
                 f"({extra[:3]}) or lacks some it does ({missing[:3]})"
             )
 
-    def preflight(self, child: Child, view: RankView, described: list, plan: dict, read: ReadContext) -> _Restore:
+    def preflight(
+        self, child: Child, view: RankView, described: list, plan: WholeParamLayout, read: ReadContext
+    ) -> _Restore:
         opt, coords = child.optimizer, view.coords
         state = read.states.get(f"{child.index}:{coords.model_parallel_key}")
         if state is None:
@@ -325,23 +326,23 @@ class WholeParameterFamily:
         for group, model_param, main, _ in param_states(opt):
             name = view.names[id(model_param)]
             entry = entry_name(coords, model_param, name)
-            saved = plan["entries"][entry]
-            if saved["group"] != group:
+            saved = plan.entries[entry]
+            if saved.group != group:
                 raise ValueError(
                     f"optimizer child {child.index}: {entry} is in param group {group}, the checkpoint has it in "
-                    f"group {saved['group']}"
+                    f"group {saved.group}"
                 )
-            if saved["file"] not in files:
-                binding = file_binding(child.index, plan["files"][saved["file"]])
-                files[saved["file"]] = _by_parameter(read.tensors(saved["file"], binding))
+            if saved.file not in files:
+                binding = file_binding(child.index, plan.files[saved.file])
+                files[saved.file] = _by_parameter(read.tensors(saved.file, binding))
             try:
-                found = dict(files[saved["file"]].get(name, {}))
+                found = dict(files[saved.file].get(name, {}))
                 restore.params.append((group, main, *_entry_tensors(found, name, main, read.keys)))
             except ValueError as exc:
-                raise ValueError(f"{saved['file']}: {exc}") from None
+                raise ValueError(f"{saved.file}: {exc}") from None
             source = read.adapter(model_param) if read.adapter is not None else None
             if source is not None:  # the saved adapter must be this master's cast (masters.py)
-                check_master(source, restore.params[-1][2], f"{saved['file']} (optimizer child {child.index})")
+                check_master(source, restore.params[-1][2], f"{saved.file} (optimizer child {child.index})")
         return restore
 
     # ------------------------------------------------------------------- resharding load
@@ -350,22 +351,20 @@ class WholeParameterFamily:
         """This rank's parameters at another layout, each assembled like an adapter weight from the
         saved blocks of its global tensor (`core.global_layout.plan_copies`); the files drawn from
         are read whole."""
-        index, entries = child.index, saved.layout
+        index, recorded = child.index, saved.layout
         sources: dict[str, list[_SavedEntry]] = {}
-        for entry, where in sorted(entries.get("entries", {}).items()):
+        for entry, where in sorted(recorded.entries.items()):
             shard, _, name = entry.partition(":")
             # the block its writer's own coordinate records (that file's layout stamp binds those), else
             # the first coordinate of its shard that describes it
-            own = "_".join(str(entries.get("files", {}).get(where.get("file"), "")).split("_")[:4])
+            own = "_".join(recorded.files.get(where.file, "").split("_")[:4])
             coordinate = (
                 own if layout.saved.get(own, {}).get(name) is not None else _coordinate_of(shard, name, layout.saved)
             )
             if coordinate is None:
                 raise ValueError(f"optimizer child {index}: the global layout has no block for {entry}")
             block = layout.saved[coordinate][name]
-            sources.setdefault(block.name, []).append(
-                _SavedEntry(where["file"], name, block, where["group"], coordinate)
-            )
+            sources.setdefault(block.name, []).append(_SavedEntry(where.file, name, block, where.group, coordinate))
         writers: dict[str, str] = {}
         params, used = [], set()
         # the copies this rank's own coordinate wrote first: at the saved layout it reads its own files
@@ -388,7 +387,7 @@ class WholeParameterFamily:
                         f"{source.block.name} in group {source.group}"
                     )
                 pieces.append((source, copy))
-                writers[source.file] = entries["files"][source.file]
+                writers[source.file] = recorded.files[source.file]
                 used.add(source.coordinate)
             params.append((group, name, main, tuple(pieces), model_param))
         if not used and mine is not None:  # no parameter here (a layer-wise child): its own coordinate's state
