@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from miles_lora_ckpt.core import bounded
 from miles_lora_ckpt.core.errors import GenerationDamaged, Problem
 from miles_lora_ckpt.core.family_kind import FamilyKind
 from miles_lora_ckpt.core.layout import MANIFEST
@@ -38,8 +39,10 @@ def layout_damaged(reason: str) -> GenerationDamaged:
     return GenerationDamaged("the generation", [Problem(MANIFEST, reason)])
 
 
-def _text(value, limit: int = 80) -> str:
-    return str(value)[:limit]
+def _text(value) -> str:
+    """A value read from the manifest, cut short for a message: a name to 120 characters (a
+    parameter's fits), anything else as `bounded.show` sketches it."""
+    return value[:120] if isinstance(value, str) else bounded.show(value)
 
 
 def _is_count(value) -> bool:
@@ -74,7 +77,7 @@ class SliceEntry:
         """From the manifest's JSON; `where` names it (`optimizer child 0 at <coordinate>: slice 1 of 2`)."""
         ok = isinstance(data, dict) and isinstance(data.get("file"), str) and isinstance(data.get("slice"), str)
         if not ok or not isinstance(data.get("bounds"), dict):
-            raise layout_damaged(f"{where} is listed as {_text(data, 200)}")
+            raise layout_damaged(f"{where} is listed as {_text(data)}")
         for buf, pairs in data["bounds"].items():
             if not isinstance(buf, str) or not isinstance(pairs, list) or not all(map(_is_pair, pairs)):
                 raise layout_damaged(
@@ -115,7 +118,7 @@ class DistributedLayout:
             )
             if not isinstance(key, str) or not ok:
                 raise layout_damaged(
-                    f"{where} at {_text(key)}: the bucket layout {_text(buffers, 120)} is not "
+                    f"{where} at {_text(key)}: the bucket layout {_text(buffers)} is not "
                     "{buffer: [unpadded numel per bucket]}"
                 )
         slices = None
@@ -136,7 +139,7 @@ class DistributedLayout:
                 for name, value in _mapping(named, f"{where}: positions at {_text(key)}").items():
                     if not (isinstance(value, list) and len(value) == 4 and all(_is_count(v) for v in value)):
                         raise layout_damaged(
-                            f"{where} at {key}: the position of {_text(name, 120)} is {_text(value)}, "
+                            f"{where} at {key}: the position of {_text(name)} is {_text(value)}, "
                             f"not {_POSITION_SHAPE}"
                         )
         return cls(numels, slices, positions)
@@ -184,12 +187,12 @@ class WholeParamLayout:
         for entry, saved in _mapping(data.get("entries"), f"{where}: entries").items():
             ok = isinstance(saved, dict) and isinstance(saved.get("file"), str) and type(saved.get("group")) is int
             if not ok:
-                raise layout_damaged(f"{where}: entry {_text(entry, 120)} is {_text(saved)}, not {{file, group}}")
+                raise layout_damaged(f"{where}: entry {_text(entry)} is {_text(saved)}, not {{file, group}}")
             entries[entry] = WholeParamEntry(saved["file"], saved["group"])
         files = _mapping(data.get("files"), f"{where}: files")
         wrong = [f for f, coordinate in files.items() if not isinstance(coordinate, str)]
         if wrong:
-            raise layout_damaged(f"{where}: file {_text(wrong[0], 120)} has no writer coordinate")
+            raise layout_damaged(f"{where}: file {_text(wrong[0])} has no writer coordinate")
         reporters = data.get("state_reporters")
         if reporters is not None:
             if not all(_is_count(rank) for rank in _mapping(reporters, f"{where}: state_reporters").values()):
