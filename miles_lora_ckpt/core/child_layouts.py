@@ -139,8 +139,7 @@ class DistributedLayout:
                 for name, value in _mapping(named, f"{where}: positions at {_text(key)}").items():
                     if not (isinstance(value, list) and len(value) == 4 and all(_is_count(v) for v in value)):
                         raise layout_damaged(
-                            f"{where} at {key}: the position of {_text(name)} is {_text(value)}, "
-                            f"not {_POSITION_SHAPE}"
+                            f"{where} at {key}: the position of {_text(name)} is {_text(value)}, not {_POSITION_SHAPE}"
                         )
         return cls(numels, slices, positions)
 
