@@ -20,7 +20,7 @@ from typing import Any
 from miles_lora_ckpt.core import settings
 from miles_lora_ckpt.core.errors import CheckpointError, MilesLoraCkptError, RankFailure
 
-__all__ = ["SLOT_BYTES", "Consensus", "Outcome", "attempt"]
+__all__ = ["SLOT_BYTES", "Consensus", "Outcome", "attempt", "settle"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,26 @@ class Outcome:
     def map(self, fn: Callable[[Any], Any]) -> Outcome:
         """The same outcome with `fn(value)` as value (e.g. the JSON-able part to agree on)."""
         return Outcome.success(fn(self.value)) if self.ok else self
+
+    def to_json(self) -> dict:
+        """The outcome as an agreement round carries it (`from_json` reads it back)."""
+        return {"ok": self.ok, "value": self.value, "error": self.error}
+
+    @staticmethod
+    def from_json(data: dict) -> Outcome:
+        """The outcome `to_json` wrote."""
+        return Outcome(ok=data["ok"], value=data["value"], error=data["error"])
+
+
+def settle(phase: str, outcomes: list[Outcome]) -> list[Any]:
+    """Every rank's value, by rank, from the `outcomes` a round carried (one per rank).
+
+    Raises `CheckpointError` for `phase` naming every rank that failed, as `Consensus.agree` does.
+    """
+    failures = [RankFailure(r, o.error) for r, o in enumerate(outcomes) if not o.ok]
+    if failures:
+        raise CheckpointError(phase, failures)
+    return [o.value for o in outcomes]
 
 
 def attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Outcome:
@@ -118,12 +138,8 @@ class Consensus:
 
         Raises `CheckpointError` on every rank if any rank failed, or if a peer died or timed out.
         """
-        mine = {"ok": outcome.ok, "value": outcome.value, "error": outcome.error}
-        everyone = self._all_gather_json(phase, mine)
-        failures = [RankFailure(r, o["error"]) for r, o in enumerate(everyone) if not o["ok"]]
-        if failures:
-            raise CheckpointError(phase, failures)
-        return [o["value"] for o in everyone]
+        everyone = self._all_gather_json(phase, outcome.to_json())
+        return settle(phase, [Outcome.from_json(o) for o in everyone])
 
     def agree_same(self, phase: str, outcome: Outcome) -> Any:
         """Like `agree`, but every rank's value must be identical; returns that value.

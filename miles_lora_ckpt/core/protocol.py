@@ -61,7 +61,7 @@ from miles_lora_ckpt.core import (
     safetensors_write,
     signing,
 )
-from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt
+from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt, settle
 from miles_lora_ckpt.core.errors import CheckpointError, CommittedButFailed, GenerationDamaged, RankFailure
 from miles_lora_ckpt.core.layout import (
     GENERATION_PREFIX,
@@ -667,7 +667,7 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
         else:
             planned = attempt(_plan_reads, candidate, files_for_rank, key)
         if guessed and str(candidate) == candidates[0]:
-            plans = _agreed_plans("resolve", [e["ahead"] for e in everyone])
+            plans = settle("resolve", [Outcome.from_json(e["ahead"]["plan"]) for e in everyone])
         else:
             plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
@@ -691,21 +691,12 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
 
 
 def _ahead_json(ahead: tuple[Path, Outcome] | None) -> dict | None:
-    """A look-ahead (`_look_ahead`) as the resolve round carries it: the generation guessed, and its
-    plan or the error planning it."""
+    """A look-ahead (`_look_ahead`) as the resolve round carries it: the generation guessed, and the
+    outcome of planning it, as a plan round would carry it."""
     if ahead is None:
         return None
     guess, planned = ahead
-    return {"guess": str(guess), "plan": planned.value[1] if planned.ok else None, "error": planned.error}
-
-
-def _agreed_plans(phase: str, aheads: list[dict]) -> list[dict]:
-    """Every rank's plan from the look-aheads the resolve round carried, by rank, as a plan round
-    would return them; raises that round's CheckpointError if any rank failed to plan."""
-    failures = [RankFailure(r, a["error"]) for r, a in enumerate(aheads) if a["error"] is not None]
-    if failures:
-        raise CheckpointError(phase, failures)
-    return [a["plan"] for a in aheads]
+    return {"guess": str(guess), "plan": planned.map(lambda p: p[1]).to_json()}
 
 
 def _look_ahead(path: Path, files_for_rank: FilesFn, key) -> tuple[Path, Outcome] | None:

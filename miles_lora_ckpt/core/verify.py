@@ -474,9 +474,8 @@ def scan_root(root: Path, *, content: bool = False) -> list[RootEntry]:
 def tracked_generation(root: Path) -> Path | None:
     """The generation directory `root`'s tracker names, or None (no usable tracker). A hint only:
     what a tracker says is never trusted, a loader reads the listing (`find_candidates`)."""
-    tracker, _ = _read_tracker(Path(root))
-    name = None if tracker is None else tracker.generation_dir
-    return Path(root) / name if isinstance(name, str) and parse_generation_dir_name(name) is not None else None
+    tracker, _ = _read_tracker(Path(root))  # a usable tracker names a generation directory (`Tracker`)
+    return None if tracker is None else Path(root) / tracker.generation_dir
 
 
 def _read_tracker(root: Path) -> tuple[Tracker | None, str | None]:
