@@ -698,7 +698,7 @@ def reshard_job(payload: dict, ctx) -> dict:
 
         real_positions = layout_rules._check_positions
         if case.get("without_position_rule"):  # the plan's own check, the structural rule switched off
-            layout_rules._check_positions = lambda manifest, blocks: None
+            layout_rules._check_positions = lambda manifest, blocks, layouts: None
         try:
             load(run, root, consensus, **case.get("load_kwargs", {}))
             error = None

@@ -68,9 +68,10 @@ def check(manifest: Manifest) -> None:
     in any format, the global layout in format v3. Raises GenerationDamaged naming the file and the
     first problem.
     """
-    check_slices(manifest)
+    layouts = saved_child_layouts(manifest)  # parsed once for both checks
+    check_slices(manifest, layouts)
     if has_layout(manifest):
-        saved_blocks(manifest)
+        saved_blocks(manifest, layouts)
 
 
 def saved_child_layouts(manifest: Manifest) -> dict[str, ChildLayout]:
@@ -93,15 +94,16 @@ def saved_child_layouts(manifest: Manifest) -> dict[str, ChildLayout]:
     return layouts
 
 
-def check_slices(manifest: Manifest) -> None:
-    """Check every child's layout (`saved_child_layouts`) and every DistributedOptimizer child's `slices`
-    (format v2 and later); GenerationDamaged.
+def check_slices(manifest: Manifest, layouts: dict[str, ChildLayout] | None = None) -> None:
+    """Check every child's layout (`saved_child_layouts`, or `layouts` already parsed from it) and
+    every DistributedOptimizer child's `slices` (format v2 and later); GenerationDamaged.
 
     Per coordinate, the files `optimizer/child{i}_{coordinate}_s{r:03d}of{n:03d}.safetensors` of
     ranks 0..n-1 are listed where they hold elements. Their bounds lie inside each bucket's
     `numel_unpadded` and tile it. Every load's `saved_pieces` requires this, so `verify` does too.
     """
-    for index, layout in saved_child_layouts(manifest).items():
+    layouts = saved_child_layouts(manifest) if layouts is None else layouts
+    for index, layout in layouts.items():
         if not isinstance(layout, DistributedLayout) or layout.slices is None:
             continue
         for key, entries in sorted(layout.slices.items()):
@@ -166,11 +168,14 @@ def slice_problem(index, key, entries: tuple[SliceEntry, ...] | None, current, l
     return None
 
 
-def saved_blocks(manifest: Manifest) -> dict[str, dict[str, Block | None]]:
+def saved_blocks(
+    manifest: Manifest, layouts: dict[str, ChildLayout] | None = None
+) -> dict[str, dict[str, Block | None]]:
     """`{coordinate: {parameter: Block or None}}` of the manifest's global layout.
 
     Every rule of the module docstring is checked, and the resharding loader plans from this.
-    Raises GenerationDamaged.
+    `layouts` are the children's layouts where already parsed (`saved_child_layouts`). Raises
+    GenerationDamaged.
     """
     layout = manifest.metadata.get("global_layout")
     if not isinstance(layout, dict) or not isinstance(layout.get("params"), dict):
@@ -188,7 +193,7 @@ def saved_blocks(manifest: Manifest) -> dict[str, dict[str, Block | None]]:
                 raise damaged(manifest, MANIFEST, str(exc)) from None
     _check_tiling(manifest, blocks)
     _check_adapter_files(manifest, layout.get("adapter_files", {}), blocks)
-    _check_positions(manifest, blocks)
+    _check_positions(manifest, blocks, saved_child_layouts(manifest) if layouts is None else layouts)
     return blocks
 
 
@@ -296,9 +301,9 @@ def _check_adapter_files(manifest: Manifest, files: Any, blocks: dict) -> None:
                 )
 
 
-def _check_positions(manifest: Manifest, blocks: dict) -> None:
+def _check_positions(manifest: Manifest, blocks: dict, layouts: dict[str, ChildLayout]) -> None:
     """Every DistributedOptimizer child's positions: inside their buckets, one parameter each."""
-    for index, layout in saved_child_layouts(manifest).items():
+    for index, layout in layouts.items():
         if not isinstance(layout, DistributedLayout) or layout.positions is None:
             continue
         for key, named in sorted(layout.positions.items()):
