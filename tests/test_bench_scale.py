@@ -39,7 +39,9 @@ def test_the_sweep_prints_one_sane_point_per_world_and_size(tmp_path, capsys, mo
         assert all(v > 0 for v in point["seconds"].values()), point
         assert point["save_over_raw"] > 0 and point["load_over_raw"] > 0, point
         assert point["consensus_save_s"] > 0 and point["consensus_load_s"] > 0, point
-        assert point["rounds_save"] >= 2 and point["rounds_load"] >= 2, point
+        # a save agrees prepare, write, commit and publish; a load where every rank reads its own
+        # file and guessed the newest generation agrees once, in the resolve round
+        assert point["rounds_save"] == 4 and point["rounds_load"] == 1, point
         # the load holds the verified state: its peak is at least most of the rank's bytes
         assert point["peak_load_bytes"] >= 0.5 * point["size_mib"] * 2**20, point
     manifest = {(p["world"], p["size_mib"]): p["manifest_bytes"] for p in points}

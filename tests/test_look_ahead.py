@@ -1,8 +1,9 @@
 """The load's look-ahead (`protocol._look_ahead`): each rank plans the generation its root's tracker
-names and hints the kernel at its bytes before the first agreement round, so the disk reads while
-the rounds run, and the resolve round carries those plans, so a load whose ranks all guessed the
-newest generation holds no plan round of its own. A plan is used only for the generation it was
-made for; a tracker that names another one, or none, changes nothing a load opens or reports."""
+names and reads its own files of it, verified, before the first agreement round, so the load waits
+on the disk once. The resolve round carries those plans and what the reads found, so a load whose
+ranks all guessed the newest generation holds no plan round, and no read round either where every
+listed byte was someone's to read. A look-ahead counts only for the generation it was made for; a
+tracker that names another one, or none, changes nothing a load opens or reports."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_corruption import ADAPTER, OPTIM, STATE, make_generation
+import torch
+from safetensors.torch import load_file
+from test_corruption import ADAPTER, OPTIM, OPTIM1, STATE, make_generation
 
-from miles_lora_ckpt.core import protocol, read_ahead
-from miles_lora_ckpt.core.consensus import Consensus
+from miles_lora_ckpt.core import protocol
+from miles_lora_ckpt.core.consensus import Consensus, Outcome
 from miles_lora_ckpt.core.errors import CheckpointError
 from miles_lora_ckpt.core.layout import TRACKER
 from miles_lora_ckpt.core.protocol import open_generation
@@ -31,8 +34,8 @@ class Recorder:
         return [f for f in self.files if f in manifest.files]
 
 
-class Hints(list):
-    """`(file name, agreement rounds before it)` of every `read_ahead.prefetch` since `reset()`."""
+class Reads(list):
+    """`(file name, agreement rounds before it)` of every verified whole-file read since `reset()`."""
 
     rounds = 0
 
@@ -42,51 +45,66 @@ class Hints(list):
 
 
 @pytest.fixture
-def hints(monkeypatch):
-    seen = Hints()
+def reads(monkeypatch):
+    seen = Reads()
     agree = Consensus.agree
+    check = protocol.check_file_content
 
     def counting(self, phase, outcome):
         seen.rounds += 1
         return agree(self, phase, outcome)
 
-    def prefetch(path, record, spans=None):
-        seen.append((Path(path).name, seen.rounds))
+    def recording(gen_dir, relpath, manifest, **kwargs):
+        seen.append((f"{Path(gen_dir).name}/{relpath}", seen.rounds))
+        return check(gen_dir, relpath, manifest, **kwargs)
 
     monkeypatch.setattr(Consensus, "agree", counting)
-    monkeypatch.setattr(read_ahead, "prefetch", prefetch)
+    monkeypatch.setattr(protocol, "check_file_content", recording)
     return seen
 
 
-def test_the_tracked_generation_is_hinted_before_any_round_and_planned_once(tmp_path, hints):
+def test_the_tracked_generation_is_read_before_any_round_and_planned_once(tmp_path, reads):
     make_generation(tmp_path, 1)
     newest = make_generation(tmp_path, 2)
     asked = Recorder()
-    hints.reset()
+    reads.reset()
     opened = open_generation(Consensus.single_process(), tmp_path, asked)
     assert opened.path == newest
     assert asked.asked == [2]  # the look-ahead's plan is the one used: files_for_rank ran once
-    before_rounds = sorted(name for name, rounds in hints if rounds == 0)
-    assert before_rounds == sorted(Path(f).name for f in (ADAPTER, OPTIM, STATE))
-    assert hints.rounds == 2  # resolve, carrying the plans, and read: no plan round of its own
+    assert sorted(name for name, rounds in reads if rounds == 0) == [f"{newest.name}/{f}" for f in sorted(asked.files)]
+    # the file nobody asked for is checked after the resolve round, in a read round of its own
+    assert [(name, rounds) for name, rounds in reads if rounds] == [(f"{newest.name}/{OPTIM1}", 1)]
+    assert reads.rounds == 2
 
 
-def test_a_stale_tracker_only_costs_a_plan(tmp_path, hints):
+def test_a_load_that_reads_every_listed_file_agrees_once(tmp_path, reads):
+    newest = make_generation(tmp_path, 1)
+    reads.reset()
+    opened = open_generation(Consensus.single_process(), tmp_path, Recorder((ADAPTER, OPTIM, OPTIM1, STATE)))
+    assert opened.path == newest and sorted(opened.files) == sorted((ADAPTER, OPTIM, OPTIM1, STATE))
+    assert all(rounds == 0 for _, rounds in reads) and len(reads) == 4
+    assert reads.rounds == 1  # resolve, carrying the plans and what the reads found: nothing else
+
+
+def test_a_stale_tracker_costs_a_plan_and_a_read(tmp_path, reads):
     older = make_generation(tmp_path, 1)
     tracker = json.loads((tmp_path / TRACKER).read_text())
     newest = make_generation(tmp_path, 2)
     (tmp_path / TRACKER).write_text(json.dumps(tracker))  # names generation 1 again
     asked = Recorder()
-    hints.reset()
+    reads.reset()
     opened = open_generation(Consensus.single_process(), tmp_path, asked)
     assert opened.path == newest  # the agreed listing decides, never the tracker
     assert asked.asked == [1, 2]  # the guess was planned, then the newest was planned again
-    assert hints.rounds == 3  # resolve, plan, read
+    assert {name.split("/")[0] for name, rounds in reads if rounds == 0} == {older.name}
+    assert {name.split("/")[0] for name, rounds in reads if rounds} == {newest.name}
+    assert torch.equal(opened.tensors(ADAPTER)["lora_A"], load_file(newest / ADAPTER)["lora_A"])
+    assert reads.rounds == 3  # resolve, plan, read
     assert any(older.name in w for w in opened.warnings)  # the tracker's disagreement is reported as ever
 
 
 @pytest.mark.parametrize("tracker", ["none", "not JSON", "not a generation's name", "not in the root"])
-def test_a_tracker_that_names_no_generation_here_changes_nothing(tmp_path, hints, tracker):
+def test_a_tracker_that_names_no_generation_here_changes_nothing(tmp_path, reads, tracker):
     gone = make_generation(tmp_path, 1)
     named = json.loads((tmp_path / TRACKER).read_text())
     newest = make_generation(tmp_path, 3)
@@ -102,19 +120,36 @@ def test_a_tracker_that_names_no_generation_here_changes_nothing(tmp_path, hints
     else:
         (tmp_path / TRACKER).write_text(text)
     asked = Recorder()
-    hints.reset()
+    reads.reset()
     opened = open_generation(Consensus.single_process(), tmp_path, asked)
     assert opened.path == newest and asked.asked == [3]
-    assert not any(rounds == 0 for _, rounds in hints)  # nothing guessed, nothing hinted early
+    assert reads and not any(rounds == 0 for _, rounds in reads)  # nothing guessed, nothing read early
+    assert reads.rounds == 3  # resolve, plan, read
 
 
-def test_a_generation_path_is_its_own_guess(tmp_path, hints):
+def test_a_generation_path_is_its_own_guess(tmp_path, reads):
     make_generation(tmp_path, 1)
     asked = Recorder()
     gen = make_generation(tmp_path, 2)
-    hints.reset()
+    reads.reset()
     assert open_generation(Consensus.single_process(), gen, asked).path == gen
-    assert asked.asked == [2] and any(rounds == 0 for _, rounds in hints)
+    assert asked.asked == [2] and any(rounds == 0 for _, rounds in reads)
+
+
+def test_damage_the_look_ahead_read_falls_back_on_the_resolve_round_s_word(tmp_path, reads):
+    """What the look-ahead's read found travels with the listing: the damaged newest generation is
+    skipped with a warning, and the older one is planned and read after it as ever."""
+    older = make_generation(tmp_path, 1)
+    newest = make_generation(tmp_path, 2)
+    target = newest / ADAPTER
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0x01
+    target.write_bytes(bytes(data))
+    reads.reset()
+    opened = open_generation(Consensus.single_process(), tmp_path, Recorder((ADAPTER, OPTIM, OPTIM1, STATE)))
+    assert opened.path == older
+    assert any(newest.name in w and ADAPTER in w for w in opened.warnings)
+    assert reads.rounds == 3  # resolve (the newest's verdict with it), then the older's plan and read
 
 
 def test_a_refusal_in_the_look_ahead_is_the_load_s_refusal(tmp_path):
@@ -132,7 +167,7 @@ def test_a_refusal_in_the_look_ahead_is_the_load_s_refusal(tmp_path):
     assert calls == [2]  # never the older generation, and the newest planned once
 
 
-def test_the_look_ahead_trusts_nothing_it_read(tmp_path, monkeypatch):
+def test_the_look_ahead_trusts_nothing_it_planned(tmp_path, monkeypatch):
     """A generation damaged after the look-ahead planned it is still skipped by the verified read."""
     older = make_generation(tmp_path, 1)
     newest = make_generation(tmp_path, 2)
@@ -157,7 +192,7 @@ def test_the_look_ahead_trusts_nothing_it_read(tmp_path, monkeypatch):
 
 def guesses(payload: dict, ctx) -> dict:
     """Rank job: three loads of one root, each with another rank-local look-ahead (see the test)."""
-    from protocol_generations import load_ranks, rank_file, save_ranks
+    from protocol_generations import load_ranks, rank_file, rank_tensors, save_ranks
 
     from miles_lora_ckpt.core import verify
     from miles_lora_ckpt.core.errors import IncompatibleCheckpoint
@@ -175,8 +210,14 @@ def guesses(payload: dict, ctx) -> dict:
 
     Consensus.agree = counting
     out = {}
-    # every rank guesses the newest generation: two rounds
+    # every rank guesses the newest generation: resolve, then the read round of the files nobody asked for
     out["all"] = (*load_ranks(consensus, root), rounds[0])
+    # every listed file is some rank's to read: the resolve round is the only one
+    rounds[0] = 0
+    claimed = [rank_file(ctx.rank), f"shards/second{ctx.rank:03d}.safetensors"] + ["meta/common.json"] * (ctx.rank == 0)
+    opened = protocol.open_generation(consensus, root, lambda manifest: claimed)
+    same = torch.equal(opened.tensors(rank_file(ctx.rank))["w"], rank_tensors(ctx.rank, 2)["w"])
+    out["every"] = (opened.manifest.iteration, same, sorted(opened.files) == sorted(claimed), rounds[0])
     # rank 1 finds no tracker: the plan round is held as before, and every rank loads the newest
     rounds[0] = 0
     tracked = protocol.tracked_generation
@@ -196,8 +237,34 @@ def guesses(payload: dict, ctx) -> dict:
         out["refused"] = None
     except CheckpointError as exc:
         out["refused"] = {"phase": exc.phase, "ranks": exc.failed_ranks, "text": str(exc)}
+
+    # rank 1 plans the newest generation from another manifest than its peers: every rank skips it
+    rounds[0] = 0
+    plan = protocol._plan_reads
+
+    def other_manifest(candidate, files_for_rank, key):
+        gen, planned = plan(candidate, files_for_rank, key)
+        if ctx.rank == 1 and gen.manifest.iteration == 2:
+            planned = {**planned, "manifest": "xxh3_128:" + "0" * 32}
+        return gen, planned
+
+    protocol._plan_reads = other_manifest
+    opened = protocol.open_generation(consensus, root, lambda manifest: [rank_file(ctx.rank)])
+    mismatch = [w for w in opened.warnings if "manifest.json: changed while the load read it" in w]
+    out["other_manifest"] = (opened.manifest.iteration, len(mismatch), rounds[0])
+    protocol._plan_reads = plan
+
+    # only rank 2's look-ahead finds its file of the newest generation damaged: every rank skips it
+    consensus.agree("sync", Outcome.success())
+    if ctx.rank == 0:
+        newest = verify.tracked_generation(root)
+        target = newest / rank_file(2)
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0x40
+        target.write_bytes(bytes(data))
+    consensus.agree("sync", Outcome.success())
+    out["damaged"] = load_ranks(consensus, root)
     Consensus.agree = agree
-    assert verify.tracked_generation(root) is not None
     return out
 
 
@@ -212,6 +279,9 @@ def test_ranks_that_guess_differently_or_refuse_agree(tmp_path):
     )
     for out in results:
         assert out["all"] == [2, True, 2]  # iteration 2, bit-exact, resolve + read
+        assert out["every"] == [2, True, True, 1]  # resolve only
+        assert out["other_manifest"] == [1, 1, 3]  # resolve (the mismatch), then the older's plan and read
         assert out["one_blind"] == [2, True, 3]  # resolve, plan, read
         refused = out["refused"]
         assert refused["phase"] == "resolve" and refused["ranks"] == [1] and "tp: 1 -> 2" in refused["text"]
+        assert out["damaged"] == [1, True]

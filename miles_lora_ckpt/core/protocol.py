@@ -25,14 +25,24 @@ Save, read top to bottom as phases::
 A failed attempt raises the same CheckpointError on every rank, and its staging directory is
 removed. One left by a killed process is never read; the next save removes it at prepare.
 
-Load: every rank first plans the generation the tracker names and hints the kernel at its bytes
-(a look-ahead: the disk reads during the rounds; nothing it read is trusted). The resolve round
-hands out the listing with those plans; where every rank guessed the newest candidate it needs no
-plan round of its own. Every rank checks each candidate generation's structure, newest first, and
-reads the files or element ranges (`PartialRead`) it needs, verified. Files and blocks nobody reads are checked
-round-robin, so some rank verifies every listed byte. All ranks agree on the verdict; a root skips
-a damaged generation with a warning. Nothing is mutated here: callers preflight before touching
-model or optimizer.
+Load, read top to bottom as phases::
+
+    look ahead  every rank plans the generation the tracker names and reads
+                its own files of it, verified (nothing is trusted yet)
+    resolve     coordinator lists the candidates in commit order; the round
+                hands out the listing with every rank's plan and what its read
+                found                                                       -> agree
+    plan        (when some rank guessed another generation) every rank checks
+                a candidate's structure and names the files it needs       -> agree
+    read        every rank reads its files or element ranges (`PartialRead`),
+                verified, and a round-robin share of the files and blocks
+                nobody reads, so some rank verifies every listed byte      -> agree
+                (not held where every rank guessed the newest candidate and
+                every listed byte is some rank's to read: the resolve round
+                carried every verdict)
+
+A root skips a damaged generation with a warning, and plans and reads the next. Nothing is mutated
+here: callers preflight before touching model or optimizer.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from miles_lora_ckpt.core import (
     signing,
 )
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt, settle
+from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.errors import CheckpointError, CommittedButFailed, GenerationDamaged, RankFailure
 from miles_lora_ckpt.core.layout import (
     GENERATION_PREFIX,
@@ -636,16 +647,17 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     a bug: it never falls back to older state.
     """
     rank, world = consensus.rank, consensus.world_size
-    # Look ahead: each rank plans the generation the root's tracker names and hints the kernel at
-    # its bytes, so the disk reads while the rounds below run. Nothing is trusted: the plan is used
-    # only where the agreed listing starts with that generation.
+    # Look ahead: each rank plans the generation the root's tracker names and reads its own files
+    # of it, verified, before the first round; so the load waits on the disk once, then agrees.
+    # Nothing is trusted: the plan and the read count only where the agreed listing starts with
+    # that generation.
     local = attempt(_resolve_locally, Path(path), rank == 0)
-    ahead = _look_ahead(Path(path), files_for_rank, local.value[0]) if local.ok else None
+    ahead = _look_ahead(Path(path), files_for_rank, local.value[0], rank) if local.ok else None
     # Resolve: every rank loads its signing key, and the coordinator lists the candidates in commit
     # order, tracker disagreements as warnings. One round checks every rank asks for the same thing
-    # (`first`) and nobody failed, hands out the listing, and carries each rank's look-ahead plan.
+    # (`first`) and nobody failed, hands out the listing, and carries each rank's look-ahead.
     mine = {"path": str(path), "listing": local.value[1] if local.ok else None, "error": local.error}
-    everyone = consensus.agree("resolve", Outcome.success({**mine, "ahead": _ahead_json(ahead)}))
+    everyone = consensus.agree("resolve", Outcome.success({**mine, "ahead": ahead and ahead.to_json()}))
     if len({entry["path"] for entry in everyone}) > 1:
         detail = [RankFailure(r, f"has {json.dumps(e['path'], sort_keys=True)}") for r, e in enumerate(everyone)]
         raise CheckpointError("resolve (ranks disagree)", detail)
@@ -656,30 +668,38 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     key = local.value[0]
     for warning in warnings:
         log.warning("%s: %s", path, warning)
-    # Where every rank guessed the newest candidate, the plans came with the listing: its plan
-    # round is the one just held.
+    # Where every rank guessed the newest candidate, its plan round is the one just held.
     guessed = bool(candidates) and all(e["ahead"] and e["ahead"]["guess"] == candidates[0] for e in everyone)
     damage: list[RankFailure] = []
     for candidate in map(Path, candidates):
+        early = guessed and str(candidate) == candidates[0]
+        # The look-ahead serves its own generation only. A guess not taken, and the read of a
+        # damaged candidate, let their buffers go before the next read.
+        here, ahead, own = (ahead if ahead is not None and ahead.guess == candidate else None), None, None
         # Plan: every rank checks the structure once and names the files it needs.
-        if ahead is not None and ahead[0] == candidate:
-            planned = ahead[1]
-        else:
-            planned = attempt(_plan_reads, candidate, files_for_rank, key)
-        if guessed and str(candidate) == candidates[0]:
+        planned = here.planned if here is not None else attempt(_plan_reads, candidate, files_for_rank, key)
+        if early:
             plans = settle("resolve", [Outcome.from_json(e["ahead"]["plan"]) for e in everyone])
         else:
             plans = consensus.agree("resolve", planned.map(lambda p: p[1]))
         problems = [RankFailure(r, p) for r, plan in enumerate(plans) for p in plan["problems"]]
+        problems = problems or _manifest_mismatch(candidate, plans)
         if not problems:
-            # Read: own files plus a share of the unclaimed ones, then agree on what was found.
-            # Damage found in a file is a verdict; any other error fails the load on every rank.
+            # Read: own files and ranges, then a round-robin share of what nobody reads. Damage
+            # found in a file is a verdict; any other error fails the load on every rank.
             manifest = planned.value[0].manifest
-            local_read = attempt(_read_share, rank, world, candidate, manifest, plans)
-            verdicts = consensus.agree("read", local_read.map(lambda read: read[2]))
+            shares = _shares(manifest, plans, world)
+            own = here.read if here is not None else attempt(_read_own, rank, candidate, manifest, plans[rank])
+            unread = any(files or blocks for files, blocks in shares)
+            if early and not unread:  # the look-ahead read everything: its verdicts came with the listing
+                verdicts = settle("read", [Outcome.from_json(e["ahead"]["read"]) for e in everyone])
+            else:
+                # The own read's verdict goes with the share's; a failed own read fails the round.
+                checked = attempt(_check_share, candidate, manifest, shares[rank], own.value[2]) if own.ok else own
+                verdicts = consensus.agree("read", checked)
             problems = [RankFailure(r, p) for r, v in enumerate(verdicts) for p in v]
             if not problems:
-                files, ranges, _ = local_read.value
+                files, ranges, _ = own.value
                 return OpenedGeneration(candidate, manifest, files, warnings, ranges)
         damage += problems
         if not is_root:
@@ -690,30 +710,41 @@ def open_generation(consensus: Consensus, path: str | os.PathLike, files_for_ran
     raise CheckpointError("verify", damage or [RankFailure(0, f"no intact generation under {path}")])
 
 
-def _ahead_json(ahead: tuple[Path, Outcome] | None) -> dict | None:
-    """A look-ahead (`_look_ahead`) as the resolve round carries it: the generation guessed, and the
-    outcome of planning it, as a plan round would carry it."""
-    if ahead is None:
-        return None
-    guess, planned = ahead
-    return {"guess": str(guess), "plan": planned.map(lambda p: p[1]).to_json()}
+@dataclass
+class _LookAhead:
+    """What one rank did before the first round: the generation it `guess`ed, its plan there
+    (`_plan_reads`' outcome) and, where the plan named no problem, its own files read (`_read_own`'s)."""
+
+    guess: Path
+    planned: Outcome
+    read: Outcome | None
+
+    def to_json(self) -> dict:
+        """As the resolve round carries it: the guess, and the plan and the read's verdict as the
+        plan and read rounds would carry them."""
+        return {
+            "guess": str(self.guess),
+            "plan": self.planned.map(lambda p: p[1]).to_json(),
+            "read": self.read and self.read.map(lambda r: r[2]).to_json(),
+        }
 
 
-def _look_ahead(path: Path, files_for_rank: FilesFn, key) -> tuple[Path, Outcome] | None:
-    """`(generation, its plan as an Outcome)` for the generation `path` is, or its save root's
-    tracker names, after hinting the kernel at this rank's bytes of it; None when it names none.
+def _look_ahead(path: Path, files_for_rank: FilesFn, key, rank: int) -> _LookAhead | None:
+    """The generation `path` is, or its save root's tracker names, planned and this rank's own
+    files of it read and verified; None when it names none.
 
-    The plan is `_plan_reads`' own, made early: `open_generation` uses it only for that generation.
+    The plan and the read are `_plan_reads`' and `_read_own`'s own, made early: `open_generation`
+    uses them only for that generation.
     """
     path = follow_generation_link(path)
     guess = path if parse_generation_dir_name(path.name) is not None else tracked_generation(path)
     if guess is None:
         return None
     planned = attempt(_plan_reads, guess, files_for_rank, key)
-    if planned.ok and not planned.value[1]["problems"]:
-        gen, plan = planned.value
-        _prefetch(guess, gen.manifest, plan["files"], plan["ranges"], {})
-    return guess, planned
+    if not planned.ok or planned.value[1]["problems"]:
+        return _LookAhead(guess, planned, None)
+    gen, plan = planned.value
+    return _LookAhead(guess, planned, attempt(_read_own, rank, guess, gen.manifest, plan))
 
 
 def _resolve_locally(path: Path, coordinator: bool):
@@ -732,7 +763,9 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
     """
     gen = check_structure(candidate, key=key)
     if not gen.intact:
-        return gen, {"files": [], "ranges": {}, "problems": [f"{candidate / p.file}: {p.reason}" for p in gen.problems]}
+        problems = [f"{candidate / p.file}: {p.reason}" for p in gen.problems]
+        return gen, {"files": [], "ranges": {}, "problems": problems, "manifest": None}
+    seal = digest_bytes(gen.manifest.sealed_body)  # what every rank's plan must share (`_manifest_mismatch`)
     try:
         wanted = files_for_rank(gen.manifest)
         whole = sorted({w for w in wanted if isinstance(w, str)})
@@ -752,7 +785,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
                 for item in items:
                     partial_reads.byte_range(index, tuple(item))  # raises for a range the file does not hold
     except DAMAGE as exc:  # what the manifest says is damaged; IncompatibleCheckpoint and bugs fail the load
-        return gen, {"files": [], "ranges": {}, "problems": _damage_lines(candidate, exc, MANIFEST)}
+        return gen, {"files": [], "ranges": {}, "problems": _damage_lines(candidate, exc, MANIFEST), "manifest": seal}
     missing = [
         f"{candidate / rel}: required by the loader but not in the manifest (torn or foreign generation)"
         for rel in sorted({*whole, *ranges})
@@ -765,50 +798,90 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
         for rel, items in ranges.items()
         if rel not in whole and any((rel, *item) not in kept for item in items)
     }
-    return gen, {"files": whole, "ranges": ranges, "deferred": deferred, "problems": missing}
+    return gen, {"files": whole, "ranges": ranges, "deferred": deferred, "problems": missing, "manifest": seal}
 
 
-def _read_share(rank: int, world: int, candidate: Path, manifest: Manifest, plans: list[dict]):
-    """Read this rank's files and ranges, and check its round-robin share of what nobody reads.
+def _manifest_mismatch(candidate: Path, plans: list[dict]) -> list[RankFailure]:
+    """A problem for each rank whose plan was made from another manifest than rank 0's.
 
-    That share is whole files nobody asked for, streamed, and unread blocks of partially read files.
+    Every rank reads the manifest itself; what each must check (`_shares`) and whether a read round
+    is held follow from it, so they must all have read the same bytes.
     """
-    faults.point("before-read", rank)
+    first = plans[0]["manifest"]
+    return [
+        RankFailure(
+            r, f"{candidate / MANIFEST}: changed while the load read it (digest {p['manifest']}, rank 0 read {first})"
+        )
+        for r, p in enumerate(plans)
+        if p["manifest"] != first
+    ]
+
+
+def _shares(manifest: Manifest, plans: list[dict], world: int) -> list[tuple[list[str], dict[str, list[int]]]]:
+    """Every rank's round-robin share of what nobody's plan reads, by rank: `(files, {file: blocks})`.
+
+    Those are whole files no plan names and the unread blocks of files read in part. Every rank
+    computes the same shares, from the agreed plans and the manifest they all read.
+    """
     whole = {rel for plan in plans for rel in plan["files"]}
     partial = sorted({rel for plan in plans for rel in plan["ranges"]} - whole)
     unclaimed = sorted(set(manifest.files) - whole - set(partial))
     leftover = [(rel, block) for rel in partial for block in _unread_blocks(manifest.files[rel].blocks, rel, plans)]
-    mine = plans[rank]
-    share: dict[str, list[int]] = {}
-    for rel, block in leftover[rank::world]:
-        share.setdefault(rel, []).append(block)
-    whole_here = list(mine["files"]) + unclaimed[rank::world]
-    _prefetch(candidate, manifest, whole_here, mine["ranges"], share)
+    shares = []
+    for rank in range(world):
+        blocks: dict[str, list[int]] = {}
+        for rel, block in leftover[rank::world]:
+            blocks.setdefault(rel, []).append(block)
+        shares.append((unclaimed[rank::world], blocks))
+    return shares
+
+
+def _read_own(rank: int, candidate: Path, manifest: Manifest, plan: dict):
+    """`(files, ranges, problems)`: this rank's files and ranges of `plan`, read and verified, and
+    the damage found in them, one line each."""
+    faults.point("before-read", rank)
+    # The first file's own reads start at once; the kernel reads ahead at the rest meanwhile.
+    in_part = {rel: items for rel, items in plan["ranges"].items() if rel not in plan["files"]}
+    _prefetch(candidate, manifest, plan["files"][1:], in_part, {})
     files, ranges, problems = {}, {}, []
-    for rel in whole_here:
+    for rel in plan["files"]:
         try:
-            files[rel] = check_file_content(candidate, rel, manifest, keep=rel in mine["files"])
+            files[rel] = check_file_content(candidate, rel, manifest)
         except DAMAGE as exc:  # damage of that file; anything else is a bug: it fails the load
             problems += _damage_lines(candidate, exc, rel)
-    for rel, items in sorted(mine["ranges"].items()):
+    for rel, items in sorted(plan["ranges"].items()):
         try:
             wanted = [tuple(item) for item in items]
             if rel in files:  # read whole (no block index, or also asked whole): cut the ranges from it
                 ranges[rel] = _cut(files[rel], wanted)
-            elif rel not in mine["files"]:  # every range of the file in one verified pass
-                later = {tuple(item) for item in mine.get("deferred", {}).get(rel, ())}
+            elif rel not in plan["files"]:  # every range of the file in one verified pass
+                later = {tuple(item) for item in plan.get("deferred", {}).get(rel, ())}
                 kept = [item for item in wanted if item not in later]
                 read = check_file_ranges(candidate, rel, manifest, kept, check_only=sorted(later))
                 # The deferred ones were verified and dropped: read and verified again later.
                 ranges[rel] = DeferredRanges(candidate, rel, manifest, read) if later else read
         except DAMAGE as exc:
             problems += _damage_lines(candidate, exc, rel)
-    for rel, blocks in sorted(share.items()):
+    return files, ranges, problems
+
+
+def _check_share(candidate: Path, manifest: Manifest, share, found: list[str]) -> list[str]:
+    """`found`, the damage found so far, and the damage in this rank's share (`_shares`) of what
+    nobody reads, one line each."""
+    whole, blocks = share
+    _prefetch(candidate, manifest, whole, {}, blocks)
+    problems = list(found)
+    for rel in whole:
         try:
-            partial_reads.check_blocks(candidate / rel, manifest.files[rel], blocks)
+            check_file_content(candidate, rel, manifest, keep=False)
         except DAMAGE as exc:
             problems += _damage_lines(candidate, exc, rel)
-    return {rel: files[rel] for rel in mine["files"] if rel in files}, ranges, problems
+    for rel, numbers in sorted(blocks.items()):
+        try:
+            partial_reads.check_blocks(candidate / rel, manifest.files[rel], numbers)
+        except DAMAGE as exc:
+            problems += _damage_lines(candidate, exc, rel)
+    return problems
 
 
 def _damage_lines(candidate: Path, exc: BaseException, rel: str) -> list[str]:
