@@ -332,7 +332,8 @@ class Manifest:
 
     `sequence` (format v2) is the generation's place in its root's commit order, set at prepare;
     format v1 has None. `signature` is the optional keyed seal (`signing`). `sealed_body` holds
-    the canonical bytes that the digest and signature cover.
+    the canonical bytes that the digest and signature cover, and `sealed_digest` that digest, as
+    read and checked (both empty on a manifest not read from bytes).
     """
 
     generation: str
@@ -346,6 +347,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     signature: dict | None = field(default=None, compare=False)
     sealed_body: bytes = field(default=b"", compare=False, repr=False)
+    sealed_digest: str = field(default="", compare=False, repr=False)
 
     def to_json_bytes(self, key: signing.SigningKey | None = None) -> bytes:
         """The sealed manifest: body, its self-digest and, with a key, its HMAC signature."""
@@ -408,7 +410,7 @@ class Manifest:
         values = {name: spec.read(body[name], f"manifest field {name}") for name, spec in known.items() if name in body}
         if signature is not None:
             signing.check_shape(signature)
-        return cls(**values, format_version=version, signature=signature, sealed_body=canonical)
+        return cls(**values, format_version=version, signature=signature, sealed_body=canonical, sealed_digest=claimed)
 
 
 def canonical_json(body: dict) -> bytes:

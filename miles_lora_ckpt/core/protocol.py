@@ -72,7 +72,6 @@ from miles_lora_ckpt.core import (
     signing,
 )
 from miles_lora_ckpt.core.consensus import Consensus, Outcome, attempt, settle
-from miles_lora_ckpt.core.digest import digest_bytes
 from miles_lora_ckpt.core.errors import CheckpointError, CommittedButFailed, GenerationDamaged, RankFailure
 from miles_lora_ckpt.core.layout import (
     GENERATION_PREFIX,
@@ -765,7 +764,7 @@ def _plan_reads(candidate: Path, files_for_rank: FilesFn, key) -> tuple[Generati
     if not gen.intact:
         problems = [f"{candidate / p.file}: {p.reason}" for p in gen.problems]
         return gen, {"files": [], "ranges": {}, "problems": problems, "manifest": None}
-    seal = digest_bytes(gen.manifest.sealed_body)  # what every rank's plan must share (`_manifest_mismatch`)
+    seal = gen.manifest.sealed_digest  # what every rank's plan must share (`_manifest_mismatch`)
     try:
         wanted = files_for_rank(gen.manifest)
         whole = sorted({w for w in wanted if isinstance(w, str)})
